@@ -1,0 +1,162 @@
+"""Address classification: which addresses are always refused, loopback, private or global.
+
+Checked on the target literal before anything else and on every resolved address, so a name (or an
+IPv6 spelling embedding an IPv4 address) cannot reach what the literal could not.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+
+from .hosts import IPAddress
+
+__all__ = ["AddressClass", "classify", "describe", "embedded_ipv4", "embedded_ipv4_candidates"]
+
+
+class AddressClass(enum.Enum):
+    FORBIDDEN = "forbidden"
+    LOOPBACK = "loopback"
+    PRIVATE = "private"
+    GLOBAL = "global"
+
+
+_V4_FORBIDDEN: tuple[tuple[IPv4Network, str], ...] = (
+    (IPv4Network("0.0.0.0/8"), "unspecified"),
+    (IPv4Network("169.254.169.254/32"), "cloud metadata"),
+    (IPv4Network("169.254.0.0/16"), "link-local"),
+    (IPv4Network("100.100.100.200/32"), "cloud metadata"),
+    (IPv4Network("168.63.129.16/32"), "cloud metadata"),
+    (IPv4Network("255.255.255.255/32"), "broadcast"),
+    (IPv4Network("224.0.0.0/4"), "multicast"),
+    (IPv4Network("240.0.0.0/4"), "reserved"),
+)
+_V4_LOOPBACK = IPv4Network("127.0.0.0/8")
+_V4_PRIVATE: tuple[IPv4Network, ...] = tuple(
+    IPv4Network(n)
+    for n in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "198.18.0.0/15",
+        "192.0.0.0/24",
+        "192.0.2.0/24",
+        "198.51.100.0/24",
+        "203.0.113.0/24",
+    )
+)
+
+_V6_FORBIDDEN: tuple[tuple[IPv6Network, str], ...] = (
+    (IPv6Network("::/128"), "unspecified"),
+    (IPv6Network("fd00:ec2::254/128"), "cloud metadata"),
+    (IPv6Network("fe80::/10"), "link-local"),
+    (IPv6Network("fec0::/10"), "site-local"),
+    (IPv6Network("ff00::/8"), "multicast"),
+)
+_V6_LOOPBACK = IPv6Address("::1")
+_V6_PRIVATE: tuple[IPv6Network, ...] = tuple(
+    IPv6Network(n)
+    for n in (
+        "fc00::/7",
+        "2001:db8::/32",
+        "64:ff9b:1::/48",
+        "100::/64",
+        "2001::/23",
+        "::ffff:0:0/96",
+        "::/96",
+    )
+)
+
+_NAT64 = IPv6Network("64:ff9b::/96")
+_NAT64_LOCAL = IPv6Network("64:ff9b:1::/48")
+_SIX_TO_FOUR = IPv6Network("2002::/16")
+_TEREDO = IPv6Network("2001::/32")
+
+
+def embedded_ipv4(ip: IPv6Address) -> IPv4Address | None:
+    """The IPv4 address an IPv6 address carries (mapped, compatible, NAT64, 6to4, Teredo client)."""
+    candidates = embedded_ipv4_candidates(ip)
+    return candidates[0] if candidates else None
+
+
+def embedded_ipv4_candidates(ip: IPv6Address) -> tuple[IPv4Address, ...]:
+    """Every IPv4 address a translator might extract; the first is the canonical one.
+
+    More than one candidate exists for Teredo (client and server) and for the local-use NAT64
+    prefix (whose prefix length is a site choice), so classification checks them all.
+    """
+    value = int(ip)
+    low32 = IPv4Address(value & 0xFFFFFFFF)
+    if ip.ipv4_mapped is not None:
+        return (ip.ipv4_mapped,)
+    if value >> 32 == 0:
+        return (low32,) if value > 1 else ()
+    if ip in _NAT64:
+        return (low32,)
+    if ip in _NAT64_LOCAL:
+        # The site picks the prefix length; the zero fill of the other layout is not a candidate.
+        raw = ip.packed
+        layouts = (IPv4Address(raw[6:8] + raw[9:11]), low32)
+        return tuple(v4 for v4 in layouts if int(v4)) or (layouts[0],)
+    if ip in _SIX_TO_FOUR:
+        return (IPv4Address(ip.packed[2:6]),)
+    if ip in _TEREDO:
+        client = IPv4Address((value & 0xFFFFFFFF) ^ 0xFFFFFFFF)
+        server = IPv4Address(ip.packed[4:8])
+        return (client, server)
+    return ()
+
+
+def _classify_v4(ip: IPv4Address) -> tuple[AddressClass, str]:
+    for network, why in _V4_FORBIDDEN:
+        if ip in network:
+            return AddressClass.FORBIDDEN, why
+    if ip in _V4_LOOPBACK:
+        return AddressClass.LOOPBACK, "loopback"
+    for network in _V4_PRIVATE:
+        if ip in network:
+            return AddressClass.PRIVATE, f"private ({network})"
+    if not ip.is_global:
+        return AddressClass.PRIVATE, "special-purpose (not global)"
+    return AddressClass.GLOBAL, "global"
+
+
+def _classify_v6(ip: IPv6Address) -> tuple[AddressClass, str]:
+    candidates = embedded_ipv4_candidates(ip)
+    worst: tuple[AddressClass, str] | None = None
+    for v4 in candidates:
+        klass, why = _classify_v4(v4)
+        if klass is AddressClass.FORBIDDEN:
+            return klass, f"embeds {v4} ({why})"
+        if klass is not AddressClass.GLOBAL and worst is None:
+            worst = (AddressClass.PRIVATE, f"embeds {v4} ({why})")
+    if worst is not None:
+        return worst
+    # Mapped/compatible forms ARE the IPv4 host: a global one is simply global.
+    if candidates and (ip.ipv4_mapped is not None or int(ip) >> 32 == 0):
+        return AddressClass.GLOBAL, "global"
+    for network, why in _V6_FORBIDDEN:
+        if ip in network:
+            return AddressClass.FORBIDDEN, why
+    if ip == _V6_LOOPBACK:
+        return AddressClass.LOOPBACK, "loopback"
+    for network in _V6_PRIVATE:
+        if ip in network:
+            return AddressClass.PRIVATE, f"private ({network})"
+    if not ip.is_global:
+        return AddressClass.PRIVATE, "special-purpose (not global)"
+    return AddressClass.GLOBAL, "global"
+
+
+def describe(ip: IPAddress) -> tuple[AddressClass, str]:
+    """Class plus a short human reason (for refusal details)."""
+    if isinstance(ip, ipaddress.IPv4Address):
+        return _classify_v4(ip)
+    return _classify_v6(ip)
+
+
+def classify(ip: IPAddress) -> AddressClass:
+    """Class of an address in any spelling; embedded IPv4 never yields LOOPBACK, only PRIVATE."""
+    return describe(ip)[0]

@@ -1,0 +1,494 @@
+"""THE decision: one pure function of (target, client, policy), plus the post-resolution filter.
+
+The proxy engine, SOCKS, the sandbox bridge, the SSH relay and ``egressd check`` all call
+``decide``; none has a decision of its own. The order of the steps is the contract in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from .addresses import AddressClass, classify, describe
+from .hosts import Host, IPAddress, Target, TargetError, canonical_ip, make_target, parse_target
+from .model import Policy, Profile
+from .paths import normalise_path, path_matches
+from .rules import HostRule, RuleSet
+
+__all__ = ["AddressVerdict", "Client", "Decision", "decide", "filter_addresses", "resolution_refusal"]
+
+LOCALHOST_ADDRESS = ipaddress.IPv4Address("127.0.0.1")
+
+
+@dataclass(frozen=True)
+class Client:
+    """Who is asking; ``profile`` names one of ``policy.profiles`` (it can only narrow)."""
+
+    profile: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer, with the stable reason code and the rule or setting that decided it."""
+
+    allowed: bool
+    reason: str
+    rule: str | None
+    target: Target | None
+    detail: str = ""
+    ask: bool = False
+    needs_resolution: bool = False
+    needs_inspection: bool = False
+    private_ok: bool = False
+    addresses: tuple[IPAddress, ...] = ()
+    profile: str | None = None
+    self_addresses: tuple[tuple[IPAddress, int], ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class AddressVerdict:
+    """What the filter did with one resolved address, and why (for audit and refusal details)."""
+
+    address: IPAddress
+    klass: AddressClass
+    kept: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class _Request:
+    """The canonical target plus what the rules need to know about its path and method."""
+
+    target: Target
+    loopback: bool
+    path: str | None  # normalised; None when unknown or unreadable
+    path_known: bool
+    method: str
+
+    @property
+    def host(self) -> Host:
+        return self.target.host
+
+    @property
+    def port(self) -> int:
+        return self.target.port
+
+
+@dataclass(frozen=True)
+class _Allow:
+    """An intermediate allow (or ask) awaiting the step-11 checks."""
+
+    reason: str
+    rule: str
+    detail: str
+    private_ok: bool = False
+    needs_inspection: bool = False
+    ask: bool = False
+
+
+def _as_ip(value: object) -> IPAddress:
+    if isinstance(value, ipaddress.IPv4Address | ipaddress.IPv6Address):
+        return canonical_ip(value)
+    return canonical_ip(ipaddress.ip_address(str(value)))
+
+
+def _canonical(target: Target | str) -> Target:
+    if isinstance(target, str):
+        return parse_target(target)
+    if not isinstance(target, Target) or not isinstance(target.host, Host):
+        raise TargetError(f"not a target: {target!r}")
+    return make_target(
+        target.host.text, target.port, scheme=target.scheme, path=target.path, method=target.method
+    )
+
+
+def _is_loopback_name(host: Host) -> bool:
+    return host.name is not None and (host.name == "localhost" or host.name.endswith(".localhost"))
+
+
+def _is_loopback(host: Host) -> bool:
+    if _is_loopback_name(host):
+        return True
+    return host.ip is not None and classify(host.ip) is AddressClass.LOOPBACK
+
+
+def _request(target: Target) -> _Request:
+    path = normalise_path(target.path) if target.path is not None else None
+    return _Request(
+        target=target,
+        loopback=_is_loopback(target.host),
+        path=path,
+        path_known=target.path is not None,
+        method=target.method or "GET",
+    )
+
+
+def _fmt(ip: IPAddress, port: int) -> str:
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _matching(rules: RuleSet, request: _Request) -> Iterator[HostRule]:
+    """Rules matching the target; ``localhost`` names also match rules for 127.0.0.1."""
+    yield from rules.matches(request.host, request.port)
+    if _is_loopback_name(request.host):
+        yield from rules.matches(Host(name=None, ip=LOCALHOST_ADDRESS), request.port)
+
+
+def _covers(rule: HostRule, request: _Request) -> bool | None:
+    """Does the rule cover this request? None when it depends on a path not yet known (CONNECT)."""
+    if not rule.restricted:
+        return True
+    if not request.path_known:
+        return None
+    if rule.methods and request.method not in rule.methods:
+        return False
+    if not rule.paths:
+        return True
+    return request.path is not None and any(path_matches(p, request.path) for p in rule.paths)
+
+
+def _admission(rules: Iterable[HostRule], request: _Request) -> tuple[HostRule | None, HostRule | None]:
+    """(first rule that admits, first rule that would admit once the path is known)."""
+    pending: HostRule | None = None
+    for rule in rules:
+        covered = _covers(rule, request)
+        if covered:
+            return rule, None
+        if covered is None and pending is None:
+            pending = rule
+    return None, pending
+
+
+def _refuse(request: _Request, reason: str, rule: str | None, detail: str, client: Client) -> Decision:
+    return Decision(
+        allowed=False, reason=reason, rule=rule, target=request.target, detail=detail, profile=client.profile
+    )
+
+
+def _self_match(
+    request: _Request, self_addresses: Sequence[tuple[IPAddress, int]]
+) -> tuple[IPAddress, int] | None:
+    host_ip = canonical_ip(request.host.ip) if request.host.ip is not None else None
+    for ip, port in self_addresses:
+        if port != request.port:
+            continue
+        if host_ip is not None and host_ip == ip:
+            return ip, port
+        if request.loopback and (ip.is_loopback or ip.is_unspecified):
+            return ip, port
+    return None
+
+
+def _profile_refusal(request: _Request, client: Client, policy: Policy) -> tuple[Decision | None, bool]:
+    """Step 11b: the client's profile may refuse (never admit). Returns (refusal, needs_inspection)."""
+    name = client.profile
+    if name is None:
+        return None, False
+    profile: Profile | None = policy.profiles.get(name)
+    if profile is None:
+        known = ", ".join(sorted(policy.profiles)) or "none"
+        detail = f"unknown profile {name!r} (profiles in {policy.source}: {known})."
+        return _refuse(request, "profile", f"profile {name}", detail, client), False
+    pending = False
+    for rule in _matching(profile.deny, request):
+        covered = _covers(rule, request)
+        if covered:
+            detail = (
+                f"{request.target.authority()} is denied by profile {name} rule {rule.describe()!r}."
+            )
+            return _refuse(request, "profile", f"profile {name}: deny {rule.text}", detail, client), False
+        pending = pending or covered is None
+    if profile.ports and not request.loopback and request.port not in profile.ports:
+        detail = f"port {request.port} is not in profile {name} ports {list(profile.ports)}."
+        return _refuse(
+            request, "profile", f"profile {name}: ports {list(profile.ports)}", detail, client
+        ), False
+    if profile.allow is not None:
+        admitted, waiting = _admission(_matching(profile.allow, request), request)
+        if admitted is None and waiting is None:
+            detail = f"{request.target.authority()} is not in the allowlist of profile {name}."
+            return _refuse(request, "profile", f"profile {name}: allow", detail, client), False
+        pending = pending or admitted is None
+    return None, pending
+
+
+def _finish(
+    request: _Request,
+    client: Client,
+    policy: Policy,
+    outcome: _Allow,
+    deny_pending: bool,
+    self_addresses: tuple[tuple[IPAddress, int], ...],
+) -> Decision:
+    """Step 11: ``ports`` (non-loopback) and the profile, then the final Decision."""
+    if not request.loopback and policy.ports and request.port not in policy.ports:
+        detail = f"port {request.port} is not in the allowed ports {list(policy.ports)}."
+        return _refuse(request, "port", f"ports: {list(policy.ports)}", detail, client)
+    refusal, profile_pending = _profile_refusal(request, client, policy)
+    if refusal is not None:
+        return refusal
+    host = request.host
+    if host.ip is not None:
+        addresses: tuple[IPAddress, ...] = (host.ip,)
+    elif _is_loopback_name(host):
+        addresses = (LOCALHOST_ADDRESS,)
+    else:
+        addresses = ()
+    needs_resolution = not addresses
+    return Decision(
+        allowed=not outcome.ask,
+        reason=outcome.reason,
+        rule=outcome.rule,
+        target=request.target,
+        detail=outcome.detail,
+        ask=outcome.ask,
+        needs_resolution=needs_resolution,
+        needs_inspection=outcome.needs_inspection or deny_pending or profile_pending,
+        private_ok=outcome.private_ok or bool(addresses),
+        addresses=addresses,
+        profile=client.profile,
+        self_addresses=self_addresses if needs_resolution else (),
+    )
+
+
+def _origin_matches(request: _Request, policy: Policy) -> str | None:
+    scheme = request.target.scheme
+    for origin in policy.private.origins:
+        if origin.host != request.host or origin.port != request.port:
+            continue
+        if origin.scheme == "http" and scheme == "http":
+            return str(origin)
+        if origin.scheme == "https" and scheme in ("https", "connect", "socks5", None):
+            return str(origin)
+    return None
+
+
+def _decide(
+    raw: Target | str, client: Client, policy: Policy, self_addresses: tuple[tuple[IPAddress, int], ...]
+) -> Decision:
+    # 1. Parse and canonicalise once.
+    try:
+        target = _canonical(raw)
+    except TargetError as exc:
+        return Decision(False, "invalid_target", None, None, detail=f"{exc}.", profile=client.profile)
+    request = _request(target)
+    where = target.authority()
+
+    # 2. egressd's own listening addresses.
+    own = _self_match(request, self_addresses)
+    if own is not None:
+        detail = f"{where} is egressd's own listening address; a child may not loop back into it."
+        return _refuse(request, "self", f"self {_fmt(*own)}", detail, client)
+
+    # 3. mode off.
+    if policy.mode == "off":
+        return _refuse(
+            request, "mode_off", "mode: off", "egress is switched off (mode: off).", client
+        )
+
+    # 4. Always-refused addresses, in any spelling.
+    if target.host.ip is not None:
+        klass, why = describe(target.host.ip)
+        if klass is AddressClass.FORBIDDEN:
+            detail = f"{target.host.text} is an always-refused address ({why}); no setting lifts this."
+            return _refuse(request, "forbidden_address", f"always refused: {why}", detail, client)
+
+    # 5. Deny rules (a path-restricted deny needs the path: the tunnel must then be inspected).
+    deny_pending = False
+    for rule in _matching(policy.deny, request):
+        covered = _covers(rule, request)
+        if covered:
+            detail = f"{where} matches deny rule {rule.describe()!r} in {policy.source}."
+            return _refuse(request, "denylist", f"deny: {rule.text}", detail, client)
+        deny_pending = deny_pending or covered is None
+
+    def finish(outcome: _Allow) -> Decision:
+        return _finish(request, client, policy, outcome, deny_pending, self_addresses)
+
+    # 6. Loopback literals: decided here, not subject to `ports`.
+    if request.loopback:
+        if not policy.loopback.allow:
+            detail = f"{where} is a loopback address and loopback.allow is false in {policy.source}."
+            return _refuse(request, "loopback_disabled", "loopback.allow: false", detail, client)
+        ports = policy.loopback.ports
+        if ports and request.port not in ports:
+            detail = f"loopback port {request.port} is not in loopback.ports {list(ports)}."
+            return _refuse(request, "loopback_port", f"loopback.ports: {list(ports)}", detail, client)
+        return finish(_Allow("loopback", "loopback.allow", f"{where} is loopback (loopback.allow)", True))
+
+    admitted, pending = _admission(_matching(policy.allow, request), request)
+
+    # 7. Built-in allowances: exact host, fixed path prefixes, methods.
+    builtins = [b for b in policy.builtin if b.host == target.host.text]
+    if builtins and not (admitted is not None and not admitted.restricted):
+        if not request.path_known:
+            if admitted is None:
+                detail = f"{where} is allowed for some paths only; the path is not visible without inspection"
+                return finish(
+                    _Allow("builtin", f"builtin: {target.host.text}", detail, needs_inspection=True)
+                )
+        else:
+            for allowance in builtins:
+                if request.method not in allowance.effective_methods or request.path is None:
+                    continue
+                for prefix in allowance.paths:
+                    if path_matches(prefix, request.path):
+                        methods = ",".join(allowance.effective_methods)
+                        rule = f"builtin: {target.host.text} {prefix} {methods}"
+                        return finish(_Allow("builtin", rule, f"{request.method} {request.path} on {where}"))
+            if admitted is None:
+                covered = "; ".join(f"{','.join(b.paths)} {','.join(b.effective_methods)}" for b in builtins)
+                detail = (
+                    f"{request.method} {target.path} on {where} is outside the built-in allowance "
+                    f"({covered})."
+                )
+                return _refuse(request, "builtin_path", f"builtin: {target.host.text}", detail, client)
+
+    # 8. Allow rules.
+    if admitted is not None:
+        return finish(
+            _Allow(
+                "allowlist",
+                f"allow: {admitted.text}",
+                f"{where} matches allow rule {admitted.describe()!r} in {policy.source}",
+                private_ok=admitted.kind in ("ip", "cidr"),
+            )
+        )
+    if pending is not None:
+        return finish(
+            _Allow(
+                "allowlist",
+                f"allow: {pending.text}",
+                f"{where} is allowed for {pending.describe()!r} only; the path needs inspection",
+                private_ok=pending.kind in ("ip", "cidr"),
+                needs_inspection=True,
+            )
+        )
+
+    # 9. Private exact origin.
+    origin = _origin_matches(request, policy)
+    if origin is not None:
+        detail = f"{where} is the private origin {origin}"
+        return finish(_Allow("private_origin", f"private.origins: {origin}", detail, private_ok=True))
+
+    # 10. By mode.
+    if policy.mode == "allow":
+        return finish(_Allow("mode_allow", "mode: allow", f"{where} is allowed by mode: allow"))
+    if policy.mode == "ask":
+        return finish(
+            _Allow("ask", "mode: ask", f"{where} is not in the allowlist: ask an approver", ask=True)
+        )
+    detail = f"{where} is not in the allowlist of {policy.source} (mode: enforce)."
+    return _refuse(request, "not_allowlisted", "mode: enforce", detail, client)
+
+
+def decide(
+    target: Target | str,
+    client: Client,
+    policy: Policy,
+    *,
+    self_addresses: Collection[tuple[IPAddress, int]] = (),
+) -> Decision:
+    """Decide one connection or request. Never raises: failures become ``internal_error`` refusals."""
+    try:
+        own = tuple((_as_ip(ip), int(port)) for ip, port in self_addresses)
+        return _decide(target, client if client is not None else Client(), policy, own)
+    except Exception as exc:  # the decision must always be an answer, and a refusal when unsure
+        return Decision(
+            allowed=False,
+            reason="internal_error",
+            rule=None,
+            target=target if isinstance(target, Target) else None,
+            detail=f"internal error while deciding: {type(exc).__name__}: {exc}",
+        )
+
+
+def _address_license(decision: Decision, policy: Policy, ip: IPAddress, port: int) -> str | None:
+    if policy.private.allow:
+        return "private.allow"
+    if decision.private_ok:
+        return decision.rule or "private_ok"
+    rule = policy.allow.match_address(ip, port)
+    return f"allow: {rule.text}" if rule is not None else None
+
+
+def _verdict(decision: Decision, policy: Policy, ip: IPAddress, port: int) -> tuple[AddressClass, bool, str]:
+    klass, why = describe(ip)
+    if klass is AddressClass.FORBIDDEN:
+        return klass, False, f"always refused ({why})"
+    rule = policy.deny.match_address(ip, port)
+    if rule is not None:
+        return klass, False, f"deny: {rule.text}"
+    profile = policy.profiles.get(decision.profile) if decision.profile is not None else None
+    if profile is not None:
+        rule = profile.deny.match_address(ip, port)
+        if rule is not None:
+            return klass, False, f"profile {profile.name}: deny {rule.text}"
+    if klass is AddressClass.GLOBAL:
+        return klass, True, "global"
+    license_ = _address_license(decision, policy, ip, port)
+    if license_ is None:
+        return klass, False, f"{why}: a name may not resolve to a {klass.value} address"
+    if klass is AddressClass.LOOPBACK:
+        canonical = canonical_ip(ip)
+        if any(
+            own_port == port and (own == canonical or own.is_unspecified or own.is_loopback)
+            for own, own_port in decision.self_addresses
+        ):
+            return klass, False, "egressd's own listening address"
+        if not policy.loopback.allow:
+            return klass, False, "loopback (loopback.allow is false)"
+        if policy.loopback.ports and port not in policy.loopback.ports:
+            return klass, False, f"loopback port not in loopback.ports {list(policy.loopback.ports)}"
+    return klass, True, f"{why} (allowed by {license_})"
+
+
+def filter_addresses(
+    decision: Decision, addresses: Sequence[IPAddress], policy: Policy, *, limit: int = 4
+) -> tuple[list[IPAddress], list[AddressVerdict]]:
+    """Keep only the resolved addresses this decision may connect to (at most ``limit``, in order)."""
+    kept: list[IPAddress] = []
+    verdicts: list[AddressVerdict] = []
+    seen: set[IPAddress] = set()
+    port = decision.target.port if decision.target is not None else 0
+    for address in addresses:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            continue
+        key = canonical_ip(ip)
+        if key in seen:
+            continue
+        seen.add(key)
+        if not decision.allowed or decision.target is None:
+            verdicts.append(AddressVerdict(ip, classify(ip), False, f"decision refused ({decision.reason})"))
+            continue
+        klass, keep, why = _verdict(decision, policy, ip, port)
+        if keep and len(kept) >= limit:
+            keep, why = False, f"over the limit of {limit} addresses"
+        if keep:
+            kept.append(ip)
+        verdicts.append(AddressVerdict(ip, klass, keep, why))
+    return kept, verdicts
+
+
+def resolution_refusal(decision: Decision, verdicts: Sequence[AddressVerdict]) -> Decision:
+    """The refusal when no resolved address survived the filter; lists every address and why."""
+    name = decision.target.host.text if decision.target is not None else "the target"
+    if verdicts:
+        listing = "; ".join(f"{v.address} ({v.klass.value}): {v.why}" for v in verdicts)
+        detail = f"{name} resolved only to addresses that may not be used: {listing}."
+    else:
+        detail = f"{name} resolved to no usable address."
+    return replace(
+        decision,
+        allowed=False,
+        reason="resolved_forbidden",
+        detail=detail,
+        ask=False,
+        needs_resolution=False,
+        needs_inspection=False,
+        private_ok=False,
+        addresses=(),
+    )

@@ -1,0 +1,471 @@
+"""Policy loading and validation: build a complete Policy or raise; never half-load.
+
+Every error names the file, the key path (``allow[2]``, ``profiles.ci.ports[0]``) and the bad entry,
+because a policy that is silently read differently from how it was written is worse than none.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import yaml
+
+from .hosts import Host, TargetError, canonical_host
+from .model import (
+    MODES,
+    BuiltinAllowance,
+    Credentials,
+    Limits,
+    LoopbackPolicy,
+    Mode,
+    Origin,
+    Policy,
+    PrivatePolicy,
+    Profile,
+    ResolverConfig,
+)
+from .paths import normalise_path
+from .rules import HostRule, RuleError, RuleSet, parse_rule
+
+__all__ = [
+    "PolicyError",
+    "apply_env_mode",
+    "builtin_policy_names",
+    "builtin_policy_path",
+    "load_policy",
+    "parse_nameserver",
+    "parse_policy",
+    "parse_rule_list",
+]
+
+_NO_ENTRY = object()
+_TOP_KEYS = (
+    "version",
+    "mode",
+    "allow",
+    "deny",
+    "loopback",
+    "private",
+    "builtin",
+    "inspect",
+    "ports",
+    "credentials",
+    "limits",
+    "resolver",
+    "profiles",
+    "websocket",
+)
+_HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_POLICY_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+_ORIGIN_PORTS = {"http": 80, "https": 443}
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be loaded; ``str()`` reads ``file: key: 'entry': message``."""
+
+    def __init__(self, file: str, key: str | None, entry: object = _NO_ENTRY, message: str = "") -> None:
+        self.file = file
+        self.key = key
+        self.has_entry = entry is not _NO_ENTRY
+        self.entry: object | None = entry if self.has_entry else None
+        self.message = message
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        parts = [self.file]
+        if self.key:
+            parts.append(self.key)
+        if self.has_entry:
+            parts.append(repr(self.entry))
+        parts.append(self.message)
+        return ": ".join(parts)
+
+    def __str__(self) -> str:
+        return self._text()
+
+
+class _Reader:
+    """Typed accessors that raise PolicyError with the full key path."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, key: str | None, message: str, entry: object = _NO_ENTRY) -> PolicyError:
+        return PolicyError(self.source, key, entry, message)
+
+    def mapping(self, value: object, key: str, allowed: Sequence[str]) -> dict[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise self.fail(key, f"must be a mapping, not {_type_name(value)}", value)
+        for name in value:
+            if not isinstance(name, str) or name not in allowed:
+                raise self.fail(_join(key, str(name)), f"unknown key (expected one of: {', '.join(allowed)})")
+        return dict(value)
+
+    def list(self, value: object, key: str) -> list[Any]:
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.fail(key, f"must be a list, not {_type_name(value)}", value)
+        return value
+
+    def bool(self, value: object, key: str, default: bool) -> bool:
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, not {_type_name(value)}", value)
+        return value
+
+    def port(self, value: object, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"port must be an integer, not {_type_name(value)}", value)
+        if not 1 <= value <= 65535:
+            raise self.fail(key, "port out of range 1-65535", value)
+        return value
+
+    def ports(self, value: object, key: str) -> tuple[int, ...]:
+        items = self.list(value, key)
+        return tuple(dict.fromkeys(self.port(item, f"{key}[{i}]") for i, item in enumerate(items)))
+
+    def positive(self, value: object, key: str, default: float) -> float:
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(key, f"must be a number, not {_type_name(value)}", value)
+        if not value > 0 or value != value or value == float("inf"):
+            raise self.fail(key, "must be a positive, finite number", value)
+        return value
+
+    def rules(self, value: object, key: str) -> RuleSet:
+        return RuleSet(parse_rule_list(self.list(value, key), self.source, key))
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _join(key: str | None, name: str) -> str:
+    return f"{key}.{name}" if key else name
+
+
+def parse_rule_list(entries: list[object], source: str, key: str) -> tuple[HostRule, ...]:
+    """Parse host rules, naming ``key[i]`` and the entry on error."""
+    out: list[HostRule] = []
+    for index, entry in enumerate(entries):
+        try:
+            out.append(parse_rule(cast(Any, entry)))
+        except RuleError as exc:
+            raise PolicyError(source, f"{key}[{index}]", entry, str(exc)) from None
+    return tuple(out)
+
+
+def parse_nameserver(entry: object, source: str, key: str) -> tuple[str, int]:
+    """``IP``, ``IP:PORT``, ``[v6]:PORT`` or bare IPv6 → (IP text, port); names are refused."""
+    if not isinstance(entry, str) or not entry:
+        raise PolicyError(source, key, entry, "nameserver must be a string 'IP' or 'IP:PORT'")
+    text, port = entry, 53
+    if entry.startswith("["):
+        end = entry.find("]")
+        rest = entry[end + 1 :] if end > 0 else "x"
+        if rest and not rest.startswith(":"):
+            raise PolicyError(source, key, entry, "expected [IPv6]:PORT")
+        text = entry[1:end]
+        if rest:
+            port = _nameserver_port(rest[1:], source, key, entry)
+    elif entry.count(":") == 1:
+        text, port_text = entry.split(":")
+        port = _nameserver_port(port_text, source, key, entry)
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        raise PolicyError(source, key, entry, "nameserver must be an IP address (not a name)") from None
+    return str(address), port
+
+
+def _nameserver_port(text: str, source: str, key: str, entry: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise PolicyError(source, key, entry, "port out of range 1-65535")
+    return int(text)
+
+
+def _parse_origin(entry: object, reader: _Reader, key: str) -> Origin:
+    if not isinstance(entry, str):
+        raise reader.fail(key, "origin must be a string like 'http://192.168.1.10:8080'", entry)
+    scheme, sep, rest = entry.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in _ORIGIN_PORTS:
+        raise reader.fail(key, "origin must start with http:// or https://", entry)
+    if rest.endswith("/"):
+        rest = rest[:-1]
+    if not rest or any(c in rest for c in "/?#@\\"):
+        raise reader.fail(key, "origin is scheme://host[:port] only (no path, query or credentials)", entry)
+    try:
+        rule = parse_rule(rest)
+    except RuleError as exc:
+        raise reader.fail(key, str(exc), entry) from None
+    if rule.kind not in ("name", "ip"):
+        raise reader.fail(key, "origin host must be one exact name or address", entry)
+    if rule.network is not None:
+        host = Host(name=None, ip=rule.network.network_address)
+    else:
+        host = Host(name=rule.name, ip=None)
+    return Origin(scheme=scheme, host=host, port=rule.port or _ORIGIN_PORTS[scheme])
+
+
+def _parse_builtin(entry: object, reader: _Reader, key: str) -> BuiltinAllowance:
+    if not isinstance(entry, Mapping):
+        raise reader.fail(key, "must be a mapping {host, paths, methods}", entry)
+    data = reader.mapping(entry, key, ("host", "paths", "methods"))
+    host_text = data.get("host")
+    if not isinstance(host_text, str):
+        raise reader.fail(_join(key, "host"), "must be a string naming one exact host", host_text)
+    try:
+        host = canonical_host(host_text)
+    except TargetError as exc:
+        raise reader.fail(_join(key, "host"), exc.reason, host_text) from None
+    paths = reader.list(data.get("paths"), _join(key, "paths"))
+    if not paths:
+        raise reader.fail(_join(key, "paths"), "a built-in allowance needs at least one path")
+    normalised: list[str] = []
+    for index, path in enumerate(paths):
+        path_key = f"{key}.paths[{index}]"
+        if not isinstance(path, str) or not path.startswith("/") or any(c in path for c in "*?#"):
+            raise reader.fail(path_key, "must be a fixed path starting with '/'", path)
+        normal = normalise_path(path)
+        if normal is None:
+            raise reader.fail(path_key, "not a valid path", path)
+        normalised.append(normal)
+    methods: list[str] = []
+    for index, method in enumerate(reader.list(data.get("methods"), _join(key, "methods"))):
+        if not isinstance(method, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", method):
+            raise reader.fail(f"{key}.methods[{index}]", "not a valid HTTP method", method)
+        methods.append(method.upper())
+    return BuiltinAllowance(
+        host=host.text, paths=tuple(dict.fromkeys(normalised)), methods=tuple(dict.fromkeys(methods))
+    )
+
+
+def _parse_profile(name: object, value: object, reader: _Reader) -> Profile:
+    key = f"profiles.{name}"
+    if not isinstance(name, str) or not _PROFILE_NAME.fullmatch(name):
+        raise reader.fail("profiles", "profile names are letters, digits, '.', '_', '-'", name)
+    data = reader.mapping(value, key, ("allow", "deny", "ports"))
+    allow = None if data.get("allow") is None else reader.rules(data["allow"], f"{key}.allow")
+    return Profile(
+        name=name,
+        allow=allow,
+        deny=reader.rules(data.get("deny"), f"{key}.deny"),
+        ports=reader.ports(data.get("ports"), f"{key}.ports"),
+    )
+
+
+def parse_policy(data: object, source: str) -> Policy:
+    """Validate a decoded policy document and build the Policy."""
+    reader = _Reader(source)
+    if not isinstance(data, Mapping):
+        raise reader.fail(None, f"a policy must be a mapping, not {_type_name(data)}")
+    top = reader.mapping(data, "", _TOP_KEYS)
+
+    version = top.get("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version != 1:
+        raise reader.fail("version", "unsupported version (expected 1)", version)
+    mode = top.get("mode", "enforce")
+    if mode not in MODES:
+        raise reader.fail("mode", f"must be one of {', '.join(MODES)}", mode)
+
+    loopback = reader.mapping(top.get("loopback"), "loopback", ("allow", "ports"))
+    private = reader.mapping(top.get("private"), "private", ("allow", "origins"))
+    credentials = reader.mapping(top.get("credentials"), "credentials", ("strip_on_host_change",))
+    limits = reader.mapping(
+        top.get("limits"), "limits", ("connect_timeout", "dns_timeout", "idle_timeout", "max_response_bytes")
+    )
+    resolver = reader.mapping(top.get("resolver"), "resolver", ("nameservers",))
+    profiles = top.get("profiles")
+    if profiles is not None and not isinstance(profiles, Mapping):
+        raise reader.fail("profiles", f"must be a mapping, not {_type_name(profiles)}", profiles)
+
+    origins = tuple(
+        _parse_origin(entry, reader, f"private.origins[{i}]")
+        for i, entry in enumerate(reader.list(private.get("origins"), "private.origins"))
+    )
+    builtin = tuple(
+        _parse_builtin(entry, reader, f"builtin[{i}]")
+        for i, entry in enumerate(reader.list(top.get("builtin"), "builtin"))
+    )
+    headers: list[str] = []
+    strip_key = "credentials.strip_on_host_change"
+    strip = credentials.get("strip_on_host_change", list(Credentials().strip_on_host_change))
+    for index, header in enumerate(reader.list(strip, strip_key)):
+        if not isinstance(header, str) or not _HEADER.fullmatch(header):
+            raise reader.fail(f"{strip_key}[{index}]", "not a valid header name", header)
+        headers.append(header.lower())
+    max_bytes = limits.get("max_response_bytes")
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
+    ):
+        raise reader.fail("limits.max_response_bytes", "must be a positive integer or null", max_bytes)
+    defaults = Limits()
+    nameservers = tuple(
+        parse_nameserver(entry, source, f"resolver.nameservers[{i}]")
+        for i, entry in enumerate(reader.list(resolver.get("nameservers"), "resolver.nameservers"))
+    )
+    return Policy(
+        version=1,
+        mode=cast(Mode, mode),
+        allow=reader.rules(top.get("allow"), "allow"),
+        deny=reader.rules(top.get("deny"), "deny"),
+        loopback=LoopbackPolicy(
+            allow=reader.bool(loopback.get("allow"), "loopback.allow", True),
+            ports=reader.ports(loopback.get("ports"), "loopback.ports"),
+        ),
+        private=PrivatePolicy(
+            allow=reader.bool(private.get("allow"), "private.allow", False), origins=origins
+        ),
+        builtin=builtin,
+        inspect=reader.rules(top.get("inspect"), "inspect"),
+        ports=reader.ports(top.get("ports"), "ports"),
+        credentials=Credentials(strip_on_host_change=tuple(dict.fromkeys(headers))),
+        limits=Limits(
+            connect_timeout=reader.positive(
+                limits.get("connect_timeout"), "limits.connect_timeout", defaults.connect_timeout
+            ),
+            dns_timeout=reader.positive(
+                limits.get("dns_timeout"), "limits.dns_timeout", defaults.dns_timeout
+            ),
+            idle_timeout=reader.positive(
+                limits.get("idle_timeout"), "limits.idle_timeout", defaults.idle_timeout
+            ),
+            max_response_bytes=max_bytes,
+        ),
+        resolver=ResolverConfig(nameservers=nameservers),
+        profiles={name: _parse_profile(name, value, reader) for name, value in (profiles or {}).items()},
+        websocket=reader.bool(top.get("websocket"), "websocket", True),
+        source=source,
+    )
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1 surprises (``off`` → False) and with duplicate keys refused."""
+
+
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    result: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in result:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        result[key] = loader.construct_object(value_node, deep=True)
+    return result
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _decode(text: str, source: str, as_json: bool) -> object:
+    if as_json:
+        try:
+            return json.loads(text, object_pairs_hook=_json_pairs, parse_constant=_reject_constant)
+        except ValueError as exc:
+            raise PolicyError(source, None, message=f"invalid JSON: {exc}") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise PolicyError(source, None, message=f"invalid YAML: {exc}") from None
+
+
+def load_policy(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Policy:
+    """Read, validate and build a policy file; ``env`` (if given) may override the mode."""
+    source = os.fspath(path)
+    try:
+        raw = Path(source).read_bytes()
+    except OSError as exc:
+        raise PolicyError(source, None, message=f"cannot read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise PolicyError(source, None, message="not UTF-8 text") from None
+    if not text.strip():
+        raise PolicyError(source, None, message="empty policy file")
+    data = _decode(text, source, source.lower().endswith(".json"))
+    if data is None:
+        raise PolicyError(source, None, message="empty policy file (no settings)")
+    if not isinstance(data, Mapping):
+        raise PolicyError(source, None, message=f"a policy must be a mapping, not {_type_name(data)}")
+    policy = parse_policy(data, source)
+    return apply_env_mode(policy, env) if env is not None else policy
+
+
+def apply_env_mode(policy: Policy, env: Mapping[str, str]) -> Policy:
+    """``EGRESSD_MODE`` overrides the file's mode; an empty value counts as unset."""
+    value = env.get("EGRESSD_MODE")
+    if value is None or value == "":
+        return policy
+    if value not in MODES:
+        raise PolicyError("EGRESSD_MODE", None, value, f"must be one of {', '.join(MODES)}")
+    return policy.with_overrides(mode=cast(Mode, value))
+
+
+def _policy_dirs() -> list[Path]:
+    package = Path(__file__).resolve().parent.parent
+    dirs = []
+    repo = package.parent
+    if (repo / "pyproject.toml").is_file() and (repo / "policies").is_dir():
+        dirs.append(repo / "policies")
+    dirs.append(package / "data" / "policies")
+    return dirs
+
+
+def builtin_policy_names() -> list[str]:
+    """Names of the shipped presets (default, npm, pypi, github, ...)."""
+    names: set[str] = set()
+    for directory in _policy_dirs():
+        if directory.is_dir():
+            names.update(p.stem for p in directory.glob("*.yaml"))
+    return sorted(names)
+
+
+def builtin_policy_path(name: str) -> Path:
+    """Path of preset ``name``: the repo's ``policies/`` first, else the installed package data."""
+    if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):
+        raise PolicyError(str(name), None, message="not a built-in policy name")
+    for directory in _policy_dirs():
+        candidate = directory / f"{name}.yaml"
+        if candidate.is_file():
+            return candidate
+    available = ", ".join(builtin_policy_names()) or "none"
+    raise PolicyError(name, None, message=f"no built-in policy of that name (available: {available})")

@@ -1,0 +1,172 @@
+"""The policy as frozen data: built once by the loader, shared read-only by every decision."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Literal, get_args
+
+from .hosts import Host
+from .rules import RuleSet
+
+__all__ = [
+    "MODES",
+    "BuiltinAllowance",
+    "Credentials",
+    "Limits",
+    "LoopbackPolicy",
+    "Mode",
+    "Origin",
+    "Policy",
+    "PrivatePolicy",
+    "Profile",
+    "ResolverConfig",
+    "default_policy",
+]
+
+Mode = Literal["enforce", "ask", "allow", "off"]
+MODES: tuple[str, ...] = get_args(Mode)
+DEFAULT_BUILTIN_METHODS: tuple[str, ...] = ("GET", "HEAD")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """An exact origin exempted from the private-address filter (scheme, host, port)."""
+
+    scheme: str
+    host: Host
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.host.url_host()}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LoopbackPolicy:
+    allow: bool = True
+    ports: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrivatePolicy:
+    allow: bool = False
+    origins: tuple[Origin, ...] = ()
+
+
+@dataclass(frozen=True)
+class BuiltinAllowance:
+    """Fixed paths of one exact host; empty ``methods`` means GET and HEAD."""
+
+    host: str
+    paths: tuple[str, ...]
+    methods: tuple[str, ...] = ()
+
+    @property
+    def effective_methods(self) -> tuple[str, ...]:
+        return self.methods or DEFAULT_BUILTIN_METHODS
+
+
+@dataclass(frozen=True)
+class Credentials:
+    strip_on_host_change: tuple[str, ...] = ("authorization", "cookie", "proxy-authorization")
+
+
+@dataclass(frozen=True)
+class Limits:
+    connect_timeout: float = 10
+    dns_timeout: float = 5
+    idle_timeout: float = 3600
+    max_response_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class ResolverConfig:
+    """Nameservers as (IP text, port); empty means the system resolver configuration."""
+
+    nameservers: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A client profile: can only narrow the policy. ``allow=None`` means no extra allow restriction."""
+
+    name: str
+    allow: RuleSet | None = None
+    deny: RuleSet = field(default_factory=RuleSet)
+    ports: tuple[int, ...] = ()
+
+
+def _freeze_profiles(profiles: Mapping[str, Profile]) -> Mapping[str, Profile]:
+    return MappingProxyType(dict(profiles))
+
+
+@dataclass(frozen=True)
+class Policy:
+    version: int
+    mode: Mode
+    allow: RuleSet
+    deny: RuleSet
+    loopback: LoopbackPolicy
+    private: PrivatePolicy
+    builtin: tuple[BuiltinAllowance, ...]
+    inspect: RuleSet
+    ports: tuple[int, ...]
+    credentials: Credentials
+    limits: Limits
+    resolver: ResolverConfig
+    profiles: Mapping[str, Profile]
+    websocket: bool = True
+    source: str = field(default="<builtin>", compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.profiles, MappingProxyType):
+            object.__setattr__(self, "profiles", _freeze_profiles(self.profiles))
+
+    def __hash__(self) -> int:
+        return hash((self.version, self.mode, self.allow, self.deny, self.ports))
+
+    def with_overrides(
+        self,
+        *,
+        allow: Sequence[str] = (),
+        deny: Sequence[str] = (),
+        mode: Mode | None = None,
+        nameservers: Sequence[str] = (),
+    ) -> Policy:
+        """Policy plus command-line additions; a bad entry raises PolicyError naming the option."""
+        from .loader import PolicyError, parse_nameserver, parse_rule_list
+
+        extra_allow = parse_rule_list(list(allow), self.source, "--allow")
+        extra_deny = parse_rule_list(list(deny), self.source, "--deny")
+        if mode is not None and mode not in MODES:
+            raise PolicyError(self.source, "--mode", mode, f"must be one of {', '.join(MODES)}")
+        servers = tuple(
+            parse_nameserver(entry, self.source, f"--nameserver[{i}]") for i, entry in enumerate(nameservers)
+        )
+        return replace(
+            self,
+            allow=RuleSet(self.allow.rules + extra_allow) if extra_allow else self.allow,
+            deny=RuleSet(self.deny.rules + extra_deny) if extra_deny else self.deny,
+            mode=mode if mode is not None else self.mode,
+            resolver=ResolverConfig(servers) if servers else self.resolver,
+        )
+
+
+def default_policy() -> Policy:
+    """The policy of ``policies/default.yaml``, without reading a file."""
+    return Policy(
+        version=1,
+        mode="enforce",
+        allow=RuleSet(),
+        deny=RuleSet(),
+        loopback=LoopbackPolicy(),
+        private=PrivatePolicy(),
+        builtin=(),
+        inspect=RuleSet(),
+        ports=(),
+        credentials=Credentials(),
+        limits=Limits(),
+        resolver=ResolverConfig(),
+        profiles={},
+    )

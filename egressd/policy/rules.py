@@ -1,0 +1,290 @@
+"""Host rules (allow/deny/inspect entries) and an indexed RuleSet.
+
+Matching is by index, never by scanning every rule: a policy with thousands of entries costs the
+same per connection as one with three (walk the name's labels; one dict per CIDR prefix length).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network
+from typing import Literal
+
+from .hosts import Host, IPAddress, TargetError, canonical_host, canonical_ip
+from .paths import normalise_path
+
+__all__ = ["HostRule", "RuleError", "RuleSet", "parse_rule"]
+
+RuleKind = Literal["name", "wildcard", "ip", "cidr"]
+_METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+_DIGITS = re.compile(r"[0-9]+")
+
+
+class RuleError(ValueError):
+    """A host rule that cannot be read; the message says why."""
+
+
+@dataclass(frozen=True)
+class HostRule:
+    """One allow/deny/inspect entry, canonicalised; ``text`` is kept for "the rule that decided"."""
+
+    text: str
+    kind: RuleKind
+    name: str | None
+    network: IPv4Network | IPv6Network | None
+    port: int | None
+    paths: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
+
+    def matches(self, host: Host, port: int) -> bool:
+        """Reference semantics, one rule at a time (RuleSet uses indexes for the same answer)."""
+        if self.port is not None and self.port != port:
+            return False
+        if host.ip is not None:
+            return self.network is not None and canonical_ip(host.ip) in self.network
+        if host.name is None or self.name is None:
+            return False
+        if self.kind == "name":
+            return host.name == self.name or host.name.endswith("." + self.name)
+        if self.kind == "wildcard":
+            return host.name.endswith("." + self.name)
+        return False
+
+    @property
+    def restricted(self) -> bool:
+        """True when the rule admits only some paths or methods."""
+        return bool(self.paths or self.methods)
+
+    def describe(self) -> str:
+        """The rule as written plus its path/method restriction, for messages."""
+        extra = ""
+        if self.paths:
+            extra += " " + ",".join(self.paths)
+        if self.methods:
+            extra += " " + ",".join(self.methods)
+        return self.text + extra
+
+
+def _parse_port(text: str) -> int:
+    if not _DIGITS.fullmatch(text):
+        raise RuleError(f"invalid port {text!r}")
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise RuleError(f"port {port} out of range 1-65535")
+    return port
+
+
+def _network(text: str) -> IPv4Network | IPv6Network:
+    try:
+        network = ipaddress.ip_network(text, strict=True)
+    except ValueError as exc:
+        raise RuleError(f"not a valid CIDR ({exc})") from None
+    if isinstance(network, IPv6Network) and network.prefixlen >= 96:
+        mapped = canonical_ip(network.network_address)
+        if isinstance(mapped, ipaddress.IPv4Address) and network.network_address.ipv4_mapped is not None:
+            return IPv4Network(f"{mapped}/{network.prefixlen - 96}")
+    return network
+
+
+def _split_port(text: str) -> tuple[str, int | None]:
+    """Split a trailing ``:PORT`` off a non-bracketed, single-colon form."""
+    if text.count(":") == 1:
+        host, port = text.split(":")
+        return host, _parse_port(port)
+    return text, None
+
+
+def _parse_host_text(text: str) -> tuple[RuleKind, str | None, IPv4Network | IPv6Network | None, int | None]:
+    if not text:
+        raise RuleError("empty rule")
+    if any(c.isspace() for c in text):
+        raise RuleError("not a valid host (contains whitespace)")
+    port: int | None = None
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise RuleError("unbalanced brackets")
+        inner, rest = text[1:end], text[end + 1 :]
+        if rest:
+            if not rest.startswith(":"):
+                raise RuleError("unexpected text after ']'")
+            port = _parse_port(rest[1:])
+        if "/" in inner:
+            return "cidr", None, _network(inner), port
+        text = f"[{inner}]"
+    elif "/" in text:
+        address, _, length = text.partition("/")
+        if ":" in length:
+            length, _, port_text = length.partition(":")
+            port = _parse_port(port_text)
+        return "cidr", None, _network(f"{address}/{length}"), port
+    else:
+        text, port = _split_port(text)
+    wildcard = text.startswith("*.")
+    host_text = text[2:] if wildcard else text
+    if "*" in host_text:
+        raise RuleError("a wildcard is only allowed as a leading '*.' label")
+    try:
+        host = canonical_host(host_text)
+    except TargetError as exc:
+        raise RuleError(exc.reason) from None
+    if host.ip is not None:
+        if wildcard:
+            raise RuleError("a wildcard cannot apply to an IP address")
+        return "ip", None, ipaddress.ip_network(host.ip), port
+    return ("wildcard" if wildcard else "name"), host.name, None, port
+
+
+def _parse_paths(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise RuleError("paths must be a list of path prefixes")
+    out: list[str] = []
+    for item in value:
+        if not isinstance(item, str) or not item.startswith("/"):
+            raise RuleError(f"path {item!r} must be a string starting with '/'")
+        if "?" in item or "#" in item:
+            raise RuleError(f"path {item!r} must not contain a query or fragment")
+        normal = normalise_path(item)
+        if normal is None:
+            raise RuleError(f"path {item!r} is not a valid path")
+        out.append(normal)
+    return tuple(dict.fromkeys(out))
+
+
+def _parse_methods(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise RuleError("methods must be a list of HTTP methods")
+    out: list[str] = []
+    for item in value:
+        if not isinstance(item, str) or not _METHOD.fullmatch(item):
+            raise RuleError(f"method {item!r} is not a valid HTTP method")
+        out.append(item.upper())
+    return tuple(dict.fromkeys(out))
+
+
+def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
+    """Parse ``host[:port]``, ``*.suffix``, IP/CIDR[:port], ``[v6]:port`` or ``{host, paths, methods}``."""
+    if isinstance(entry, Mapping):
+        unknown = sorted(str(k) for k in entry if k not in ("host", "paths", "methods"))
+        if unknown:
+            raise RuleError(f"unknown key(s) {', '.join(unknown)} (expected host, paths, methods)")
+        host = entry.get("host")
+        if not isinstance(host, str):
+            raise RuleError("'host' must be a string")
+        kind, name, network, port = _parse_host_text(host)
+        return HostRule(
+            text=host,
+            kind=kind,
+            name=name,
+            network=network,
+            port=port,
+            paths=_parse_paths(entry.get("paths")),
+            methods=_parse_methods(entry.get("methods")),
+        )
+    if not isinstance(entry, str):
+        raise RuleError("a rule must be a string or a mapping with 'host'")
+    kind, name, network, port = _parse_host_text(entry)
+    return HostRule(text=entry, kind=kind, name=name, network=network, port=port)
+
+
+def _port_ok(rule: HostRule, port: int) -> bool:
+    return rule.port is None or rule.port == port
+
+
+def _by_specificity(rules: list[HostRule]) -> list[HostRule]:
+    """At one index slot, port-specific rules come before any-port ones; order of writing otherwise."""
+    return sorted(rules, key=lambda r: r.port is None)
+
+
+class RuleSet:
+    """An immutable, indexed set of host rules."""
+
+    __slots__ = ("_names", "_networks", "_prefixes", "_wildcards", "rules")
+
+    def __init__(self, rules: Iterable[HostRule] = ()) -> None:
+        self.rules: tuple[HostRule, ...] = tuple(rules)
+        names: dict[str, list[HostRule]] = {}
+        wildcards: dict[str, list[HostRule]] = {}
+        networks: dict[tuple[int, int], dict[int, list[HostRule]]] = {}
+        for rule in self.rules:
+            if rule.kind == "name" and rule.name is not None:
+                names.setdefault(rule.name, []).append(rule)
+            elif rule.kind == "wildcard" and rule.name is not None:
+                wildcards.setdefault(rule.name, []).append(rule)
+            elif rule.network is not None:
+                key = (rule.network.version, rule.network.prefixlen)
+                slot = networks.setdefault(key, {})
+                slot.setdefault(int(rule.network.network_address), []).append(rule)
+        self._names = {k: _by_specificity(v) for k, v in names.items()}
+        self._wildcards = {k: _by_specificity(v) for k, v in wildcards.items()}
+        self._networks = {k: {a: _by_specificity(r) for a, r in v.items()} for k, v in networks.items()}
+        self._prefixes: dict[int, tuple[int, ...]] = {
+            version: tuple(sorted((p for v, p in networks if v == version), reverse=True))
+            for version in (4, 6)
+        }
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def __iter__(self) -> Iterator[HostRule]:
+        return iter(self.rules)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RuleSet) and other.rules == self.rules
+
+    def __hash__(self) -> int:
+        return hash(self.rules)
+
+    def __repr__(self) -> str:
+        return f"RuleSet({[r.text for r in self.rules]!r})"
+
+    def _address_matches(self, ip: IPAddress, port: int) -> Iterator[HostRule]:
+        ip = canonical_ip(ip)
+        value = int(ip)
+        bits = ip.max_prefixlen
+        for prefix in self._prefixes.get(ip.version, ()):
+            mask = ((1 << prefix) - 1) << (bits - prefix) if prefix else 0
+            for rule in self._networks[(ip.version, prefix)].get(value & mask, ()):
+                if _port_ok(rule, port):
+                    yield rule
+
+    def _name_matches(self, name: str, port: int) -> Iterator[HostRule]:
+        for rule in self._names.get(name, ()):
+            if _port_ok(rule, port):
+                yield rule
+        position = name.find(".")
+        while position >= 0:
+            suffix = name[position + 1 :]
+            for rule in self._names.get(suffix, ()):
+                if _port_ok(rule, port):
+                    yield rule
+            for rule in self._wildcards.get(suffix, ()):
+                if _port_ok(rule, port):
+                    yield rule
+            position = name.find(".", position + 1)
+
+    def matches(self, host: Host, port: int) -> Iterator[HostRule]:
+        """Every matching rule, most specific first (longest name suffix / longest prefix)."""
+        if host.ip is not None:
+            return self._address_matches(host.ip, port)
+        if host.name is None:
+            return iter(())
+        return self._name_matches(host.name, port)
+
+    def match(self, host: Host, port: int) -> HostRule | None:
+        """The most specific matching rule, or None."""
+        return next(self.matches(host, port), None)
+
+    def match_address(self, ip: IPAddress, port: int) -> HostRule | None:
+        """Most specific IP/CIDR rule for a resolved address (name rules never match addresses)."""
+        return next(self._address_matches(ip, port), None)
