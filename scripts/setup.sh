@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian machine (run as root) for egressd: system packages, the
+# Python 3.12 venv in .venv and an editable install with the test extras. Safe to re-run: it only
+# touches apt when a package is missing and pip only when pyproject.toml changed.
+set -euo pipefail
+
+cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.."
+REPO="$(pwd)"
+VENV="$REPO/.venv"
+
+# System packages: "package" or "package:command" (skip the package when the command already exists,
+# e.g. npm ships inside NodeSource's nodejs and Debian's npm package would conflict with it).
+APT_PACKAGES=(
+  curl
+  nodejs:node
+  npm:npm
+  git
+  iproute2:ip
+  ca-certificates
+)
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+missing=()
+for entry in "${APT_PACKAGES[@]}"; do
+  pkg="${entry%%:*}"
+  cmd=""
+  [[ "$entry" == *:* ]] && cmd="${entry#*:}"
+  if [[ -n "$cmd" ]] && command -v "$cmd" >/dev/null 2>&1; then
+    continue
+  fi
+  if dpkg -s "$pkg" 2>/dev/null | grep -q '^Status: install ok installed'; then
+    continue
+  fi
+  missing+=("$pkg")
+done
+
+if ((${#missing[@]})); then
+  if [[ "$(id -u)" != 0 ]]; then
+    log "missing system packages: ${missing[*]} (run this script as root to install them)"
+    exit 1
+  fi
+  log "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" </dev/null
+fi
+
+# Python 3.12 interpreter for the venv.
+venv_ok() {
+  [[ -x "$VENV/bin/python" ]] &&
+    "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null
+}
+
+make_venv() {
+  if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import venv' >/dev/null 2>&1; then
+    python3.12 -m venv "$VENV" && return 0
+  fi
+  if command -v pyenv >/dev/null 2>&1; then
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -V -r); do
+      PYENV_VERSION="$v" pyenv exec python3 -m venv "$VENV" && return 0
+    done
+  fi
+  for py in "$HOME"/.pyenv/versions/3.12*/bin/python3; do
+    [[ -x "$py" ]] && "$py" -m venv "$VENV" && return 0
+  done
+  return 1
+}
+
+if ! venv_ok; then
+  log "creating $VENV with Python 3.12"
+  rm -rf "$VENV"
+  if ! make_venv || ! venv_ok; then
+    log "ERROR: no Python 3.12 found (tried python3.12, pyenv 3.12.x, ~/.pyenv/versions/3.12*)."
+    log "Install Python 3.12 (e.g. 'pyenv install 3.12') and re-run."
+    exit 1
+  fi
+fi
+
+# Editable install with test extras, only when pyproject.toml changed since the last install.
+stamp="$VENV/.egressd-install-stamp"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
+  || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("egressd")' 2>/dev/null; then
+  log "installing egressd (editable, with test extras) into $VENV"
+  pip_log="$VENV/pip-install.log"
+  if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]' >"$pip_log" 2>&1; then
+    cat "$pip_log" >&2
+    log "ERROR: pip install failed (log: $pip_log)"
+    exit 1
+  fi
+  printf '%s\n' "$want" >"$stamp"
+fi
+log "ok ($("$VENV/bin/python" -V))"

@@ -1,0 +1,149 @@
+"""Session set-up for egressd's tests: an isolated network namespace plus shared fixtures.
+
+Why: integration tests run real clients through a real proxy to real servers. The whole pytest process
+first moves into a fresh network namespace (only ``lo``, with documentation-range addresses standing in
+for upstream hosts), so no test — even one exposing a bug that lets refused traffic through — can send
+a packet off this machine. Support code is imported as ``tests.support.*``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import trustme  # noqa: E402
+
+from tests.support import netns  # noqa: E402
+from tests.support.dns_server import DnsServer  # noqa: E402
+from tests.support.upstreams import (  # noqa: E402
+    EchoHTTPServer,
+    EchoHTTPSServer,
+    RefusingPort,
+    StallingPort,
+    TcpEchoServer,
+    make_ca,
+    write_ca_file,
+)
+from tests.support.upstreams import free_port as _free_port  # noqa: E402
+
+# Proxy settings from the caller's environment would point clients (curl, requests, urllib, node)
+# at a proxy that does not exist inside the namespace; tests set their own explicitly.
+_PROXY_VARS = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+    "FTP_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+    "ftp_proxy",
+)
+
+_NETNS_STATUS: dict[str, str] = {}
+
+UPSTREAM_TLS_NAMES = ["up.test", "other.test", "198.51.100.2"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Enter the isolated namespace before anything starts a thread; refuse to run outside it."""
+    config.addinivalue_line("markers", "slow: a slow test (deselect with -m 'not slow')")
+    if netns.in_test_netns():
+        return
+    try:
+        _NETNS_STATUS["status"] = netns.enter_test_netns()
+    except (netns.NetnsError, OSError) as exc:
+        raise pytest.UsageError(
+            f"integration tests need root or unprivileged user namespaces: {exc}. "
+            "Refusing to run outside an isolated network namespace."
+        ) from exc
+    for var in _PROXY_VARS:
+        os.environ.pop(var, None)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Show where the session runs, so a log proves the isolation."""
+    status = _NETNS_STATUS.get("status", "NOT isolated")
+    return [f"egressd test netns: {status}; links: {', '.join(netns.links())}"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Fixtures
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def dns() -> Iterator[DnsServer]:
+    """A started, empty DnsServer on 127.0.0.1 (UDP+TCP, same port); unknown names → NXDOMAIN."""
+    with DnsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def ca() -> trustme.CA:
+    """Session CA for the test upstreams' certificates."""
+    return make_ca()
+
+
+@pytest.fixture(scope="session")
+def ca_file(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PEM file with the session CA certificate only (for CURL_CA_BUNDLE, SSL_CERT_FILE, ...)."""
+    return write_ca_file(ca, tmp_path_factory.mktemp("ca") / "upstream-ca.pem")
+
+
+@pytest.fixture
+def upstream() -> Iterator[EchoHTTPServer]:
+    """Plain HTTP echo server on 198.51.100.1 (ephemeral port)."""
+    with EchoHTTPServer(netns.UPSTREAM_V4[0], name="upstream") as server:
+        yield server
+
+
+@pytest.fixture
+def upstream_tls(ca: trustme.CA) -> Iterator[EchoHTTPSServer]:
+    """HTTPS echo server on 198.51.100.2 with a certificate for up.test, other.test, 198.51.100.2."""
+    with EchoHTTPSServer(
+        netns.UPSTREAM_V4[1], name="upstream-tls", ca=ca, hostnames=UPSTREAM_TLS_NAMES
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def upstream_v6() -> Iterator[EchoHTTPServer]:
+    """Plain HTTP echo server on 2001:db8::1."""
+    with EchoHTTPServer(netns.UPSTREAM_V6[0], name="upstream-v6") as server:
+        yield server
+
+
+@pytest.fixture
+def tcp_echo() -> Iterator[TcpEchoServer]:
+    """Raw TCP echo server on 198.51.100.3."""
+    with TcpEchoServer(netns.UPSTREAM_V4[2]) as server:
+        yield server
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[RefusingPort]:
+    """A reserved port on 198.51.100.4 where connecting is refused (RST)."""
+    with RefusingPort(netns.UPSTREAM_V4[3]) as port:
+        yield port
+
+
+@pytest.fixture
+def stalling_port() -> Iterator[StallingPort]:
+    """A port on 198.51.100.5 where connecting hangs until the client's timeout."""
+    with StallingPort(netns.UPSTREAM_V4[4]) as port:
+        yield port
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port number free on 127.0.0.1 at the moment of asking."""
+    return _free_port("127.0.0.1")

@@ -1,0 +1,143 @@
+"""Move the test process into a fresh, isolated network namespace.
+
+Why: integration tests run a real proxy and real clients against real servers. Inside a new network
+namespace the only interface is ``lo``, so even a bug that lets refused traffic through cannot reach
+anything outside this process tree. Child processes (curl, node, egressd) inherit the namespace.
+
+Addressing findings (measured on Linux 6.x):
+
+* Adding ``198.51.100.1/24`` to ``lo`` installs a ``local 198.51.100.0/24`` route, exactly like
+  ``127.0.0.0/8``: every address of the /24 can be bound and connected to. So the IPv4 documentation
+  ranges are added as whole /24s.
+* IPv6 has no such behaviour for binding (a /64 on ``lo`` does not make its addresses bindable without
+  ``IP_FREEBIND``), so each IPv6 address is added as its own /128 with ``nodad`` (no duplicate address
+  detection delay, usable at once).
+* Connections from ``127.0.0.1`` to one of these addresses get the address of the matching ``lo``
+  route as source (e.g. ``198.51.100.1``), not ``127.0.0.1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+#: IPv4 "upstream hosts": 198.51.100.0/24 (TEST-NET-2) is local as a whole; these are the named ones.
+UPSTREAM_V4: list[str] = [f"198.51.100.{i}" for i in range(1, 21)]
+#: Alternative IPv4 hosts: 203.0.113.0/24 (TEST-NET-3) is local as a whole.
+ALT_V4: list[str] = [f"203.0.113.{i}" for i in range(1, 11)]
+#: More IPv4 hosts: 192.0.2.0/24 (TEST-NET-1) is local as a whole too.
+EXTRA_V4: list[str] = [f"192.0.2.{i}" for i in range(1, 11)]
+#: IPv6 "upstream hosts" (each a /128 on lo, nodad).
+UPSTREAM_V6: list[str] = [f"2001:db8::{i:x}" for i in range(1, 17)]
+
+#: Whole prefixes that are local inside the namespace.
+LOCAL_V4_NETWORKS: list[str] = ["198.51.100.0/24", "203.0.113.0/24", "192.0.2.0/24"]
+
+ENV_FLAG = "EGRESSD_TEST_NETNS"
+
+_state: dict[str, str] = {}
+_lock = threading.Lock()
+
+
+class NetnsError(RuntimeError):
+    """The isolated namespace could not be created or configured."""
+
+
+def _write(path: str, text: str) -> None:
+    Path(path).write_text(text)
+
+
+def _unshare() -> str:
+    """Enter a new network namespace (as root) or a user+network namespace (otherwise)."""
+    if not hasattr(os, "unshare"):
+        raise NetnsError("os.unshare is unavailable (needs Python >= 3.12 on Linux)")
+    if os.geteuid() == 0:
+        try:
+            os.unshare(os.CLONE_NEWNET)
+            return "root: new network namespace"
+        except OSError as exc:
+            root_error: OSError | None = exc
+    else:
+        root_error = None
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        os.unshare(os.CLONE_NEWUSER | os.CLONE_NEWNET)
+    except OSError as exc:
+        detail = f"unshare(CLONE_NEWUSER|CLONE_NEWNET): {exc}"
+        if root_error is not None:
+            detail = f"unshare(CLONE_NEWNET) as root: {root_error}; {detail}"
+        raise NetnsError(detail) from exc
+    with contextlib.suppress(OSError):  # kernels before 3.19 have no setgroups file
+        _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"0 {uid} 1")
+    _write("/proc/self/gid_map", f"0 {gid} 1")
+    return f"user namespace (uid {uid} mapped to 0) + new network namespace"
+
+
+def _ip_batch(commands: list[str]) -> None:
+    ip = shutil.which("ip") or next(
+        (p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip") if os.path.exists(p)), None
+    )
+    if ip is None:
+        raise NetnsError("the `ip` command (iproute2) is not installed")
+    proc = subprocess.run(
+        [ip, "-batch", "-"], input="\n".join(commands) + "\n", capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise NetnsError(f"ip -batch failed ({proc.returncode}): {proc.stderr.strip()}")
+
+
+def _configure_addresses() -> None:
+    """Bring lo up and add the documentation-range addresses used as upstream hosts."""
+    ipv6_off = Path("/proc/sys/net/ipv6/conf/lo/disable_ipv6")
+    if ipv6_off.exists() and ipv6_off.read_text().strip() != "0":
+        try:
+            ipv6_off.write_text("0")
+        except OSError as exc:
+            raise NetnsError(f"cannot enable IPv6 on lo: {exc}") from exc
+    cmds = ["link set lo up"]
+    for net in LOCAL_V4_NETWORKS:
+        first = net.replace(".0/24", ".1/24")
+        cmds.append(f"addr add {first} dev lo")
+    for addr in UPSTREAM_V6:
+        cmds.append(f"addr add {addr}/128 dev lo nodad")
+    _ip_batch(cmds)
+
+
+def in_test_netns() -> bool:
+    """True once this process has entered (and configured) the isolated namespace."""
+    return "description" in _state
+
+
+def enter_test_netns() -> str:
+    """Enter and configure the isolated namespace once per process; return a description.
+
+    Must run before any other thread starts: a network namespace is per thread, and unsharing only
+    moves the calling thread (and threads it starts later); a user namespace refuses multithreaded
+    callers outright.
+    """
+    with _lock:
+        if "description" in _state:
+            return _state["description"]
+        others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        if others:
+            raise NetnsError(f"other threads are already running ({', '.join(others)})")
+        how = _unshare()
+        _configure_addresses()
+        os.environ[ENV_FLAG] = "1"
+        desc = (
+            f"{how}; lo up with {', '.join(LOCAL_V4_NETWORKS)}, "
+            f"{UPSTREAM_V6[0]}..{UPSTREAM_V6[-1]} and ::1 (pid {os.getpid()})"
+        )
+        _state["description"] = desc
+        return desc
+
+
+def links() -> list[str]:
+    """Names of the network interfaces of the current namespace (not /sys, which shows the mounter's)."""
+    return sorted(name for _index, name in socket.if_nameindex())

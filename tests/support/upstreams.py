@@ -1,0 +1,506 @@
+"""Real upstream servers (HTTP, HTTPS, TCP echo, refusing and stalling ports) for integration tests.
+
+Why: egressd's decisions are only proven when real clients talk through it to real servers. Each
+server counts the TCP connections it accepted, so a test can assert that a refused target was never
+reached at all (not merely that the client got a 403).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import socketserver
+import ssl
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Self
+from urllib.parse import parse_qs, urlsplit
+
+import trustme
+
+log = logging.getLogger(__name__)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (racy by nature; fine inside the netns)."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def make_ca() -> trustme.CA:
+    """A fresh throw-away certificate authority for the test upstreams."""
+    return trustme.CA(organization_name="egressd tests")
+
+
+def write_ca_file(ca: trustme.CA, path: str | Path) -> Path:
+    """Write the CA certificate (PEM, no key) to ``path`` for CURL_CA_BUNDLE/SSL_CERT_FILE/etc."""
+    p = Path(path)
+    ca.cert_pem.write_to_path(str(p))
+    return p
+
+
+# ------------------------------------------------------------------------------------------------
+# HTTP / HTTPS
+# ------------------------------------------------------------------------------------------------
+class _Handler(BaseHTTPRequestHandler):
+    """Echo handler; see :class:`EchoHTTPServer` for the special paths."""
+
+    protocol_version = "HTTP/1.1"
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s: " + format, self.server.owner.name, *args)
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    break
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+            return b"".join(chunks)
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _handle(self) -> None:
+        owner = self.server.owner
+        body = self._read_body()
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        owner.requests.append(
+            {
+                "method": self.command,
+                "path": self.path,
+                "headers": headers,
+                "body": body,
+                "peer": tuple(self.client_address[:2]),
+            }
+        )
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        path = url.path
+        if path == "/redirect":
+            self._send(302, b"", extra={"Location": query.get("to", ["/"])[0]})
+        elif path == "/big":
+            self._big(int(query.get("n", ["1048576"])[0]))
+        elif path == "/slow":
+            time.sleep(float(query.get("s", ["1"])[0]))
+            self._json(200, headers)
+        elif path == "/headers-forged":
+            self._json(200, headers, extra={"X-Egressd-Reason": "forged", "Proxy-Status": "forged"})
+        elif path == "/sse":
+            self._sse(int(query["n"][0]) if "n" in query else None)
+        elif path.startswith("/status/") and path[8:].isdigit():
+            self._json(int(path[8:]), headers)
+        else:
+            self._json(200, headers)
+
+    def _send(
+        self,
+        status: int,
+        body: bytes,
+        ctype: str = "text/plain",
+        extra: dict[str, str] | None = None,
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, headers: dict[str, str], extra: dict[str, str] | None = None) -> None:
+        payload = {
+            "server": self.server.owner.name,
+            "method": self.command,
+            "path": self.path,
+            "headers": headers,
+        }
+        self._send(status, json.dumps(payload).encode(), "application/json", extra)
+
+    def _big(self, n: int) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(n))
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        block = b"x" * 65536
+        left = n
+        while left > 0:
+            chunk = block if left >= len(block) else block[:left]
+            self.wfile.write(chunk)
+            left -= len(chunk)
+
+    def _sse(self, count: int | None) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        i = 0
+        while count is None or i < count:
+            if self.server.owner.stopping.is_set():
+                return
+            try:
+                self.wfile.write(f'id: {i}\ndata: {{"n": {i}}}\n\n'.encode())
+                self.wfile.flush()
+            except OSError:
+                return  # client went away
+            i += 1
+            time.sleep(0.2)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _handle
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+    def __init__(self, owner: EchoHTTPServer, addr: tuple[str, int]) -> None:
+        self.owner = owner
+        self.address_family = _family(addr[0])
+        super().__init__(addr, _Handler)
+
+    def server_bind(self) -> None:
+        """Like HTTPServer.server_bind minus ``socket.getfqdn``: no reverse DNS via the system resolver."""
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name = str(host)
+        self.server_port = int(port)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, peer = super().get_request()
+        with self.owner.lock:
+            self.owner.connections += 1
+            self.owner.open_sockets.add(sock)
+        return sock, peer
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """Runs in the per-connection thread: do TLS here so a silent client blocks nobody else."""
+        raw = request
+        try:
+            if self.owner.ssl_context is not None:
+                try:
+                    request = self.owner.ssl_context.wrap_socket(request, server_side=True)
+                except (ssl.SSLError, OSError) as exc:
+                    with self.owner.lock:
+                        self.owner.tls_failures.append(repr(exc))
+                    return
+                with self.owner.lock:
+                    self.owner.tls_handshakes += 1
+                    self.owner.open_sockets.add(request)
+            super().finish_request(request, client_address)
+        finally:
+            with self.owner.lock:
+                self.owner.open_sockets.discard(raw)
+                self.owner.open_sockets.discard(request)
+            if request is not raw:  # the TLS socket owns the fd now; the base class only closes `raw`
+                with contextlib.suppress(OSError):
+                    request.close()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("%s: error with %s", self.owner.name, client_address, exc_info=True)
+
+
+class EchoHTTPServer:
+    """Plain HTTP/1.1 echo server in a background thread.
+
+    ``GET /anything`` → 200 JSON ``{"server", "method", "path", "headers"}``. Special paths:
+    ``/redirect?to=URL`` (302), ``/big?n=BYTES`` (streamed), ``/slow?s=SECONDS``, ``/headers-forged``
+    (carries ``X-Egressd-Reason: forged`` and ``Proxy-Status: forged``), ``/sse[?n=COUNT]``
+    (event-stream, an event every 0.2 s until the client closes), ``/status/NNN``.
+    """
+
+    scheme = "http"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, name: str = "upstream") -> None:
+        self.host = host
+        self.port = port
+        self.name = name
+        self.connections = 0
+        self.tls_handshakes = 0
+        self.tls_failures: list[str] = []
+        self.sni: list[str | None] = []
+        self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.open_sockets: set[socket.socket] = set()
+        self.ssl_context: ssl.SSLContext | None = None
+        self._server: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL by address, e.g. ``http://198.51.100.1:PORT`` or ``http://[2001:db8::1]:PORT``."""
+        return f"{self.scheme}://{_hostport(self.host, self.port)}"
+
+    def url_for(self, hostname: str, path: str = "") -> str:
+        """URL naming ``hostname`` instead of the address (the name must resolve to ``host``)."""
+        return f"{self.scheme}://{_hostport(hostname, self.port)}{path}"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def start(self) -> Self:
+        self.stopping.clear()
+        self._server = _HTTPServer(self, (self.host, self.port))
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"{self.name}-{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        with self.lock:
+            socks = list(self.open_sockets)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = None
+        self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EchoHTTPSServer(EchoHTTPServer):
+    """The echo server over TLS with a certificate from ``ca`` for ``hostnames`` (names and IPs).
+
+    Records the SNI of every handshake in ``sni`` and counts completed handshakes in ``tls_handshakes``
+    (``connections`` counts TCP accepts, so a refused TLS client still shows up there).
+    """
+
+    scheme = "https"
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "upstream-tls",
+        *,
+        ca: trustme.CA,
+        hostnames: list[str] | None = None,
+    ) -> None:
+        super().__init__(host, port, name)
+        self.ca = ca
+        self.hostnames = list(hostnames) if hostnames else [host]
+        cert = ca.issue_cert(*self.hostnames)
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(ctx)
+        ctx.set_alpn_protocols(["http/1.1"])
+
+        def on_sni(
+            _sock: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _ctx: ssl.SSLContext
+        ) -> None:
+            with self.lock:
+                self.sni.append(server_name)
+
+        ctx.sni_callback = on_sni
+        self.ssl_context = ctx
+
+
+# ------------------------------------------------------------------------------------------------
+# Raw TCP
+# ------------------------------------------------------------------------------------------------
+class _EchoTCPHandler(socketserver.BaseRequestHandler):
+    server: _TCPServer
+
+    def handle(self) -> None:
+        owner = self.server.owner
+        sock: socket.socket = self.request
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    return
+                with owner.lock:
+                    owner.received += len(data)
+                sock.sendall(data)
+        except OSError:
+            return
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+    def __init__(self, owner: TcpEchoServer, addr: tuple[str, int]) -> None:
+        self.owner = owner
+        self.address_family = _family(addr[0])
+        super().__init__(addr, _EchoTCPHandler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, peer = super().get_request()
+        with self.owner.lock:
+            self.owner.connections += 1
+            self.owner.peers.append(tuple(peer[:2]))
+            self.owner.open_sockets.add(sock)
+        return sock, peer
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.owner.lock:
+            self.owner.open_sockets.discard(request)
+        super().shutdown_request(request)
+
+
+class TcpEchoServer:
+    """Raw TCP echo server; counts accepted ``connections`` and ``received`` bytes, logs ``peers``."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, name: str = "tcp-echo") -> None:
+        self.host = host
+        self.port = port
+        self.name = name
+        self.connections = 0
+        self.received = 0
+        self.peers: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+        self.open_sockets: set[socket.socket] = set()
+        self._server: _TCPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def start(self) -> Self:
+        self._server = _TCPServer(self, (self.host, self.port))
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"{self.name}-{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        with self.lock:
+            socks = list(self.open_sockets)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = None
+        self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RefusingPort:
+    """A port on ``host`` that is bound but not listening: connecting gets ECONNREFUSED at once.
+
+    Binding (without ``listen``) reserves the number so nothing else takes it during the test.
+    """
+
+    connections = 0  # nothing can ever be accepted
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self._sock = socket.socket(_family(host), socket.SOCK_STREAM)
+        self._sock.bind((host, 0))
+        self.port = int(self._sock.getsockname()[1])
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    @property
+    def url(self) -> str:
+        return f"http://{_hostport(self.host, self.port)}"
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StallingPort:
+    """A port whose TCP handshake never completes: connecting times out (for connect_timeout tests).
+
+    How: a listener with backlog 0 whose accept queue is filled by one connection of our own and never
+    accepted; Linux then drops further SYNs silently. There is no other way inside a namespace without
+    netfilter or a dummy device (neither is available here).
+    """
+
+    connections = 0  # never accepts
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        fam = _family(host)
+        self._listener = socket.socket(fam, socket.SOCK_STREAM)
+        self._listener.bind((host, 0))
+        self._listener.listen(0)
+        self.port = int(self._listener.getsockname()[1])
+        self._fillers: list[socket.socket] = []
+        filler = socket.socket(fam, socket.SOCK_STREAM)
+        filler.settimeout(2)
+        filler.connect((host, self.port))
+        self._fillers.append(filler)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    @property
+    def url(self) -> str:
+        return f"http://{_hostport(self.host, self.port)}"
+
+    def close(self) -> None:
+        for s in self._fillers:
+            s.close()
+        self._listener.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
