@@ -1,0 +1,1 @@
+"""mitmproxy addons of egressd, installed as ``egressd.addons``; see the module docstrings."""

@@ -1,0 +1,367 @@
+"""mitmproxy addon: authenticate the child, decide every CONNECT, request and upstream connection.
+
+A thin adapter from mitmproxy hooks to the gatekeeper (egressd.engine.gate), which calls the one
+decision function. `server_connect` is the choke point: every upstream connection, whatever front end
+asked for it (CONNECT, plain HTTP, SOCKS5), is decided and pinned there, and the connect hook
+(egressd.engine.pinning) refuses any connection it did not pin.
+
+Loads in a stock `mitmdump -s addons/policy_gate.py` too (policy from EGRESSD_POLICY).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from mitmproxy import connection, http
+from mitmproxy.addonmanager import Loader
+from mitmproxy.proxy import server_hooks
+from mitmproxy.proxy.layers.modes import Socks5AuthData
+
+from egressd.engine.error_pages import refusal_response
+from egressd.engine.pinning import current_pin
+from egressd.engine.runtime import ConnState, Runtime, shared_runtime
+from egressd.policy import TargetError, canonical_host
+from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
+
+logger = logging.getLogger(__name__)
+
+# hop-by-hop headers (RFC 9110 7.6.1) and proxy headers never forwarded upstream
+_HOP_BY_HOP = ("proxy-authorization", "proxy-connection", "keep-alive", "te", "trailer", "proxy-authenticate")
+_REFUSED = "egressd_refused"
+
+
+def _peer(client: connection.Client) -> str:
+    host, port, *_ = client.peername or ("?", 0)
+    return f"{host}:{port}"
+
+
+class PolicyGate:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    # -- options -----------------------------------------------------------------------------
+    def load(self, loader: Loader) -> None:
+        from mitmproxy import ctx
+
+        # mitmproxy's SOCKS5 layer asks for user/password only when this option is set; egressd
+        # checks the credentials itself (socks5_auth below), so the option may not exist yet.
+        if "proxyauth" not in ctx.options:
+            loader.add_option("proxyauth", str | None, None, "egressd: SOCKS5 credentials required")
+
+    # -- connections -------------------------------------------------------------------------
+    def client_connected(self, client: connection.Client) -> None:
+        if self.rt.draining:
+            client.error = "egressd is shutting down"
+            return
+        self.rt.open_conn(client.id, _peer(client))
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        state = self.rt.close_conn(client.id)
+        if state is None or state.host is None or self.rt.audit is None:
+            return
+        import time
+
+        self.rt.audit.closed(
+            conn=state.conn_id,
+            client=state.client_name,
+            host=state.host,
+            port=state.port,
+            bytes_up=state.bytes_up,
+            bytes_down=state.bytes_down,
+            duration=round(time.monotonic() - state.started, 3),
+        )
+
+    def _state(self, client: connection.Client) -> ConnState:
+        state = self.rt.conn(client.id)
+        if state is None:  # a stock mitmdump may have loaded us after the client connected
+            state = self.rt.open_conn(client.id, _peer(client))
+        return state
+
+    # -- authentication ----------------------------------------------------------------------
+    def _authenticate(self, flow: http.HTTPFlow, state: ConnState) -> bool:
+        header = flow.request.headers.get("proxy-authorization")
+        if header is not None:
+            creds = self.rt.credentials.check_basic(header)
+            if creds is None:
+                return False
+            state.creds = creds
+            return True
+        return state.creds is not None or not self.rt.require_auth
+
+    def socks5_auth(self, data: Socks5AuthData) -> None:
+        creds = self.rt.credentials.check(data.username, data.password)
+        state = self._state(data.client_conn)
+        if creds is not None:
+            state.creds = creds
+            data.valid = True
+        elif not self.rt.require_auth:
+            data.valid = True
+
+    # -- CONNECT -----------------------------------------------------------------------------
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        state = self._state(flow.client_conn)
+        if not self._authenticate(flow, state):
+            self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
+            return
+        flow.request.headers.pop("proxy-authorization", None)
+        decision = self.rt.gate.decide(
+            flow.request.host, flow.request.port, state.profile, scheme="connect", method="CONNECT"
+        )
+        if decision.target is not None:
+            state.host, state.port = decision.target.host.text, decision.target.port
+        if not decision.allowed or decision.needs_inspection:
+            admission_refusal = _decision_refusal(decision)
+            self._audit_decision(state, flow, decision, admission_refusal)
+            self._refuse(flow, state, admission_refusal)
+            return
+        assert decision.target is not None
+        # every later step and the connection use the canonical spelling
+        flow.request.host = decision.target.host.text
+
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get(_REFUSED):
+            return
+        failure = parse_failure(flow.server_conn.error or "") or parse_failure(
+            flow.response.text if flow.response else ""
+        )
+        host, port = flow.request.host, flow.request.port
+        if failure is None:
+            refusal = Refusal("connect_error", flow.server_conn.error or "connection failed", host, port)
+        else:
+            refusal = _failure_refusal(failure, host, port, self._state(flow.client_conn), flow.server_conn)
+        flow.response = refusal_response(refusal)
+        flow.metadata[_REFUSED] = True
+
+    # -- plain HTTP --------------------------------------------------------------------------
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        state = self._state(flow.client_conn)
+        if not self._authenticate(flow, state):
+            self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
+            return
+        request = flow.request
+        decision = self.rt.gate.decide(
+            request.host,
+            request.port,
+            state.profile,
+            scheme=request.scheme,
+            method=request.method,
+            path=request.path,
+        )
+        if decision.target is not None:
+            state.host, state.port = decision.target.host.text, decision.target.port
+        refusal = None
+        if not decision.allowed or decision.needs_inspection:
+            refusal = _decision_refusal(decision)
+        elif (mismatch := _host_header_mismatch(request, decision.target)) is not None:
+            refusal = Refusal("host_mismatch", mismatch, decision.target.host.text, decision.target.port)
+        elif _is_upgrade(request) and not self.rt.policies.get().websocket:
+            refusal = Refusal(
+                "websocket",
+                "protocol upgrades (WebSocket) are off in this policy (websocket: false)",
+                decision.target.host.text,
+                decision.target.port,
+            )
+        self._audit_decision(state, flow, decision, refusal)
+        if refusal is not None:
+            self._refuse(flow, state, refusal)
+            return
+        assert decision.target is not None
+        request.host = decision.target.host.text
+        # the connection this request opens is admitted for its host; paths were checked just now
+        state.request_admitted.add((request.host, request.port))
+        _strip_hop_by_hop(request.headers, keep_upgrade=_is_upgrade(request))
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get(_REFUSED) or flow.response is None:
+            return
+        for name in EGRESSD_HEADERS:
+            flow.response.headers.pop(name, None)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        logger.debug("flow error: %s", flow.error)
+
+    # -- the choke point: every upstream connection --------------------------------------------
+    async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        current_pin.set(None)
+        state = self._state(data.client)
+        address = data.server.address
+        if address is None:
+            data.server.error = failure_message("invalid_target", "no destination")
+            return
+        host, port = address[0], address[1]
+        decision = self.rt.gate.decide(host, port, state.profile)
+        if decision.allowed and decision.needs_inspection and (host, port) in state.request_admitted:
+            decision = dataclasses.replace(decision, needs_inspection=False)
+        admission = await self.rt.gate.admit(decision)
+        if decision.target is not None:
+            state.host, state.port = decision.target.host.text, decision.target.port
+        if admission.pin is None:
+            assert admission.refusal is not None
+            self._audit_connection(state, admission, None)
+            data.server.error = failure_message(admission.refusal.reason, admission.refusal.detail)
+            state.admissions[data.server.id] = admission
+            return
+        # the connect hook compares the address it is asked for with the pin
+        data.server.address = (admission.pin.host, admission.pin.port)
+        state.admissions[data.server.id] = admission
+        current_pin.set(admission.pin)
+
+    def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        state = self._state(data.client)
+        admission = state.admissions.get(data.server.id)
+        if admission is not None:
+            self._audit_connection(state, admission, None)
+
+    def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
+        state = self._state(data.client)
+        admission = state.admissions.get(data.server.id)
+        if admission is not None and admission.pin is not None:
+            self._audit_connection(
+                state, admission, admission.pin.failure or ("connect_error", str(data.server.error))
+            )
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _refuse(self, flow: http.HTTPFlow, state: ConnState, refusal: Refusal) -> None:
+        flow.metadata[_REFUSED] = True
+        flow.request.stream = False  # a refused request is answered, never streamed upstream
+        flow.response = refusal_response(refusal)
+
+    def _audit_decision(
+        self, state: ConnState, flow: http.HTTPFlow, decision: Any, refusal: Refusal | None
+    ) -> None:
+        if self.rt.audit is None:
+            return
+        target = decision.target
+        self.rt.audit.decision(
+            conn=state.conn_id,
+            client=state.client_name,
+            profile=state.profile,
+            stage="request" if flow.request.method != "CONNECT" else "connect",
+            method=flow.request.method,
+            scheme=flow.request.scheme if flow.request.method != "CONNECT" else None,
+            host=target.host.text if target else flow.request.host,
+            port=target.port if target else flow.request.port,
+            path=flow.request.path if flow.request.method != "CONNECT" else None,
+            decision="deny" if refusal else "allow",
+            reason=refusal.reason if refusal else decision.reason,
+            rule=decision.rule,
+            detail=refusal.detail if refusal else decision.detail,
+            resolved=[],
+            connected=None,
+        )
+
+    def _audit_connection(self, state: ConnState, admission: Any, failure: tuple[str, str] | None) -> None:
+        if self.rt.audit is None:
+            return
+        decision = admission.decision
+        target = decision.target
+        pin = admission.pin
+        refusal = admission.refusal
+        allowed = pin is not None and failure is None
+        if refusal is not None:
+            reason, detail = refusal.reason, refusal.detail
+        elif failure is not None:
+            reason, detail = failure
+        else:
+            reason, detail = decision.reason, decision.detail
+        self.rt.audit.decision(
+            conn=state.conn_id,
+            client=state.client_name,
+            profile=state.profile,
+            stage="connection",
+            method=None,
+            scheme=None,
+            host=target.host.text if target else state.host,
+            port=target.port if target else state.port,
+            path=None,
+            decision="allow" if allowed else "deny",
+            reason=reason,
+            rule=decision.rule,
+            detail=detail,
+            resolved=[str(a) for a in admission.resolved],
+            connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
+        )
+
+
+def _decision_refusal(decision: Any) -> Refusal:
+    from egressd.engine.gate import refusal_for
+
+    if decision.allowed and decision.needs_inspection:
+        target = decision.target
+        return Refusal(
+            "needs_inspection",
+            "this host is admitted only for some paths or methods, which needs TLS inspection",
+            target.host.text if target else "",
+            target.port if target else None,
+            decision.rule,
+        )
+    return refusal_for(decision)
+
+
+def _failure_refusal(
+    failure: tuple[str, str], host: str, port: int, state: ConnState, server: connection.Server
+) -> Refusal:
+    reason, detail = failure
+    admission = state.admissions.get(server.id)
+    rule = admission.decision.rule if admission is not None else None
+    return Refusal(reason, detail, host, port, rule)
+
+
+def _host_header_mismatch(request: http.Request, target: Any) -> str | None:
+    """A Host header naming another host than the absolute-form target is refused."""
+    header = request.headers.get_all("host")
+    if not header:
+        return None
+    if len(header) > 1:
+        return "more than one Host header"
+    value = header[0].strip()
+    host_part, port_part = value, None
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0:
+            return f"malformed Host header {value!r}"
+        host_part, rest = value[: end + 1], value[end + 1 :]
+        if rest:
+            if not rest.startswith(":"):
+                return f"malformed Host header {value!r}"
+            port_part = rest[1:]
+    elif value.count(":") == 1:
+        host_part, port_part = value.split(":")
+    try:
+        host = canonical_host(host_part)
+    except (TargetError, ValueError):
+        return f"malformed Host header {value!r}"
+    if host != target.host:
+        return f"Host header names {host.text}, but the request is for {target.host.text}"
+    if port_part is not None and (not port_part.isdigit() or int(port_part) != target.port):
+        return f"Host header port {port_part!r} differs from the request's port {target.port}"
+    return None
+
+
+def _is_upgrade(request: http.Request) -> bool:
+    return "upgrade" in request.headers.get("connection", "").lower() and "upgrade" in request.headers
+
+
+def _strip_hop_by_hop(headers: http.Headers, *, keep_upgrade: bool) -> None:
+    listed = [t.strip().lower() for t in headers.get("connection", "").split(",") if t.strip()]
+    for name in _HOP_BY_HOP:
+        headers.pop(name, None)
+    for name in listed:
+        if name in ("close", "keep-alive") or (keep_upgrade and name == "upgrade"):
+            continue
+        headers.pop(name, None)
+
+
+_stock: list[Any] | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # `mitmdump -s addons/policy_gate.py` reads `addons`; build it only then, not on import.
+    global _stock
+    if name == "addons":
+        if _stock is None:
+            _stock = [PolicyGate(shared_runtime())]
+        return _stock
+    raise AttributeError(name)

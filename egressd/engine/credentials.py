@@ -1,0 +1,73 @@
+"""Per-child proxy credentials: a fresh random token for every child, checked in constant time."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import secrets
+import threading
+from dataclasses import dataclass
+
+DEFAULT_USERNAME = "egressd"
+
+
+@dataclass(frozen=True)
+class ProxyCredentials:
+    """What a child puts in its proxy URL; the username names its profile."""
+
+    username: str
+    token: str
+
+    @property
+    def profile(self) -> str | None:
+        return None if self.username == DEFAULT_USERNAME else self.username
+
+    def proxy_url(self, host: str, port: int, scheme: str = "http") -> str:
+        hostport = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return f"{scheme}://{self.username}:{self.token}@{hostport}"
+
+
+class CredentialStore:
+    """Tokens issued by this egressd; thread-safe because the CLI issues while the proxy checks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokens: dict[str, ProxyCredentials] = {}
+
+    def issue(self, profile: str | None = None) -> ProxyCredentials:
+        creds = ProxyCredentials(profile or DEFAULT_USERNAME, secrets.token_urlsafe(24))
+        with self._lock:
+            self._tokens[creds.token] = creds
+        return creds
+
+    def revoke(self, creds: ProxyCredentials) -> None:
+        with self._lock:
+            self._tokens.pop(creds.token, None)
+
+    def check(self, username: str, token: str) -> ProxyCredentials | None:
+        with self._lock:
+            candidates = list(self._tokens.values())
+        found = None
+        for creds in candidates:  # constant-time compare against every issued token
+            if hmac.compare_digest(creds.token.encode(), token.encode()) and hmac.compare_digest(
+                creds.username.encode(), username.encode()
+            ):
+                found = creds
+        return found
+
+    def check_basic(self, header_value: str | None) -> ProxyCredentials | None:
+        """Check a `Proxy-Authorization: Basic ...` value."""
+        if not header_value:
+            return None
+        scheme, _, encoded = header_value.strip().partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        username, sep, token = decoded.partition(":")
+        if not sep:
+            return None
+        return self.check(username, token)

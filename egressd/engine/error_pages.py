@@ -1,0 +1,48 @@
+"""Error responses mitmproxy generates itself (malformed request, failed upstream) in egressd's format.
+
+mitmproxy 12.3.1 renders those with `mitmproxy.proxy.layers.http._http1.make_error_response`; the
+replacement gives them the same Proxy-Status / X-Egressd-Reason headers and readable body as every
+other refusal, and turns egressd's failure markers (DNS, connect) into the right status code.
+"""
+
+from __future__ import annotations
+
+from mitmproxy import http
+from mitmproxy.net.http import http1
+
+from egressd.refusal import Refusal, parse_failure
+
+_STATUS_REASON = {
+    400: "bad_request",
+    413: "bad_request",
+    414: "bad_request",
+    431: "bad_request",
+    502: "connect_error",
+    504: "connect_timeout",
+}
+
+
+def refusal_from_error(status_code: int, message: str) -> tuple[int, Refusal]:
+    failure = parse_failure(message)
+    if failure is not None:
+        refusal = Refusal(failure[0], failure[1])
+        return refusal.status, refusal
+    reason = _STATUS_REASON.get(status_code, "bad_request" if 400 <= status_code < 500 else "connect_error")
+    return status_code, Refusal(reason, message)
+
+
+def refusal_response(refusal: Refusal, status: int | None = None) -> http.Response:
+    """The mitmproxy response for a refusal (HTTP/1.1, Connection: close)."""
+    headers = http.Headers([(k.encode(), v.encode()) for k, v in refusal.headers()])
+    return http.Response.make(status or refusal.status, refusal.body().encode(), headers)
+
+
+def make_error_response(status_code: int, message: str = "") -> bytes:
+    status, refusal = refusal_from_error(status_code, message)
+    return http1.assemble_response(refusal_response(refusal, status))
+
+
+def install() -> None:
+    import mitmproxy.proxy.layers.http._http1 as http1_layer
+
+    http1_layer.make_error_response = make_error_response  # type: ignore[assignment]

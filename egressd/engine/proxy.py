@@ -1,0 +1,195 @@
+"""mitmproxy embedded: a plain Master with the minimal addons, in its own thread and event loop.
+
+The CLI (exec, run), the sandbox and the SSH relay start one EgressProxy and hand children the
+credentials it issues; everything the children send is decided by the addons in `addons/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from egressd.engine import error_pages, pinning
+from egressd.engine.credentials import ProxyCredentials
+from egressd.engine.gate import PolicyHolder
+from egressd.engine.runtime import Runtime, set_shared_runtime
+from egressd.policy import Policy
+
+if TYPE_CHECKING:
+    from mitmproxy.master import Master
+
+    from egressd.audit import AuditLog
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT = 30.0
+
+
+class EngineError(RuntimeError):
+    """The proxy could not start (bad listen address, port in use, ...)."""
+
+
+class EgressProxy:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        listen: tuple[str, int] = ("127.0.0.1", 0),
+        socks: bool = True,
+        audit: AuditLog | None = None,
+        nameservers: Sequence[tuple[str, int]] = (),
+        require_auth: bool = True,
+    ) -> None:
+        if nameservers:
+            policy = policy.with_overrides(
+                nameservers=[f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in nameservers]
+            )
+        self.runtime = Runtime(PolicyHolder(policy), audit=audit, require_auth=require_auth)
+        self.listen = listen
+        self.socks = socks
+        self.http_address: tuple[str, int] = ("", 0)
+        self.socks_address: tuple[str, int] | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._master: Master | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    # -- policy and credentials ----------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        return self.runtime.policies.get()
+
+    def set_policy(self, policy: Policy) -> None:
+        self.runtime.policies.set(policy)
+        if self._loop is not None and self._master is not None:
+            master = self._master
+            timeout = policy.limits.idle_timeout
+            self._loop.call_soon_threadsafe(lambda: master.options.update(tcp_timeout=int(timeout)))
+
+    def issue_credentials(self, profile: str | None = None) -> ProxyCredentials:
+        return self.runtime.credentials.issue(profile)
+
+    def revoke(self, creds: ProxyCredentials) -> None:
+        self.runtime.credentials.revoke(creds)
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        pinning.install()
+        error_pages.install()
+        set_shared_runtime(self.runtime)
+        self._thread = threading.Thread(target=self._thread_main, name="egressd-proxy", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT):
+            raise EngineError("the proxy did not start in time")
+        if self._error is not None:
+            raise EngineError(str(self._error)) from self._error
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported to start() or logged
+            if not self._ready.is_set():
+                self._error = e
+                self._ready.set()
+            else:
+                logger.exception("proxy thread failed")
+
+    async def _main(self) -> None:
+        from mitmproxy import options
+        from mitmproxy.addons import core, proxyserver
+        from mitmproxy.master import Master
+
+        from egressd.addons.policy_gate import PolicyGate
+        from egressd.addons.tunnel_guard import TunnelGuard
+
+        self._loop = asyncio.get_running_loop()
+        opts = options.Options()
+        master = Master(opts, event_loop=self._loop)
+        server = proxyserver.Proxyserver()
+        master.addons.add(core.Core(), server, TunnelGuard(self.runtime), PolicyGate(self.runtime))
+        host, port = self.listen
+        modes = [f"regular@{_hostport(host, port or _free_port(host))}"]
+        if self.socks:
+            modes.append(f"socks5@{_hostport(host, _free_port(host))}")
+        policy = self.policy
+        opts.update(
+            mode=modes,
+            connection_strategy="eager",
+            tcp_timeout=int(policy.limits.idle_timeout),
+            stream_large_bodies="256k",
+            proxyauth="egressd",  # makes mitmproxy's SOCKS5 layer ask for user/password
+        )
+        self._master = master
+        run = asyncio.ensure_future(master.run())
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._ready.is_set():
+            if run.done():
+                run.result()
+                raise EngineError("the proxy stopped while starting")
+            instances = list(server.servers)
+            if instances and all(i.is_running for i in instances) and not server.servers.is_updating:
+                self._record_addresses(instances)
+                self._ready.set()
+                break
+            failed = [i for i in instances if i.last_exception is not None]
+            if failed:
+                master.shutdown()
+                await run
+                raise EngineError(f"cannot listen: {failed[0].last_exception}")
+            if time.monotonic() > deadline:
+                raise EngineError("the proxy did not start in time")
+            await asyncio.sleep(0.01)
+        await run
+
+    def _record_addresses(self, instances: list) -> None:
+        for instance in instances:
+            addr = instance.listen_addrs[0]
+            address = (addr[0], addr[1])
+            self.runtime.gate.add_self_address(address[0], address[1])
+            if instance.mode.type_name == "socks5":
+                self.socks_address = address
+            else:
+                self.http_address = address
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new connections, let in-flight ones finish within timeout, then stop."""
+        self.runtime.draining = True
+        loop, master = self._loop, self._master
+        if loop is not None and master is not None and self._thread is not None and self._thread.is_alive():
+            from mitmproxy.addons.proxyserver import Proxyserver
+
+            server = master.addons.get("proxyserver")
+            if isinstance(server, Proxyserver):
+                future = asyncio.run_coroutine_threadsafe(server.servers.update([]), loop)
+                try:
+                    future.result(timeout=5)
+                except Exception:  # noqa: BLE001
+                    logger.exception("could not stop listening")
+            deadline = time.monotonic() + timeout
+            while self.runtime.active() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.stop()
+
+    def stop(self) -> None:
+        if self._master is not None and self._thread is not None and self._thread.is_alive():
+            self._master.shutdown()
+            self._thread.join(timeout=10)
+        self._master = None
+
+
+def _free_port(host: str) -> int:
+    """mitmproxy refuses two modes on port 0 of one host: pick the ports here."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

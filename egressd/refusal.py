@@ -1,0 +1,160 @@
+"""What a refused client sees: status, Proxy-Status (RFC 9209), X-Egressd-Reason and a readable body.
+
+Every path that refuses (the HTTP proxy, SOCKS, the sandbox bridge, the SSH relay) builds its answer
+here, so a refusal reads the same wherever it happens. No I/O and no mitmproxy import.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# reason code -> (HTTP status, RFC 9209 error type)
+_FAILURES: dict[str, tuple[int, str]] = {
+    "dns_error": (502, "dns_error"),
+    "dns_timeout": (502, "dns_timeout"),
+    "connect_refused": (502, "connection_refused"),
+    "connect_timeout": (504, "connection_timeout"),
+    "connect_error": (502, "destination_unavailable"),
+    "proxy_auth_required": (407, "http_request_denied"),
+    "bad_request": (400, "http_request_error"),
+    "host_mismatch": (400, "http_request_error"),
+    "rate_limited": (429, "connection_limit_reached"),
+    "internal_error": (500, "proxy_internal_error"),
+    "draining": (503, "proxy_internal_error"),
+}
+# policy refusals about the address itself get the IP-specific error type
+_ADDRESS_REASONS = {"forbidden_address", "resolved_forbidden", "self"}
+
+# reasons that are policy decisions: retrying will not help, an edit of the policy would
+POLICY_REASONS = frozenset(
+    {
+        "self",
+        "mode_off",
+        "forbidden_address",
+        "denylist",
+        "loopback_disabled",
+        "loopback_port",
+        "builtin_path",
+        "not_allowlisted",
+        "port",
+        "profile",
+        "resolved_forbidden",
+        "invalid_target",
+        "ask",
+        "no_approver",
+        "needs_inspection",
+        "sni_mismatch",
+        "websocket",
+    }
+)
+
+EGRESSD_HEADERS = ("x-egressd-reason", "x-egressd-rule", "proxy-status")
+
+_MARKER = re.compile(r"egressd\[(?P<reason>[a-z_]+)\]: (?P<detail>.*)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A refusal ready to be rendered for any protocol."""
+
+    reason: str
+    detail: str
+    host: str = ""
+    port: int | None = None
+    rule: str | None = None
+
+    @property
+    def is_policy(self) -> bool:
+        return self.reason in POLICY_REASONS
+
+    @property
+    def status(self) -> int:
+        if self.is_policy:
+            return 403
+        return _FAILURES.get(self.reason, (502, "destination_unavailable"))[0]
+
+    @property
+    def error_type(self) -> str:
+        if self.is_policy:
+            return "destination_ip_prohibited" if self.reason in _ADDRESS_REASONS else "http_request_denied"
+        return _FAILURES.get(self.reason, (502, "destination_unavailable"))[1]
+
+    @property
+    def target(self) -> str:
+        if not self.host:
+            return "the target"
+        if self.port is None:
+            return self.host
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def headers(self) -> list[tuple[str, str]]:
+        details = _quote(f"{self.reason}: {self.detail}" if self.detail else self.reason)
+        headers = [
+            ("Proxy-Status", f'egressd; error={self.error_type}; details="{details}"'),
+            ("X-Egressd-Reason", self.reason),
+            ("Content-Type", "text/plain; charset=utf-8"),
+            ("Cache-Control", "no-store"),
+            ("Connection", "close"),
+        ]
+        if self.rule:
+            headers.append(("X-Egressd-Rule", _header_safe(self.rule)))
+        if self.reason == "proxy_auth_required":
+            headers.append(("Proxy-Authenticate", 'Basic realm="egressd"'))
+        if self.reason == "rate_limited":
+            headers.append(("Retry-After", "1"))
+        return headers
+
+    def body(self) -> str:
+        lines = [f"egressd refused the connection to {self.target}.", f"reason: {self.reason}"]
+        if self.rule:
+            lines.append(f"decided by: {self.rule}")
+        if self.detail:
+            lines.append(f"detail: {self.detail}")
+        if self.is_policy:
+            lines.append("This is a policy decision: retrying, or trying to bypass the proxy, will not help.")
+            hint = self.allow_hint()
+            if hint:
+                lines.append(f"To allow it, a person can run: {hint}")
+        elif self.reason == "proxy_auth_required":
+            lines.append("Use the proxy URL egressd put in HTTP_PROXY/HTTPS_PROXY; it carries credentials.")
+        else:
+            lines.append("This is not a policy decision: the upstream could not be reached.")
+        return "\n".join(lines) + "\n"
+
+    def allow_hint(self) -> str | None:
+        """The command that would allow this target, when an edit of the allowlist can."""
+        if not self.host or self.reason in {"forbidden_address", "self", "invalid_target", "sni_mismatch"}:
+            return None
+        if self.reason == "mode_off":
+            return "egressd exec --mode enforce --allow <host> -- <command>"
+        rule = self.host if self.port in (None, 80, 443) else self.target
+        if self.reason == "denylist":
+            return f"remove the deny rule '{self.rule or self.host}' from the policy"
+        if self.reason == "resolved_forbidden":
+            return f"egressd exec --allow <CIDR of the address> --allow {rule} -- <command>"
+        if self.reason == "needs_inspection":
+            return "run without --no-inspect (this host is admitted only for some paths)"
+        return f"egressd exec --allow {rule} -- <command>   (or add '{rule}' to the policy's allow list)"
+
+
+def _quote(text: str) -> str:
+    return _header_safe(text).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _header_safe(text: str) -> str:
+    return "".join(ch if 0x20 <= ord(ch) < 0x7F else "?" for ch in text)[:400]
+
+
+def failure_message(reason: str, detail: str) -> str:
+    """Encode a failure into an error string that survives mitmproxy's plumbing (see parse_failure)."""
+    return f"egressd[{reason}]: {detail}"
+
+
+def parse_failure(message: str) -> tuple[str, str] | None:
+    """Find an egressd failure marker inside an error string built by failure_message."""
+    match = _MARKER.search(message or "")
+    if not match:
+        return None
+    return match.group("reason"), match.group("detail")

@@ -1,0 +1,188 @@
+"""The engine's own pieces: refusal rendering, credentials, the pinned connect hook, the SNI rule."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import time
+
+import pytest
+
+from egressd.engine import pinning
+from egressd.engine.credentials import CredentialStore
+from egressd.engine.error_pages import refusal_from_error
+from egressd.refusal import Refusal, failure_message, parse_failure
+from tests.support.upstreams import EchoHTTPServer, RefusingPort, StallingPort
+
+ip = ipaddress.ip_address
+
+
+# -- refusals ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("reason", "status", "error"),
+    [
+        ("not_allowlisted", 403, "http_request_denied"),
+        ("denylist", 403, "http_request_denied"),
+        ("forbidden_address", 403, "destination_ip_prohibited"),
+        ("resolved_forbidden", 403, "destination_ip_prohibited"),
+        ("self", 403, "destination_ip_prohibited"),
+        ("dns_error", 502, "dns_error"),
+        ("dns_timeout", 502, "dns_timeout"),
+        ("connect_refused", 502, "connection_refused"),
+        ("connect_timeout", 504, "connection_timeout"),
+        ("proxy_auth_required", 407, "http_request_denied"),
+        ("bad_request", 400, "http_request_error"),
+        ("rate_limited", 429, "connection_limit_reached"),
+        ("internal_error", 500, "proxy_internal_error"),
+    ],
+)
+def test_refusal_status_and_proxy_status(reason: str, status: int, error: str) -> None:
+    refusal = Refusal(reason, 'a "quoted" detail\n', "evil.test", 443)
+    headers = dict(refusal.headers())
+    assert refusal.status == status
+    assert headers["X-Egressd-Reason"] == reason
+    assert headers["Proxy-Status"].startswith(f"egressd; error={error}; details=")
+    assert '\\"quoted\\"' in headers["Proxy-Status"] and "\n" not in headers["Proxy-Status"]
+    body = refusal.body()
+    assert "evil.test:443" in body and reason in body
+    if status == 407:
+        assert headers["Proxy-Authenticate"].startswith("Basic")
+    if status == 429:
+        assert "Retry-After" in headers
+
+
+def test_policy_refusal_body_says_how_to_allow() -> None:
+    body = Refusal("not_allowlisted", "not on the allowlist", "api.example", 443, "mode: enforce").body()
+    assert "policy decision" in body and "retrying" in body
+    assert "egressd exec --allow api.example" in body
+    assert (
+        "egressd exec --allow" not in Refusal("forbidden_address", "metadata", "169.254.169.254", 80).body()
+    )
+
+
+def test_failure_marker_round_trip() -> None:
+    message = "Connection killed: " + failure_message("dns_error", "up.test: NXDOMAIN")
+    assert parse_failure(message) == ("dns_error", "up.test: NXDOMAIN")
+    assert parse_failure("plain error") is None
+    assert refusal_from_error(502, message)[0] == 502
+    assert refusal_from_error(502, failure_message("connect_timeout", "x"))[0] == 504
+    status, refusal = refusal_from_error(400, "Bad request line")
+    assert status == 400 and refusal.reason == "bad_request"
+
+
+# -- credentials -------------------------------------------------------------------------------
+def test_credentials_fresh_and_checked() -> None:
+    store = CredentialStore()
+    a, b = store.issue(), store.issue("ci")
+    assert a.token != b.token and len(a.token) >= 24
+    assert b.username == "ci" and b.profile == "ci" and a.profile is None
+    assert store.check(a.username, a.token) == a
+    assert store.check("ci", a.token) is None
+    basic = "Basic " + base64.b64encode(f"ci:{b.token}".encode()).decode()
+    assert store.check_basic(basic) == b
+    for bad in (None, "", "Bearer x", "Basic !!!", "Basic " + base64.b64encode(b"nocolon").decode()):
+        assert store.check_basic(bad) is None
+    store.revoke(b)
+    assert store.check_basic(basic) is None
+    assert a.proxy_url("127.0.0.1", 8080) == f"http://egressd:{a.token}@127.0.0.1:8080"
+
+
+# -- pinned connect ----------------------------------------------------------------------------
+def test_connect_pinned_tries_next_address() -> None:
+    with EchoHTTPServer("198.51.100.7") as server:
+
+        async def go() -> tuple[str, int]:
+            attempts: list[str] = []
+            reader, writer, connected = await pinning.connect_pinned(
+                (ip("198.51.100.8"), ip(server.host)), server.port, 2.0, attempts=attempts
+            )
+            writer.close()
+            assert len(attempts) == 1 and "198.51.100.8" in attempts[0]
+            return connected
+
+        assert asyncio.run(go()) == (server.host, server.port)
+
+
+def test_connect_pinned_reports_refused_and_timeout() -> None:
+    with RefusingPort("198.51.100.6") as refusing, StallingPort("198.51.100.5") as stalling:
+        with pytest.raises(pinning.ConnectFailure) as refused:
+            asyncio.run(pinning.connect_pinned((ip(refusing.address[0]),), refusing.address[1], 2.0))
+        assert refused.value.reason == "connect_refused"
+        start = time.monotonic()
+        addresses = (ip(stalling.address[0]),) * 3
+        with pytest.raises(pinning.ConnectFailure) as timed_out:
+            asyncio.run(pinning.connect_pinned(addresses, stalling.address[1], 0.5))
+        elapsed = time.monotonic() - start
+        assert timed_out.value.reason == "connect_timeout"
+        assert elapsed < 2 * 0.5 + 0.5  # all attempts within 2x connect_timeout
+
+
+def test_connect_hook_refuses_unadmitted_connections() -> None:
+    pinning.install()
+    assert pinning.installed()
+    import mitmproxy.proxy.server as server
+
+    with EchoHTTPServer("198.51.100.7") as upstream:
+
+        async def unadmitted() -> None:
+            await server.asyncio.open_connection(upstream.host, upstream.port)
+
+        with pytest.raises(pinning.ConnectFailure):
+            asyncio.run(unadmitted())
+
+        async def wrong_target() -> None:
+            pinning.current_pin.set(pinning.Pin("up.test", 1, (ip(upstream.host),), 1.0))
+            await server.asyncio.open_connection("other.test", upstream.port)
+
+        with pytest.raises(pinning.ConnectFailure):
+            asyncio.run(wrong_target())
+
+        async def admitted() -> tuple[str, int] | None:
+            pin = pinning.Pin("up.test", upstream.port, (ip(upstream.host),), 1.0)
+            pinning.current_pin.set(pin)
+            _, writer = await server.asyncio.open_connection("up.test", upstream.port)
+            writer.close()
+            # one pin admits one connection
+            with pytest.raises(pinning.ConnectFailure):
+                await server.asyncio.open_connection("up.test", upstream.port)
+            return pin.connected
+
+        assert asyncio.run(admitted()) == (upstream.host, upstream.port)
+        deadline = time.monotonic() + 5
+        while upstream.connections < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert upstream.connections == 1
+
+
+def test_connect_hook_refuses_other_mitmproxy_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mitmproxy import version
+
+    monkeypatch.setattr(version, "VERSION", "99.0.0")
+    monkeypatch.setattr("mitmproxy.proxy.server.asyncio", asyncio)
+    with pytest.raises(RuntimeError, match="mitmproxy==12.3.1"):
+        pinning.install()
+
+
+# -- SNI rule ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("tunnel", "sni", "ok"),
+    [
+        ("up.test", "up.test", True),
+        ("up.test", "UP.test.", True),
+        ("xn--bcher-kva.example", "bücher.example", True),
+        ("up.test", "other.test", False),
+        ("up.test", "up.test.other.test", False),
+        ("up.test", None, False),
+        ("up.test", "", False),
+        ("198.51.100.1", None, True),
+        ("198.51.100.1", "up.test", False),
+        ("2001:db8::1", None, True),
+        ("up.test", "up..test", False),
+        ("up.test", "up.test\x00.evil", False),
+    ],
+)
+def test_sni_rule(tunnel: str, sni: str | None, ok: bool) -> None:
+    from egressd.addons.tunnel_guard import _sni_problem
+
+    assert (_sni_problem(tunnel, sni) is None) is ok
