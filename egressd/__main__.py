@@ -1,0 +1,3 @@
+from egressd.cli import main
+
+main()

@@ -1,0 +1,198 @@
+"""Audit log (one JSON line per decision / closed connection) and the optional human trace.
+
+Called from the proxy's event-loop thread and from the CLI, so every write takes one lock and
+is flushed at once: a crash never loses a decision that was already acted on. Nothing here ever
+writes to stdout, which belongs to the child (MCP/ACP speak JSON-RPC on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import sys
+import threading
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+DECISION_KEYS: tuple[str, ...] = (
+    "conn",
+    "client",
+    "profile",
+    "method",
+    "scheme",
+    "host",
+    "port",
+    "path",
+    "decision",
+    "reason",
+    "rule",
+    "detail",
+    "resolved",
+    "connected",
+)
+CLOSED_KEYS: tuple[str, ...] = ("conn", "host", "port", "bytes_up", "bytes_down", "duration")
+
+_conn_ids = itertools.count(1)
+
+
+def new_conn_id() -> str:
+    """A process-unique connection id (`c1`, `c2`, ...) tying decision and closed lines together."""
+    return f"c{next(_conn_ids)}"
+
+
+def utc_timestamp(now: datetime | None = None) -> str:
+    """RFC 3339 UTC with milliseconds, e.g. 2025-01-31T12:00:00.123Z."""
+    now = now or datetime.now(UTC)
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+
+
+def redact_query(path: str | None) -> str | None:
+    """Drop the query string (tokens and signed-URL secrets live there) but show that one existed."""
+    if path is None:
+        return None
+    path = path.split("#", 1)[0]
+    if "?" in path:
+        return path.split("?", 1)[0] + "?<redacted>"
+    return path
+
+
+def _printable(value: object) -> str:
+    """Escape control characters so a hostile host name cannot drive the user's terminal."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def _verdict(value: object) -> str | None:
+    if isinstance(value, bool):
+        return "allow" if value else "deny"
+    return None if value is None else str(value)
+
+
+class AuditLog:
+    """Thread-safe JSON-lines audit file plus an optional human trace stream (normally stderr)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, trace: TextIO | None = None) -> None:
+        if trace is not None and trace in (sys.stdout, sys.__stdout__):
+            raise ValueError("the trace must not go to stdout: stdout belongs to the child")
+        self._lock = threading.Lock()
+        self._trace = trace
+        self._file: TextIO | None = None
+        self._failed = False
+        if path is not None:
+            self._file = open(  # noqa: SIM115 - kept open for the process lifetime
+                path, "a", buffering=1, encoding="utf-8", opener=_private_opener
+            )
+        self.path = None if path is None else os.fspath(path)
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None or self._trace is not None
+
+    # -- records -------------------------------------------------------------------------------
+    def decision(self, **fields: Any) -> dict[str, Any]:
+        """Record one decision. `decision` may be "allow"/"deny" or a bool; `allowed=` works too."""
+        if "decision" not in fields and "allowed" in fields:
+            fields["decision"] = fields.pop("allowed")
+        fields["decision"] = _verdict(fields.get("decision"))
+        fields["path"] = redact_query(fields.get("path"))
+        resolved = fields.get("resolved")
+        fields["resolved"] = [str(a) for a in resolved] if resolved else []
+        if fields.get("connected") is not None:
+            fields["connected"] = str(fields["connected"])
+        record = self._record("decision", DECISION_KEYS, fields)
+        self._trace_line(_decision_line(record))
+        return record
+
+    def closed(self, **fields: Any) -> dict[str, Any]:
+        """Record the end of a connection: bytes each way and duration in seconds."""
+        if isinstance(fields.get("duration"), float):
+            fields["duration"] = round(fields["duration"], 3)
+        return self._record("closed", CLOSED_KEYS, fields)
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Record anything else (sni_mismatch, reload, reload_failed, ...); also traced."""
+        record = self._record(kind, (), fields)
+        extra = " ".join(f"{k}={_printable(v)}" for k, v in fields.items() if v not in (None, ""))
+        self._trace_line(f"egressd: {kind}" + (f"  {extra}" if extra else ""))
+        return record
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def __enter__(self) -> AuditLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _record(self, event: str, keys: tuple[str, ...], fields: dict[str, Any]) -> dict[str, Any]:
+        record: dict[str, Any] = {"time": utc_timestamp(), "event": event}
+        for key in keys:
+            record[key] = fields.pop(key, None)
+        record.update(fields)
+        if self._file is not None:
+            line = json.dumps(record, default=str, ensure_ascii=False, separators=(",", ":"))
+            self._write(self._file, line)
+        return record
+
+    def _trace_line(self, line: str) -> None:
+        if self._trace is not None:
+            self._write(self._trace, line)
+
+    def _write(self, stream: TextIO, line: str) -> None:
+        with self._lock:
+            try:
+                stream.write(line + "\n")
+                stream.flush()
+            except (OSError, ValueError) as exc:
+                # A full disk must not take the proxy down; say so once.
+                if not self._failed:
+                    self._failed = True
+                    with contextlib.suppress(OSError, ValueError):
+                        sys.stderr.write(f"egressd: audit write failed: {exc}\n")
+
+
+def _private_opener(path: str, flags: int) -> int:
+    """Audit lines name hosts and paths: create the file readable by its owner only."""
+    return os.open(path, flags, 0o600)
+
+
+# Refusals a person can lift with --allow: the trace names the command instead of the detail.
+_HINTED = frozenset({"not_allowlisted", "ask", "ask_refused", "no_approver"})
+
+# What a decision without an HTTP method was about (the engine's `stage` field).
+_STAGE_LABELS = {"connection": "connect", "tls": "TLS", "socks": "SOCKS"}
+
+
+def _decision_line(record: dict[str, Any]) -> str:
+    """`egressd: DENY  CONNECT evil.test:443  not_allowlisted (mode: enforce) - run: ...`."""
+    verdict = (record.get("decision") or "?").upper()
+    method = record.get("method") or _STAGE_LABELS.get(record.get("stage") or "", "CONNECT")
+    host = record.get("host") or "?"
+    port = record.get("port")
+    where = f"[{host}]" if ":" in str(host) else str(host)
+    if port is not None:
+        where += f":{port}"
+    path = record.get("path")
+    if path and path != "/" and not str(path).startswith("/"):
+        path = "/" + str(path)
+    target = where + (path if path and method != "CONNECT" else "")
+    reason = record.get("reason") or ""
+    if record.get("rule"):
+        reason += f" ({record['rule']})"
+    line = f"egressd: {verdict:<5} {method} {target}  {reason}".rstrip()
+    if verdict == "DENY" and record.get("reason") in _HINTED:
+        line += f" - run: egressd exec --allow {host} ..."
+    elif verdict == "DENY" and record.get("detail"):
+        line += f" - {record['detail']}"
+    if record.get("connected"):
+        line += f" -> {record['connected']}"
+    return _printable(line)

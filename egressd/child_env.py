@@ -1,0 +1,99 @@
+"""The environment a child runs with: every client library it may use is pointed at egressd.
+
+Pure function of the inherited environment and the proxy address, so it is easy to test and
+the CLI stays thin. See DESIGN.md "Child environment".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Variables holding the proxy URL. ALL_PROXY carries the HTTP URL too (curl, git and others
+# accept an http:// proxy there), so every client speaks the one protocol egressd decides best.
+PROXY_VARS: tuple[str, ...] = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+)
+
+# Set to "" so no host skips the proxy: a bypass is a connection no policy decided.
+NO_PROXY_VARS: tuple[str, ...] = ("NO_PROXY", "no_proxy")
+
+# Only set when TLS inspection is on; they point at a bundle of system roots plus egressd's CA.
+CA_BUNDLE_VARS: tuple[str, ...] = (
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "NODE_EXTRA_CA_CERTS",
+    "GIT_SSL_CAINFO",
+    "PIP_CERT",
+    "AWS_CA_BUNDLE",
+    "CARGO_HTTP_CAINFO",
+    "DENO_CERT",
+    "NIX_SSL_CERT_FILE",
+)
+
+# The SOCKS5 URL (with the same credentials) for clients that want SOCKS explicitly. Set after
+# inherited EGRESSD_* variables are stripped, so it is always this child's own.
+SOCKS_VAR = "EGRESSD_SOCKS_PROXY"
+
+# Inherited proxy settings that would send a client elsewhere or exempt hosts from the proxy.
+# Compared case-insensitively: tools differ in which spelling they read.
+_STRIP_LOWER: frozenset[str] = frozenset(
+    {
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "no_proxy",
+        "ftp_proxy",
+        "npm_config_proxy",
+        "npm_config_https_proxy",
+        "npm_config_noproxy",
+        "npm_config_no_proxy",
+        "yarn_proxy",
+        "yarn_https_proxy",
+        "pip_proxy",
+    }
+)
+
+
+def child_environment(
+    base: Mapping[str, str],
+    proxy_url: str,
+    socks_url: str | None = None,
+    *,
+    ca_bundle: str | None = None,
+) -> dict[str, str]:
+    """Return the environment for a child whose traffic must go through egressd.
+
+    `base` is the inherited environment (not modified). Inherited proxy settings and
+    EGRESSD_* variables (egressd's own configuration and secrets) are removed first, then the
+    proxy variables are set to `proxy_url`. CA-bundle variables are set only when `ca_bundle`
+    is given (TLS inspection on); otherwise inherited values are left alone.
+    """
+    env = {
+        key: value
+        for key, value in base.items()
+        if key.lower() not in _STRIP_LOWER and not key.upper().startswith("EGRESSD_")
+    }
+    for key in PROXY_VARS:
+        env[key] = proxy_url
+    for key in NO_PROXY_VARS:
+        env[key] = ""
+    env["NODE_USE_ENV_PROXY"] = "1"
+    if socks_url:
+        env[SOCKS_VAR] = socks_url
+    if ca_bundle is not None:
+        for key in CA_BUNDLE_VARS:
+            env[key] = ca_bundle
+    return env
+
+
+def proxy_exports(
+    proxy_url: str, socks_url: str | None = None, *, ca_bundle: str | None = None
+) -> dict[str, str]:
+    """Only the variables egressd sets (for `egressd run`, which prints them as `export` lines)."""
+    return child_environment({}, proxy_url, socks_url, ca_bundle=ca_bundle)

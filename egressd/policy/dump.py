@@ -1,0 +1,67 @@
+"""The policy back in its file format: for `egressd policy show` and for pushing a policy elsewhere.
+
+`parse_policy(policy_to_data(p), ...)` gives back an equal policy; a unit test holds that.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .model import Policy
+from .rules import HostRule, RuleSet
+
+
+def _rule(rule: HostRule) -> str | dict[str, Any]:
+    if not rule.paths and not rule.methods:
+        return rule.text
+    entry: dict[str, Any] = {"host": rule.text}
+    if rule.paths:
+        entry["paths"] = list(rule.paths)
+    if rule.methods:
+        entry["methods"] = list(rule.methods)
+    return entry
+
+
+def _rules(ruleset: RuleSet) -> list[str | dict[str, Any]]:
+    return [_rule(rule) for rule in ruleset.rules]
+
+
+def policy_to_data(policy: Policy) -> dict[str, Any]:
+    """The policy as plain data in the file format (loadable again)."""
+
+    def server(ip: str, port: int) -> str:
+        host = f"[{ip}]" if ":" in ip else ip
+        return host if port == 53 and ":" not in ip else f"{host}:{port}"
+
+    profiles: dict[str, Any] = {}
+    for name, prof in policy.profiles.items():
+        entry: dict[str, Any] = {}
+        if prof.allow is not None:
+            entry["allow"] = _rules(prof.allow)
+        entry["deny"] = _rules(prof.deny)
+        entry["ports"] = list(prof.ports)
+        profiles[name] = entry
+    return {
+        "version": policy.version,
+        "mode": policy.mode,
+        "allow": _rules(policy.allow),
+        "deny": _rules(policy.deny),
+        "loopback": {"allow": policy.loopback.allow, "ports": list(policy.loopback.ports)},
+        "private": {"allow": policy.private.allow, "origins": [str(o) for o in policy.private.origins]},
+        "builtin": [
+            {"host": b.host, "paths": list(b.paths), "methods": list(b.effective_methods)}
+            for b in policy.builtin
+        ],
+        "inspect": _rules(policy.inspect),
+        "ports": list(policy.ports),
+        "credentials": {"strip_on_host_change": list(policy.credentials.strip_on_host_change)},
+        "limits": {
+            "connect_timeout": policy.limits.connect_timeout,
+            "dns_timeout": policy.limits.dns_timeout,
+            "idle_timeout": policy.limits.idle_timeout,
+            "max_response_bytes": policy.limits.max_response_bytes,
+        },
+        "resolver": {"nameservers": [server(ip, port) for ip, port in policy.resolver.nameservers]},
+        "profiles": profiles,
+        "websocket": policy.websocket,
+    }

@@ -1,0 +1,147 @@
+"""Run the real `egressd` command line in tests: `exec` around a client, or `run` as a proxy.
+
+Why: the integration tests prove what a user gets, so they go through the console entry point
+(`python -m egressd`) exactly as a user would, never through the engine's internals.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Self
+
+EGRESSD = [sys.executable, "-m", "egressd"]
+
+TEST_POLICY = """\
+version: 1
+mode: enforce
+allow:
+  - up.test
+  - other.test
+  - 198.51.100.0/24
+  - 2001:db8::/32
+deny:
+  - denied.test
+"""
+
+
+def write_policy(directory: Path, text: str = TEST_POLICY, name: str = "policy.yaml") -> Path:
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+def egressd_exec(
+    options: Sequence[str],
+    command: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+    input: bytes | None = None,  # noqa: A002 - mirrors subprocess.run
+) -> subprocess.CompletedProcess[bytes]:
+    """`egressd exec OPTIONS -- COMMAND`, capturing stdout and stderr as bytes."""
+    return subprocess.run(
+        [*EGRESSD, "exec", *options, "--", *command],
+        env=env if env is not None else dict(os.environ),
+        input=input,
+        capture_output=True,
+        timeout=timeout,
+    )
+
+
+class EgressdRun:
+    """`egressd run` in the background; `env` holds the export lines it printed."""
+
+    def __init__(self, options: Sequence[str]) -> None:
+        self.options = list(options)
+        self.proc: subprocess.Popen[str] | None = None
+        self.env: dict[str, str] = {}
+        self._stderr: list[str] = []
+        self._stderr_thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 30) -> Self:
+        self.proc = subprocess.Popen(
+            [*EGRESSD, "run", *self.options],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._stderr_thread = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_thread.start()
+        deadline = time.monotonic() + timeout
+        while "HTTP_PROXY" not in self.env or "HTTPS_PROXY" not in self.env:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"egressd run printed no proxy settings; stderr: {self.stderr}")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"egressd run exited ({self.proc.wait()}); stderr: {self.stderr}")
+            self._parse_export(line)
+        threading.Thread(target=self._drain_stdout, daemon=True).start()
+        return self
+
+    def _parse_export(self, line: str) -> None:
+        words = shlex.split(line, comments=True)
+        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+            key, _, value = words[1].partition("=")
+            self.env[key] = value
+
+    def _drain_stdout(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._parse_export(line)
+
+    def _read_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._stderr)
+
+    @property
+    def proxy_url(self) -> str:
+        return self.env["HTTP_PROXY"]
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        return env
+
+    def wait_for_stderr(self, text: str, timeout: float = 10) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.stderr:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
