@@ -7,6 +7,7 @@ an `egressd:` prefix. Exit codes: `exec` exits like its child; egressd's own set
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import ipaddress
 import os
@@ -15,26 +16,21 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from egressd import __version__, process
-from egressd.audit import AuditLog
-from egressd.child_env import child_environment, proxy_exports
 from egressd.policy import (
     Client,
     Decision,
     Policy,
     PolicyError,
     TargetError,
-    apply_env_mode,
     builtin_policy_path,
     decide,
-    default_policy,
     filter_addresses,
     load_policy,
     parse_target,
@@ -42,10 +38,10 @@ from egressd.policy import (
 )
 from egressd.policy.dump import policy_to_data
 from egressd.policy.model import MODES
+from egressd.session import Overrides, ProxySession, SessionError, SessionOptions, base_policy
 
 if TYPE_CHECKING:
     from egressd.engine import EgressProxy
-    from egressd.reload import PolicyWatcher
 
 EXIT_USAGE = 2
 DRAIN_TIMEOUT = 10.0
@@ -71,48 +67,6 @@ def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
 
 
 # -- policy loading shared by exec / run / check / policy show ---------------------------------
-@dataclass(frozen=True)
-class Overrides:
-    """Command-line additions, re-applied to every reload so an edit never drops them."""
-
-    allow: tuple[str, ...] = ()
-    deny: tuple[str, ...] = ()
-    mode: str | None = None
-    nameservers: tuple[str, ...] = ()
-    profile: str | None = None
-
-    def apply(self, policy: Policy) -> Policy:
-        policy = policy.with_overrides(
-            allow=self.allow,
-            deny=self.deny,
-            mode=self.mode,  # type: ignore[arg-type]  # click.Choice(MODES) checked it
-            nameservers=self.nameservers,
-        )
-        if self.profile is not None and self.profile not in policy.profiles:
-            known = ", ".join(sorted(policy.profiles)) or "none defined"
-            raise PolicyError(policy.source, "--profile", self.profile, f"no such profile (known: {known})")
-        return policy
-
-
-def resolve_policy_path(value: str) -> Path:
-    """--policy takes a file, or the name of a built-in preset (`npm`) when no such file exists."""
-    path = Path(value)
-    if path.exists() or not _PRESET_NAME.fullmatch(value):
-        return path
-    return builtin_policy_path(value)
-
-
-def base_policy(policy_file: str | None) -> Policy:
-    """The file's policy, or the built-in default; EGRESSD_MODE applies to both."""
-    if policy_file is not None:
-        return load_policy(resolve_policy_path(policy_file), env=os.environ)
-    try:
-        path = builtin_policy_path("default")
-    except PolicyError:
-        return apply_env_mode(default_policy(), os.environ)
-    return load_policy(path, env=os.environ)
-
-
 def effective_policy(policy_file: str | None, overrides: Overrides) -> Policy:
     try:
         return overrides.apply(base_policy(policy_file))
@@ -181,6 +135,41 @@ def _overrides(
     return Overrides(tuple(allow), tuple(deny), mode, tuple(nameservers), profile)
 
 
+def _session_options(
+    policy_file: str | None,
+    allow: Sequence[str],
+    deny: Sequence[str],
+    mode: str | None,
+    nameservers: Sequence[str],
+    profile: str | None,
+    audit_path: str | None,
+    trace: bool,
+    listen: str,
+) -> SessionOptions:
+    """What @policy_options and @proxy_options parsed, as one value."""
+    return SessionOptions(
+        policy_file=policy_file,
+        overrides=_overrides(allow, deny, mode, nameservers, profile),
+        listen=parse_listen(listen),
+        audit_path=audit_path,
+        trace=trace,
+    )
+
+
+@contextlib.contextmanager
+def _session(options: SessionOptions, **kwargs: Any) -> Iterator[ProxySession]:
+    """A started ProxySession; any set-up failure exits 2 with the reason on stderr."""
+    try:
+        session = ProxySession(options, say=_say, **kwargs)
+        session.start()
+    except SessionError as exc:
+        _fail(str(exc))
+    try:
+        yield session
+    finally:
+        session.close()
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     """`HOST:PORT`, `[::1]:PORT` or `PORT`; the host must be loopback (children are local)."""
     host, port_text = "127.0.0.1", text
@@ -207,66 +196,6 @@ def parse_listen(text: str) -> tuple[str, int]:
             param_hint="--listen",
         )
     return str(address), int(port_text)
-
-
-def _open_audit(path: str | None, trace: bool) -> AuditLog:
-    try:
-        return AuditLog(path, trace=sys.stderr if trace else None)
-    except OSError as exc:
-        _fail(f"--audit {path}: {exc.strerror or exc}")
-
-
-def _start_proxy(policy: Policy, listen: tuple[str, int], audit: AuditLog) -> EgressProxy:
-    from egressd.engine import EgressProxy, EngineError
-
-    proxy = EgressProxy(policy, listen=listen, socks=True, audit=audit)
-    try:
-        proxy.start()
-    except EngineError as exc:
-        proxy.stop()
-        _fail(f"cannot start the proxy: {exc}")
-    return proxy
-
-
-def _proxy_urls(proxy: EgressProxy, profile: str | None) -> tuple[str, str | None]:
-    creds = proxy.issue_credentials(profile)
-    url = creds.proxy_url(*proxy.http_address)
-    socks = creds.proxy_url(*proxy.socks_address, scheme="socks5h") if proxy.socks_address else None
-    return url, socks
-
-
-def _watcher(
-    policy_file: str,
-    overrides: Overrides,
-    proxy_holder: list[EgressProxy],
-    audit_holder: list[AuditLog],
-    announce: bool,
-) -> PolicyWatcher:
-    from egressd.reload import PolicyWatcher
-
-    def on_change(policy: Policy) -> None:
-        for proxy in proxy_holder:
-            proxy.set_policy(policy)
-        for audit in audit_holder:
-            audit.event("reload", source=policy.source, mode=policy.mode)
-        if announce:
-            _say(f"policy reloaded from {policy.source} (mode: {policy.mode})")
-
-    def on_error(message: str) -> None:
-        for audit in audit_holder:
-            audit.event("reload_failed", error=message)
-        _say(f"reload failed: {' '.join(message.split())}; keeping the last good policy")
-
-    return PolicyWatcher(
-        resolve_policy_path(policy_file), on_change, on_error, env=os.environ, transform=overrides.apply
-    )
-
-
-def _load_watched(watcher: PolicyWatcher) -> Policy:
-    try:
-        return watcher.load()
-    except PolicyError as exc:
-        _fail(str(exc))
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -323,29 +252,12 @@ def exec_command(
     """
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
-    overrides = _overrides(allow, deny, mode, nameservers, profile)
-    address = parse_listen(listen)
-    proxies: list[EgressProxy] = []
-    audits: list[AuditLog] = []
-    watcher = _watcher(policy_file, overrides, proxies, audits, announce=trace) if policy_file else None
-    policy = _load_watched(watcher) if watcher else effective_policy(None, overrides)
-    audit = _open_audit(audit_path, trace)
-    audits.append(audit)
+    options = _session_options(
+        policy_file, allow, deny, mode, nameservers, profile, audit_path, trace, listen
+    )
     returncode = process.EXIT_CANNOT_RUN
-    try:
-        proxy = _start_proxy(policy, address, audit)
-        proxies.append(proxy)
-        url, socks = _proxy_urls(proxy, profile)
-        env = child_environment(os.environ, url, socks, ca_bundle=getattr(proxy, "ca_bundle", None))
-        if watcher:
-            watcher.start()
-        returncode = process.run_child(command, env, catcher=catcher)
-    finally:
-        if watcher:
-            watcher.stop()
-        for proxy in proxies:
-            proxy.stop()
-        audit.close()
+    with _session(options, announce_reloads=trace) as session:
+        returncode = process.run_child(command, session.child_env(), catcher=catcher)
     process.exit_like(returncode)
 
 
@@ -380,40 +292,29 @@ def run_command(
     """
     stops = (signal.SIGINT, signal.SIGTERM)
     catcher = process.SignalCatcher((*stops, signal.SIGHUP)).install()
-    overrides = _overrides(allow, deny, mode, nameservers, profile)
-    address = parse_listen(listen)
-    proxies: list[EgressProxy] = []
-    audits: list[AuditLog] = []
-    watcher = _watcher(policy_file, overrides, proxies, audits, announce=True) if policy_file else None
-    policy = _load_watched(watcher) if watcher else effective_policy(None, overrides)
-    audit = _open_audit(audit_path, trace)
-    audits.append(audit)
-    proxy = _start_proxy(policy, address, audit)
-    proxies.append(proxy)
-    try:
-        url, socks = _proxy_urls(proxy, profile)
-        for key, value in proxy_exports(url, socks, ca_bundle=getattr(proxy, "ca_bundle", None)).items():
+    options = _session_options(
+        policy_file, allow, deny, mode, nameservers, profile, audit_path, trace, listen
+    )
+    with _session(options, announce_reloads=True) as session:
+        for key, value in session.exports().items():
             click.echo(f"export {key}={shlex.quote(value)}")
         _close_stdout()
-        host, port = proxy.http_address
+        assert session.proxy is not None
+        host, port = session.proxy.http_address
         where = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        socks_note = f", SOCKS5 on port {proxy.socks_address[1]}" if proxy.socks_address else ""
+        socks_note = (
+            f", SOCKS5 on port {session.proxy.socks_address[1]}" if session.proxy.socks_address else ""
+        )
         profile_note = f"; profile: {profile}" if profile else ""
+        policy = session.policy
         click.echo(
             f"# egressd listening on {where}{socks_note}; policy: {policy.source} (mode: {policy.mode})"
             f"{profile_note}. SIGHUP reloads; SIGTERM or Ctrl-C drains and exits.",
             err=True,
         )
-        if watcher:
-            watcher.start()
-        _serve(catcher, watcher, stops)
+        _serve(catcher, session, stops)
         _say(f"draining (up to {DRAIN_TIMEOUT:g}s for open connections)")
-        _drain(proxy, catcher, stops)
-    finally:
-        if watcher:
-            watcher.stop()
-        proxy.stop()
-        audit.close()
+        _drain(session.proxy, catcher, stops)
     _say("stopped")
     sys.exit(0)
 
@@ -426,16 +327,14 @@ def _close_stdout() -> None:
     os.close(devnull)
 
 
-def _serve(catcher: process.SignalCatcher, watcher: PolicyWatcher | None, stops: Sequence[int]) -> None:
+def _serve(catcher: process.SignalCatcher, session: ProxySession, stops: Sequence[int]) -> None:
     while True:
         got = catcher.wait(1.0)
         if got is None:
             continue
         if got.signo in stops:
             return
-        if watcher is not None:
-            watcher.trigger()
-        else:
+        if not session.reload_now():
             _say("SIGHUP: no --policy file to reload")
 
 

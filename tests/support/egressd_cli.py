@@ -77,15 +77,16 @@ class EgressdRun:
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._stderr_thread = threading.Thread(target=self._read_stderr, daemon=True)
         self._stderr_thread.start()
-        deadline = time.monotonic() + timeout
-        while "HTTP_PROXY" not in self.env or "HTTPS_PROXY" not in self.env:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"egressd run printed no proxy settings; stderr: {self.stderr}")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"egressd run exited ({self.proc.wait()}); stderr: {self.stderr}")
-            self._parse_export(line)
-        threading.Thread(target=self._drain_stdout, daemon=True).start()
+        # `egressd run` closes its stdout after the export lines: read them all, up to EOF
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
+        try:
+            for line in self.proc.stdout:
+                self._parse_export(line)
+        finally:
+            timer.cancel()
+        if "HTTP_PROXY" not in self.env:
+            raise RuntimeError(f"egressd run printed no proxy settings; stderr: {self.stderr}")
         return self
 
     def _parse_export(self, line: str) -> None:
@@ -93,11 +94,6 @@ class EgressdRun:
         if len(words) == 2 and words[0] == "export" and "=" in words[1]:
             key, _, value = words[1].partition("=")
             self.env[key] = value
-
-    def _drain_stdout(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._parse_export(line)
 
     def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None

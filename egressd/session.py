@@ -1,0 +1,219 @@
+"""One proxy session: the policy (watched when it is a file), the audit, the running proxy.
+
+`egressd exec`, `run`, `sandbox` and `ssh` all start the same session and differ only in how they
+run the child; keeping it here means a reload, the audit or a credential works the same in each.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Self
+
+from egressd.audit import AuditLog
+from egressd.child_env import child_environment, proxy_exports
+from egressd.policy import (
+    Policy,
+    PolicyError,
+    apply_env_mode,
+    builtin_policy_path,
+    default_policy,
+    load_policy,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from egressd.engine import EgressProxy, ProxyCredentials
+    from egressd.reload import PolicyWatcher
+
+_PRESET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
+
+class SessionError(Exception):
+    """The session cannot start (bad policy, audit file, proxy); the message says why."""
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Command-line additions, re-applied to every reload so an edit never drops them."""
+
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    mode: str | None = None
+    nameservers: tuple[str, ...] = ()
+    profile: str | None = None
+
+    def apply(self, policy: Policy) -> Policy:
+        policy = policy.with_overrides(
+            allow=self.allow,
+            deny=self.deny,
+            mode=self.mode,  # type: ignore[arg-type]  # the CLI's click.Choice checked it
+            nameservers=self.nameservers,
+        )
+        if self.profile is not None and self.profile not in policy.profiles:
+            known = ", ".join(sorted(policy.profiles)) or "none defined"
+            raise PolicyError(policy.source, "--profile", self.profile, f"no such profile (known: {known})")
+        return policy
+
+
+def resolve_policy_path(value: str) -> Path:
+    """--policy takes a file, or the name of a built-in preset (`npm`) when no such file exists."""
+    path = Path(value)
+    if path.exists() or not _PRESET_NAME.fullmatch(value):
+        return path
+    return builtin_policy_path(value)
+
+
+def base_policy(policy_file: str | None) -> Policy:
+    """The file's policy, or the built-in default; EGRESSD_MODE applies to both."""
+    if policy_file is not None:
+        return load_policy(resolve_policy_path(policy_file), env=os.environ)
+    try:
+        path = builtin_policy_path("default")
+    except PolicyError:
+        return apply_env_mode(default_policy(), os.environ)
+    return load_policy(path, env=os.environ)
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    policy_file: str | None = None
+    overrides: Overrides = Overrides()
+    listen: tuple[str, int] = ("127.0.0.1", 0)
+    audit_path: str | None = None
+    trace: bool = False
+    socks: bool = True
+
+
+class ProxySession:
+    """Load, start, issue credentials, stop. Use as a context manager."""
+
+    def __init__(
+        self,
+        options: SessionOptions,
+        *,
+        say: Callable[[str], None],
+        announce_reloads: bool = False,
+        transform: Callable[[Policy], Policy] | None = None,
+    ) -> None:
+        self.options = options
+        self._say = say
+        self._announce = announce_reloads
+        # a command may narrow every policy it loads (the sandbox's --only); applied after overrides
+        self._transform = transform
+        self.proxy: EgressProxy | None = None
+        self.watcher: PolicyWatcher | None = None
+        self.audit: AuditLog | None = None
+        self.policy = self._load()
+
+    # -- policy ----------------------------------------------------------------------------------
+    def _apply(self, policy: Policy) -> Policy:
+        policy = self.options.overrides.apply(policy)
+        return self._transform(policy) if self._transform else policy
+
+    def _load(self) -> Policy:
+        from egressd.reload import PolicyWatcher
+
+        try:
+            if self.options.policy_file is None:
+                return self._apply(base_policy(None))
+            self.watcher = PolicyWatcher(
+                resolve_policy_path(self.options.policy_file),
+                self._on_change,
+                self._on_error,
+                env=os.environ,
+                transform=self._apply,
+            )
+            return self.watcher.load()
+        except PolicyError as exc:
+            raise SessionError(str(exc)) from exc
+
+    def _on_change(self, policy: Policy) -> None:
+        self.policy = policy
+        if self.proxy is not None:
+            self.proxy.set_policy(policy)
+        if self.audit is not None:
+            self.audit.event("reload", source=policy.source, mode=policy.mode)
+        if self._announce:
+            self._say(f"policy reloaded from {policy.source} (mode: {policy.mode})")
+
+    def _on_error(self, message: str) -> None:
+        if self.audit is not None:
+            self.audit.event("reload_failed", error=message)
+        self._say(f"reload failed: {' '.join(message.split())}; keeping the last good policy")
+
+    def reload_now(self) -> bool:
+        """SIGHUP: reload the file now; False when there is no file to reload."""
+        if self.watcher is None:
+            return False
+        self.watcher.trigger()
+        return True
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self) -> Self:
+        from egressd.engine import EgressProxy, EngineError
+
+        try:
+            self.audit = AuditLog(self.options.audit_path, trace=sys.stderr if self.options.trace else None)
+        except OSError as exc:
+            raise SessionError(f"--audit {self.options.audit_path}: {exc.strerror or exc}") from exc
+        self.proxy = EgressProxy(
+            self.policy, listen=self.options.listen, socks=self.options.socks, audit=self.audit
+        )
+        try:
+            self.proxy.start()
+        except EngineError as exc:
+            self.close()
+            raise SessionError(f"cannot start the proxy: {exc}") from exc
+        if self.watcher is not None:
+            self.watcher.start()
+        return self
+
+    def credentials(self, profile: str | None = None) -> ProxyCredentials:
+        assert self.proxy is not None, "start() first"
+        return self.proxy.issue_credentials(
+            profile if profile is not None else self.options.overrides.profile
+        )
+
+    def proxy_urls(self, creds: ProxyCredentials) -> tuple[str, str | None]:
+        assert self.proxy is not None
+        url = creds.proxy_url(*self.proxy.http_address)
+        socks = self.proxy.socks_address
+        return url, creds.proxy_url(*socks, scheme="socks5h") if socks else None
+
+    @property
+    def ca_bundle(self) -> str | None:
+        return getattr(self.proxy, "ca_bundle", None)
+
+    def child_env(
+        self, base: Mapping[str, str] | None = None, creds: ProxyCredentials | None = None
+    ) -> dict[str, str]:
+        """The environment of one child: fresh credentials unless given."""
+        url, socks = self.proxy_urls(creds or self.credentials())
+        return child_environment(os.environ if base is None else base, url, socks, ca_bundle=self.ca_bundle)
+
+    def exports(self, creds: ProxyCredentials | None = None) -> dict[str, str]:
+        url, socks = self.proxy_urls(creds or self.credentials())
+        return proxy_exports(url, socks, ca_bundle=self.ca_bundle)
+
+    def drain(self, timeout: float) -> None:
+        if self.proxy is not None:
+            self.proxy.drain(timeout)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.audit is not None:
+            self.audit.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
