@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from mitmproxy import connection, http
@@ -19,6 +20,7 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
 from mitmproxy.proxy.layers.modes import Socks5AuthData
 
+from egressd.engine import response_limit
 from egressd.engine.error_pages import refusal_response
 from egressd.engine.pinning import current_pin
 from egressd.engine.runtime import ConnState, Runtime, shared_runtime
@@ -111,7 +113,7 @@ class PolicyGate:
         )
         if decision.target is not None:
             state.host, state.port = decision.target.host.text, decision.target.port
-        if not decision.allowed or decision.needs_inspection:
+        if not decision.allowed or (decision.needs_inspection and not self.rt.inspection):
             admission_refusal = _decision_refusal(decision)
             self._audit_decision(state, flow, decision, admission_refusal)
             self._refuse(flow, state, admission_refusal)
@@ -119,6 +121,16 @@ class PolicyGate:
         assert decision.target is not None
         # every later step and the connection use the canonical spelling
         flow.request.host = decision.target.host.text
+        if self._wants_inspection(decision):
+            state.intercept.add((flow.request.host, flow.request.port))
+
+    def _wants_inspection(self, decision: Any) -> bool:
+        """Intercept hosts only a path/method rule admits, and hosts the policy marks `inspect`."""
+        if not self.rt.inspection or decision.target is None:
+            return False
+        target = decision.target
+        policy = self.rt.policies.get()
+        return bool(decision.needs_inspection or policy.inspect.match(target.host, target.port))
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get(_REFUSED):
@@ -172,12 +184,57 @@ class PolicyGate:
         # the connection this request opens is admitted for its host; paths were checked just now
         state.request_admitted.add((request.host, request.port))
         _strip_hop_by_hop(request.headers, keep_upgrade=_is_upgrade(request))
+        self._strip_credentials_after_redirect(flow, state)
+
+    def _strip_credentials_after_redirect(self, flow: http.HTTPFlow, state: ConnState) -> None:
+        """The follow-up of a redirect to another origin carries none of the credential headers."""
+        origin = self.rt.redirects.take(_client_key(flow, state), flow.request.url)
+        if origin is None:
+            return
+        names = self.rt.policies.get().credentials.strip_on_host_change
+        stripped = [name for name in names if name in flow.request.headers]
+        for name in stripped:
+            flow.request.headers.pop(name, None)
+        if self.rt.audit is not None:
+            self.rt.audit.event(
+                "credentials_stripped",
+                conn=state.conn_id,
+                client=state.client_name,
+                redirected_from=origin,
+                host=flow.request.host,
+                port=flow.request.port,
+                stripped=stripped,
+            )
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get(_REFUSED) or flow.response is None:
             return
+        response = flow.response
         for name in EGRESSD_HEADERS:
-            flow.response.headers.pop(name, None)
+            response.headers.pop(name, None)
+        state = self._state(flow.client_conn)
+        location = response.headers.get("location")
+        if 300 <= response.status_code < 400 and location:
+            self.rt.redirects.remember(_client_key(flow, state), flow.request.url, location)
+        limit = self.rt.policies.get().limits.max_response_bytes
+        if limit is not None:
+            response_limit.apply(flow, limit, self._on_response_cut(flow, state, limit))
+
+    def _on_response_cut(self, flow: http.HTTPFlow, state: ConnState, limit: int) -> Callable[[int], None]:
+        def cut(seen: int) -> None:
+            if self.rt.audit is not None:
+                self.rt.audit.event(
+                    "response_cut",
+                    conn=state.conn_id,
+                    client=state.client_name,
+                    host=flow.request.host,
+                    port=flow.request.port,
+                    path=flow.request.path,
+                    limit=limit,
+                    bytes=seen,
+                )
+
+        return cut
 
     def error(self, flow: http.HTTPFlow) -> None:
         logger.debug("flow error: %s", flow.error)
@@ -192,8 +249,13 @@ class PolicyGate:
             return
         host, port = address[0], address[1]
         decision = self.rt.gate.decide(host, port, state.profile)
-        if decision.allowed and decision.needs_inspection and (host, port) in state.request_admitted:
-            decision = dataclasses.replace(decision, needs_inspection=False)
+        if decision.allowed and decision.needs_inspection:
+            # paths are decided per request: plain HTTP already was; a tunnel is intercepted
+            if (host, port) in state.request_admitted:
+                decision = dataclasses.replace(decision, needs_inspection=False)
+            elif self.rt.inspection:
+                state.intercept.add((host, port))
+                decision = dataclasses.replace(decision, needs_inspection=False)
         admission = await self.rt.gate.admit(decision)
         if decision.target is not None:
             state.host, state.port = decision.target.host.text, decision.target.port
@@ -283,6 +345,11 @@ class PolicyGate:
             resolved=[str(a) for a in admission.resolved],
             connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
         )
+
+
+def _client_key(flow: http.HTTPFlow, state: ConnState) -> str:
+    """Redirects are remembered per child (its token), whatever connection the follow-up uses."""
+    return state.creds.token if state.creds is not None else flow.client_conn.id
 
 
 def _decision_refusal(decision: Any) -> Refusal:

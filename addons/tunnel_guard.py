@@ -20,7 +20,8 @@ from typing import Any
 from mitmproxy.addons.next_layer import NextLayer
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer
-from mitmproxy.proxy.layers import TCPLayer, modes
+from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TCPLayer, modes
+from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.mode_servers import Socks5Instance
 
@@ -122,10 +123,20 @@ class TunnelGuard(NextLayer):
                 return
             super().next_layer(nextlayer)  # an HTTP layer in regular mode
             return
-        if context.server.address is None or context.client.tls:
+        if context.server.address is None:
             super().next_layer(nextlayer)
             return
+        if context.client.tls:
+            self._inside_interception(nextlayer)
+            return
         self._tunnel_layer(nextlayer)
+
+    def _inside_interception(self, nextlayer: layer.NextLayer) -> None:
+        """Inside intercepted TLS only HTTP is spoken: anything else cannot be decided per request."""
+        super().next_layer(nextlayer)
+        if nextlayer.layer is None or isinstance(nextlayer.layer, HttpLayer):
+            return
+        self._refuse(nextlayer, "not HTTP inside an intercepted TLS tunnel", reason="not_http")
 
     def _tunnel_layer(self, nextlayer: layer.NextLayer) -> None:
         context = nextlayer.context
@@ -146,9 +157,27 @@ class TunnelGuard(NextLayer):
             if problem is not None:
                 self._refuse(nextlayer, problem)
                 return
+        if self._intercept(context):
+            nextlayer.layer = _inspection_layers(
+                context, tls=bool(data_client) and starts_like_tls_record(data_client)
+            )
+            return
         nextlayer.layer = CountingTunnel(context, self.rt)
 
-    def _refuse(self, nextlayer: layer.NextLayer, problem: str) -> None:
+    def _intercept(self, context: Any) -> bool:
+        if not self.rt.inspection:
+            return False
+        state = self.rt.conn(context.client.id)
+        host, port = context.server.address
+        if state is not None and (host, port) in state.intercept:
+            return True
+        try:
+            target = canonical_host(host)
+        except (TargetError, ValueError):
+            return False
+        return self.rt.policies.get().inspect.match(target, port) is not None
+
+    def _refuse(self, nextlayer: layer.NextLayer, problem: str, reason: str = "sni_mismatch") -> None:
         context = nextlayer.context
         state = self.rt.conn(context.client.id)
         host, port = context.server.address
@@ -164,7 +193,7 @@ class TunnelGuard(NextLayer):
                 port=port,
                 path=None,
                 decision="deny",
-                reason="sni_mismatch",
+                reason=reason,
                 rule=None,
                 detail=problem,
                 resolved=[],
@@ -172,6 +201,15 @@ class TunnelGuard(NextLayer):
             )
         logger.info("closing tunnel to %s:%s: %s", host, port, problem)
         nextlayer.layer = RefuseTunnel(context)
+
+
+def _inspection_layers(context: Any, *, tls: bool) -> layer.Layer:
+    """TLS towards both sides, then HTTP: every request inside is decided with its path."""
+    if not tls:
+        return HttpLayer(context, HTTPMode.transparent)
+    server_tls = ServerTLSLayer(context)
+    server_tls.child_layer = ClientTLSLayer(context)
+    return server_tls
 
 
 def _sni_problem(tunnel_host: str, sni: str | None) -> str | None:

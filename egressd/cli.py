@@ -125,6 +125,25 @@ def proxy_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return _with_options(func, options)
 
 
+def inspection_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--no-inspect/--upstream-ca: TLS inspection for the hosts whose rules need it."""
+    options = [
+        click.option(
+            "--no-inspect",
+            is_flag=True,
+            help="Never intercept TLS: hosts admitted only for some paths are refused (needs_inspection).",
+        ),
+        click.option(
+            "--upstream-ca",
+            multiple=True,
+            metavar="FILE",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Also trust this CA (PEM) for upstream certificates of intercepted hosts (repeatable).",
+        ),
+    ]
+    return _with_options(func, options)
+
+
 def _overrides(
     allow: Sequence[str],
     deny: Sequence[str],
@@ -145,14 +164,19 @@ def _session_options(
     audit_path: str | None,
     trace: bool,
     listen: str,
+    *,
+    inspect: bool = True,
+    upstream_ca: Sequence[str] = (),
 ) -> SessionOptions:
-    """What @policy_options and @proxy_options parsed, as one value."""
+    """What @policy_options, @proxy_options (and @inspection_options) parsed, as one value."""
     return SessionOptions(
         policy_file=policy_file,
         overrides=_overrides(allow, deny, mode, nameservers, profile),
         listen=parse_listen(listen),
         audit_path=audit_path,
         trace=trace,
+        inspect=inspect,
+        upstream_ca=tuple(upstream_ca),
     )
 
 
@@ -232,6 +256,7 @@ Example:
 )
 @policy_options
 @proxy_options
+@inspection_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
 def exec_command(
     policy_file: str | None,
@@ -243,6 +268,8 @@ def exec_command(
     audit_path: str | None,
     trace: bool,
     listen: str,
+    no_inspect: bool,
+    upstream_ca: tuple[str, ...],
     command: tuple[str, ...],
 ) -> None:
     """Run CMD with all its traffic going through egressd.
@@ -253,7 +280,17 @@ def exec_command(
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
     options = _session_options(
-        policy_file, allow, deny, mode, nameservers, profile, audit_path, trace, listen
+        policy_file,
+        allow,
+        deny,
+        mode,
+        nameservers,
+        profile,
+        audit_path,
+        trace,
+        listen,
+        inspect=not no_inspect,
+        upstream_ca=upstream_ca,
     )
     returncode = process.EXIT_CANNOT_RUN
     with _session(options, announce_reloads=trace) as session:
@@ -273,6 +310,7 @@ Example:
 )
 @policy_options
 @proxy_options
+@inspection_options
 def run_command(
     policy_file: str | None,
     allow: tuple[str, ...],
@@ -283,6 +321,8 @@ def run_command(
     audit_path: str | None,
     trace: bool,
     listen: str,
+    no_inspect: bool,
+    upstream_ca: tuple[str, ...],
 ) -> None:
     """Run the proxy until SIGTERM/SIGINT; print the `export` lines a child needs.
 
@@ -293,7 +333,17 @@ def run_command(
     stops = (signal.SIGINT, signal.SIGTERM)
     catcher = process.SignalCatcher((*stops, signal.SIGHUP)).install()
     options = _session_options(
-        policy_file, allow, deny, mode, nameservers, profile, audit_path, trace, listen
+        policy_file,
+        allow,
+        deny,
+        mode,
+        nameservers,
+        profile,
+        audit_path,
+        trace,
+        listen,
+        inspect=not no_inspect,
+        upstream_ca=upstream_ca,
     )
     with _session(options, announce_reloads=True) as session:
         for key, value in session.exports().items():
@@ -516,6 +566,41 @@ def policy_path(name: str) -> None:
         click.echo(str(builtin_policy_path(name)))
     except PolicyError as exc:
         _fail(str(exc))
+
+
+@cli.group(
+    "ca",
+    short_help="egressd's certificate authority for TLS inspection.",
+    epilog="""\b
+Example:
+  egressd ca path            # the CA certificate to trust (created on first need)
+  egressd ca rotate          # a new CA key and certificate""",
+)
+def ca_group() -> None:
+    """The CA egressd signs intercepted connections with; its key never leaves EGRESSD_HOME/ca."""
+
+
+@ca_group.command("path", epilog="\b\nExample:\n  curl --cacert \"$(egressd ca path)\" ...")
+def ca_path() -> None:
+    """Print the path of the CA certificate (no key), creating the CA when there is none yet."""
+    from egressd import ca
+
+    try:
+        click.echo(str(ca.ensure_ca(ca.config_dir())))
+    except ca.CAError as exc:
+        _fail(str(exc))
+
+
+@ca_group.command("rotate", epilog="\b\nExample:\n  egressd ca rotate && egressd ca path")
+def ca_rotate() -> None:
+    """Replace the CA; children started afterwards trust only the new certificate."""
+    from egressd import ca
+
+    try:
+        path = ca.rotate_ca(ca.config_dir())
+    except ca.CAError as exc:
+        _fail(str(exc))
+    _say(f"new CA certificate: {path}")
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "rate_limited": (429, "connection_limit_reached"),
     "internal_error": (500, "proxy_internal_error"),
     "draining": (503, "proxy_internal_error"),
+    "response_too_large": (502, "http_response_body_size"),
+    "upstream_tls_error": (502, "tls_certificate_error"),
 }
 # policy refusals about the address itself get the IP-specific error type
 _ADDRESS_REASONS = {"forbidden_address", "resolved_forbidden", "self"}
@@ -45,6 +47,7 @@ POLICY_REASONS = frozenset(
         "no_approver",
         "needs_inspection",
         "sni_mismatch",
+        "not_http",
         "websocket",
     }
 )

@@ -87,6 +87,9 @@ class SessionOptions:
     audit_path: str | None = None
     trace: bool = False
     socks: bool = True
+    inspect: bool = True  # TLS inspection where a rule needs it; --no-inspect turns it off
+    upstream_ca: tuple[str, ...] = ()
+    config_dir: Path | None = None  # egressd's config dir (the CA); None = EGRESSD_HOME or ~/.config
 
 
 class ProxySession:
@@ -162,7 +165,13 @@ class ProxySession:
         except OSError as exc:
             raise SessionError(f"--audit {self.options.audit_path}: {exc.strerror or exc}") from exc
         self.proxy = EgressProxy(
-            self.policy, listen=self.options.listen, socks=self.options.socks, audit=self.audit
+            self.policy,
+            listen=self.options.listen,
+            socks=self.options.socks,
+            audit=self.audit,
+            inspect=self.options.inspect,
+            config_dir=self.options.config_dir,
+            upstream_ca=self.options.upstream_ca,
         )
         try:
             self.proxy.start()

@@ -7,6 +7,8 @@ other refusal, and turns egressd's failure markers (DNS, connect) into the right
 
 from __future__ import annotations
 
+import re
+
 from mitmproxy import http
 from mitmproxy.net.http import http1
 
@@ -22,10 +24,17 @@ _STATUS_REASON = {
 }
 
 
+# how mitmproxy words a failed TLS handshake with an intercepted host's upstream
+_TLS_FAILURE = re.compile(r"certificate verify failed|tls handshake|ssl handshake", re.IGNORECASE)
+
+
 def refusal_from_error(status_code: int, message: str) -> tuple[int, Refusal]:
     failure = parse_failure(message)
     if failure is not None:
         refusal = Refusal(failure[0], failure[1])
+        return refusal.status, refusal
+    if _TLS_FAILURE.search(message):
+        refusal = Refusal("upstream_tls_error", message)
         return refusal.status, refusal
     reason = _STATUS_REASON.get(status_code, "bad_request" if 400 <= status_code < 500 else "connect_error")
     return status_code, Refusal(reason, message)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from egressd.engine import error_pages, pinning
@@ -44,6 +46,9 @@ class EgressProxy:
         audit: AuditLog | None = None,
         nameservers: Sequence[tuple[str, int]] = (),
         require_auth: bool = True,
+        inspect: bool = True,
+        config_dir: Path | None = None,
+        upstream_ca: Sequence[str] = (),
     ) -> None:
         if nameservers:
             policy = policy.with_overrides(
@@ -59,6 +64,12 @@ class EgressProxy:
         self._master: Master | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        # TLS inspection: allowed unless --no-inspect; set up at start when the policy needs it
+        self.inspect_allowed = inspect
+        self.config_dir = config_dir
+        self.upstream_ca = tuple(upstream_ca)
+        self.ca_bundle: str | None = None
+        self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
     # -- policy and credentials ----------------------------------------------------------------
     @property
@@ -82,6 +93,7 @@ class EgressProxy:
     def start(self) -> None:
         pinning.install()
         error_pages.install()
+        self._prepare_inspection()
         set_shared_runtime(self.runtime)
         self._thread = threading.Thread(target=self._thread_main, name="egressd-proxy", daemon=True)
         self._thread.start()
@@ -89,6 +101,23 @@ class EgressProxy:
             raise EngineError("the proxy did not start in time")
         if self._error is not None:
             raise EngineError(str(self._error)) from self._error
+
+    def _prepare_inspection(self) -> None:
+        """CA and trust files, created on first need: only when the policy would intercept."""
+        if not self.inspect_allowed or not self.policy.needs_inspection:
+            return
+        from egressd import ca
+
+        config = self.config_dir or ca.config_dir()
+        try:
+            ca.ensure_ca(config)
+            self._workdir = tempfile.TemporaryDirectory(prefix="egressd-")
+            self._upstream_roots = ca.upstream_trust_file(self.upstream_ca, Path(self._workdir.name))
+        except ca.CAError as exc:
+            raise EngineError(str(exc)) from exc
+        self._confdir = ca.ca_dir(config)
+        self.ca_bundle = str(ca.bundle_path(config))
+        self.runtime.inspection = True
 
     def _thread_main(self) -> None:
         try:
@@ -113,6 +142,12 @@ class EgressProxy:
         master = Master(opts, event_loop=self._loop)
         server = proxyserver.Proxyserver()
         master.addons.add(core.Core(), server, TunnelGuard(self.runtime), PolicyGate(self.runtime))
+        if self.runtime.inspection:
+            from mitmproxy.addons import tlsconfig
+
+            # confdir first: TlsConfig loads (or creates) its CA as soon as it is added
+            opts.update(confdir=str(self._confdir), ssl_verify_upstream_trusted_ca=str(self._upstream_roots))
+            master.addons.add(tlsconfig.TlsConfig())
         host, port = self.listen
         modes = [f"regular@{_hostport(host, port or _free_port(host))}"]
         if self.socks:
@@ -124,7 +159,9 @@ class EgressProxy:
             tcp_timeout=int(policy.limits.idle_timeout),
             stream_large_bodies="256k",
             proxyauth="egressd",  # makes mitmproxy's SOCKS5 layer ask for user/password
+            http2=False,  # intercepted HTTPS speaks HTTP/1.1 on both sides: one Host, one request line
         )
+
         self._master = master
         run = asyncio.ensure_future(master.run())
         deadline = time.monotonic() + START_TIMEOUT
@@ -181,6 +218,9 @@ class EgressProxy:
             self._master.shutdown()
             self._thread.join(timeout=10)
         self._master = None
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
 
 
 def _free_port(host: str) -> int:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from egressd.engine.credentials import CredentialStore, ProxyCredentials
 from egressd.engine.gate import Gatekeeper, PolicyHolder
+from egressd.engine.redirects import RedirectMemory
 
 if TYPE_CHECKING:
     from egressd.audit import AuditLog
@@ -37,6 +38,7 @@ class ConnState:
     bytes_down: int = 0
     admissions: dict[str, Admission] = field(default_factory=dict)  # by server connection id
     request_admitted: set[tuple[str, int]] = field(default_factory=set)  # plain-HTTP targets decided
+    intercept: set[tuple[str, int]] = field(default_factory=set)  # tunnels to TLS-intercept
 
     @property
     def profile(self) -> str | None:
@@ -62,6 +64,9 @@ class Runtime:
         self.audit = audit
         self.require_auth = require_auth
         self.draining = False
+        # TLS inspection is available (CA ready, TLS addon loaded); off with --no-inspect
+        self.inspection = False
+        self.redirects = RedirectMemory()
         self.conns: dict[str, ConnState] = {}
         self._lock = threading.Lock()
 

@@ -126,6 +126,11 @@ class Policy:
     def __hash__(self) -> int:
         return hash((self.version, self.mode, self.allow, self.deny, self.ports))
 
+    @property
+    def needs_inspection(self) -> bool:
+        """Some HTTPS would be TLS-intercepted: inspect rules, built-in allowances, path/method rules."""
+        return bool(len(self.inspect) or self.builtin or any(rule.restricted for rule in self.allow.rules))
+
     def with_overrides(
         self,
         *,

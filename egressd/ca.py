@@ -1,0 +1,132 @@
+"""egressd's own certificate authority for TLS inspection, and the trust bundles built from it.
+
+The CA key lives in `<config>/ca/` (directory 0700, key 0600), never in mitmproxy's default folder
+and never next to the bundle a child is pointed at: children get `<config>/public/ca-bundle.pem`
+(the system roots plus egressd's CA certificate), a folder with no key in it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import ssl
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+# mitmproxy's TlsConfig looks for "<confdir>/mitmproxy-ca.pem"; egressd points confdir at its CA dir
+MITMPROXY_BASENAME = "mitmproxy"
+KEY_SIZE = 2048
+
+
+class CAError(Exception):
+    """The CA cannot be created or read (permissions, a broken file); the message says why."""
+
+
+def config_dir(env: dict[str, str] | None = None) -> Path:
+    env = dict(os.environ) if env is None else env
+    if env.get("EGRESSD_HOME"):
+        return Path(env["EGRESSD_HOME"])
+    base = Path(env["XDG_CONFIG_HOME"]) if env.get("XDG_CONFIG_HOME") else Path.home() / ".config"
+    return base / "egressd"
+
+
+def ca_dir(config: Path) -> Path:
+    return config / "ca"
+
+
+def public_dir(config: Path) -> Path:
+    return config / "public"
+
+
+def ca_cert_path(config: Path) -> Path:
+    """The CA certificate alone (no key), for users to inspect or trust."""
+    return public_dir(config) / "egressd-ca-cert.pem"
+
+
+def bundle_path(config: Path) -> Path:
+    return public_dir(config) / "ca-bundle.pem"
+
+
+def system_roots() -> Path | None:
+    """The system's CA bundle file, or None when none can be found."""
+    paths = ssl.get_default_verify_paths()
+    for candidate in (paths.cafile, paths.openssl_cafile, "/etc/ssl/certs/ca-certificates.crt"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    try:
+        import certifi
+
+        return Path(certifi.where())
+    except ImportError:  # pragma: no cover - certifi comes with mitmproxy
+        return None
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+
+
+def ensure_ca(config: Path) -> Path:
+    """Create the CA on first need; returns the path of the public CA certificate."""
+    from mitmproxy import certs
+
+    key_dir = ca_dir(config)
+    key_file = key_dir / f"{MITMPROXY_BASENAME}-ca.pem"
+    try:
+        config.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _private_dir(key_dir)
+        if not key_file.exists():
+            certs.CertStore.create_store(
+                key_dir, MITMPROXY_BASENAME, KEY_SIZE, organization="egressd", cn="egressd inspection CA"
+            )
+        for secret in key_dir.iterdir():
+            os.chmod(secret, 0o600)
+        cert_pem = (key_dir / f"{MITMPROXY_BASENAME}-ca-cert.pem").read_bytes()
+        public = public_dir(config)
+        public.mkdir(parents=True, exist_ok=True, mode=0o755)
+        _write_atomic(ca_cert_path(config), cert_pem, 0o644)
+        roots = system_roots()
+        system = roots.read_bytes() if roots else b""
+        _write_atomic(bundle_path(config), _join_pem(system, cert_pem), 0o644)
+    except OSError as exc:
+        raise CAError(f"cannot set up egressd's CA in {config}: {exc.strerror or exc}") from exc
+    return ca_cert_path(config)
+
+
+def rotate_ca(config: Path) -> Path:
+    """Replace the CA (a new key and certificate); children started afterwards trust only the new one."""
+    key_dir = ca_dir(config)
+    if key_dir.exists():
+        shutil.rmtree(key_dir)
+    return ensure_ca(config)
+
+
+def upstream_trust_file(extra: Sequence[str | os.PathLike[str]], directory: Path) -> Path:
+    """The roots upstream certificates are verified against: system roots plus --upstream-ca files."""
+    roots = system_roots()
+    parts = [roots.read_bytes()] if roots else []
+    for path in extra:
+        try:
+            parts.append(Path(path).read_bytes())
+        except OSError as exc:
+            raise CAError(f"--upstream-ca {path}: {exc.strerror or exc}") from exc
+    target = directory / "upstream-roots.pem"
+    _write_atomic(target, _join_pem(*parts), 0o644)
+    return target
+
+
+def _join_pem(*parts: bytes) -> bytes:
+    return b"\n".join(p.rstrip(b"\n") for p in parts if p.strip()) + b"\n"
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
