@@ -121,7 +121,12 @@ class PolicyGate:
         assert decision.target is not None
         # every later step and the connection use the canonical spelling
         flow.request.host = decision.target.host.text
-        if self._wants_inspection(decision):
+        if self._wants_inspection(decision) or (
+            self.rt.inspection
+            and self.rt.redirects.expects(
+                _client_key(flow, state), "https", flow.request.host, flow.request.port
+            )
+        ):
             state.intercept.add((flow.request.host, flow.request.port))
 
     def _wants_inspection(self, decision: Any) -> bool:

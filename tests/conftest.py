@@ -80,6 +80,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # Fixtures
 # ------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def egressd_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh EGRESSD_HOME per test: a CA egressd creates lands there, never in ~/.config."""
+    home = tmp_path_factory.mktemp("egressd-home")
+    monkeypatch.setenv("EGRESSD_HOME", str(home))
+    return home
+
+
 @pytest.fixture
 def dns() -> Iterator[DnsServer]:
     """A started, empty DnsServer on 127.0.0.1 (UDP+TCP, same port); unknown names → NXDOMAIN."""

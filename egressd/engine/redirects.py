@@ -68,6 +68,16 @@ class RedirectMemory:
             while len(self._entries) > self._max:
                 self._entries.popitem(last=False)
 
+    def expects(self, client: str, scheme: str, host: str, port: int) -> bool:
+        """A redirect sent this child to that origin: its tunnel must be opened up to strip headers."""
+        prefix = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}/"
+        now = time.monotonic()
+        with self._lock:
+            return any(
+                c == client and k.startswith(prefix) and exp >= now
+                for (c, k), (_, exp) in self._entries.items()
+            )
+
     def take(self, client: str, url: str) -> str | None:
         """The origin that redirected this child to url (once), or None."""
         key = _key(url)

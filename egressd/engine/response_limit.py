@@ -2,8 +2,9 @@
 
 A response whose Content-Length is over the limit is replaced, before any of its body is sent, by
 egressd's own error (502, reason response_too_large). A response of unknown length is streamed and,
-once it passes the limit, the client connection is closed mid-body: the client sees a truncated
-transfer, never a silently shortened but complete-looking one. Both are audited by the caller.
+once it passes the limit, the client connection is closed mid-body; it is sent chunked, so the
+client sees a truncated transfer, never a silently shortened but complete-looking one. The caller
+audits both.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def apply(flow: http.HTTPFlow, limit: int, on_cut: Callable[[int], None]) -> Non
         _replace_with_refusal(flow, limit, length)
         on_cut(length)
         return
+    if length is None and "chunked" not in response.headers.get("transfer-encoding", "").lower():
+        # a close-delimited body cut short would look complete: chunked framing makes the cut visible
+        response.headers["transfer-encoding"] = "chunked"
     response.stream = _Limiter(flow, limit, on_cut)
 
 
