@@ -10,8 +10,12 @@ Loads in a stock `mitmdump -s addons/policy_gate.py` too (policy from EGRESSD_PO
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
+import inspect
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +24,8 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
 from mitmproxy.proxy.layers.modes import Socks5AuthData
 
-from egressd.engine import response_limit
+from egressd.engine import faults, response_limit
+from egressd.engine.connections import close_client
 from egressd.engine.error_pages import refusal_response
 from egressd.engine.pinning import current_pin
 from egressd.engine.runtime import ConnState, Runtime, shared_runtime
@@ -37,6 +42,29 @@ _REFUSED = "egressd_refused"
 def _peer(client: connection.Client) -> str:
     host, port, *_ = client.peername or ("?", 0)
     return f"{host}:{port}"
+
+
+def fail_closed(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Any exception in a deciding hook becomes a refusal with reason internal_error."""
+    if inspect.iscoroutinefunction(hook):
+
+        @functools.wraps(hook)
+        async def guarded_async(self: PolicyGate, argument: Any) -> None:
+            try:
+                await hook(self, argument)
+            except Exception as exc:  # noqa: BLE001 - fail closed
+                self.internal_error(hook.__name__, argument, exc)
+
+        return guarded_async
+
+    @functools.wraps(hook)
+    def guarded(self: PolicyGate, argument: Any) -> None:
+        try:
+            hook(self, argument)
+        except Exception as exc:  # noqa: BLE001 - fail closed
+            self.internal_error(hook.__name__, argument, exc)
+
+    return guarded
 
 
 class PolicyGate:
@@ -58,6 +86,21 @@ class PolicyGate:
             client.error = "egressd is shutting down"
             return
         self.rt.open_conn(client.id, _peer(client))
+        timeout = self.rt.policies.get().limits.header_timeout
+        asyncio.get_running_loop().call_later(timeout, self._header_deadline, client.id, timeout)
+
+    def _header_deadline(self, client_id: str, timeout: float) -> None:
+        """Slow or silent clients (Slowloris) are cut when no request head arrived in time."""
+        state = self.rt.conn(client_id)
+        if state is None or state.head_seen:
+            return
+        if close_client(client_id) and self.rt.audit is not None:
+            self.rt.audit.event(
+                "header_timeout",
+                conn=state.conn_id,
+                peer=state.peer,
+                detail=f"no request within {timeout:g}s",
+            )
 
     def client_disconnected(self, client: connection.Client) -> None:
         state = self.rt.close_conn(client.id)
@@ -102,12 +145,19 @@ class PolicyGate:
             data.valid = True
 
     # -- CONNECT -----------------------------------------------------------------------------
+    @fail_closed
     def http_connect(self, flow: http.HTTPFlow) -> None:
         state = self._state(flow.client_conn)
+        state.head_seen = True
+        faults.maybe_fail("hook")
         if not self._authenticate(flow, state):
             self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
             return
         flow.request.headers.pop("proxy-authorization", None)
+        limited = self._rate_limit(flow.client_conn, state) or self._connection_limit()
+        if limited is not None:
+            self._refuse(flow, state, limited)
+            return
         decision = self.rt.gate.decide(
             flow.request.host, flow.request.port, state.profile, scheme="connect", method="CONNECT"
         )
@@ -152,10 +202,17 @@ class PolicyGate:
         flow.metadata[_REFUSED] = True
 
     # -- plain HTTP --------------------------------------------------------------------------
+    @fail_closed
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         state = self._state(flow.client_conn)
+        state.head_seen = True
+        faults.maybe_fail("hook")
         if not self._authenticate(flow, state):
             self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
+            return
+        limited = self._rate_limit(flow.client_conn, state)
+        if limited is not None:
+            self._refuse(flow, state, limited)
             return
         request = flow.request
         decision = self.rt.gate.decide(
@@ -211,6 +268,7 @@ class PolicyGate:
                 stripped=stripped,
             )
 
+    @fail_closed
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get(_REFUSED) or flow.response is None:
             return
@@ -245,12 +303,19 @@ class PolicyGate:
         logger.debug("flow error: %s", flow.error)
 
     # -- the choke point: every upstream connection --------------------------------------------
+    @fail_closed
     async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         current_pin.set(None)
         state = self._state(data.client)
+        state.head_seen = True
         address = data.server.address
         if address is None:
             data.server.error = failure_message("invalid_target", "no destination")
+            return
+        socks = data.client.proxy_mode.type_name == "socks5"
+        limited = (self._rate_limit(data.client, state) if socks else None) or self._connection_limit()
+        if limited is not None:
+            data.server.error = failure_message(limited.reason, limited.detail)
             return
         host, port = address[0], address[1]
         decision = self.rt.gate.decide(host, port, state.profile)
@@ -279,7 +344,15 @@ class PolicyGate:
         state = self._state(data.client)
         admission = state.admissions.get(data.server.id)
         if admission is not None:
+            self.rt.upstreams.add(data.server.id)
             self._audit_connection(state, admission, None)
+
+    def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        # runs after client_disconnected when the client went first: keyed by the server connection
+        self.rt.upstreams.discard(data.server.id)
+        state = self.rt.conn(data.client.id)
+        if state is not None:
+            state.admissions.pop(data.server.id, None)
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
         state = self._state(data.client)
@@ -287,6 +360,45 @@ class PolicyGate:
         if admission is not None and admission.pin is not None:
             self._audit_connection(
                 state, admission, admission.pin.failure or ("connect_error", str(data.server.error))
+            )
+
+    # -- limits ------------------------------------------------------------------------------
+    def _rate_limit(self, client: connection.Client, state: ConnState) -> Refusal | None:
+        limits = self.rt.policies.get().limits
+        if limits.requests_per_second is None:
+            return None
+        key = state.creds.token if state.creds is not None else client.id
+        wait = self.rt.buckets.take(key, limits.requests_per_second, limits.burst)
+        if wait <= 0:
+            return None
+        return Refusal(
+            "rate_limited",
+            f"more than {limits.requests_per_second:g} requests per second from this child "
+            f"(limits.requests_per_second, burst {limits.burst or 'default'})",
+            state.host or "",
+            state.port,
+            retry_after=max(1, math.ceil(wait)),
+        )
+
+    def _connection_limit(self) -> Refusal | None:
+        limit = self.rt.policies.get().limits.max_connections
+        if limit is None or len(self.rt.upstreams) < limit:
+            return None
+        return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
+
+    def internal_error(self, hook: str, argument: Any, exc: BaseException) -> None:
+        """A bug while deciding refuses (never allows) and is audited."""
+        logger.error("egressd internal error in %s: %r", hook, exc, exc_info=exc)
+        refusal = Refusal("internal_error", f"{hook}: {type(exc).__name__}: {exc}")
+        if isinstance(argument, http.HTTPFlow):
+            argument.metadata[_REFUSED] = True
+            argument.response = refusal_response(refusal)
+        elif isinstance(argument, server_hooks.ServerConnectionHookData):
+            current_pin.set(None)
+            argument.server.error = failure_message(refusal.reason, refusal.detail)
+        if self.rt.audit is not None:
+            self.rt.audit.event(
+                "internal_error", hook=hook, decision="deny", reason="internal_error", detail=refusal.detail
             )
 
     # -- helpers -----------------------------------------------------------------------------

@@ -20,6 +20,8 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "bad_request": (400, "http_request_error"),
     "host_mismatch": (400, "http_request_error"),
     "rate_limited": (429, "connection_limit_reached"),
+    "connection_limit": (429, "connection_limit_reached"),
+    "header_timeout": (408, "http_request_error"),
     "internal_error": (500, "proxy_internal_error"),
     "draining": (503, "proxy_internal_error"),
     "response_too_large": (502, "http_response_body_size"),
@@ -66,6 +68,7 @@ class Refusal:
     host: str = ""
     port: int | None = None
     rule: str | None = None
+    retry_after: int | None = None  # seconds, for 429 answers
 
     @property
     def is_policy(self) -> bool:
@@ -105,8 +108,8 @@ class Refusal:
             headers.append(("X-Egressd-Rule", _header_safe(self.rule)))
         if self.reason == "proxy_auth_required":
             headers.append(("Proxy-Authenticate", 'Basic realm="egressd"'))
-        if self.reason == "rate_limited":
-            headers.append(("Retry-After", "1"))
+        if self.status == 429:
+            headers.append(("Retry-After", str(self.retry_after or 1)))
         return headers
 
     def body(self) -> str:
@@ -137,6 +140,8 @@ class Refusal:
             return f"remove the deny rule '{self.rule or self.host}' from the policy"
         if self.reason == "resolved_forbidden":
             return f"egressd exec --allow <CIDR of the address> --allow {rule} -- <command>"
+        if self.reason == "builtin_path":
+            return f"add the path to the built-in allowance for {self.host} in the policy (builtin: paths)"
         if self.reason == "needs_inspection":
             return "run without --no-inspect (this host is admitted only for some paths)"
         return f"egressd exec --allow {rule} -- <command>   (or add '{rule}' to the policy's allow list)"

@@ -35,7 +35,8 @@ def make_resolver(nameservers: Sequence[tuple[str, int]], timeout: float) -> dns
     else:
         resolver = dns.asyncresolver.Resolver()
     resolver.lifetime = timeout
-    resolver.timeout = timeout
+    # a lost UDP packet is retried within the lifetime instead of using all of it up
+    resolver.timeout = min(timeout, max(0.5, timeout / 4))
     resolver.cache = None
     return resolver
 

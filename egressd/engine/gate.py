@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from egressd.engine import faults
 from egressd.engine.pinning import Pin
 from egressd.policy import (
     Client,
@@ -88,6 +89,7 @@ class Gatekeeper:
         except ValueError as e:
             return Decision(allowed=False, reason="invalid_target", rule=None, target=None, detail=str(e))
         try:
+            faults.maybe_fail("decide")
             decision = decide(target, Client(profile=profile), policy, self_addresses=self.self_addresses)
         except Exception as e:  # noqa: BLE001 - fail closed on any bug
             logger.exception("decision failed")

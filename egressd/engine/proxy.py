@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import socket
 import tempfile
 import threading
@@ -93,6 +94,7 @@ class EgressProxy:
     def start(self) -> None:
         pinning.install()
         error_pages.install()
+        _raise_fd_limit()
         self._prepare_inspection()
         set_shared_runtime(self.runtime)
         self._thread = threading.Thread(target=self._thread_main, name="egressd-proxy", daemon=True)
@@ -138,6 +140,7 @@ class EgressProxy:
         from egressd.addons.tunnel_guard import TunnelGuard
 
         self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(_quiet_exception_handler)
         opts = options.Options()
         master = Master(opts, event_loop=self._loop)
         server = proxyserver.Proxyserver()
@@ -221,6 +224,26 @@ class EgressProxy:
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
+
+
+def _quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """Connections cancelled at shutdown are expected, not errors to print on the child's stderr."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        return
+    logger.error(
+        "unhandled error in the proxy loop: %s", context.get("message"), exc_info=context.get("exception")
+    )
+
+
+def _raise_fd_limit() -> None:
+    """Two descriptors per tunnel: a proxy needs the hard limit, not the default 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            logger.debug("could not raise RLIMIT_NOFILE from %s", soft)
 
 
 def _free_port(host: str) -> int:

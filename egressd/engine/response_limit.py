@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from mitmproxy import ctx, http
+from mitmproxy import http
 
+from egressd.engine.connections import close_client
 from egressd.engine.error_pages import refusal_response
 from egressd.refusal import Refusal
 
@@ -79,13 +80,5 @@ class _Limiter:
             return [chunk]
         self.cut = True
         self.on_cut(self.seen)
-        _close_client(self.flow)
+        close_client(self.flow.client_conn.id)  # mitmproxy has no command for this from a stream hook
         return []
-
-
-def _close_client(flow: http.HTTPFlow) -> None:
-    """Close the client connection now (mitmproxy has no command for this from a stream hook)."""
-    server = ctx.master.addons.get("proxyserver")
-    handler = server.connections.get(flow.client_conn.id) if server is not None else None
-    if handler is not None:
-        handler.close_connection(handler.client)

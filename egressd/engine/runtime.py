@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from egressd.engine.credentials import CredentialStore, ProxyCredentials
 from egressd.engine.gate import Gatekeeper, PolicyHolder
+from egressd.engine.limits import TokenBuckets
 from egressd.engine.redirects import RedirectMemory
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class ConnState:
     admissions: dict[str, Admission] = field(default_factory=dict)  # by server connection id
     request_admitted: set[tuple[str, int]] = field(default_factory=set)  # plain-HTTP targets decided
     intercept: set[tuple[str, int]] = field(default_factory=set)  # tunnels to TLS-intercept
+    head_seen: bool = False  # a request head / CONNECT / SOCKS request arrived (header_timeout)
 
     @property
     def profile(self) -> str | None:
@@ -67,6 +69,8 @@ class Runtime:
         # TLS inspection is available (CA ready, TLS addon loaded); off with --no-inspect
         self.inspection = False
         self.redirects = RedirectMemory()
+        self.buckets = TokenBuckets()
+        self.upstreams: set[str] = set()  # ids of upstream connections open now (limits.max_connections)
         self.conns: dict[str, ConnState] = {}
         self._lock = threading.Lock()
 

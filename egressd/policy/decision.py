@@ -194,9 +194,7 @@ def _profile_refusal(request: _Request, client: Client, policy: Policy) -> tuple
     for rule in _matching(profile.deny, request):
         covered = _covers(rule, request)
         if covered:
-            detail = (
-                f"{request.target.authority()} is denied by profile {name} rule {rule.describe()!r}."
-            )
+            detail = f"{request.target.authority()} is denied by profile {name} rule {rule.describe()!r}."
             return _refuse(request, "profile", f"profile {name}: deny {rule.text}", detail, client), False
         pending = pending or covered is None
     if profile.ports and not request.loopback and request.port not in profile.ports:
@@ -283,9 +281,7 @@ def _decide(
 
     # 3. mode off.
     if policy.mode == "off":
-        return _refuse(
-            request, "mode_off", "mode: off", "egress is switched off (mode: off).", client
-        )
+        return _refuse(request, "mode_off", "mode: off", "egress is switched off (mode: off).", client)
 
     # 4. Always-refused addresses, in any spelling.
     if target.host.ip is not None:

@@ -144,6 +144,14 @@ class _Reader:
             raise self.fail(key, "must be a positive, finite number", value)
         return value
 
+    def count(self, value: object, key: str) -> int | None:
+        """A positive integer, or null for "no limit"."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.fail(key, "must be a positive integer or null", value)
+        return value
+
     def rules(self, value: object, key: str) -> RuleSet:
         return RuleSet(parse_rule_list(self.list(value, key), self.source, key))
 
@@ -289,7 +297,18 @@ def parse_policy(data: object, source: str) -> Policy:
     private = reader.mapping(top.get("private"), "private", ("allow", "origins"))
     credentials = reader.mapping(top.get("credentials"), "credentials", ("strip_on_host_change",))
     limits = reader.mapping(
-        top.get("limits"), "limits", ("connect_timeout", "dns_timeout", "idle_timeout", "max_response_bytes")
+        top.get("limits"),
+        "limits",
+        (
+            "connect_timeout",
+            "dns_timeout",
+            "idle_timeout",
+            "max_response_bytes",
+            "header_timeout",
+            "max_connections",
+            "requests_per_second",
+            "burst",
+        ),
     )
     resolver = reader.mapping(top.get("resolver"), "resolver", ("nameservers",))
     profiles = top.get("profiles")
@@ -311,11 +330,6 @@ def parse_policy(data: object, source: str) -> Policy:
         if not isinstance(header, str) or not _HEADER.fullmatch(header):
             raise reader.fail(f"{strip_key}[{index}]", "not a valid header name", header)
         headers.append(header.lower())
-    max_bytes = limits.get("max_response_bytes")
-    if max_bytes is not None and (
-        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
-    ):
-        raise reader.fail("limits.max_response_bytes", "must be a positive integer or null", max_bytes)
     defaults = Limits()
     nameservers = tuple(
         parse_nameserver(entry, source, f"resolver.nameservers[{i}]")
@@ -347,7 +361,17 @@ def parse_policy(data: object, source: str) -> Policy:
             idle_timeout=reader.positive(
                 limits.get("idle_timeout"), "limits.idle_timeout", defaults.idle_timeout
             ),
-            max_response_bytes=max_bytes,
+            max_response_bytes=reader.count(limits.get("max_response_bytes"), "limits.max_response_bytes"),
+            header_timeout=reader.positive(
+                limits.get("header_timeout"), "limits.header_timeout", defaults.header_timeout
+            ),
+            max_connections=reader.count(limits.get("max_connections"), "limits.max_connections"),
+            requests_per_second=(
+                None
+                if limits.get("requests_per_second") is None
+                else reader.positive(limits.get("requests_per_second"), "limits.requests_per_second", 1)
+            ),
+            burst=reader.count(limits.get("burst"), "limits.burst"),
         ),
         resolver=ResolverConfig(nameservers=nameservers),
         profiles={name: _parse_profile(name, value, reader) for name, value in (profiles or {}).items()},

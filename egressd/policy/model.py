@@ -78,6 +78,10 @@ class Limits:
     dns_timeout: float = 5
     idle_timeout: float = 3600
     max_response_bytes: int | None = None
+    header_timeout: float = 30  # a client must finish its request head (or SOCKS greeting) by then
+    max_connections: int | None = None  # concurrent upstream connections (tunnels); beyond: 429
+    requests_per_second: float | None = None  # per child (credentials): CONNECTs, requests, SOCKS
+    burst: int | None = None  # token-bucket depth for requests_per_second (default: 2x the rate)
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 1024
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
@@ -356,6 +357,7 @@ class _EchoTCPHandler(socketserver.BaseRequestHandler):
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):
+    request_queue_size = 1024  # load tests open 1,000 tunnels at once
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
