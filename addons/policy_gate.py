@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from mitmproxy.proxy.layers.modes import Socks5AuthData
 from egressd.engine import faults, response_limit
 from egressd.engine.connections import close_client
 from egressd.engine.error_pages import refusal_response
+from egressd.engine.gate import decision_refusal
 from egressd.engine.pinning import current_pin
 from egressd.engine.runtime import ConnState, Runtime, shared_runtime
 from egressd.policy import TargetError, canonical_host
@@ -104,19 +104,8 @@ class PolicyGate:
 
     def client_disconnected(self, client: connection.Client) -> None:
         state = self.rt.close_conn(client.id)
-        if state is None or state.host is None or self.rt.audit is None:
-            return
-        import time
-
-        self.rt.audit.closed(
-            conn=state.conn_id,
-            client=state.client_name,
-            host=state.host,
-            port=state.port,
-            bytes_up=state.bytes_up,
-            bytes_down=state.bytes_down,
-            duration=round(time.monotonic() - state.started, 3),
-        )
+        if state is not None:
+            self.rt.audit_closed(state)
 
     def _state(self, client: connection.Client) -> ConnState:
         state = self.rt.conn(client.id)
@@ -154,7 +143,7 @@ class PolicyGate:
             self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
             return
         flow.request.headers.pop("proxy-authorization", None)
-        limited = self._rate_limit(flow.client_conn, state) or self._connection_limit()
+        limited = self.rt.rate_limit(state, flow.client_conn.id) or self.rt.connection_limit()
         if limited is not None:
             self._refuse(flow, state, limited)
             return
@@ -164,7 +153,7 @@ class PolicyGate:
         if decision.target is not None:
             state.host, state.port = decision.target.host.text, decision.target.port
         if not decision.allowed or (decision.needs_inspection and not self.rt.inspection):
-            admission_refusal = _decision_refusal(decision)
+            admission_refusal = decision_refusal(decision)
             self._audit_decision(state, flow, decision, admission_refusal)
             self._refuse(flow, state, admission_refusal)
             return
@@ -210,7 +199,7 @@ class PolicyGate:
         if not self._authenticate(flow, state):
             self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
             return
-        limited = self._rate_limit(flow.client_conn, state)
+        limited = self.rt.rate_limit(state, flow.client_conn.id)
         if limited is not None:
             self._refuse(flow, state, limited)
             return
@@ -227,7 +216,7 @@ class PolicyGate:
             state.host, state.port = decision.target.host.text, decision.target.port
         refusal = None
         if not decision.allowed or decision.needs_inspection:
-            refusal = _decision_refusal(decision)
+            refusal = decision_refusal(decision)
         elif (mismatch := _host_header_mismatch(request, decision.target)) is not None:
             refusal = Refusal("host_mismatch", mismatch, decision.target.host.text, decision.target.port)
         elif _is_upgrade(request) and not self.rt.policies.get().websocket:
@@ -313,7 +302,7 @@ class PolicyGate:
             data.server.error = failure_message("invalid_target", "no destination")
             return
         socks = data.client.proxy_mode.type_name == "socks5"
-        limited = (self._rate_limit(data.client, state) if socks else None) or self._connection_limit()
+        limited = (self.rt.rate_limit(state, data.client.id) if socks else None) or self.rt.connection_limit()
         if limited is not None:
             data.server.error = failure_message(limited.reason, limited.detail)
             return
@@ -331,7 +320,7 @@ class PolicyGate:
             state.host, state.port = decision.target.host.text, decision.target.port
         if admission.pin is None:
             assert admission.refusal is not None
-            self._audit_connection(state, admission, None)
+            self.rt.audit_connection(state, admission, None)
             data.server.error = failure_message(admission.refusal.reason, admission.refusal.detail)
             state.admissions[data.server.id] = admission
             return
@@ -345,7 +334,7 @@ class PolicyGate:
         admission = state.admissions.get(data.server.id)
         if admission is not None:
             self.rt.upstreams.add(data.server.id)
-            self._audit_connection(state, admission, None)
+            self.rt.audit_connection(state, admission, None)
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         # runs after client_disconnected when the client went first: keyed by the server connection
@@ -358,34 +347,11 @@ class PolicyGate:
         state = self._state(data.client)
         admission = state.admissions.get(data.server.id)
         if admission is not None and admission.pin is not None:
-            self._audit_connection(
+            self.rt.audit_connection(
                 state, admission, admission.pin.failure or ("connect_error", str(data.server.error))
             )
 
-    # -- limits ------------------------------------------------------------------------------
-    def _rate_limit(self, client: connection.Client, state: ConnState) -> Refusal | None:
-        limits = self.rt.policies.get().limits
-        if limits.requests_per_second is None:
-            return None
-        key = state.creds.token if state.creds is not None else client.id
-        wait = self.rt.buckets.take(key, limits.requests_per_second, limits.burst)
-        if wait <= 0:
-            return None
-        return Refusal(
-            "rate_limited",
-            f"more than {limits.requests_per_second:g} requests per second from this child "
-            f"(limits.requests_per_second, burst {limits.burst or 'default'})",
-            state.host or "",
-            state.port,
-            retry_after=max(1, math.ceil(wait)),
-        )
-
-    def _connection_limit(self) -> Refusal | None:
-        limit = self.rt.policies.get().limits.max_connections
-        if limit is None or len(self.rt.upstreams) < limit:
-            return None
-        return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
-
+    # -- faults ------------------------------------------------------------------------------
     def internal_error(self, hook: str, argument: Any, exc: BaseException) -> None:
         """A bug while deciding refuses (never allows) and is audited."""
         logger.error("egressd internal error in %s: %r", hook, exc, exc_info=exc)
@@ -410,78 +376,23 @@ class PolicyGate:
     def _audit_decision(
         self, state: ConnState, flow: http.HTTPFlow, decision: Any, refusal: Refusal | None
     ) -> None:
-        if self.rt.audit is None:
-            return
-        target = decision.target
-        self.rt.audit.decision(
-            conn=state.conn_id,
-            client=state.client_name,
-            profile=state.profile,
-            stage="request" if flow.request.method != "CONNECT" else "connect",
+        connect = flow.request.method == "CONNECT"
+        self.rt.audit_decision(
+            state,
+            decision,
+            refusal,
+            stage="connect" if connect else "request",
             method=flow.request.method,
-            scheme=flow.request.scheme if flow.request.method != "CONNECT" else None,
-            host=target.host.text if target else flow.request.host,
-            port=target.port if target else flow.request.port,
-            path=flow.request.path if flow.request.method != "CONNECT" else None,
-            decision="deny" if refusal else "allow",
-            reason=refusal.reason if refusal else decision.reason,
-            rule=decision.rule,
-            detail=refusal.detail if refusal else decision.detail,
-            resolved=[],
-            connected=None,
-        )
-
-    def _audit_connection(self, state: ConnState, admission: Any, failure: tuple[str, str] | None) -> None:
-        if self.rt.audit is None:
-            return
-        decision = admission.decision
-        target = decision.target
-        pin = admission.pin
-        refusal = admission.refusal
-        allowed = pin is not None and failure is None
-        if refusal is not None:
-            reason, detail = refusal.reason, refusal.detail
-        elif failure is not None:
-            reason, detail = failure
-        else:
-            reason, detail = decision.reason, decision.detail
-        self.rt.audit.decision(
-            conn=state.conn_id,
-            client=state.client_name,
-            profile=state.profile,
-            stage="connection",
-            method=None,
-            scheme=None,
-            host=target.host.text if target else state.host,
-            port=target.port if target else state.port,
-            path=None,
-            decision="allow" if allowed else "deny",
-            reason=reason,
-            rule=decision.rule,
-            detail=detail,
-            resolved=[str(a) for a in admission.resolved],
-            connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
+            scheme=None if connect else flow.request.scheme,
+            path=None if connect else flow.request.path,
+            host=flow.request.host,
+            port=flow.request.port,
         )
 
 
 def _client_key(flow: http.HTTPFlow, state: ConnState) -> str:
     """Redirects are remembered per child (its token), whatever connection the follow-up uses."""
     return state.creds.token if state.creds is not None else flow.client_conn.id
-
-
-def _decision_refusal(decision: Any) -> Refusal:
-    from egressd.engine.gate import refusal_for
-
-    if decision.allowed and decision.needs_inspection:
-        target = decision.target
-        return Refusal(
-            "needs_inspection",
-            "this host is admitted only for some paths or methods, which needs TLS inspection",
-            target.host.text if target else "",
-            target.port if target else None,
-            decision.rule,
-        )
-    return refusal_for(decision)
 
 
 def _failure_refusal(

@@ -181,3 +181,17 @@ def refusal_for(decision: Decision) -> Refusal:
         port=target.port if target is not None else None,
         rule=decision.rule,
     )
+
+
+def decision_refusal(decision: Decision) -> Refusal:
+    """The refusal for a decision made before connecting (a policy refusal, or inspection needed)."""
+    if decision.allowed and decision.needs_inspection:
+        target = decision.target
+        return Refusal(
+            "needs_inspection",
+            "this host is admitted only for some paths or methods, which needs TLS inspection",
+            target.host.text if target else "",
+            target.port if target else None,
+            decision.rule,
+        )
+    return refusal_for(decision)

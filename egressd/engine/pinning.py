@@ -16,6 +16,7 @@ import errno
 import socket
 import time
 import types
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,25 @@ async def connect_pinned(
     local_addr: tuple[str, int] | None = None,
     attempts: list[str] | None = None,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, tuple[str, int]]:
+    """Streams to the first address that accepts (see try_addresses)."""
+
+    async def open_streams(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(address, port, local_addr=local_addr)
+
+    (reader, writer), connected = await try_addresses(
+        addresses, port, connect_timeout, open_streams, attempts
+    )
+    _no_delay(writer.get_extra_info("socket"))
+    return reader, writer, connected
+
+
+async def try_addresses[T](
+    addresses: tuple[IPAddress, ...],
+    port: int,
+    connect_timeout: float,
+    open_one: Callable[[str], Awaitable[T]],
+    attempts: list[str] | None = None,
+) -> tuple[T, tuple[str, int]]:
     """Try each address in order; each attempt bounded, all within 2x connect_timeout."""
     log = attempts if attempts is not None else []
     deadline = time.monotonic() + 2 * connect_timeout
@@ -70,9 +90,7 @@ async def connect_pinned(
             break
         budget = min(connect_timeout, remaining)
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(str(address), port, local_addr=local_addr), timeout=budget
-            )
+            opened = await asyncio.wait_for(open_one(str(address)), timeout=budget)
         except TimeoutError:
             kinds.append("connect_timeout")
             log.append(f"{_fmt(address, port)}: timed out after {budget:.3g}s")
@@ -82,13 +100,15 @@ async def connect_pinned(
             kinds.append("connect_refused" if refused else "connect_error")
             log.append(f"{_fmt(address, port)}: {'connection refused' if refused else (e.strerror or e)}")
             continue
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return reader, writer, (str(address), port)
+        return opened, (str(address), port)
     detail = "; ".join(log) or "no address to connect to"
     # one kind for all attempts names it; a mix is reported by the last attempt's kind
     raise ConnectFailure(kinds[-1] if kinds else "connect_error", detail)
+
+
+def _no_delay(sock: socket.socket | None) -> None:
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _fmt(address: IPAddress, port: int) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import socket
 import tempfile
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from mitmproxy.master import Master
 
     from egressd.audit import AuditLog
+    from egressd.engine.fastpath import FastFront
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class EgressProxy:
         inspect: bool = True,
         config_dir: Path | None = None,
         upstream_ca: Sequence[str] = (),
+        fastpath: bool | None = None,
     ) -> None:
         if nameservers:
             policy = policy.with_overrides(
@@ -70,6 +73,9 @@ class EgressProxy:
         self.config_dir = config_dir
         self.upstream_ca = tuple(upstream_ca)
         self.ca_bundle: str | None = None
+        # the lean tunnel path (egressd/engine/fastpath.py); EGRESSD_FASTPATH=0 turns it off
+        self.fastpath = fastpath if fastpath is not None else os.environ.get("EGRESSD_FASTPATH", "1") != "0"
+        self._front: FastFront | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
     # -- policy and credentials ----------------------------------------------------------------
@@ -152,7 +158,9 @@ class EgressProxy:
             opts.update(confdir=str(self._confdir), ssl_verify_upstream_trusted_ca=str(self._upstream_roots))
             master.addons.add(tlsconfig.TlsConfig())
         host, port = self.listen
-        modes = [f"regular@{_hostport(host, port or _free_port(host))}"]
+        # with the fast path, mitmproxy's HTTP proxy listens on an internal port behind it
+        mitm_port = _free_port(host) if self.fastpath else (port or _free_port(host))
+        modes = [f"regular@{_hostport(host, mitm_port)}"]
         if self.socks:
             modes.append(f"socks5@{_hostport(host, _free_port(host))}")
         policy = self.policy
@@ -175,6 +183,8 @@ class EgressProxy:
             instances = list(server.servers)
             if instances and all(i.is_running for i in instances) and not server.servers.is_updating:
                 self._record_addresses(instances)
+                if self.fastpath:
+                    await self._start_front(host, port)
                 self._ready.set()
                 break
             failed = [i for i in instances if i.last_exception is not None]
@@ -185,7 +195,18 @@ class EgressProxy:
             if time.monotonic() > deadline:
                 raise EngineError("the proxy did not start in time")
             await asyncio.sleep(0.01)
-        await run
+        try:
+            await run
+        finally:
+            if self._front is not None:
+                self._front.close()
+
+    async def _start_front(self, host: str, port: int) -> None:
+        from egressd.engine.fastpath import FastFront
+
+        self._front = FastFront(self.runtime, self.http_address)
+        self.http_address = await self._front.start(host, port)
+        self.runtime.gate.add_self_address(*self.http_address)
 
     def _record_addresses(self, instances: list) -> None:
         for instance in instances:
@@ -204,6 +225,9 @@ class EgressProxy:
         if loop is not None and master is not None and self._thread is not None and self._thread.is_alive():
             from mitmproxy.addons.proxyserver import Proxyserver
 
+            front = self._front
+            if front is not None:
+                loop.call_soon_threadsafe(front.close)
             server = master.addons.get("proxyserver")
             if isinstance(server, Proxyserver):
                 future = asyncio.run_coroutine_threadsafe(server.servers.update([]), loop)

@@ -7,6 +7,7 @@ environment).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -19,10 +20,12 @@ from egressd.engine.credentials import CredentialStore, ProxyCredentials
 from egressd.engine.gate import Gatekeeper, PolicyHolder
 from egressd.engine.limits import TokenBuckets
 from egressd.engine.redirects import RedirectMemory
+from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
     from egressd.audit import AuditLog
     from egressd.engine.gate import Admission
+    from egressd.policy import Decision
 
 
 @dataclass
@@ -89,6 +92,115 @@ class Runtime:
 
     def active(self) -> int:
         return len(self.conns)
+
+    # -- limits (every front end: HTTP proxy, SOCKS5, the fast tunnel path) ----------------------
+    def rate_limit(self, state: ConnState, fallback_key: str) -> Refusal | None:
+        """limits.requests_per_second per child: its token, or the connection when it has none."""
+        limits = self.policies.get().limits
+        if limits.requests_per_second is None:
+            return None
+        key = state.creds.token if state.creds is not None else fallback_key
+        wait = self.buckets.take(key, limits.requests_per_second, limits.burst)
+        if wait <= 0:
+            return None
+        return Refusal(
+            "rate_limited",
+            f"more than {limits.requests_per_second:g} requests per second from this child "
+            f"(limits.requests_per_second, burst {limits.burst or 'default'})",
+            state.host or "",
+            state.port,
+            retry_after=max(1, math.ceil(wait)),
+        )
+
+    def connection_limit(self) -> Refusal | None:
+        limit = self.policies.get().limits.max_connections
+        if limit is None or len(self.upstreams) < limit:
+            return None
+        return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
+
+    # -- audit records -----------------------------------------------------------------------------
+    def audit_decision(
+        self,
+        state: ConnState,
+        decision: Decision,
+        refusal: Refusal | None,
+        *,
+        stage: str,
+        method: str | None,
+        scheme: str | None,
+        path: str | None,
+        host: str,
+        port: int,
+    ) -> None:
+        """The record of a decision made before any connection (a CONNECT or a request)."""
+        if self.audit is None:
+            return
+        target = decision.target
+        self.audit.decision(
+            conn=state.conn_id,
+            client=state.client_name,
+            profile=state.profile,
+            stage=stage,
+            method=method,
+            scheme=scheme,
+            host=target.host.text if target else host,
+            port=target.port if target else port,
+            path=path,
+            decision="deny" if refusal else "allow",
+            reason=refusal.reason if refusal else decision.reason,
+            rule=decision.rule,
+            detail=refusal.detail if refusal else decision.detail,
+            resolved=[],
+            connected=None,
+        )
+
+    def audit_connection(
+        self, state: ConnState, admission: Admission, failure: tuple[str, str] | None
+    ) -> None:
+        """The decision record of one upstream connection, with resolved and connected addresses."""
+        if self.audit is None:
+            return
+        decision = admission.decision
+        target = decision.target
+        pin = admission.pin
+        refusal = admission.refusal
+        allowed = pin is not None and failure is None
+        if refusal is not None:
+            reason, detail = refusal.reason, refusal.detail
+        elif failure is not None:
+            reason, detail = failure
+        else:
+            reason, detail = decision.reason, decision.detail
+        self.audit.decision(
+            conn=state.conn_id,
+            client=state.client_name,
+            profile=state.profile,
+            stage="connection",
+            method=None,
+            scheme=None,
+            host=target.host.text if target else state.host,
+            port=target.port if target else state.port,
+            path=None,
+            decision="allow" if allowed else "deny",
+            reason=reason,
+            rule=decision.rule,
+            detail=detail,
+            resolved=[str(a) for a in admission.resolved],
+            connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
+        )
+
+    def audit_closed(self, state: ConnState) -> None:
+        if state.host is None or self.audit is None:
+            return
+        self.audit.closed(
+            conn=state.conn_id,
+            client=state.client_name,
+            host=state.host,
+            port=state.port,
+            bytes_up=state.bytes_up,
+            bytes_down=state.bytes_down,
+            duration=round(time.monotonic() - state.started, 3),
+        )
 
 
 _shared: Runtime | None = None

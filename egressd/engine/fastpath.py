@@ -1,0 +1,503 @@
+"""The lean tunnel path: allowed, non-inspected CONNECT tunnels without mitmproxy's per-connection layers.
+
+egressd's HTTP proxy port is served here. A CONNECT is authenticated, limited and decided by the same
+gatekeeper (the one decision function), resolved and pinned by the same connect path, refused with the
+same Refusal, and audited with the same records as in mitmproxy's path. An allowed tunnel that no rule
+wants inspected is then relayed by two small asyncio protocols (flow-controlled, nothing recorded)
+after the TLS SNI check. Everything else — plain HTTP, tunnels to inspect — is handed to the embedded
+mitmproxy untouched (the bytes read so far first), so it is decided by the mitmproxy addons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from mitmproxy.net.tls import starts_like_tls_record
+from mitmproxy.proxy.layers.tls import parse_client_hello
+
+from egressd.engine import faults
+from egressd.engine.gate import decision_refusal
+from egressd.engine.pinning import ConnectFailure, try_addresses
+from egressd.policy import TargetError, canonical_host
+from egressd.refusal import Refusal
+
+if TYPE_CHECKING:
+    from egressd.engine.runtime import ConnState, Runtime
+
+logger = logging.getLogger(__name__)
+
+MAX_HEAD = 64 * 1024
+MAX_CLIENT_HELLO = 64 * 1024
+HIGH_WATER = 1 << 20
+
+
+def render(refusal: Refusal) -> bytes:
+    """A refusal as a complete HTTP/1.1 response (Connection: close)."""
+    body = refusal.body().encode()
+    reason = {
+        400: "Bad Request",
+        403: "Forbidden",
+        407: "Proxy Authentication Required",
+        408: "Request Timeout",
+        429: "Too Many Requests",
+        500: "Internal Server Error",
+        502: "Bad Gateway",
+        504: "Gateway Timeout",
+    }.get(refusal.status, "Error")
+    lines = [f"HTTP/1.1 {refusal.status} {reason}"]
+    lines += [f"{name}: {value}" for name, value in refusal.headers()]
+    lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class _Pipe(asyncio.Protocol):
+    """One side of a relay: what it reads goes to the peer; back-pressure both ways."""
+
+    def __init__(self, tunnel: Tunnel, upstream: bool) -> None:
+        self.tunnel = tunnel
+        self.upstream = upstream
+        self.transport: asyncio.Transport | None = None
+        self.peer: _Pipe | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        self.tunnel.count(self.upstream, len(data))
+        peer = self.peer
+        if peer is not None and peer.transport is not None and not peer.transport.is_closing():
+            peer.transport.write(data)
+
+    def eof_received(self) -> bool:
+        peer = self.peer
+        if peer is not None and peer.transport is not None and peer.transport.can_write_eof():
+            with contextlib.suppress(OSError):
+                peer.transport.write_eof()
+        # a half-open tunnel is not kept: once both sides said EOF, or now if the peer cannot
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        peer = self.peer
+        if peer is not None and peer.transport is not None:
+            peer.transport.close()
+        self.tunnel.closed()
+
+    def pause_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()
+
+
+class Tunnel:
+    """Counts bytes for the closed record, and writes it once when the last side goes."""
+
+    def __init__(self, front: FrontProtocol) -> None:
+        self.front = front
+        self.open_sides = 2
+        self.last_active = time.monotonic()
+
+    def count(self, upstream: bool, n: int) -> None:
+        self.last_active = time.monotonic()
+        state = self.front.state
+        if state is None:
+            return
+        if upstream:
+            state.bytes_down += n
+        else:
+            state.bytes_up += n
+
+    def closed(self) -> None:
+        self.open_sides -= 1
+        if self.open_sides == 0:
+            self.front.finish()
+
+
+class FrontProtocol(_Pipe):
+    """The client side: reads the request head, then becomes one side of a relay."""
+
+    def __init__(self, front: FastFront) -> None:
+        super().__init__(Tunnel(self), upstream=False)
+        self.front = front
+        self.rt = front.rt
+        self.buffer = bytearray()
+        self.stage = "head"
+        self.state: ConnState | None = None
+        self.client_id = ""
+        self.timer: asyncio.TimerHandle | None = None
+        self.server_id: str | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.finished = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.rt.draining:
+            transport.close()
+            return
+        self.front.clients.add(self)
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        self.client_id = f"fast-{id(self):x}"
+        self.state = self.rt.open_conn(self.client_id, f"{peer[0]}:{peer[1]}")
+        timeout = self.rt.policies.get().limits.header_timeout
+        self.timer = asyncio.get_running_loop().call_later(timeout, self._head_timeout, timeout)
+
+    def _head_timeout(self, timeout: float) -> None:
+        if self.stage == "head" and self.transport is not None:
+            if self.rt.audit is not None and self.state is not None:
+                self.rt.audit.event(
+                    "header_timeout",
+                    conn=self.state.conn_id,
+                    peer=self.state.peer,
+                    detail=f"no request within {timeout:g}s",
+                )
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.stage == "relay":
+            super().data_received(data)
+            return
+        self.buffer += data
+        if self.stage == "head":
+            self._on_head_bytes()
+        elif self.stage == "sni":
+            self._on_hello_bytes()
+
+    def eof_received(self) -> bool:
+        if self.stage == "relay":
+            return super().eof_received()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        if self.stage == "relay":
+            super().connection_lost(exc)
+        else:
+            if self.peer is not None and self.peer.transport is not None:
+                self.peer.transport.close()
+            self.finish()
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.front.clients.discard(self)
+        if self.server_id is not None:
+            self.rt.upstreams.discard(self.server_id)
+        state = self.rt.close_conn(self.client_id)
+        if state is not None:
+            self.rt.audit_closed(state)
+
+    # -- the request head --------------------------------------------------------------------------
+    def _on_head_bytes(self) -> None:
+        if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
+            self._hand_off()  # not a CONNECT: mitmproxy's HTTP proxy decides it
+            return
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buffer) > MAX_HEAD:
+                self._refuse(Refusal("bad_request", "request head too long"))
+            return
+        assert self.transport is not None
+        self.transport.pause_reading()
+        head = bytes(self.buffer[: end + 4])
+        del self.buffer[: end + 4]
+        self.task = asyncio.get_running_loop().create_task(self._connect(head))
+
+    async def _connect(self, head: bytes) -> None:
+        try:
+            await self._decide_and_open(head)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fail closed
+            logger.error("egressd internal error in the fast path: %r", exc, exc_info=exc)
+            if self.rt.audit is not None:
+                self.rt.audit.event(
+                    "internal_error",
+                    hook="fastpath",
+                    decision="deny",
+                    reason="internal_error",
+                    detail=repr(exc),
+                )
+            self._refuse(Refusal("internal_error", f"fastpath: {type(exc).__name__}: {exc}"))
+
+    async def _decide_and_open(self, head: bytes) -> None:
+        state = self.state
+        assert state is not None
+        state.head_seen = True
+        faults.maybe_fail("hook")
+        parsed = _parse_connect(head)
+        if isinstance(parsed, Refusal):
+            self._refuse(parsed)
+            return
+        authority, credentials = parsed
+        creds = self.rt.credentials.check_basic(credentials)
+        if creds is None and self.rt.require_auth:
+            self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
+            return
+        state.creds = creds
+        host, port = authority
+        decision = self.rt.gate.decide(host, port, state.profile, scheme="connect", method="CONNECT")
+        if decision.target is not None:
+            state.host, state.port = decision.target.host.text, decision.target.port
+        if not decision.allowed or (decision.needs_inspection and not self.rt.inspection):
+            refusal = decision_refusal(decision)
+            self.rt.audit_decision(
+                state,
+                decision,
+                refusal,
+                stage="connect",
+                method="CONNECT",
+                scheme=None,
+                path=None,
+                host=host,
+                port=port,
+            )
+            self._refuse(refusal)
+            return
+        if self.front.wants_inspection(decision, state):
+            self._hand_off(head)  # the mitmproxy addons limit, intercept and decide every request
+            return
+        limited = self.rt.rate_limit(state, self.client_id) or self.rt.connection_limit()
+        if limited is not None:
+            self._refuse(limited)
+            return
+        admission = await self.rt.gate.admit(decision)
+        if admission.pin is None:
+            assert admission.refusal is not None
+            self.rt.audit_connection(state, admission, None)
+            self._refuse(admission.refusal)
+            return
+        pin = admission.pin
+        loop = asyncio.get_running_loop()
+        upstream = _Pipe(self.tunnel, upstream=True)
+
+        async def open_one(address: str) -> asyncio.BaseTransport:
+            transport, _ = await loop.create_connection(lambda: upstream, address, pin.port)
+            return transport
+
+        try:
+            _, connected = await try_addresses(
+                pin.addresses, pin.port, pin.connect_timeout, open_one, pin.attempts
+            )
+        except ConnectFailure as failure:
+            self.rt.audit_connection(state, admission, (failure.reason, failure.detail))
+            self._refuse(Refusal(failure.reason, failure.detail, pin.host, pin.port, decision.rule))
+            return
+        pin.connected = connected
+        self.server_id = f"{self.client_id}-up"
+        self.rt.upstreams.add(self.server_id)
+        self.rt.audit_connection(state, admission, None)
+        if self.transport is None or self.transport.is_closing():
+            upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
+            return
+        upstream.peer, self.peer = self, upstream
+        self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        self.stage = "sni"
+        self.transport.resume_reading()
+        if self.buffer:
+            self._on_hello_bytes()
+
+    # -- the TLS SNI check -------------------------------------------------------------------------
+    def _on_hello_bytes(self) -> None:
+        data = bytes(self.buffer)
+        if starts_like_tls_record(data):
+            try:
+                hello = parse_client_hello(data)
+            except ValueError:
+                self._close_tunnel("unparseable TLS ClientHello")
+                return
+            if hello is None:
+                if len(data) > MAX_CLIENT_HELLO:
+                    self._close_tunnel("TLS ClientHello too long")
+                return  # split across packets: wait for the rest
+            problem = sni_problem(self.state.host if self.state else "", hello.sni)
+            if problem is not None:
+                self._close_tunnel(problem)
+                return
+        elif len(data) < 3 and data and data[0] == 0x16:
+            return  # too short to tell
+        self.stage = "relay"
+        if self.timer is not None:
+            self.timer.cancel()
+        self.buffer = bytearray()
+        super().data_received(data)
+
+    def _close_tunnel(self, problem: str) -> None:
+        state = self.state
+        if self.rt.audit is not None and state is not None:
+            self.rt.audit.decision(
+                conn=state.conn_id,
+                client=state.client_name,
+                profile=state.profile,
+                stage="tls",
+                method=None,
+                scheme=None,
+                host=state.host,
+                port=state.port,
+                path=None,
+                decision="deny",
+                reason="sni_mismatch",
+                rule=None,
+                detail=problem,
+                resolved=[],
+                connected=None,
+            )
+        logger.info(
+            "closing tunnel to %s:%s: %s", state.host if state else "?", state.port if state else "?", problem
+        )
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.close()
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- answers -----------------------------------------------------------------------------------
+    def _refuse(self, refusal: Refusal) -> None:
+        state = self.state
+        if refusal.host == "" and state is not None and state.host:
+            refusal = Refusal(
+                refusal.reason, refusal.detail, state.host, state.port, refusal.rule, refusal.retry_after
+            )
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(render(refusal))
+            self.transport.close()
+
+    def _hand_off(self, head: bytes = b"") -> None:
+        """Relay this client, untouched, to the embedded mitmproxy (its addons decide)."""
+        assert self.transport is not None
+        self.transport.pause_reading()
+        pending = head + bytes(self.buffer)
+        self.buffer = bytearray()
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.state is not None:
+            self.rt.close_conn(self.client_id)  # mitmproxy's addons keep the records of this client
+            self.state = None
+        self.stage = "relay"
+        self.task = asyncio.get_running_loop().create_task(self._open_mitmproxy(pending))
+
+    async def _open_mitmproxy(self, pending: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        inner = _Pipe(self.tunnel, upstream=True)
+        try:
+            await loop.create_connection(lambda: inner, *self.front.mitmproxy_address)
+        except OSError:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        inner.peer, self.peer = self, inner
+        assert inner.transport is not None
+        if pending:
+            inner.transport.write(pending)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+        else:
+            inner.transport.close()
+
+
+def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
+    """The authority and the Proxy-Authorization value of a CONNECT head (strict)."""
+    try:
+        text = head.decode("ascii")
+    except UnicodeDecodeError:
+        return Refusal("bad_request", "non-ASCII bytes in the CONNECT request head")
+    lines = text[:-4].split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or parts[0] != "CONNECT" or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
+        return Refusal("bad_request", f"malformed CONNECT request line {lines[0][:200]!r}")
+    authority = parts[1]
+    host, sep, port_text = authority.rpartition(":")
+    if not sep or not port_text.isdigit() or not host:
+        return Refusal("bad_request", f"CONNECT needs host:port, got {authority[:200]!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port = int(port_text)
+    if not 0 < port < 65536:
+        return Refusal("bad_request", f"port {port} out of range")
+    credentials = None
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or name != name.strip() or not name or any(c in line for c in "\0\n\r"):
+            return Refusal("bad_request", "malformed header line in the CONNECT request")
+        if name.lower() == "proxy-authorization":
+            if credentials is not None:
+                return Refusal("bad_request", "more than one Proxy-Authorization header")
+            credentials = value.strip()
+    return (host, port), credentials
+
+
+def sni_problem(tunnel_host: str, sni: str | None) -> str | None:
+    """None when the SNI may be used in a tunnel to tunnel_host, else what is wrong."""
+    try:
+        expected = canonical_host(tunnel_host)
+    except (TargetError, ValueError):
+        return f"tunnel host {tunnel_host!r} is not a valid host"
+    if sni is None or sni == "":
+        if expected.is_ip:
+            return None
+        return f"TLS ClientHello without SNI in a tunnel to {expected.text}"
+    try:
+        named = canonical_host(sni)
+    except (TargetError, ValueError):
+        return f"TLS SNI {sni!r} is not a valid host name"
+    if named != expected:
+        return f"TLS SNI {named.text} does not match the tunnel host {expected.text}"
+    return None
+
+
+class FastFront:
+    """The listener on egressd's HTTP proxy port."""
+
+    def __init__(self, runtime: Runtime, mitmproxy_address: tuple[str, int]) -> None:
+        self.rt = runtime
+        self.mitmproxy_address = mitmproxy_address
+        self.server: asyncio.Server | None = None
+        self.clients: set[FrontProtocol] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: FrontProtocol(self), host, port, backlog=4096)
+        self._sweeper = loop.create_task(self._sweep_idle())
+        address = self.server.sockets[0].getsockname()
+        return address[0], address[1]
+
+    async def _sweep_idle(self) -> None:
+        """limits.idle_timeout for relayed tunnels: one sweep a second, not a timer per tunnel."""
+        while True:
+            await asyncio.sleep(1.0)
+            cutoff = time.monotonic() - self.rt.policies.get().limits.idle_timeout
+            for client in list(self.clients):
+                idle = client.stage in ("relay", "sni") and client.tunnel.last_active < cutoff
+                if idle and client.transport is not None:
+                    client.transport.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    def wants_inspection(self, decision: object, state: ConnState) -> bool:
+        """The same rule as the mitmproxy addon: path rules, inspect rules, redirect targets."""
+        if not self.rt.inspection:
+            return False
+        target = decision.target  # type: ignore[attr-defined]
+        if target is None:
+            return False
+        if decision.needs_inspection:  # type: ignore[attr-defined]
+            return True
+        if self.rt.policies.get().inspect.match(target.host, target.port) is not None:
+            return True
+        key = state.creds.token if state.creds is not None else ""
+        return bool(key) and self.rt.redirects.expects(key, "https", target.host.text, target.port)
