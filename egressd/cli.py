@@ -39,6 +39,7 @@ from egressd.policy import (
 from egressd.policy.dump import policy_to_data
 from egressd.policy.model import MODES
 from egressd.session import Overrides, ProxySession, SessionError, SessionOptions, base_policy
+from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
     from egressd.engine import EgressProxy
@@ -294,7 +295,8 @@ def exec_command(
     )
     returncode = process.EXIT_CANNOT_RUN
     with _session(options, announce_reloads=trace) as session:
-        returncode = process.run_child(command, session.child_env(), catcher=catcher)
+        env = with_git_ssh(session.child_env(), session.policy)
+        returncode = process.run_child(command, env, catcher=catcher)
     process.exit_like(returncode)
 
 
@@ -601,6 +603,11 @@ def ca_rotate() -> None:
     except ca.CAError as exc:
         _fail(str(exc))
     _say(f"new CA certificate: {path}")
+
+
+from egressd.cli_sandbox import sandbox_command  # noqa: E402  (it builds on the options above)
+
+cli.add_command(sandbox_command)
 
 
 def main() -> None:

@@ -17,6 +17,9 @@ APT_PACKAGES=(
   git
   iproute2:ip
   ca-certificates
+  bubblewrap:bwrap
+  openssh-client:ssh
+  openssh-server:sshd
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }

@@ -1,0 +1,155 @@
+"""`egressd sandbox`: `exec`, but the proxy is the only way out (bubblewrap / Seatbelt).
+
+Registered on the `cli` group at the end of egressd/cli.py (import `egressd.cli`, not this module,
+first: it builds on cli.py's shared options). Thin: parse, check the platform, call
+egressd.sandbox, exit like the child.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from egressd import process
+from egressd.cli import (
+    _fail,
+    _say,
+    _session,
+    _session_options,
+    inspection_options,
+    policy_options,
+    proxy_options,
+)
+from egressd.policy import PolicyError
+from egressd.sandbox import narrow, preflight
+from egressd.sandbox.mounts import MountError, plan_mounts
+from egressd.sandbox.run import Outcome, run_bwrap, run_seatbelt
+from egressd.sandbox.unix_relay import RelayError
+
+
+@click.command(
+    "sandbox",
+    context_settings={"allow_interspersed_args": False},
+    short_help="Run CMD in a sandbox whose only way out is egressd's proxy.",
+    epilog="""\b
+Example:
+  egressd sandbox --policy npm -- npm ci
+  egressd sandbox --policy agent.yaml --only api.example.com --rw ~/.cache/pip -- python agent.py
+  egressd sandbox --allow github.com:22 -- git clone ssh://git@github.com/org/repo
+
+\b
+Inside: / read-only, the working directory and --rw paths writable, private /tmp and /run,
+its own network with only loopback, no DNS. HTTP(S)_PROXY points at a loopback port inside
+the sandbox that leads to egressd's proxy; nothing else gets out. 127.0.0.1/localhost through
+the proxy is the HOST's loopback (policy permitting); connections that skip the proxy reach
+the sandbox's own loopback.""",
+)
+@policy_options
+@proxy_options
+@inspection_options
+@click.option("--rw", multiple=True, metavar="PATH", help="Also writable in the sandbox (repeatable).")
+@click.option(
+    "--ro",
+    multiple=True,
+    metavar="PATH",
+    help="Read-only even inside a writable path, or shown although under the private /tmp or /run "
+    "(repeatable).",
+)
+@click.option(
+    "--only",
+    multiple=True,
+    metavar="RULE",
+    help="Narrow the policy: the child reaches only hosts matching these rules, and only if the "
+    "policy (and --profile) allows them too (repeatable).",
+)
+@click.option(
+    "--bwrap",
+    "bwrap_path",
+    metavar="PATH",
+    help="The bubblewrap binary (default: $EGRESSD_BWRAP, else bwrap on PATH). Linux only.",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
+def sandbox_command(
+    policy_file: str | None,
+    allow: tuple[str, ...],
+    deny: tuple[str, ...],
+    mode: str | None,
+    nameservers: tuple[str, ...],
+    profile: str | None,
+    audit_path: str | None,
+    trace: bool,
+    listen: str,
+    no_inspect: bool,
+    upstream_ca: tuple[str, ...],
+    rw: tuple[str, ...],
+    ro: tuple[str, ...],
+    only: tuple[str, ...],
+    bwrap_path: str | None,
+    command: tuple[str, ...],
+) -> None:
+    """Run CMD confined: its only way out is egressd's proxy, decided by the policy.
+
+    Same options, stdio, signals and exit status as `exec`. --only and --profile narrow the
+    policy (a host must pass both); --allow and --deny edit the policy, as in `exec`. Without
+    bubblewrap (Linux) or Seatbelt (macOS) it stops with what to install; it never runs CMD
+    unconfined.
+    """
+    # Before any thread starts: the proxy and relay threads must inherit the blocked signal mask.
+    catcher = process.child_signal_catcher().install()
+    try:
+        mounts = plan_mounts(os.getcwd(), rw, ro)
+        only_rules = narrow.parse_only(only)
+    except (MountError, PolicyError) as exc:
+        _fail(str(exc))
+    bwrap, disable_userns, sandbox_exec = "", True, ""
+    try:
+        if sys.platform == "linux":
+            bwrap = preflight.locate_bwrap(bwrap_path)
+            disable_userns = preflight.supports_disable_userns(bwrap)
+            preflight.probe(bwrap, disable_userns)
+        elif sys.platform == "darwin":
+            sandbox_exec = preflight.locate_sandbox_exec()
+        else:
+            _fail(f"egressd sandbox runs on Linux (bubblewrap) and macOS (Seatbelt), not {sys.platform}")
+    except preflight.SandboxUnavailable as exc:
+        _fail(str(exc))
+    narrowing = narrow.Narrowing(only_rules, profile) if only_rules else None
+    options = _session_options(
+        policy_file,
+        allow,
+        deny,
+        mode,
+        nameservers,
+        profile,
+        audit_path,
+        trace,
+        listen,
+        inspect=not no_inspect,
+        upstream_ca=upstream_ca,
+    )
+    outcome = Outcome(process.EXIT_CANNOT_RUN, started=False)
+    with _session(options, announce_reloads=trace, transform=narrowing) as session:
+        creds = session.credentials(narrowing.profile if narrowing else None)
+        if bwrap:
+            try:
+                outcome = run_bwrap(
+                    session,
+                    creds,
+                    command,
+                    mounts,
+                    bwrap=bwrap,
+                    disable_userns=disable_userns,
+                    catcher=catcher,
+                )
+            except RelayError as exc:
+                _fail(f"{exc}; {command[0]} was not run")
+        else:
+            outcome = run_seatbelt(
+                session, creds, command, mounts, sandbox_exec=sandbox_exec, catcher=catcher
+            )
+    if outcome.error:
+        _say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
+        sys.exit(2)
+    process.exit_like(outcome.returncode)

@@ -1,0 +1,100 @@
+"""The bubblewrap command line (pure: golden-tested on any platform).
+
+Layout inside the sandbox, in mount order (later mounts cover earlier ones):
+- `/` read-only; fresh `/dev` and `/proc`; private, empty `/tmp` and `/run` (tmpfs). Hiding `/run`
+  also hides the host's daemon sockets (D-Bus, systemd-resolved, docker, ssh-agent): a Unix socket
+  is connectable even on a read-only mount, and some of those would be a way out;
+- the working directory and `--rw` paths writable, `--ro` paths read-only, parents first;
+- egressd's CA key directory covered by an empty tmpfs (the child never reads the key);
+- paths egressd itself needs when they live under a hidden tree (its Python, the CA bundle);
+- the relay's socket directory, read-only, last (so no other mount covers it).
+Namespaces: user (all capabilities dropped), PID, network (only `lo`, which bubblewrap brings
+up), IPC, UTS, cgroup; a new session (no controlling terminal: no TIOCSTI injection into the
+user's shell). The command is the launcher (see launcher.py), which runs the child.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from egressd.sandbox.mounts import Mount
+
+NAMESPACES: tuple[str, ...] = (
+    "--unshare-user",
+    "--unshare-pid",
+    "--unshare-net",
+    "--unshare-ipc",
+    "--unshare-uts",
+    "--unshare-cgroup-try",
+)
+BASE_MOUNTS: tuple[str, ...] = (
+    "--ro-bind", "/", "/",
+    "--dev", "/dev",
+    "--proc", "/proc",
+    "--tmpfs", "/tmp",
+    "--tmpfs", "/run",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BwrapSpec:
+    """Everything the command line depends on; built by run.py from the options and the session."""
+
+    bwrap: str
+    workdir: str
+    mounts: tuple[Mount, ...]
+    socket_dir: str
+    command: tuple[str, ...]  # the launcher and its arguments
+    needed: tuple[str, ...] = ()  # read-only paths egressd needs inside (python, CA bundle)
+    hidden: tuple[str, ...] = ()  # host directories covered by an empty tmpfs (egressd's CA key)
+    disable_userns: bool = True  # bubblewrap >= 0.8: the child cannot make user namespaces
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _needs_mount(path: str, mounts: Sequence[Mount]) -> bool:
+    """Only paths the base layout hides, and that no user mount already shows."""
+    hidden = any(_within(path, top) for top in ("/tmp", "/run", "/dev", "/proc"))
+    return hidden and not any(_within(path, mount.path) for mount in mounts)
+
+
+def security_options(disable_userns: bool) -> list[str]:
+    options = list(NAMESPACES)
+    if disable_userns:
+        options.append("--disable-userns")
+    options += ["--cap-drop", "ALL", "--die-with-parent", "--new-session"]
+    return options
+
+
+def bwrap_argv(spec: BwrapSpec) -> list[str]:
+    argv = [spec.bwrap, *security_options(spec.disable_userns)]
+    argv += BASE_MOUNTS
+    for mount in spec.mounts:
+        argv += ["--bind" if mount.writable else "--ro-bind", mount.path, mount.path]
+    for path in spec.hidden:
+        argv += ["--tmpfs", path]
+    for path in spec.needed:
+        if _needs_mount(path, spec.mounts):
+            argv += ["--ro-bind", path, path]
+    argv += ["--ro-bind", spec.socket_dir, spec.socket_dir]
+    argv += ["--chdir", spec.workdir, "--", *spec.command]
+    return argv
+
+
+def probe_argv(bwrap: str, python: str, disable_userns: bool) -> list[str]:
+    """The same namespaces and base mounts, running `python -c pass`: can a sandbox start here?"""
+    return [bwrap, *security_options(disable_userns), *BASE_MOUNTS, "--", python, "-I", "-c", "pass"]
+
+
+def launcher_command(
+    python: str, control_fd: int, status_fd: int, bridges: Sequence[tuple[str, str]], child: Sequence[str]
+) -> tuple[str, ...]:
+    """`python -I -m egressd.sandbox.launcher ... -- CHILD`; bridges are (HOST:PORT, socket path)."""
+    argv = [python, "-I", "-m", "egressd.sandbox.launcher"]
+    argv += ["--control-fd", str(control_fd), "--status-fd", str(status_fd)]
+    for address, path in bridges:
+        argv += ["--bridge", f"{address}={path}"]
+    return (*argv, "--", *child)

@@ -1,0 +1,118 @@
+"""The first egressd process inside the bubblewrap sandbox: bridge up, then the child, then report.
+
+bubblewrap neither forwards signals nor reports how its child died (a signal becomes 128+N), and
+the sandbox is a new session, so the terminal's signals do not reach the child either. The
+launcher fills those gaps over two pipes inherited from egressd:
+
+- control (egressd -> launcher): one byte per signal to deliver to the child. EOF means egressd
+  is gone: the child is stopped (SIGTERM, then SIGKILL), since it has no way out any more.
+- status (launcher -> egressd): `started`, then `exit N` (a subprocess-style code, -N for a
+  signal), or `error MESSAGE` when the sandbox could not be set up.
+
+Before the child starts, the bridge's loopback listeners are bound, so the first request the child
+makes already finds them. When the launcher exits, bubblewrap's init ends the sandbox's PID
+namespace, and with it the bridge and anything the child left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from egressd.process import FORWARDED_SIGNALS, exec_failure
+from egressd.sandbox import bridge
+
+STOP_GRACE = 5.0
+# Dispositions the child must start with (the launcher ignores these, Python ignores SIGPIPE).
+_CHILD_DEFAULTS = tuple({*FORWARDED_SIGNALS, signal.SIGPIPE, getattr(signal, "SIGXFSZ", signal.SIGPIPE)})
+
+
+def _report(fd: int, line: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, (line + "\n").encode())
+
+
+def _parse_bridge(text: str) -> tuple[tuple[str, int], str]:
+    address, sep, path = text.partition("=")
+    if not sep or not path:
+        raise ValueError(f"{text!r}: expected HOST:PORT=UNIX_PATH")
+    return bridge.parse_hostport(address), path
+
+
+def _signaller(pid: int) -> Callable[[int], None]:
+    """Signal the child by pidfd where possible: never a recycled PID after the child was reaped."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return lambda signo: os.kill(pid, signo)
+    return lambda signo: signal.pidfd_send_signal(pidfd, signo)
+
+
+def _relay_signals(control_fd: int, send: Callable[[int], None]) -> None:
+    while True:
+        try:
+            data = os.read(control_fd, 64)
+        except OSError:
+            data = b""
+        if not data:  # egressd is gone: stop the child, it has no way out any more
+            for signo, pause in ((signal.SIGTERM, STOP_GRACE), (signal.SIGKILL, 0.0)):
+                with contextlib.suppress(OSError):
+                    send(signo)
+                time.sleep(pause)
+            return
+        for signo in data:
+            with contextlib.suppress(OSError, ValueError):
+                send(signo)
+
+
+def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m egressd.sandbox.launcher")
+    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--status-fd", type=int, required=True)
+    parser.add_argument("--bridge", action="append", default=[], metavar="HOST:PORT=UNIX_PATH")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("no command")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    args = _arguments(argv)
+    control, status = args.control_fd, args.status_fd
+    for fd in (control, status):
+        os.set_inheritable(fd, False)  # the child gets neither pipe
+    for signo in FORWARDED_SIGNALS:
+        signal.signal(signo, signal.SIG_IGN)  # only egressd's control pipe signals the launcher's child
+    try:
+        routes = [(bridge.listen(address), path) for address, path in map(_parse_bridge, args.bridge)]
+    except (OSError, ValueError) as exc:
+        _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
+        os._exit(1)
+    bridge.start_thread(routes)
+    try:
+        pid = os.posix_spawnp(args.command[0], args.command, os.environ, setsigdef=_CHILD_DEFAULTS)
+    except OSError as exc:
+        code = exec_failure(args.command[0], exc)
+        _report(status, f"exit {code}")
+        os._exit(code)
+    _report(status, "started")
+    threading.Thread(target=_relay_signals, args=(control, _signaller(pid)), daemon=True).start()
+    _, wait_status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(wait_status)
+    _report(status, f"exit {code}")
+    sys.stderr.flush()
+    os._exit(code if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Can a sandbox run here? Checked before the proxy starts, so a failure runs nothing.
+
+`egressd sandbox` never falls back to running the command unconfined: no bubblewrap, or a kernel
+that refuses the user namespaces bubblewrap needs, stops it with what to do about it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from egressd.sandbox.bwrap import probe_argv
+from egressd.sandbox.seatbelt import SANDBOX_EXEC
+
+BWRAP_ENV = "EGRESSD_BWRAP"
+PROBE_TIMEOUT = 30.0
+
+INSTALL_HINT = (
+    "Install it: apt-get install bubblewrap (Debian, Ubuntu), dnf install bubblewrap (Fedora), "
+    "pacman -S bubblewrap (Arch), apk add bubblewrap (Alpine)."
+)
+USERNS_HINT = (
+    "The kernel refused the user namespace bubblewrap needs. To allow unprivileged user namespaces: "
+    "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (Ubuntu 23.10 and later; or give "
+    "bwrap an AppArmor profile that allows userns), `sysctl -w kernel.unprivileged_userns_clone=1` "
+    "(older Debian), `sysctl -w user.max_user_namespaces=15000` (when it is 0). In a container, "
+    "run it with a seccomp profile that allows clone/unshare of namespaces (e.g. --privileged)."
+)
+_USERNS_SIGNS = (
+    "namespace",
+    "uid map",
+    "gid map",
+    "setgroups",
+    "rtm_newaddr",
+    "operation not permitted",
+    "permission denied",
+    "no space left",
+)
+NEVER_UNCONFINED = "egressd sandbox never runs the command unconfined."
+
+
+class SandboxUnavailable(RuntimeError):
+    """No sandbox can run here; the message says why and how to fix it."""
+
+
+def locate_bwrap(explicit: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """--bwrap, else $EGRESSD_BWRAP, else `bwrap` on PATH; must be an executable file."""
+    env = os.environ if env is None else env
+    wanted = explicit or env.get(BWRAP_ENV) or None
+    if wanted is None:
+        found = shutil.which("bwrap", path=env.get("PATH"))
+        if found is None:
+            raise SandboxUnavailable(
+                f"bubblewrap (bwrap) is not installed, or not on PATH. {INSTALL_HINT} {NEVER_UNCONFINED}"
+            )
+        return found
+    path = wanted if "/" in wanted else shutil.which(wanted, path=env.get("PATH"))
+    if path is None or not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        origin = "--bwrap" if explicit else BWRAP_ENV
+        raise SandboxUnavailable(
+            f"bubblewrap not found at {wanted!r} ({origin}). {INSTALL_HINT} {NEVER_UNCONFINED}"
+        )
+    return path
+
+
+def supports_disable_userns(bwrap: str) -> bool:
+    """bubblewrap 0.8 and later can forbid user namespaces inside the sandbox."""
+    try:
+        result = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=PROBE_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--disable-userns" in result.stdout + result.stderr
+
+
+def explain_failure(message: str) -> str:
+    """bubblewrap's own words plus what to do."""
+    said = " ".join(message.split()) or "no message"
+    if any(sign in said.lower() for sign in _USERNS_SIGNS):
+        return f"bubblewrap cannot create a sandbox here ({said}). {USERNS_HINT} {NEVER_UNCONFINED}"
+    return f"bubblewrap cannot create a sandbox here ({said}). {NEVER_UNCONFINED}"
+
+
+def probe(bwrap: str, disable_userns: bool, python: str | None = None) -> None:
+    """Start an empty sandbox with the real namespaces; raise SandboxUnavailable when it fails."""
+    argv = probe_argv(bwrap, python or sys.executable, disable_userns)
+    try:
+        result = subprocess.run(
+            argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        raise SandboxUnavailable(
+            f"bubblewrap did not start within {PROBE_TIMEOUT:g}s. {NEVER_UNCONFINED}"
+        ) from None
+    except OSError as exc:
+        raise SandboxUnavailable(f"cannot run {bwrap}: {exc.strerror or exc}. {NEVER_UNCONFINED}") from exc
+    if result.returncode != 0:
+        raise SandboxUnavailable(explain_failure(result.stderr or result.stdout))
+
+
+def locate_sandbox_exec() -> str:
+    if os.access(SANDBOX_EXEC, os.X_OK):
+        return SANDBOX_EXEC
+    raise SandboxUnavailable(f"{SANDBOX_EXEC} is missing: Seatbelt is not available. {NEVER_UNCONFINED}")

@@ -1,0 +1,223 @@
+"""Run one child in the sandbox, with a started ProxySession, and return how it ended.
+
+Linux: the Unix relay (host) -> bubblewrap -> launcher (bridge, then the child). egressd forwards
+every signal it catches to the launcher over the control pipe: the sandbox is a new session, so
+even the terminal's Ctrl-C reaches the child only this way, once. The exit status comes back on
+the status pipe (bubblewrap alone would turn "killed by SIGTERM" into 143).
+macOS: `sandbox-exec` with the generated profile runs the child directly, like `exec` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import egressd
+from egressd.child_env import child_environment
+from egressd.process import EXIT_CANNOT_RUN, SignalCatcher, exec_failure, run_child
+from egressd.sandbox import BRIDGE_HOST, BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT
+from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command
+from egressd.sandbox.mounts import Mount
+from egressd.sandbox.seatbelt import seatbelt_argv, seatbelt_profile
+from egressd.sandbox.unix_relay import UnixRelay
+from egressd.ssh_env import with_git_ssh
+
+if TYPE_CHECKING:
+    from egressd.engine import ProxyCredentials
+    from egressd.session import ProxySession
+
+SANDBOX_VAR = "EGRESSD_SANDBOX"
+_RESET_IN_CHILD = tuple(s for s in (signal.SIGPIPE, getattr(signal, "SIGXFSZ", None)) if s is not None)
+
+
+class SandboxFailed(RuntimeError):
+    """The sandbox did not start the command (bubblewrap or the launcher failed)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the child ended (subprocess-style code), or why it never started."""
+
+    returncode: int
+    started: bool = True
+    error: str | None = None
+
+
+def sandbox_env(
+    session: ProxySession,
+    creds: ProxyCredentials,
+    http: tuple[str, int],
+    socks: tuple[str, int] | None,
+    kind: str,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The child environment with the proxy URLs the child can reach from inside the sandbox."""
+    socks_url = creds.proxy_url(*socks, scheme="socks5h") if socks else None
+    env = child_environment(
+        os.environ if base is None else base, creds.proxy_url(*http), socks_url, ca_bundle=session.ca_bundle
+    )
+    env[SANDBOX_VAR] = kind
+    return with_git_ssh(env, session.policy)
+
+
+def needed_paths(session: ProxySession) -> tuple[str, ...]:
+    """What egressd itself needs inside: its Python and package, and the CA bundle when inspecting."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(egressd.__file__)))
+    paths = [sys.prefix, sys.base_prefix, package_root]
+    if session.ca_bundle:
+        paths.append(session.ca_bundle)
+    return tuple(dict.fromkeys(os.path.realpath(p) for p in paths))
+
+
+def hidden_paths(session: ProxySession) -> tuple[str, ...]:
+    """egressd's CA key directory, when it exists: the child must not read the key."""
+    from egressd import ca
+
+    config = getattr(session.options, "config_dir", None) or ca.config_dir()
+    key_dir = os.path.realpath(ca.ca_dir(config))
+    return (key_dir,) if os.path.isdir(key_dir) else ()
+
+
+# -- Linux: bubblewrap ---------------------------------------------------------------------------
+def _pipe_pair() -> tuple[int, int, int, int]:
+    """(control read, control write, status read, status write); the sandbox ends are inheritable."""
+    control_r, control_w = os.pipe()
+    status_r, status_w = os.pipe()
+    os.set_inheritable(control_r, True)
+    os.set_inheritable(status_w, True)
+    fcntl.fcntl(control_w, fcntl.F_SETFL, os.O_NONBLOCK)  # a signal never blocks egressd
+    fcntl.fcntl(status_r, fcntl.F_SETFL, os.O_NONBLOCK)
+    return control_r, control_w, status_r, status_w
+
+
+def _read_status(fd: int) -> list[str]:
+    data = b""
+    with contextlib.suppress(BlockingIOError, OSError):
+        while chunk := os.read(fd, 4096):
+            data += chunk
+    return data.decode("utf-8", "replace").splitlines()
+
+
+def _outcome(lines: Sequence[str], bwrap_code: int) -> Outcome:
+    started = "started" in lines
+    for line in lines:
+        if line.startswith("error "):
+            return Outcome(EXIT_CANNOT_RUN, started=False, error=line[6:])
+    for line in reversed(lines):
+        if line.startswith("exit "):
+            with contextlib.suppress(ValueError):
+                return Outcome(int(line[5:]), started=started)
+    if started:  # the launcher died without a word: bubblewrap's status is all there is
+        return Outcome(bwrap_code)
+    return Outcome(bwrap_code, started=False, error=f"bubblewrap exited with status {bwrap_code}")
+
+
+def _wait_forwarding(pid: int, catcher: SignalCatcher, control_w: int) -> int:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return os.waitstatus_to_exitcode(status)
+        got = catcher.wait(0.5)
+        if got is None or got.signo == signal.SIGCHLD:
+            continue
+        # forwarded even when the kernel sent it to our process group: the sandbox is a new session
+        with contextlib.suppress(OSError):
+            os.write(control_w, bytes([got.signo]))
+
+
+def _spawn_bwrap(argv: Sequence[str], env: Mapping[str, str], catcher: SignalCatcher) -> int:
+    """Start bubblewrap in its own process group: the terminal's Ctrl-C must not kill its monitor
+    (egressd forwards the signal to the child instead)."""
+    return os.posix_spawn(
+        argv[0],
+        list(argv),
+        dict(env),
+        setsigmask=catcher.original_mask,
+        setsigdef=_RESET_IN_CHILD,
+        setpgroup=0,
+    )
+
+
+def run_bwrap(
+    session: ProxySession,
+    creds: ProxyCredentials,
+    command: Sequence[str],
+    mounts: Sequence[Mount],
+    *,
+    bwrap: str,
+    disable_userns: bool,
+    catcher: SignalCatcher,
+) -> Outcome:
+    """Relay up, bubblewrap with the launcher inside, signals forwarded, status read; relay down."""
+    assert session.proxy is not None
+    routes = {"http": session.proxy.http_address}
+    bridges = [(f"{BRIDGE_HOST}:{BRIDGE_HTTP_PORT}", "http")]
+    socks = None
+    if session.proxy.socks_address:
+        routes["socks"] = session.proxy.socks_address
+        bridges.append((f"{BRIDGE_HOST}:{BRIDGE_SOCKS_PORT}", "socks"))
+        socks = (BRIDGE_HOST, BRIDGE_SOCKS_PORT)
+    env = sandbox_env(session, creds, (BRIDGE_HOST, BRIDGE_HTTP_PORT), socks, "bubblewrap")
+    with UnixRelay(routes) as relay:
+        assert relay.directory is not None
+        control_r, control_w, status_r, status_w = _pipe_pair()
+        try:
+            spec = BwrapSpec(
+                bwrap=bwrap,
+                workdir=os.getcwd(),
+                mounts=tuple(mounts),
+                socket_dir=str(relay.directory),
+                command=launcher_command(
+                    sys.executable,
+                    control_r,
+                    status_w,
+                    [(address, relay.paths[name]) for address, name in bridges],
+                    command,
+                ),
+                needed=needed_paths(session),
+                hidden=hidden_paths(session),
+                disable_userns=disable_userns,
+            )
+            try:
+                pid = _spawn_bwrap(bwrap_argv(spec), env, catcher)
+            except OSError as exc:
+                return Outcome(exec_failure(bwrap, exc), started=False, error=f"cannot run {bwrap}")
+            finally:
+                os.close(control_r)  # the sandbox holds these ends now
+                os.close(status_w)
+            bwrap_code = _wait_forwarding(pid, catcher, control_w)
+            return _outcome(_read_status(status_r), bwrap_code)
+        finally:
+            for fd in (control_w, status_r):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+# -- macOS: Seatbelt -----------------------------------------------------------------------------
+def run_seatbelt(
+    session: ProxySession,
+    creds: ProxyCredentials,
+    command: Sequence[str],
+    mounts: Sequence[Mount],
+    *,
+    sandbox_exec: str,
+    catcher: SignalCatcher,
+) -> Outcome:
+    """The child talks to the proxy's own loopback port; Seatbelt allows nothing else out."""
+    assert session.proxy is not None
+    http = session.proxy.http_address
+    socks = session.proxy.socks_address
+    temp = {os.path.realpath(p) for p in ("/tmp", os.environ.get("TMPDIR", "/tmp"))}
+    writable = [m.path for m in mounts if m.writable] + sorted(temp)
+    readonly = [m.path for m in mounts if not m.writable]
+    ports = [http[1]] + ([socks[1]] if socks else [])
+    profile = seatbelt_profile(ports, writable, readonly)
+    env = sandbox_env(session, creds, http, socks, "seatbelt")
+    argv = seatbelt_argv(profile, command, sandbox_exec)
+    return Outcome(run_child(argv, env, catcher=catcher))

@@ -1,0 +1,147 @@
+"""The bubblewrap command line, golden: what the sandbox is made of, flag by flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command, probe_argv
+from egressd.sandbox.mounts import Mount, MountError, order, plan_mounts
+
+SECURITY = [
+    "--unshare-user",
+    "--unshare-pid",
+    "--unshare-net",
+    "--unshare-ipc",
+    "--unshare-uts",
+    "--unshare-cgroup-try",
+    "--disable-userns",
+    "--cap-drop", "ALL",
+    "--die-with-parent",
+    "--new-session",
+]  # fmt: skip
+BASE = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+
+
+def test_golden_argv() -> None:
+    spec = BwrapSpec(
+        bwrap="/usr/bin/bwrap",
+        workdir="/home/u/project",
+        mounts=(
+            Mount("/home/u/project", True),
+            Mount("/home/u/.cache/pip", True),
+            Mount("/home/u/project/.git", False),
+        ),
+        socket_dir="/tmp/egressd-sandbox-abc",
+        command=("/venv/bin/python", "-I", "-m", "egressd.sandbox.launcher", "--", "curl", "x"),
+        needed=("/opt/venv", "/tmp/venv", "/home/u/project/.venv", "/tmp/inspect/ca.pem"),
+        hidden=("/home/u/.config/egressd/ca",),
+    )
+    assert bwrap_argv(spec) == [
+        "/usr/bin/bwrap",
+        *SECURITY,
+        *BASE,
+        "--bind", "/home/u/project", "/home/u/project",
+        "--bind", "/home/u/.cache/pip", "/home/u/.cache/pip",
+        "--ro-bind", "/home/u/project/.git", "/home/u/project/.git",
+        # egressd's CA key directory: an empty tmpfs over it
+        "--tmpfs", "/home/u/.config/egressd/ca",
+        # needed paths: only those the base layout hides (and no user mount shows)
+        "--ro-bind", "/tmp/venv", "/tmp/venv",
+        "--ro-bind", "/tmp/inspect/ca.pem", "/tmp/inspect/ca.pem",
+        # the relay's socket directory last: nothing can cover it
+        "--ro-bind", "/tmp/egressd-sandbox-abc", "/tmp/egressd-sandbox-abc",
+        "--chdir", "/home/u/project",
+        "--", "/venv/bin/python", "-I", "-m", "egressd.sandbox.launcher", "--", "curl", "x",
+    ]  # fmt: skip
+
+
+def test_old_bubblewrap_without_disable_userns() -> None:
+    spec = BwrapSpec("bwrap", "/w", (Mount("/w", True),), "/tmp/s", ("true",), disable_userns=False)
+    argv = bwrap_argv(spec)
+    assert "--disable-userns" not in argv
+    assert argv[1:7] == SECURITY[:6] and "--cap-drop" in argv
+
+
+def test_network_namespace_and_no_capabilities_always() -> None:
+    argv = bwrap_argv(BwrapSpec("bwrap", "/w", (), "/tmp/s", ("true",)))
+    assert "--unshare-net" in argv and "--share-net" not in argv
+    assert argv[argv.index("--cap-drop") + 1] == "ALL"
+    assert "--cap-add" not in argv
+
+
+def test_probe_argv() -> None:
+    assert probe_argv("/usr/bin/bwrap", "/usr/bin/python3", True) == [
+        "/usr/bin/bwrap", *SECURITY, *BASE, "--", "/usr/bin/python3", "-I", "-c", "pass",
+    ]  # fmt: skip
+
+
+def test_launcher_command() -> None:
+    assert launcher_command(
+        "/py",
+        5,
+        7,
+        [("127.0.0.1:3128", "/tmp/s/http.sock"), ("127.0.0.1:1080", "/tmp/s/socks.sock")],
+        ["git", "clone", "--", "x"],
+    ) == (
+        "/py", "-I", "-m", "egressd.sandbox.launcher", "--control-fd", "5", "--status-fd", "7",
+        "--bridge", "127.0.0.1:3128=/tmp/s/http.sock", "--bridge", "127.0.0.1:1080=/tmp/s/socks.sock",
+        "--", "git", "clone", "--", "x",
+    )  # fmt: skip
+
+
+# -- mounts ---------------------------------------------------------------------------------------
+def test_plan_mounts_orders_parents_first(tmp_path: Path) -> None:
+    (tmp_path / "proj" / ".git").mkdir(parents=True)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    mounts = plan_mounts(str(tmp_path / "proj"), rw=[str(cache)], ro=[str(tmp_path / "proj" / ".git")])
+    assert mounts == (
+        Mount(str(cache), True),
+        Mount(str(tmp_path / "proj"), True),
+        Mount(str(tmp_path / "proj" / ".git"), False),
+    )
+
+
+def test_plan_mounts_resolves_symlinks_and_relative_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.chdir(tmp_path)
+    mounts = plan_mounts(str(tmp_path), rw=["link"], ro=[])
+    assert Mount(str(real), True) in mounts
+
+
+def test_plan_mounts_ro_working_directory_wins(tmp_path: Path) -> None:
+    assert plan_mounts(str(tmp_path), rw=[], ro=[str(tmp_path)]) == (Mount(str(tmp_path), False),)
+
+
+@pytest.mark.parametrize(
+    ("rw", "ro", "message"),
+    [
+        (["/nonexistent/egressd-test"], [], "--rw /nonexistent/egressd-test: no such file or directory"),
+        ([], ["/nonexistent/x"], "--ro /nonexistent/x: no such file or directory"),
+        (["/"], [], "--rw /: the whole file system"),
+    ],
+)
+def test_plan_mounts_errors(tmp_path: Path, rw: list[str], ro: list[str], message: str) -> None:
+    with pytest.raises(MountError, match="^" + message.replace("/", "/")):
+        plan_mounts(str(tmp_path), rw=rw, ro=ro)
+
+
+def test_plan_mounts_same_path_rw_and_ro(tmp_path: Path) -> None:
+    with pytest.raises(MountError, match="both as --rw and --ro"):
+        plan_mounts(str(tmp_path), rw=[str(tmp_path)], ro=[str(tmp_path)])
+
+
+def test_working_directory_root_refused() -> None:
+    with pytest.raises(MountError, match="working directory is /"):
+        plan_mounts("/", rw=[], ro=[])
+
+
+def test_order_is_stable_within_a_depth() -> None:
+    mounts = [Mount("/a/b", False), Mount("/z", True), Mount("/a", True), Mount("/y", False)]
+    assert order(mounts) == (Mount("/z", True), Mount("/a", True), Mount("/y", False), Mount("/a/b", False))
