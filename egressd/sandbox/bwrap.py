@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from egressd.sandbox.mounts import Mount
+from egressd.sandbox.mounts import Mount, order
 
 NAMESPACES: tuple[str, ...] = (
     "--unshare-user",
@@ -72,21 +72,24 @@ def security_options(disable_userns: bool) -> list[str]:
 def bwrap_argv(spec: BwrapSpec) -> list[str]:
     argv = [spec.bwrap, *security_options(spec.disable_userns)]
     argv += BASE_MOUNTS
-    for mount in spec.mounts:
+    # egressd's own paths (read-only) and the user's, parents first: a deeper user mount inside a
+    # needed path still wins, and a needed path is never laid over a user mount that contains it
+    needed = [Mount(path, False) for path in spec.needed if _needs_mount(path, spec.mounts)]
+    for mount in order([*needed, *spec.mounts]):
         argv += ["--bind" if mount.writable else "--ro-bind", mount.path, mount.path]
     for path in spec.hidden:
         argv += ["--tmpfs", path]
-    for path in spec.needed:
-        if _needs_mount(path, spec.mounts):
-            argv += ["--ro-bind", path, path]
     argv += ["--ro-bind", spec.socket_dir, spec.socket_dir]
     argv += ["--chdir", spec.workdir, "--", *spec.command]
     return argv
 
 
-def probe_argv(bwrap: str, python: str, disable_userns: bool) -> list[str]:
+def probe_argv(bwrap: str, python: str, disable_userns: bool, needed: Sequence[str] = ()) -> list[str]:
     """The same namespaces and base mounts, running `python -c pass`: can a sandbox start here?"""
-    return [bwrap, *security_options(disable_userns), *BASE_MOUNTS, "--", python, "-I", "-c", "pass"]
+    argv = [bwrap, *security_options(disable_userns), *BASE_MOUNTS]
+    for mount in order(Mount(path, False) for path in needed if _needs_mount(path, ())):
+        argv += ["--ro-bind", mount.path, mount.path]
+    return [*argv, "--", python, "-I", "-c", "pass"]
 
 
 def launcher_command(

@@ -83,9 +83,14 @@ def explain_failure(message: str) -> str:
     return f"bubblewrap cannot create a sandbox here ({said}). {NEVER_UNCONFINED}"
 
 
+def interpreter_paths() -> tuple[str, ...]:
+    """The Python egressd runs on (venv and base install): it must be visible in any sandbox."""
+    return tuple(dict.fromkeys(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)))
+
+
 def probe(bwrap: str, disable_userns: bool, python: str | None = None) -> None:
     """Start an empty sandbox with the real namespaces; raise SandboxUnavailable when it fails."""
-    argv = probe_argv(bwrap, python or sys.executable, disable_userns)
+    argv = probe_argv(bwrap, python or sys.executable, disable_userns, interpreter_paths())
     try:
         result = subprocess.run(
             argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT, stdin=subprocess.DEVNULL

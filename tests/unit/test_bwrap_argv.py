@@ -42,19 +42,47 @@ def test_golden_argv() -> None:
         "/usr/bin/bwrap",
         *SECURITY,
         *BASE,
+        # needed paths (only those the base layout hides and no user mount shows) and the user's
+        # mounts, parents first
+        "--ro-bind", "/tmp/venv", "/tmp/venv",
+        "--ro-bind", "/tmp/inspect/ca.pem", "/tmp/inspect/ca.pem",
         "--bind", "/home/u/project", "/home/u/project",
         "--bind", "/home/u/.cache/pip", "/home/u/.cache/pip",
         "--ro-bind", "/home/u/project/.git", "/home/u/project/.git",
         # egressd's CA key directory: an empty tmpfs over it
         "--tmpfs", "/home/u/.config/egressd/ca",
-        # needed paths: only those the base layout hides (and no user mount shows)
-        "--ro-bind", "/tmp/venv", "/tmp/venv",
-        "--ro-bind", "/tmp/inspect/ca.pem", "/tmp/inspect/ca.pem",
         # the relay's socket directory last: nothing can cover it
         "--ro-bind", "/tmp/egressd-sandbox-abc", "/tmp/egressd-sandbox-abc",
         "--chdir", "/home/u/project",
         "--", "/venv/bin/python", "-I", "-m", "egressd.sandbox.launcher", "--", "curl", "x",
     ]  # fmt: skip
+
+
+def test_needed_path_under_tmp_never_covers_a_deeper_working_directory() -> None:
+    # egressd installed (editable) in /tmp/repo, run from /tmp/repo/work: the checkout stays
+    # readable, the working directory inside it stays writable
+    spec = BwrapSpec(
+        "bwrap",
+        "/tmp/repo/work",
+        (Mount("/tmp/repo/work", True),),
+        "/tmp/s",
+        ("true",),
+        needed=("/tmp/repo", "/tmp/repo/.venv"),
+    )
+    argv = bwrap_argv(spec)
+    binds = [argv[i : i + 2] for i, word in enumerate(argv) if word in ("--bind", "--ro-bind")]
+    binds = [bind for bind in binds if bind[1].startswith("/tmp/repo")]
+    assert binds == [
+        ["--ro-bind", "/tmp/repo"],
+        ["--ro-bind", "/tmp/repo/.venv"],
+        ["--bind", "/tmp/repo/work"],
+    ]
+
+
+def test_probe_shows_the_interpreter_when_it_lives_under_tmp() -> None:
+    argv = probe_argv("bwrap", "/tmp/x/.venv/bin/python", True, ("/tmp/x/.venv", "/usr"))
+    assert argv[argv.index("/tmp/x/.venv") - 1] == "--ro-bind"
+    assert "/usr" not in argv  # already visible through the read-only /
 
 
 def test_old_bubblewrap_without_disable_userns() -> None:
