@@ -411,7 +411,7 @@ def _host_header_mismatch(request: http.Request, target: Any) -> str | None:
         return None
     if len(header) > 1:
         return "more than one Host header"
-    value = header[0].strip()
+    value = header[0].strip(" \t")
     host_part, port_part = value, None
     if value.startswith("["):
         end = value.find("]")

@@ -21,6 +21,7 @@ from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from egressd.engine import faults
 from egressd.engine.gate import decision_refusal
+from egressd.engine.http_head import head_problem
 from egressd.engine.pinning import ConnectFailure, try_addresses
 from egressd.policy import TargetError, canonical_host
 from egressd.refusal import Refusal
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_HEAD = 64 * 1024
 MAX_CLIENT_HELLO = 64 * 1024
 HIGH_WATER = 1 << 20
 
@@ -203,10 +203,12 @@ class FrontProtocol(_Pipe):
         if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
             self._hand_off()  # not a CONNECT: mitmproxy's HTTP proxy decides it
             return
+        problem = head_problem(bytes(self.buffer))
+        if problem is not None:
+            self._refuse(Refusal("bad_request", problem[1]))
+            return
         end = self.buffer.find(b"\r\n\r\n")
         if end < 0:
-            if len(self.buffer) > MAX_HEAD:
-                self._refuse(Refusal("bad_request", "request head too long"))
             return
         assert self.transport is not None
         self.transport.pause_reading()

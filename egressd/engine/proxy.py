@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from egressd.engine import error_pages, pinning
+from egressd.engine import error_pages, head_guard, pinning
 from egressd.engine.credentials import ProxyCredentials
 from egressd.engine.gate import PolicyHolder
 from egressd.engine.runtime import Runtime, set_shared_runtime
@@ -100,6 +100,7 @@ class EgressProxy:
     def start(self) -> None:
         pinning.install()
         error_pages.install()
+        head_guard.install()
         _raise_fd_limit()
         self._prepare_inspection()
         set_shared_runtime(self.runtime)

@@ -66,17 +66,27 @@ _V6_PRIVATE: tuple[IPv6Network, ...] = tuple(
         "2001::/23",
         "::ffff:0:0/96",
         "::/96",
+        "3fff::/20",  # documentation (RFC 9637); Python 3.12's ipaddress calls it global
+        "5f00::/16",  # SRv6 SIDs (RFC 9602), not globally routable
     )
 )
 
 _NAT64 = IPv6Network("64:ff9b::/96")
 _NAT64_LOCAL = IPv6Network("64:ff9b:1::/48")
+_SIIT = IPv6Network("::ffff:0:0:0/96")  # "IPv4-translated" addresses of stateless translators (RFC 6145)
+# RFC 6052 layouts a site may pick inside the local-use /48 (prefix /48, /56, /64): the IPv4 bytes,
+# skipping the u octet (byte 8), and the suffix bytes that must be zero for that layout to apply.
+_NAT64_LOCAL_LAYOUTS: tuple[tuple[tuple[int, ...], range], ...] = (
+    ((6, 7, 9, 10), range(11, 16)),
+    ((7, 9, 10, 11), range(12, 16)),
+    ((9, 10, 11, 12), range(13, 16)),
+)
 _SIX_TO_FOUR = IPv6Network("2002::/16")
 _TEREDO = IPv6Network("2001::/32")
 
 
 def embedded_ipv4(ip: IPv6Address) -> IPv4Address | None:
-    """The IPv4 address an IPv6 address carries (mapped, compatible, NAT64, 6to4, Teredo client)."""
+    """The IPv4 address an IPv6 address carries (mapped, compatible, SIIT, NAT64, 6to4, Teredo client)."""
     candidates = embedded_ipv4_candidates(ip)
     return candidates[0] if candidates else None
 
@@ -93,13 +103,19 @@ def embedded_ipv4_candidates(ip: IPv6Address) -> tuple[IPv4Address, ...]:
         return (ip.ipv4_mapped,)
     if value >> 32 == 0:
         return (low32,) if value > 1 else ()
-    if ip in _NAT64:
+    if ip in _NAT64 or ip in _SIIT:
         return (low32,)
     if ip in _NAT64_LOCAL:
-        # The site picks the prefix length; the zero fill of the other layout is not a candidate.
+        # The site picks the prefix length (/48 to /96), so every layout whose suffix is zero is a
+        # candidate (the /48 one always, as before); the zero fill of another layout is not.
         raw = ip.packed
-        layouts = (IPv4Address(raw[6:8] + raw[9:11]), low32)
-        return tuple(v4 for v4 in layouts if int(v4)) or (layouts[0],)
+        first = IPv4Address(bytes(raw[i] for i in _NAT64_LOCAL_LAYOUTS[0][0]))
+        layouts = [first]
+        for positions, suffix in _NAT64_LOCAL_LAYOUTS[1:]:
+            if not any(raw[i] for i in suffix):
+                layouts.append(IPv4Address(bytes(raw[i] for i in positions)))
+        layouts.append(low32)
+        return tuple(dict.fromkeys(v4 for v4 in layouts if int(v4))) or (first,)
     if ip in _SIX_TO_FOUR:
         return (IPv4Address(ip.packed[2:6]),)
     if ip in _TEREDO:
@@ -125,6 +141,12 @@ def _classify_v4(ip: IPv4Address) -> tuple[AddressClass, str]:
 
 def _classify_v6(ip: IPv6Address) -> tuple[AddressClass, str]:
     candidates = embedded_ipv4_candidates(ip)
+    if candidates and (ip.ipv4_mapped is not None or int(ip) >> 32 == 0):
+        # Mapped/compatible forms ARE the IPv4 host (a dual-stack socket connecting to
+        # ::ffff:127.0.0.1 reaches 127.0.0.1): same class, LOOPBACK included, so loopback rules
+        # (loopback.allow, loopback.ports, egressd's own port) apply to them too.
+        klass, why = _classify_v4(candidates[0])
+        return klass, why if klass is AddressClass.GLOBAL else f"embeds {candidates[0]} ({why})"
     worst: tuple[AddressClass, str] | None = None
     for v4 in candidates:
         klass, why = _classify_v4(v4)
@@ -134,9 +156,6 @@ def _classify_v6(ip: IPv6Address) -> tuple[AddressClass, str]:
             worst = (AddressClass.PRIVATE, f"embeds {v4} ({why})")
     if worst is not None:
         return worst
-    # Mapped/compatible forms ARE the IPv4 host: a global one is simply global.
-    if candidates and (ip.ipv4_mapped is not None or int(ip) >> 32 == 0):
-        return AddressClass.GLOBAL, "global"
     for network, why in _V6_FORBIDDEN:
         if ip in network:
             return AddressClass.FORBIDDEN, why
@@ -158,5 +177,9 @@ def describe(ip: IPAddress) -> tuple[AddressClass, str]:
 
 
 def classify(ip: IPAddress) -> AddressClass:
-    """Class of an address in any spelling; embedded IPv4 never yields LOOPBACK, only PRIVATE."""
+    """Class of an address in any spelling.
+
+    IPv4-mapped/compatible addresses get the class of their IPv4 address (LOOPBACK included); an
+    IPv4 address behind a translator (NAT64, 6to4, Teredo, SIIT) is never LOOPBACK, only PRIVATE.
+    """
     return describe(ip)[0]

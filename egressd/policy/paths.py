@@ -37,7 +37,13 @@ def _normalise_encoding(path: str) -> str | None:
         if char in _ALLOWED_RAW:
             out.append(char)
         else:
-            out.extend(f"%{byte:02X}" for byte in char.encode("utf-8"))
+            # mitmproxy hands over raw non-UTF-8 bytes as surrogate escapes: encode them back to
+            # the byte the upstream will receive; any other lone surrogate cannot be sent at all
+            try:
+                raw_bytes = char.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                return None
+            out.extend(f"%{byte:02X}" for byte in raw_bytes)
         index += 1
     return "".join(out)
 

@@ -84,11 +84,11 @@ def test_classify(address: str, klass: AddressClass) -> None:
     ("address", "klass"),
     [
         ("::ffff:169.254.169.254", F),  # mapped
-        ("::ffff:127.0.0.1", P),  # embedded loopback is never LOOPBACK
+        ("::ffff:127.0.0.1", L),  # mapped IS the IPv4 host: loopback rules apply (bypass corpus)
         ("::ffff:10.0.0.1", P),
         ("::ffff:8.8.8.8", G),
         ("::a9fe:a9fe", F),  # compatible
-        ("::7f00:1", P),
+        ("::7f00:1", L),  # compatible: folded like mapped (canonical_ip does the same)
         ("::808:808", G),
         ("64:ff9b::a9fe:a9fe", F),  # NAT64
         ("64:ff9b::169.254.169.254", F),

@@ -1,0 +1,52 @@
+"""The raw bytes of an HTTP/1 request head, checked before anyone parses them.
+
+Parsers disagree on the bytes this refuses (bare LF or CR, obs-fold, NUL and other control
+characters, oversized heads): a proxy that reads a head one way while the upstream reads it another
+way forwards a request nobody decided (request smuggling). egressd refuses such heads with 400/431
+instead of normalising them. No I/O, no mitmproxy import.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_HEAD = 64 * 1024
+# C0 controls and DEL, except HTAB; CR and LF are checked as line structure below
+_CTL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_BARE_LF = re.compile(rb"(?<!\r)\n")
+_BARE_CR = re.compile(rb"\r(?!\n)")
+
+
+def head_problem(data: bytes) -> tuple[int, str] | None:
+    """(status, why) when the head at the start of data must be refused; None when it is fine
+    or not complete yet (and not too long)."""
+    start = 0
+    while data.startswith(b"\r\n", start):  # RFC 9112 2.2: empty lines before a request are ignored
+        start += 2
+    lf_end = data.find(b"\n\n", start)
+    crlf_end = data.find(b"\r\n\r\n", start)
+    ends = [e + 2 for e in (lf_end,) if e >= 0] + [e + 4 for e in (crlf_end,) if e >= 0]
+    if not ends:
+        if len(data) - start > MAX_HEAD:
+            return 431, f"request head longer than {MAX_HEAD} bytes"
+        # what is there already may be refused without waiting for the rest
+        return _line_problem(data[start:], complete=False)
+    end = min(ends)
+    if end - start > MAX_HEAD:
+        return 431, f"request head longer than {MAX_HEAD} bytes"
+    return _line_problem(data[start:end], complete=True)
+
+
+def _line_problem(head: bytes, *, complete: bool) -> tuple[int, str] | None:
+    if _BARE_LF.search(head):
+        return 400, "bare LF line ending in the request head"
+    body = head if complete else head[: head.rfind(b"\r\n") + 2] if b"\r\n" in head else b""
+    if _BARE_CR.search(body):
+        return 400, "bare CR in the request head"
+    if _CTL.search(head):
+        return 400, "control character in the request head"
+    lines = body.split(b"\r\n")
+    for line in lines[1:]:
+        if line[:1] in (b" ", b"\t"):
+            return 400, "obsolete line folding (obs-fold) in the request head"
+    return None

@@ -1,0 +1,42 @@
+"""Table tests for the raw request-head check (request smuggling and oversized heads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from egressd.engine.http_head import MAX_HEAD, head_problem
+
+OK = [
+    b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n",
+    b"\r\nGET / HTTP/1.1\r\nHost: a.test\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: a.test\r\nX-Tab: a\tb\r\n\r\nbody\x00\n",  # the body is not the head
+    b"GET / HTTP/1.1\r\nHost: a.te",  # incomplete, so far fine
+    b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\n\x16\x03\x01",
+]
+
+BAD = [
+    (b"GET / HTTP/1.1\nHost: a.test\n\n", 400, "bare LF"),
+    (b"GET / HTTP/1.1\r\nHost: a.test\nX: 1\r\n\r\n", 400, "bare LF"),
+    (b"GET / HTTP/1.1\r\nX-A: a\rTransfer-Encoding: chunked\r\n\r\n", 400, "bare CR"),
+    (b"GET / HTTP/1.1\r\nX-A: a\r\n Transfer-Encoding: chunked\r\n\r\n", 400, "obs-fold"),
+    (b"GET / HTTP/1.1\r\nX-A: a\r\n\tb\r\n\r\n", 400, "obs-fold"),
+    (b"GET / HTTP/1.1\r\nX-A: a\x00b\r\n\r\n", 400, "control"),
+    (b"GET /\x00 HTTP/1.1\r\nHost: a\r\n\r\n", 400, "control"),
+    (b"GET / HTTP/1.1\r\nTransfer-Encoding: \x0bchunked\r\n\r\n", 400, "control"),
+    (b"GET / HTTP/1.1\r\nHost: \x1ea.test\r\n\r\n", 400, "control"),
+    (b"GET / HTTP/1.1\r\nX: \x7f\r\n\r\n", 400, "control"),
+    (b"GET /" + b"a" * (MAX_HEAD + 10) + b" HTTP/1.1\r\n\r\n", 431, "longer"),
+    (b"GET / HTTP/1.1\r\n" + b"X-A: b\r\n" * 20_000, 431, "longer"),
+    (b"GET / HTTP/1.1\r\nX-A: a\x00", 400, "control"),  # refused before the head is complete
+]
+
+
+@pytest.mark.parametrize("head", OK)
+def test_fine_heads(head: bytes) -> None:
+    assert head_problem(head) is None
+
+
+@pytest.mark.parametrize(("head", "status", "why"), BAD)
+def test_refused_heads(head: bytes, status: int, why: str) -> None:
+    problem = head_problem(head)
+    assert problem is not None and problem[0] == status and why in problem[1]
