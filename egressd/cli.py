@@ -609,6 +609,10 @@ from egressd.cli_sandbox import sandbox_command  # noqa: E402  (it builds on the
 
 cli.add_command(sandbox_command)
 
+from egressd.cli_ssh import register as _register_ssh  # noqa: E402  (it builds on the options above)
+
+_register_ssh(cli)
+
 
 def main() -> None:
     """Console-script entry point (`egressd`, `python -m egressd`)."""

@@ -1,0 +1,204 @@
+"""`egressd remote-agent run`: egressd on the remote host, under the client's policy only.
+
+It takes every policy from the channel (never from a file, never from EGRESSD_MODE here: the
+client already applied its own), runs the proxy, runs the command like `exec` does, and answers
+each policy with `applied` or `rejected` (a bad push keeps the last good policy). When the
+channel ends — the client went away or SSH dropped — the command is hung up (SIGHUP, SIGKILL
+5 s later): it must not run on under a policy its client can no longer change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from egressd import process
+from egressd.audit import AuditLog
+from egressd.child_env import child_environment
+from egressd.policy import Policy, PolicyError
+from egressd.remote.channel import ChannelError, LineChannel, read_policy
+from egressd.ssh_env import with_git_ssh
+
+FIRST_POLICY_TIMEOUT = 30.0
+HANGUP_GRACE = 5.0
+
+
+class AgentError(Exception):
+    """The agent cannot start the command; exit 2 with this message."""
+
+
+class ChannelAudit(AuditLog):
+    """The audit records go back to the client (which writes its --audit file); trace stays here."""
+
+    def __init__(self, channel: LineChannel | None, trace: TextIO | None) -> None:
+        super().__init__(None, trace=trace)
+        self._channel = channel
+
+    @property
+    def enabled(self) -> bool:
+        return self._channel is not None or super().enabled
+
+    def _forward(self, record: dict[str, Any]) -> dict[str, Any]:
+        if self._channel is not None:
+            self._channel.send({"type": "audit", "record": record})
+        return record
+
+    def decision(self, **fields: Any) -> dict[str, Any]:
+        return self._forward(super().decision(**fields))
+
+    def closed(self, **fields: Any) -> dict[str, Any]:
+        return self._forward(super().closed(**fields))
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return self._forward(super().event(kind, **fields))
+
+
+def _hang_up(pid: int) -> None:
+    """SIGHUP to the command's whole process group, as a terminal hang-up would.
+
+    sshd starts every session in a group of its own, which the agent leads (the wrapper exec'd
+    it): the group is the command and what it started. The agent has SIGHUP blocked (the signal
+    catcher), so it only sees it as one more signal to pass on.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpgrp(), signal.SIGHUP)
+        else:
+            os.kill(pid, signal.SIGHUP)
+
+
+def _check_profile(policy: Policy, profile: str | None) -> Policy:
+    if profile is not None and profile not in policy.profiles:
+        raise PolicyError(policy.source, "--profile", profile, "no such profile in the pushed policy")
+    return policy
+
+
+class Agent:
+    def __init__(
+        self,
+        channel: LineChannel,
+        *,
+        profile: str | None,
+        listen: tuple[str, int],
+        trace: bool,
+        audit_to_client: bool,
+        say: Callable[[str], None],
+        inspect: bool = True,
+        upstream_ca: Sequence[str] = (),
+    ) -> None:
+        self.channel = channel
+        self.inspect = inspect
+        self.upstream_ca = tuple(upstream_ca)
+        self.profile = profile
+        self.listen = listen
+        self.say = say
+        self.trace = trace
+        self.audit = ChannelAudit(channel if audit_to_client else None, sys.stderr if trace else None)
+        self.lost = threading.Event()
+        self.proxy: Any = None
+        self._seq: object = None
+
+    # -- policies ----------------------------------------------------------------------------
+    def first_policy(self) -> Policy:
+        try:
+            message = self.channel.receive(timeout=FIRST_POLICY_TIMEOUT)
+        except (TimeoutError, ChannelError, OSError) as exc:
+            raise AgentError(f"no policy from the client: {exc or type(exc).__name__}") from exc
+        if message is None or message.get("type") != "policy":
+            raise AgentError("no policy from the client (the channel closed)")
+        try:
+            policy = _check_profile(read_policy(message), self.profile)
+        except PolicyError as exc:
+            self.channel.send({"type": "rejected", "seq": message.get("seq"), "error": str(exc)})
+            raise AgentError(f"the client's policy does not load here: {exc}") from exc
+        self._seq = message.get("seq")
+        return policy
+
+    def _listen(self) -> None:
+        """Apply every further policy the client pushes; mark the channel lost at its end."""
+        try:
+            while (message := self.channel.receive()) is not None:
+                if message.get("type") == "policy":
+                    self._apply(message)
+        except (ChannelError, OSError) as exc:
+            self.say(f"policy channel failed: {exc}")
+        finally:
+            self.lost.set()
+
+    def _apply(self, message: dict[str, Any]) -> None:
+        seq = message.get("seq")
+        try:
+            policy = _check_profile(read_policy(message), self.profile)
+        except PolicyError as exc:
+            error = " ".join(str(exc).split())
+            self.say(f"refused a policy from the client: {error}; keeping the last good one")
+            self.audit.event("reload_failed", error=str(exc))
+            self.channel.send({"type": "rejected", "seq": seq, "error": str(exc)})
+            return
+        self.proxy.set_policy(policy)
+        self.audit.event("reload", source=policy.source, mode=policy.mode)
+        if self.trace:
+            self.say(f"policy reloaded from {policy.source} (mode: {policy.mode})")
+        self.channel.send({"type": "applied", "seq": seq})
+
+    # -- the command -------------------------------------------------------------------------
+    def run(self, command: Sequence[str], catcher: process.SignalCatcher) -> int:
+        from egressd.engine import EgressProxy, EngineError
+
+        policy = self.first_policy()
+        self.proxy = EgressProxy(
+            policy,
+            listen=self.listen,
+            socks=True,
+            audit=self.audit,
+            inspect=self.inspect,
+            upstream_ca=self.upstream_ca,
+        )
+        try:
+            self.proxy.start()
+        except EngineError as exc:
+            raise AgentError(f"cannot start the proxy: {exc}") from exc
+        try:
+            self.channel.send({"type": "applied", "seq": self._seq})
+            threading.Thread(target=self._listen, name="egressd-policy-channel", daemon=True).start()
+            creds = self.proxy.issue_credentials(self.profile)
+            url = creds.proxy_url(*self.proxy.http_address)
+            socks = self.proxy.socks_address
+            socks_url = creds.proxy_url(*socks, scheme="socks5h") if socks else None
+            env = child_environment(os.environ, url, socks_url, ca_bundle=self.proxy.ca_bundle)
+            env = with_git_ssh(env, policy)  # git over SSH through the proxy, as `exec` does
+            try:
+                pid = process.spawn(command, env, catcher)
+            except OSError as exc:
+                returncode = process.exec_failure(command[0], exc)
+            else:
+                returncode = self._wait(pid, catcher)
+            self.channel.send({"type": "exit", "returncode": returncode})
+            return returncode
+        finally:
+            self.proxy.stop()
+
+    def _wait(self, pid: int, catcher: process.SignalCatcher) -> int:
+        hung_up: float | None = None
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done == pid:
+                return os.waitstatus_to_exitcode(status)
+            if self.lost.is_set() and hung_up is None:
+                hung_up = time.monotonic()
+                _hang_up(pid)
+                self.say("the client is gone (policy channel closed): hung up the command")
+            elif hung_up is not None and time.monotonic() - hung_up > HANGUP_GRACE:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            got = catcher.wait(0.25)
+            if got is None or got.signo == signal.SIGCHLD or got.from_kernel:
+                continue  # the terminal already signalled the whole group, the command included
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, got.signo)

@@ -1,0 +1,90 @@
+"""Relay mode: the remote child's traffic comes back through the SSH connection to the local proxy.
+
+The remote child's proxy variables point at `127.0.0.1:<port>` ON THE REMOTE, a reverse forward
+sshd opened (port of its choice) that leads to egressd's loopback proxy here. Other users of the
+remote host can connect to that port too, which is why the child's credentials matter: they get
+407. The credentials reach the remote in a private file, never in a command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from egressd import process
+from egressd.child_env import CA_BUNDLE_VARS, proxy_exports
+from egressd.policy import Policy
+from egressd.remote import scripts
+from egressd.remote.connection import SshConnection, SshError
+from egressd.remote.supervise import Outcome, supervise
+from egressd.session import ProxySession
+
+CA_NAME = "ca.pem"
+REMOTE_LOOPBACK = "127.0.0.1"
+
+
+def close_client_loopback(policy: Policy) -> Policy:
+    """A remote child's "localhost" is not the client's: keep the client's loopback closed to it.
+
+    Through the relay, a request for 127.0.0.1 would reach services listening on the CLIENT's
+    loopback (databases, dev servers, local model servers). `--client-loopback` skips this.
+    """
+    if not policy.loopback.allow:
+        return policy
+    return dataclasses.replace(
+        policy,
+        loopback=dataclasses.replace(policy.loopback, allow=False),
+        source=f"{policy.source} (egressd ssh: the client's loopback is closed to the remote; "
+        "--client-loopback opens it)",
+    )
+
+
+class Relay:
+    """One relayed run; `directory` is the remote session directory once it exists."""
+
+    def __init__(self, session: ProxySession, connection: SshConnection) -> None:
+        self.session = session
+        self.connection = connection
+        self.directory: str | None = None
+
+    def environment(self) -> tuple[str, bytes | None]:
+        """Forward the proxy's ports; the env file text and the CA bundle to upload (if any)."""
+        proxy = self.session.proxy
+        assert proxy is not None, "start the session first"
+        creds = self.session.credentials()
+        http_port = self.connection.forward(*proxy.http_address)
+        socks_url = None
+        if proxy.socks_address is not None:
+            socks_port = self.connection.forward(*proxy.socks_address)
+            socks_url = creds.proxy_url(REMOTE_LOOPBACK, socks_port, scheme="socks5h")
+        exports = proxy_exports(creds.proxy_url(REMOTE_LOOPBACK, http_port), socks_url)
+        bundle = self.session.ca_bundle
+        if bundle is None:
+            return scripts.env_file(exports), None
+        try:
+            data = Path(bundle).read_bytes()
+        except OSError as exc:
+            raise SshError(f"cannot read the CA bundle {bundle}: {exc.strerror or exc}", 2) from exc
+        return scripts.env_file(exports, dict.fromkeys(CA_BUNDLE_VARS, CA_NAME)), data
+
+    def run(self, command: Sequence[str], catcher: process.SignalCatcher) -> Outcome:
+        env_text, bundle = self.environment()
+        self.directory = directory = self.connection.make_directory(env_text)
+        if bundle is not None:
+            done = self.connection.helper(scripts.put_command(directory, CA_NAME), input=bundle)
+            if not done.ok:
+                raise SshError(
+                    f"cannot copy the CA bundle to {self.connection.name}: {done.stderr.strip()}", 2
+                )
+        # With a terminal on stdin the ssh client must stay in the foreground group to read it.
+        child = self.connection.start(scripts.wrapped(directory, command), new_group=not os.isatty(0))
+        try:
+            return supervise(child, self.connection, directory, catcher)
+        finally:
+            if child.poll() is None:
+                child.stop(grace=2.0)
+
+    def close(self) -> None:
+        """Nothing of its own to stop: the proxy belongs to the session, the rest to the connection."""

@@ -1,0 +1,140 @@
+"""The ssh command lines egressd runs: one control master, then multiplexed clients.
+
+Pure functions of the destination, the control socket and the user's `--ssh-option` values, so
+they are golden-tested. Option order matters: for `-o` OpenSSH keeps the FIRST value it sees
+(command line before ~/.ssh/config), so the options egressd depends on come first, the user's
+next, and egressd's mere defaults last (the user's value and their config file beat those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from egressd.remote.destination import Destination
+
+# The master must stay our child in the foreground (no fork, no persistence), must treat a
+# failed forward as fatal and must open no forward of the user's config: only egressd's relay.
+MASTER_FORCED: tuple[str, ...] = (
+    "ControlMaster=yes",
+    "ControlPersist=no",
+    "ExitOnForwardFailure=yes",
+    "ClearAllForwardings=yes",
+)
+# Defaults a user may override: notice a dead link within a minute, do not hang on connecting.
+MASTER_DEFAULTS: tuple[str, ...] = (
+    "ServerAliveInterval=15",
+    "ServerAliveCountMax=4",
+    "ConnectTimeout=30",
+)
+# Options egressd sets itself; a --ssh-option naming one is refused rather than silently ignored.
+MANAGED_OPTIONS: frozenset[str] = frozenset(
+    {
+        "controlmaster",
+        "controlpath",
+        "controlpersist",
+        "exitonforwardfailure",
+        "clearallforwardings",
+        "forkafterauthentication",
+        "sessiontype",
+        "stdinnull",
+        "localforward",
+        "remoteforward",
+        "dynamicforward",
+    }
+)
+
+
+class SshOptionError(ValueError):
+    """A --ssh-option value egressd cannot pass on."""
+
+
+def option_name(option: str) -> str:
+    """`Port=2222` / `Port 2222` → `port` (ssh option names are case-insensitive)."""
+    for sep in ("=", " ", "\t"):
+        if sep in option:
+            return option.split(sep, 1)[0].strip().lower()
+    return option.strip().lower()
+
+
+def check_ssh_option(option: str) -> str:
+    """Validate one --ssh-option (`Key=Value`); return it unchanged."""
+    name = option_name(option)
+    if not name or option.startswith("-") or ("=" not in option and " " not in option.strip()):
+        raise SshOptionError(f"{option!r}: expected KEY=VALUE, e.g. Port=2222 or IdentityFile=~/.ssh/id")
+    if any(ch in option for ch in "\r\n\0"):
+        raise SshOptionError(f"{option!r}: contains a line break or NUL")
+    if name in MANAGED_OPTIONS:
+        raise SshOptionError(
+            f"{option!r}: egressd ssh manages {option.split('=', 1)[0].strip()} itself "
+            "(one control master per run, no other forwards)"
+        )
+    return option
+
+
+def requests_tty(options: Sequence[str]) -> bool:
+    """The user asked for a pseudo-terminal (`RequestTTY=yes|force`), as with `ssh -t`."""
+    for option in options:
+        if option_name(option) == "requesttty":
+            value = option.replace("=", " ", 1).split(None, 1)[1:] or [""]
+            return value[0].strip().lower() in {"yes", "force"}
+    return False
+
+
+def _opts(values: Sequence[str]) -> list[str]:
+    return [arg for value in values for arg in ("-o", value)]
+
+
+@dataclass(frozen=True)
+class SshCommand:
+    """Command lines for one connection to `destination` through the socket `control_path`."""
+
+    destination: Destination
+    control_path: str
+    options: tuple[str, ...] = ()
+    program: str = "ssh"
+
+    def _tail(self, *after: str) -> list[str]:
+        return [*self.destination.port_args, "--", self.destination.target, *after]
+
+    def _mux(self) -> list[str]:
+        # -S first: for ControlPath too the first value wins.
+        return [self.program, "-S", self.control_path, "-o", "ControlMaster=no"]
+
+    def master(self) -> list[str]:
+        """The control master: authenticates, then only carries forwards and sessions (-N)."""
+        return [
+            self.program,
+            "-n",
+            "-N",
+            "-S",
+            self.control_path,
+            *_opts(MASTER_FORCED),
+            *_opts(self.options),
+            *_opts(MASTER_DEFAULTS),
+            *self._tail(),
+        ]
+
+    def control(self, operation: str, *extra: str) -> list[str]:
+        """`ssh -O check|forward|exit` against the running master."""
+        return [*self._mux(), "-O", operation, *extra, *self._tail()]
+
+    def check(self) -> list[str]:
+        return self.control("check")
+
+    def forward_remote(self, target_host: str, target_port: int, listen_host: str = "127.0.0.1") -> list[str]:
+        """Reverse forward from a port sshd chooses (0) on the remote's loopback; prints the port."""
+        target = f"[{target_host}]" if ":" in target_host else target_host
+        return self.control("forward", "-R", f"{listen_host}:0:{target}:{target_port}")
+
+    def exit(self) -> list[str]:
+        return self.control("exit")
+
+    def helper(self, remote_command: str) -> list[str]:
+        """A short command of egressd's own on the remote: never a tty, no escape character."""
+        return [*self._mux(), "-T", "-e", "none", "-o", "LogLevel=ERROR", *self._tail(remote_command)]
+
+    def session(self, remote_command: str) -> list[str]:
+        """The user's command. No pty (like `ssh host cmd`) unless --ssh-option RequestTTY=yes."""
+        tty = [] if any(option_name(o) == "requesttty" for o in self.options) else ["-T", "-e", "none"]
+        return [*self._mux(), *tty, *_opts(self.options), *self._tail(remote_command)]

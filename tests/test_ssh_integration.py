@@ -1,0 +1,628 @@
+"""`egressd ssh` for real: a real sshd in a "remote" namespace, upstreams in an "internet" namespace.
+
+The remote has no route to the internet namespace (except in the remote-egress tests, which add
+one), the client — this pytest session's namespace — reaches both. Every command below runs the
+real `egressd ssh` with the system OpenSSH client against that sshd, and the remote side runs real
+curl and python3. See tests/support/ssh_lab.py for the topology.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+
+from tests.support import ssh_lab
+from tests.support.dns_server import DnsServer
+from tests.support.egressd_cli import EGRESSD
+from tests.support.ssh_lab import INTERNET, PROBE, SshLab
+from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
+
+pytestmark = pytest.mark.timeout(90)
+
+POLICY = f"""\
+version: 1
+mode: enforce
+allow:
+  - up.test
+  - {ssh_lab.INTERNET_NET}
+deny:
+  - denied.test
+"""
+# up.test over HTTPS for /ok only: egressd must intercept TLS to see the path
+POLICY_INSPECT = f"""\
+version: 1
+mode: enforce
+allow:
+  - {{host: up.test, paths: [/ok]}}
+  - {ssh_lab.INTERNET_NET}
+"""
+POLICY_UP_DENIED = POLICY.replace("  - denied.test\n", "  - denied.test\n  - up.test\n")
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
+    if not ssh_lab.real_root():
+        pytest.skip(
+            "the SSH tests need real root: they create named network namespaces (`ip netns add`) "
+            "and run sshd in one; this session runs as an unprivileged user (user namespace)"
+        )
+    with SshLab(tmp_path_factory.mktemp("ssh-lab")) as built:
+        yield built
+
+
+@pytest.fixture
+def internet(lab: SshLab) -> Iterator[EchoHTTPServer]:
+    """An HTTP echo server inside the internet namespace (on 198.18.0.6)."""
+    server = lab.in_internet(lambda: EchoHTTPServer(INTERNET, name="internet").start())
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def internet_tls(lab: SshLab, ca: trustme.CA) -> Iterator[EchoHTTPSServer]:
+    """An HTTPS echo server inside the internet namespace, certificate for up.test (session CA)."""
+    server = lab.in_internet(
+        lambda: EchoHTTPSServer(INTERNET, name="internet-tls", ca=ca, hostnames=["up.test"]).start()
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def names(dns: DnsServer) -> DnsServer:
+    """The client's DNS: every test name points at the internet namespace's server."""
+    for name in ("up.test", "denied.test", "nope.test"):
+        dns.add(name, INTERNET)
+    return dns
+
+
+@pytest.fixture
+def policy(tmp_path: Path) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY)
+    return path
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def ssh_argv(
+    lab: SshLab, options: Sequence[str], command: Sequence[str], destination: str | None = None
+) -> list[str]:
+    return [*EGRESSD, "ssh", *options, *lab.ssh_options(), destination or lab.destination, "--", *command]
+
+
+def egressd_ssh(
+    lab: SshLab,
+    options: Sequence[str],
+    command: Sequence[str],
+    *,
+    destination: str | None = None,
+    input: bytes | None = None,  # noqa: A002
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        ssh_argv(lab, options, command, destination),
+        input=input,
+        capture_output=True,
+        timeout=60,
+        env=env,
+        stdin=None if input is not None else subprocess.DEVNULL,
+    )
+
+
+def probe(*requests: str) -> list[str]:
+    """The remote python3 probe (see ssh_lab.PROBE) as a command."""
+    return ["python3", "-c", PROBE, *requests]
+
+
+def results(stdout: bytes) -> dict[str, dict[str, Any]]:
+    out = {}
+    for line in stdout.decode().splitlines():
+        if line.startswith("{"):
+            item = json.loads(line)
+            out[item["name"]] = item
+    return out
+
+
+def peers(server: EchoHTTPServer) -> set[str]:
+    return {request["peer"][0] for request in server.requests}
+
+
+class Running:
+    """`egressd ssh` in the background, its stdout read line by line and stderr collected."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        self._lines: queue.Queue[bytes] = queue.Queue()
+        self._stderr: list[bytes] = []
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return b"".join(self._stderr).decode(errors="replace")
+
+    def line(self, timeout: float = 30) -> str:
+        try:
+            return self._lines.get(timeout=timeout).decode()
+        except queue.Empty:
+            raise AssertionError(f"no output line within {timeout}s; stderr: {self.stderr}") from None
+
+    def wait_stderr(self, text: str, timeout: float = 15) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.stderr:
+            assert time.monotonic() < deadline, f"{text!r} not on stderr: {self.stderr}"
+            time.sleep(0.05)
+
+    def send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 30) -> int:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def __enter__(self) -> Running:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def relay_options(policy: Path, dns: DnsServer, *extra: str) -> list[str]:
+    return ["--policy", str(policy), "--nameserver", dns.nameserver, *extra]
+
+
+# -- relay mode ----------------------------------------------------------------------------------
+def test_relay_allowed_only_through_the_client_refused_with_reason(
+    lab: SshLab, names: DnsServer, internet: EchoHTTPServer, policy: Path
+) -> None:
+    url = f"http://up.test:{internet.port}"
+    requests = probe(
+        f"relay={url}/python",
+        f"denied=http://denied.test:{internet.port}/",
+        f"nope=http://nope.test:{internet.port}/",
+        f"direct:direct=http://{INTERNET}:{internet.port}/direct",
+    )
+    curl = f"curl -sS --max-time 10 -o /dev/null -w 'curl %{{http_code}}\\n' {url}/curl"
+    script = f"{curl} && exec {_quoted(requests)}"
+    audit = policy.parent / "audit.jsonl"
+    result = egressd_ssh(lab, relay_options(policy, names, "--audit", str(audit)), ["sh", "-c", script])
+    assert result.returncode == 0, result.stderr
+    out = results(result.stdout)
+    assert result.stdout.startswith(b"curl 200\n"), result.stdout
+    # allowed: 200, and the upstream saw the CLIENT's address: the request left from the client
+    assert out["relay"]["status"] == 200
+    assert {r["path"] for r in internet.requests} == {"/curl", "/python"}
+    assert peers(internet) == {ssh_lab.CLIENT_TO_INTERNET}
+    # refused: 403 with the reason, readable by the remote child
+    assert out["denied"]["status"] == 403 and out["denied"]["reason"] == "denylist"
+    assert "denied.test" in out["denied"]["body"] and "policy decision" in out["denied"]["body"]
+    assert "denylist" in out["denied"]["proxy_status"]
+    assert out["nope"]["status"] == 403 and out["nope"]["reason"] == "not_allowlisted"
+    assert "egressd exec --allow nope.test" in out["nope"]["body"]
+    # the remote's own way out does not exist: no route to the internet namespace
+    assert out["direct"]["status"] is None
+    assert "unreachable" in out["direct"]["error"].lower()
+    assert internet.connections == 2  # the two allowed requests; nothing from a refused one
+    # decided and audited here, on the client, like any `exec` child's requests
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    decided = {(r["host"], r["decision"], r["reason"]) for r in records if r["event"] == "decision"}
+    assert {("up.test", "allow", "allowlist"), ("denied.test", "deny", "denylist")} <= decided
+
+
+def test_relay_port_needs_the_childs_credentials(
+    lab: SshLab, names: DnsServer, internet: EchoHTTPServer, policy: Path
+) -> None:
+    """Anyone on the remote can connect to the forwarded port; without the credentials: 407."""
+    script = 'printf "%s\\n" "$HTTP_PROXY"; read _ignored'
+    with Running(ssh_argv(lab, relay_options(policy, names), ["sh", "-c", script])) as run:
+        proxy_url = run.line().strip()
+        credentials, _, hostport = proxy_url.removeprefix("http://").rpartition("@")
+        token = credentials.partition(":")[2]
+        assert hostport.startswith("127.0.0.1:") and len(token) >= 20, proxy_url
+        target = f"http://up.test:{internet.port}/other-user"
+
+        def curl_as_nobody(*proxy_args: str) -> tuple[int, dict[str, str]]:
+            done = lab.run_remote(
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "curl",
+                "-sS",
+                "-i",
+                "--max-time",
+                "10",
+                *proxy_args,
+                target,
+            )
+            head = done.stdout.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:])}
+            return int(head[0].split()[1]), headers
+
+        status, headers = curl_as_nobody("--proxy", f"http://{hostport}")
+        assert status == 407
+        assert headers["proxy-authenticate"].lower().startswith("basic")
+        assert headers["x-egressd-reason"] == "proxy_auth_required"
+        status, _ = curl_as_nobody("--proxy", f"http://egressd:wrong-token@{hostport}")
+        assert status == 407
+        assert internet.connections == 0
+        # the credentials, not the user, are what counts: with them another user gets through
+        status, _ = curl_as_nobody("--proxy", f"http://{credentials}@{hostport}")
+        assert status == 200 and internet.connections == 1
+        # and they are nowhere in a command line (other users of the remote can read those)
+        leaks = [(pid, line) for pid, line in ssh_lab.all_cmdlines() if token in line]
+        assert not leaks
+        run.send(b"done\n")
+        assert run.finish() == 0, run.stderr
+
+
+def test_relay_policy_edit_applies_to_the_running_session(
+    lab: SshLab, names: DnsServer, internet: EchoHTTPServer, policy: Path
+) -> None:
+    url = f"http://up.test:{internet.port}"
+    script = f"{_quoted(probe(f'before={url}/1'))}; read _go; exec {_quoted(probe(f'after={url}/2'))}"
+    with Running(ssh_argv(lab, relay_options(policy, names, "--trace"), ["sh", "-c", script])) as run:
+        assert json.loads(run.line())["status"] == 200
+        policy.write_text(POLICY_UP_DENIED)
+        run.wait_stderr("policy reloaded from")
+        run.send(b"go\n")
+        after = json.loads(run.line())
+        assert after["status"] == 403 and after["reason"] == "denylist"
+        assert run.finish() == 0, run.stderr
+    assert [r["path"] for r in internet.requests] == ["/1"]
+
+
+def test_relay_stdio_and_exit_status_pass_through(lab: SshLab, policy: Path, names: DnsServer) -> None:
+    data = bytes(random.Random(5).randrange(256) for _ in range(200_000)) + b"\n~.\n~C\nend\n"
+    # DESTINATION as user@host with the port given as an ssh option
+    result = egressd_ssh(
+        lab,
+        [*relay_options(policy, names), "--ssh-option", f"Port={ssh_lab.SSH_PORT}"],
+        ["cat"],
+        destination=f"root@{ssh_lab.REMOTE}",
+        input=data,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == data
+    result = egressd_ssh(lab, relay_options(policy, names), ["sh", "-c", "echo to-stderr >&2; exit 7"])
+    assert result.returncode == 7
+    assert result.stdout == b""
+    assert b"to-stderr" in result.stderr
+
+
+def test_relay_signals_reach_the_remote_command(lab: SshLab, policy: Path, names: DnsServer) -> None:
+    trap = 'trap "echo got-TERM; exit 9" TERM; echo ready; while :; do sleep 0.1; done'
+    with Running(ssh_argv(lab, relay_options(policy, names), ["sh", "-c", trap])) as run:
+        assert run.line() == "ready\n"
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.line() == "got-TERM\n"
+        assert run.finish() == 9
+    # a command that dies of the signal: egressd dies of it too, as with `exec`
+    with Running(
+        ssh_argv(lab, relay_options(policy, names), ["sh", "-c", "echo ready; exec sleep 60"])
+    ) as run:
+        assert run.line() == "ready\n"
+        run.proc.send_signal(signal.SIGINT)
+        assert run.finish() == -signal.SIGINT
+
+
+def test_relay_ctrl_c_on_a_terminal(lab: SshLab, policy: Path, names: DnsServer) -> None:
+    """Ctrl-C in a terminal: without a pty the remote command gets SIGINT and egressd dies of it;
+    with --ssh-option RequestTTY=yes it travels as a byte to the remote pty (255 then, as ssh -t)."""
+    for extra, script, expected in (
+        ([], "echo ready; exec sleep 60", -signal.SIGINT),
+        (["--ssh-option", "RequestTTY=yes"], "tty; echo ready; exec sleep 60", 255),
+    ):
+        output, returncode = _on_terminal(
+            ssh_argv(lab, [*relay_options(policy, names), *extra], ["sh", "-c", script]), b"ready", b"\x03"
+        )
+        assert returncode == expected, output
+        if extra:
+            assert b"/dev/pts/" in output  # the remote command had a pseudo-terminal
+
+
+def test_relay_tls_inspection_trusts_the_clients_ca_on_the_remote(
+    lab: SshLab, names: DnsServer, internet_tls: EchoHTTPSServer, ca_file: Path, tmp_path: Path
+) -> None:
+    """Path rules over HTTPS through the relay: the client's proxy intercepts, and the remote child
+    verifies it with the CA bundle egressd copied over (the upstream's own CA is not in it)."""
+    policy = tmp_path / "inspect.yaml"
+    policy.write_text(POLICY_INSPECT)
+    base = f"https://up.test:{internet_tls.port}"
+    write = "-w '%{http_code} %header{x-egressd-reason}\\n'"
+    script = f"curl -sS -o /dev/null {write} {base}/ok && curl -sS -o /dev/null {write} {base}/no"
+    options = relay_options(policy, names, "--upstream-ca", str(ca_file))
+    result = egressd_ssh(lab, options, ["sh", "-c", f'echo "$CURL_CA_BUNDLE"; {script}'])
+    assert result.returncode == 0, result.stderr
+    bundle, ok, refused = result.stdout.decode().splitlines()
+    assert bundle.startswith(f"{lab.remote_tmp}/egressd-ssh.") and bundle.endswith("/ca.pem")
+    assert ok.split()[0] == "200"
+    assert refused.split()[0] == "403" and refused.split()[1] != ""
+    assert [r["path"] for r in internet_tls.requests] == ["/ok"]
+    assert peers(internet_tls) == {ssh_lab.CLIENT_TO_INTERNET}
+
+
+@pytest.mark.parametrize("what", ["remote sshd", "local ssh"])
+def test_relay_ssh_killed_mid_session_ends_the_run_cleanly(
+    lab: SshLab, policy: Path, names: DnsServer, request: pytest.FixtureRequest, what: str
+) -> None:
+    # where egressd keeps its control socket (short: a Unix socket path has ~100 bytes)
+    workdir = Path(tempfile.mkdtemp(prefix="eg-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    env = {**os.environ, "TMPDIR": str(workdir)}
+    with Running(
+        ssh_argv(lab, relay_options(policy, names), ["sh", "-c", "echo ready; sleep 60"]), env=env
+    ) as run:
+        assert run.line() == "ready\n"
+        local = ssh_lab.descendants(run.proc.pid)
+        masters = [pid for pid in local if "ControlMaster=yes" in ssh_lab.cmdline(pid)]
+        assert len(masters) == 1 and len(local) >= 2, [ssh_lab.cmdline(p) for p in local]
+        if what == "remote sshd":
+            lab.drop_connections()
+        else:
+            os.kill(masters[0], signal.SIGKILL)
+        started = time.monotonic()
+        assert run.finish(timeout=20) == 255
+        assert time.monotonic() - started < 10
+        assert "SSH connection to" in run.stderr and "was lost" in run.stderr
+    # nothing left here: no ssh client, no control socket (the proxy went with egressd itself)
+    time.sleep(0.2)
+    assert not [pid for pid in local if ssh_lab.cmdline(pid)], "local processes left running"
+    assert list(workdir.iterdir()) == []
+    # Relay mode has no egressd on the remote: like with plain ssh, a command without a pty that
+    # neither reads nor writes lives on there. Once it is gone, the next connection's set-up
+    # removes the session directory the drop left behind.
+    assert lab.remote_tmp is not None and len(list(lab.remote_tmp.iterdir())) == 1
+    lab.kill_sessions()
+    if what != "remote sshd":
+        return  # once is enough
+    assert egressd_ssh(lab, relay_options(policy, names), ["true"]).returncode == 0
+    assert list(lab.remote_tmp.iterdir()) == []
+
+
+def test_relay_forward_failure_is_fatal_before_the_command_runs(
+    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    result = egressd_ssh(
+        lab,
+        relay_options(policy, names),
+        ["touch", str(marker)],
+        destination=f"ssh://root@{ssh_lab.REMOTE}:{ssh_lab.NO_FORWARDING_PORT}",
+    )
+    assert result.returncode == 2
+    assert b"remote forward" in result.stderr and b"failed" in result.stderr
+    assert not marker.exists()
+
+
+def test_connect_failure_exits_255_without_running(
+    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    result = egressd_ssh(
+        lab,
+        relay_options(policy, names),
+        ["touch", str(marker)],
+        destination=f"ssh://root@{ssh_lab.REMOTE}:2299",
+    )
+    assert result.returncode == 255
+    assert b"could not connect to" in result.stderr
+    assert not marker.exists()
+
+
+# -- remote egress mode ----------------------------------------------------------------------------
+@pytest.fixture
+def remote_dns(lab: SshLab) -> Iterator[DnsServer]:
+    """A DNS server INSIDE the remote namespace (127.0.0.1 there): the remote egressd resolves."""
+    server = lab.in_remote(lambda: DnsServer("127.0.0.1").start())
+    for name in ("up.test", "denied.test"):
+        server.add(name, INTERNET)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def routed(lab: SshLab) -> Iterator[None]:
+    with lab.direct_route():
+        yield
+
+
+def remote_options(policy: Path, dns: DnsServer, *extra: str) -> list[str]:
+    return [
+        "--egress",
+        "remote",
+        "--remote-egressd",
+        ssh_lab.remote_egressd(),
+        "--policy",
+        str(policy),
+        "--nameserver",
+        dns.nameserver,
+        *extra,
+    ]
+
+
+def test_remote_egress_enforces_the_pushed_policy_and_follows_changes(
+    lab: SshLab, remote_dns: DnsServer, routed: None, internet: EchoHTTPServer, policy: Path, tmp_path: Path
+) -> None:
+    audit = tmp_path / "audit.jsonl"
+    url = f"http://up.test:{internet.port}"
+    first = probe(f"up={url}/1", f"denied=http://denied.test:{internet.port}/")
+    script = f"{_quoted(first)}; read _go; exec {_quoted(probe(f'again={url}/2'))}"
+    options = remote_options(policy, remote_dns, "--trace", "--audit", str(audit))
+    with Running(ssh_argv(lab, options, ["sh", "-c", script])) as run:
+        up, denied = json.loads(run.line()), json.loads(run.line())
+        assert up["status"] == 200
+        # it left from the REMOTE (its direct link), not through the client
+        assert peers(internet) == {ssh_lab.REMOTE_DIRECT}
+        assert denied["status"] == 403 and denied["reason"] == "denylist"
+        assert "(pushed over SSH)" in denied["body"] and str(policy) in denied["body"]
+        policy.write_text(POLICY_UP_DENIED)
+        run.wait_stderr("applied the policy from")
+        run.send(b"go\n")
+        again = json.loads(run.line())
+        assert again["status"] == 403 and again["reason"] == "denylist"
+        assert run.finish() == 0, run.stderr
+    assert [r["path"] for r in internet.requests] == ["/1"]
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    decisions = [r for r in records if r["event"] == "decision" and r["host"] == "up.test"]
+    assert {r["remote"] for r in records} == {lab.destination}
+    assert [d["decision"] for d in decisions if d.get("path") in ("/1", "/2")] == ["allow", "deny"]
+    assert any(r["event"] == "reload" for r in records)
+
+
+def test_remote_egress_tls_inspection_happens_on_the_remote(
+    lab: SshLab,
+    remote_dns: DnsServer,
+    routed: None,
+    internet_tls: EchoHTTPSServer,
+    ca_file: Path,
+    tmp_path: Path,
+) -> None:
+    """--upstream-ca travels to the remote agent, which intercepts with its own CA."""
+    policy = tmp_path / "inspect.yaml"
+    policy.write_text(POLICY_INSPECT)
+    base = f"https://up.test:{internet_tls.port}"
+    write = "-w '%{http_code} %header{x-egressd-reason}\\n'"
+    script = f"curl -sS -o /dev/null {write} {base}/ok && curl -sS -o /dev/null {write} {base}/no"
+    options = remote_options(policy, remote_dns, "--upstream-ca", str(ca_file))
+    result = egressd_ssh(lab, options, ["sh", "-c", script])
+    assert result.returncode == 0, result.stderr
+    ok, refused = result.stdout.decode().splitlines()
+    assert ok.split()[0] == "200"
+    assert refused.split()[0] == "403" and refused.split()[1] != ""
+    assert [r["path"] for r in internet_tls.requests] == ["/ok"]
+    assert peers(internet_tls) == {ssh_lab.REMOTE_DIRECT}
+
+
+def test_remote_egress_hangs_up_the_command_when_ssh_drops(
+    lab: SshLab, remote_dns: DnsServer, policy: Path
+) -> None:
+    script = f"echo ready; exec sleep 61.{os.getpid()}"
+    with Running(ssh_argv(lab, remote_options(policy, remote_dns), ["sh", "-c", script])) as run:
+        assert run.line() == "ready\n"
+        _wait_for(lambda: _sleepers(f"61.{os.getpid()}"), "the remote command to start")
+        lab.drop_connections()
+        assert run.finish(timeout=20) == 255
+        assert "was lost" in run.stderr
+    _wait_for(
+        lambda: not _sleepers(f"61.{os.getpid()}"), "the remote command to be hung up after SSH dropped"
+    )
+
+
+def test_remote_egress_exit_status_and_signal_are_exact(
+    lab: SshLab, remote_dns: DnsServer, policy: Path
+) -> None:
+    result = egressd_ssh(lab, remote_options(policy, remote_dns), ["sh", "-c", "exit 5"])
+    assert result.returncode == 5, result.stderr
+    with Running(
+        ssh_argv(lab, remote_options(policy, remote_dns), ["sh", "-c", "echo ready; exec sleep 60"])
+    ) as run:
+        assert run.line() == "ready\n"
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.finish() == -signal.SIGTERM
+
+
+def test_remote_egress_without_egressd_there_stops_before_running(
+    lab: SshLab, policy: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    result = egressd_ssh(
+        lab,
+        ["--egress", "remote", "--remote-egressd", "/nonexistent/bin/egressd", "--policy", str(policy)],
+        ["touch", str(marker)],
+    )
+    assert result.returncode == 2
+    assert b"egressd is not installed on" in result.stderr
+    assert b"--remote-egressd" in result.stderr
+    assert not marker.exists()
+
+
+# -- small helpers -------------------------------------------------------------------------------
+def _quoted(argv: Sequence[str]) -> str:
+    return shlex.join(argv)
+
+
+def _sleepers(tag: str) -> list[int]:
+    return [pid for pid, line in ssh_lab.all_cmdlines() if line == f"sleep {tag}"]
+
+
+def _wait_for(condition: Callable[[], object], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _on_terminal(argv: Sequence[str], wait_for: bytes, keys: bytes) -> tuple[bytes, int]:
+    """Run argv as the foreground job of a fresh terminal; type `keys` once `wait_for` appeared."""
+    master, slave = os.openpty()
+    proc = subprocess.Popen(["setsid", "--ctty", *argv], stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    output = b""
+    typed = False
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if ready:
+                try:
+                    block = os.read(master, 4096)
+                except OSError:  # EIO: every process holding the terminal is gone
+                    block = b""
+                if not block:
+                    break
+                output += block
+            if not typed and wait_for in output:
+                os.write(master, keys)
+                typed = True
+        return output, proc.wait(20)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
