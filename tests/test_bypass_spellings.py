@@ -10,6 +10,7 @@ sits a connection-counting server on the same port, and none of them may see a c
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,15 @@ def test_socks5_by_name(corpus: Corpus, case: Case) -> None:
                 "(a false refusal, never an allow); CONNECT and SOCKS5 reach the name",
             ),
         ),
-        "connect",
+        pytest.param(
+            "connect",
+            marks=pytest.mark.xfail(
+                os.environ.get("EGRESSD_FASTPATH") == "0",
+                strict=True,
+                reason="known gap: with the lean tunnel path off, mitmproxy 12.3.1 reads the CONNECT "
+                "authority with IDNA 2003 too (a false refusal, never an allow)",
+            ),
+        ),
         "socks5",
     ],
 )

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy.layers.tls import parse_client_hello
@@ -64,9 +64,9 @@ class _Pipe(asyncio.Protocol):
         self.peer: _Pipe | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=HIGH_WATER)
+        # uvloop's transports are not asyncio.Transport subclasses, but speak the same interface
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
         self.tunnel.count(self.upstream, len(data))

@@ -14,7 +14,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -130,7 +130,7 @@ class EgressProxy:
 
     def _thread_main(self) -> None:
         try:
-            asyncio.run(self._main())
+            asyncio.run(self._main(), loop_factory=_loop_factory())
         except BaseException as e:  # noqa: BLE001 - reported to start() or logged
             if not self._ready.is_set():
                 self._error = e
@@ -249,6 +249,18 @@ class EgressProxy:
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when it is installed (EGRESSD_UVLOOP=0 turns it off): per-connection work is
+    mostly event-loop overhead, which uvloop cuts severalfold."""
+    if os.environ.get("EGRESSD_UVLOOP", "1") == "0":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
