@@ -35,19 +35,43 @@ def test_version() -> None:
     assert result.stdout == "egressd 0.1.0 (mitmproxy 12.3.1)\n"
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        [],
+def _all_commands() -> list[list[str]]:
+    """Every visible command and group, found by walking the CLI: a new command is covered too."""
+    import click
+
+    from egressd.cli import cli
+
+    found: list[list[str]] = [[]]
+
+    def walk(group: click.Group, prefix: list[str]) -> None:
+        for name, command in group.commands.items():
+            if command.hidden:
+                continue
+            found.append([*prefix, name])
+            if isinstance(command, click.Group):
+                walk(command, [*prefix, name])
+
+    walk(cli, [])
+    return found
+
+
+ALL_COMMANDS = _all_commands()
+
+
+def test_the_walk_finds_the_known_commands() -> None:
+    for command in (
         ["exec"],
         ["run"],
         ["check"],
-        ["policy"],
+        ["sandbox"],
+        ["ssh"],
+        ["ca", "rotate"],
         ["policy", "validate"],
-        ["policy", "show"],
-        ["policy", "path"],
-    ],
-)
+    ):
+        assert command in ALL_COMMANDS
+
+
+@pytest.mark.parametrize("command", ALL_COMMANDS, ids=lambda c: " ".join(c) or "egressd")
 def test_every_help_has_an_example(command: list[str]) -> None:
     result = egressd(*command, "--help")
     assert result.returncode == 0, result.stderr
