@@ -131,18 +131,27 @@ def test_slow_request_head_is_cut(policy_with: object, dns: DnsServer, tmp_path:
 
 def test_blackholed_address_then_next(tmp_path: Path, dns: DnsServer, stalling_port: StallingPort) -> None:
     host, port = stalling_port.address
-    with EchoHTTPServer("198.51.100.1", port=port, name="second") as second:
+    audit = tmp_path / "audit.jsonl"
+    # A answers come before AAAA answers (a DNS server may shuffle records within one answer):
+    # the black-holed IPv4 address is tried first, the IPv6 server second
+    with EchoHTTPServer("2001:db8::7", port=port, name="second") as second:
         policy = write_policy(tmp_path, TEST_POLICY + "limits: {connect_timeout: 1}\n")
         dns.add("up.test", host, second.host)
         start = time.monotonic()
         result = egressd_exec(
-            ["--policy", str(policy), "--nameserver", dns.nameserver],
+            ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)],
             ["curl", "-sS", "-i", f"http://up.test:{port}/"],
         )
         elapsed = time.monotonic() - start
         assert parse_http(result.stdout)[0] == 200
         assert second.connections == 1
-        assert elapsed >= 1.0  # the first address was really tried, and given up after connect_timeout
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    connections = [r for r in records if r.get("stage") == "connection"]
+    assert connections[-1]["connected"] == f"{second.host}:{port}"
+    assert connections[-1]["resolved"] == [host, second.host]
+    # the black-holed address was really tried first, and given up after connect_timeout
+    assert connections[-1]["attempts"] == [f"{host}:{port}: timed out after 1s"]
+    assert elapsed < 2 * 1 + 5  # all attempts within 2x connect_timeout (+ egressd's start-up)
 
 
 class _ResettingServer:

@@ -187,6 +187,7 @@ class Runtime:
             detail=detail,
             resolved=[str(a) for a in admission.resolved],
             connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
+            attempts=list(pin.attempts) if pin is not None and pin.attempts else None,
         )
 
     def audit_closed(self, state: ConnState) -> None:
