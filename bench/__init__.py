@@ -1,0 +1,8 @@
+"""egressd's benchmark against its peers (issue 7): run with `.venv/bin/python bench/run.py`.
+
+Modules by concern: `config` (sizes), `system` (installs, network namespace, pinning, /proc stats),
+`certs` (the bench's own CA), `upstream` (nginx and the Python sink/echo servers), `peers` (direct,
+tinyproxy, Squid, mitmproxy, egressd), `loadgen` (the load generators), `workloads` (the nine
+workloads), `npmjob` (the local npm registry and the real job), `decision` (workload 8, run in its own
+process), `report` (JSON, markdown, PNG).
+"""

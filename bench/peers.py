@@ -1,0 +1,449 @@
+"""The targets: direct (no proxy), tinyproxy, Squid, mitmproxy (passthrough / intercepting) and egressd.
+
+Each peer writes its config into the run's work directory, starts on the proxy core and hands back a
+`Proxy`: where it listens, the Proxy-Authorization a client must send (egressd only), the proxy URL
+for npm, and the CA a client must trust when the peer intercepts TLS.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import os
+import pwd
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from bench import system
+
+VENV_BIN = Path(sys.executable).parent
+DIRECT, TINYPROXY, SQUID, MITMPROXY, EGRESSD = "direct", "tinyproxy", "squid", "mitmproxy", "egressd"
+TARGETS: tuple[str, ...] = (DIRECT, TINYPROXY, SQUID, MITMPROXY, EGRESSD)
+PEERS: tuple[str, ...] = (TINYPROXY, SQUID, MITMPROXY)
+
+
+class NotAvailable(Exception):
+    """This target cannot run this workload (yet); the message is what the report shows."""
+
+
+@dataclass
+class Proxy:
+    name: str
+    port: int | None  # None: direct
+    proc: subprocess.Popen[bytes] | None = None
+    auth: str | None = None  # Proxy-Authorization header value
+    url: str | None = None  # http://[user:pass@]127.0.0.1:port
+    ca: Path | None = None  # CA a client trusts for TLS this proxy intercepts
+    log: Path | None = None
+    host: str = "127.0.0.1"
+    stop_signal: int = signal.SIGTERM
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def direct(self) -> bool:
+        return self.port is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def connect_request(self, host: str, port: int) -> bytes:
+        auth = f"Proxy-Authorization: {self.auth}\r\n" if self.auth else ""
+        return f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}\r\n".encode()
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(self.stop_signal)
+        for _ in range(2):  # egressd drains on the first SIGTERM and stops at once on the second
+            try:
+                proc.wait(timeout=12)
+                return
+            except subprocess.TimeoutExpired:
+                proc.send_signal(self.stop_signal)
+        proc.kill()
+        proc.wait()
+
+
+class Peer(ABC):
+    name: str
+    description: str
+
+    def __init__(self, work: Path, cpu: int | None) -> None:
+        self.work = work / self.name
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.cpu = cpu
+        self.config_text = ""
+
+    @abstractmethod
+    def start(self) -> Proxy: ...
+
+    def version(self) -> str:
+        return ""
+
+    def _spawn(
+        self, argv: list[str], port: int, *, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        log = open(self.work / "stderr.log", "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(
+            system.pinned(argv, self.cpu), stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
+        )
+        log.close()
+        try:
+            system.wait_port("127.0.0.1", port, proc=proc)
+        except Exception:
+            proc.kill()
+            raise
+        return proc
+
+
+class DirectPeer(Peer):
+    name = DIRECT
+    description = "no proxy: clients connect straight to the upstream (the limit)"
+
+    def start(self) -> Proxy:
+        return Proxy(DIRECT, None)
+
+
+class TinyproxyPeer(Peer):
+    name = TINYPROXY
+    description = "tinyproxy from Debian, one thread per client"
+
+    def start(self) -> Proxy:
+        port = system.free_port()
+        # No ConnectPort line: CONNECT to any port. Nothing logged below errors.
+        self.config_text = f"""Port {port}
+Listen 127.0.0.1
+Timeout 3600
+MaxClients {max(1000, system.fd_limit() - 100)}
+Allow 127.0.0.1
+LogLevel Error
+LogFile "{self.work}/tinyproxy.log"
+PidFile "{self.work}/tinyproxy.pid"
+DisableViaHeader Yes
+"""
+        conf = self.work / "tinyproxy.conf"
+        conf.write_text(self.config_text)
+        proc = self._spawn([system.which("tinyproxy") or "tinyproxy", "-d", "-c", str(conf)], port)
+        return Proxy(TINYPROXY, port, proc, url=f"http://127.0.0.1:{port}", log=self.work / "stderr.log")
+
+    def version(self) -> str:
+        return system.version_of([system.which("tinyproxy") or "tinyproxy", "-v"])
+
+
+class SquidPeer(Peer):
+    name = SQUID
+    description = "Squid from Debian, no cache, no access log"
+
+    def start(self) -> Proxy:
+        port = system.free_port()
+        self.config_text = f"""http_port 127.0.0.1:{port}
+# CONNECT to any port, plain HTTP to loopback: only the client address is checked
+http_access allow localhost
+http_access deny all
+cache deny all
+cache_mem 8 MB
+access_log none
+cache_store_log none
+cache_log {self.work}/cache.log
+pid_filename {self.work}/squid.pid
+coredump_dir {self.work}
+max_filedescriptors {system.fd_limit()}
+via off
+forwarded_for delete
+shutdown_lifetime 0 seconds
+pinger_enable off
+icp_port 0
+htcp_port 0
+netdb_filename none
+logfile_rotate 0
+"""
+        conf = self.work / "squid.conf"
+        conf.write_text(self.config_text)
+        if os.geteuid() == 0:  # squid drops to its effective user (proxy), which must write here
+            try:
+                user = pwd.getpwnam("proxy")
+                os.chown(self.work, user.pw_uid, user.pw_gid)
+            except KeyError:
+                pass
+        squid = system.which("squid") or "squid"
+        proc = self._spawn([squid, "-N", "-f", str(conf)], port)
+        return Proxy(SQUID, port, proc, url=f"http://127.0.0.1:{port}", log=self.work / "cache.log")
+
+    def version(self) -> str:
+        return system.version_of([system.which("squid") or "squid", "-v"])
+
+
+class MitmPassthroughPeer(Peer):
+    name = MITMPROXY
+    description = "mitmdump --ignore-hosts '.*' (every tunnel passed through), defaults otherwise"
+
+    def argv(self, port: int) -> list[str]:
+        return [
+            str(VENV_BIN / "mitmdump"),
+            "--mode",
+            f"regular@127.0.0.1:{port}",
+            "--ignore-hosts",
+            ".*",
+            "--set",
+            f"confdir={self.work / 'confdir'}",
+            "--set",
+            "tcp_timeout=3600",
+            "--set",
+            "flow_detail=0",
+            "--set",
+            "termlog_verbosity=error",
+        ]
+
+    def start(self) -> Proxy:
+        port = system.free_port()
+        argv = self.argv(port)
+        self.config_text = shlex.join(argv)
+        proc = self._spawn(argv, port)
+        return Proxy(MITMPROXY, port, proc, url=f"http://127.0.0.1:{port}", log=self.work / "stderr.log")
+
+    def version(self) -> str:
+        return system.version_of([str(VENV_BIN / "mitmdump"), "--version"])
+
+
+class MitmInterceptPeer(MitmPassthroughPeer):
+    """Regular intercepting mitmdump with its own CA (workload 5 only)."""
+
+    description = "mitmdump intercepting TLS with its own CA, bodies streamed over 256 KiB"
+
+    def __init__(self, work: Path, cpu: int | None, upstream_ca: Path) -> None:
+        super().__init__(work / "intercept", cpu)
+        self.upstream_ca = upstream_ca
+
+    def argv(self, port: int) -> list[str]:
+        return [
+            str(VENV_BIN / "mitmdump"),
+            "--mode",
+            f"regular@127.0.0.1:{port}",
+            "--set",
+            f"confdir={self.work / 'confdir'}",
+            "--set",
+            f"ssl_verify_upstream_trusted_ca={self.upstream_ca}",
+            "--set",
+            "stream_large_bodies=256k",
+            "--set",
+            "tcp_timeout=3600",
+            "--set",
+            "flow_detail=0",
+            "--set",
+            "termlog_verbosity=error",
+        ]
+
+    def start(self) -> Proxy:
+        proxy = super().start()
+        ca = self.work / "confdir" / "mitmproxy-ca-cert.pem"
+        deadline = time.monotonic() + 20
+        while not ca.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proxy.ca = ca
+        return proxy
+
+
+# --egressd-env KEY=VALUE: extra environment for every egressd the bench starts (A/B runs)
+EGRESSD_EXTRA_ENV: dict[str, str] = {}
+
+
+def _egressd_env(work: Path) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.upper().endswith("_PROXY") and not k.startswith("EGRESSD_")
+    }
+    env["XDG_CONFIG_HOME"] = str(work / "config")  # egressd's config dir (its CA) stays in the bench
+    env.update(EGRESSD_EXTRA_ENV)
+    return env
+
+
+def egressd_source_state() -> str:
+    """`<git HEAD>+src:<hash of the working tree's egressd sources>`: the code an egressd started now runs."""
+    import egressd
+
+    package = Path(egressd.__file__).resolve().parent
+    files = sorted(package.rglob("*.py")) + sorted((package.parent / "addons").glob("*.py"))
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(str(f.relative_to(package.parent)).encode())
+        digest.update(f.read_bytes())
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(package.parent), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        head = ""
+    return f"{head or 'no-git'}+src:{digest.hexdigest()[:10]}"
+
+
+class EgressdPeer(Peer):
+    name = EGRESSD
+    description = "egressd run, default policy (loopback allowed), no audit"
+
+    def __init__(
+        self, work: Path, cpu: int | None, *, intercept: bool = False, upstream_ca: Path | None = None
+    ):
+        super().__init__(work / "intercept" if intercept else work, cpu)
+        self.intercept = intercept
+        self.upstream_ca = upstream_ca
+        self.ca_path: Path | None = None
+        self.source_state = ""
+
+    def policy_text(self) -> str:
+        inspect = '["127.0.0.1"]' if self.intercept else "[]"
+        return f"""version: 1
+mode: enforce
+allow: []
+loopback:
+  allow: true
+inspect: {inspect}
+"""
+
+    def env(self) -> dict[str, str]:
+        env = _egressd_env(self.work)
+        if self.intercept and self.upstream_ca is not None and not _run_option("--upstream-ca"):
+            env["SSL_CERT_FILE"] = str(self.upstream_ca)  # egressd must trust the bench's upstreams
+        return env
+
+    def upstream_args(self) -> list[str]:
+        if self.intercept and self.upstream_ca is not None and _run_option("--upstream-ca"):
+            return ["--upstream-ca", str(self.upstream_ca)]
+        return []
+
+    def check_intercept(self) -> Path:
+        """The CA egressd intercepts with, or NotAvailable (`egressd ca path` does not work yet)."""
+        try:
+            out = subprocess.run(
+                [str(VENV_BIN / "egressd"), "ca", "path"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=self.env(),
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise NotAvailable(f"n/a (not implemented: egressd ca path: {e})") from e
+        path = (
+            Path(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else None
+        )
+        if path is None or not path.exists():
+            why = (out.stderr or out.stdout).strip().splitlines()
+            raise NotAvailable(f"n/a (not implemented: `egressd ca path` {why[-1] if why else 'failed'})")
+        return path
+
+    def start(self) -> Proxy:
+        if self.intercept:
+            self.ca_path = self.check_intercept()
+        port = system.free_port()
+        policy = self.work / "policy.yaml"
+        policy.write_text(self.policy_text())
+        argv = [str(VENV_BIN / "egressd"), "run", "--policy", str(policy), "--listen", f"127.0.0.1:{port}"]
+        argv += self.upstream_args()
+        extra = "".join(f"{k}={shlex.quote(v)} " for k, v in EGRESSD_EXTRA_ENV.items())
+        self.config_text = extra + shlex.join(argv) + "\n# policy.yaml\n" + self.policy_text()
+        self.source_state = egressd_source_state()
+        log = open(self.work / "stderr.log", "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(
+            system.pinned(argv, self.cpu),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=self.env(),
+        )
+        log.close()
+        try:
+            exports = _read_until_eof(proc, 60.0)
+            url = _export(exports, "HTTP_PROXY")
+            system.wait_port("127.0.0.1", port, proc=proc)
+        except Exception:
+            proc.kill()
+            proc.wait()
+            raise
+        parts = urlsplit(url)
+        user, password = unquote(parts.username or ""), unquote(parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        return Proxy(
+            EGRESSD,
+            port,
+            proc,
+            auth=f"Basic {token}",
+            url=url,
+            ca=self.ca_path,
+            log=self.work / "stderr.log",
+        )
+
+    def version(self) -> str:
+        version = system.version_of([str(VENV_BIN / "egressd"), "--version"])
+        return f"{version}, source {self.source_state}"
+
+
+@functools.cache
+def _run_option(option: str) -> bool:
+    """Does this egressd's `run` take the option? (The bench runs against a moving tree.)"""
+    try:
+        out = subprocess.run(
+            [str(VENV_BIN / "egressd"), "run", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return option in out.stdout
+
+
+def _read_until_eof(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            data = os.read(fd, 65536)
+            if not data:
+                proc.stdout.close()
+                return b"".join(chunks).decode()
+            chunks.append(data)
+        elif proc.poll() is not None:
+            raise RuntimeError(f"egressd run exited with {proc.returncode} before printing its settings")
+    raise TimeoutError("egressd run printed no settings in time")
+
+
+def _export(text: str, name: str) -> str:
+    for line in text.splitlines():
+        words = shlex.split(line)
+        if len(words) == 2 and words[0] == "export" and words[1].startswith(name + "="):
+            return words[1].split("=", 1)[1]
+    raise RuntimeError(f"egressd run printed no {name}: {text!r}")
+
+
+def make_peers(work: Path, cpu: int | None) -> dict[str, Peer]:
+    """The five targets of every workload except 5."""
+    return {
+        DIRECT: DirectPeer(work, cpu),
+        TINYPROXY: TinyproxyPeer(work, cpu),
+        SQUID: SquidPeer(work, cpu),
+        MITMPROXY: MitmPassthroughPeer(work, cpu),
+        EGRESSD: EgressdPeer(work, cpu),
+    }

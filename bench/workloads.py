@@ -1,0 +1,776 @@
+"""The nine workloads of issue 7. Each returns Metrics; none asserts a time, every failure is recorded.
+
+Proxies are started fresh for each workload (for each run in workload 6) and all run on the proxy
+core; each run visits the targets in a rotated order so no target is always first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import ssl
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import loadgen, npmjob, system
+from bench.certs import Certs, client_context
+from bench.config import Sizes
+from bench.model import Metric
+from bench.peers import (
+    DIRECT,
+    EGRESSD,
+    EGRESSD_EXTRA_ENV,
+    MITMPROXY,
+    SQUID,
+    TARGETS,
+    TINYPROXY,
+    VENV_BIN,
+    DirectPeer,
+    EgressdPeer,
+    MitmInterceptPeer,
+    NotAvailable,
+    Peer,
+    Proxy,
+    egressd_source_state,
+    make_peers,
+)
+from bench.upstream import Upstreams
+
+HOST = "127.0.0.1"
+SETTLE = 0.2  # seconds between runs
+
+
+@dataclass
+class Context:
+    sizes: Sizes
+    work: Path
+    up: Upstreams
+    certs: Certs
+    proxy_cpu: int | None
+    cache: Path
+    npm: str
+    packages: list[npmjob.Package] | None = None
+    peer_configs: dict[str, dict[str, str]] = field(default_factory=dict)
+    registry_root: Path | None = None
+    profile_dir: Path | None = None  # --profile: py-spy samples egressd during every workload
+    workload: str = ""
+    egressd_sources: dict[str, list[str]] = field(default_factory=dict)  # source state -> workloads
+
+    def peers(self, workload: str) -> dict[str, Peer]:
+        return make_peers(self.work / "peers" / workload, self.proxy_cpu)
+
+
+def _rotated(names: Sequence[str], run: int) -> list[str]:
+    k = run % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+class Fleet:
+    """The targets of one workload, started together, restarted if one dies, stopped together."""
+
+    def __init__(self, ctx: Context, peers: dict[str, Peer]) -> None:
+        self.ctx = ctx
+        self.peers = peers
+        self.proxies: dict[str, Proxy] = {}
+        self.unavailable: dict[str, str] = {}
+        self.profilers: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> Fleet:
+        for name, peer in self.peers.items():
+            self._start(name, peer)
+        return self
+
+    def _start(self, name: str, peer: Peer) -> None:
+        try:
+            self.proxies[name] = peer.start()
+        except NotAvailable as e:
+            self.unavailable[name] = str(e)
+            return
+        except Exception as e:  # noqa: BLE001 - recorded, never faked
+            self.unavailable[name] = f"error: could not start: {e}"
+            system.log(f"{name}: could not start: {e}")
+            return
+        key = f"{name} (intercepting)" if _intercepting(peer) else name
+        if isinstance(peer, EgressdPeer):
+            seen = self.ctx.egressd_sources.setdefault(peer.source_state, [])
+            if self.ctx.workload not in seen:
+                seen.append(self.ctx.workload)
+        if self.ctx.profile_dir is not None and name == EGRESSD:
+            self._profile(self.proxies[name], key)
+        if key not in self.ctx.peer_configs:
+            self.ctx.peer_configs[key] = {
+                "description": peer.description,
+                "version": peer.version(),
+                "config": peer.config_text,
+            }
+
+    def get(self, name: str) -> Proxy | str:
+        """The running proxy, or why there is none."""
+        if name in self.unavailable:
+            return self.unavailable[name]
+        proxy = self.proxies[name]
+        if not proxy.alive():
+            system.log(f"{name} died (exit {proxy.proc.returncode if proxy.proc else '?'}); restarting it")
+            self._start(name, self.peers[name])
+            if name in self.unavailable:
+                return self.unavailable[name]
+            proxy = self.proxies[name]
+        return proxy
+
+    def _profile(self, proxy: Proxy, key: str) -> None:
+        """py-spy on the running egressd (non-blocking sampling, from the load core)."""
+        assert self.ctx.profile_dir is not None and proxy.pid is not None
+        py_spy = VENV_BIN / "py-spy"
+        if not py_spy.exists():
+            system.log("--profile: py-spy is not installed")
+            return
+        self.ctx.profile_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"{self.ctx.workload}-{key.replace(' ', '-').replace('(', '').replace(')', '')}"
+        n = sum(1 for _ in self.ctx.profile_dir.glob(f"{stem}*.txt"))
+        out = self.ctx.profile_dir / f"{stem}{'-' + str(n + 1) if n else ''}.txt"
+        argv = [str(py_spy), "record", "--pid", str(proxy.pid), "--nonblocking", "--rate", "200"]
+        argv += ["--format", "raw", "--output", str(out)]
+        log = open(self.ctx.profile_dir / "py-spy.log", "ab")  # noqa: SIM115 - handed to the child
+        self.profilers.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+        log.close()
+
+    def stop(self) -> None:
+        for profiler in self.profilers:
+            profiler.send_signal(signal.SIGINT)
+        for profiler in self.profilers:
+            try:
+                profiler.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                profiler.kill()
+        for proxy in self.proxies.values():
+            with contextlib.suppress(Exception):
+                proxy.stop()
+
+
+def _intercepting(peer: Peer) -> bool:
+    return isinstance(peer, MitmInterceptPeer) or (isinstance(peer, EgressdPeer) and peer.intercept)
+
+
+@contextlib.contextmanager
+def fleet(ctx: Context, peers: dict[str, Peer]) -> Iterator[Fleet]:
+    running = Fleet(ctx, peers).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _each_run(
+    ctx: Context,
+    running: Fleet,
+    metrics: Sequence[Metric],
+    measure: Callable[[str, Proxy, int], None],
+    repeats: int | None = None,
+    targets: Sequence[str] = TARGETS,
+    first_run: int = 0,
+) -> None:
+    """Call measure(target, proxy, run) for every run and target; failures become notes/n-a."""
+    for run in range(first_run, first_run + (repeats or ctx.sizes.repeats)):
+        for name in _rotated(targets, run):
+            proxy = running.get(name)
+            if isinstance(proxy, str):
+                for m in metrics:
+                    m.unavailable(name, proxy)
+                continue
+            try:
+                measure(name, proxy, run)
+            except Exception as e:  # noqa: BLE001 - a failed run is recorded, not faked
+                msg = f"{name}: run {run + 1} failed: {type(e).__name__}: {e}"
+                system.log(msg)
+                for m in metrics:
+                    m.note(msg[:300])
+                    m.unavailable(name, f"error: {type(e).__name__}: {str(e)[:120]}")
+            time.sleep(SETTLE)
+
+
+class LoadWindow:
+    """How much CPU the load side (this process, its waited children such as wrk, nginx and the sink/echo
+    servers) used during a run, as a fraction of one core, and how busy each core was overall.
+
+    A load side at >= 90 % of its core means the figure is bounded by the generator and the upstream,
+    not by the proxy (the report marks it). Core busy counts everything on the core, other tenants too.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.pids = [ctx.up.nginx.pid, ctx.up.servers.pid]
+        self.pinned = ctx.proxy_cpu is not None
+
+    def _cpu(self) -> float:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+        return total + sum(system.cpu_seconds(pid) for pid in self.pids)
+
+    def start(self) -> LoadWindow:
+        self.t0 = time.perf_counter()
+        self.cpu0 = self._cpu()
+        self.cores = system.CoreBusy().start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.t0
+        out = {"load_side_cpu": round((self._cpu() - self.cpu0) / wall, 3) if wall > 0 else 0.0}
+        busy = self.cores.stop()
+        if self.pinned:
+            out["load_core_busy"] = round(busy.get(system.LOAD_CPU, 0.0), 3)
+            out["proxy_core_busy"] = round(busy.get(system.PROXY_CPU, 0.0), 3)
+        return out
+
+
+def _note_load(metric: Metric, target: str, load: dict[str, float]) -> None:
+    """Keep the load-side figures per run; the report flags generator-bound medians."""
+    for key, value in load.items():
+        metric.extra.setdefault(key, {}).setdefault(target, []).append(value)
+
+
+# -- 1. tunnel throughput ---------------------------------------------------------------------------
+def tunnel_throughput(ctx: Context) -> list[Metric]:
+    wl = "1. Tunnel throughput"
+    size = ctx.sizes.throughput_bytes
+    mib = size // (1024 * 1024)
+    raw = Metric("w1.raw", wl, f"raw TCP, {mib} MiB through one CONNECT tunnel", "MiB/s", "higher")
+    tls = Metric("w1.tls", wl, f"TLS, {mib} MiB through one CONNECT tunnel", "MiB/s", "higher")
+    raw_cpu = Metric(
+        "w1.raw.cpu", wl, "proxy CPU per GiB relayed (raw TCP)", "CPU s/GiB", "lower", main=False
+    )
+    tls_cpu = Metric("w1.tls.cpu", wl, "proxy CPU per GiB relayed (TLS)", "CPU s/GiB", "lower", main=False)
+    gib = size / (1 << 30)
+
+    def measure(name: str, proxy: Proxy, run: int) -> None:
+        load = LoadWindow(ctx).start()
+        r = loadgen.throughput(proxy, HOST, ctx.up.sink_port, size, None)
+        _note_load(raw, name, load.stop())
+        raw.add(name, r.mib_per_s)
+        if not proxy.direct:
+            raw_cpu.add(name, r.proxy_cpu / gib)
+        time.sleep(SETTLE)
+        load = LoadWindow(ctx).start()
+        t = loadgen.throughput(proxy, HOST, ctx.up.tls_sink_port, size, ctx.certs.client_context())
+        _note_load(tls, name, load.stop())
+        tls.add(name, t.mib_per_s)
+        if not proxy.direct:
+            tls_cpu.add(name, t.proxy_cpu / gib)
+
+    with fleet(ctx, ctx.peers("throughput")) as running:
+        _each_run(ctx, running, [raw, tls], measure)
+    for m in (raw_cpu, tls_cpu):
+        m.unavailable(DIRECT, "no proxy")
+    return [raw, tls, raw_cpu, tls_cpu]
+
+
+# -- 2. tunnel setup rate ---------------------------------------------------------------------------
+def tunnel_setup(ctx: Context) -> list[Metric]:
+    wl = "2. Tunnel setup rate"
+    out: list[Metric] = []
+    with fleet(ctx, ctx.peers("setup")) as running:
+        for conc in ctx.sizes.setup_concurrency:
+            rate = Metric(
+                f"w2.c{conc}", wl, f"CONNECT + GET + close, concurrency {conc}", "tunnels/s", "higher"
+            )
+            cpu = Metric(
+                f"w2.c{conc}.cpu",
+                wl,
+                f"proxy CPU per tunnel, concurrency {conc}",
+                "CPU µs",
+                "lower",
+                main=False,
+            )
+            p50 = Metric(
+                f"w2.c{conc}.p50",
+                wl,
+                f"time to tunnel, p50, saturated, concurrency {conc}",
+                "ms",
+                "lower",
+                main=False,
+            )
+            p99 = Metric(
+                f"w2.c{conc}.p99",
+                wl,
+                f"time to tunnel, p99, saturated, concurrency {conc}",
+                "ms",
+                "lower",
+                main=False,
+            )
+
+            def measure(
+                name: str,
+                proxy: Proxy,
+                run: int,
+                conc: int = conc,
+                rate: Metric = rate,
+                cpu: Metric = cpu,
+                p50: Metric = p50,
+                p99: Metric = p99,
+            ) -> None:
+                load = LoadWindow(ctx).start()
+                r = loadgen.run_async(
+                    loadgen.connect_load(
+                        proxy,
+                        HOST,
+                        ctx.up.http_port,
+                        concurrency=conc,
+                        seconds=ctx.sizes.rate_seconds,
+                        warmup=ctx.sizes.warmup_seconds,
+                    )
+                )
+                _note_load(rate, name, load.stop())
+                if r.errors:
+                    rate.note(f"{name}: {r.errors} failed tunnels in run {run + 1} ({r.first_error})")
+                rate.add(name, r.rate)
+                if not proxy.direct and r.ops:
+                    cpu.add(name, r.proxy_cpu / r.ops * 1e6)
+                if r.latencies:
+                    p50.add(name, _pct(r.latencies, 50) * 1e3)
+                    p99.add(name, _pct(r.latencies, 99) * 1e3)
+
+            _each_run(ctx, running, [rate, cpu, p50, p99], measure)
+            cpu.unavailable(DIRECT, "no proxy")
+            out += [rate, cpu, p50, p99]
+    return out
+
+
+def _pct(values: Sequence[float], pct: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+# -- 3. added latency per CONNECT -------------------------------------------------------------------
+def connect_latency(ctx: Context) -> list[Metric]:
+    wl = "3. Added latency per CONNECT"
+    c100 = ctx.sizes.latency_concurrency
+    rate = ctx.sizes.latency_rate
+    setups = {
+        "c1": ("concurrency 1 (back to back)", 1, None),
+        f"c{c100}": (f"concurrency {c100} ({rate:g} CONNECT/s offered, Poisson)", c100, rate),
+    }
+    metrics: dict[str, dict[str, Metric]] = {}
+    for key, (label, _, _) in setups.items():
+        metrics[key] = {
+            "p50": Metric(f"w3.{key}.p50", wl, f"time to tunnel p50, {label}", "ms", "lower", main=False),
+            "p99": Metric(f"w3.{key}.p99", wl, f"time to tunnel p99, {label}", "ms", "lower", main=False),
+            "added_p50": Metric(
+                f"w3.{key}.added_p50",
+                wl,
+                f"added p50 vs direct connect, {label}",
+                "ms",
+                "lower",
+                ratio_to_direct=False,
+            ),
+            "added_p99": Metric(
+                f"w3.{key}.added_p99",
+                wl,
+                f"added p99 vs direct connect, {label}",
+                "ms",
+                "lower",
+                ratio_to_direct=False,
+            ),
+        }
+    direct_runs: dict[tuple[str, int], dict[str, float]] = {}
+    pending: list[tuple[str, str, int, dict[str, float]]] = []
+
+    def measure(name: str, proxy: Proxy, run: int) -> None:
+        for key, (_, conc, offered) in setups.items():
+            r = loadgen.run_async(
+                loadgen.connect_load(
+                    proxy,
+                    HOST,
+                    ctx.up.http_port,
+                    concurrency=conc,
+                    seconds=None if offered is None else ctx.sizes.latency_seconds,
+                    samples=ctx.sizes.latency_c1_samples if offered is None else None,
+                    warmup=ctx.sizes.warmup_seconds,
+                    rate=offered,
+                )
+            )
+            m = metrics[key]
+            if not r.latencies:
+                raise loadgen.ProxyError(f"no CONNECT completed ({r.errors} errors: {r.first_error})")
+            if r.errors:
+                m["added_p50"].note(f"{name}: {r.errors} failed CONNECTs in run {run + 1} ({r.first_error})")
+            figures = {"p50": _pct(r.latencies, 50) * 1e3, "p99": _pct(r.latencies, 99) * 1e3}
+            m["p50"].add(name, figures["p50"])
+            m["p99"].add(name, figures["p99"])
+            m["p50"].extra.setdefault("samples", {}).setdefault(name, []).append(len(r.latencies))
+            if proxy.direct:
+                direct_runs[(key, run)] = figures
+            else:
+                pending.append((name, key, run, figures))
+            time.sleep(SETTLE)
+
+    with fleet(ctx, ctx.peers("latency")) as running:
+        _each_run(ctx, running, [m for group in metrics.values() for m in group.values()], measure)
+    for name, key, run, figures in pending:  # added = proxy - direct, paired by run
+        base = direct_runs.get((key, run))
+        if base is None:
+            continue
+        metrics[key]["added_p50"].add(name, figures["p50"] - base["p50"])
+        metrics[key]["added_p99"].add(name, figures["p99"] - base["p99"])
+    for group in metrics.values():
+        group["added_p50"].unavailable(DIRECT, "the reference")
+        group["added_p99"].unavailable(DIRECT, "the reference")
+    ordered = []
+    for group in metrics.values():
+        ordered += [group["added_p50"], group["added_p99"]]
+    for group in metrics.values():
+        ordered += [group["p50"], group["p99"]]
+    return ordered
+
+
+# -- 4. plain-HTTP GETs -----------------------------------------------------------------------------
+def http_gets(ctx: Context) -> list[Metric]:
+    wl = "4. Plain-HTTP GETs"
+    conns = ctx.sizes.http_connections
+    out: list[Metric] = []
+    with fleet(ctx, ctx.peers("http")) as running:
+        for keepalive in (True, False):
+            tag = "keepalive" if keepalive else "close"
+            label = "with keep-alive" if keepalive else "without keep-alive (Connection: close)"
+            rate = Metric(f"w4.{tag}", wl, f"GET /small (128 B) {label}, wrk -c{conns}", "req/s", "higher")
+            cpu = Metric(f"w4.{tag}.cpu", wl, f"proxy CPU per GET {label}", "CPU µs", "lower", main=False)
+
+            def measure(
+                name: str,
+                proxy: Proxy,
+                run: int,
+                keepalive: bool = keepalive,
+                rate: Metric = rate,
+                cpu: Metric = cpu,
+            ) -> None:
+                load = LoadWindow(ctx).start()
+                r = loadgen.run_wrk(
+                    proxy,
+                    HOST,
+                    ctx.up.http_port,
+                    keepalive=keepalive,
+                    connections=conns,
+                    seconds=ctx.sizes.rate_seconds,
+                    script=ctx.work / f"wrk-{name}.lua",
+                )
+                _note_load(rate, name, load.stop())
+                bad = {k: v for k, v in r.errors.items() if v}
+                if bad:
+                    rate.note(f"{name}: wrk errors in run {run + 1}: {bad}")
+                rate.add(name, r.rate)
+                if not proxy.direct and r.requests:
+                    cpu.add(name, r.proxy_cpu / r.requests * 1e6)
+
+            _each_run(ctx, running, [rate, cpu], measure)
+            cpu.unavailable(DIRECT, "no proxy")
+            out += [rate, cpu]
+    for m in out:
+        if m.main and any(TINYPROXY in n and "read" in n for n in m.notes):
+            m.note(
+                "tinyproxy closes the client connection after every response: "
+                "wrk counts a read error and reconnects"
+            )
+    return out
+
+
+# -- 5. intercepted HTTPS ---------------------------------------------------------------------------
+def intercepted_https(ctx: Context) -> list[Metric]:
+    wl = "5. Intercepted HTTPS"
+    big_mib = ctx.sizes.big_response_bytes // (1024 * 1024)
+    conns = ctx.sizes.https_connections
+    rate = Metric("w5.rate", wl, f"HTTPS GET /small, {conns} keep-alive connections", "req/s", "higher")
+    tput = Metric("w5.big", wl, f"one {big_mib} MiB HTTPS response", "MiB/s", "higher")
+    peak = Metric(
+        "w5.big.rss",
+        wl,
+        f"proxy peak RSS during the {big_mib} MiB response",
+        "MiB",
+        "lower",
+        ratio_to_direct=False,
+    )
+    cpu = Metric("w5.rate.cpu", wl, "proxy CPU per intercepted request", "CPU µs", "lower", main=False)
+    work = ctx.work / "peers" / "intercept"
+    peers: dict[str, Peer] = {
+        DIRECT: DirectPeer(work, ctx.proxy_cpu),
+        MITMPROXY: MitmInterceptPeer(work, ctx.proxy_cpu, ctx.certs.ca),
+        EGRESSD: EgressdPeer(work, ctx.proxy_cpu, intercept=True, upstream_ca=ctx.certs.ca),
+    }
+
+    def measure(name: str, proxy: Proxy, run: int) -> None:
+        if proxy.direct:
+            context: ssl.SSLContext = ctx.certs.client_context()
+        else:
+            assert proxy.ca is not None
+            context = client_context(proxy.ca)  # trusts ONLY the proxy's CA: no interception, no handshake
+        load = LoadWindow(ctx).start()
+        r = loadgen.run_async(
+            loadgen.https_requests(
+                proxy,
+                HOST,
+                ctx.up.https_port,
+                context,
+                connections=conns,
+                seconds=ctx.sizes.rate_seconds,
+                warmup=ctx.sizes.warmup_seconds,
+            )
+        )
+        _note_load(rate, name, load.stop())
+        if r.errors:
+            rate.note(f"{name}: {r.errors} errors in run {run + 1} ({r.first_error})")
+        if r.ops:
+            rate.add(name, r.ops / r.seconds)
+            if not proxy.direct:
+                cpu.add(name, r.proxy_cpu / r.ops * 1e6)
+        time.sleep(SETTLE)
+        load = LoadWindow(ctx).start()
+        b = loadgen.big_response(proxy, HOST, ctx.up.https_port, context)
+        _note_load(tput, name, load.stop())
+        tput.add(name, b.mib_per_s)
+        if b.peak_rss is not None:
+            peak.add(name, b.peak_rss / (1024 * 1024))
+
+    with fleet(ctx, peers) as running:
+        _each_run(ctx, running, [rate, tput, peak, cpu], measure, targets=list(peers))
+    for m in (rate, tput, peak, cpu):
+        for name in (TINYPROXY, SQUID):
+            m.unavailable(name, "n/a (does not intercept TLS)")
+    peak.unavailable(DIRECT, "no proxy")
+    cpu.unavailable(DIRECT, "no proxy")
+    return [rate, tput, peak, cpu]
+
+
+# -- 6. idle tunnels --------------------------------------------------------------------------------
+def idle_tunnels(ctx: Context) -> list[Metric]:
+    wl = "6. Idle tunnels"
+    limit = system.fd_limit()
+    count = min(ctx.sizes.idle_tunnels, (limit - 300) // 2)
+    rss = Metric(
+        "w6.rss", wl, f"proxy RSS per idle tunnel ({count:,} tunnels)", "KiB", "lower", ratio_to_direct=False
+    )
+    works = Metric(
+        "w6.working", wl, f"tunnels still working after {ctx.sizes.idle_hold_seconds:g} s idle", "%", "higher"
+    )
+    total = Metric("w6.rss_total", wl, f"proxy RSS with {count:,} tunnels open", "MiB", "lower", main=False)
+    opened = Metric(
+        "w6.open",
+        wl,
+        f"time to open {count:,} tunnels ({ctx.sizes.idle_open_concurrency} at a time)",
+        "s",
+        "lower",
+        main=False,
+    )
+    if count < ctx.sizes.idle_tunnels:
+        rss.note(
+            f"{count:,} tunnels, not {ctx.sizes.idle_tunnels:,}: the hard RLIMIT_NOFILE here is {limit} "
+            "and cannot be raised (a proxy needs 2 fds per tunnel)"
+        )
+    for run in range(ctx.sizes.repeats):  # fresh proxies per run: RSS deltas from a clean process
+        with fleet(ctx, ctx.peers(f"idle-{run + 1}")) as running:
+
+            def measure(name: str, proxy: Proxy, _run: int) -> None:
+                load = LoadWindow(ctx).start()
+                r = loadgen.run_async(
+                    loadgen.idle_tunnels(
+                        proxy,
+                        HOST,
+                        ctx.up.echo_port,
+                        count=count,
+                        hold=ctx.sizes.idle_hold_seconds,
+                        open_concurrency=ctx.sizes.idle_open_concurrency,
+                    )
+                )
+                _note_load(opened, name, load.stop())
+                if r.opened < count:
+                    rss.note(
+                        f"{name}: only {r.opened:,} of {count:,} tunnels opened in run {_run + 1} "
+                        f"({r.first_error})"
+                    )
+                works.add(name, 100.0 * r.working / count)
+                opened.add(name, r.open_seconds)
+                if r.rss_per_tunnel is not None:
+                    rss.add(name, r.rss_per_tunnel / 1024)
+                if r.rss_open is not None:
+                    total.add(name, r.rss_open / (1024 * 1024))
+
+            _each_run(ctx, running, [rss, works, total, opened], measure, repeats=1, first_run=run)
+    rss.unavailable(DIRECT, "no proxy")
+    total.unavailable(DIRECT, "no proxy")
+    return [rss, works, total, opened]
+
+
+def _record_source(ctx: Context) -> None:
+    seen = ctx.egressd_sources.setdefault(egressd_source_state(), [])
+    if ctx.workload not in seen:
+        seen.append(ctx.workload)
+
+
+# -- 7. egressd exec -- true ------------------------------------------------------------------------
+def _wall(argv: Sequence[str], env: dict[str, str] | None = None) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        check=True,
+    )
+    return time.perf_counter() - t0
+
+
+def exec_true(ctx: Context) -> list[Metric]:
+    wl = "7. egressd exec -- true"
+    main = Metric(
+        "w7.exec",
+        wl,
+        "`egressd exec -- true` wall time (direct: `true`)",
+        "s",
+        "lower",
+        ratio_to_direct=False,
+    )
+    py = str(VENV_BIN / "python")
+    breakdown = {
+        "w7.python": ("`python -c pass` (interpreter start)", [py, "-c", "pass"]),
+        "w7.import_cli": ("`python -c 'import egressd.cli'`", [py, "-c", "import egressd.cli"]),
+        "w7.import_engine": (
+            "`python -c` importing the engine (mitmproxy master, proxyserver, addons)",
+            [
+                py,
+                "-c",
+                "import egressd.engine.proxy, mitmproxy.master, mitmproxy.addons.proxyserver, "
+                "egressd.addons.policy_gate",
+            ],
+        ),
+        "w7.version": ("`egressd --version`", [str(VENV_BIN / "egressd"), "--version"]),
+    }
+    parts = {k: Metric(k, wl, title, "s", "lower", main=False) for k, (title, _) in breakdown.items()}
+    env = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
+    env["XDG_CONFIG_HOME"] = str(ctx.work / "exec-config")
+    env.update(EGRESSD_EXTRA_ENV)
+    _record_source(ctx)
+    egressd = system.pinned([str(VENV_BIN / "egressd"), "exec", "--", "true"], ctx.proxy_cpu)
+    true = system.which("true") or "/bin/true"
+    for name in (TINYPROXY, SQUID, MITMPROXY):
+        main.unavailable(name, "n/a (no wrapper command)")
+    with contextlib.suppress(Exception):
+        _wall(egressd, env)  # warm the page cache once
+    for run in range(ctx.sizes.repeats):
+        try:
+            for _ in range(ctx.sizes.exec_runs):
+                main.add(EGRESSD, _wall(egressd, env))
+                main.add(DIRECT, _wall([true]))
+            for key, (_, argv) in breakdown.items():
+                parts[key].add(
+                    EGRESSD,
+                    statistics.median(_wall(system.pinned(argv, ctx.proxy_cpu), env) for _ in range(3)),
+                )
+        except subprocess.CalledProcessError as e:
+            main.note(f"run {run + 1} failed: {e}")
+            main.unavailable(EGRESSD, f"error: {e}")
+    return [main, *parts.values()]
+
+
+# -- 8. the decision function -----------------------------------------------------------------------
+def decision(ctx: Context) -> list[Metric]:
+    wl = "8. Decision, 100,000-rule allowlist"
+    argv = system.pinned(
+        [
+            sys.executable,
+            "-m",
+            "bench.decision",
+            "--rules",
+            str(ctx.sizes.decision_rules),
+            "--repeat",
+            str(max(5, ctx.sizes.repeats)),
+        ],
+        ctx.proxy_cpu,
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    _record_source(ctx)
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900, check=False)
+    if out.returncode != 0:
+        m = Metric("w8.decide", wl, "decide()", "µs", "lower")
+        m.unavailable(EGRESSD, f"error: {out.stderr.strip()[-200:]}")
+        return [m]
+    data: dict[str, Any] = json.loads(out.stdout)
+    metrics = []
+    rules = data["rules"]
+    for case, entry in data["cases"].items():
+        m = Metric(
+            f"w8.{case.split(':')[0].replace(' ', '_')}.{len(metrics)}",
+            wl,
+            f"decide() per call, {case} ({entry['target']} → {entry['reason']})",
+            "µs",
+            "lower",
+            ratio_to_direct=False,
+        )
+        for v in entry["large_runs_us"]:
+            m.add(EGRESSD, v)
+        m.extra = {
+            "rules": rules,
+            "10_rules_median_us": statistics.median(entry["small_runs_us"]),
+            "from_string_median_us": statistics.median(entry["large_from_string_runs_us"]),
+        }
+        for name in (DIRECT, TINYPROXY, SQUID, MITMPROXY):
+            m.unavailable(name, "n/a")
+        metrics.append(m)
+    load = Metric(
+        "w8.load", wl, f"loading a {rules:,}-rule policy", "s", "lower", main=False, ratio_to_direct=False
+    )
+    load.add(EGRESSD, data["large_policy_load_s"])
+    metrics.append(load)
+    return metrics
+
+
+# -- 9. the real job --------------------------------------------------------------------------------
+def real_job(ctx: Context) -> list[Metric]:
+    wl = "9. Real job: npm ci"
+    m = Metric("w9.npm", wl, "`npm ci` wall time", "s", "lower")
+    cpu = Metric("w9.npm.cpu", wl, "proxy CPU during `npm ci`", "CPU s", "lower", main=False)
+    if ctx.packages is None:
+        m.unavailable(DIRECT, "not prepared")
+        return [m]
+    registry = f"https://{HOST}:{ctx.up.registry_port}/"
+    m.title = f"`npm ci` of {len(ctx.packages)} packages (jest) from a local HTTPS registry"
+    scratch = ctx.work / "npm-scratch"
+    try:
+        m.extra["proxy_check"] = npmjob.check_uses_proxy(
+            ctx.npm, registry, ctx.certs.ca, scratch, system.free_port()
+        )
+    except RuntimeError as e:
+        m.note(str(e))
+
+    def measure(name: str, proxy: Proxy, run: int) -> None:
+        r = npmjob.run_job(ctx.npm, registry, ctx.certs.ca, proxy, scratch)
+        m.add(name, r.seconds)
+        m.extra.setdefault("installed", {}).setdefault(name, []).append(r.installed)
+        if not proxy.direct:
+            cpu.add(name, r.proxy_cpu)
+
+    with fleet(ctx, ctx.peers("job")) as running:
+        _each_run(ctx, running, [m, cpu], measure, repeats=ctx.sizes.job_repeats)
+    cpu.unavailable(DIRECT, "no proxy")
+    return [m, cpu]
+
+
+RUNNERS: dict[str, Callable[[Context], list[Metric]]] = {
+    "throughput": tunnel_throughput,
+    "setup": tunnel_setup,
+    "latency": connect_latency,
+    "http": http_gets,
+    "intercept": intercepted_https,
+    "idle": idle_tunnels,
+    "exec": exec_true,
+    "decision": decision,
+    "job": real_job,
+}
