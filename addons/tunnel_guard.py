@@ -26,6 +26,7 @@ from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.mode_servers import Socks5Instance
 
 from egressd.engine.runtime import Runtime, shared_runtime
+from egressd.engine.sni import sni_problem
 from egressd.policy import TargetError, canonical_host
 from egressd.refusal import POLICY_REASONS, parse_failure
 
@@ -153,7 +154,7 @@ class TunnelGuard(NextLayer):
             else:
                 if hello is None:
                     return  # ClientHello split across packets: wait for the rest
-                problem = _sni_problem(context.server.address[0], hello.sni)
+                problem = sni_problem(context.server.address[0], hello.sni)
             if problem is not None:
                 self._refuse(nextlayer, problem)
                 return
@@ -210,25 +211,6 @@ def _inspection_layers(context: Any, *, tls: bool) -> layer.Layer:
     server_tls = ServerTLSLayer(context)
     server_tls.child_layer = ClientTLSLayer(context)
     return server_tls
-
-
-def _sni_problem(tunnel_host: str, sni: str | None) -> str | None:
-    """None when the SNI may be used in a tunnel to tunnel_host, else what is wrong."""
-    try:
-        expected = canonical_host(tunnel_host)
-    except (TargetError, ValueError):
-        return f"tunnel host {tunnel_host!r} is not a valid host"
-    if sni is None or sni == "":
-        if expected.is_ip:
-            return None
-        return f"TLS ClientHello without SNI in a tunnel to {expected.text}"
-    try:
-        named = canonical_host(sni)
-    except (TargetError, ValueError):
-        return f"TLS SNI {sni!r} is not a valid host name"
-    if named != expected:
-        return f"TLS SNI {named.text} does not match the tunnel host {expected.text}"
-    return None
 
 
 _stock: list[Any] | None = None

@@ -183,6 +183,6 @@ def test_connect_hook_refuses_other_mitmproxy_version(monkeypatch: pytest.Monkey
     ],
 )
 def test_sni_rule(tunnel: str, sni: str | None, ok: bool) -> None:
-    from egressd.addons.tunnel_guard import _sni_problem
+    from egressd.engine.sni import sni_problem
 
-    assert (_sni_problem(tunnel, sni) is None) is ok
+    assert (sni_problem(tunnel, sni) is None) is ok

@@ -23,7 +23,7 @@ from egressd.engine import faults
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem
 from egressd.engine.pinning import ConnectFailure, try_addresses
-from egressd.policy import TargetError, canonical_host
+from egressd.engine.sni import sni_problem
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -436,25 +436,6 @@ def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
                 return Refusal("bad_request", "more than one Proxy-Authorization header")
             credentials = value.strip()
     return (host, port), credentials
-
-
-def sni_problem(tunnel_host: str, sni: str | None) -> str | None:
-    """None when the SNI may be used in a tunnel to tunnel_host, else what is wrong."""
-    try:
-        expected = canonical_host(tunnel_host)
-    except (TargetError, ValueError):
-        return f"tunnel host {tunnel_host!r} is not a valid host"
-    if sni is None or sni == "":
-        if expected.is_ip:
-            return None
-        return f"TLS ClientHello without SNI in a tunnel to {expected.text}"
-    try:
-        named = canonical_host(sni)
-    except (TargetError, ValueError):
-        return f"TLS SNI {sni!r} is not a valid host name"
-    if named != expected:
-        return f"TLS SNI {named.text} does not match the tunnel host {expected.text}"
-    return None
 
 
 class FastFront:
