@@ -168,7 +168,8 @@ class ProxySession:
             self.policy,
             listen=self.options.listen,
             socks=self.options.socks,
-            audit=self.audit,
+            # no audit file and no trace: the proxy skips building records it would throw away
+            audit=self.audit if self.audit.enabled else None,
             inspect=self.options.inspect,
             config_dir=self.options.config_dir,
             upstream_ca=self.options.upstream_ca,
