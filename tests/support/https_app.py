@@ -17,9 +17,11 @@ import ssl
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Self
+from typing import Any
 
 import trustme
+
+from tests.support.upstreams import ServedInThread
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ class _Server(ThreadingHTTPServer):
         log.debug("%s: error with %s", self.owner.name, client_address, exc_info=True)
 
 
-class AppHTTPSServer:
+class AppHTTPSServer(ServedInThread):
     """HTTPS server on ``host`` (IPv4) whose certificate names ``hostnames``; subclasses implement
     :meth:`handle`. ``connections`` counts TCP accepts, ``tls_handshakes`` completed handshakes,
     ``requests`` every request served."""
@@ -164,7 +166,7 @@ class AppHTTPSServer:
         ca.issue_cert(*hostnames).configure_cert(ctx)
         ctx.set_alpn_protocols(["http/1.1"])
         self.ssl_context = ctx
-        self._server: _Server | None = None
+        self._server: socketserver.BaseServer | None = None
         self._thread: threading.Thread | None = None
 
     def handle(self, request: Request) -> Reply:  # pragma: no cover - overridden
@@ -180,34 +182,5 @@ class AppHTTPSServer:
         with self.lock:
             return [r.path for r in self.requests]
 
-    def start(self) -> Self:
-        self._server = _Server(self, (self.host, 0))
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.05},
-            name=f"{self.name}-{self.port}",
-            daemon=True,
-        )
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        with self.lock:
-            socks = list(self.open_sockets)
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._server = None
-        self._thread = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _make_server(self) -> socketserver.BaseServer:
+        return _Server(self, (self.host, 0))

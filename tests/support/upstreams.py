@@ -55,6 +55,58 @@ def write_ca_file(ca: trustme.CA, path: str | Path) -> Path:
 # ------------------------------------------------------------------------------------------------
 # HTTP / HTTPS
 # ------------------------------------------------------------------------------------------------
+class ServedInThread:
+    """The life cycle shared by the test servers: a socketserver in a daemon thread; stop() also
+    shuts the client sockets still open, so a streaming handler cannot keep the test waiting.
+
+    Subclasses set ``host``, ``port``, ``name``, ``lock``, ``open_sockets``, ``_server`` and
+    ``_thread`` in ``__init__`` and build their server in :meth:`_make_server`.
+    """
+
+    host: str
+    port: int
+    name: str
+    lock: threading.Lock
+    open_sockets: set[socket.socket]
+    _server: socketserver.BaseServer | None
+    _thread: threading.Thread | None
+
+    def _make_server(self) -> socketserver.BaseServer:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        self._server = self._make_server()
+        self.port = int(self._server.server_address[1])  # type: ignore[index]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"{self.name}-{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        with self.lock:
+            socks = list(self.open_sockets)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = None
+        self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class _Handler(BaseHTTPRequestHandler):
     """Echo handler; see :class:`EchoHTTPServer` for the special paths."""
 
@@ -224,7 +276,7 @@ class _HTTPServer(ThreadingHTTPServer):
         log.debug("%s: error with %s", self.owner.name, client_address, exc_info=True)
 
 
-class EchoHTTPServer:
+class EchoHTTPServer(ServedInThread):
     """Plain HTTP/1.1 echo server in a background thread.
 
     ``GET /anything`` → 200 JSON ``{"server", "method", "path", "headers"}``. Special paths:
@@ -248,7 +300,7 @@ class EchoHTTPServer:
         self.stopping = threading.Event()
         self.open_sockets: set[socket.socket] = set()
         self.ssl_context: ssl.SSLContext | None = None
-        self._server: _HTTPServer | None = None
+        self._server: socketserver.BaseServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -264,39 +316,16 @@ class EchoHTTPServer:
     def address(self) -> tuple[str, int]:
         return (self.host, self.port)
 
+    def _make_server(self) -> socketserver.BaseServer:
+        return _HTTPServer(self, (self.host, self.port))
+
     def start(self) -> Self:
         self.stopping.clear()
-        self._server = _HTTPServer(self, (self.host, self.port))
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.05},
-            name=f"{self.name}-{self.port}",
-            daemon=True,
-        )
-        self._thread.start()
-        return self
+        return super().start()
 
     def stop(self) -> None:
-        self.stopping.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        with self.lock:
-            socks = list(self.open_sockets)
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._server = None
-        self._thread = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.stopping.set()  # ends SSE streams
+        super().stop()
 
 
 class EchoHTTPSServer(EchoHTTPServer):
@@ -381,7 +410,7 @@ class _TCPServer(socketserver.ThreadingTCPServer):
         super().shutdown_request(request)
 
 
-class TcpEchoServer:
+class TcpEchoServer(ServedInThread):
     """Raw TCP echo server; counts accepted ``connections`` and ``received`` bytes, logs ``peers``."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, name: str = "tcp-echo") -> None:
@@ -393,44 +422,15 @@ class TcpEchoServer:
         self.peers: list[tuple[str, int]] = []
         self.lock = threading.Lock()
         self.open_sockets: set[socket.socket] = set()
-        self._server: _TCPServer | None = None
+        self._server: socketserver.BaseServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def address(self) -> tuple[str, int]:
         return (self.host, self.port)
 
-    def start(self) -> Self:
-        self._server = _TCPServer(self, (self.host, self.port))
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.05},
-            name=f"{self.name}-{self.port}",
-            daemon=True,
-        )
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        with self.lock:
-            socks = list(self.open_sockets)
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._server = None
-        self._thread = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _make_server(self) -> socketserver.BaseServer:
+        return _TCPServer(self, (self.host, self.port))
 
 
 class RefusingPort:
