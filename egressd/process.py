@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import resource
 import shutil
@@ -198,7 +199,7 @@ def _wait_forwarding(pid: int, catcher: SignalCatcher, poll: float) -> int:
             os.kill(pid, got.signo)
 
 
-def exit_like(returncode: int) -> NoReturn:
+def exit_like(returncode: int, *, fast: bool = False) -> NoReturn:
     """Leave with the child's exit code, or die of the signal that killed the child.
 
     Dying of the same signal matters: a shell stops a loop on a child's SIGINT only when it sees
@@ -209,6 +210,11 @@ def exit_like(returncode: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     if returncode >= 0:
+        if fast:
+            # Everything is closed and flushed: tearing down the interpreter's ~900 modules
+            # would only add ~0.2 s to every wrapped command.
+            logging.shutdown()
+            os._exit(returncode)
         sys.exit(returncode)
     signo = -returncode
     with contextlib.suppress(ValueError, OSError):

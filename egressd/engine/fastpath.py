@@ -14,12 +14,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
-from mitmproxy.net.tls import starts_like_tls_record
-from mitmproxy.proxy.layers.tls import parse_client_hello
-
 from egressd.engine import faults
+from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem
 from egressd.engine.pinning import ConnectFailure, try_addresses
@@ -32,6 +31,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_CLIENT_HELLO = 64 * 1024
+# where the embedded mitmproxy listens for "http" or "socks" clients (started on first use)
+MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
 HIGH_WATER = 1 << 20
 
 
@@ -88,6 +89,11 @@ class _Pipe(asyncio.Protocol):
             peer.transport.close()
         self.tunnel.closed()
 
+    def eof_received_from_peer(self) -> None:
+        if self.transport is not None and self.transport.can_write_eof():
+            with contextlib.suppress(OSError):
+                self.transport.write_eof()
+
     def pause_writing(self) -> None:
         if self.peer is not None and self.peer.transport is not None:
             self.peer.transport.pause_reading()
@@ -124,9 +130,10 @@ class Tunnel:
 class FrontProtocol(_Pipe):
     """The client side: reads the request head, then becomes one side of a relay."""
 
-    def __init__(self, front: FastFront) -> None:
+    def __init__(self, front: FastFront, kind: str = "http") -> None:
         super().__init__(Tunnel(self), upstream=False)
         self.front = front
+        self.kind = kind
         self.rt = front.rt
         self.buffer = bytearray()
         self.stage = "head"
@@ -136,6 +143,7 @@ class FrontProtocol(_Pipe):
         self.server_id: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.finished = False
+        self.eof_pending = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -143,6 +151,9 @@ class FrontProtocol(_Pipe):
             transport.close()
             return
         self.front.clients.add(self)
+        if self.kind != "http":
+            self._hand_off()  # SOCKS5: mitmproxy's SOCKS5 layer authenticates and decides
+            return
         peer = transport.get_extra_info("peername") or ("?", 0)
         self.client_id = f"fast-{id(self):x}"
         self.state = self.rt.open_conn(self.client_id, f"{peer[0]}:{peer[1]}")
@@ -165,6 +176,12 @@ class FrontProtocol(_Pipe):
             super().data_received(data)
             return
         self.buffer += data
+        if self.stage == "handoff":
+            # kept until mitmproxy is connected (uvloop may start reading after connection_made
+            # even when it paused reading, so pausing alone does not hold the bytes back)
+            assert self.transport is not None
+            self.transport.pause_reading()
+            return
         if self.stage == "head":
             self._on_head_bytes()
         elif self.stage == "sni":
@@ -173,6 +190,9 @@ class FrontProtocol(_Pipe):
     def eof_received(self) -> bool:
         if self.stage == "relay":
             return super().eof_received()
+        if self.stage == "handoff":
+            self.eof_pending = True  # passed on once mitmproxy is connected
+            return True
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -316,7 +336,7 @@ class FrontProtocol(_Pipe):
         if starts_like_tls_record(data):
             try:
                 hello = parse_client_hello(data)
-            except ValueError:
+            except Exception:  # noqa: BLE001 - whatever the parser says, the tunnel is closed
                 self._close_tunnel("unparseable TLS ClientHello")
                 return
             if hello is None:
@@ -385,22 +405,31 @@ class FrontProtocol(_Pipe):
         if self.state is not None:
             self.rt.close_conn(self.client_id)  # mitmproxy's addons keep the records of this client
             self.state = None
-        self.stage = "relay"
+        self.stage = "handoff"
         self.task = asyncio.get_running_loop().create_task(self._open_mitmproxy(pending))
 
     async def _open_mitmproxy(self, pending: bytes) -> None:
         loop = asyncio.get_running_loop()
         inner = _Pipe(self.tunnel, upstream=True)
         try:
-            await loop.create_connection(lambda: inner, *self.front.mitmproxy_address)
-        except OSError:
+            address = await self.front.mitmproxy_address(self.kind)
+            await loop.create_connection(lambda: inner, *address)
+        except Exception as exc:  # noqa: BLE001 - the client is closed, never let through
+            logger.error("egressd could not hand a connection to mitmproxy: %r", exc)
             if self.transport is not None:
+                if self.kind == "http" and not self.transport.is_closing():
+                    self.transport.write(render(Refusal("internal_error", f"proxy engine: {exc}")))
                 self.transport.close()
             return
         inner.peer, self.peer = self, inner
         assert inner.transport is not None
+        pending += bytes(self.buffer)
+        self.buffer = bytearray()
+        self.stage = "relay"
         if pending:
             inner.transport.write(pending)
+        if self.eof_pending:
+            inner.eof_received_from_peer()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
         else:
@@ -439,20 +468,23 @@ def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
 
 
 class FastFront:
-    """The listener on egressd's HTTP proxy port."""
+    """The listeners on egressd's public ports: HTTP proxy (decided here) and SOCKS5 (handed off)."""
 
-    def __init__(self, runtime: Runtime, mitmproxy_address: tuple[str, int]) -> None:
+    def __init__(self, runtime: Runtime, mitmproxy_address: MitmproxyAddress) -> None:
         self.rt = runtime
         self.mitmproxy_address = mitmproxy_address
-        self.server: asyncio.Server | None = None
+        self.servers: list[asyncio.Server] = []
         self.clients: set[FrontProtocol] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(self, host: str, port: int, kind: str = "http") -> tuple[str, int]:
+        """Listen for `kind` clients: "http" (the proxy port) or "socks" (relayed to mitmproxy)."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: FrontProtocol(self), host, port, backlog=4096)
-        self._sweeper = loop.create_task(self._sweep_idle())
-        address = self.server.sockets[0].getsockname()
+        server = await loop.create_server(lambda: FrontProtocol(self, kind), host, port, backlog=4096)
+        self.servers.append(server)
+        if self._sweeper is None:
+            self._sweeper = loop.create_task(self._sweep_idle())
+        address = server.sockets[0].getsockname()
         return address[0], address[1]
 
     async def _sweep_idle(self) -> None:
@@ -465,9 +497,12 @@ class FastFront:
                 if idle and client.transport is not None:
                     client.transport.close()
 
+    def close_listeners(self) -> None:
+        for server in self.servers:
+            server.close()
+
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        self.close_listeners()
         if self._sweeper is not None:
             self._sweeper.cancel()
 

@@ -147,9 +147,8 @@ class _AsyncioForMitmproxy(types.ModuleType):
     open_connection = staticmethod(_pinned_open_connection)
 
 
-def install() -> None:
-    """Install the connect hook (idempotent); refuses to run on an untested mitmproxy."""
-    import mitmproxy.proxy.server as server
+def check_version() -> None:
+    """Refuse to run on an untested mitmproxy (cheap: mitmproxy's proxy core is not imported)."""
     from mitmproxy import version
 
     if version.VERSION != MITMPROXY_VERSION:
@@ -157,6 +156,13 @@ def install() -> None:
             f"egressd needs mitmproxy=={MITMPROXY_VERSION} (found {version.VERSION}): "
             "its connect hook is tested against that version only"
         )
+
+
+def install() -> None:
+    """Install the connect hook (idempotent); refuses to run on an untested mitmproxy."""
+    check_version()
+    import mitmproxy.proxy.server as server
+
     if not isinstance(server.asyncio, _AsyncioForMitmproxy):
         server.asyncio = _AsyncioForMitmproxy()  # type: ignore[assignment]
 

@@ -7,6 +7,7 @@ credentials it issues; everything the children send is decided by the addons in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from egressd.engine import error_pages, head_guard, pinning
+from egressd.engine import pinning
 from egressd.engine.credentials import ProxyCredentials
 from egressd.engine.gate import PolicyHolder
 from egressd.engine.runtime import Runtime, set_shared_runtime
@@ -76,6 +77,10 @@ class EgressProxy:
         # the lean tunnel path (egressd/engine/fastpath.py); EGRESSD_FASTPATH=0 turns it off
         self.fastpath = fastpath if fastpath is not None else os.environ.get("EGRESSD_FASTPATH", "1") != "0"
         self._front: FastFront | None = None
+        self._stopping: asyncio.Event | None = None
+        self._mitm_started: asyncio.Future[None] | None = None
+        self._mitm_run: asyncio.Future[None] | None = None
+        self._mitm_addresses: dict[str, tuple[str, int]] = {}
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
     # -- policy and credentials ----------------------------------------------------------------
@@ -98,9 +103,7 @@ class EgressProxy:
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        pinning.install()
-        error_pages.install()
-        head_guard.install()
+        pinning.check_version()
         _raise_fd_limit()
         self._prepare_inspection()
         set_shared_runtime(self.runtime)
@@ -139,17 +142,78 @@ class EgressProxy:
                 logger.exception("proxy thread failed")
 
     async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(_quiet_exception_handler)
+        self._stopping = asyncio.Event()
+        host, port = self.listen
+        try:
+            if self.fastpath:
+                await self._start_front(host, port)
+            else:
+                # without the lean path, mitmproxy itself listens on the public ports
+                await self._start_mitmproxy(host, port, 0 if self.socks else None)
+            self._ready.set()
+            await self._stopping.wait()
+        finally:
+            if self._front is not None:
+                self._front.close()
+            await self._stop_mitmproxy()
+
+    async def _start_front(self, host: str, port: int) -> None:
+        """The lean path listens on the public ports; mitmproxy starts when first needed."""
+        from egressd.engine.fastpath import FastFront
+
+        self._front = FastFront(self.runtime, self._mitmproxy_address)
+        self.http_address = await self._front.start(host, port)
+        self.runtime.gate.add_self_address(*self.http_address)
+        if self.socks:
+            self.socks_address = await self._front.start(host, 0, kind="socks")
+            self.runtime.gate.add_self_address(*self.socks_address)
+
+    async def _mitmproxy_address(self, kind: str) -> tuple[str, int]:
+        """The internal address of mitmproxy's HTTP or SOCKS5 listener, starting mitmproxy once.
+
+        Lazy because importing mitmproxy's proxy core costs ~0.3 s of CPU: a wrapped command that
+        only opens tunnels (or none, like `egressd exec -- true`) never pays it.
+        """
+        if self._mitm_started is None:
+            self._mitm_started = asyncio.ensure_future(self._start_mitmproxy(self.listen[0], 0, 0))
+        await asyncio.shield(self._mitm_started)
+        address = self._mitm_addresses.get(kind)
+        if address is None:
+            raise EngineError(f"mitmproxy has no {kind} listener")
+        return address
+
+    async def _start_mitmproxy(self, host: str, http_port: int, socks_port: int | None) -> None:
+        """Import, patch and start mitmproxy; its listeners are on (host, port), 0 = a free port."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def load() -> None:
+            try:
+                _import_mitmproxy()
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop
+                loop.call_soon_threadsafe(_settle, done, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, done, None)
+
+        # a thread of its own (daemon: never waited for at exit), so the loop keeps serving tunnels
+        threading.Thread(target=load, name="egressd-import", daemon=True).start()
+        await done
+
         from mitmproxy import options
         from mitmproxy.addons import core, proxyserver
         from mitmproxy.master import Master
 
         from egressd.addons.policy_gate import PolicyGate
         from egressd.addons.tunnel_guard import TunnelGuard
+        from egressd.engine import error_pages, head_guard
 
-        self._loop = asyncio.get_running_loop()
-        self._loop.set_exception_handler(_quiet_exception_handler)
+        pinning.install()
+        error_pages.install()
+        head_guard.install()
         opts = options.Options()
-        master = Master(opts, event_loop=self._loop)
+        master = Master(opts, event_loop=loop)
         server = proxyserver.Proxyserver()
         master.addons.add(core.Core(), server, TunnelGuard(self.runtime), PolicyGate(self.runtime))
         if self.runtime.inspection:
@@ -158,36 +222,28 @@ class EgressProxy:
             # confdir first: TlsConfig loads (or creates) its CA as soon as it is added
             opts.update(confdir=str(self._confdir), ssl_verify_upstream_trusted_ca=str(self._upstream_roots))
             master.addons.add(tlsconfig.TlsConfig())
-        host, port = self.listen
-        # with the fast path, mitmproxy's HTTP proxy listens on an internal port behind it
-        mitm_port = _free_port(host) if self.fastpath else (port or _free_port(host))
-        modes = [f"regular@{_hostport(host, mitm_port)}"]
-        if self.socks:
-            modes.append(f"socks5@{_hostport(host, _free_port(host))}")
-        policy = self.policy
+        modes = [f"regular@{_hostport(host, http_port or _free_port(host))}"]
+        if socks_port is not None:
+            modes.append(f"socks5@{_hostport(host, socks_port or _free_port(host))}")
         opts.update(
             mode=modes,
             connection_strategy="eager",
-            tcp_timeout=int(policy.limits.idle_timeout),
+            tcp_timeout=int(self.policy.limits.idle_timeout),
             stream_large_bodies="256k",
             proxyauth="egressd",  # makes mitmproxy's SOCKS5 layer ask for user/password
             http2=False,  # intercepted HTTPS speaks HTTP/1.1 on both sides: one Host, one request line
         )
-
         self._master = master
-        run = asyncio.ensure_future(master.run())
+        self._mitm_run = run = asyncio.ensure_future(master.run())
         deadline = time.monotonic() + START_TIMEOUT
-        while not self._ready.is_set():
+        while True:
             if run.done():
                 run.result()
                 raise EngineError("the proxy stopped while starting")
             instances = list(server.servers)
             if instances and all(i.is_running for i in instances) and not server.servers.is_updating:
                 self._record_addresses(instances)
-                if self.fastpath:
-                    await self._start_front(host, port)
-                self._ready.set()
-                break
+                return
             failed = [i for i in instances if i.last_exception is not None]
             if failed:
                 master.shutdown()
@@ -196,59 +252,83 @@ class EgressProxy:
             if time.monotonic() > deadline:
                 raise EngineError("the proxy did not start in time")
             await asyncio.sleep(0.01)
-        try:
-            await run
-        finally:
-            if self._front is not None:
-                self._front.close()
 
-    async def _start_front(self, host: str, port: int) -> None:
-        from egressd.engine.fastpath import FastFront
-
-        self._front = FastFront(self.runtime, self.http_address)
-        self.http_address = await self._front.start(host, port)
-        self.runtime.gate.add_self_address(*self.http_address)
+    async def _stop_mitmproxy(self) -> None:
+        if self._master is not None and self._mitm_run is not None:
+            self._master.shutdown()
+            with contextlib.suppress(Exception):
+                await self._mitm_run
 
     def _record_addresses(self, instances: list) -> None:
         for instance in instances:
             addr = instance.listen_addrs[0]
             address = (addr[0], addr[1])
             self.runtime.gate.add_self_address(address[0], address[1])
-            if instance.mode.type_name == "socks5":
-                self.socks_address = address
-            else:
-                self.http_address = address
+            kind = "socks" if instance.mode.type_name == "socks5" else "http"
+            self._mitm_addresses[kind] = address
+            if not self.fastpath:
+                if kind == "socks":
+                    self.socks_address = address
+                else:
+                    self.http_address = address
 
     def drain(self, timeout: float) -> None:
         """Refuse new connections, let in-flight ones finish within timeout, then stop."""
         self.runtime.draining = True
-        loop, master = self._loop, self._master
-        if loop is not None and master is not None and self._thread is not None and self._thread.is_alive():
-            from mitmproxy.addons.proxyserver import Proxyserver
-
-            front = self._front
-            if front is not None:
-                loop.call_soon_threadsafe(front.close)
-            server = master.addons.get("proxyserver")
-            if isinstance(server, Proxyserver):
-                future = asyncio.run_coroutine_threadsafe(server.servers.update([]), loop)
-                try:
-                    future.result(timeout=5)
-                except Exception:  # noqa: BLE001
-                    logger.exception("could not stop listening")
+        loop = self._loop
+        if loop is not None and self._thread is not None and self._thread.is_alive():
+            future = asyncio.run_coroutine_threadsafe(self._stop_listening(), loop)
+            try:
+                future.result(timeout=5)
+            except Exception:  # noqa: BLE001
+                logger.exception("could not stop listening")
             deadline = time.monotonic() + timeout
             while self.runtime.active() and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.stop()
 
+    async def _stop_listening(self) -> None:
+        if self._front is not None:
+            self._front.close_listeners()
+        master = self._master
+        if master is not None:
+            from mitmproxy.addons.proxyserver import Proxyserver
+
+            server = master.addons.get("proxyserver")
+            if isinstance(server, Proxyserver):
+                await server.servers.update([])
+
     def stop(self) -> None:
-        if self._master is not None and self._thread is not None and self._thread.is_alive():
-            self._master.shutdown()
+        loop, stopping = self._loop, self._stopping
+        if loop is not None and stopping is not None and self._thread is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(stopping.set)
             self._thread.join(timeout=10)
         self._master = None
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+def _import_mitmproxy() -> None:
+    """The modules mitmproxy's start needs, imported off the event loop's thread."""
+    import mitmproxy.addons.core
+    import mitmproxy.addons.proxyserver
+    import mitmproxy.master
+    import mitmproxy.options
+    import mitmproxy.proxy.server  # noqa: F401
+
+    import egressd.addons.policy_gate
+    import egressd.addons.tunnel_guard  # noqa: F401
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

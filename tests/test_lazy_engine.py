@@ -1,0 +1,83 @@
+"""mitmproxy is imported and started only when a connection needs it (the lean front serves the rest)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from egressd.engine.proxy import EgressProxy
+from egressd.policy import parse_policy
+from tests.support.egressd_cli import EGRESSD
+from tests.support.upstreams import TcpEchoServer
+
+
+def test_exec_true_never_imports_mitmproxy_core() -> None:
+    env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")
+    done = subprocess.run([*EGRESSD, "exec", "--", "true"], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    imported = done.stderr.decode()
+    assert "| egressd.cli" in imported  # the import log is really there
+    for module in ("mitmproxy.proxy.server", "mitmproxy.master", "OpenSSL.SSL", "egressd.addons.policy_gate"):
+        assert f"| {module}\n" not in imported and f" {module}\n" not in imported, module
+
+
+@pytest.fixture
+def proxy(tcp_echo: TcpEchoServer) -> Iterator[EgressProxy]:
+    host, port = tcp_echo.address
+    policy = parse_policy({"version": 1, "mode": "enforce", "allow": [f"{host}:{port}"]}, "test")
+    engine = EgressProxy(policy, fastpath=True)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def _auth(proxy: EgressProxy) -> str:
+    creds = proxy.issue_credentials()
+    return base64.b64encode(f"{creds.username}:{creds.token}".encode()).decode()
+
+
+def test_a_tunnel_does_not_start_mitmproxy_a_socks5_client_does(
+    proxy: EgressProxy, tcp_echo: TcpEchoServer
+) -> None:
+    host, port = tcp_echo.address
+    with socket.create_connection(proxy.http_address, timeout=10) as sock:
+        head = f"CONNECT {host}:{port} HTTP/1.1\r\nProxy-Authorization: Basic {_auth(proxy)}\r\n\r\n"
+        sock.sendall(head.encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"ping")
+        assert sock.recv(4) == b"ping"
+    assert proxy._master is None, "a lean-path tunnel started mitmproxy"
+
+    assert proxy.socks_address is not None
+    with socket.create_connection(proxy.socks_address, timeout=10) as sock:
+        sock.sendall(b"\x05\x01\x02")  # offered: user/password; sent before mitmproxy is up
+        assert sock.recv(2) == b"\x05\x02"
+    assert proxy._master is not None
+    # the second SOCKS5 client finds mitmproxy running
+    with socket.create_connection(proxy.socks_address, timeout=10) as sock:
+        sock.sendall(b"\x05\x01\x02")
+        assert sock.recv(2) == b"\x05\x02"
+
+
+def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(proxy: EgressProxy) -> None:
+    assert proxy.socks_address is not None
+    for _ in range(5):
+        with socket.create_connection(proxy.socks_address, timeout=10) as sock:
+            sock.sendall(b"\x05\x01\x02")  # and gone before mitmproxy answers
+    with socket.create_connection(proxy.socks_address, timeout=10) as sock:
+        sock.sendall(b"\x05\x01\x02")
+        assert sock.recv(2) == b"\x05\x02"
+    front = proxy._front
+    assert front is not None
+    deadline = time.monotonic() + 5
+    while len(front.clients) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(front.clients) == 0
