@@ -144,6 +144,8 @@ class EgressProxy:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.set_exception_handler(_quiet_exception_handler)
+        # a CONNECT's task runs at once up to its first real wait (mitmproxy sets this too)
+        self._loop.set_task_factory(asyncio.eager_task_factory)
         self._stopping = asyncio.Event()
         host, port = self.listen
         try:
