@@ -1,0 +1,192 @@
+"""The Python floor of tunnel set-up: a bare uvloop CONNECT relay next to tinyproxy and egressd.
+
+    .venv/bin/python -m bench.floor [--seconds 5] [--repeats 3]
+
+The bare relay (`python -m bench.floor relay PORT`) reads a CONNECT head, connects, answers 200 and
+relays with two asyncio protocols — no policy, no authentication, no audit: the least a Python proxy
+on uvloop can do per tunnel. Run in one invocation against the same upstream (a uvloop server
+answering `GET /small`), with the same load generator and pinning as `bench/run.py`'s workload 2, it
+shows how much of egressd's set-up cost is the runtime rather than egressd. Prints one JSON line per
+figure and a table of ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import loadgen, peers, system
+
+BODY = b"x" * 128
+RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 128\r\nContent-Type: text/plain\r\n\r\n" + BODY
+
+
+class _Small(asyncio.Protocol):
+    """Upstream: one fixed response per request head."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.buffer = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while b"\r\n\r\n" in self.buffer:
+            _, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
+            self.transport.write(RESPONSE)  # type: ignore[attr-defined]
+
+
+class _Side(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.peer: _Side | None = None
+        self.transport: Any = None
+        self.pending = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.write(data)
+        else:
+            self.pending += data
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.close()
+
+
+class _Client(_Side):
+    """The bare relay's client side: CONNECT head, connect, 200, relay."""
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is not None or b"\r\n\r\n" not in self.pending + data:
+            if self.peer is None:
+                self.pending += data
+                return
+            super().data_received(data)
+            return
+        head, _, rest = (self.pending + data).partition(b"\r\n\r\n")
+        self.pending = rest
+        host, _, port = head.split(b" ", 2)[1].decode().rpartition(":")
+        self.transport.pause_reading()
+        asyncio.get_running_loop().create_task(self._open(host, int(port)))
+
+    async def _open(self, host: str, port: int) -> None:
+        upstream = _Side()
+        try:
+            await asyncio.get_running_loop().create_connection(lambda: upstream, host, port)
+        except OSError:
+            self.transport.close()
+            return
+        upstream.peer, self.peer = self, upstream
+        self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        if self.pending:
+            upstream.transport.write(self.pending)
+            self.pending = b""
+        self.transport.resume_reading()
+
+
+async def _serve(factory: Any, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)
+    server = await loop.create_server(factory, "127.0.0.1", port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+def _uvloop_run(coro: Any) -> None:
+    import uvloop
+
+    uvloop.run(coro)
+
+
+class BareRelayPeer(peers.Peer):
+    name = "bare uvloop relay"
+    description = "a CONNECT relay on uvloop with no policy at all (bench/floor.py)"
+
+    def start(self) -> peers.Proxy:
+        port = system.free_port()
+        proc = self._spawn([sys.executable, "-m", "bench.floor", "relay", str(port)], port)
+        return peers.Proxy(self.name, port, proc)
+
+
+def _measure(proxy: peers.Proxy, up_port: int, concurrency: int, seconds: float) -> tuple[float, float]:
+    result = loadgen.run_async(
+        loadgen.connect_load(
+            proxy, "127.0.0.1", up_port, concurrency=concurrency, seconds=seconds, warmup=1.0
+        )
+    )
+    return result.rate, (result.proxy_cpu / result.ops * 1e6 if result.ops else float("nan"))
+
+
+def compare(seconds: float, repeats: int) -> dict[str, Any]:
+    work = Path("/tmp/egressd-bench-floor")
+    work.mkdir(parents=True, exist_ok=True)
+    system.enter_netns()
+    system.raise_fd_limit()
+    pin = system.can_pin()
+    cpu = system.PROXY_CPU if pin else None
+    if pin:
+        system.pin_self(system.LOAD_CPU)
+    up_port = system.free_port()
+    upstream = subprocess.Popen(
+        system.pinned([sys.executable, "-m", "bench.floor", "upstream", str(up_port)], None)
+    )
+    system.wait_port("127.0.0.1", up_port, proc=upstream)
+    targets: dict[str, peers.Peer] = {
+        "tinyproxy": peers.TinyproxyPeer(work, cpu),
+        "egressd": peers.EgressdPeer(work, cpu),
+        "bare uvloop relay": BareRelayPeer(work, cpu),
+    }
+    figures: dict[str, dict[str, list[float]]] = {}
+    try:
+        for name, peer in targets.items():
+            proxy = peer.start()
+            try:
+                for conc in (10, 100):
+                    for _ in range(repeats):
+                        rate, cpu_us = _measure(proxy, up_port, conc, seconds)
+                        figures.setdefault(f"{name} c={conc}", {"rate": [], "cpu_us": []})
+                        figures[f"{name} c={conc}"]["rate"].append(rate)
+                        figures[f"{name} c={conc}"]["cpu_us"].append(cpu_us)
+            finally:
+                proxy.stop()
+    finally:
+        upstream.kill()
+    return {k: {m: statistics.median(v) for m, v in f.items()} for k, f in figures.items()}
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] in ("relay", "upstream"):
+        factory = _Client if sys.argv[1] == "relay" else _Small
+        _uvloop_run(_serve(factory, int(sys.argv[2])))
+        return
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    medians = compare(args.seconds, args.repeats)
+    print(json.dumps(medians, indent=1))
+    print("\n| concurrency | tinyproxy | egressd | bare uvloop relay | egressd ÷ tinyproxy ", end="")
+    print("| bare ÷ tinyproxy | egressd ÷ bare |")
+    print("|---|---|---|---|---|---|---|")
+    for conc in (10, 100):
+        t, e, b = (medians[f"{n} c={conc}"] for n in ("tinyproxy", "egressd", "bare uvloop relay"))
+        print(
+            f"| {conc} | {t['rate']:,.0f}/s ({t['cpu_us']:.0f} µs) "
+            f"| {e['rate']:,.0f}/s ({e['cpu_us']:.0f} µs) "
+            f"| {b['rate']:,.0f}/s ({b['cpu_us']:.0f} µs) | {e['rate'] / t['rate']:.2f}× | "
+            f"{b['rate'] / t['rate']:.2f}× | {e['rate'] / b['rate']:.2f}× |"
+        )
+
+
+if __name__ == "__main__":
+    main()
