@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from .hosts import IPAddress
@@ -125,13 +127,19 @@ def embedded_ipv4_candidates(ip: IPv6Address) -> tuple[IPv4Address, ...]:
     return ()
 
 
-def _classify_v4(ip: IPv4Address) -> tuple[AddressClass, str]:
-    for network, why in _V4_FORBIDDEN:
+def _first_match(
+    ip: IPAddress,
+    forbidden: tuple[tuple[IPv4Network, str], ...] | tuple[tuple[IPv6Network, str], ...],
+    loopback: IPv4Network | IPv6Network,
+    private: tuple[IPv4Network, ...] | tuple[IPv6Network, ...],
+) -> tuple[AddressClass, str]:
+    """The rules as written, first match wins (embedded IPv4 aside); only used to fill the tables."""
+    for network, why in forbidden:
         if ip in network:
             return AddressClass.FORBIDDEN, why
-    if ip in _V4_LOOPBACK:
+    if ip in loopback:
         return AddressClass.LOOPBACK, "loopback"
-    for network in _V4_PRIVATE:
+    for network in private:
         if ip in network:
             return AddressClass.PRIVATE, f"private ({network})"
     if not ip.is_global:
@@ -139,7 +147,88 @@ def _classify_v4(ip: IPv4Address) -> tuple[AddressClass, str]:
     return AddressClass.GLOBAL, "global"
 
 
+class _RangeTable[T]:
+    """Sorted range starts and the value of each range: one bisect instead of a scan of networks.
+
+    Built from every network boundary the first-match rules can see, so each range lies wholly
+    inside or outside each network and the value at its start is the value of all its addresses.
+    """
+
+    __slots__ = ("_starts", "_values")
+
+    def __init__(self, boundaries: Iterable[int], value_at: Callable[[int], T]) -> None:
+        self._starts: tuple[int, ...] = tuple(sorted(set(boundaries) | {0}))
+        self._values: tuple[T, ...] = tuple(value_at(start) for start in self._starts)
+
+    def __call__(self, value: int) -> T:
+        return self._values[bisect_right(self._starts, value) - 1]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+def _bounds(networks: Iterable[IPv4Network | IPv6Network]) -> Iterator[int]:
+    """First address of each network and the first address after it (if any)."""
+    for network in networks:
+        yield int(network.network_address)
+        end = int(network.broadcast_address)
+        if end < (1 << network.max_prefixlen) - 1:
+            yield end + 1
+
+
+_NETWORK_OR_ADDRESS = (IPv4Network, IPv6Network, IPv4Address, IPv6Address)
+
+
+def _stdlib_networks(constants: object, version: int) -> list[IPv4Network | IPv6Network]:
+    """The networks ``is_global`` consults; read generically, as the lists vary by Python version."""
+    found: list[IPv4Network | IPv6Network] = []
+    for value in vars(constants).values() if constants is not None else ():
+        for item in value if isinstance(value, list | tuple | frozenset | set) else (value,):
+            if isinstance(item, _NETWORK_OR_ADDRESS) and item.version == version:
+                found.append(ipaddress.ip_network(item))
+    return found
+
+
+_EMBEDDING: tuple[IPv6Network, ...] = (
+    IPv6Network("::/96"),  # IPv4-compatible (and :: / ::1, which embed nothing)
+    IPv6Network("::ffff:0:0/96"),  # IPv4-mapped
+    _NAT64,
+    _NAT64_LOCAL,
+    _SIIT,
+    _SIX_TO_FOUR,
+    _TEREDO,
+)
+
+_V4_TABLE: _RangeTable[tuple[AddressClass, str]] = _RangeTable(
+    _bounds(
+        [n for n, _ in _V4_FORBIDDEN]
+        + [_V4_LOOPBACK, *_V4_PRIVATE]
+        + _stdlib_networks(getattr(ipaddress, "_IPv4Constants", None), 4)
+    ),
+    lambda start: _first_match(IPv4Address(start), _V4_FORBIDDEN, _V4_LOOPBACK, _V4_PRIVATE),
+)
+# Per range: the IPv6 class ignoring embedded IPv4, and whether the range carries an IPv4 address.
+_V6_TABLE: _RangeTable[tuple[tuple[AddressClass, str], bool]] = _RangeTable(
+    _bounds(
+        [n for n, _ in _V6_FORBIDDEN]
+        + [IPv6Network(_V6_LOOPBACK), *_V6_PRIVATE, *_EMBEDDING]
+        + _stdlib_networks(getattr(ipaddress, "_IPv6Constants", None), 6)
+    ),
+    lambda start: (
+        _first_match(IPv6Address(start), _V6_FORBIDDEN, IPv6Network(_V6_LOOPBACK), _V6_PRIVATE),
+        any(IPv6Address(start) in network for network in _EMBEDDING),
+    ),
+)
+
+
+def _classify_v4(ip: IPv4Address) -> tuple[AddressClass, str]:
+    return _V4_TABLE(int(ip))
+
+
 def _classify_v6(ip: IPv6Address) -> tuple[AddressClass, str]:
+    plain, embeds = _V6_TABLE(int(ip))
+    if not embeds and isinstance(ip, IPv6Address):  # anything else fails below, as it always did
+        return plain
     candidates = embedded_ipv4_candidates(ip)
     if candidates and (ip.ipv4_mapped is not None or int(ip) >> 32 == 0):
         # Mapped/compatible forms ARE the IPv4 host (a dual-stack socket connecting to
@@ -154,19 +243,7 @@ def _classify_v6(ip: IPv6Address) -> tuple[AddressClass, str]:
             return klass, f"embeds {v4} ({why})"
         if klass is not AddressClass.GLOBAL and worst is None:
             worst = (AddressClass.PRIVATE, f"embeds {v4} ({why})")
-    if worst is not None:
-        return worst
-    for network, why in _V6_FORBIDDEN:
-        if ip in network:
-            return AddressClass.FORBIDDEN, why
-    if ip == _V6_LOOPBACK:
-        return AddressClass.LOOPBACK, "loopback"
-    for network in _V6_PRIVATE:
-        if ip in network:
-            return AddressClass.PRIVATE, f"private ({network})"
-    if not ip.is_global:
-        return AddressClass.PRIVATE, "special-purpose (not global)"
-    return AddressClass.GLOBAL, "global"
+    return worst if worst is not None else plain
 
 
 def describe(ip: IPAddress) -> tuple[AddressClass, str]:

@@ -24,6 +24,7 @@ __all__ = [
     "canonical_ip",
     "make_target",
     "parse_target",
+    "trusted_spelling",
 ]
 
 
@@ -42,6 +43,7 @@ def _error(raw: object, reason: str) -> TargetError:
     return TargetError(f"{raw!r}: {reason}", reason)
 
 
+_SEAL = "_egressd_made_by_make_target"  # instance attribute of make_target's Targets
 _SCHEMES = frozenset({"http", "https", "socks5", "connect"})
 _URL_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 # ws/wss travel as HTTP upgrades, so they are decided as http/https.
@@ -52,6 +54,12 @@ _ASCII_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
 # WHATWG "ends in a number": such a host is an IPv4 attempt, never a DNS name.
 _NUMERIC_LABEL = re.compile(r"(?:0[xX][0-9a-fA-F]*|[0-9]+)")
 _DIGITS = re.compile(r"[0-9]+")
+_METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+# Fast paths: texts these match are answered by the general code exactly as by the shortcut.
+_PLAIN_CHARS = re.compile(r"[A-Za-z0-9._:-]*")  # none forbidden, control or whitespace
+_PLAIN_NAME = re.compile(rf"(?:(?:{_ASCII_LABEL.pattern})\.)*(?:{_ASCII_LABEL.pattern})")
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_DOTTED_QUAD = re.compile(rf"{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}")  # no legacy forms
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,10 @@ class Host:
 
 @dataclass(frozen=True)
 class Target:
-    """What a client asked to reach, after canonicalisation."""
+    """What a client asked to reach, after canonicalisation.
+
+    Those made by make_target carry a seal so that decide() need not canonicalise them again.
+    """
 
     host: Host
     port: int
@@ -125,6 +136,9 @@ def _parse_ipv4_part(part: str, raw: str) -> int:
 
 def _parse_legacy_ipv4(text: str, raw: str) -> ipaddress.IPv4Address:
     """Read an IPv4 address the way inet_aton (and WHATWG URL) do: 1-4 parts, hex/octal/decimal."""
+    if _DOTTED_QUAD.fullmatch(text):
+        a, b, c, d = map(int, text.split("."))
+        return ipaddress.IPv4Address(a << 24 | b << 16 | c << 8 | d)
     parts = text.split(".")
     if len(parts) > 4:
         raise _error(raw, "too many parts for an IPv4 address")
@@ -145,6 +159,8 @@ def _parse_legacy_ipv4(text: str, raw: str) -> ipaddress.IPv4Address:
 
 
 def _check_chars(text: str, raw: str) -> None:
+    if _PLAIN_CHARS.fullmatch(text):
+        return  # the usual host: no character to look at one by one
     for char in text:
         if char in _FORBIDDEN_CHARS:
             what = "whitespace" if char.isspace() else repr(char)
@@ -227,6 +243,9 @@ def canonical_host(raw: str) -> Host:
     labels = text.split(".")
     if _NUMERIC_LABEL.fullmatch(labels[-1]):
         return Host(name=None, ip=_parse_legacy_ipv4(text, raw))
+    lowered = text.lower()
+    if text.isascii() and "xn--" not in lowered and _PLAIN_NAME.fullmatch(lowered):
+        return Host(name=lowered, ip=None)  # plain ASCII labels: what the loop below gives
     if any(not label for label in labels):
         raise _error(raw, "empty label")
     encoded: list[str] = []
@@ -319,6 +338,8 @@ def parse_target(text: str, default_port: int | None = None) -> Target:
 
 
 def _check_no_space(text: str) -> None:
+    if text.isascii() and text.isprintable() and " " not in text:
+        return  # printable ASCII but the space: no character to look at one by one
     for char in text:
         if char.isspace() or ord(char) < 0x20 or ord(char) == 0x7F:
             raise _error(text, "target contains whitespace or control characters")
@@ -341,7 +362,40 @@ def make_target(
         if scheme not in _SCHEMES:
             raise TargetError(f"{canonical.text}: unknown scheme {scheme!r}")
     if method is not None:
-        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", method):
+        if not _METHOD.fullmatch(method):
             raise TargetError(f"{canonical.text}: invalid method {method!r}")
         method = method.upper()
-    return Target(host=canonical, port=port, scheme=scheme, path=path, method=method)
+    target = Target(host=canonical, port=port, scheme=scheme, path=path, method=method)
+    # Remember the very objects built here, so decide() can trust this Target instead of parsing it
+    # again; a Target built or changed any other way does not match the seal (see trusted_spelling).
+    seal = (canonical, canonical.name, canonical.ip, port, scheme, path, method)
+    text = canonical.text
+    url_host = f"[{text}]" if isinstance(canonical.ip, ipaddress.IPv6Address) else text
+    object.__setattr__(target, _SEAL, (seal, text, f"{url_host}:{port}"))
+    return target
+
+
+def trusted_spelling(target: object) -> tuple[str, str] | None:
+    """(host text, authority) of a Target exactly as make_target built it, else None.
+
+    Identity, not equality: ``Target(Host("EXAMPLE.com"), 443)`` or a Target whose fields were
+    swapped after the fact (``port=True`` equals 1) must be canonicalised again, never trusted.
+    """
+    if type(target) is not Target:
+        return None
+    sealed = target.__dict__.get(_SEAL)
+    if sealed is None:
+        return None
+    (host, name, ip, port, scheme, path, method), text, authority = sealed
+    current = target.host
+    if (
+        current is host
+        and current.name is name
+        and current.ip is ip
+        and target.port is port
+        and target.scheme is scheme
+        and target.path is path
+        and target.method is method
+    ):
+        return text, authority
+    return None

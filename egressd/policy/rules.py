@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network
 from typing import Literal
@@ -194,19 +194,26 @@ def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
     return HostRule(text=entry, kind=kind, name=name, network=network, port=port)
 
 
-def _port_ok(rule: HostRule, port: int) -> bool:
-    return rule.port is None or rule.port == port
-
-
-def _by_specificity(rules: list[HostRule]) -> list[HostRule]:
+def _by_specificity(rules: list[HostRule]) -> tuple[HostRule, ...]:
     """At one index slot, port-specific rules come before any-port ones; order of writing otherwise."""
-    return sorted(rules, key=lambda r: r.port is None)
+    return tuple(sorted(rules, key=lambda r: r.port is None))
+
+
+def _for_port(rules: tuple[HostRule, ...], port: int) -> Sequence[HostRule]:
+    """The rules of one index slot that apply to ``port``, in order."""
+    if len(rules) == 1:  # the usual slot: no list to build
+        return rules if rules[0].port is None or rules[0].port == port else ()
+    return [rule for rule in rules if rule.port is None or rule.port == port]
+
+
+def _mask(prefix: int, bits: int) -> int:
+    return ((1 << prefix) - 1) << (bits - prefix) if prefix else 0
 
 
 class RuleSet:
     """An immutable, indexed set of host rules."""
 
-    __slots__ = ("_names", "_networks", "_prefixes", "_wildcards", "rules")
+    __slots__ = ("_below", "_masks", "_names", "rules")
 
     def __init__(self, rules: Iterable[HostRule] = ()) -> None:
         self.rules: tuple[HostRule, ...] = tuple(rules)
@@ -223,11 +230,19 @@ class RuleSet:
                 slot = networks.setdefault(key, {})
                 slot.setdefault(int(rule.network.network_address), []).append(rule)
         self._names = {k: _by_specificity(v) for k, v in names.items()}
-        self._wildcards = {k: _by_specificity(v) for k, v in wildcards.items()}
-        self._networks = {k: {a: _by_specificity(r) for a, r in v.items()} for k, v in networks.items()}
-        self._prefixes: dict[int, tuple[int, ...]] = {
-            version: tuple(sorted((p for v, p in networks if v == version), reverse=True))
-            for version in (4, 6)
+        # A proper suffix of the target name is matched by its name rules, then its wildcard rules:
+        # one lookup per label.
+        self._below = {
+            suffix: _by_specificity(names.get(suffix, [])) + _by_specificity(wildcards.get(suffix, []))
+            for suffix in names.keys() | wildcards.keys()
+        }
+        # Per IP version, longest prefix first: (netmask as an integer, network address -> rules).
+        self._masks = {
+            version: tuple(
+                (_mask(prefix, bits), {a: _by_specificity(r) for a, r in networks[(version, prefix)].items()})
+                for prefix in sorted((p for v, p in networks if v == version), reverse=True)
+            )
+            for version, bits in ((4, 32), (6, 128))
         }
 
     def __len__(self) -> int:
@@ -248,43 +263,48 @@ class RuleSet:
     def __repr__(self) -> str:
         return f"RuleSet({[r.text for r in self.rules]!r})"
 
-    def _address_matches(self, ip: IPAddress, port: int) -> Iterator[HostRule]:
+    def _address_matches(self, ip: IPAddress, port: int) -> list[HostRule]:
         ip = canonical_ip(ip)
         value = int(ip)
-        bits = ip.max_prefixlen
-        for prefix in self._prefixes.get(ip.version, ()):
-            mask = ((1 << prefix) - 1) << (bits - prefix) if prefix else 0
-            for rule in self._networks[(ip.version, prefix)].get(value & mask, ()):
-                if _port_ok(rule, port):
-                    yield rule
+        found: list[HostRule] = []
+        for mask, slot in self._masks.get(ip.version, ()):
+            rules = slot.get(value & mask)
+            if rules:
+                found += _for_port(rules, port)
+        return found
 
-    def _name_matches(self, name: str, port: int) -> Iterator[HostRule]:
-        for rule in self._names.get(name, ()):
-            if _port_ok(rule, port):
-                yield rule
-        position = name.find(".")
-        while position >= 0:
-            suffix = name[position + 1 :]
-            for rule in self._names.get(suffix, ()):
-                if _port_ok(rule, port):
-                    yield rule
-            for rule in self._wildcards.get(suffix, ()):
-                if _port_ok(rule, port):
-                    yield rule
-            position = name.find(".", position + 1)
+    def _name_matches(self, name: str, port: int) -> list[HostRule]:
+        rules = self._names.get(name)
+        found = list(_for_port(rules, port)) if rules else []
+        below = self._below
+        _, dot, suffix = name.partition(".")
+        while dot:
+            rules = below.get(suffix)
+            if rules:
+                found += _for_port(rules, port)
+            _, dot, suffix = suffix.partition(".")
+        return found
 
-    def matches(self, host: Host, port: int) -> Iterator[HostRule]:
-        """Every matching rule, most specific first (longest name suffix / longest prefix)."""
+    def matching(self, host: Host, port: int) -> list[HostRule]:
+        """Every matching rule as a new list, most specific first (what ``matches`` iterates over)."""
+        if not self.rules:
+            return []
         if host.ip is not None:
             return self._address_matches(host.ip, port)
         if host.name is None:
-            return iter(())
+            return []
         return self._name_matches(host.name, port)
+
+    def matches(self, host: Host, port: int) -> Iterator[HostRule]:
+        """Every matching rule, most specific first (longest name suffix / longest prefix)."""
+        return iter(self.matching(host, port))
 
     def match(self, host: Host, port: int) -> HostRule | None:
         """The most specific matching rule, or None."""
-        return next(self.matches(host, port), None)
+        found = self.matching(host, port)
+        return found[0] if found else None
 
     def match_address(self, ip: IPAddress, port: int) -> HostRule | None:
         """Most specific IP/CIDR rule for a resolved address (name rules never match addresses)."""
-        return next(self._address_matches(ip, port), None)
+        found = self._address_matches(ip, port)
+        return found[0] if found else None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import ipaddress
+import pickle
+from dataclasses import FrozenInstanceError, fields, replace
 from typing import Any
 
 import pytest
@@ -21,6 +24,8 @@ from egressd.policy import (
     parse_policy,
     resolution_refusal,
 )
+from egressd.policy import decision as decision_module
+from egressd.policy.hosts import trusted_spelling
 
 ip = ipaddress.ip_address
 NOBODY = Client()
@@ -77,6 +82,146 @@ def test_target_is_recanonicalised() -> None:
     decision = check(Target(Host(name="EXAMPLE.com."), 443), pol(allow=["example.com"]))
     assert decision.allowed and decision.target is not None
     assert decision.target.host == Host(name="example.com")
+
+
+# -- step 1: a Target from make_target is trusted; any other Target is canonicalised again ------
+
+TRUST_POLICY = pol(
+    allow=["example.com", "10.0.0.0/8:5432", "[2001:db8::/32]", {"host": "api.test", "paths": ["/v1"]}],
+    deny=["bad.example.com"],
+    loopback={"ports": [8080]},
+)
+MADE = [
+    connect("example.com", 443),
+    connect("a.b.EXAMPLE.com.", 443),
+    connect("bad.example.com", 443),
+    connect("10.1.2.3", 5432),
+    connect("10.1.2.3", 443),
+    connect("0x0a.1.515", 5432),
+    connect("[2001:db8::7]", 443),
+    connect("[::ffff:10.0.0.1]", 5432),
+    connect("169.254.169.254", 80),
+    connect("127.0.0.1", 8080),
+    connect("app.localhost", 9),
+    connect("bücher.example.com", 443),
+    get("api.test", 443, "/v1/x", scheme="https"),
+    get("api.test", 443, "/v2", method="post", scheme="https"),
+    make_target("api.test", 443),
+]
+
+
+def rebuilt(target: Target) -> Target:
+    """The same fields in a Target make_target did not build: decided the slow, general way."""
+    host = Host(target.host.name, target.host.ip)
+    return Target(host, target.port, target.scheme, target.path, target.method)
+
+
+@pytest.mark.parametrize("made", MADE, ids=lambda t: f"{t.method} {t.authority()}{t.path or ''}")
+def test_made_target_is_trusted_and_decides_as_when_rebuilt(made: Target) -> None:
+    assert trusted_spelling(made) == (made.host.text, made.authority())
+    assert trusted_spelling(rebuilt(made)) is None
+    fast, slow = check(made, TRUST_POLICY), check(rebuilt(made), TRUST_POLICY)
+    assert fast == slow and repr(fast) == repr(slow)
+    assert fast.self_addresses == slow.self_addresses
+    assert fast.target is made  # no copy was made
+
+
+@pytest.mark.parametrize("made", MADE[:4], ids=lambda t: t.authority())
+def test_copies_of_a_made_target_decide_the_same(made: Target) -> None:
+    expected = check(made, TRUST_POLICY)
+    for copied in (copy.copy(made), copy.deepcopy(made), pickle.loads(pickle.dumps(made))):
+        assert copied == made and check(copied, TRUST_POLICY) == expected
+
+
+def swapped(field_name: str, value: object, on_host: bool = False) -> Target:
+    """A made Target with one field changed behind the frozen dataclass's back."""
+    target = make_target("example.com", 443, scheme="connect", method="CONNECT")
+    object.__setattr__(target.host if on_host else target, field_name, value)
+    return target
+
+
+def sealed_copy(target: Target) -> Target:
+    """``target`` carrying the seal of a made Target with the same (canonical) field values."""
+    made = make_target("example.com", 443, scheme="connect", method="CONNECT")
+    vars(target).update({k: v for k, v in vars(made).items() if k not in vars(target)})
+    return target
+
+
+class SubTarget(Target):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("odd", "reason", "host"),
+    [
+        (Target(Host(name="EXAMPLE.com."), 443), "allowlist", "example.com"),
+        (replace(connect("example.com", 443), port=True), "invalid_target", None),
+        (
+            replace(connect("example.com", 443), host=Host(name="BAD.example.com")),
+            "denylist",
+            "bad.example.com",
+        ),
+        (replace(connect("example.com", 443), method="get post"), "invalid_target", None),
+        (replace(connect("example.com", 443), scheme="gopher"), "invalid_target", None),
+        (swapped("port", True), "invalid_target", None),
+        (swapped("port", 0), "invalid_target", None),
+        (swapped("scheme", "CONNECT"), "allowlist", "example.com"),
+        (swapped("method", "connect"), "allowlist", "example.com"),
+        (swapped("name", "BAD.Example.COM.", on_host=True), "denylist", "bad.example.com"),
+        (swapped("name", "a..b", on_host=True), "invalid_target", None),
+        (swapped("host", Host(name="EXA MPLE.com")), "invalid_target", None),
+        (
+            sealed_copy(Target(Host(name="Example.COM"), 443, "connect", None, "CONNECT")),
+            "allowlist",
+            "example.com",
+        ),
+        (
+            sealed_copy(Target(Host(name="example.com"), True, "connect", None, "CONNECT")),
+            "invalid_target",
+            None,
+        ),
+        (
+            sealed_copy(SubTarget(Host(name="EXAMPLE.com"), 443, "connect", None, "CONNECT")),
+            "allowlist",
+            "example.com",
+        ),
+    ],
+)
+def test_other_targets_are_canonicalised_again(odd: Target, reason: str, host: str | None) -> None:
+    assert trusted_spelling(odd) is None
+    decision = check(odd, TRUST_POLICY)
+    assert decision.reason == reason
+    if host is None:
+        assert decision.target is None
+    else:
+        assert decision.target is not None and decision.target is not odd
+        assert decision.target.host == Host(name=host)
+        assert trusted_spelling(decision.target) is not None
+
+
+def test_fast_decision_is_field_for_field_a_decision() -> None:
+    target = connect("example.com", 443)
+    values: dict[str, Any] = {
+        "allowed": True,
+        "reason": "allowlist",
+        "rule": "allow: example.com",
+        "target": target,
+        "detail": "why",
+        "ask": True,
+        "needs_resolution": True,
+        "needs_inspection": True,
+        "private_ok": True,
+        "addresses": (ip("10.0.0.1"),),
+        "profile": "p",
+        "self_addresses": ((ip("127.0.0.1"), 8080),),
+    }
+    assert list(values) == [f.name for f in fields(Decision)]
+    assert not hasattr(Decision, "__post_init__")  # which the fast constructor would skip
+    fast, slow = decision_module._new_decision(**values), Decision(**values)
+    assert fast == slow and repr(fast) == repr(slow) and vars(fast) == vars(slow)
+    assert hash(fast.target) == hash(slow.target) and replace(fast, detail="x") == replace(slow, detail="x")
+    with pytest.raises(FrozenInstanceError):
+        fast.allowed = False  # type: ignore[misc]
 
 
 # -- step 2: self -------------------------------------------------------------------------------

@@ -36,6 +36,14 @@ V6 = ipaddress.IPv6Address
         ("2852039166", "169.254.169.254"),
         ("１２７.0.0.1", "127.0.0.1"),  # full-width digits map to ASCII first
         ("10.0.0.010", "10.0.0.8"),
+        # around the dotted-quad shortcut: a leading zero still means octal
+        ("010.1.1.1", "8.1.1.1"),
+        ("1.2.3.04", "1.2.3.4"),
+        ("1.2.3.00", "1.2.3.0"),
+        ("0.0.0.0", "0.0.0.0"),
+        ("255.255.255.255", "255.255.255.255"),
+        ("199.249.250.251", "199.249.250.251"),
+        ("1.2.3.4.", "1.2.3.4"),
     ],
 )
 def test_ipv4_legacy_spellings(raw: str, expected: str) -> None:
@@ -142,6 +150,10 @@ def test_ipv6_rejected(raw: str) -> None:
         ("123.example", "123.example"),  # numeric label but not the last one
         ("0x10.example", "0x10.example"),
         ("deadbeef", "deadbeef"),
+        # around the plain-name shortcut
+        ("A-B_C.Example.", "a-b_c.example"),
+        ("axn--b.test", "axn--b.test"),  # xn-- inside a label: the general code, same answer
+        ("1-2.3-4", "1-2.3-4"),
     ],
 )
 def test_names(raw: str, expected: str) -> None:

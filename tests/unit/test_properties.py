@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import ipaddress
+import re
+from collections.abc import Callable
+from typing import Any
 
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from egressd.policy import (
+    AddressClass,
     Client,
+    Host,
     HostRule,
     RuleSet,
     TargetError,
+    addresses,
     canonical_host,
+    classify,
     decide,
+    hosts,
+    make_target,
     parse_policy,
     parse_rule,
 )
+from egressd.policy.addresses import describe, embedded_ipv4_candidates
+from egressd.policy.hosts import trusted_spelling
 
 V4 = ipaddress.IPv4Address
 
@@ -190,6 +201,193 @@ def test_ruleset_agrees_with_linear_reference(texts: list[str], target: str, por
     expected = reference_match(rules, target, port)
     assert ruleset.match(host, port) == (expected[0] if expected else None)
     assert list(ruleset.matches(host, port)) == expected
+    found = ruleset.matching(host, port)
+    assert found == expected
+    found.clear()  # a new list each time: the index is not touched
+    assert ruleset.matching(host, port) == expected
     if host.ip is not None:
         assert ruleset.match_address(host.ip, port) == (expected[0] if expected else None)
     assert len(ruleset) == len(rules)
+
+
+# -- the range tables classify exactly as the first-match scan they replaced ----------------------
+
+V6 = ipaddress.IPv6Address
+
+
+def reference_scan(ip: V4 | V6, forbidden: Any, loopback: bool, private: Any) -> tuple[AddressClass, str]:
+    """The linear scan over the networks, first match wins (the classification before the tables)."""
+    for network, why in forbidden:
+        if ip in network:
+            return AddressClass.FORBIDDEN, why
+    if loopback:
+        return AddressClass.LOOPBACK, "loopback"
+    for network in private:
+        if ip in network:
+            return AddressClass.PRIVATE, f"private ({network})"
+    if not ip.is_global:
+        return AddressClass.PRIVATE, "special-purpose (not global)"
+    return AddressClass.GLOBAL, "global"
+
+
+def reference_v4(ip: V4) -> tuple[AddressClass, str]:
+    return reference_scan(ip, addresses._V4_FORBIDDEN, ip in addresses._V4_LOOPBACK, addresses._V4_PRIVATE)
+
+
+def reference_v6(ip: V6) -> tuple[AddressClass, str]:
+    candidates = embedded_ipv4_candidates(ip)
+    if candidates and (ip.ipv4_mapped is not None or int(ip) >> 32 == 0):
+        klass, why = reference_v4(candidates[0])
+        return klass, why if klass is AddressClass.GLOBAL else f"embeds {candidates[0]} ({why})"
+    worst: tuple[AddressClass, str] | None = None
+    for v4 in candidates:
+        klass, why = reference_v4(v4)
+        if klass is AddressClass.FORBIDDEN:
+            return klass, f"embeds {v4} ({why})"
+        if klass is not AddressClass.GLOBAL and worst is None:
+            worst = (AddressClass.PRIVATE, f"embeds {v4} ({why})")
+    if worst is not None:
+        return worst
+    return reference_scan(ip, addresses._V6_FORBIDDEN, ip == addresses._V6_LOOPBACK, addresses._V6_PRIVATE)
+
+
+def near(starts: tuple[int, ...], top: int) -> st.SearchStrategy[int]:
+    """Addresses at and around the edges of the table's ranges, where an off-by-one would show."""
+    return st.builds(lambda s, d: min(max(s + d, 0), top), st.sampled_from(starts), st.integers(-3, 3))
+
+
+v4_edges = near(addresses._V4_TABLE._starts, 2**32 - 1).map(V4)
+v6_edges = near(addresses._V6_TABLE._starts, 2**128 - 1).map(V6)
+EMBEDDING_PREFIXES = [  # (prefix value, bits below it): mapped, compatible, SIIT, NAT64, 6to4, Teredo
+    (0xFFFF << 32, 32),
+    (0, 32),
+    (0xFFFF << 48, 32),
+    (0x64FF9B << 96, 32),
+    (0x64FF9B0001 << 80, 80),
+    (0x2002 << 112, 112),
+    (0x20010000 << 96, 96),
+]
+v4_interesting = ipv4s | v4_edges
+v6_embedding = st.builds(
+    lambda prefix, v4, spread, shift: V6(prefix[0] | ((int(v4) << shift | spread) & ((1 << prefix[1]) - 1))),
+    st.sampled_from(EMBEDDING_PREFIXES),
+    v4_interesting,
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([0, 16, 32, 40, 48, 64]),
+)
+v6_any = st.integers(0, 2**128 - 1).map(V6)
+
+
+@settings(max_examples=600)
+@given(v4_interesting)
+def test_ipv4_class_equals_linear_scan(ip: V4) -> None:
+    assert describe(ip) == reference_v4(ip)
+    assert classify(ip) is reference_v4(ip)[0]
+
+
+@settings(max_examples=600)
+@given(v6_any | v6_edges | v6_embedding | v4_interesting.map(lambda v4: V6(int(v4))))
+def test_ipv6_class_equals_linear_scan(ip: V6) -> None:
+    assert describe(ip) == reference_v6(ip)
+    assert classify(ip) is reference_v6(ip)[0]
+
+
+def test_every_range_edge_equals_linear_scan() -> None:
+    for start in addresses._V4_TABLE._starts:
+        for value in (start - 1, start, start + 1):
+            if 0 <= value < 2**32:
+                assert describe(V4(value)) == reference_v4(V4(value)), V4(value)
+    for start in addresses._V6_TABLE._starts:
+        for value in (start - 1, start, start + 1):
+            if 0 <= value < 2**128:
+                assert describe(V6(value)) == reference_v6(V6(value)), V6(value)
+
+
+# -- trusting make_target's Targets is sound: making one again from its fields changes nothing -----
+
+schemes = st.sampled_from([None, "connect", "HTTP", "https", "Socks5"])
+methods = st.sampled_from([None, "CONNECT", "get", "Post", "x-y_z"])
+paths = st.sampled_from([None, "/", "/v1/x", "/a/../b", "/%2e%2e/x", "nope"])
+
+
+@settings(max_examples=400)
+@given(hosts_raw | st.text(max_size=30), st.integers(1, 65535), schemes, paths, methods)
+def test_make_target_is_idempotent(
+    raw: str, port: int, scheme: str | None, path: str | None, method: str | None
+) -> None:
+    try:
+        made = make_target(raw, port, scheme=scheme, path=path, method=method)
+    except TargetError:
+        assume(False)
+        return
+    again = make_target(made.host.text, made.port, scheme=made.scheme, path=made.path, method=made.method)
+    assert again == made
+    assert trusted_spelling(made) == (made.host.text, made.authority()) == trusted_spelling(again)
+
+
+# -- the fast paths of canonical_host answer as the general code does ------------------------------
+
+FORBIDDEN_HOST_CHARS = frozenset(" \t\r\n\v\f@/\\%?#[]<>^|\"'`{}")
+
+
+def reference_bad_char(text: str) -> bool:
+    return any(
+        c in FORBIDDEN_HOST_CHARS or ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c.isspace() for c in text
+    )
+
+
+def reference_name(text: str) -> str | None:
+    """A plain ASCII name label by label, as the general loop reads it (None: not a plain name)."""
+    labels = text.lower().removesuffix(".").split(".")
+    plain = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+    if any(not plain.fullmatch(label) or label.startswith("xn--") for label in labels):
+        return None
+    return ".".join(labels)
+
+
+host_chars = st.text(alphabet="abcXYZ019._-:@%/ \t\x00\x7f\x85\u2003é[]", max_size=20)
+NUMERIC = re.compile(r"(?:0[xX][0-9a-fA-F]*|[0-9]+)")
+ascii_names = st.lists(
+    st.from_regex(r"[a-zA-Z0-9_]([a-zA-Z0-9_-]{0,6}[a-zA-Z0-9_])?", fullmatch=True)
+    | st.text(alphabet="abcXYZ0189_-", min_size=0, max_size=8)
+    | st.sampled_from(["xn--bcher-kva", "xn--x", "a" * 64]),
+    min_size=1,
+    max_size=4,
+).map(".".join)
+
+
+def rejects(check: Callable[[str], None], text: str) -> bool:
+    try:
+        check(text)
+    except TargetError:
+        return True
+    return False
+
+
+@settings(max_examples=500)
+@given(host_chars)
+def test_character_checks_agree_with_reference(text: str) -> None:
+    assert rejects(lambda t: hosts._check_chars(t, t), text) == reference_bad_char(text)
+    spaces = any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in text)
+    assert rejects(hosts._check_no_space, text) == spaces
+
+
+@settings(max_examples=500)
+@given(ascii_names)
+def test_plain_names_read_as_label_by_label(text: str) -> None:
+    expected = reference_name(text)
+    try:
+        host: Host | None = canonical_host(text)
+    except TargetError:
+        host = None
+    if expected is not None and len(expected) <= 253 and not NUMERIC.fullmatch(expected.split(".")[-1]):
+        assert host == Host(name=expected)
+        assert canonical_host(text.removesuffix(".") + ".") == host
+    elif host is not None:  # only an IP or a name with an IDNA label gets past the general code
+        assert host.ip is not None or "xn--" in (host.name or "")
+
+
+@given(ipv4s)
+def test_dotted_quad_reads_as_the_address(address: V4) -> None:
+    assert canonical_host(str(address)) == Host(name=None, ip=address)
+    assert hosts._parse_legacy_ipv4(str(address), str(address)) == address
