@@ -67,10 +67,13 @@ class Gatekeeper:
     def __init__(self, policies: PolicyHolder, approver: Approver | None = None) -> None:
         self.policies = policies
         self.approver = approver
-        self.self_addresses: set[tuple[IPAddress, int]] = set()
+        self.self_addresses: tuple[tuple[IPAddress, int], ...] = ()
 
     def add_self_address(self, host: str, port: int) -> None:
-        self.self_addresses.add((ipaddress.ip_address(host), port))
+        # a new tuple on change: decide() recognises the same tuple and reuses its checked copy
+        address = (ipaddress.ip_address(host), port)
+        if address not in self.self_addresses:
+            self.self_addresses = (*self.self_addresses, address)
 
     def decide(
         self,

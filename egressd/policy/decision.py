@@ -461,10 +461,21 @@ def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Dec
     return _refuse(request, "not_allowlisted", "mode: enforce", detail, client)
 
 
+_own_cache: tuple[tuple[object, ...], _Own] = ((), ())
+
+
 def _own(self_addresses: Collection[tuple[IPAddress, int]]) -> _Own:
-    if type(self_addresses) is tuple and not self_addresses:
-        return ()  # the usual case, without a generator
-    return tuple((_as_ip(ip), int(port)) for ip, port in self_addresses)
+    global _own_cache
+    if type(self_addresses) is tuple:
+        if not self_addresses:
+            return ()  # the usual case, without a generator
+        seen, own = _own_cache
+        if seen is self_addresses:  # the proxy passes one tuple until its addresses change
+            return own
+    own = tuple((_as_ip(ip), int(port)) for ip, port in self_addresses)
+    if type(self_addresses) is tuple:
+        _own_cache = (self_addresses, own)  # type: ignore[assignment]  # the reference keeps it alive
+    return own
 
 
 def decide(
