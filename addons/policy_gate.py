@@ -27,15 +27,18 @@ from egressd.engine import faults, response_limit
 from egressd.engine.connections import close_client
 from egressd.engine.error_pages import refusal_response
 from egressd.engine.gate import decision_refusal
+from egressd.engine.http_rules import (
+    audit_http_event,
+    audit_response_cut,
+    hop_by_hop_names,
+    host_header_mismatch,
+)
 from egressd.engine.pinning import current_pin
 from egressd.engine.runtime import ConnState, Runtime, shared_runtime
-from egressd.policy import TargetError, canonical_host
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
 
 logger = logging.getLogger(__name__)
 
-# hop-by-hop headers (RFC 9110 7.6.1) and proxy headers never forwarded upstream
-_HOP_BY_HOP = ("proxy-authorization", "proxy-connection", "keep-alive", "te", "trailer", "proxy-authenticate")
 _REFUSED = "egressd_refused"
 
 
@@ -217,7 +220,7 @@ class PolicyGate:
         refusal = None
         if not decision.allowed or decision.needs_inspection:
             refusal = decision_refusal(decision)
-        elif (mismatch := _host_header_mismatch(request, decision.target)) is not None:
+        elif (mismatch := host_header_mismatch(request.headers.get_all("host"), decision.target)) is not None:
             refusal = Refusal("host_mismatch", mismatch, decision.target.host.text, decision.target.port)
         elif _is_upgrade(request) and not self.rt.policies.get().websocket:
             refusal = Refusal(
@@ -246,16 +249,16 @@ class PolicyGate:
         stripped = [name for name in names if name in flow.request.headers]
         for name in stripped:
             flow.request.headers.pop(name, None)
-        if self.rt.audit is not None:
-            self.rt.audit.event(
-                "credentials_stripped",
-                conn=state.conn_id,
-                client=state.client_name,
-                redirected_from=origin,
-                host=flow.request.host,
-                port=flow.request.port,
-                stripped=stripped,
-            )
+        request = flow.request
+        audit_http_event(
+            self.rt,
+            state,
+            "credentials_stripped",
+            redirected_from=origin,
+            host=request.host,
+            port=request.port,
+            stripped=stripped,
+        )
 
     @fail_closed
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -274,17 +277,8 @@ class PolicyGate:
 
     def _on_response_cut(self, flow: http.HTTPFlow, state: ConnState, limit: int) -> Callable[[int], None]:
         def cut(seen: int) -> None:
-            if self.rt.audit is not None:
-                self.rt.audit.event(
-                    "response_cut",
-                    conn=state.conn_id,
-                    client=state.client_name,
-                    host=flow.request.host,
-                    port=flow.request.port,
-                    path=flow.request.path,
-                    limit=limit,
-                    bytes=seen,
-                )
+            request = flow.request
+            audit_response_cut(self.rt, state, request.host, request.port, request.path, limit, seen)
 
         return cut
 
@@ -404,48 +398,12 @@ def _failure_refusal(
     return Refusal(reason, detail, host, port, rule)
 
 
-def _host_header_mismatch(request: http.Request, target: Any) -> str | None:
-    """A Host header naming another host than the absolute-form target is refused."""
-    header = request.headers.get_all("host")
-    if not header:
-        return None
-    if len(header) > 1:
-        return "more than one Host header"
-    value = header[0].strip(" \t")
-    host_part, port_part = value, None
-    if value.startswith("["):
-        end = value.find("]")
-        if end < 0:
-            return f"malformed Host header {value!r}"
-        host_part, rest = value[: end + 1], value[end + 1 :]
-        if rest:
-            if not rest.startswith(":"):
-                return f"malformed Host header {value!r}"
-            port_part = rest[1:]
-    elif value.count(":") == 1:
-        host_part, port_part = value.split(":")
-    try:
-        host = canonical_host(host_part)
-    except (TargetError, ValueError):
-        return f"malformed Host header {value!r}"
-    if host != target.host:
-        return f"Host header names {host.text}, but the request is for {target.host.text}"
-    if port_part is not None and (not port_part.isdigit() or int(port_part) != target.port):
-        return f"Host header port {port_part!r} differs from the request's port {target.port}"
-    return None
-
-
 def _is_upgrade(request: http.Request) -> bool:
     return "upgrade" in request.headers.get("connection", "").lower() and "upgrade" in request.headers
 
 
 def _strip_hop_by_hop(headers: http.Headers, *, keep_upgrade: bool) -> None:
-    listed = [t.strip().lower() for t in headers.get("connection", "").split(",") if t.strip()]
-    for name in _HOP_BY_HOP:
-        headers.pop(name, None)
-    for name in listed:
-        if name in ("close", "keep-alive") or (keep_upgrade and name == "upgrade"):
-            continue
+    for name in hop_by_hop_names(headers.get("connection", ""), keep_upgrade=keep_upgrade):
         headers.pop(name, None)
 
 

@@ -221,7 +221,7 @@ class FrontProtocol(_Pipe):
     # -- the request head --------------------------------------------------------------------------
     def _on_head_bytes(self) -> None:
         if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
-            self._hand_off()  # not a CONNECT: mitmproxy's HTTP proxy decides it
+            self._serve_plain()  # plain HTTP: the lean path, or mitmproxy for unusual requests
             return
         problem = head_problem(bytes(self.buffer))
         if problem is not None:
@@ -434,6 +434,27 @@ class FrontProtocol(_Pipe):
             self.transport.resume_reading()
         else:
             inner.transport.close()
+
+    # -- plain HTTP (egressd.engine.plain_http) --------------------------------------------------
+    def _serve_plain(self) -> None:
+        """Give the client to the lean plain-HTTP path; it returns unusual requests via _plain_hand_off."""
+        from egressd.engine.plain_http import PlainClient  # it imports this module
+
+        assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()  # the plain path keeps header_timeout and idle_timeout itself
+        self.stage = "plain"
+        client = PlainClient(self, bytes(self.buffer))
+        self.buffer = bytearray()
+        self.transport.set_protocol(client)
+        client.start()
+
+    def _plain_hand_off(self, pending: bytes) -> None:
+        """Back from the lean plain-HTTP path at a request boundary: mitmproxy decides from here."""
+        assert self.transport is not None
+        self.transport.set_protocol(self)
+        self.buffer = bytearray(pending)
+        self._hand_off()
 
 
 def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:

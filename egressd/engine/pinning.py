@@ -71,6 +71,20 @@ async def connect_pinned(
     return reader, writer, connected
 
 
+async def connect_protocol(pin: Pin, protocol: asyncio.BaseProtocol) -> tuple[str, int]:
+    """Connect an asyncio protocol to the first pinned address that accepts (see try_addresses);
+    the connected address is recorded in the pin. Raises ConnectFailure."""
+    loop = asyncio.get_running_loop()
+
+    async def open_one(address: str) -> asyncio.BaseTransport:
+        transport, _ = await loop.create_connection(lambda: protocol, address, pin.port)
+        return transport
+
+    _, connected = await try_addresses(pin.addresses, pin.port, pin.connect_timeout, open_one, pin.attempts)
+    pin.connected = connected
+    return connected
+
+
 async def try_addresses[T](
     addresses: tuple[IPAddress, ...],
     port: int,

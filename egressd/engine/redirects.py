@@ -80,6 +80,8 @@ class RedirectMemory:
 
     def take(self, client: str, url: str) -> str | None:
         """The origin that redirected this child to url (once), or None."""
+        if not self._entries:
+            return None  # the common case, without parsing url
         key = _key(url)
         if key is None:
             return None

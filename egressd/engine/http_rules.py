@@ -1,0 +1,80 @@
+"""HTTP request rules both plain-HTTP paths apply (the mitmproxy addon and the lean path).
+
+One copy of each rule, so the lean path (egressd.engine.plain_http) cannot drift from the mitmproxy
+path (addons/policy_gate.py). Pure, apart from the audit record helpers, and no mitmproxy import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from egressd.policy import TargetError, canonical_host
+
+if TYPE_CHECKING:
+    from egressd.engine.runtime import ConnState, Runtime
+
+# hop-by-hop headers (RFC 9110 7.6.1) and proxy headers never forwarded upstream
+HOP_BY_HOP = ("proxy-authorization", "proxy-connection", "keep-alive", "te", "trailer", "proxy-authenticate")
+
+
+def host_header_mismatch(values: Sequence[str], target: Any) -> str | None:
+    """A Host header naming another host than the absolute-form target is refused (values: every
+    Host header of the request)."""
+    if not values:
+        return None
+    if len(values) > 1:
+        return "more than one Host header"
+    value = values[0].strip(" \t")
+    host_part, port_part = value, None
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0:
+            return f"malformed Host header {value!r}"
+        host_part, rest = value[: end + 1], value[end + 1 :]
+        if rest:
+            if not rest.startswith(":"):
+                return f"malformed Host header {value!r}"
+            port_part = rest[1:]
+    elif value.count(":") == 1:
+        host_part, port_part = value.split(":")
+    try:
+        host = canonical_host(host_part)
+    except (TargetError, ValueError):
+        return f"malformed Host header {value!r}"
+    if host != target.host:
+        return f"Host header names {host.text}, but the request is for {target.host.text}"
+    if port_part is not None and (not port_part.isdigit() or int(port_part) != target.port):
+        return f"Host header port {port_part!r} differs from the request's port {target.port}"
+    return None
+
+
+def hop_by_hop_names(connection: str, *, keep_upgrade: bool) -> list[str]:
+    """The lower-case header names never forwarded upstream: the fixed hop-by-hop set plus those
+    the Connection header lists (but not the close/keep-alive tokens themselves)."""
+    names = list(HOP_BY_HOP)
+    for token in connection.split(","):
+        name = token.strip().lower()
+        if not name or name in ("close", "keep-alive") or (keep_upgrade and name == "upgrade"):
+            continue
+        names.append(name)
+    return names
+
+
+def hostport(host: str, port: int, default_port: int = 80) -> str:
+    """The Host header mitmproxy writes for a canonical host (no port when it is the default)."""
+    text = f"[{host}]" if ":" in host else host
+    return text if port == default_port else f"{text}:{port}"
+
+
+def audit_http_event(rt: Runtime, state: ConnState, event: str, **fields: object) -> None:
+    """An audit event of one plain-HTTP exchange (credentials_stripped, response_cut), either path."""
+    if rt.audit is not None:
+        rt.audit.event(event, conn=state.conn_id, client=state.client_name, **fields)
+
+
+def audit_response_cut(
+    rt: Runtime, state: ConnState, host: str | None, port: int | None, path: str, limit: int, seen: int
+) -> None:
+    """The record of a response refused or cut at limits.max_response_bytes."""
+    audit_http_event(rt, state, "response_cut", host=host, port=port, path=path, limit=limit, bytes=seen)
