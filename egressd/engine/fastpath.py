@@ -21,7 +21,7 @@ from egressd.engine import faults
 from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem
-from egressd.engine.pinning import ConnectFailure, try_addresses
+from egressd.engine.pinning import ConnectFailure, connect_protocol
 from egressd.engine.sni import sni_problem
 from egressd.refusal import Refusal
 
@@ -301,22 +301,13 @@ class FrontProtocol(_Pipe):
             self._refuse(admission.refusal)
             return
         pin = admission.pin
-        loop = asyncio.get_running_loop()
         upstream = _Pipe(self.tunnel, upstream=True)
-
-        async def open_one(address: str) -> asyncio.BaseTransport:
-            transport, _ = await loop.create_connection(lambda: upstream, address, pin.port)
-            return transport
-
         try:
-            _, connected = await try_addresses(
-                pin.addresses, pin.port, pin.connect_timeout, open_one, pin.attempts
-            )
+            await connect_protocol(pin, upstream)
         except ConnectFailure as failure:
             self.rt.audit_connection(state, admission, (failure.reason, failure.detail))
             self._refuse(Refusal(failure.reason, failure.detail, pin.host, pin.port, decision.rule))
             return
-        pin.connected = connected
         self.server_id = f"{self.client_id}-up"
         self.rt.upstreams.add(self.server_id)
         self.rt.audit_connection(state, admission, None)
