@@ -81,3 +81,34 @@ def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(proxy: Egr
     while len(front.clients) > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(front.clients) == 0
+
+
+def test_a_failed_mitmproxy_start_is_tried_again(
+    tcp_echo: TcpEchoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import egressd.engine.proxy as engine_proxy
+
+    real = engine_proxy._import_mitmproxy
+    calls: list[int] = []
+
+    def fail_once() -> None:  # fault injection: the first start of mitmproxy fails
+        calls.append(1)
+        if len(calls) == 1:
+            raise ImportError("injected: mitmproxy failed to import")
+        real()
+
+    monkeypatch.setattr(engine_proxy, "_import_mitmproxy", fail_once)
+    policy = parse_policy({"version": 1, "mode": "enforce", "allow": []}, "test")
+    engine = EgressProxy(policy, fastpath=True)
+    engine.start()
+    try:
+        assert engine.socks_address is not None
+        with socket.create_connection(engine.socks_address, timeout=10) as sock:
+            sock.sendall(b"\x05\x01\x02")
+            assert sock.recv(2) == b""  # closed: nothing let through
+        with socket.create_connection(engine.socks_address, timeout=10) as sock:
+            sock.sendall(b"\x05\x01\x02")
+            assert sock.recv(2) == b"\x05\x02"
+        assert len(calls) == 2
+    finally:
+        engine.stop()

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from egressd.engine import pinning
 from egressd.engine.credentials import ProxyCredentials
@@ -180,7 +180,13 @@ class EgressProxy:
         """
         if self._mitm_started is None:
             self._mitm_started = asyncio.ensure_future(self._start_mitmproxy(self.listen[0], 0, 0))
-        await asyncio.shield(self._mitm_started)
+        started = self._mitm_started
+        try:
+            await asyncio.shield(started)
+        except Exception:
+            if self._mitm_started is started:
+                self._mitm_started = None  # the next connection that needs mitmproxy tries again
+            raise
         address = self._mitm_addresses.get(kind)
         if address is None:
             raise EngineError(f"mitmproxy has no {kind} listener")
@@ -237,6 +243,16 @@ class EgressProxy:
         )
         self._master = master
         self._mitm_run = run = asyncio.ensure_future(master.run())
+        try:
+            await self._until_listening(server, run)
+        except BaseException:
+            master.shutdown()
+            with contextlib.suppress(BaseException):
+                await run
+            self._master = self._mitm_run = None
+            raise
+
+    async def _until_listening(self, server: Any, run: asyncio.Future[None]) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if run.done():
@@ -248,8 +264,6 @@ class EgressProxy:
                 return
             failed = [i for i in instances if i.last_exception is not None]
             if failed:
-                master.shutdown()
-                await run
                 raise EngineError(f"cannot listen: {failed[0].last_exception}")
             if time.monotonic() > deadline:
                 raise EngineError("the proxy did not start in time")
