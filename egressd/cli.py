@@ -8,6 +8,7 @@ an `egressd:` prefix. Exit codes: `exec` exits like its child; egressd's own set
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import ipaddress
 import os
@@ -163,30 +164,38 @@ def _overrides(
     return Overrides(tuple(allow), tuple(deny), mode, tuple(nameservers), profile)
 
 
-def _session_options(
-    policy_file: str | None,
-    allow: Sequence[str],
-    deny: Sequence[str],
-    mode: str | None,
-    nameservers: Sequence[str],
-    profile: str | None,
-    audit_path: str | None,
-    trace: bool,
-    listen: str,
-    *,
-    inspect: bool = True,
-    upstream_ca: Sequence[str] = (),
-) -> SessionOptions:
-    """What @policy_options, @proxy_options (and @inspection_options) parsed, as one value."""
-    return SessionOptions(
-        policy_file=policy_file,
-        overrides=_overrides(allow, deny, mode, nameservers, profile),
-        listen=parse_listen(listen),
-        audit_path=audit_path,
-        trace=trace,
-        inspect=inspect,
-        upstream_ca=tuple(upstream_ca),
-    )
+def session_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """@policy_options, @proxy_options and @inspection_options, handed to the command as one
+    SessionOptions argument named `options` (every command that runs a proxy for a child)."""
+
+    @functools.wraps(func)
+    def with_options(
+        *args: Any,
+        policy_file: str | None,
+        allow: tuple[str, ...],
+        deny: tuple[str, ...],
+        mode: str | None,
+        nameservers: tuple[str, ...],
+        profile: str | None,
+        audit_path: str | None,
+        trace: bool,
+        listen: str,
+        no_inspect: bool,
+        upstream_ca: tuple[str, ...],
+        **kwargs: Any,
+    ) -> Any:
+        options = SessionOptions(
+            policy_file=policy_file,
+            overrides=_overrides(allow, deny, mode, nameservers, profile),
+            listen=parse_listen(listen),
+            audit_path=audit_path,
+            trace=trace,
+            inspect=not no_inspect,
+            upstream_ca=tuple(upstream_ca),
+        )
+        return func(*args, options=options, **kwargs)
+
+    return policy_options(proxy_options(inspection_options(with_options)))
 
 
 @contextlib.contextmanager
@@ -265,24 +274,9 @@ Example:
   egressd exec --policy npm --trace -- npm ci
   egressd exec --policy agent.yaml --audit audit.jsonl -- my-mcp-server --stdio""",
 )
-@policy_options
-@proxy_options
-@inspection_options
+@session_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
-def exec_command(
-    policy_file: str | None,
-    allow: tuple[str, ...],
-    deny: tuple[str, ...],
-    mode: str | None,
-    nameservers: tuple[str, ...],
-    profile: str | None,
-    audit_path: str | None,
-    trace: bool,
-    listen: str,
-    no_inspect: bool,
-    upstream_ca: tuple[str, ...],
-    command: tuple[str, ...],
-) -> None:
+def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
     """Run CMD with all its traffic going through egressd.
 
     The child's stdin, stdout, stderr, exit status and signals pass through untouched; egressd
@@ -290,21 +284,8 @@ def exec_command(
     """
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
-    options = _session_options(
-        policy_file,
-        allow,
-        deny,
-        mode,
-        nameservers,
-        profile,
-        audit_path,
-        trace,
-        listen,
-        inspect=not no_inspect,
-        upstream_ca=upstream_ca,
-    )
     returncode = process.EXIT_CANNOT_RUN
-    with _session(options, announce_reloads=trace) as session:
+    with _session(options, announce_reloads=options.trace) as session:
         env = with_git_ssh(session.child_env(), session.policy)
         returncode = process.run_child(command, env, catcher=catcher)
     process.exit_like(returncode, fast=True)
@@ -320,22 +301,8 @@ Example:
   kill -HUP %1     # reload policy.yaml now (edits are also picked up by themselves)
   kill %1          # drain: in-flight connections get 10 s, then egressd exits""",
 )
-@policy_options
-@proxy_options
-@inspection_options
-def run_command(
-    policy_file: str | None,
-    allow: tuple[str, ...],
-    deny: tuple[str, ...],
-    mode: str | None,
-    nameservers: tuple[str, ...],
-    profile: str | None,
-    audit_path: str | None,
-    trace: bool,
-    listen: str,
-    no_inspect: bool,
-    upstream_ca: tuple[str, ...],
-) -> None:
+@session_options
+def run_command(options: SessionOptions) -> None:
     """Run the proxy until SIGTERM/SIGINT; print the `export` lines a child needs.
 
     stdout gets only the export lines (then is closed, so `$(...)` and pipes see EOF); status
@@ -344,19 +311,6 @@ def run_command(
     """
     stops = (signal.SIGINT, signal.SIGTERM)
     catcher = process.SignalCatcher((*stops, signal.SIGHUP)).install()
-    options = _session_options(
-        policy_file,
-        allow,
-        deny,
-        mode,
-        nameservers,
-        profile,
-        audit_path,
-        trace,
-        listen,
-        inspect=not no_inspect,
-        upstream_ca=upstream_ca,
-    )
     with _session(options, announce_reloads=True) as session:
         for key, value in session.exports().items():
             click.echo(f"export {key}={shlex.quote(value)}")
@@ -367,6 +321,7 @@ def run_command(
         socks_note = (
             f", SOCKS5 on port {session.proxy.socks_address[1]}" if session.proxy.socks_address else ""
         )
+        profile = options.overrides.profile
         profile_note = f"; profile: {profile}" if profile else ""
         policy = session.policy
         click.echo(

@@ -13,20 +13,13 @@ import sys
 import click
 
 from egressd import process
-from egressd.cli import (
-    _fail,
-    _say,
-    _session,
-    _session_options,
-    inspection_options,
-    policy_options,
-    proxy_options,
-)
+from egressd.cli import _fail, _say, _session, session_options
 from egressd.policy import PolicyError
 from egressd.sandbox import narrow, preflight
 from egressd.sandbox.mounts import MountError, plan_mounts
 from egressd.sandbox.run import Outcome, run_bwrap, run_seatbelt
 from egressd.sandbox.unix_relay import RelayError
+from egressd.session import SessionOptions
 
 
 @click.command(
@@ -46,9 +39,7 @@ the sandbox that leads to egressd's proxy; nothing else gets out. 127.0.0.1/loca
 the proxy is the HOST's loopback (policy permitting); connections that skip the proxy reach
 the sandbox's own loopback.""",
 )
-@policy_options
-@proxy_options
-@inspection_options
+@session_options
 @click.option("--rw", multiple=True, metavar="PATH", help="Also writable in the sandbox (repeatable).")
 @click.option(
     "--ro",
@@ -72,17 +63,7 @@ the sandbox's own loopback.""",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
 def sandbox_command(
-    policy_file: str | None,
-    allow: tuple[str, ...],
-    deny: tuple[str, ...],
-    mode: str | None,
-    nameservers: tuple[str, ...],
-    profile: str | None,
-    audit_path: str | None,
-    trace: bool,
-    listen: str,
-    no_inspect: bool,
-    upstream_ca: tuple[str, ...],
+    options: SessionOptions,
     rw: tuple[str, ...],
     ro: tuple[str, ...],
     only: tuple[str, ...],
@@ -115,22 +96,9 @@ def sandbox_command(
             _fail(f"egressd sandbox runs on Linux (bubblewrap) and macOS (Seatbelt), not {sys.platform}")
     except preflight.SandboxUnavailable as exc:
         _fail(str(exc))
-    narrowing = narrow.Narrowing(only_rules, profile) if only_rules else None
-    options = _session_options(
-        policy_file,
-        allow,
-        deny,
-        mode,
-        nameservers,
-        profile,
-        audit_path,
-        trace,
-        listen,
-        inspect=not no_inspect,
-        upstream_ca=upstream_ca,
-    )
+    narrowing = narrow.Narrowing(only_rules, options.overrides.profile) if only_rules else None
     outcome = Outcome(process.EXIT_CANNOT_RUN, started=False)
-    with _session(options, announce_reloads=trace, transform=narrowing) as session:
+    with _session(options, announce_reloads=options.trace, transform=narrowing) as session:
         creds = session.credentials(narrowing.profile if narrowing else None)
         if bwrap:
             try:

@@ -12,22 +12,12 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
 from egressd import process
-from egressd.cli import (
-    _CONTEXT,
-    _fail,
-    _say,
-    _session,
-    _session_options,
-    inspection_options,
-    parse_listen,
-    policy_options,
-    proxy_options,
-)
+from egressd.cli import _CONTEXT, _fail, _say, _session, parse_listen, session_options
 from egressd.remote.destination import DestinationError, parse_destination
 from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option
 
@@ -60,9 +50,7 @@ this machine; the remote needs no egressd and no internet access. --egress remot
 the remote host enforces this machine's policy (pushed at connect and on every change) and the
 traffic leaves from there.""",
 )
-@policy_options
-@proxy_options
-@inspection_options
+@session_options
 @click.option(
     "--ssh-option",
     "ssh_options",
@@ -98,9 +86,7 @@ def ssh_command(
     egress: str,
     remote_egressd: str,
     client_loopback: bool,
-    no_inspect: bool,
-    upstream_ca: tuple[str, ...],
-    **exec_options: Any,
+    options: SessionOptions,
 ) -> None:
     """Run CMD on DESTINATION ([user@]host or ssh://[user@]host[:port]) under this machine's policy.
 
@@ -109,7 +95,7 @@ def ssh_command(
     """
     try:
         dest = parse_destination(destination)
-        options = tuple(check_ssh_option(o) for o in ssh_options)
+        ssh_args = tuple(check_ssh_option(o) for o in ssh_options)
     except (DestinationError, SshOptionError) as exc:
         raise click.BadParameter(str(exc)) from None
     if client_loopback and egress == "remote":
@@ -118,7 +104,6 @@ def ssh_command(
         _fail("egressd ssh needs the OpenSSH client (`ssh`) on PATH")
     # Before any thread starts: every thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
-    session_options = _session_options(**exec_options, inspect=not no_inspect, upstream_ca=upstream_ca)
 
     from egressd.remote.connection import SshConnection
     from egressd.remote.run import run_over_ssh
@@ -127,7 +112,7 @@ def ssh_command(
     def connection() -> SshConnection:
         return SshConnection(
             str(dest),
-            lambda path: SshCommand(dest, path, options, SSH_PROGRAM),
+            lambda path: SshCommand(dest, path, ssh_args, SSH_PROGRAM),
             Spawner(catcher.original_mask),
         )
 
@@ -135,16 +120,14 @@ def ssh_command(
         from egressd.remote.relay import Relay, close_client_loopback
 
         transform = None if client_loopback else close_client_loopback
-        with _session(
-            session_options, announce_reloads=session_options.trace, transform=transform
-        ) as session:
+        with _session(options, announce_reloads=options.trace, transform=transform) as session:
             returncode = run_over_ssh(lambda c: Relay(session, c), connection(), command, catcher, _say)
         process.exit_like(returncode)
 
     returncode = _remote_egress(
         dest_name=str(dest),
         egressd=remote_egressd,
-        options=session_options,
+        options=options,
         command=command,
         catcher=catcher,
         connection=connection,
