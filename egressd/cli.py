@@ -164,36 +164,28 @@ def _overrides(
     return Overrides(tuple(allow), tuple(deny), mode, tuple(nameservers), profile)
 
 
+def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
+    """Take what the three option groups parsed out of a command's parameters, as one value."""
+    names = ("allow", "deny", "mode", "nameservers", "profile")
+    overrides = _overrides(*(params.pop(name) for name in names))
+    return SessionOptions(
+        policy_file=params.pop("policy_file"),
+        overrides=overrides,
+        listen=parse_listen(params.pop("listen")),
+        audit_path=params.pop("audit_path"),
+        trace=params.pop("trace"),
+        inspect=not params.pop("no_inspect"),
+        upstream_ca=tuple(params.pop("upstream_ca")),
+    )
+
+
 def session_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """@policy_options, @proxy_options and @inspection_options, handed to the command as one
     SessionOptions argument named `options` (every command that runs a proxy for a child)."""
 
     @functools.wraps(func)
-    def with_options(
-        *args: Any,
-        policy_file: str | None,
-        allow: tuple[str, ...],
-        deny: tuple[str, ...],
-        mode: str | None,
-        nameservers: tuple[str, ...],
-        profile: str | None,
-        audit_path: str | None,
-        trace: bool,
-        listen: str,
-        no_inspect: bool,
-        upstream_ca: tuple[str, ...],
-        **kwargs: Any,
-    ) -> Any:
-        options = SessionOptions(
-            policy_file=policy_file,
-            overrides=_overrides(allow, deny, mode, nameservers, profile),
-            listen=parse_listen(listen),
-            audit_path=audit_path,
-            trace=trace,
-            inspect=not no_inspect,
-            upstream_ca=tuple(upstream_ca),
-        )
-        return func(*args, options=options, **kwargs)
+    def with_options(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, options=_pop_session_options(kwargs), **kwargs)
 
     return policy_options(proxy_options(inspection_options(with_options)))
 
