@@ -163,21 +163,8 @@ class PolicyGate:
         assert decision.target is not None
         # every later step and the connection use the canonical spelling
         flow.request.host = decision.target.host.text
-        if self._wants_inspection(decision) or (
-            self.rt.inspection
-            and self.rt.redirects.expects(
-                _client_key(flow, state), "https", flow.request.host, flow.request.port
-            )
-        ):
+        if self.rt.wants_inspection(decision, _client_key(flow, state)):
             state.intercept.add((flow.request.host, flow.request.port))
-
-    def _wants_inspection(self, decision: Any) -> bool:
-        """Intercept hosts only a path/method rule admits, and hosts the policy marks `inspect`."""
-        if not self.rt.inspection or decision.target is None:
-            return False
-        target = decision.target
-        policy = self.rt.policies.get()
-        return bool(decision.needs_inspection or policy.inspect.match(target.host, target.port))
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get(_REFUSED):
@@ -348,18 +335,13 @@ class PolicyGate:
     # -- faults ------------------------------------------------------------------------------
     def internal_error(self, hook: str, argument: Any, exc: BaseException) -> None:
         """A bug while deciding refuses (never allows) and is audited."""
-        logger.error("egressd internal error in %s: %r", hook, exc, exc_info=exc)
-        refusal = Refusal("internal_error", f"{hook}: {type(exc).__name__}: {exc}")
+        refusal = self.rt.internal_error(hook, exc)
         if isinstance(argument, http.HTTPFlow):
             argument.metadata[_REFUSED] = True
             argument.response = refusal_response(refusal)
         elif isinstance(argument, server_hooks.ServerConnectionHookData):
             current_pin.set(None)
             argument.server.error = failure_message(refusal.reason, refusal.detail)
-        if self.rt.audit is not None:
-            self.rt.audit.event(
-                "internal_error", hook=hook, decision="deny", reason="internal_error", detail=refusal.detail
-            )
 
     # -- helpers -----------------------------------------------------------------------------
     def _refuse(self, flow: http.HTTPFlow, state: ConnState, refusal: Refusal) -> None:

@@ -182,25 +182,7 @@ class TunnelGuard(NextLayer):
         context = nextlayer.context
         state = self.rt.conn(context.client.id)
         host, port = context.server.address
-        if self.rt.audit is not None:
-            self.rt.audit.decision(
-                conn=state.conn_id if state else None,
-                client=state.client_name if state else None,
-                profile=state.profile if state else None,
-                stage="tls",
-                method=None,
-                scheme=None,
-                host=host,
-                port=port,
-                path=None,
-                decision="deny",
-                reason=reason,
-                rule=None,
-                detail=problem,
-                resolved=[],
-                connected=None,
-            )
-        logger.info("closing tunnel to %s:%s: %s", host, port, problem)
+        self.rt.audit_tunnel_refusal(state, host, port, reason, problem)
         nextlayer.layer = RefuseTunnel(context)
 
 

@@ -242,16 +242,7 @@ class FrontProtocol(_Pipe):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
-            logger.error("egressd internal error in the fast path: %r", exc, exc_info=exc)
-            if self.rt.audit is not None:
-                self.rt.audit.event(
-                    "internal_error",
-                    hook="fastpath",
-                    decision="deny",
-                    reason="internal_error",
-                    detail=repr(exc),
-                )
-            self._refuse(Refusal("internal_error", f"fastpath: {type(exc).__name__}: {exc}"))
+            self._refuse(self.rt.internal_error("fastpath", exc))
 
     async def _decide_and_open(self, head: bytes) -> None:
         state = self.state
@@ -287,7 +278,8 @@ class FrontProtocol(_Pipe):
             )
             self._refuse(refusal)
             return
-        if self.front.wants_inspection(decision, state):
+        key = state.creds.token if state.creds is not None else self.client_id
+        if self.rt.wants_inspection(decision, key):
             self._hand_off(head)  # the mitmproxy addons limit, intercept and decide every request
             return
         limited = self.rt.rate_limit(state, self.client_id) or self.rt.connection_limit()
@@ -348,26 +340,8 @@ class FrontProtocol(_Pipe):
 
     def _close_tunnel(self, problem: str) -> None:
         state = self.state
-        if self.rt.audit is not None and state is not None:
-            self.rt.audit.decision(
-                conn=state.conn_id,
-                client=state.client_name,
-                profile=state.profile,
-                stage="tls",
-                method=None,
-                scheme=None,
-                host=state.host,
-                port=state.port,
-                path=None,
-                decision="deny",
-                reason="sni_mismatch",
-                rule=None,
-                detail=problem,
-                resolved=[],
-                connected=None,
-            )
-        logger.info(
-            "closing tunnel to %s:%s: %s", state.host if state else "?", state.port if state else "?", problem
+        self.rt.audit_tunnel_refusal(
+            state, state.host if state else None, state.port if state else None, "sni_mismatch", problem
         )
         if self.peer is not None and self.peer.transport is not None:
             self.peer.transport.close()
@@ -517,17 +491,3 @@ class FastFront:
         self.close_listeners()
         if self._sweeper is not None:
             self._sweeper.cancel()
-
-    def wants_inspection(self, decision: object, state: ConnState) -> bool:
-        """The same rule as the mitmproxy addon: path rules, inspect rules, redirect targets."""
-        if not self.rt.inspection:
-            return False
-        target = decision.target  # type: ignore[attr-defined]
-        if target is None:
-            return False
-        if decision.needs_inspection:  # type: ignore[attr-defined]
-            return True
-        if self.rt.policies.get().inspect.match(target.host, target.port) is not None:
-            return True
-        key = state.creds.token if state.creds is not None else ""
-        return bool(key) and self.rt.redirects.expects(key, "https", target.host.text, target.port)

@@ -840,16 +840,13 @@ class PlainClient(asyncio.Protocol):
 
     def internal_error(self, exc: BaseException) -> None:
         """A bug on the lean path refuses (never forwards) and is audited, like fail_closed."""
-        logger.error("egressd internal error in the plain-HTTP path: %r", exc, exc_info=exc)
-        record = {"hook": "plain_http", "decision": "deny", "reason": "internal_error", "detail": repr(exc)}
-        if self.rt.audit is not None:
-            self.rt.audit.event("internal_error", **record)
+        refusal = self.rt.internal_error("plain_http", exc)
         started = self.upstream is not None and self.upstream.started
         self._drop_upstream()
         if started:
             self.close()
         else:
-            self._refuse(Refusal("internal_error", f"plain_http: {type(exc).__name__}: {exc}"))
+            self._refuse(refusal)
 
     def _guarded(self, step: Callable[..., None], *args: bytes) -> None:
         try:

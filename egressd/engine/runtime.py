@@ -8,6 +8,7 @@ environment).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import secrets
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from egressd.audit import AuditLog
     from egressd.engine.gate import Admission
     from egressd.policy import Decision
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -123,6 +127,16 @@ class Runtime:
             return None
         return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
 
+    def wants_inspection(self, decision: Decision, client_key: str) -> bool:
+        """Intercept an allowed tunnel (either tunnel path): hosts only a path/method rule admits,
+        hosts the policy marks `inspect`, and the target of a redirect this child was sent."""
+        target = decision.target
+        if not self.inspection or target is None:
+            return False
+        if decision.needs_inspection or self.policies.get().inspect.match(target.host, target.port):
+            return True
+        return self.redirects.expects(client_key, "https", target.host.text, target.port)
+
     # -- audit records -----------------------------------------------------------------------------
     def audit_decision(
         self,
@@ -194,6 +208,40 @@ class Runtime:
             connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
             attempts=list(pin.attempts) if pin is not None and pin.attempts else None,
         )
+
+    def internal_error(self, hook: str, exc: BaseException) -> Refusal:
+        """A bug while deciding, on any path: logged, audited, and answered by a refusal (never an allow)."""
+        logger.error("egressd internal error in %s: %r", hook, exc, exc_info=exc)
+        refusal = Refusal("internal_error", f"{hook}: {type(exc).__name__}: {exc}")
+        if self.audit is not None:
+            self.audit.event(
+                "internal_error", hook=hook, decision="deny", reason="internal_error", detail=refusal.detail
+            )
+        return refusal
+
+    def audit_tunnel_refusal(
+        self, state: ConnState | None, host: str | None, port: int | None, reason: str, detail: str
+    ) -> None:
+        """The record of a tunnel closed after its TLS ClientHello (SNI check), on either tunnel path."""
+        if self.audit is not None:
+            self.audit.decision(
+                conn=state.conn_id if state else None,
+                client=state.client_name if state else None,
+                profile=state.profile if state else None,
+                stage="tls",
+                method=None,
+                scheme=None,
+                host=host,
+                port=port,
+                path=None,
+                decision="deny",
+                reason=reason,
+                rule=None,
+                detail=detail,
+                resolved=[],
+                connected=None,
+            )
+        logger.info("closing tunnel to %s:%s: %s", host if host is not None else "?", port or "?", detail)
 
     def audit_closed(self, state: ConnState) -> None:
         if state.host is None or self.audit is None:
