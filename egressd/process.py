@@ -128,14 +128,20 @@ def child_signal_catcher() -> SignalCatcher:
     return SignalCatcher((*FORWARDED_SIGNALS, signal.SIGCHLD))
 
 
-def spawn(argv: Sequence[str], env: Mapping[str, str], catcher: SignalCatcher) -> int:
-    """Start the child with inherited stdio and egressd's original signal mask; return its pid."""
+def spawn(
+    argv: Sequence[str], env: Mapping[str, str], catcher: SignalCatcher, *, new_process_group: bool = False
+) -> int:
+    """Start the child with inherited stdio and egressd's original signal mask; return its pid.
+
+    new_process_group: the terminal's Ctrl-C does not reach the child directly (egressd forwards it).
+    """
     return os.posix_spawnp(
         argv[0],
         list(argv),
         dict(env),
         setsigmask=catcher.original_mask,
         setsigdef=_RESET_IN_CHILD,
+        **({"setpgroup": 0} if new_process_group else {}),
     )
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import egressd
 from egressd.child_env import child_environment
-from egressd.process import EXIT_CANNOT_RUN, SignalCatcher, exec_failure, run_child
+from egressd.process import EXIT_CANNOT_RUN, SignalCatcher, exec_failure, run_child, spawn
 from egressd.sandbox import BRIDGE_HOST, BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT
 from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.mounts import Mount
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from egressd.session import ProxySession
 
 SANDBOX_VAR = "EGRESSD_SANDBOX"
-_RESET_IN_CHILD = tuple(s for s in (signal.SIGPIPE, getattr(signal, "SIGXFSZ", None)) if s is not None)
 
 
 class SandboxFailed(RuntimeError):
@@ -131,19 +130,6 @@ def _wait_forwarding(pid: int, catcher: SignalCatcher, control_w: int) -> int:
             os.write(control_w, bytes([got.signo]))
 
 
-def _spawn_bwrap(argv: Sequence[str], env: Mapping[str, str], catcher: SignalCatcher) -> int:
-    """Start bubblewrap in its own process group: the terminal's Ctrl-C must not kill its monitor
-    (egressd forwards the signal to the child instead)."""
-    return os.posix_spawn(
-        argv[0],
-        list(argv),
-        dict(env),
-        setsigmask=catcher.original_mask,
-        setsigdef=_RESET_IN_CHILD,
-        setpgroup=0,
-    )
-
-
 def run_bwrap(
     session: ProxySession,
     creds: ProxyCredentials,
@@ -185,7 +171,8 @@ def run_bwrap(
                 disable_userns=disable_userns,
             )
             try:
-                pid = _spawn_bwrap(bwrap_argv(spec), env, catcher)
+                # its own process group: the terminal's Ctrl-C must not kill bubblewrap's monitor
+                pid = spawn(bwrap_argv(spec), env, catcher, new_process_group=True)
             except OSError as exc:
                 return Outcome(exec_failure(bwrap, exc), started=False, error=f"cannot run {bwrap}")
             finally:
