@@ -16,12 +16,12 @@ import socketserver
 import ssl
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import trustme
 
-from tests.support.upstreams import ServedInThread
+from tests.support.upstreams import BodyReadingHandler, ServedInThread
 
 log = logging.getLogger(__name__)
 
@@ -45,27 +45,8 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(BodyReadingHandler):
     server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s: " + format, self.server.owner.name, *args)
-
-    def _read_body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            chunks = []
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    break
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-            return b"".join(chunks)
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
 
     def _handle(self) -> None:
         owner = self.server.owner

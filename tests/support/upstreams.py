@@ -107,14 +107,13 @@ class ServedInThread:
         self.stop()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """Echo handler; see :class:`EchoHTTPServer` for the special paths."""
+class BodyReadingHandler(BaseHTTPRequestHandler):
+    """HTTP/1.1 handler base of the test servers: logs under the server's name, reads any body."""
 
     protocol_version = "HTTP/1.1"
-    server: _HTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s: " + format, self.server.owner.name, *args)
+        log.debug("%s: " + format, self.server.owner.name, *args)  # type: ignore[attr-defined]
 
     def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -130,6 +129,12 @@ class _Handler(BaseHTTPRequestHandler):
             return b"".join(chunks)
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
+
+
+class _Handler(BodyReadingHandler):
+    """Echo handler; see :class:`EchoHTTPServer` for the special paths."""
+
+    server: _HTTPServer
 
     def _handle(self) -> None:
         owner = self.server.owner
