@@ -20,6 +20,7 @@ APT_PACKAGES=(
   bubblewrap:bwrap
   openssh-client:ssh
   openssh-server:sshd
+  wrk
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }

@@ -389,7 +389,7 @@ def test_credentials_stripped_after_cross_host_redirect(run: EgressdRun, server:
     assert "authorization: bearer secret" in server.heads()[-1].lower()
 
 
-@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk not installed")
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk not installed (scripts/setup.sh installs it)")
 def test_wrk_keep_alive_load(run: EgressdRun, server: ScriptedServer, tmp_path: Path) -> None:
     host, port, auth = _auth(run)
     script = tmp_path / "s.lua"
