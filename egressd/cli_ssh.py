@@ -18,6 +18,7 @@ import click
 
 from egressd import process
 from egressd.cli import _CONTEXT, _fail, _say, _session, parse_listen, session_options
+from egressd.policy import join_host_port
 from egressd.remote.destination import DestinationError, parse_destination
 from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option
 
@@ -180,7 +181,7 @@ def _remote_egress(
         agent += ["--profile", options.overrides.profile]
     host, port = options.listen
     if (host, port) != ("127.0.0.1", 0):
-        agent += ["--listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+        agent += ["--listen", join_host_port(host, port)]
     if options.trace:
         agent.append("--trace")
     if not options.inspect:

@@ -9,6 +9,8 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+from egressd.policy import join_host_port
+
 DEFAULT_USERNAME = "egressd"
 
 
@@ -24,8 +26,7 @@ class ProxyCredentials:
         return None if self.username == DEFAULT_USERNAME else self.username
 
     def proxy_url(self, host: str, port: int, scheme: str = "http") -> str:
-        hostport = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        return f"{scheme}://{self.username}:{self.token}@{hostport}"
+        return f"{scheme}://{self.username}:{self.token}@{join_host_port(host, port)}"
 
 
 class CredentialStore:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from egressd.policy import TargetError, canonical_host
+from egressd.policy import TargetError, canonical_host, join_host_port
 
 if TYPE_CHECKING:
     from egressd.engine.runtime import ConnState, Runtime
@@ -63,8 +63,9 @@ def hop_by_hop_names(connection: str, *, keep_upgrade: bool) -> list[str]:
 
 def hostport(host: str, port: int, default_port: int = 80) -> str:
     """The Host header mitmproxy writes for a canonical host (no port when it is the default)."""
-    text = f"[{host}]" if ":" in host else host
-    return text if port == default_port else f"{text}:{port}"
+    if port == default_port:
+        return f"[{host}]" if ":" in host else host
+    return join_host_port(host, port)
 
 
 def audit_http_event(rt: Runtime, state: ConnState, event: str, **fields: object) -> None:

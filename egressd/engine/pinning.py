@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from egressd.policy import IPAddress
+from egressd.policy import IPAddress, join_host_port
 from egressd.refusal import failure_message
 
 MITMPROXY_VERSION = "12.3.1"
@@ -126,7 +126,7 @@ def _no_delay(sock: socket.socket | None) -> None:
 
 
 def _fmt(address: IPAddress, port: int) -> str:
-    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
+    return join_host_port(str(address), port)
 
 
 async def _pinned_open_connection(

@@ -23,7 +23,7 @@ from egressd.engine import pinning
 from egressd.engine.credentials import ProxyCredentials
 from egressd.engine.gate import PolicyHolder
 from egressd.engine.runtime import Runtime, set_shared_runtime
-from egressd.policy import Policy
+from egressd.policy import Policy, join_host_port
 
 if TYPE_CHECKING:
     from mitmproxy.master import Master
@@ -57,7 +57,7 @@ class EgressProxy:
     ) -> None:
         if nameservers:
             policy = policy.with_overrides(
-                nameservers=[f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in nameservers]
+                nameservers=[join_host_port(h, p) for h, p in nameservers]
             )
         self.runtime = Runtime(PolicyHolder(policy), audit=audit, require_auth=require_auth)
         self.listen = listen
@@ -230,9 +230,9 @@ class EgressProxy:
             # confdir first: TlsConfig loads (or creates) its CA as soon as it is added
             opts.update(confdir=str(self._confdir), ssl_verify_upstream_trusted_ca=str(self._upstream_roots))
             master.addons.add(tlsconfig.TlsConfig())
-        modes = [f"regular@{_hostport(host, http_port or _free_port(host))}"]
+        modes = [f"regular@{join_host_port(host, http_port or _free_port(host))}"]
         if socks_port is not None:
-            modes.append(f"socks5@{_hostport(host, socks_port or _free_port(host))}")
+            modes.append(f"socks5@{join_host_port(host, socks_port or _free_port(host))}")
         opts.update(
             mode=modes,
             connection_strategy="eager",
@@ -385,7 +385,3 @@ def _free_port(host: str) -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

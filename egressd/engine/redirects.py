@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
-from egressd.policy import TargetError, canonical_host
+from egressd.policy import TargetError, canonical_host, join_host_port
 
 TTL_SECONDS = 120.0
 MAX_ENTRIES = 1024
@@ -39,8 +39,7 @@ def _key(url: str) -> str | None:
         return None
     parts = urlsplit(url)
     scheme, host, port = origin
-    hostport = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return urlunsplit((scheme, hostport, parts.path or "/", parts.query, ""))
+    return urlunsplit((scheme, join_host_port(host, port), parts.path or "/", parts.query, ""))
 
 
 def _origin_text(origin: tuple[str, str, int]) -> str:

@@ -6,7 +6,16 @@ SOCKS, the sandbox bridge, the SSH relay and ``egressd check`` cannot disagree.
 
 from .addresses import AddressClass, classify, embedded_ipv4
 from .decision import AddressVerdict, Client, Decision, decide, filter_addresses, resolution_refusal
-from .hosts import Host, IPAddress, Target, TargetError, canonical_host, make_target, parse_target
+from .hosts import (
+    Host,
+    IPAddress,
+    Target,
+    TargetError,
+    canonical_host,
+    join_host_port,
+    make_target,
+    parse_target,
+)
 from .loader import PolicyError, apply_env_mode, builtin_policy_path, load_policy, parse_policy
 from .model import (
     BuiltinAllowance,
@@ -56,6 +65,7 @@ __all__ = [
     "embedded_ipv4",
     "filter_addresses",
     "load_policy",
+    "join_host_port",
     "make_target",
     "normalise_path",
     "parse_policy",

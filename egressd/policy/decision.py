@@ -17,6 +17,7 @@ from .hosts import (
     Target,
     TargetError,
     canonical_ip,
+    join_host_port,
     make_target,
     parse_target,
     trusted_spelling,
@@ -185,7 +186,7 @@ def _new_decision(
 
 
 def _fmt(ip: IPAddress, port: int) -> str:
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    return join_host_port(str(ip), port)
 
 
 _LOCALHOST = Host(name=None, ip=LOCALHOST_ADDRESS)

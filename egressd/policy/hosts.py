@@ -108,6 +108,11 @@ class Target:
         return f"{self.host.url_host()}:{self.port}"
 
 
+def join_host_port(host: str, port: int) -> str:
+    """``host:port`` for an authority or socket address; an IPv6 literal is bracketed."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def canonical_ip(ip: IPAddress) -> IPAddress:
     """Fold IPv4-mapped (::ffff:a.b.c.d) and IPv4-compatible (::a.b.c.d) IPv6 to the IPv4 address.
 

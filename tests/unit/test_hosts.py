@@ -6,7 +6,15 @@ import ipaddress
 
 import pytest
 
-from egressd.policy import Host, Target, TargetError, canonical_host, make_target, parse_target
+from egressd.policy import (
+    Host,
+    Target,
+    TargetError,
+    canonical_host,
+    join_host_port,
+    make_target,
+    parse_target,
+)
 
 V4 = ipaddress.IPv4Address
 V6 = ipaddress.IPv6Address
@@ -315,3 +323,17 @@ def test_make_target() -> None:
 def test_make_target_rejects(port: object, scheme: str | None, method: str | None) -> None:
     with pytest.raises(TargetError):
         make_target("example.com", port, scheme=scheme, method=method)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "text"),
+    [
+        ("example.com", 443, "example.com:443"),
+        ("127.0.0.1", 8080, "127.0.0.1:8080"),
+        ("::1", 80, "[::1]:80"),
+        ("2001:db8::1", 1, "[2001:db8::1]:1"),
+        ("::ffff:192.0.2.1", 443, "[::ffff:192.0.2.1]:443"),
+    ],
+)
+def test_join_host_port_brackets_ipv6_only(host: str, port: int, text: str) -> None:
+    assert join_host_port(host, port) == text
