@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -22,6 +23,9 @@ if str(_REPO) not in sys.path:
 import trustme  # noqa: E402
 
 from tests.support import netns  # noqa: E402
+
+if TYPE_CHECKING:
+    from egressd.engine.proxy import EgressProxy
 from tests.support.dns_server import DnsServer  # noqa: E402
 from tests.support.upstreams import (  # noqa: E402
     EchoHTTPServer,
@@ -135,6 +139,22 @@ def tcp_echo() -> Iterator[TcpEchoServer]:
     """Raw TCP echo server on 198.51.100.3."""
     with TcpEchoServer(netns.UPSTREAM_V4[2]) as server:
         yield server
+
+
+@pytest.fixture
+def echo_engine(tcp_echo: TcpEchoServer) -> Iterator[EgressProxy]:
+    """An in-process engine (lean paths on) whose policy allows only the TCP echo server."""
+    from egressd.engine.proxy import EgressProxy
+    from egressd.policy import parse_policy
+
+    host, port = tcp_echo.address
+    policy = parse_policy({"version": 1, "mode": "enforce", "allow": [f"{host}:{port}"]}, "test")
+    engine = EgressProxy(policy, fastpath=True)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
 
 
 @pytest.fixture

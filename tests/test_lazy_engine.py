@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -27,55 +26,43 @@ def test_exec_true_never_imports_mitmproxy_core() -> None:
         assert f"| {module}\n" not in imported and f" {module}\n" not in imported, module
 
 
-@pytest.fixture
-def proxy(tcp_echo: TcpEchoServer) -> Iterator[EgressProxy]:
-    host, port = tcp_echo.address
-    policy = parse_policy({"version": 1, "mode": "enforce", "allow": [f"{host}:{port}"]}, "test")
-    engine = EgressProxy(policy, fastpath=True)
-    engine.start()
-    try:
-        yield engine
-    finally:
-        engine.stop()
-
-
 def _auth(proxy: EgressProxy) -> str:
     creds = proxy.issue_credentials()
     return base64.b64encode(f"{creds.username}:{creds.token}".encode()).decode()
 
 
 def test_a_tunnel_does_not_start_mitmproxy_a_socks5_client_does(
-    proxy: EgressProxy, tcp_echo: TcpEchoServer
+    echo_engine: EgressProxy, tcp_echo: TcpEchoServer
 ) -> None:
     host, port = tcp_echo.address
-    with socket.create_connection(proxy.http_address, timeout=10) as sock:
-        head = f"CONNECT {host}:{port} HTTP/1.1\r\nProxy-Authorization: Basic {_auth(proxy)}\r\n\r\n"
+    with socket.create_connection(echo_engine.http_address, timeout=10) as sock:
+        head = f"CONNECT {host}:{port} HTTP/1.1\r\nProxy-Authorization: Basic {_auth(echo_engine)}\r\n\r\n"
         sock.sendall(head.encode())
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         sock.sendall(b"ping")
         assert sock.recv(4) == b"ping"
-    assert proxy._master is None, "a lean-path tunnel started mitmproxy"
+    assert echo_engine._master is None, "a lean-path tunnel started mitmproxy"
 
-    assert proxy.socks_address is not None
-    with socket.create_connection(proxy.socks_address, timeout=10) as sock:
+    assert echo_engine.socks_address is not None
+    with socket.create_connection(echo_engine.socks_address, timeout=10) as sock:
         sock.sendall(b"\x05\x01\x02")  # offered: user/password; sent before mitmproxy is up
         assert sock.recv(2) == b"\x05\x02"
-    assert proxy._master is not None
+    assert echo_engine._master is not None
     # the second SOCKS5 client finds mitmproxy running
-    with socket.create_connection(proxy.socks_address, timeout=10) as sock:
+    with socket.create_connection(echo_engine.socks_address, timeout=10) as sock:
         sock.sendall(b"\x05\x01\x02")
         assert sock.recv(2) == b"\x05\x02"
 
 
-def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(proxy: EgressProxy) -> None:
-    assert proxy.socks_address is not None
+def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(echo_engine: EgressProxy) -> None:
+    assert echo_engine.socks_address is not None
     for _ in range(5):
-        with socket.create_connection(proxy.socks_address, timeout=10) as sock:
+        with socket.create_connection(echo_engine.socks_address, timeout=10) as sock:
             sock.sendall(b"\x05\x01\x02")  # and gone before mitmproxy answers
-    with socket.create_connection(proxy.socks_address, timeout=10) as sock:
+    with socket.create_connection(echo_engine.socks_address, timeout=10) as sock:
         sock.sendall(b"\x05\x01\x02")
         assert sock.recv(2) == b"\x05\x02"
-    front = proxy._front
+    front = echo_engine._front
     assert front is not None
     deadline = time.monotonic() + 5
     while len(front.clients) > 0 and time.monotonic() < deadline:

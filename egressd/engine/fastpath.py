@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
@@ -34,6 +35,18 @@ MAX_CLIENT_HELLO = 64 * 1024
 # where the embedded mitmproxy listens for "http" or "socks" clients (started on first use)
 MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
 HIGH_WATER = 1 << 20
+# Read coalescing for streaming tunnels. A relay that reads each packet as it arrives (a TLS sender
+# writes one 16 KiB record per send) wakes up, and wakes the far side, once per packet: on a busy
+# machine those wake-ups, not the copying, are what a tunnel costs its endpoints. When a side has
+# read two medium chunks in quick succession it is streaming, and after forwarding what it read it
+# stops reading for one timer tick, so the next read takes everything that arrived meanwhile. Bytes
+# already read are never held back; a chunk of COALESCE_MAX or more means the relay is behind, and
+# it reads on at once. EGRESSD_COALESCE=0 turns this off.
+COALESCE = os.environ.get("EGRESSD_COALESCE", "1") != "0"
+COALESCE_MIN = 16 * 1024  # a read this big, within COALESCE_WINDOW of another, means "streaming"
+COALESCE_MAX = 128 * 1024
+COALESCE_WINDOW = 0.002  # s
+COALESCE_PAUSE = 0.001  # s: one tick of uvloop's millisecond timers
 
 
 def render(refusal: Refusal) -> bytes:
@@ -63,6 +76,9 @@ class _Pipe(asyncio.Protocol):
         self.upstream = upstream
         self.transport: asyncio.Transport | None = None
         self.peer: _Pipe | None = None
+        self.held = False  # the peer's write buffer is full: not reading until it drains
+        self.last_bulk = -1.0  # when this side last read COALESCE_MIN bytes or more
+        self.coalescing: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but speak the same interface
@@ -70,10 +86,23 @@ class _Pipe(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
-        self.tunnel.count(self.upstream, len(data))
+        n = len(data)
+        now = time.monotonic()
+        self.tunnel.count(self.upstream, n, now)
         peer = self.peer
         if peer is not None and peer.transport is not None and not peer.transport.is_closing():
             peer.transport.write(data)
+        if n >= COALESCE_MIN and COALESCE:
+            streaming = now - self.last_bulk < COALESCE_WINDOW
+            self.last_bulk = now
+            if streaming and n < COALESCE_MAX and self.coalescing is None and self.transport is not None:
+                self.transport.pause_reading()
+                self.coalescing = asyncio.get_running_loop().call_later(COALESCE_PAUSE, self._read_on)
+
+    def _read_on(self) -> None:
+        self.coalescing = None
+        if not self.held and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def eof_received(self) -> bool:
         peer = self.peer
@@ -84,6 +113,9 @@ class _Pipe(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.coalescing is not None:
+            self.coalescing.cancel()
+            self.coalescing = None
         peer = self.peer
         if peer is not None and peer.transport is not None:
             peer.transport.close()
@@ -95,12 +127,18 @@ class _Pipe(asyncio.Protocol):
                 self.transport.write_eof()
 
     def pause_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.pause_reading()
+        peer = self.peer
+        if peer is not None:
+            peer.held = True
+            if peer.transport is not None:
+                peer.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.resume_reading()
+        peer = self.peer
+        if peer is not None:
+            peer.held = False
+            if peer.coalescing is None and peer.transport is not None:
+                peer.transport.resume_reading()  # else its coalescing tick resumes it
 
 
 class Tunnel:
@@ -111,8 +149,8 @@ class Tunnel:
         self.open_sides = 2
         self.last_active = time.monotonic()
 
-    def count(self, upstream: bool, n: int) -> None:
-        self.last_active = time.monotonic()
+    def count(self, upstream: bool, n: int, now: float) -> None:
+        self.last_active = now
         state = self.front.state
         if state is None:
             return
