@@ -250,8 +250,16 @@ def test_coalescing_pauses_only_after_forwarding_and_never_overrides_back_pressu
     uvloop.run(_coalescing_on_real_sockets())
 
 
-def test_coalescing_off_reads_every_chunk_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fastpath, "COALESCE", False)
+@pytest.mark.parametrize("setting", ["EGRESSD_COALESCE=0", "burst faster than COALESCE_RATE"])
+def test_without_coalescing_every_chunk_is_read_at_once(
+    monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    monkeypatch.setattr(fastpath, "COALESCE_WINDOW", 30.0)
+    if setting == "EGRESSD_COALESCE=0":
+        monkeypatch.setattr(fastpath, "COALESCE", False)
+    else:  # any burst is "fast" against 1 byte/s: the relay is busy, a tick would starve the far side
+        monkeypatch.setattr(fastpath, "COALESCE", True)
+        monkeypatch.setattr(fastpath, "COALESCE_RATE", 1.0)
 
     async def check() -> None:
         loop = asyncio.get_running_loop()

@@ -37,15 +37,18 @@ MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
 HIGH_WATER = 1 << 20
 # Read coalescing for streaming tunnels. A relay that reads each packet as it arrives (a TLS sender
 # writes one 16 KiB record per send) wakes up, and wakes the far side, once per packet: on a busy
-# machine those wake-ups, not the copying, are what a tunnel costs its endpoints. When a side has
-# read two medium chunks in quick succession it is streaming, and after forwarding what it read it
-# stops reading for one timer tick, so the next read takes everything that arrived meanwhile. Bytes
-# already read are never held back; a chunk of COALESCE_MAX or more means the relay is behind, and
-# it reads on at once. EGRESSD_COALESCE=0 turns this off.
+# machine those wake-ups, not the copying, are what a tunnel costs its endpoints. When a side keeps
+# reading medium chunks (a burst: reads of COALESCE_MIN or more, less than COALESCE_WINDOW apart)
+# it is streaming, and after forwarding what it read it stops reading for one timer tick, so the
+# next read takes everything that arrived meanwhile. Bytes already read are never held back. No
+# pause after a read of COALESCE_MAX or more (the relay is behind: it reads on), nor when the burst
+# comes faster than COALESCE_RATE (the relay is busy moving bytes, not waiting for them: a tick
+# would only starve the far side). EGRESSD_COALESCE=0 turns this off.
 COALESCE = os.environ.get("EGRESSD_COALESCE", "1") != "0"
-COALESCE_MIN = 16 * 1024  # a read this big, within COALESCE_WINDOW of another, means "streaming"
+COALESCE_MIN = 16 * 1024
 COALESCE_MAX = 128 * 1024
 COALESCE_WINDOW = 0.002  # s
+COALESCE_RATE = float(1 << 30)  # bytes/s
 COALESCE_PAUSE = 0.001  # s: one tick of uvloop's millisecond timers
 
 
@@ -78,6 +81,8 @@ class _Pipe(asyncio.Protocol):
         self.peer: _Pipe | None = None
         self.held = False  # the peer's write buffer is full: not reading until it drains
         self.last_bulk = -1.0  # when this side last read COALESCE_MIN bytes or more
+        self.burst_start = 0.0  # when the current burst of such reads began
+        self.burst_bytes = 0  # read in it after its first read
         self.coalescing: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -93,9 +98,19 @@ class _Pipe(asyncio.Protocol):
         if peer is not None and peer.transport is not None and not peer.transport.is_closing():
             peer.transport.write(data)
         if n >= COALESCE_MIN and COALESCE:
-            streaming = now - self.last_bulk < COALESCE_WINDOW
+            if now - self.last_bulk >= COALESCE_WINDOW:
+                self.burst_start, self.burst_bytes = now, 0  # a new burst
+            else:
+                self.burst_bytes += n
             self.last_bulk = now
-            if streaming and n < COALESCE_MAX and self.coalescing is None and self.transport is not None:
+            elapsed = now - self.burst_start
+            if (
+                self.burst_bytes
+                and n < COALESCE_MAX
+                and self.burst_bytes < COALESCE_RATE * elapsed
+                and self.coalescing is None
+                and self.transport is not None
+            ):
                 self.transport.pause_reading()
                 self.coalescing = asyncio.get_running_loop().call_later(COALESCE_PAUSE, self._read_on)
 
