@@ -223,13 +223,18 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of the process tree (all threads), in seconds."""
-    total = 0
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of the process tree (all threads)."""
+    user = system = 0
     for p in tree(pid):
         with contextlib.suppress(OSError, IndexError, ValueError):
             stat = Path(f"/proc/{p}/stat").read_text()
             fields = stat[stat.rindex(")") + 2 :].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / _TICKS
+            user, system = user + int(fields[11]), system + int(fields[12])
+    return user / _TICKS, system / _TICKS
 
 
 @dataclass

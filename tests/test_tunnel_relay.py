@@ -240,19 +240,24 @@ async def _coalescing_on_real_sockets() -> None:
         s.close()
 
 
+LOOPS = {"uvloop": uvloop.run, "asyncio": asyncio.run}  # egressd runs on either (EGRESSD_UVLOOP=0)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_coalescing_pauses_only_after_forwarding_and_never_overrides_back_pressure(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, loop: str
 ) -> None:
     # a wide window and a long tick make each state observable on a busy machine
     monkeypatch.setattr(fastpath, "COALESCE", True)
     monkeypatch.setattr(fastpath, "COALESCE_WINDOW", 30.0)
     monkeypatch.setattr(fastpath, "COALESCE_PAUSE", 1.5)
-    uvloop.run(_coalescing_on_real_sockets())
+    LOOPS[loop](_coalescing_on_real_sockets())
 
 
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("setting", ["EGRESSD_COALESCE=0", "burst faster than COALESCE_RATE"])
 def test_without_coalescing_every_chunk_is_read_at_once(
-    monkeypatch: pytest.MonkeyPatch, setting: str
+    monkeypatch: pytest.MonkeyPatch, setting: str, loop: str
 ) -> None:
     monkeypatch.setattr(fastpath, "COALESCE_WINDOW", 30.0)
     if setting == "EGRESSD_COALESCE=0":
@@ -282,4 +287,4 @@ def test_without_coalescing_every_chunk_is_read_at_once(
         assert a_pipe.transport is not None
         a_pipe.transport.close()
 
-    uvloop.run(check())
+    LOOPS[loop](check())
