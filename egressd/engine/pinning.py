@@ -103,8 +103,9 @@ async def try_addresses[T](
             log.append(f"{_fmt(address, port)}: not tried, 2x connect_timeout used up")
             break
         budget = min(connect_timeout, remaining)
+        text = str(address)
         try:
-            opened = await asyncio.wait_for(open_one(str(address)), timeout=budget)
+            opened = await asyncio.wait_for(open_one(text), timeout=budget)
         except TimeoutError:
             kinds.append("connect_timeout")
             log.append(f"{_fmt(address, port)}: timed out after {budget:.3g}s")
@@ -114,7 +115,7 @@ async def try_addresses[T](
             kinds.append("connect_refused" if refused else "connect_error")
             log.append(f"{_fmt(address, port)}: {'connection refused' if refused else (e.strerror or e)}")
             continue
-        return opened, (str(address), port)
+        return opened, (text, port)
     detail = "; ".join(log) or "no address to connect to"
     # one kind for all attempts names it; a mix is reported by the last attempt's kind
     raise ConnectFailure(kinds[-1] if kinds else "connect_error", detail)

@@ -72,9 +72,16 @@ class Host:
     @property
     def text(self) -> str:
         """The canonical spelling (IPv6 without brackets)."""
-        if self.ip is not None:
-            return str(self.ip)
-        return self.name or ""
+        ip = self.ip
+        if ip is None:
+            return self.name or ""
+        # str(ip) costs microseconds and a tunnel asks several times: kept with the very ip object
+        cached = self.__dict__.get("_text")
+        if cached is not None and cached[0] is ip:
+            return cached[1]
+        text = str(ip)
+        self.__dict__["_text"] = (ip, text)
+        return text
 
     @property
     def is_ip(self) -> bool:
