@@ -92,6 +92,26 @@ def test_a_streamed_tunnel_keeps_every_byte_in_order_and_stays_interactive(
         _ping_pong(sock, 50)
 
 
+def test_only_lean_tunnels_coalesce_not_the_hand_off_to_mitmproxy(
+    echo_engine: EgressProxy, tcp_echo: TcpEchoServer
+) -> None:
+    """On the hand-off the far side is the embedded mitmproxy on this same loop: no ticks there."""
+    front = echo_engine._front
+    assert front is not None and echo_engine.socks_address is not None
+    with (
+        _tunnel(echo_engine, tcp_echo) as lean,
+        socket.create_connection(echo_engine.socks_address, timeout=30) as handed_off,
+    ):
+        _ping_pong(lean, 1)
+        handed_off.sendall(b"\x05\x01\x02")  # SOCKS5: relayed to mitmproxy
+        assert handed_off.recv(2) == b"\x05\x02"
+        pairs = [(client, client.peer) for client in front.clients]
+        assert len(pairs) == 2 and all(peer is not None for _, peer in pairs)
+        by_kind = {client.kind: (client, peer) for client, peer in pairs}
+        assert by_kind["http"][0].coalesce and by_kind["http"][1].coalesce  # type: ignore[union-attr]
+        assert not by_kind["socks"][0].coalesce and not by_kind["socks"][1].coalesce  # type: ignore[union-attr]
+
+
 def _buffered(front: fastpath.FastFront) -> int:
     """The most bytes any relay transport of the front holds in its write buffer right now."""
     most = 0
@@ -157,6 +177,11 @@ class _Front:
         self.finished.set()
 
 
+def _lean_pipes(tunnel: fastpath.Tunnel) -> tuple[fastpath._Pipe, fastpath._Pipe]:
+    """The two sides of a lean tunnel (client, upstream), as FrontProtocol sets them up."""
+    return fastpath._Pipe(tunnel, False, coalesce=True), fastpath._Pipe(tunnel, True, coalesce=True)
+
+
 async def _recv_for(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, seconds: float, want: int | None = None
 ) -> bytes:
@@ -175,7 +200,7 @@ async def _coalescing_on_real_sockets() -> None:
     loop = asyncio.get_running_loop()
     front = _Front()
     tunnel = fastpath.Tunnel(front)  # type: ignore[arg-type]
-    a_pipe, b_pipe = fastpath._Pipe(tunnel, upstream=False), fastpath._Pipe(tunnel, upstream=True)
+    a_pipe, b_pipe = _lean_pipes(tunnel)
     a, a_far = socket.socketpair()
     b, b_far = socket.socketpair()
     b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)  # b's buffer fills sooner
@@ -269,7 +294,7 @@ def test_without_coalescing_every_chunk_is_read_at_once(
     async def check() -> None:
         loop = asyncio.get_running_loop()
         tunnel = fastpath.Tunnel(_Front())  # type: ignore[arg-type]
-        a_pipe, b_pipe = fastpath._Pipe(tunnel, upstream=False), fastpath._Pipe(tunnel, upstream=True)
+        a_pipe, b_pipe = _lean_pipes(tunnel)
         a, a_far = socket.socketpair()
         b, b_far = socket.socketpair()
         b_far.setblocking(False)

@@ -74,9 +74,12 @@ def render(refusal: Refusal) -> bytes:
 class _Pipe(asyncio.Protocol):
     """One side of a relay: what it reads goes to the peer; back-pressure both ways."""
 
-    def __init__(self, tunnel: Tunnel, upstream: bool) -> None:
+    def __init__(self, tunnel: Tunnel, upstream: bool, coalesce: bool = False) -> None:
         self.tunnel = tunnel
         self.upstream = upstream
+        # only a lean tunnel's two sides: on the hand-off to the embedded mitmproxy the far side is
+        # this very event loop, and a tick would only delay its own work
+        self.coalesce = coalesce and COALESCE
         self.transport: asyncio.Transport | None = None
         self.peer: _Pipe | None = None
         self.held = False  # the peer's write buffer is full: not reading until it drains
@@ -97,7 +100,7 @@ class _Pipe(asyncio.Protocol):
         peer = self.peer
         if peer is not None and peer.transport is not None and not peer.transport.is_closing():
             peer.transport.write(data)
-        if n >= COALESCE_MIN and COALESCE:
+        if n >= COALESCE_MIN and self.coalesce:
             if now - self.last_bulk >= COALESCE_WINDOW:
                 self.burst_start, self.burst_bytes = now, 0  # a new burst
             else:
@@ -346,7 +349,7 @@ class FrontProtocol(_Pipe):
             self._refuse(admission.refusal)
             return
         pin = admission.pin
-        upstream = _Pipe(self.tunnel, upstream=True)
+        upstream = _Pipe(self.tunnel, upstream=True, coalesce=True)
         try:
             await connect_protocol(pin, upstream)
         except ConnectFailure as failure:
@@ -360,6 +363,7 @@ class FrontProtocol(_Pipe):
             upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
             return
         upstream.peer, self.peer = self, upstream
+        self.coalesce = COALESCE
         self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         self.stage = "sni"
         self.transport.resume_reading()
