@@ -193,6 +193,23 @@ def test_connect_timeout_is_504(tmp_path: Path, dns: DnsServer, stalling_port: S
     )
 
 
+@pytest.mark.parametrize("scheme", ["https", "http"])
+def test_connecting_does_not_count_against_header_timeout(
+    tmp_path: Path, dns: DnsServer, stalling_port: StallingPort, scheme: str
+) -> None:
+    """header_timeout bounds the request head only: a complete CONNECT whose upstream is slow to
+    answer gets the connect_timeout refusal, not a connection cut as a slow client."""
+    policy = write_policy(
+        tmp_path,
+        "version: 1\nallow: [up.test, 198.51.100.0/24]\nlimits: {connect_timeout: 3, header_timeout: 1}\n",
+    )
+    host, port = stalling_port.address
+    dns.add("up.test", host)
+    assert_refusal(
+        curl_via(policy, dns, f"{scheme}://up.test:{port}/"), 504, "connect_timeout", "connection_timeout"
+    )
+
+
 def test_port_restriction(tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer) -> None:
     policy = write_policy(tmp_path, "version: 1\nallow: [up.test, 198.51.100.0/24]\nports: [443]\n")
     dns.add("up.test", upstream.host)

@@ -287,6 +287,9 @@ class FrontProtocol(_Pipe):
         if end < 0:
             return
         assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()  # header_timeout bounds the head; connect_timeout bounds the rest
+            self.timer = None
         self.transport.pause_reading()
         head = bytes(self.buffer[: end + 4])
         del self.buffer[: end + 4]
