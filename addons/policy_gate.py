@@ -97,13 +97,8 @@ class PolicyGate:
         state = self.rt.conn(client_id)
         if state is None or state.head_seen:
             return
-        if close_client(client_id) and self.rt.audit is not None:
-            self.rt.audit.event(
-                "header_timeout",
-                conn=state.conn_id,
-                peer=state.peer,
-                detail=f"no request within {timeout:g}s",
-            )
+        if close_client(client_id):
+            self.rt.audit_header_timeout(state, timeout)
 
     def client_disconnected(self, client: connection.Client) -> None:
         state = self.rt.close_conn(client.id)
@@ -368,7 +363,7 @@ class PolicyGate:
 
 def _client_key(flow: http.HTTPFlow, state: ConnState) -> str:
     """Redirects are remembered per child (its token), whatever connection the follow-up uses."""
-    return state.creds.token if state.creds is not None else flow.client_conn.id
+    return state.client_key(flow.client_conn.id)
 
 
 def _failure_refusal(

@@ -123,10 +123,8 @@ class _Pipe(asyncio.Protocol):
             self.transport.resume_reading()
 
     def eof_received(self) -> bool:
-        peer = self.peer
-        if peer is not None and peer.transport is not None and peer.transport.can_write_eof():
-            with contextlib.suppress(OSError):
-                peer.transport.write_eof()
+        if self.peer is not None:
+            self.peer.eof_received_from_peer()
         # a half-open tunnel is not kept: once both sides said EOF, or now if the peer cannot
         return False
 
@@ -218,13 +216,8 @@ class FrontProtocol(_Pipe):
 
     def _head_timeout(self, timeout: float) -> None:
         if self.stage == "head" and self.transport is not None:
-            if self.rt.audit is not None and self.state is not None:
-                self.rt.audit.event(
-                    "header_timeout",
-                    conn=self.state.conn_id,
-                    peer=self.state.peer,
-                    detail=f"no request within {timeout:g}s",
-                )
+            if self.state is not None:
+                self.rt.audit_header_timeout(self.state, timeout)
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -337,8 +330,7 @@ class FrontProtocol(_Pipe):
             )
             self._refuse(refusal)
             return
-        key = state.creds.token if state.creds is not None else self.client_id
-        if self.rt.wants_inspection(decision, key):
+        if self.rt.wants_inspection(decision, state.client_key(self.client_id)):
             self._hand_off(head)  # the mitmproxy addons limit, intercept and decide every request
             return
         limited = self.rt.rate_limit(state, self.client_id) or self.rt.connection_limit()

@@ -487,7 +487,8 @@ class PlainClient(asyncio.Protocol):
         if self.requests == 0 and self.phase == "head":
             left = limits.header_timeout - (now - self.state.started)
             if left <= 0:
-                self._header_timeout(limits.header_timeout)
+                self.rt.audit_header_timeout(self.state, limits.header_timeout)
+                self.close()
                 return
         else:
             left = limits.idle_timeout - (now - self.last_active)
@@ -495,16 +496,6 @@ class PlainClient(asyncio.Protocol):
                 self.close()
                 return
         self.timer = asyncio.get_running_loop().call_later(left, self._watch)
-
-    def _header_timeout(self, timeout: float) -> None:
-        if self.rt.audit is not None:
-            self.rt.audit.event(
-                "header_timeout",
-                conn=self.state.conn_id,
-                peer=self.state.peer,
-                detail=f"no request within {timeout:g}s",
-            )
-        self.close()
 
     def data_received(self, data: bytes) -> None:
         self.state.bytes_up += len(data)
@@ -667,7 +658,7 @@ class PlainClient(asyncio.Protocol):
         return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
 
     def _credentials_to_strip(self, request: Request, key: tuple[str, int], dropped: set[str]) -> set[str]:
-        origin = self.rt.redirects.take(self._client_key(), self.url)
+        origin = self.rt.redirects.take(self.state.client_key(self.front.client_id), self.url)
         if origin is None:
             return set()
         present = {n.lower() for n, _ in request.headers} - dropped  # as after the hop-by-hop strip
@@ -684,12 +675,8 @@ class PlainClient(asyncio.Protocol):
         )
         return {name.lower() for name in stripped}
 
-    def _client_key(self) -> str:
-        creds = self.state.creds
-        return creds.token if creds is not None else self.front.client_id
-
     def remember_redirect(self, location: str) -> None:
-        self.rt.redirects.remember(self._client_key(), self.url, location)
+        self.rt.redirects.remember(self.state.client_key(self.front.client_id), self.url, location)
 
     async def _open_and_send(
         self, decision: Decision, key: tuple[str, int], request: Request, head: bytes

@@ -58,6 +58,10 @@ class ConnState:
     def client_name(self) -> str | None:
         return self.creds.username if self.creds else None
 
+    def client_key(self, connection_id: str) -> str:
+        """Whose limits and redirect memory apply: the child's token, or this connection's id."""
+        return self.creds.token if self.creds is not None else connection_id
+
 
 class Runtime:
     def __init__(
@@ -108,8 +112,7 @@ class Runtime:
         limits = self.policies.get().limits
         if limits.requests_per_second is None:
             return None
-        key = state.creds.token if state.creds is not None else fallback_key
-        wait = self.buckets.take(key, limits.requests_per_second, limits.burst)
+        wait = self.buckets.take(state.client_key(fallback_key), limits.requests_per_second, limits.burst)
         if wait <= 0:
             return None
         return Refusal(
@@ -218,6 +221,12 @@ class Runtime:
                 "internal_error", hook=hook, decision="deny", reason="internal_error", detail=refusal.detail
             )
         return refusal
+
+    def audit_header_timeout(self, state: ConnState, timeout: float) -> None:
+        """The record of a client cut for not finishing its request head in time, on any path."""
+        if self.audit is not None:
+            detail = f"no request within {timeout:g}s"
+            self.audit.event("header_timeout", conn=state.conn_id, peer=state.peer, detail=detail)
 
     def audit_tunnel_refusal(
         self, state: ConnState | None, host: str | None, port: int | None, reason: str, detail: str
