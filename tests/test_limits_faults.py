@@ -102,14 +102,22 @@ def test_requests_per_second_per_child(policy_with: object, dns: DnsServer, upst
 
 
 # -- timeouts ----------------------------------------------------------------------------------
-def test_slow_request_head_is_cut(policy_with: object, dns: DnsServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"CONNECT up.test:443 HTTP/1.1\r\nHost: up.test\r\n",
+        b"GET http://up.test/ HTTP/1.1\r\nHost: up.test\r\n",
+    ],
+    ids=["connect", "plain-http"],
+)
+def test_slow_request_head_is_cut(policy_with: object, dns: DnsServer, tmp_path: Path, head: bytes) -> None:
     policy = policy_with("limits: {header_timeout: 1}\n")  # type: ignore[operator]
     audit = tmp_path / "audit.jsonl"
     with EgressdRun(["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)]) as run:
         sock, _ = proxy_socket(run)
         start = time.monotonic()
         closed = False
-        for byte in b"CONNECT up.test:443 HTTP/1.1\r\nHost: up.test\r\n":
+        for byte in head:
             try:
                 sock.sendall(bytes([byte]))
             except OSError:
