@@ -112,6 +112,36 @@ def test_only_lean_tunnels_coalesce_not_the_hand_off_to_mitmproxy(
         assert not by_kind["socks"][0].coalesce and not by_kind["socks"][1].coalesce  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("uvloop_on", ["1", "0"])
+def test_lean_path_sockets_have_nagle_off(
+    tcp_echo: TcpEchoServer, monkeypatch: pytest.MonkeyPatch, uvloop_on: str
+) -> None:
+    """Small heads and answers go out at once: both event loops set TCP_NODELAY on every TCP
+    transport, accepted (the client side) or connected (the pinned upstream), so the lean paths
+    do not set it again."""
+    from egressd.engine.proxy import EgressProxy
+    from egressd.policy import parse_policy
+
+    monkeypatch.setenv("EGRESSD_UVLOOP", uvloop_on)
+    host, port = tcp_echo.address
+    policy = parse_policy({"version": 1, "mode": "enforce", "allow": [f"{host}:{port}"]}, "test")
+    engine = EgressProxy(policy, fastpath=True)
+    engine.start()
+    try:
+        front = engine._front
+        assert front is not None
+        with _tunnel(engine, tcp_echo) as sock:
+            _ping_pong(sock, 1)
+            (client,) = front.clients
+            for side in (client, client.peer):
+                assert side is not None and side.transport is not None
+                assert ("uvloop" in type(side.transport).__module__) == (uvloop_on == "1")
+                raw = side.transport.get_extra_info("socket")
+                assert raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        engine.stop()
+
+
 def _buffered(front: fastpath.FastFront) -> int:
     """The most bytes any relay transport of the front holds in its write buffer right now."""
     most = 0

@@ -12,9 +12,7 @@ close-delimited); anything ambiguous closes both sides rather than being forward
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,14 +226,6 @@ class ChunkedReader:
             raise ProtocolError("malformed trailer line")
 
 
-def _no_delay(transport: asyncio.BaseTransport) -> None:
-    """Small heads and bodies go out at once (no Nagle wait for the peer's delayed ACK)."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -262,7 +252,6 @@ class Upstream(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(high=HIGH_WATER)
-        _no_delay(self.transport)
 
     def send(self, request: Request, data: bytes) -> None:
         self.request, self.phase, self.started = request, "head", False
@@ -472,7 +461,6 @@ class PlainClient(asyncio.Protocol):
 
     # -- the client connection ---------------------------------------------------------------
     def start(self) -> None:
-        _no_delay(self.transport)
         limits = self.rt.policies.get().limits
         left = limits.header_timeout - (time.monotonic() - self.state.started)
         self.timer = asyncio.get_running_loop().call_later(max(0.0, left), self._watch)
