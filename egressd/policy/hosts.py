@@ -382,8 +382,7 @@ def make_target(
     # again; a Target built or changed any other way does not match the seal (see trusted_spelling).
     seal = (canonical, canonical.name, canonical.ip, port, scheme, path, method)
     text = canonical.text
-    url_host = f"[{text}]" if isinstance(canonical.ip, ipaddress.IPv6Address) else text
-    object.__setattr__(target, _SEAL, (seal, text, f"{url_host}:{port}"))
+    object.__setattr__(target, _SEAL, (seal, text, join_host_port(text, port)))
     return target
 
 
