@@ -9,6 +9,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+from egressd.engine.changes import Changes
 from egressd.policy import join_host_port
 
 DEFAULT_USERNAME = "egressd"
@@ -35,16 +36,19 @@ class CredentialStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tokens: dict[str, ProxyCredentials] = {}
+        self.changes = Changes()
 
     def issue(self, profile: str | None = None) -> ProxyCredentials:
         creds = ProxyCredentials(profile or DEFAULT_USERNAME, secrets.token_urlsafe(24))
         with self._lock:
             self._tokens[creds.token] = creds
+        self.changes.changed()
         return creds
 
     def revoke(self, creds: ProxyCredentials) -> None:
         with self._lock:
             self._tokens.pop(creds.token, None)
+        self.changes.changed()
 
     def check(self, username: str, token: str) -> ProxyCredentials | None:
         with self._lock:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
-from egressd.engine import faults
+from egressd.engine import faults, native_front
 from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem
@@ -27,6 +28,7 @@ from egressd.engine.sni import sni_problem
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
+    from egressd.engine.native_front import NativeFront
     from egressd.engine.runtime import ConnState, Runtime
 
 logger = logging.getLogger(__name__)
@@ -184,8 +186,15 @@ class Tunnel:
 class FrontProtocol(_Pipe):
     """The client side: reads the request head, then becomes one side of a relay."""
 
-    def __init__(self, front: FastFront, kind: str = "http") -> None:
+    def __init__(
+        self, front: FastFront, kind: str = "http", initial: bytes = b"", waited: float = 0.0
+    ) -> None:
         super().__init__(Tunnel(self), upstream=False)
+        # a connection the native front read first (egressd/engine/native_front.py): its bytes,
+        # and how long it waited for them (header_timeout counts from the accept)
+        self.initial = initial
+        self.waited = waited
+        self.generation = -1  # the native front's generation when the head was complete
         self.front = front
         self.kind = kind
         self.rt = front.rt
@@ -212,7 +221,11 @@ class FrontProtocol(_Pipe):
         self.client_id = f"fast-{id(self):x}"
         self.state = self.rt.open_conn(self.client_id, f"{peer[0]}:{peer[1]}")
         timeout = self.rt.policies.get().limits.header_timeout
-        self.timer = asyncio.get_running_loop().call_later(timeout, self._head_timeout, timeout)
+        remaining = max(0.0, timeout - self.waited)
+        self.timer = asyncio.get_running_loop().call_later(remaining, self._head_timeout, timeout)
+        if self.initial:
+            initial, self.initial = self.initial, b""
+            self.data_received(initial)
 
     def _head_timeout(self, timeout: float) -> None:
         if self.stage == "head" and self.transport is not None:
@@ -284,6 +297,8 @@ class FrontProtocol(_Pipe):
             self.timer.cancel()  # header_timeout bounds the head; connect_timeout bounds the rest
             self.timer = None
         self.transport.pause_reading()
+        if self.front.native is not None:
+            self.generation = self.front.native.generation  # before anything is decided
         head = bytes(self.buffer[: end + 4])
         del self.buffer[: end + 4]
         self.task = asyncio.get_running_loop().create_task(self._connect(head))
@@ -360,6 +375,8 @@ class FrontProtocol(_Pipe):
         upstream.peer, self.peer = self, upstream
         self.coalesce = COALESCE
         self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        if self.front.native is not None:
+            self.front.native.remember(head, self.generation, creds, decision, admission)
         self.stage = "sni"
         self.transport.resume_reading()
         if self.buffer:
@@ -368,22 +385,12 @@ class FrontProtocol(_Pipe):
     # -- the TLS SNI check -------------------------------------------------------------------------
     def _on_hello_bytes(self) -> None:
         data = bytes(self.buffer)
-        if starts_like_tls_record(data):
-            try:
-                hello = parse_client_hello(data)
-            except Exception:  # noqa: BLE001 - whatever the parser says, the tunnel is closed
-                self._close_tunnel("unparseable TLS ClientHello")
-                return
-            if hello is None:
-                if len(data) > MAX_CLIENT_HELLO:
-                    self._close_tunnel("TLS ClientHello too long")
-                return  # split across packets: wait for the rest
-            problem = sni_problem(self.state.host if self.state else "", hello.sni)
-            if problem is not None:
-                self._close_tunnel(problem)
-                return
-        elif len(data) < 3 and data and data[0] == 0x16:
-            return  # too short to tell
+        verdict = first_bytes_verdict(self.state.host if self.state else "", data)
+        if verdict is WAIT:
+            return
+        if verdict is not None:
+            self._close_tunnel(verdict)
+            return
         self.stage = "relay"
         if self.timer is not None:
             self.timer.cancel()
@@ -474,6 +481,41 @@ class FrontProtocol(_Pipe):
         self._hand_off()
 
 
+class _Wait:
+    """first_bytes_verdict: the first bytes do not tell yet."""
+
+
+WAIT = _Wait()
+
+
+def first_bytes_verdict(tunnel_host: str, data: bytes) -> str | _Wait | None:
+    """The SNI rule on a tunnel's first client bytes: None to relay, WAIT for more, else why to close.
+
+    Both tunnel paths (this one and the native front) ask this one function."""
+    if starts_like_tls_record(data):
+        try:
+            hello = parse_client_hello(data)
+        except Exception:  # noqa: BLE001 - whatever the parser says, the tunnel is closed
+            return "unparseable TLS ClientHello"
+        if hello is None:
+            if len(data) > MAX_CLIENT_HELLO:
+                return "TLS ClientHello too long"
+            return WAIT  # split across packets: wait for the rest
+        return sni_problem(tunnel_host, hello.sni)
+    if len(data) < 3 and data and data[0] == 0x16:
+        return WAIT  # too short to tell
+    return None
+
+
+def _is_ip(host: str) -> bool:
+    """The native front binds one address; a name (several addresses) is left to asyncio."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
     """The authority and the Proxy-Authorization value of a CONNECT head (strict)."""
     try:
@@ -514,14 +556,20 @@ class FastFront:
         self.servers: list[asyncio.Server] = []
         self.clients: set[FrontProtocol] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        self.native: NativeFront | None = None
 
     async def start(self, host: str, port: int, kind: str = "http") -> tuple[str, int]:
         """Listen for `kind` clients: "http" (the proxy port) or "socks" (relayed to mitmproxy)."""
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: FrontProtocol(self, kind), host, port, backlog=4096)
-        self.servers.append(server)
         if self._sweeper is None:
             self._sweeper = loop.create_task(self._sweep_idle())
+        if kind == "http" and self.native is None and native_front.available() and _is_ip(host):
+            sock = native_front.listening_socket(host, port)
+            self.native = native_front.NativeFront(self, sock)
+            address = sock.getsockname()
+            return address[0], address[1]
+        server = await loop.create_server(lambda: FrontProtocol(self, kind), host, port, backlog=4096)
+        self.servers.append(server)
         address = server.sockets[0].getsockname()
         return address[0], address[1]
 
@@ -538,8 +586,12 @@ class FastFront:
     def close_listeners(self) -> None:
         for server in self.servers:
             server.close()
+        if self.native is not None:
+            self.native.stop_listening()
 
     def close(self) -> None:
         self.close_listeners()
+        if self.native is not None:
+            self.native.close()
         if self._sweeper is not None:
             self._sweeper.cancel()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from egressd.engine import faults
+from egressd.engine.changes import Changes
 from egressd.engine.pinning import Pin
 from egressd.policy import (
     Client,
@@ -54,6 +55,7 @@ class PolicyHolder:
     def __init__(self, policy: Policy) -> None:
         self._policy = policy
         self._lock = threading.Lock()
+        self.changes = Changes()
 
     def get(self) -> Policy:
         return self._policy
@@ -61,6 +63,7 @@ class PolicyHolder:
     def set(self, policy: Policy) -> None:
         with self._lock:
             self._policy = policy
+        self.changes.changed()
 
 
 class Gatekeeper:
@@ -68,12 +71,14 @@ class Gatekeeper:
         self.policies = policies
         self.approver = approver
         self.self_addresses: tuple[tuple[IPAddress, int], ...] = ()
+        self.changes = Changes()
 
     def add_self_address(self, host: str, port: int) -> None:
         # a new tuple on change: decide() recognises the same tuple and reuses its checked copy
         address = (ipaddress.ip_address(host), port)
         if address not in self.self_addresses:
             self.self_addresses = (*self.self_addresses, address)
+            self.changes.changed()
 
     def decide(
         self,

@@ -15,9 +15,11 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from egressd.engine.changes import Changes
 from egressd.engine.credentials import CredentialStore, ProxyCredentials
 from egressd.engine.gate import Gatekeeper, PolicyHolder
 from egressd.engine.limits import TokenBuckets
@@ -78,8 +80,8 @@ class Runtime:
         self.audit = audit
         self.require_auth = require_auth
         self.draining = False
-        # TLS inspection is available (CA ready, TLS addon loaded); off with --no-inspect
-        self.inspection = False
+        self.changes = Changes()  # of this runtime's own state that decisions read (inspection)
+        self._inspection = False
         self.redirects = RedirectMemory()
         self.buckets = TokenBuckets()
         self.upstreams: set[str] = set()  # ids of upstream connections open now (limits.max_connections)
@@ -89,9 +91,44 @@ class Runtime:
         # connection was 2% of a tunnel's set-up)
         self._id_prefix = secrets.token_hex(3)
         self._ids = itertools.count(1)
+        # connections the native tunnel front holds (egressd/engine/native_front.py): drain waits
+        # for them, limits.max_connections counts their upstreams
+        self.native_active: Callable[[], int] | None = None
+        self.native_upstreams: Callable[[], int] | None = None
+
+    @property
+    def inspection(self) -> bool:
+        """TLS inspection is available (CA ready, TLS addon loaded); off with --no-inspect."""
+        return self._inspection
+
+    @inspection.setter
+    def inspection(self, on: bool) -> None:
+        self._inspection = on
+        self.changes.changed()  # tunnels decided without it may now need inspecting
+
+    def new_conn_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids):06x}"
+
+    def watch_decisions(self, callback: Callable[[], None]) -> None:
+        """Call back after any change that can alter a decision besides the request itself."""
+        for changes in self._decision_inputs():
+            changes.watch(callback)
+
+    def unwatch_decisions(self, callback: Callable[[], None]) -> None:
+        for changes in self._decision_inputs():
+            changes.unwatch(callback)
+
+    def _decision_inputs(self) -> tuple[Changes, ...]:
+        return (
+            self.policies.changes,
+            self.credentials.changes,
+            self.redirects.changes,
+            self.gate.changes,
+            self.changes,
+        )
 
     def open_conn(self, client_id: str, peer: str) -> ConnState:
-        state = ConnState(conn_id=f"{self._id_prefix}{next(self._ids):06x}", peer=peer)
+        state = ConnState(conn_id=self.new_conn_id(), peer=peer)
         with self._lock:
             self.conns[client_id] = state
         return state
@@ -104,7 +141,8 @@ class Runtime:
             return self.conns.pop(client_id, None)
 
     def active(self) -> int:
-        return len(self.conns)
+        native = self.native_active() if self.native_active is not None else 0
+        return len(self.conns) + native
 
     # -- limits (every front end: HTTP proxy, SOCKS5, the fast tunnel path) ----------------------
     def rate_limit(self, state: ConnState, fallback_key: str) -> Refusal | None:
@@ -126,7 +164,8 @@ class Runtime:
 
     def connection_limit(self) -> Refusal | None:
         limit = self.policies.get().limits.max_connections
-        if limit is None or len(self.upstreams) < limit:
+        native = self.native_upstreams() if self.native_upstreams is not None else 0
+        if limit is None or len(self.upstreams) + native < limit:
             return None
         return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
 

@@ -1,0 +1,525 @@
+"""The native tunnel front (egressd/engine/_tunnels.c): a CONNECT head Python admitted is served
+again without Python, only while nothing a decision depends on has changed, with the same answers
+and records as the Python path.
+
+Every test opens a tunnel once (Python decides: a miss), then again with the very same head bytes
+(a hit, served in C) and checks what the hit does. CI builds the module; a machine without it fails
+here unless EGRESSD_NATIVE=0 says it is off on purpose.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trustme
+
+from egressd.audit import AuditLog
+from egressd.engine import native_front
+from egressd.engine.credentials import ProxyCredentials
+from egressd.engine.proxy import EgressProxy
+from egressd.policy import parse_policy
+from tests.support import netns
+from tests.support.corpus import read_response
+from tests.support.dns_server import DnsServer
+from tests.support.upstreams import EchoHTTPSServer, TcpEchoServer
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("EGRESSD_NATIVE") == "0", reason="EGRESSD_NATIVE=0: the native front is off on purpose"
+)
+
+
+def test_the_native_front_is_built() -> None:
+    """setup.py builds it on Linux; CI must not fall back to the Python path silently."""
+    assert native_front.available(), "egressd/engine/_tunnels.c was not built (see setup.py)"
+
+
+def _policy(allow: list[str], limits: dict[str, object] | None = None) -> object:
+    doc: dict[str, object] = {"version": 1, "mode": "enforce", "allow": allow}
+    if limits:
+        doc["limits"] = limits
+    return parse_policy(doc, "test")
+
+
+@pytest.fixture
+def audit_path(tmp_path: Path) -> Path:
+    return tmp_path / "audit.jsonl"
+
+
+def _engine(policy: object, audit_path: Path | None = None, **kwargs: object) -> EgressProxy:
+    audit = AuditLog(str(audit_path)) if audit_path is not None else None
+    engine = EgressProxy(policy, fastpath=True, audit=audit, **kwargs)  # type: ignore[arg-type]
+    engine.start()
+    return engine
+
+
+@pytest.fixture
+def engine_for(tcp_echo: TcpEchoServer, audit_path: Path) -> Iterator[EgressProxy]:
+    host, port = tcp_echo.address
+    engine = _engine(_policy([f"{host}:{port}"]), audit_path)
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def _stats(engine: EgressProxy) -> dict[str, int]:
+    front = engine._front
+    assert front is not None and front.native is not None, "the native front is not serving"
+    return front.native.stats()
+
+
+def _auth(creds: ProxyCredentials) -> str:
+    return base64.b64encode(f"{creds.username}:{creds.token}".encode()).decode()
+
+
+def _head(target: str, creds: ProxyCredentials) -> bytes:
+    auth = f"Proxy-Authorization: Basic {_auth(creds)}\r\n"
+    return f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n".encode()
+
+
+def _open(engine: EgressProxy, head: bytes) -> tuple[socket.socket, bytes]:
+    """Send a head; the socket and the proxy's answer head (b"" when it closed without one)."""
+    sock = socket.create_connection(engine.http_address, timeout=10)
+    sock.sendall(head)
+    response = read_response(sock, head_only=True)
+    return sock, response.raw_head if response is not None else b""
+
+
+def _answer_to(engine: EgressProxy, head: bytes) -> bytes:
+    sock, answer = _open(engine, head)
+    sock.close()
+    return answer
+
+
+def _served_head(engine: EgressProxy, target: str, creds: ProxyCredentials | None = None) -> bytes:
+    """A head Python has decided, admitted and remembered: the next one is served natively."""
+    head = _head(target, creds or engine.issue_credentials())
+    _echo_once(engine, head)
+    return head
+
+
+def _echo_once(engine: EgressProxy, head: bytes, message: bytes = b"ping") -> None:
+    sock, answer = _open(engine, head)
+    with sock:
+        assert answer == b"HTTP/1.1 200 Connection established", answer
+        sock.sendall(message)
+        got = b""
+        while len(got) < len(message):
+            chunk = sock.recv(4096)
+            assert chunk, "tunnel closed"
+            got += chunk
+        assert got == message
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(predicate: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+def test_a_repeated_head_is_served_natively_with_the_same_records(
+    engine_for: EgressProxy, tcp_echo: TcpEchoServer, audit_path: Path
+) -> None:
+    host, port = tcp_echo.address
+    creds = engine_for.issue_credentials()
+    head = _head(f"{host}:{port}", creds)
+    for i in range(20):
+        _echo_once(engine_for, head, b"ping %d" % i)
+    stats = _stats(engine_for)
+    assert stats["misses"] == 1 and stats["hits"] == 19, stats
+    _wait_for(lambda: len([r for r in _records(audit_path) if r["event"] == "closed"]) == 20)
+    records = _records(audit_path)
+    connections = [r for r in records if r["event"] == "decision" and r.get("stage") == "connection"]
+    closed = [r for r in records if r["event"] == "closed"]
+    assert len(connections) == 20 and len(closed) == 20
+    first = connections[0]
+    for record in connections[1:]:  # a served tunnel's record says what Python's said
+        for key in (
+            "decision",
+            "reason",
+            "rule",
+            "host",
+            "port",
+            "client",
+            "profile",
+            "resolved",
+            "connected",
+        ):
+            assert record[key] == first[key], (key, record, first)
+        assert not record.get("attempts")
+    assert len({r["conn"] for r in connections}) == 20
+    assert {r["conn"] for r in closed} == {r["conn"] for r in connections}
+    by_conn = {r["conn"]: r for r in closed}
+    for i, record in enumerate(connections):
+        done = by_conn[record["conn"]]
+        assert done["bytes_up"] == done["bytes_down"] == len(b"ping %d" % i)
+        assert done["host"] == host and done["port"] == port
+
+
+def test_a_head_differing_in_one_byte_is_decided_by_python(
+    engine_for: EgressProxy, tcp_echo: TcpEchoServer
+) -> None:
+    host, port = tcp_echo.address
+    creds = engine_for.issue_credentials()
+    _served_head(engine_for, f"{host}:{port}", creds)
+    other_port = port + 1 if port < 65535 else port - 1
+    answer = _answer_to(engine_for, _head(f"{host}:{other_port}", creds))
+    assert answer.startswith(b"HTTP/1.1 403") and b"X-Egressd-Reason: not_allowlisted" in answer, answer
+    assert _stats(engine_for)["hits"] == 0
+
+
+def test_revoked_credentials_are_not_served(engine_for: EgressProxy, tcp_echo: TcpEchoServer) -> None:
+    host, port = tcp_echo.address
+    creds = engine_for.issue_credentials()
+    head = _served_head(engine_for, f"{host}:{port}", creds)
+    _echo_once(engine_for, head)
+    assert _stats(engine_for)["hits"] == 1
+    engine_for.revoke(creds)
+    answer = _answer_to(engine_for, head)
+    assert answer.startswith(b"HTTP/1.1 407"), answer
+    assert _stats(engine_for)["hits"] == 1
+
+
+def test_a_policy_reload_forgets_every_head(engine_for: EgressProxy, tcp_echo: TcpEchoServer) -> None:
+    host, port = tcp_echo.address
+    head = _served_head(engine_for, f"{host}:{port}")
+    _echo_once(engine_for, head)
+    engine_for.set_policy(_policy(["other.test"]))  # type: ignore[arg-type]
+    answer = _answer_to(engine_for, head)
+    assert answer.startswith(b"HTTP/1.1 403") and b"X-Egressd-Reason: not_allowlisted" in answer, answer
+    assert _stats(engine_for)["hits"] == 1
+
+
+def test_any_change_a_decision_depends_on_forgets_every_head(
+    engine_for: EgressProxy, tcp_echo: TcpEchoServer
+) -> None:
+    """Redirect memory (the next tunnel may need inspection), credentials issued, own addresses."""
+    host, port = tcp_echo.address
+    creds = engine_for.issue_credentials()
+    head = _head(f"{host}:{port}", creds)
+    rt = engine_for.runtime
+    changes = [
+        lambda: rt.redirects.remember(creds.token, "http://a.test/x", f"https://{host}:{port}/y"),
+        lambda: engine_for.issue_credentials(),
+        lambda: rt.gate.add_self_address("127.0.0.1", 1),
+    ]
+    for change in changes:
+        _echo_once(engine_for, head)  # Python decides and remembers it
+        before = _stats(engine_for)
+        assert before["entries"] == 1
+        change()
+        after = _stats(engine_for)
+        assert after["entries"] == 0 and after["generation"] > before["generation"]
+
+
+def test_a_head_decided_before_a_change_is_not_remembered_after_it(
+    engine_for: EgressProxy, tcp_echo: TcpEchoServer
+) -> None:
+    """remember() takes the generation seen when the head arrived: a change meanwhile wins."""
+    host, port = tcp_echo.address
+    creds = engine_for.issue_credentials()
+    native = engine_for._front.native  # type: ignore[union-attr]
+    assert native is not None
+    stale = native.generation
+    engine_for.issue_credentials()  # a change
+    _echo_once(engine_for, _head(f"{host}:{port}", creds))
+    assert (
+        native.tunnels.remember(b"CONNECT x:1 HTTP/1.1\r\n\r\n", stale, host, port, 5.0, 60.0, None) is False
+    )
+    assert native.tunnels.remember(
+        b"CONNECT x:1 HTTP/1.1\r\n\r\n", native.generation, host, port, 5.0, 60.0, None
+    )
+    with pytest.raises(ValueError):
+        native.tunnels.remember(b"CONNECT x:1 HTTP/1.1\r\n", native.generation, host, port, 5.0, 60.0, None)
+    with pytest.raises(ValueError):
+        native.tunnels.remember(
+            b"CONNECT x:1 HTTP/1.1\r\n\r\n", native.generation, "x.test", 1, 5.0, 60.0, None
+        )
+
+
+@pytest.mark.parametrize(
+    "limits", [{"max_connections": 100}, {"requests_per_second": 1000}], ids=["max_connections", "rate"]
+)
+def test_limits_that_count_requests_keep_every_head_in_python(
+    tcp_echo: TcpEchoServer, limits: dict[str, object]
+) -> None:
+    host, port = tcp_echo.address
+    engine = _engine(_policy([f"{host}:{port}"], limits))
+    try:
+        head = _head(f"{host}:{port}", engine.issue_credentials())
+        for _ in range(5):
+            _echo_once(engine, head)
+        stats = _stats(engine)
+        assert stats["hits"] == 0 and stats["misses"] == 5 and stats["entries"] == 0
+    finally:
+        engine.stop()
+
+
+def test_served_tunnels_count_against_max_connections_after_a_reload(tcp_echo: TcpEchoServer) -> None:
+    host, port = tcp_echo.address
+    engine = _engine(_policy([f"{host}:{port}"]))
+    try:
+        head = _served_head(engine, f"{host}:{port}")
+        held = []
+        for _ in range(2):
+            sock, answer = _open(engine, head)  # served natively, kept open
+            assert answer.startswith(b"HTTP/1.1 200")
+            held.append(sock)
+        assert _stats(engine)["hits"] == 2
+        engine.set_policy(_policy([f"{host}:{port}"], {"max_connections": 2}))  # type: ignore[arg-type]
+        answer = _answer_to(engine, head)
+        assert answer.startswith(b"HTTP/1.1 429") and b"X-Egressd-Reason: connection_limit" in answer, answer
+        for s in held:
+            s.close()
+    finally:
+        engine.stop()
+
+
+def test_a_name_is_resolved_again_after_its_ttl(dns: DnsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A served head of a name goes back to Python (and DNS) after NAME_TTL."""
+    monkeypatch.setattr(native_front, "NAME_TTL", 0.3)
+    with TcpEchoServer(netns.UPSTREAM_V4[5], name="echo-far") as far:
+        host, port = far.address
+        dns.add("echo.test", host)
+        engine = _engine(_policy([f"echo.test:{port}", "198.51.100.0/24"]), nameservers=[dns.address])
+        try:
+            head = _served_head(engine, f"echo.test:{port}")
+            _echo_once(engine, head)
+            assert _stats(engine)["hits"] == 1
+            time.sleep(0.5)
+            _echo_once(engine, head)
+            stats = _stats(engine)
+            assert stats["hits"] == 1 and stats["misses"] == 2, stats
+        finally:
+            engine.stop()
+
+
+def test_a_failed_connect_goes_back_to_python_and_its_refusal(audit_path: Path) -> None:
+    """The remembered upstream went away: the client gets Python's 502 and its record."""
+    with TcpEchoServer() as gone:
+        host, port = gone.address
+        engine = _engine(_policy([f"{host}:{port}"]), audit_path)
+        head = _served_head(engine, f"{host}:{port}")
+    try:
+        answer = _answer_to(engine, head)
+        assert answer.startswith(b"HTTP/1.1 502"), answer
+        stats = _stats(engine)
+        assert stats["hits"] == 1 and stats["misses"] == 2 and stats["entries"] == 0, stats
+        denied = [r for r in _records(audit_path) if r["event"] == "decision" and r["decision"] == "deny"]
+        assert denied and denied[-1]["stage"] == "connection"
+    finally:
+        engine.stop()
+
+
+def _hello(server_name: str | None) -> bytes:
+    """A real TLS ClientHello (Python's ssl), not sent anywhere."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing, server_hostname=server_name)
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return outgoing.read()
+
+
+@pytest.fixture
+def tls_engine(
+    upstream_tls: EchoHTTPSServer, dns: DnsServer, audit_path: Path
+) -> Iterator[tuple[EgressProxy, str]]:
+    dns.add("up.test", upstream_tls.host)
+    target = f"up.test:{upstream_tls.port}"
+    engine = _engine(_policy([target, "198.51.100.0/24"]), audit_path, nameservers=[dns.address])
+    try:
+        yield engine, target
+    finally:
+        engine.stop()
+
+
+def _tls_get(engine: EgressProxy, head: bytes, ca: trustme.CA, server_name: str) -> bytes:
+    sock, answer = _open(engine, head)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    with ctx.wrap_socket(sock, server_hostname=server_name) as tls:
+        tls.sendall(b"GET /native HTTP/1.1\r\nHost: up.test\r\nConnection: close\r\n\r\n")
+        body = b""
+        while chunk := tls.recv(65536):
+            body += chunk
+    return body
+
+
+def test_the_sni_rule_holds_on_served_tunnels(
+    tls_engine: tuple[EgressProxy, str], ca: trustme.CA, audit_path: Path
+) -> None:
+    engine, target = tls_engine
+    head = _head(target, engine.issue_credentials())
+    assert b" 200 " in _tls_get(engine, head, ca, "up.test")[:20]
+    assert b" 200 " in _tls_get(engine, head, ca, "up.test")[:20]  # served, its hello checked by Python
+    assert _stats(engine)["hits"] == 1
+    # the same head, a ClientHello naming another host, split in two writes: closed, recorded
+    sock, answer = _open(engine, head)
+    assert answer.startswith(b"HTTP/1.1 200")
+    hello = _hello("other.test")
+    sock.sendall(hello[:40])
+    time.sleep(0.1)
+    sock.sendall(hello[40:])
+    sock.settimeout(5)
+    assert sock.recv(100) == b""
+    sock.close()
+    assert _stats(engine)["hits"] == 2
+    _wait_for(lambda: any(r.get("reason") == "sni_mismatch" for r in _records(audit_path)))
+    refusal = next(r for r in _records(audit_path) if r.get("reason") == "sni_mismatch")
+    assert refusal["decision"] == "deny" and "other.test" in str(refusal["detail"])
+    assert refusal["conn"], refusal
+
+
+def test_curl_is_served_natively_on_its_second_run(
+    tls_engine: tuple[EgressProxy, str], ca_file: Path
+) -> None:
+    """curl sends the same CONNECT head each run: the second run's tunnel is served in C."""
+    engine, target = tls_engine
+    creds = engine.issue_credentials()
+    proxy = creds.proxy_url(*engine.http_address)
+    for _ in range(2):
+        result = subprocess.run(
+            ["curl", "-sS", "--fail", "--proxy", proxy, "--cacert", str(ca_file), f"https://{target}/curl"],
+            capture_output=True,
+            timeout=30,
+        )
+        assert result.returncode == 0, result.stderr
+    assert _stats(engine)["hits"] == 1
+
+
+def test_a_slow_head_is_cut_natively_and_recorded(tmp_path: Path, tcp_echo: TcpEchoServer) -> None:
+    audit_path = tmp_path / "audit.jsonl"
+    host, port = tcp_echo.address
+    engine = _engine(_policy([f"{host}:{port}"], {"header_timeout": 0.5}), audit_path)
+    try:
+        with socket.create_connection(engine.http_address, timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(b"CONNECT ")
+            assert sock.recv(100) == b""
+            elapsed = time.monotonic() - start
+        assert 0.4 < elapsed < 3, elapsed
+        _wait_for(lambda: any(r["event"] == "header_timeout" for r in _records(audit_path)))
+        record = next(r for r in _records(audit_path) if r["event"] == "header_timeout")
+        assert str(record["peer"]).startswith("127.0.0.1:") and record["conn"]
+        assert _stats(engine)["misses"] == 0
+    finally:
+        engine.stop()
+
+
+def test_the_header_timeout_counts_from_the_accept_after_a_hand_off(tcp_echo: TcpEchoServer) -> None:
+    """A head the native front waited for and then handed to Python is not given a fresh timeout."""
+    host, port = tcp_echo.address
+    engine = _engine(_policy([f"{host}:{port}"], {"header_timeout": 1.0}))
+    try:
+        with socket.create_connection(engine.http_address, timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(b"CONNECT ")
+            time.sleep(0.6)
+            sock.sendall(f"{host}:{port} HTTP/1.1\r\nX-Slow: ".encode())  # complete line: Python's now
+            assert sock.recv(100) == b""
+            elapsed = time.monotonic() - start
+        assert elapsed < 1.6, elapsed
+    finally:
+        engine.stop()
+
+
+def test_idle_served_tunnels_are_closed(tcp_echo: TcpEchoServer) -> None:
+    host, port = tcp_echo.address
+    engine = _engine(_policy([f"{host}:{port}"], {"idle_timeout": 1}))
+    try:
+        head = _served_head(engine, f"{host}:{port}")
+        sock, answer = _open(engine, head)
+        with sock:
+            assert answer.startswith(b"HTTP/1.1 200")
+            assert _stats(engine)["hits"] == 1
+            start = time.monotonic()
+            sock.settimeout(10)
+            assert sock.recv(100) == b""
+            assert 0.9 < time.monotonic() - start < 4
+    finally:
+        engine.stop()
+
+
+def test_a_half_closed_served_tunnel_delivers_then_closes(
+    engine_for: EgressProxy, tcp_echo: TcpEchoServer
+) -> None:
+    host, port = tcp_echo.address
+    sock, answer = _open(engine_for, _served_head(engine_for, f"{host}:{port}"))
+    with sock:
+        assert answer.startswith(b"HTTP/1.1 200")
+        payload = os.urandom(300_000)
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        sock.settimeout(10)
+        while chunk := sock.recv(65536):
+            got += chunk
+        # the Python relay closes a half-closed tunnel once what it read is out; so does C: what
+        # came back is a prefix of the echo, and the tunnel ends
+        assert payload.startswith(got)
+    _wait_for(lambda: _stats(engine_for)["active"] == 0)
+
+
+def test_draining_waits_for_served_tunnels(engine_for: EgressProxy, tcp_echo: TcpEchoServer) -> None:
+    host, port = tcp_echo.address
+    sock, answer = _open(engine_for, _served_head(engine_for, f"{host}:{port}"))
+    with sock:
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert engine_for.runtime.active() >= 1
+    _wait_for(lambda: engine_for.runtime.active() == 0)
+
+
+def test_plain_http_and_socks_are_handed_to_python(engine_for: EgressProxy, upstream: object) -> None:
+    """Anything but a remembered CONNECT goes to Python at once (here a plain GET, refused there)."""
+    creds = engine_for.issue_credentials()
+    auth = b"Proxy-Authorization: Basic " + _auth(creds).encode() + b"\r\n"
+    answer = _answer_to(
+        engine_for, b"GET http://nothere.test/ HTTP/1.1\r\nHost: nothere.test\r\n" + auth + b"\r\n"
+    )
+    assert answer.startswith(b"HTTP/1.1 403"), answer
+    assert _stats(engine_for)["misses"] == 1
+
+
+def test_rebinding_within_the_ttl_keeps_the_validated_address(
+    dns: DnsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """First answer an allowed address, every later one loopback: a served head connects to the
+    address Python validated (never resolves again); after the ttl Python resolves and refuses."""
+    monkeypatch.setattr(native_front, "NAME_TTL", 1.0)
+    with TcpEchoServer(netns.UPSTREAM_V4[5], name="good") as good:
+        host, port = good.address
+        with TcpEchoServer("127.0.0.1", port, name="loopback") as loopback:
+            dns.add_sequence("rebind.test", [[host], ["127.0.0.1"]])
+            engine = _engine(_policy([f"rebind.test:{port}", "198.51.100.0/24"]), nameservers=[dns.address])
+            try:
+                head = _head(f"rebind.test:{port}", engine.issue_credentials())
+                for _ in range(3):
+                    _echo_once(engine, head)
+                assert _stats(engine)["hits"] == 2
+                assert dns.count("rebind.test", "A") == 1
+                time.sleep(1.2)
+                answer = _answer_to(engine, head)
+                assert b"X-Egressd-Reason: resolved_forbidden" in answer, answer
+            finally:
+                engine.stop()
+            assert good.connections == 3 and loopback.connections == 0
