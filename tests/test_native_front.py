@@ -10,6 +10,7 @@ here unless EGRESSD_NATIVE=0 says it is off on purpose.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import trustme
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from egressd.audit import AuditLog
 from egressd.engine import native_front
@@ -407,14 +410,18 @@ def test_curl_is_served_natively_on_its_second_run(
     assert _stats(engine)["hits"] == 1
 
 
-def test_a_slow_head_is_cut_natively_and_recorded(tmp_path: Path, tcp_echo: TcpEchoServer) -> None:
+@pytest.mark.parametrize("sent", [b"", b"CONN"], ids=["nothing", "a-prefix"])
+def test_a_silent_client_is_cut_natively_and_recorded(
+    tmp_path: Path, tcp_echo: TcpEchoServer, sent: bytes
+) -> None:
+    """Nothing, or less than "CONNECT ": the native front waits, cuts at header_timeout, records it."""
     audit_path = tmp_path / "audit.jsonl"
     host, port = tcp_echo.address
     engine = _engine(_policy([f"{host}:{port}"], {"header_timeout": 0.5}), audit_path)
     try:
         with socket.create_connection(engine.http_address, timeout=10) as sock:
             start = time.monotonic()
-            sock.sendall(b"CONNECT ")
+            sock.sendall(sent)
             assert sock.recv(100) == b""
             elapsed = time.monotonic() - start
         assert 0.4 < elapsed < 3, elapsed
@@ -426,19 +433,30 @@ def test_a_slow_head_is_cut_natively_and_recorded(tmp_path: Path, tcp_echo: TcpE
         engine.stop()
 
 
-def test_the_header_timeout_counts_from_the_accept_after_a_hand_off(tcp_echo: TcpEchoServer) -> None:
-    """A head the native front waited for and then handed to Python is not given a fresh timeout."""
+@pytest.mark.parametrize(
+    "partial",
+    [b"CONNECT ", b"CONNECT a.test:1 HTTP/1.1\r\nX-Slow: ", b"CONNECT a.test:1 HTTP/1.1\n\n"],
+    ids=["line", "header", "bare-lf"],
+)
+def test_a_head_in_pieces_goes_to_python_and_keeps_its_time(tcp_echo: TcpEchoServer, partial: bytes) -> None:
+    """A head that does not arrive whole is Python's at once (a malformed one refused at once, as
+    Python would), and header_timeout still counts from the accept, not from the hand-off."""
     host, port = tcp_echo.address
     engine = _engine(_policy([f"{host}:{port}"], {"header_timeout": 1.0}))
     try:
         with socket.create_connection(engine.http_address, timeout=10) as sock:
             start = time.monotonic()
-            sock.sendall(b"CONNECT ")
-            time.sleep(0.6)
-            sock.sendall(f"{host}:{port} HTTP/1.1\r\nX-Slow: ".encode())  # complete line: Python's now
-            assert sock.recv(100) == b""
+            time.sleep(0.6)  # waited in the native front
+            sock.sendall(partial)
+            answer = sock.recv(4096)
             elapsed = time.monotonic() - start
-        assert elapsed < 1.6, elapsed
+        if partial.endswith(b"\n\n"):
+            assert answer.startswith(b"HTTP/1.1 400"), answer
+            assert elapsed < 0.9, elapsed
+        else:
+            assert answer == b"", answer
+            assert 0.9 < elapsed < 1.6, elapsed
+        assert _stats(engine)["misses"] == 1
     finally:
         engine.stop()
 
@@ -523,3 +541,76 @@ def test_rebinding_within_the_ttl_keeps_the_validated_address(
             finally:
                 engine.stop()
             assert good.connections == 3 and loopback.connections == 0
+
+
+# -- the native front answers what Python answers ---------------------------------------------------
+def _outcome(engine: EgressProxy, data: bytes) -> tuple[str, bytes]:
+    """(status line and egressd reason, or "closed"; the echo of "ping" through a 200 tunnel)."""
+    with socket.create_connection(engine.http_address, timeout=5) as sock:
+        sock.sendall(data)
+        try:
+            response = read_response(sock, timeout=3, head_only=True)
+        except (TimeoutError, ConnectionResetError):
+            response = None
+        if response is None:
+            return "closed", b""
+        line = response.raw_head.split(b"\r\n")[0].decode("latin-1")
+        verdict = f"{line} {response.reason}"
+        echo = b""
+        if response.status == 200:
+            sock.sendall(b"ping")
+            sock.settimeout(3)
+            with contextlib.suppress(TimeoutError, ConnectionResetError):
+                while len(echo) < len(data) + 4 and (chunk := sock.recv(4096)):
+                    echo += chunk
+                    if echo.endswith(b"ping"):
+                        break
+        return verdict, echo
+
+
+@pytest.fixture(scope="module")
+def twin_engines() -> Iterator[tuple[EgressProxy, EgressProxy, bytes]]:
+    """The same policy twice, no credentials (so one head is valid on both): the native front on
+    one, off on the other; the head of the echo server remembered on the first."""
+    with TcpEchoServer() as echo:
+        host, port = echo.address
+        policy = _policy([f"{host}:{port}"], {"header_timeout": 0.3})
+        native = _engine(policy, require_auth=False)
+        saved = native_front.ENABLED
+        native_front.ENABLED = False
+        try:
+            python = _engine(policy, require_auth=False)
+        finally:
+            native_front.ENABLED = saved
+        try:
+            assert native._front is not None and native._front.native is not None
+            assert python._front is not None and python._front.native is None
+            head = f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+            assert _outcome(native, head)[0].startswith("HTTP/1.1 200")
+            yield native, python, head
+        finally:
+            native.stop()
+            python.stop()
+
+
+@given(
+    position=st.integers(min_value=0, max_value=200),
+    byte=st.sampled_from(b"\x00\t\n\r :[]CONNECTHTPxX01.9\x7f\xff"),
+    how=st.sampled_from(["replace", "insert", "truncate", "append"]),
+    suffix=st.binary(max_size=40),
+)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_mutated_remembered_head_gets_the_python_answer(
+    twin_engines: tuple[EgressProxy, EgressProxy, bytes], position: int, byte: int, how: str, suffix: bytes
+) -> None:
+    """One byte changed, inserted, cut or appended after a head the native front remembered: the
+    answer is what the Python path alone answers for the same bytes (status, reason, tunnel)."""
+    native, python, head = twin_engines
+    i = position % (len(head) + 1)
+    data = {
+        "replace": head[:i] + bytes([byte]) + head[i + 1 :],
+        "insert": head[:i] + bytes([byte]) + head[i:],
+        "truncate": head[:i],
+        "append": head + suffix,
+    }[how]
+    assert _outcome(native, data) == _outcome(python, data), data

@@ -101,6 +101,7 @@ typedef struct {
     int listen_kind, timer_kind; /* epoll data for the listener and the timer */
     double armed;                /* deadline the timer is armed for, 0 = disarmed */
     double next_sweep;
+    double accept_paused_until; /* out of fds or memory: not accepting for a moment */
     double header_timeout, idle_timeout;
     int audit;
     int coalesce;
@@ -354,7 +355,7 @@ static int send_to(Front *f, Side *dst, const char *data, size_t n) {
         dst->pend_len = have + n;
         return 0;
     }
-    ssize_t w = write(dst->fd, data, n);
+    ssize_t w = send(dst->fd, data, n, MSG_NOSIGNAL);
     if (w < 0) {
         if (errno != EAGAIN && errno != EINTR) return -1;
         w = 0;
@@ -375,7 +376,7 @@ static int send_to(Front *f, Side *dst, const char *data, size_t n) {
 static void on_writable(Front *f, Side *s) {
     Conn *c = s->conn;
     while (s->pend_len > s->pend_off) {
-        ssize_t w = write(s->fd, s->pend + s->pend_off, s->pend_len - s->pend_off);
+        ssize_t w = send(s->fd, s->pend + s->pend_off, s->pend_len - s->pend_off, MSG_NOSIGNAL);
         if (w < 0) {
             if (errno == EAGAIN || errno == EINTR) break;
             conn_abort(f, c);
@@ -446,12 +447,12 @@ static void head_bytes(Front *f, Conn *c, double now) {
         hand_off(f, c, now); /* plain HTTP or anything else: the Python path */
         return;
     }
-    char *end = NULL;
-    if (c->len >= 4) {
-        end = memmem(c->buf, c->len, "\r\n\r\n", 4);
-    }
+    if (c->len < 8) return; /* "CONNECT " so far */
+    char *end = memmem(c->buf, c->len, "\r\n\r\n", 4);
     if (end == NULL) {
-        if (c->len >= HEAD_LIMIT) hand_off(f, c, now);
+        /* a head in pieces: only heads that arrive whole are served here; Python reads the rest
+         * (and refuses a malformed head at once, as it would have) */
+        hand_off(f, c, now);
         return;
     }
     c->head_len = (size_t)(end - c->buf) + 4;
@@ -670,7 +671,16 @@ static void on_readable(Front *f, Side *s, double now) {
 static void on_accept(Front *f, double now) {
     for (int i = 0; i < 64; i++) {
         int fd = accept4(f->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) return; /* EAGAIN, or an error the next wake-up sees again */
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                /* like asyncio: stop accepting for a moment instead of spinning on the listener */
+                struct epoll_event e = {0};
+                epoll_ctl(f->ep, EPOLL_CTL_DEL, f->lfd, &e);
+                f->accept_paused_until = now + 0.1;
+                arm(f, f->accept_paused_until);
+            }
+            return; /* EAGAIN, or an error of that one connection */
+        }
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         Conn *c = PyMem_Calloc(1, sizeof(Conn));
@@ -716,6 +726,13 @@ static void on_timer(Front *f, double now) {
     uint64_t ticks;
     if (read(f->tfd, &ticks, sizeof ticks) < 0) { /* nothing */ }
     f->armed = 0;
+    if (f->accept_paused_until != 0 && f->accept_paused_until <= now) {
+        f->accept_paused_until = 0;
+        if (f->lfd >= 0) {
+            struct epoll_event el = {.events = EPOLLIN, .data = {.ptr = &f->listen_kind}};
+            epoll_ctl(f->ep, EPOLL_CTL_ADD, f->lfd, &el);
+        }
+    }
     int sweep = now >= f->next_sweep;
     if (sweep) f->next_sweep = now + SWEEP_EVERY;
     double next = 0;
@@ -753,6 +770,7 @@ static void on_timer(Front *f, double now) {
         }
     }
     if (f->conns != NULL && (next == 0 || f->next_sweep < next)) next = f->next_sweep;
+    if (f->accept_paused_until != 0 && (next == 0 || f->accept_paused_until < next)) next = f->accept_paused_until;
     if (next != 0) arm(f, next);
 }
 
