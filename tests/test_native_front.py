@@ -31,7 +31,7 @@ from egressd.engine.credentials import ProxyCredentials
 from egressd.engine.proxy import EgressProxy
 from egressd.policy import parse_policy
 from tests.support import netns
-from tests.support.corpus import read_response
+from tests.support.corpus import Reader, read_response
 from tests.support.dns_server import DnsServer
 from tests.support.upstreams import EchoHTTPSServer, TcpEchoServer
 
@@ -548,15 +548,16 @@ def _outcome(engine: EgressProxy, data: bytes) -> tuple[str, bytes]:
     """(status line and egressd reason, or "closed"; the echo of "ping" through a 200 tunnel)."""
     with socket.create_connection(engine.http_address, timeout=5) as sock:
         sock.sendall(data)
+        reader = Reader(sock)
         try:
-            response = read_response(sock, timeout=3, head_only=True)
+            response = reader.response(timeout=3, head_only=True)
         except (TimeoutError, ConnectionResetError):
             response = None
         if response is None:
             return "closed", b""
         line = response.raw_head.split(b"\r\n")[0].decode("latin-1")
         verdict = f"{line} {response.reason}"
-        echo = b""
+        echo = bytes(reader.buf)  # tunnel bytes that came with the answer
         if response.status == 200:
             sock.sendall(b"ping")
             sock.settimeout(3)
