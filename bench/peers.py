@@ -277,7 +277,12 @@ def egressd_source_state() -> str:
     import egressd
 
     package = Path(egressd.__file__).resolve().parent
-    files = sorted(package.rglob("*.py")) + sorted((package.parent / "addons").glob("*.py"))
+    files = (
+        sorted(package.rglob("*.py"))
+        + sorted(package.rglob("*.c"))  # the native tunnel front
+        + sorted(package.rglob("*.so"))  # and what was built from it
+        + sorted((package.parent / "addons").glob("*.py"))
+    )
     digest = hashlib.sha256()
     for f in files:
         digest.update(str(f.relative_to(package.parent)).encode())
