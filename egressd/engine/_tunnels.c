@@ -46,7 +46,8 @@
 
 static const char ESTABLISHED[] = "HTTP/1.1 200 Connection established\r\n\r\n";
 
-enum { ST_HEAD, ST_CONNECTING, ST_HELLO, ST_RELAY, ST_CLOSING };
+/* ST_EXCHANGE: a remembered plain-HTTP request sent; its response is fed to Python (feed) */
+enum { ST_HEAD, ST_CONNECTING, ST_HELLO, ST_RELAY, ST_EXCHANGE, ST_CLOSING };
 enum { K_LISTEN = 1, K_TIMER, K_CLIENT, K_UP };
 
 typedef struct Conn Conn;
@@ -75,6 +76,8 @@ struct Conn {
     char *buf;
     size_t len, cap, head_len;
     PyObject *meta;
+    PyObject *outgoing; /* a request: the head to send upstream (NULL: a tunnel) */
+    PyObject *feed;     /* a request: Python's response reader, feed(bytes | None) -> (bytes, done) */
     unsigned long long serial;
     long long bytes_up, bytes_down;
     int reported; /* opened() was called: closed() is owed */
@@ -93,6 +96,7 @@ typedef struct Entry {
     socklen_t alen;
     double expires, connect_timeout;
     PyObject *meta;
+    PyObject *outgoing; /* NULL: a CONNECT head; else a plain-HTTP request head and what goes upstream */
 } Entry;
 
 typedef struct {
@@ -113,7 +117,7 @@ typedef struct {
     Conn *conns;     /* live */
     Conn *timed;     /* live, with a deadline or a paused side: what the timer looks at */
     Conn *graveyard; /* freed after the current poll */
-    PyObject *on_miss, *on_hello, *on_opened, *on_closed, *on_timed_out;
+    PyObject *on_miss, *on_hello, *on_opened, *on_closed, *on_timed_out, *on_request;
     char *rbuf;
 } Front;
 
@@ -156,6 +160,7 @@ static PyObject *peer_text(int fd) {
 
 static void entry_free(Entry *e) {
     Py_XDECREF(e->meta);
+    Py_XDECREF(e->outgoing);
     PyMem_Free(e->key);
     PyMem_Free(e);
 }
@@ -216,6 +221,7 @@ static uint32_t wanted(Side *s) {
     switch (c->stage) {
     case ST_HEAD: reads = s->kind == K_CLIENT; break;
     case ST_HELLO: case ST_RELAY: reads = 1; break;
+    case ST_EXCHANGE: reads = 1; break; /* what the client sends now is read and dropped */
     default: reads = 0;
     }
     Side *o = other(s);
@@ -335,6 +341,8 @@ static void conn_free(Conn *c) {
     PyMem_Free(c->up.pend);
     PyMem_Free(c->buf);
     Py_XDECREF(c->meta);
+    Py_XDECREF(c->outgoing);
+    Py_XDECREF(c->feed);
     PyMem_Free(c);
 }
 
@@ -439,17 +447,14 @@ static int buf_room(Conn *c, size_t want) {
 }
 
 static void start_connect(Front *f, Conn *c, Entry *e, double now);
+static void relay_started(Conn *c);
 
 static void head_bytes(Front *f, Conn *c, double now) {
     static const char prefix[] = "CONNECT ";
-    size_t check = c->len < 8 ? c->len : 8;
-    if (memcmp(c->buf, prefix, check) != 0) {
-        hand_off(f, c, now); /* plain HTTP or anything else: the Python path */
-        return;
-    }
-    if (c->len < 8) return; /* "CONNECT " so far */
-    char *end = memmem(c->buf, c->len, "\r\n\r\n", 4);
+    char *end = c->len >= 4 ? memmem(c->buf, c->len, "\r\n\r\n", 4) : NULL;
     if (end == NULL) {
+        size_t check = c->len < 8 ? c->len : 8;
+        if (c->len < 8 && memcmp(c->buf, prefix, check) == 0) return; /* "CONNECT " so far */
         /* a head in pieces: only heads that arrive whole are served here; Python reads the rest
          * (and refuses a malformed head at once, as it would have) */
         hand_off(f, c, now);
@@ -457,7 +462,8 @@ static void head_bytes(Front *f, Conn *c, double now) {
     }
     c->head_len = (size_t)(end - c->buf) + 4;
     Entry *e = table_find(f, c->buf, c->head_len, now);
-    if (e == NULL) {
+    /* a remembered request is served alone: anything after it (pipelining, a body) is Python's */
+    if (e == NULL || (e->outgoing != NULL && c->len != c->head_len)) {
         hand_off(f, c, now);
         return;
     }
@@ -496,6 +502,8 @@ static void start_connect(Front *f, Conn *c, Entry *e, double now) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     Py_INCREF(e->meta);
     c->meta = e->meta;
+    Py_XINCREF(e->outgoing);
+    c->outgoing = e->outgoing;
     f->nupstreams++;
     c->up.fd = fd;
     c->up.closed = 0;
@@ -556,6 +564,63 @@ static void check_hello(Front *f, Conn *c, double now) {
     relay_started(c);
 }
 
+/* a remembered request: Python makes the response reader (and the records), the head goes up */
+static void start_exchange(Front *f, Conn *c) {
+    c->serial = ++f->serials;
+    PyObject *peer = peer_text(c->client.fd);
+    PyObject *feed = peer ? PyObject_CallFunction(f->on_request, "OKO", c->meta, c->serial, peer) : NULL;
+    Py_XDECREF(peer);
+    if (feed == NULL) {
+        PyErr_WriteUnraisable(f->on_request);
+        conn_abort(f, c);
+        return;
+    }
+    c->feed = feed;
+    c->reported = 1; /* closed() is owed: Python keeps this request's state until then */
+    if (c->dead) return;
+    c->bytes_up += (long long)c->head_len;
+    c->stage = ST_EXCHANGE;
+    relay_started(c);
+    if (send_to(f, &c->up, PyBytes_AS_STRING(c->outgoing), (size_t)PyBytes_GET_SIZE(c->outgoing))) {
+        conn_abort(f, c);
+        return;
+    }
+    if (update(f, &c->client) || update(f, &c->up)) conn_abort(f, c);
+}
+
+/* upstream bytes (or NULL: the upstream ended) through Python's response reader to the client */
+static void feed_response(Front *f, Conn *c, const char *data, size_t n) {
+    PyObject *arg = data != NULL ? PyBytes_FromStringAndSize(data, (Py_ssize_t)n) : Py_NewRef(Py_None);
+    PyObject *r = arg != NULL ? PyObject_CallOneArg(c->feed, arg) : NULL;
+    Py_XDECREF(arg);
+    if (c->dead) {
+        Py_XDECREF(r);
+        return;
+    }
+    PyObject *out = NULL;
+    int done = 1;
+    if (r == NULL || !PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(r, 0))) {
+        if (r == NULL) PyErr_WriteUnraisable(c->feed);
+        Py_XDECREF(r);
+        conn_abort(f, c); /* fail closed: nothing more is forwarded */
+        return;
+    }
+    out = PyTuple_GET_ITEM(r, 0);
+    done = PyObject_IsTrue(PyTuple_GET_ITEM(r, 1)) != 0 || data == NULL;
+    if (PyBytes_GET_SIZE(out) > 0 && send_to(f, &c->client, PyBytes_AS_STRING(out), (size_t)PyBytes_GET_SIZE(out))) {
+        Py_DECREF(r);
+        conn_abort(f, c);
+        return;
+    }
+    Py_DECREF(r);
+    if (done) {
+        side_close(f, &c->up); /* the exchange is over: the client closes once it has it all */
+        conn_finish(f, c);
+        return;
+    }
+    if (update(f, &c->client) || update(f, &c->up)) conn_abort(f, c);
+}
+
 static void on_connected(Front *f, Conn *c, double now) {
     int err = 0;
     socklen_t len = sizeof err;
@@ -571,6 +636,10 @@ static void on_connected(Front *f, Conn *c, double now) {
     c->last_active = now;
     if (f->next_sweep < now) f->next_sweep = now + SWEEP_EVERY;
     arm(f, f->next_sweep); /* limits.idle_timeout from here on */
+    if (c->outgoing != NULL) {
+        start_exchange(f, c);
+        return;
+    }
     c->serial = ++f->serials;
     /* what followed the head is the tunnel's first bytes */
     memmove(c->buf, c->buf + c->head_len, c->len - c->head_len);
@@ -627,6 +696,27 @@ static void coalesce_after(Front *f, Side *s, size_t n, double now) {
 
 static void on_readable(Front *f, Side *s, double now) {
     Conn *c = s->conn;
+    if (c->stage == ST_EXCHANGE && s->kind == K_CLIENT) {
+        /* after a `Connection: close` request: read and dropped, as the Python path drops what
+         * follows it (and a close then sends no reset); its EOF ends nothing */
+        ssize_t n = read(s->fd, f->rbuf, READ_CHUNK);
+        if (n < 0) {
+            if (errno != EAGAIN && errno != EINTR) conn_abort(f, c);
+            return;
+        }
+        if (n == 0) s->eof = 1;
+        else c->bytes_up += n;
+        if (update(f, s)) conn_abort(f, c);
+        return;
+    }
+    if (c->stage == ST_EXCHANGE) {
+        ssize_t n = read(s->fd, f->rbuf, READ_CHUNK);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+        c->last_active = now;
+        if (n > 0) c->bytes_down += n;
+        feed_response(f, c, n > 0 ? f->rbuf : NULL, n > 0 ? (size_t)n : 0);
+        return;
+    }
     ssize_t n = read(s->fd, f->rbuf, READ_CHUNK);
     if (n < 0) {
         if (errno != EAGAIN && errno != EINTR) conn_abort(f, c);
@@ -834,10 +924,14 @@ static PyObject *Front_remember(Front *f, PyObject *args) {
     unsigned long long generation;
     int port;
     double connect_timeout, ttl;
-    PyObject *meta;
-    if (!PyArg_ParseTuple(args, "y#KsiddO", &head, &hlen, &generation, &ip, &port, &connect_timeout, &ttl,
-                          &meta))
+    PyObject *meta, *outgoing = Py_None;
+    if (!PyArg_ParseTuple(args, "y#KsiddO|O", &head, &hlen, &generation, &ip, &port, &connect_timeout, &ttl,
+                          &meta, &outgoing))
         return NULL;
+    if (outgoing != Py_None && !PyBytes_Check(outgoing)) {
+        PyErr_SetString(PyExc_TypeError, "outgoing must be bytes or None");
+        return NULL;
+    }
     if (generation != f->generation || f->closed) Py_RETURN_FALSE; /* decided under what changed since */
     if (hlen > HEAD_LIMIT) Py_RETURN_FALSE;                          /* never read whole here */
     struct sockaddr_storage addr;
@@ -879,6 +973,10 @@ static PyObject *Front_remember(Front *f, PyObject *args) {
     e->connect_timeout = connect_timeout;
     Py_INCREF(meta);
     e->meta = meta;
+    if (outgoing != Py_None) {
+        Py_INCREF(outgoing);
+        e->outgoing = outgoing;
+    }
     Entry **bucket = &f->table[e->hash % TABLE_SIZE];
     e->next = *bucket;
     *bucket = e;
@@ -964,11 +1062,11 @@ static PyObject *Front_generation(Front *f, void *Py_UNUSED(closure)) {
 }
 
 static int Front_init(Front *f, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"listen_fd", "miss", "hello", "opened", "closed", "timed_out", NULL};
+    static char *kwlist[] = {"listen_fd", "miss", "hello", "opened", "closed", "timed_out", "request", NULL};
     int lfd;
-    PyObject *miss, *hello, *opened, *closedcb, *timed_out;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOOO", kwlist, &lfd, &miss, &hello, &opened, &closedcb,
-                                     &timed_out))
+    PyObject *miss, *hello, *opened, *closedcb, *timed_out, *request;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOOOO", kwlist, &lfd, &miss, &hello, &opened, &closedcb,
+                                     &timed_out, &request))
         return -1;
     if (f->ep >= 0 || f->rbuf != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "already initialised");
@@ -1003,6 +1101,8 @@ static int Front_init(Front *f, PyObject *args, PyObject *kwds) {
     Py_INCREF(opened);
     Py_INCREF(closedcb);
     Py_INCREF(timed_out);
+    Py_INCREF(request);
+    f->on_request = request;
     f->on_miss = miss;
     f->on_hello = hello;
     f->on_opened = opened;
@@ -1032,6 +1132,7 @@ static void Front_dealloc(Front *f) {
     Py_XDECREF(f->on_opened);
     Py_XDECREF(f->on_closed);
     Py_XDECREF(f->on_timed_out);
+    Py_XDECREF(f->on_request);
     PyMem_Free(f->rbuf);
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
@@ -1039,7 +1140,7 @@ static void Front_dealloc(Front *f) {
 static PyMethodDef Front_methods[] = {
     {"poll", (PyCFunction)Front_poll, METH_NOARGS, "Serve what is ready; call when fileno() is readable."},
     {"remember", (PyCFunction)Front_remember, METH_VARARGS,
-     "remember(head, generation, ip, port, connect_timeout, ttl, meta) -> bool"},
+     "remember(head, generation, ip, port, connect_timeout, ttl, meta, outgoing=None) -> bool"},
     {"invalidate", (PyCFunction)Front_invalidate, METH_NOARGS, "Forget every remembered head."},
     {"configure", (PyCFunction)Front_configure, METH_VARARGS,
      "configure(header_timeout, idle_timeout, audit, coalesce)"},

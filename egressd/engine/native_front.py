@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from egressd.engine.credentials import ProxyCredentials
     from egressd.engine.fastpath import FastFront, FrontProtocol
     from egressd.engine.gate import Admission
+    from egressd.engine.plain_http import Request
     from egressd.policy import Decision
 
 try:
@@ -57,6 +58,14 @@ class Remembered:
     admission: Admission
 
 
+@dataclass(frozen=True)
+class RememberedRequest(Remembered):
+    """A plain-HTTP request served natively: also what was decided, for its request record."""
+
+    decision: Decision
+    request: Request
+
+
 class NativeFront:
     """One listening socket served by the C front; misses go to FastFront's Python protocols."""
 
@@ -68,7 +77,7 @@ class NativeFront:
         self.loop = asyncio.get_running_loop()
         self.states: dict[int, ConnState] = {}  # by serial, while audited
         self.tunnels = _tunnels.Front(
-            sock.fileno(), self._miss, self._hello, self._opened, self._closed, self._timed_out
+            sock.fileno(), self._miss, self._hello, self._opened, self._closed, self._timed_out, self._request
         )
         self._configure()
         self.loop.add_reader(self.tunnels.fileno(), self.tunnels.poll)
@@ -104,8 +113,12 @@ class NativeFront:
         creds: ProxyCredentials | None,
         decision: Decision,
         admission: Admission,
+        request: tuple[Request, bytes] | None = None,
     ) -> bool:
-        """Serve this head natively from now on, unless anything changed since `generation`."""
+        """Serve this head natively from now on, unless anything changed since `generation`.
+
+        A CONNECT head, or with `request` (the parsed request and the head sent upstream) a
+        plain-HTTP request head."""
         if self.closed:
             return False
         limits = self.rt.policies.get().limits
@@ -123,10 +136,19 @@ class NativeFront:
 
         # a served tunnel connects at its first try: its record has no earlier attempts
         hit_pin = Pin(pin.host, pin.port, pin.addresses, pin.connect_timeout, connected=pin.connected)
-        meta = Remembered(creds, target.host.text, target.port, replace(admission, pin=hit_pin))
+        hit = replace(admission, pin=hit_pin)
+        meta: Remembered
+        outgoing = None
+        if request is None:
+            meta = Remembered(creds, target.host.text, target.port, hit)
+        else:
+            parsed, outgoing = request
+            meta = RememberedRequest(creds, target.host.text, target.port, hit, decision, parsed)
         ttl = NAME_TTL if decision.needs_resolution else IP_TTL
         ip, port = pin.connected
-        return bool(self.tunnels.remember(head, generation, ip, port, pin.connect_timeout, ttl, meta))
+        return bool(
+            self.tunnels.remember(head, generation, ip, port, pin.connect_timeout, ttl, meta, outgoing)
+        )
 
     # -- callbacks from C (inside poll, on the loop thread) ----------------------------------------
     def _miss(self, fd: int, data: bytes, waited: float) -> bool:
@@ -168,10 +190,28 @@ class NativeFront:
         return 2
 
     def _opened(self, meta: Remembered, serial: int, peer: str) -> None:
+        """A remembered tunnel is open (called only with an audit log): its connection record."""
         state = ConnState(conn_id=self.rt.new_conn_id(), peer=peer, creds=meta.creds)
         state.host, state.port, state.head_seen = meta.host, meta.port, True
         self.states[serial] = state
         self.rt.audit_connection(state, meta.admission, None)
+
+    def _request(self, meta: RememberedRequest, serial: int, peer: str) -> object:
+        """A remembered request is being served: its records, and the reader of its response."""
+        from egressd.engine.native_exchange import NativeExchange
+        from egressd.engine.plain_http import audit_request
+
+        state = ConnState(conn_id=self.rt.new_conn_id(), peer=peer, creds=meta.creds)
+        state.host, state.port, state.head_seen = meta.host, meta.port, True
+        request = meta.request
+        audit_request(self.rt, state, meta.decision, None, request)
+        self.rt.audit_connection(state, meta.admission, None)
+        # whose redirect memory: the child's token, or (no credentials) this exchange's own, as the
+        # Python path keys it by the connection
+        client_key = state.client_key(f"native-{serial}")
+        exchange = NativeExchange(self.rt, state, request, (meta.host, meta.port), client_key)
+        self.states[serial] = state
+        return exchange.feed
 
     def _closed(self, serial: int, bytes_up: int, bytes_down: int) -> None:
         state = self.states.pop(serial, None)

@@ -34,6 +34,8 @@ from egressd.refusal import EGRESSD_HEADERS, Refusal
 
 if TYPE_CHECKING:
     from egressd.engine.fastpath import FrontProtocol
+    from egressd.engine.gate import Admission
+    from egressd.engine.runtime import ConnState, Runtime
     from egressd.policy import Decision
 
 logger = logging.getLogger(__name__)
@@ -427,6 +429,29 @@ def _framing(request: Request, response: Response) -> tuple[str, int]:
     return "eof", 0
 
 
+def too_large_refusal(key: tuple[str, int], length: int, limit: int) -> Refusal:
+    """egressd's 502 for a Content-Length over limits.max_response_bytes (before any body)."""
+    detail = f"the response is {length} bytes; limits.max_response_bytes is {limit}"
+    return Refusal("response_too_large", detail, *key)
+
+
+def audit_request(
+    rt: Runtime, state: ConnState, decision: Decision, refusal: Refusal | None, request: Request
+) -> None:
+    """The record of one plain-HTTP request's decision (served by Python or the native front)."""
+    rt.audit_decision(
+        state,
+        decision,
+        refusal,
+        stage="request",
+        method=request.method,
+        scheme="http",
+        path=request.path,
+        host=request.host,
+        port=request.port,
+    )
+
+
 def _response_head(response: Response, headers: list[tuple[str, str]]) -> bytes:
     """The head as the client gets it: egressd's own headers are never forwarded from upstream."""
     lines = [f"{response.version} {response.status} {response.reason}"]
@@ -458,6 +483,11 @@ class PlainClient(asyncio.Protocol):
         self.last_active = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
+        # for the native front (egressd/engine/native_front.py): the request's exact head, the
+        # front's generation before it was decided, whether a redirect memory entry was taken
+        self.head = self.outgoing = b""
+        self.generation = -1
+        self.redirected = False
 
     # -- the client connection ---------------------------------------------------------------
     def start(self) -> None:
@@ -573,6 +603,8 @@ class PlainClient(asyncio.Protocol):
             self._hand_off(b"")
             return
         del self.inbuf[: end + 4]
+        native = self.front.front.native
+        self.head, self.generation, self.redirected = head, native.generation if native else -1, False
         self.state.head_seen = True
         self.requests += 1
         self.phase = "deciding"
@@ -606,17 +638,7 @@ class PlainClient(asyncio.Protocol):
             refusal = decision_refusal(decision)
         elif (mismatch := host_header_mismatch(request.values("host"), target)) is not None:
             refusal = Refusal("host_mismatch", mismatch, target.host.text, target.port)
-        rt.audit_decision(
-            state,
-            decision,
-            refusal,
-            stage="request",
-            method=request.method,
-            scheme="http",
-            path=request.path,
-            host=request.host,
-            port=request.port,
-        )
+        audit_request(rt, state, decision, refusal, request)
         return decision if refusal is None else self._refuse(refusal)
 
     def _go(self, request: Request, decision: Decision) -> None:
@@ -624,7 +646,7 @@ class PlainClient(asyncio.Protocol):
         key = (decision.target.host.text, decision.target.port)
         self.request = request
         self.url = f"http://{hostport(*key)}{request.path}"
-        head = self._outgoing_head(request, key)
+        head = self.outgoing = self._outgoing_head(request, key)
         upstream = self.upstream
         if upstream is not None and upstream.reuses(key, self):
             self._send(upstream, request, head)
@@ -649,6 +671,7 @@ class PlainClient(asyncio.Protocol):
         origin = self.rt.redirects.take(self.state.client_key(self.front.client_id), self.url)
         if origin is None:
             return set()
+        self.redirected = True
         present = {n.lower() for n, _ in request.headers} - dropped  # as after the hop-by-hop strip
         names = self.rt.policies.get().credentials.strip_on_host_change
         stripped = [name for name in names if name.lower() in present]
@@ -704,7 +727,22 @@ class PlainClient(asyncio.Protocol):
             rt.upstreams.discard(upstream.server_id)
             return None
         self.upstream = upstream
+        self._remember(decision, admission, key)
         return upstream
+
+    def _remember(self, decision: Decision, admission: Admission, key: tuple[str, int]) -> None:
+        """Let the native front serve this very head again: a bodiless GET or HEAD that closes the
+        connection after its response, decided without a redirect memory entry."""
+        native = self.front.front.native
+        request = self.request
+        if native is None or request is None or self.redirected or request.keep_alive:
+            return
+        if self.state.creds is not None and not request.values("proxy-authorization"):
+            return  # authenticated by an earlier request on this connection, not by these bytes
+        if request.method not in ("GET", "HEAD") or request.length or request.values("content-length"):
+            return
+        remembered = (request, self.outgoing)
+        native.remember(self.head, self.generation, self.state.creds, decision, admission, remembered)
 
     def _send(self, upstream: Upstream, request: Request, head: bytes) -> None:
         body = bytes(self.inbuf[: request.length])
@@ -752,13 +790,7 @@ class PlainClient(asyncio.Protocol):
         """Content-Length over limits.max_response_bytes: egressd's 502 instead, before any body."""
         self._audit_cut(length, limit)
         self._drop_upstream()
-        self._refuse(
-            Refusal(
-                "response_too_large",
-                f"the response is {length} bytes; limits.max_response_bytes is {limit}",
-                *upstream.key,
-            )
-        )
+        self._refuse(too_large_refusal(upstream.key, length, limit))
 
     def cut(self, upstream: Upstream, limit: int) -> None:
         """A response of unknown length passed the limit: close mid-body (a visible truncation)."""
