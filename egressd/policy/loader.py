@@ -398,6 +398,12 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
     result: dict[Any, Any] = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)  # `[a]: 1` or `? {a: 1}`: YAML allows it, a policy does not
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a mapping key must be a scalar, not {type(key).__name__}", key_node.start_mark
+            ) from None
         if key in result:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         result[key] = loader.construct_object(value_node, deep=True)

@@ -239,6 +239,10 @@ def test_unknown_keys(data: dict[object, object], key: str) -> None:
         ("- a\n- b\n", "mapping"),
         ("just a string\n", "mapping"),
         ("version: 1\nmode: enforce\nmode: allow\n", "duplicate"),
+        # unhashable keys (found by fuzz/fuzz_policy.py): a clear error, not a TypeError
+        ("version: 1\n[a, b]: 1\n", "mapping key must be a scalar"),
+        ("version: 1\n? {a: 1}\n: x\n", "mapping key must be a scalar"),
+        ("version: 1\nlimits:\n  ? !!set {a}\n  : 1\n", "mapping key must be a scalar"),
         ("version: 1\nallow: [a.test\n", "invalid YAML"),
         ("version: 1\nallow: !!python/object:os.system {}\n", "invalid YAML"),
     ],
