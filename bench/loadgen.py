@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import random
 import socket
@@ -293,6 +294,56 @@ async def connect_load(
     result.generator_cpu = system.self_cpu_seconds() - gen_cpu0
     result.seconds = min(t_end, time.perf_counter()) - t_measure
     return result
+
+
+_CONNECT_LOAD_C = Path(__file__).with_name("connect_load.c")
+
+
+def native_connect_load_binary() -> Path | None:
+    """bench/connect_load.c built (once per source change) with the system C compiler, else None."""
+    source = _CONNECT_LOAD_C.read_bytes()
+    binary = Path("/tmp") / f"egressd-bench-connect_load-{hashlib.sha256(source).hexdigest()[:12]}"
+    if not binary.exists():
+        try:
+            argv = ["cc", "-O2", "-o", str(binary), str(_CONNECT_LOAD_C)]
+            subprocess.run(argv, check=True, capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return binary
+
+
+def connect_load_native(
+    binary: Path, proxy: Proxy, host: str, port: int, *, concurrency: int, seconds: float, warmup: float
+) -> ConnectResult:
+    """Workload 2 with the C generator (bench/connect_load.c) on this process's core: same
+    exchange as connect_load's closed loop, a fraction of the CPU per tunnel."""
+    connect = b"" if proxy.direct else proxy.connect_request(host, port)
+    address = (host, port) if proxy.direct else (proxy.host, proxy.port)
+    argv = [str(binary), address[0], str(address[1]), str(concurrency), str(warmup), str(seconds)]
+    argv += [connect.decode(), small_get(host, port).decode()]
+    cpu = system.CpuWindow(proxy.pid)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proxy_cpu = 0.0
+    data: dict[str, Any] = {}
+    for line in proc.stdout:
+        if line.startswith("WINDOW_START"):
+            cpu.start()
+        elif line.startswith("WINDOW_END"):
+            proxy_cpu = cpu.stop()
+        elif line.startswith("{"):
+            data = json.loads(line)
+    proc.wait(timeout=60)
+    if not data:
+        raise RuntimeError(f"connect_load printed no result (exit {proc.returncode})")
+    return ConnectResult(
+        ops=int(data["ops"]),
+        seconds=float(data["seconds"]),
+        errors=int(data["errors"]),
+        latencies=[us / 1e6 for us in data["latencies_us"]],
+        proxy_cpu=proxy_cpu,
+        first_error=str(data["first_error"]),
+    )
 
 
 # -- 4. wrk ---------------------------------------------------------------------------------------
