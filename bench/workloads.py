@@ -321,27 +321,15 @@ def tunnel_setup(ctx: Context) -> list[Metric]:
                 p99: Metric = p99,
             ) -> None:
                 load = LoadWindow(ctx).start()
+                size = {
+                    "concurrency": conc,
+                    "seconds": ctx.sizes.rate_seconds,
+                    "warmup": ctx.sizes.warmup_seconds,
+                }
                 if native is not None:
-                    r = loadgen.connect_load_native(
-                        native,
-                        proxy,
-                        HOST,
-                        ctx.up.http_port,
-                        concurrency=conc,
-                        seconds=ctx.sizes.rate_seconds,
-                        warmup=ctx.sizes.warmup_seconds,
-                    )
+                    r = loadgen.connect_load_native(native, proxy, HOST, ctx.up.http_port, **size)
                 else:
-                    r = loadgen.run_async(
-                        loadgen.connect_load(
-                            proxy,
-                            HOST,
-                            ctx.up.http_port,
-                            concurrency=conc,
-                            seconds=ctx.sizes.rate_seconds,
-                            warmup=ctx.sizes.warmup_seconds,
-                        )
-                    )
+                    r = loadgen.run_async(loadgen.connect_load(proxy, HOST, ctx.up.http_port, **size))
                 _note_load(rate, name, load.stop())
                 if r.errors:
                     rate.note(f"{name}: {r.errors} failed tunnels in run {run + 1} ({r.first_error})")
