@@ -11,18 +11,22 @@ the Python path serves.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from egressd.engine.fastpath import render
-from egressd.engine.http_rules import audit_response_cut, hostport
-from egressd.engine.plain_http import Request, Upstream, too_large_refusal
-from egressd.refusal import Refusal
+from egressd.engine.http_rules import audit_response_cut
+from egressd.engine.plain_http import (
+    LOST_MID_RESPONSE,
+    Request,
+    Upstream,
+    broken_refusal,
+    request_url,
+    too_large_refusal,
+)
 
 if TYPE_CHECKING:
     from egressd.engine.runtime import ConnState, Runtime
-
-logger = logging.getLogger(__name__)
+    from egressd.refusal import Refusal
 
 
 class NativeExchange:
@@ -35,7 +39,7 @@ class NativeExchange:
         self.state = state
         self.request = request
         self.client_key = client_key
-        self.url = f"http://{hostport(*key)}{request.path}"  # as PlainClient._go spells it
+        self.url = request_url(key, request.path)
         self.limit = rt.policies.get().limits.max_response_bytes
         self.out: list[bytes] = []
         self.done = False
@@ -96,17 +100,17 @@ class NativeExchange:
         audit_response_cut(self.rt, state, state.host, state.port, self.request.path, limit, seen)
 
     def upstream_broke(self, upstream: Upstream, why: str) -> None:
-        logger.info("closing plain-HTTP exchange with %s:%s: %s", *upstream.key, why)
-        if upstream.started:
+        refusal = broken_refusal(upstream, why)
+        if refusal is None:
             self._end()
         else:
-            self._refuse(Refusal("connect_error", f"HTTP/1 protocol error: {why}", *upstream.key))
+            self._refuse(refusal)
 
     def upstream_lost(self, upstream: Upstream) -> None:
         if upstream.phase == "idle":
             self._end()
             return
-        self.upstream_broke(upstream, "server closed the connection before the response ended")
+        self.upstream_broke(upstream, LOST_MID_RESPONSE)
 
     def internal_error(self, exc: BaseException) -> None:
         refusal = self.rt.internal_error("plain_http", exc)

@@ -20,9 +20,10 @@ import asyncio
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from egressd.engine.pinning import Pin
 from egressd.engine.runtime import ConnState
 
 if TYPE_CHECKING:
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from egressd.engine.gate import Admission
     from egressd.engine.plain_http import Request
     from egressd.policy import Decision
+
+# fastpath imports this module, and the plain-HTTP modules cost ~9 ms to import that a command
+# with no plain-HTTP request never pays: those names are imported where they are used
 
 try:
     from egressd.engine import _tunnels
@@ -130,10 +134,6 @@ class NativeFront:
             return False
         if decision.reason == "approved":
             return False  # an approver answers each connection
-        from dataclasses import replace
-
-        from egressd.engine.pinning import Pin
-
         # a served tunnel connects at its first try: its record has no earlier attempts
         hit_pin = Pin(pin.host, pin.port, pin.addresses, pin.connect_timeout, connected=pin.connected)
         hit = replace(admission, pin=hit_pin)
@@ -189,11 +189,15 @@ class NativeFront:
         )
         return 2
 
-    def _opened(self, meta: Remembered, serial: int, peer: str) -> None:
-        """A remembered tunnel is open (called only with an audit log): its connection record."""
+    def _served_state(self, meta: Remembered, peer: str) -> ConnState:
+        """What the records of a served connection say: a fresh connection id, who, to where."""
         state = ConnState(conn_id=self.rt.new_conn_id(), peer=peer, creds=meta.creds)
         state.host, state.port, state.head_seen = meta.host, meta.port, True
-        self.states[serial] = state
+        return state
+
+    def _opened(self, meta: Remembered, serial: int, peer: str) -> None:
+        """A remembered tunnel is open (called only with an audit log): its connection record."""
+        state = self.states[serial] = self._served_state(meta, peer)
         self.rt.audit_connection(state, meta.admission, None)
 
     def _request(self, meta: RememberedRequest, serial: int, peer: str) -> object:
@@ -201,8 +205,7 @@ class NativeFront:
         from egressd.engine.native_exchange import NativeExchange
         from egressd.engine.plain_http import audit_request
 
-        state = ConnState(conn_id=self.rt.new_conn_id(), peer=peer, creds=meta.creds)
-        state.host, state.port, state.head_seen = meta.host, meta.port, True
+        state = self._served_state(meta, peer)
         request = meta.request
         audit_request(self.rt, state, meta.decision, None, request)
         self.rt.audit_connection(state, meta.admission, None)

@@ -429,6 +429,23 @@ def _framing(request: Request, response: Response) -> tuple[str, int]:
     return "eof", 0
 
 
+LOST_MID_RESPONSE = "server closed the connection before the response ended"
+
+
+def request_url(key: tuple[str, int], path: str) -> str:
+    """The URL a request is remembered by (redirect memory), whichever path serves it."""
+    return f"http://{hostport(*key)}{path}"
+
+
+def broken_refusal(upstream: Upstream, why: str) -> Refusal | None:
+    """Broken framing from upstream: egressd's 502 while nothing of the response went out, else
+    None (then both sides close)."""
+    logger.info("closing plain-HTTP exchange with %s:%s: %s", *upstream.key, why)
+    if upstream.started:
+        return None
+    return Refusal("connect_error", f"HTTP/1 protocol error: {why}", *upstream.key)
+
+
 def too_large_refusal(key: tuple[str, int], length: int, limit: int) -> Refusal:
     """egressd's 502 for a Content-Length over limits.max_response_bytes (before any body)."""
     detail = f"the response is {length} bytes; limits.max_response_bytes is {limit}"
@@ -645,7 +662,7 @@ class PlainClient(asyncio.Protocol):
         assert decision.target is not None
         key = (decision.target.host.text, decision.target.port)
         self.request = request
-        self.url = f"http://{hostport(*key)}{request.path}"
+        self.url = request_url(key, request.path)
         head = self.outgoing = self._outgoing_head(request, key)
         upstream = self.upstream
         if upstream is not None and upstream.reuses(key, self):
@@ -806,12 +823,12 @@ class PlainClient(asyncio.Protocol):
 
     def upstream_broke(self, upstream: Upstream, why: str) -> None:
         """Broken framing from upstream: a 502 when nothing was sent yet, else both sides close."""
-        logger.info("closing plain-HTTP exchange with %s:%s: %s", *upstream.key, why)
+        refusal = broken_refusal(upstream, why)
         self._drop_upstream()
-        if upstream.started:
+        if refusal is None:
             self.close()
         else:
-            self._refuse(Refusal("connect_error", f"HTTP/1 protocol error: {why}", *upstream.key))
+            self._refuse(refusal)
 
     def upstream_lost(self, upstream: Upstream) -> None:
         if upstream is not self.upstream:
@@ -820,7 +837,7 @@ class PlainClient(asyncio.Protocol):
         self.upstream = None
         if upstream.phase == "idle":
             return  # a kept-alive connection the server closed: the next request opens another
-        self.upstream_broke(upstream, "server closed the connection before the response ended")
+        self.upstream_broke(upstream, LOST_MID_RESPONSE)
 
     def _drop_upstream(self) -> None:
         upstream, self.upstream = self.upstream, None
