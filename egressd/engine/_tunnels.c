@@ -449,6 +449,13 @@ static int buf_room(Conn *c, size_t want) {
 static void start_connect(Front *f, Conn *c, Entry *e, double now);
 static void relay_started(Conn *c);
 
+/* the remembered address failed (refused, error, connect_timeout): forget the head, and let the
+ * Python path connect again and answer with its own refusal and record */
+static void connect_failed(Front *f, Conn *c, double now) {
+    table_remove(f, c->buf, c->head_len);
+    hand_off(f, c, now);
+}
+
 static void head_bytes(Front *f, Conn *c, double now) {
     static const char prefix[] = "CONNECT ";
     char *end = c->len >= 4 ? memmem(c->buf, c->len, "\r\n\r\n", 4) : NULL;
@@ -512,9 +519,7 @@ static void start_connect(Front *f, Conn *c, Entry *e, double now) {
     timed_add(f, c);
     arm(f, c->deadline);
     if (connect(fd, (struct sockaddr *)&e->addr, e->alen) < 0 && errno != EINPROGRESS) {
-        /* refused at once: the Python path connects again and answers with its own refusal */
-        table_remove(f, c->buf, c->head_len);
-        hand_off(f, c, now);
+        connect_failed(f, c, now);
         return;
     }
     if (update(f, &c->up) || update(f, &c->client)) conn_abort(f, c);
@@ -627,8 +632,7 @@ static void on_connected(Front *f, Conn *c, double now) {
     if (getsockopt(c->up.fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
     if (err == EINPROGRESS || err == EALREADY) return;
     if (err != 0) {
-        table_remove(f, c->buf, c->head_len);
-        hand_off(f, c, now);
+        connect_failed(f, c, now);
         return;
     }
     c->deadline = 0;
@@ -830,11 +834,8 @@ static void on_timer(Front *f, double now) {
         n = c->tnext;
         if (c->deadline != 0 && c->deadline <= now) {
             if (c->stage == ST_HEAD) timed_out_head(f, c);
-            else if (c->stage == ST_CONNECTING) {
-                /* the Python path connects again and answers 504 with its record */
-                table_remove(f, c->buf, c->head_len);
-                hand_off(f, c, now);
-            } else c->deadline = 0;
+            else if (c->stage == ST_CONNECTING) connect_failed(f, c, now);
+            else c->deadline = 0;
             if (c->dead) continue;
         }
         for (int i = 0; i < 2; i++) {
@@ -1022,12 +1023,8 @@ static void front_close_all(Front *f) {
     }
 }
 
-static PyObject *Front_close(Front *f, PyObject *Py_UNUSED(ignored)) {
-    if (f->closed) Py_RETURN_NONE;
-    if (f->in_poll) {
-        PyErr_SetString(PyExc_RuntimeError, "close() from inside poll()");
-        return NULL;
-    }
+/* every connection, the table and the epoll set: by close(), or when the object goes */
+static void front_release(Front *f) {
     Front_stop_listening(f, NULL);
     front_close_all(f);
     table_clear(f);
@@ -1035,6 +1032,15 @@ static PyObject *Front_close(Front *f, PyObject *Py_UNUSED(ignored)) {
     if (f->ep >= 0) close(f->ep);
     if (f->tfd >= 0) close(f->tfd);
     f->ep = f->tfd = -1;
+}
+
+static PyObject *Front_close(Front *f, PyObject *Py_UNUSED(ignored)) {
+    if (f->closed) Py_RETURN_NONE;
+    if (f->in_poll) {
+        PyErr_SetString(PyExc_RuntimeError, "close() from inside poll()");
+        return NULL;
+    }
+    front_release(f);
     Py_RETURN_NONE;
 }
 
@@ -1120,13 +1126,7 @@ static PyObject *Front_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 }
 
 static void Front_dealloc(Front *f) {
-    if (!f->closed && !f->in_poll) {
-        Front_stop_listening(f, NULL);
-        front_close_all(f);
-        table_clear(f);
-        if (f->ep >= 0) close(f->ep);
-        if (f->tfd >= 0) close(f->tfd);
-    }
+    if (!f->closed && !f->in_poll) front_release(f);
     Py_XDECREF(f->on_miss);
     Py_XDECREF(f->on_hello);
     Py_XDECREF(f->on_opened);
