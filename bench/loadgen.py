@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import random
 import socket
@@ -120,6 +119,46 @@ def throughput(proxy: Proxy, host: str, port: int, nbytes: int, tls: ssl.SSLCont
     if ack != b"\x01":
         raise ProxyError("the sink did not confirm the bytes (tunnel broken)")
     return Transfer(elapsed, nbytes, cpu.stop())
+
+
+def native_tls_load_binary() -> Path | None:
+    """bench/tls_load.c (workload 1's TLS client and sink) built against OpenSSL, else None."""
+    return system.build_c(Path(__file__).with_name("tls_load.c"), ["-lssl", "-lcrypto", "-lpthread"])
+
+
+def tls_throughput_native(
+    binary: Path, proxy: Proxy, host: str, port: int, nbytes: int, ca: Path
+) -> Transfer:
+    """Workload 1 (TLS) with the C client (bench/tls_load.c) against its C sink: the same exchange
+    as throughput() with an ssl context, a fraction of the load core's CPU per byte."""
+    connect = b"" if proxy.direct else proxy.connect_request(host, port)
+    address = (host, port) if proxy.direct else (proxy.host, proxy.port)
+    argv = [str(binary), "send", address[0], str(address[1]), connect.decode(), host, str(nbytes), str(ca)]
+    data, proxy_cpu = _run_windowed(argv, proxy)
+    return Transfer(float(data["seconds"]), int(data["bytes"]), proxy_cpu)
+
+
+def _run_windowed(argv: list[str], proxy: Proxy) -> tuple[dict[str, Any], float]:
+    """Run a C load generator: the proxy's CPU between its WINDOW_START and WINDOW_END lines, and
+    the JSON line it prints last."""
+    cpu = system.CpuWindow(proxy.pid)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proxy_cpu = 0.0
+    data: dict[str, Any] = {}
+    for line in proc.stdout:
+        if line.startswith("WINDOW_START"):
+            cpu.start()
+        elif line.startswith("WINDOW_END"):
+            proxy_cpu = cpu.stop()
+        elif line.startswith("{"):
+            data = json.loads(line)
+    err = proc.stderr.read()
+    proc.wait(timeout=60)
+    if not data:
+        name = Path(argv[0]).name
+        raise ProxyError(f"{name}: {err.strip() or f'exit {proc.returncode}'}"[:300])
+    return data, proxy_cpu
 
 
 # -- 2/3. CONNECT + small request + close -----------------------------------------------------------
@@ -296,20 +335,9 @@ async def connect_load(
     return result
 
 
-_CONNECT_LOAD_C = Path(__file__).with_name("connect_load.c")
-
-
 def native_connect_load_binary() -> Path | None:
-    """bench/connect_load.c built (once per source change) with the system C compiler, else None."""
-    source = _CONNECT_LOAD_C.read_bytes()
-    binary = Path("/tmp") / f"egressd-bench-connect_load-{hashlib.sha256(source).hexdigest()[:12]}"
-    if not binary.exists():
-        try:
-            argv = ["cc", "-O2", "-o", str(binary), str(_CONNECT_LOAD_C)]
-            subprocess.run(argv, check=True, capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError):
-            return None
-    return binary
+    """bench/connect_load.c built with the system C compiler, else None."""
+    return system.build_c(Path(__file__).with_name("connect_load.c"))
 
 
 def connect_load_native(
@@ -321,21 +349,7 @@ def connect_load_native(
     address = (host, port) if proxy.direct else (proxy.host, proxy.port)
     argv = [str(binary), address[0], str(address[1]), str(concurrency), str(warmup), str(seconds)]
     argv += [connect.decode(), small_get(host, port).decode()]
-    cpu = system.CpuWindow(proxy.pid)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    proxy_cpu = 0.0
-    data: dict[str, Any] = {}
-    for line in proc.stdout:
-        if line.startswith("WINDOW_START"):
-            cpu.start()
-        elif line.startswith("WINDOW_END"):
-            proxy_cpu = cpu.stop()
-        elif line.startswith("{"):
-            data = json.loads(line)
-    proc.wait(timeout=60)
-    if not data:
-        raise RuntimeError(f"connect_load printed no result (exit {proc.returncode})")
+    data, proxy_cpu = _run_windowed(argv, proxy)
     return ConnectResult(
         ops=int(data["ops"]),
         seconds=float(data["seconds"]),

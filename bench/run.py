@@ -185,8 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     certs = make_certs(work / "certs")
     registry_root = work / "registry"
+    tls_load = loadgen.native_tls_load_binary()
+    if tls_load is None:
+        notes.append("bench/tls_load.c did not build (cc, libssl-dev?): workload 1's TLS uses Python's ssl")
     up = upstream.start(
-        work / "upstream", certs, registry_root, sizes.big_response_bytes, system.LOAD_CPU if pin else None
+        work / "upstream",
+        certs,
+        registry_root,
+        sizes.big_response_bytes,
+        system.LOAD_CPU if pin else None,
+        tls_load,
     )
     meta["upstreams"] = upstream.describe(up)
     ctx = Context(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import os
 import resource
@@ -24,6 +25,8 @@ DEBIAN_TOOLS: dict[str, str] = {
     "taskset": "util-linux",
     "ip": "iproute2",
     "npm": "npm",  # only when the npm job runs and no npm is on PATH
+    "cc": "gcc",  # the C load generators (bench/connect_load.c, bench/tls_load.c)
+    "/usr/include/openssl/ssl.h": "libssl-dev",  # bench/tls_load.c
 }
 # PyPI packages installed into the bench's own interpreter (the venv) when missing; never in pyproject.
 PYPI_TOOLS: dict[str, str] = {"matplotlib": "matplotlib", "uvloop": "uvloop", "py_spy": "py-spy"}
@@ -42,9 +45,27 @@ def which(binary: str) -> str | None:
     )
 
 
+def _present(tool: str) -> bool:
+    return Path(tool).exists() if tool.startswith("/") else which(tool) is not None
+
+
+def build_c(source: Path, libraries: Sequence[str] = ()) -> Path | None:
+    """source built (once per content) with the system C compiler into /tmp, else None."""
+    text = source.read_bytes()
+    binary = Path("/tmp") / f"egressd-bench-{source.stem}-{hashlib.sha256(text).hexdigest()[:12]}"
+    if not binary.exists():
+        try:
+            argv = ["cc", "-O2", "-o", f"{binary}.part", str(source), *libraries]
+            subprocess.run(argv, check=True, capture_output=True, timeout=120)
+            os.replace(f"{binary}.part", binary)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return binary
+
+
 def ensure_debian_tools(binaries: Iterable[str]) -> None:
     """apt-get install what is missing (the bench's peers and tools); one `apt-get update` first."""
-    missing = sorted({DEBIAN_TOOLS[b] for b in binaries if which(b) is None})
+    missing = sorted({DEBIAN_TOOLS[b] for b in binaries if not _present(b)})
     if not missing:
         return
     if os.geteuid() != 0:

@@ -2,9 +2,11 @@
 
 - nginx (one worker): plain HTTP and HTTPS origin (`/small`, 128 bytes; `/big`, the large response)
   and the local npm registry (HTTPS, static packuments and tarballs).
-- This module's own server process (`python -m bench.upstream`): a raw-TCP sink and a TLS sink for
-  the 1 GiB tunnel (the client sends an 8-byte length, then the bytes; the sink answers one byte once
-  it has read them all) and an echo server for the idle tunnels.
+- This module's own server process (`python -m bench.upstream`): a raw-TCP sink for the 1 GiB tunnel
+  (the client sends an 8-byte length, then the bytes; the sink answers one byte once it has read them
+  all) and an echo server for the idle tunnels.
+- The TLS sink for the 1 GiB tunnel: bench/tls_load.c's (C, OpenSSL; it counts the records after the
+  first without decrypting them) when it builds, else a thread of the Python server process.
 """
 
 from __future__ import annotations
@@ -42,16 +44,22 @@ class Upstreams:
     nginx: subprocess.Popen[bytes]
     servers: subprocess.Popen[bytes]
     nginx_conf: str
+    tls_sink: subprocess.Popen[bytes] | None = None  # the C TLS sink; None: the Python one
+    tls_load: Path | None = None  # bench/tls_load.c built, when the C sink runs
+
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in (self.tls_sink, self.servers, self.nginx) if p is not None]
 
     @property
     def host(self) -> str:
         return "127.0.0.1"
 
     def stop(self) -> None:
-        for proc in (self.servers, self.nginx):
+        for proc in self.processes:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM if proc is self.servers else signal.SIGQUIT)
-        for proc in (self.servers, self.nginx):
+                proc.send_signal(signal.SIGQUIT if proc is self.nginx else signal.SIGTERM)
+        for proc in self.processes:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -95,7 +103,10 @@ http {{
 """
 
 
-def start(work: Path, certs: Certs, registry: Path, big_bytes: int, cpu: int | None) -> Upstreams:
+def start(
+    work: Path, certs: Certs, registry: Path, big_bytes: int, cpu: int | None, tls_load: Path | None
+) -> Upstreams:
+    """tls_load: bench/tls_load.c built (its sink serves TLS), or None (the Python sink does)."""
     www = work / "www"
     www.mkdir(parents=True, exist_ok=True)
     (www / "small").write_bytes(SMALL_BODY)
@@ -120,33 +131,26 @@ def start(work: Path, certs: Certs, registry: Path, big_bytes: int, cpu: int | N
         "daemon off;",
     ]
     nginx = subprocess.Popen(system.pinned(argv, cpu), stdin=subprocess.DEVNULL)
+    python_argv = [sys.executable, "-m", "bench.upstream", "--sink", str(sink), "--echo", str(echo)]
+    python_argv += ["--cert", str(certs.cert), "--key", str(certs.key)]
+    native_sink = None
+    if tls_load is not None:
+        sink_argv = [str(tls_load), "sink", str(tls_sink), str(certs.cert), str(certs.key)]
+        native_sink = subprocess.Popen(system.pinned(sink_argv, cpu), stdin=subprocess.DEVNULL)
+    else:
+        python_argv += ["--tls-sink", str(tls_sink)]
     servers = subprocess.Popen(
-        system.pinned(
-            [
-                sys.executable,
-                "-m",
-                "bench.upstream",
-                "--sink",
-                str(sink),
-                "--tls-sink",
-                str(tls_sink),
-                "--echo",
-                str(echo),
-                "--cert",
-                str(certs.cert),
-                "--key",
-                str(certs.key),
-            ],
-            cpu,
-        ),
+        system.pinned(python_argv, cpu),
         stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
     )
-    up = Upstreams(http, https, reg, sink, tls_sink, echo, certs, nginx, servers, conf_text)
+    up = Upstreams(
+        http, https, reg, sink, tls_sink, echo, certs, nginx, servers, conf_text, native_sink, tls_load
+    )
     try:
         for port, proc in ((http, nginx), (https, nginx), (reg, nginx), (sink, servers), (echo, servers)):
             system.wait_port("127.0.0.1", port, proc=proc)
-        system.wait_port("127.0.0.1", tls_sink, proc=servers)
+        system.wait_port("127.0.0.1", tls_sink, proc=native_sink or servers)
     except Exception:
         up.stop()
         raise
@@ -211,7 +215,7 @@ async def _echo_main(port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="the bench's sink and echo upstreams")
     parser.add_argument("--sink", type=int, required=True)
-    parser.add_argument("--tls-sink", type=int, required=True)
+    parser.add_argument("--tls-sink", type=int, help="serve the TLS sink here too (no C one)")
     parser.add_argument("--echo", type=int, required=True)
     parser.add_argument("--cert", required=True)
     parser.add_argument("--key", required=True)
@@ -219,14 +223,16 @@ def main() -> None:
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls.load_cert_chain(args.cert, args.key)
     for port, ctx in ((args.sink, None), (args.tls_sink, tls)):
-        threading.Thread(target=_sink_server, args=(port, ctx), daemon=True).start()
+        if port is not None:
+            threading.Thread(target=_sink_server, args=(port, ctx), daemon=True).start()
     asyncio.run(_echo_main(args.echo))
 
 
 def describe(up: Upstreams) -> dict[str, object]:
     return {
         "nginx": {"http": up.http_port, "https": up.https_port, "registry": up.registry_port},
-        "python": {"sink": up.sink_port, "tls_sink": up.tls_sink_port, "echo": up.echo_port},
+        "python": {"sink": up.sink_port, "echo": up.echo_port},
+        "tls_sink": {"port": up.tls_sink_port, "by": "bench/tls_load.c" if up.tls_sink else "python"},
         "nginx.conf": up.nginx_conf,
     }
 

@@ -208,7 +208,7 @@ class LoadWindow:
     """
 
     def __init__(self, ctx: Context) -> None:
-        self.pids = [ctx.up.nginx.pid, ctx.up.servers.pid]
+        self.pids = [proc.pid for proc in ctx.up.processes]
         self.pinned = ctx.proxy_cpu is not None
 
     def _cpu(self) -> float:
@@ -261,7 +261,12 @@ def tunnel_throughput(ctx: Context) -> list[Metric]:
             raw_cpu.add(name, r.proxy_cpu / gib)
         time.sleep(SETTLE)
         load = LoadWindow(ctx).start()
-        t = loadgen.throughput(proxy, HOST, ctx.up.tls_sink_port, size, ctx.certs.client_context())
+        if ctx.up.tls_load is not None:  # C client and sink: Python's ssl on both ends is the limit
+            t = loadgen.tls_throughput_native(
+                ctx.up.tls_load, proxy, HOST, ctx.up.tls_sink_port, size, ctx.certs.ca
+            )
+        else:
+            t = loadgen.throughput(proxy, HOST, ctx.up.tls_sink_port, size, ctx.certs.client_context())
         _note_load(tls, name, load.stop())
         tls.add(name, t.mib_per_s)
         if not proxy.direct:
