@@ -45,7 +45,7 @@ def which(binary: str) -> str | None:
     )
 
 
-def _present(tool: str) -> bool:
+def _installed(tool: str) -> bool:
     return Path(tool).exists() if tool.startswith("/") else which(tool) is not None
 
 
@@ -65,7 +65,7 @@ def build_c(source: Path, libraries: Sequence[str] = ()) -> Path | None:
 
 def ensure_debian_tools(binaries: Iterable[str]) -> None:
     """apt-get install what is missing (the bench's peers and tools); one `apt-get update` first."""
-    missing = sorted({DEBIAN_TOOLS[b] for b in binaries if not _present(b)})
+    missing = sorted({DEBIAN_TOOLS[b] for b in binaries if not _installed(b)})
     if not missing:
         return
     if os.geteuid() != 0:
