@@ -106,10 +106,7 @@ static void *sink_connection(void *arg) {
     unsigned char header[8];
     if (!ssl || !buf) goto out;
     SSL_set_fd(ssl, fd);
-    if (SSL_accept(ssl) != 1) {
-        sink_failed("TLS handshake");
-        goto out;
-    }
+    if (SSL_accept(ssl) != 1) goto out; /* the bench's port probes connect and close at once */
     if (read_full(ssl, header, 8) < 0) {
         sink_failed("reading the length");
         goto out;
