@@ -36,7 +36,7 @@ from egressd.policy import parse_policy
 from tests.support import netns
 from tests.support.corpus import Reader, read_response
 from tests.support.dns_server import DnsServer
-from tests.support.upstreams import EchoHTTPSServer, TcpEchoServer
+from tests.support.upstreams import EchoHTTPSServer, StallableEchoServer, TcpEchoServer
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("EGRESSD_NATIVE") == "0", reason="EGRESSD_NATIVE=0: the native front is off on purpose"
@@ -329,6 +329,71 @@ def test_a_failed_connect_goes_back_to_python_and_its_refusal(audit_path: Path) 
         assert denied and denied[-1]["stage"] == "connection"
     finally:
         engine.stop()
+
+
+def _connection_records(path: Path) -> list[dict[str, object]]:
+    return [r for r in _records(path) if r.get("stage") == "connection"]
+
+
+def test_a_remembered_address_that_times_out_costs_no_more_than_twice_connect_timeout(
+    audit_path: Path,
+) -> None:
+    """The remembered address stops answering: the native connect times out after connect_timeout,
+    Python tries it again only for what is left of 2x connect_timeout (not a whole new budget),
+    and the client gets the 504 with both attempts in its record."""
+    with StallableEchoServer(netns.UPSTREAM_V4[6]) as server:
+        host, port = server.address
+        engine = _engine(_policy([f"{host}:{port}"], {"connect_timeout": 1}), audit_path)
+        try:
+            head = _served_head(engine, f"{host}:{port}")
+            server.stall()
+            start = time.monotonic()
+            answer = _answer_to(engine, head)
+            elapsed = time.monotonic() - start
+            assert answer.startswith(b"HTTP/1.1 504"), answer
+            assert b"X-Egressd-Reason: connect_timeout" in answer, answer
+            stats = _stats(engine)
+            assert stats["hits"] == 1 and stats["entries"] == 0, stats
+        finally:
+            engine.stop()
+        assert server.connections == 1
+    # before: 1 s natively, then a fresh 2 s budget in Python (3 s)
+    assert elapsed < 2 * 1 + 0.7, elapsed
+    attempts = _connection_records(audit_path)[-1]["attempts"]
+    assert isinstance(attempts, list) and len(attempts) == 2, attempts
+    assert attempts[0] == f"{host}:{port}: timed out after 1s"
+    assert attempts[1].startswith(f"{host}:{port}: timed out after "), attempts
+
+
+def test_after_a_remembered_address_times_out_the_other_addresses_go_first(
+    audit_path: Path, dns: DnsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name with two addresses; the first, remembered, stops answering. After the native connect
+    times out, Python tries the second address first (the silent one last): the tunnel opens
+    within about one connect_timeout, not after the silent address is waited for again."""
+    monkeypatch.setattr(native_front, "NAME_TTL", 30.0)
+    with StallableEchoServer(netns.UPSTREAM_V4[6]) as first:
+        host, port = first.address
+        with TcpEchoServer(netns.UPSTREAM_V6[7], port, name="second") as second:
+            # A answers come before AAAA answers: the IPv4 address is tried (and remembered) first
+            dns.add("two.test", host, second.host)
+            policy = _policy([f"two.test:{port}", "198.51.100.0/24", "2001:db8::/32"], {"connect_timeout": 1})
+            engine = _engine(policy, audit_path, nameservers=[dns.address])
+            try:
+                head = _served_head(engine, f"two.test:{port}")
+                assert first.connections == 1 and second.connections == 0
+                first.stall()
+                start = time.monotonic()
+                _echo_once(engine, head)
+                elapsed = time.monotonic() - start
+                assert _stats(engine)["hits"] == 1
+            finally:
+                engine.stop()
+            assert second.connections == 1
+    assert elapsed < 1 + 0.7, elapsed  # before: 1 s natively, 1 s more in Python, then the second
+    record = _connection_records(audit_path)[-1]
+    assert record["connected"] == f"{second.host}:{port}", record
+    assert record["attempts"] == [f"{host}:{port}: timed out after 1s"], record
 
 
 def _hello(server_name: str | None) -> bytes:

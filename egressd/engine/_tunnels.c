@@ -79,6 +79,7 @@ struct Conn {
     PyObject *outgoing; /* a request: the head to send upstream (NULL: a tunnel) */
     PyObject *feed;     /* a request: Python's response reader, feed(bytes | None) -> (bytes, done) */
     unsigned long long serial;
+    double connect_started;
     long long bytes_up, bytes_down;
     int reported; /* opened() was called: closed() is owed */
     int coalesce;
@@ -407,7 +408,8 @@ static void on_writable(Front *f, Side *s) {
 
 /* -- handing a connection to Python ------------------------------------------------------------ */
 
-static void hand_off(Front *f, Conn *c, double now) {
+/* earlier: None, or (meta, seconds) of a remembered address that did not answer in time */
+static void hand_off_after(Front *f, Conn *c, double now, PyObject *earlier) {
     int fd = c->client.fd;
     if (c->client.events) {
         struct epoll_event e = {0};
@@ -422,7 +424,7 @@ static void hand_off(Front *f, Conn *c, double now) {
     conn_bury(f, c);
     PyObject *data = PyBytes_FromStringAndSize(c->buf ? c->buf : "", (Py_ssize_t)c->len);
     PyObject *r = NULL;
-    if (data != NULL) r = PyObject_CallFunction(f->on_miss, "iOd", fd, data, now - c->started);
+    if (data != NULL) r = PyObject_CallFunction(f->on_miss, "iOdO", fd, data, now - c->started, earlier);
     Py_XDECREF(data);
     if (r == NULL) {
         PyErr_WriteUnraisable(f->on_miss);
@@ -432,6 +434,8 @@ static void hand_off(Front *f, Conn *c, double now) {
     }
     Py_XDECREF(r);
 }
+
+static void hand_off(Front *f, Conn *c, double now) { hand_off_after(f, c, now, Py_None); }
 
 /* -- the head ---------------------------------------------------------------------------------- */
 
@@ -450,10 +454,17 @@ static void start_connect(Front *f, Conn *c, Entry *e, double now);
 static void relay_started(Conn *c);
 
 /* the remembered address failed (refused, error, connect_timeout): forget the head, and let the
- * Python path connect again and answer with its own refusal and record */
-static void connect_failed(Front *f, Conn *c, double now) {
+ * Python path connect again and answer with its own refusal and record. After a timeout Python is
+ * told the time spent (it counts against its 2x connect_timeout) and tries that address last. */
+static void connect_failed(Front *f, Conn *c, double now, int timed_out) {
+    PyObject *earlier = NULL;
+    if (timed_out && c->meta != NULL) {
+        earlier = Py_BuildValue("(Od)", c->meta, now - c->connect_started);
+        if (earlier == NULL) PyErr_Clear();
+    }
     table_remove(f, c->buf, c->head_len);
-    hand_off(f, c, now);
+    hand_off_after(f, c, now, earlier ? earlier : Py_None);
+    Py_XDECREF(earlier);
 }
 
 static void head_bytes(Front *f, Conn *c, double now) {
@@ -515,11 +526,12 @@ static void start_connect(Front *f, Conn *c, Entry *e, double now) {
     c->up.fd = fd;
     c->up.closed = 0;
     c->stage = ST_CONNECTING;
+    c->connect_started = now;
     c->deadline = now + e->connect_timeout;
     timed_add(f, c);
     arm(f, c->deadline);
     if (connect(fd, (struct sockaddr *)&e->addr, e->alen) < 0 && errno != EINPROGRESS) {
-        connect_failed(f, c, now);
+        connect_failed(f, c, now, 0);
         return;
     }
     if (update(f, &c->up) || update(f, &c->client)) conn_abort(f, c);
@@ -632,7 +644,7 @@ static void on_connected(Front *f, Conn *c, double now) {
     if (getsockopt(c->up.fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
     if (err == EINPROGRESS || err == EALREADY) return;
     if (err != 0) {
-        connect_failed(f, c, now);
+        connect_failed(f, c, now, 0);
         return;
     }
     c->deadline = 0;
@@ -834,7 +846,7 @@ static void on_timer(Front *f, double now) {
         n = c->tnext;
         if (c->deadline != 0 && c->deadline <= now) {
             if (c->stage == ST_HEAD) timed_out_head(f, c);
-            else if (c->stage == ST_CONNECTING) connect_failed(f, c, now);
+            else if (c->stage == ST_CONNECTING) connect_failed(f, c, now, 1);
             else c->deadline = 0;
             if (c->dead) continue;
         }

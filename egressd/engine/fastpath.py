@@ -23,7 +23,7 @@ from egressd.engine import faults, native_front
 from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem
-from egressd.engine.pinning import ConnectFailure, connect_protocol
+from egressd.engine.pinning import ConnectFailure, EarlierAttempt, connect_protocol
 from egressd.engine.sni import sni_problem
 from egressd.refusal import Refusal
 
@@ -187,13 +187,20 @@ class FrontProtocol(_Pipe):
     """The client side: reads the request head, then becomes one side of a relay."""
 
     def __init__(
-        self, front: FastFront, kind: str = "http", initial: bytes = b"", waited: float = 0.0
+        self,
+        front: FastFront,
+        kind: str = "http",
+        initial: bytes = b"",
+        waited: float = 0.0,
+        earlier: EarlierAttempt | None = None,
     ) -> None:
         super().__init__(Tunnel(self), upstream=False)
         # a connection the native front read first (egressd/engine/native_front.py): its bytes,
-        # and how long it waited for them (header_timeout counts from the accept)
+        # how long it waited for them (header_timeout counts from the accept), and its connect to
+        # the remembered address when that timed out (the first upstream connect accounts for it)
         self.initial = initial
         self.waited = waited
+        self.earlier = earlier
         self.generation = -1  # the native front's generation when the head was complete
         self.front = front
         self.kind = kind
@@ -359,6 +366,7 @@ class FrontProtocol(_Pipe):
             self._refuse(admission.refusal)
             return
         pin = admission.pin
+        pin.earlier, self.earlier = self.earlier, None
         upstream = _Pipe(self.tunnel, upstream=True, coalesce=True)
         try:
             await connect_protocol(pin, upstream)

@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from egressd.engine.pinning import Pin
+from egressd.engine.pinning import EarlierAttempt, Pin
 from egressd.engine.runtime import ConnState
 
 if TYPE_CHECKING:
@@ -151,16 +151,24 @@ class NativeFront:
         )
 
     # -- callbacks from C (inside poll, on the loop thread) ----------------------------------------
-    def _miss(self, fd: int, data: bytes, waited: float) -> bool:
-        """A connection Python decides: adopt its socket with the bytes read so far."""
+    def _miss(self, fd: int, data: bytes, waited: float, timed_out: tuple[Remembered, float] | None) -> bool:
+        """A connection Python decides: adopt its socket with the bytes read so far (and, when the
+        remembered address did not answer within connect_timeout, which one and for how long)."""
         from egressd.engine.fastpath import FrontProtocol
+
+        earlier = None
+        if timed_out is not None:
+            meta, seconds = timed_out
+            pin = meta.admission.pin
+            if pin is not None and pin.connected is not None:
+                earlier = EarlierAttempt(pin.connected[0], pin.connected[1], seconds)
 
         try:
             sock = socket.socket(fileno=fd)
         except OSError:
             return False
         try:
-            protocol = FrontProtocol(self.front, "http", initial=data, waited=waited)
+            protocol = FrontProtocol(self.front, "http", initial=data, waited=waited, earlier=earlier)
             self.loop.create_task(self._adopt(sock, protocol))
         except Exception:  # noqa: BLE001 - C closes the fd
             logger.exception("could not adopt a connection")

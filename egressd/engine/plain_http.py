@@ -730,6 +730,7 @@ class PlainClient(asyncio.Protocol):
             rt.audit_connection(state, admission, None)
             return self._refuse(admission.refusal)
         pin = admission.pin
+        pin.earlier, self.front.earlier = self.front.earlier, None
         upstream = Upstream(self, key)
         try:
             await connect_protocol(pin, upstream)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import select
 import socket
 import socketserver
 import ssl
@@ -436,6 +437,64 @@ class TcpEchoServer(ServedInThread):
 
     def _make_server(self) -> socketserver.BaseServer:
         return _TCPServer(self, (self.host, self.port))
+
+
+class StallableEchoServer:
+    """A TCP echo server that, once ``stall()`` is called, stops answering connects: later SYNs
+    are dropped (the StallingPort trick: a backlog-0 accept queue filled by a connection of our
+    own), so a client's connect times out. For an address that worked and then goes silent."""
+
+    def __init__(self, host: str, port: int = 0) -> None:
+        self.host = host
+        self.connections = 0
+        self._listener = socket.socket(_family(host), socket.SOCK_STREAM)
+        self._listener.bind((host, port))
+        self._listener.listen(0)
+        self.port = int(self._listener.getsockname()[1])
+        self._stalled = threading.Event()
+        self._served: list[socket.socket] = []
+        self._filler: socket.socket | None = None
+        self._thread = threading.Thread(target=self._accept, name="stallable-echo", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def _accept(self) -> None:
+        while not self._stalled.is_set():
+            ready, _, _ = select.select([self._listener], [], [], 0.02)
+            if ready and not self._stalled.is_set():
+                conn, _ = self._listener.accept()
+                self.connections += 1
+                self._served.append(conn)
+                threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    def stall(self) -> None:
+        self._stalled.set()
+        self._thread.join()
+        self._filler = socket.create_connection(self.address, timeout=2)  # fills the queue
+
+    def close(self) -> None:
+        self._stalled.set()
+        self._thread.join()
+        for sock in [*self._served, self._filler, self._listener]:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes its echo thread
+                sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class RefusingPort:
