@@ -179,33 +179,35 @@ static void table_clear(Front *f) {
     f->nentries = 0;
 }
 
-static void table_remove(Front *f, const char *key, size_t klen) {
+/* the link that points at key's entry, or at the NULL that ends its bucket */
+static Entry **table_link(Front *f, const char *key, size_t klen) {
     uint64_t h = hash_bytes(key, klen);
     Entry **pp = &f->table[h % TABLE_SIZE];
-    while (*pp) {
-        Entry *e = *pp;
-        if (e->hash == h && e->klen == klen && memcmp(e->key, key, klen) == 0) {
-            *pp = e->next;
-            entry_free(e);
-            f->nentries--;
-            return;
-        }
-        pp = &e->next;
-    }
+    while (*pp && !((*pp)->hash == h && (*pp)->klen == klen && memcmp((*pp)->key, key, klen) == 0))
+        pp = &(*pp)->next;
+    return pp;
+}
+
+static void table_unlink(Front *f, Entry **pp) {
+    Entry *e = *pp;
+    *pp = e->next;
+    entry_free(e);
+    f->nentries--;
+}
+
+static void table_remove(Front *f, const char *key, size_t klen) {
+    Entry **pp = table_link(f, key, klen);
+    if (*pp) table_unlink(f, pp);
 }
 
 static Entry *table_find(Front *f, const char *key, size_t klen, double now) {
-    uint64_t h = hash_bytes(key, klen);
-    for (Entry *e = f->table[h % TABLE_SIZE]; e; e = e->next) {
-        if (e->hash == h && e->klen == klen && memcmp(e->key, key, klen) == 0) {
-            if (e->expires < now) {
-                table_remove(f, key, klen);
-                return NULL;
-            }
-            return e;
-        }
+    Entry **pp = table_link(f, key, klen);
+    if (*pp == NULL) return NULL;
+    if ((*pp)->expires < now) {
+        table_unlink(f, pp);
+        return NULL;
     }
-    return NULL;
+    return *pp;
 }
 
 /* -- epoll interest ---------------------------------------------------------------------------- */
@@ -549,32 +551,28 @@ static void relay_started(Conn *c) {
 static void check_hello(Front *f, Conn *c, double now) {
     /* the first bytes of the tunnel: a TLS ClientHello is checked by Python (SNI rule) */
     if (c->len == 0) return;
-    if ((unsigned char)c->buf[0] != 0x16) {
-        c->stage = ST_RELAY;
-        forward_client_bytes(f, c, c->buf, c->len, now);
-        relay_started(c);
-        return;
-    }
-    PyObject *data = PyBytes_FromStringAndSize(c->buf, (Py_ssize_t)c->len);
-    PyObject *r = NULL;
-    if (data != NULL) r = PyObject_CallFunction(f->on_hello, "OOK", c->meta, data, c->serial);
-    Py_XDECREF(data);
-    long verdict = 2;
-    if (r == NULL) PyErr_WriteUnraisable(f->on_hello);
-    else verdict = PyLong_AsLong(r);
-    Py_XDECREF(r);
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        verdict = 2;
-    }
-    if (c->dead) return;
-    if (verdict == 0) { /* not complete yet */
-        if (c->len > HELLO_LIMIT) conn_abort(f, c);
-        return;
-    }
-    if (verdict != 1) {
-        conn_abort(f, c); /* refused (Python recorded why) */
-        return;
+    if ((unsigned char)c->buf[0] == 0x16) {
+        PyObject *data = PyBytes_FromStringAndSize(c->buf, (Py_ssize_t)c->len);
+        PyObject *r = NULL;
+        if (data != NULL) r = PyObject_CallFunction(f->on_hello, "OOK", c->meta, data, c->serial);
+        Py_XDECREF(data);
+        long verdict = 2;
+        if (r == NULL) PyErr_WriteUnraisable(f->on_hello);
+        else verdict = PyLong_AsLong(r);
+        Py_XDECREF(r);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            verdict = 2;
+        }
+        if (c->dead) return;
+        if (verdict == 0) { /* not complete yet */
+            if (c->len > HELLO_LIMIT) conn_abort(f, c);
+            return;
+        }
+        if (verdict != 1) {
+            conn_abort(f, c); /* refused (Python recorded why) */
+            return;
+        }
     }
     c->stage = ST_RELAY;
     forward_client_bytes(f, c, c->buf, c->len, now);

@@ -162,7 +162,6 @@ class NativeFront:
             pin = meta.admission.pin
             if pin is not None and pin.connected is not None:
                 earlier = EarlierAttempt(pin.connected[0], pin.connected[1], seconds)
-
         try:
             sock = socket.socket(fileno=fd)
         except OSError:
