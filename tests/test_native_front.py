@@ -130,6 +130,11 @@ def _records(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _connection_records(records: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The decision records of connections (not of requests)."""
+    return [r for r in records if r["event"] == "decision" and r.get("stage") == "connection"]
+
+
 def _assert_alike(records: list[dict[str, object]], keys: tuple[str, ...]) -> None:
     """Records of served connections say what the first one (decided by Python) said."""
     for record in records[1:]:
@@ -158,7 +163,7 @@ def test_a_repeated_head_is_served_natively_with_the_same_records(
     assert stats["misses"] == 1 and stats["hits"] == 19, stats
     _wait_for(lambda: len([r for r in _records(audit_path) if r["event"] == "closed"]) == 20)
     records = _records(audit_path)
-    connections = [r for r in records if r["event"] == "decision" and r.get("stage") == "connection"]
+    connections = _connection_records(records)
     closed = [r for r in records if r["event"] == "closed"]
     assert len(connections) == 20 and len(closed) == 20
     _assert_alike(
@@ -331,10 +336,6 @@ def test_a_failed_connect_goes_back_to_python_and_its_refusal(audit_path: Path) 
         engine.stop()
 
 
-def _connection_records(path: Path) -> list[dict[str, object]]:
-    return [r for r in _records(path) if r.get("stage") == "connection"]
-
-
 def test_a_remembered_address_that_times_out_costs_no_more_than_twice_connect_timeout(
     audit_path: Path,
 ) -> None:
@@ -360,7 +361,7 @@ def test_a_remembered_address_that_times_out_costs_no_more_than_twice_connect_ti
     # within 2x connect_timeout (one address: Python's retry gets what is left of the budget), and
     # the record lists the native attempt too (before, only Python's own)
     assert elapsed < 2 * 1 + 0.7, elapsed
-    attempts = _connection_records(audit_path)[-1]["attempts"]
+    attempts = _connection_records(_records(audit_path))[-1]["attempts"]
     assert isinstance(attempts, list) and len(attempts) == 2, attempts
     assert attempts[0] == f"{host}:{port}: timed out after 1s"
     assert attempts[1].startswith(f"{host}:{port}: timed out after "), attempts
@@ -392,7 +393,7 @@ def test_after_a_remembered_address_times_out_the_other_addresses_go_first(
                 engine.stop()
             assert second.connections == 1
     assert elapsed < 1 + 0.7, elapsed  # before: 1 s natively, 1 s more in Python, then the second
-    record = _connection_records(audit_path)[-1]
+    record = _connection_records(_records(audit_path))[-1]
     assert record["connected"] == f"{second.host}:{port}", record
     assert record["attempts"] == [f"{host}:{port}: timed out after 1s"], record
 

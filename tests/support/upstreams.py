@@ -440,11 +440,15 @@ class TcpEchoServer(ServedInThread):
 
 
 class StallableEchoServer:
-    """A TCP echo server that, once ``stall()`` is called, stops answering connects: later SYNs
-    are dropped (the StallingPort trick: a backlog-0 accept queue filled by a connection of our
-    own), so a client's connect times out. For an address that worked and then goes silent."""
+    """A TCP echo server that, once ``stall()`` is called (or from the start with ``stalled``), stops
+    answering connects: later SYNs are dropped, so a client's connect times out.
 
-    def __init__(self, host: str, port: int = 0) -> None:
+    How: a listener with backlog 0 whose accept queue is filled by one connection of our own and never
+    accepted; Linux then drops further SYNs silently. There is no other way inside a namespace without
+    netfilter or a dummy device (neither is available here).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, stalled: bool = False) -> None:
         self.host = host
         self.connections = 0
         self._listener = socket.socket(_family(host), socket.SOCK_STREAM)
@@ -454,12 +458,20 @@ class StallableEchoServer:
         self._stalled = threading.Event()
         self._served: list[socket.socket] = []
         self._filler: socket.socket | None = None
-        self._thread = threading.Thread(target=self._accept, name="stallable-echo", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if stalled:
+            self.stall()
+        else:
+            self._thread = threading.Thread(target=self._accept, name="stallable-echo", daemon=True)
+            self._thread.start()
 
     @property
     def address(self) -> tuple[str, int]:
         return (self.host, self.port)
+
+    @property
+    def url(self) -> str:
+        return f"http://{_hostport(self.host, self.port)}"
 
     def _accept(self) -> None:
         while not self._stalled.is_set():
@@ -476,14 +488,17 @@ class StallableEchoServer:
             while data := conn.recv(65536):
                 conn.sendall(data)
 
-    def stall(self) -> None:
+    def _stop_accepting(self) -> None:
         self._stalled.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+
+    def stall(self) -> None:
+        self._stop_accepting()
         self._filler = socket.create_connection(self.address, timeout=2)  # fills the queue
 
     def close(self) -> None:
-        self._stalled.set()
-        self._thread.join()
+        self._stop_accepting()
         for sock in [*self._served, self._filler, self._listener]:
             if sock is not None:
                 with contextlib.suppress(OSError):
@@ -529,44 +544,9 @@ class RefusingPort:
         self.close()
 
 
-class StallingPort:
+class StallingPort(StallableEchoServer):
     """A port whose TCP handshake never completes: connecting times out (for connect_timeout tests).
-
-    How: a listener with backlog 0 whose accept queue is filled by one connection of our own and never
-    accepted; Linux then drops further SYNs silently. There is no other way inside a namespace without
-    netfilter or a dummy device (neither is available here).
-    """
-
-    connections = 0  # never accepts
+    It never accepts (``connections`` stays 0)."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
-        self.host = host
-        fam = _family(host)
-        self._listener = socket.socket(fam, socket.SOCK_STREAM)
-        self._listener.bind((host, 0))
-        self._listener.listen(0)
-        self.port = int(self._listener.getsockname()[1])
-        self._fillers: list[socket.socket] = []
-        filler = socket.socket(fam, socket.SOCK_STREAM)
-        filler.settimeout(2)
-        filler.connect((host, self.port))
-        self._fillers.append(filler)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return (self.host, self.port)
-
-    @property
-    def url(self) -> str:
-        return f"http://{_hostport(self.host, self.port)}"
-
-    def close(self) -> None:
-        for s in self._fillers:
-            s.close()
-        self._listener.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().__init__(host, stalled=True)
