@@ -3,7 +3,9 @@
  * and the TLS sink that reads them. Why C: with Python's ssl module on both ends, the one load core
  * (client + sink) ran out before the faster proxies did, so the TLS line measured the load side (⚑).
  * The exchange is the Python one's: the client sends an 8-byte big-endian length, then the bytes;
- * the sink answers one byte 0x01 once it has read them all.
+ * the sink answers one byte 0x01 once it has read them all. The sink decrypts only the length
+ * record and counts the bytes of the records after it (count_records): an upstream elsewhere would
+ * decrypt on its own CPU, not on the load core.
  *
  *   tls_load sink PORT CERT_CHAIN KEY
  *   tls_load send HOST PORT CONNECT_HEAD SERVER_NAME NBYTES CA_FILE
