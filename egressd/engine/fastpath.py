@@ -23,7 +23,7 @@ from egressd.engine import faults, native_front
 from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem
-from egressd.engine.pinning import ConnectFailure, EarlierAttempt, connect_protocol
+from egressd.engine.pinning import EarlierAttempt
 from egressd.engine.sni import sni_problem
 from egressd.refusal import Refusal
 
@@ -359,24 +359,14 @@ class FrontProtocol(_Pipe):
         if limited is not None:
             self._refuse(limited)
             return
-        admission = await self.rt.gate.admit(decision)
-        if admission.pin is None:
-            assert admission.refusal is not None
-            self.rt.audit_connection(state, admission, None)
-            self._refuse(admission.refusal)
-            return
-        pin = admission.pin
-        pin.earlier, self.earlier = self.earlier, None
         upstream = _Pipe(self.tunnel, upstream=True, coalesce=True)
-        try:
-            await connect_protocol(pin, upstream)
-        except ConnectFailure as failure:
-            self.rt.audit_connection(state, admission, (failure.reason, failure.detail))
-            self._refuse(Refusal(failure.reason, failure.detail, pin.host, pin.port, decision.rule))
+        earlier, self.earlier = self.earlier, None
+        admission = await self.rt.connect_admitted(state, decision, upstream, earlier)
+        if isinstance(admission, Refusal):
+            self._refuse(admission)
             return
         self.server_id = f"{self.client_id}-up"
         self.rt.upstreams.add(self.server_id)
-        self.rt.audit_connection(state, admission, None)
         if self.transport is None or self.transport.is_closing():
             upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
             return

@@ -29,7 +29,6 @@ from egressd.engine.http_rules import (
     host_header_mismatch,
     hostport,
 )
-from egressd.engine.pinning import ConnectFailure, connect_protocol
 from egressd.refusal import EGRESSD_HEADERS, Refusal
 
 if TYPE_CHECKING:
@@ -719,27 +718,18 @@ class PlainClient(asyncio.Protocol):
             self.internal_error(exc)
 
     async def _open(self, decision: Decision, key: tuple[str, int]) -> Upstream | None:
-        """A new pinned upstream connection, admitted like FrontProtocol._decide_and_open does."""
+        """A new pinned upstream connection (Runtime.connect_admitted, as for a CONNECT)."""
         rt, state = self.rt, self.state
         limited = rt.connection_limit()
         if limited is not None:
             return self._refuse(limited)
-        admission = await rt.gate.admit(decision)
-        if admission.pin is None:
-            assert admission.refusal is not None
-            rt.audit_connection(state, admission, None)
-            return self._refuse(admission.refusal)
-        pin = admission.pin
-        pin.earlier, self.front.earlier = self.front.earlier, None
         upstream = Upstream(self, key)
-        try:
-            await connect_protocol(pin, upstream)
-        except ConnectFailure as failure:
-            rt.audit_connection(state, admission, (failure.reason, failure.detail))
-            return self._refuse(Refusal(failure.reason, failure.detail, pin.host, pin.port, decision.rule))
+        earlier, self.front.earlier = self.front.earlier, None
+        admission = await rt.connect_admitted(state, decision, upstream, earlier)
+        if isinstance(admission, Refusal):
+            return self._refuse(admission)
         upstream.server_id = f"{self.front.client_id}-up{self.requests}"
         rt.upstreams.add(upstream.server_id)
-        rt.audit_connection(state, admission, None)
         if self.phase != "deciding":
             upstream.close()
             rt.upstreams.discard(upstream.server_id)

@@ -23,10 +23,13 @@ from egressd.engine.changes import Changes
 from egressd.engine.credentials import CredentialStore, ProxyCredentials
 from egressd.engine.gate import Gatekeeper, PolicyHolder
 from egressd.engine.limits import TokenBuckets
+from egressd.engine.pinning import ConnectFailure, EarlierAttempt, connect_protocol
 from egressd.engine.redirects import RedirectMemory
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
+    import asyncio
+
     from egressd.audit import AuditLog
     from egressd.engine.gate import Admission
     from egressd.policy import Decision
@@ -214,6 +217,31 @@ class Runtime:
             resolved=[],
             connected=None,
         )
+
+    async def connect_admitted(
+        self,
+        state: ConnState,
+        decision: Decision,
+        protocol: asyncio.BaseProtocol,
+        earlier: EarlierAttempt | None = None,
+    ) -> Admission | Refusal:
+        """Admit an allowed decision (resolution, pinning) and connect `protocol` to the pinned
+        address, for both lean paths; the connection record is written here either way. `earlier`:
+        the native front's timed-out attempt for this connection (pinning.connect_protocol)."""
+        admission = await self.gate.admit(decision)
+        pin = admission.pin
+        if pin is None:
+            assert admission.refusal is not None
+            self.audit_connection(state, admission, None)
+            return admission.refusal
+        pin.earlier = earlier
+        try:
+            await connect_protocol(pin, protocol)
+        except ConnectFailure as failure:
+            self.audit_connection(state, admission, (failure.reason, failure.detail))
+            return Refusal(failure.reason, failure.detail, pin.host, pin.port, decision.rule)
+        self.audit_connection(state, admission, None)
+        return admission
 
     def audit_connection(
         self, state: ConnState, admission: Admission, failure: tuple[str, str] | None
