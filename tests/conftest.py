@@ -93,6 +93,14 @@ def egressd_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 
 
 @pytest.fixture
+def work(tmp_path: Path) -> Path:
+    """A fresh working directory: the writable directory of a sandboxed child."""
+    path = tmp_path / "work"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
 def dns() -> Iterator[DnsServer]:
     """A started, empty DnsServer on 127.0.0.1 (UDP+TCP, same port); unknown names → NXDOMAIN."""
     with DnsServer() as server:

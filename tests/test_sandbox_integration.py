@@ -74,13 +74,6 @@ def python_inside(code: str) -> list[str]:
 
 
 @pytest.fixture
-def work(tmp_path: Path) -> Path:
-    path = tmp_path / "work"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
 def policy(tmp_path: Path) -> Path:
     return write_policy(tmp_path)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ from egressd.process import FORWARDED_SIGNALS, exec_failure
 from egressd.sandbox import bridge
 
 STOP_GRACE = 5.0
+PR_SET_DUMPABLE = 4
 # Dispositions the child must start with (the launcher ignores these, Python ignores SIGPIPE).
 _CHILD_DEFAULTS = tuple({*FORWARDED_SIGNALS, signal.SIGPIPE, getattr(signal, "SIGXFSZ", signal.SIGPIPE)})
 
@@ -86,11 +88,26 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _not_dumpable() -> None:
+    """No process of the same user (the child) may open /proc/<launcher>/fd or ptrace the launcher.
+
+    Its status pipe leads to egressd and its bridge holds the relay sockets: both stay its own.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = _arguments(argv)
     control, status = args.control_fd, args.status_fd
     for fd in (control, status):
         os.set_inheritable(fd, False)  # the child gets neither pipe
+    try:
+        _not_dumpable()
+    except OSError as exc:
+        _report(status, f"error cannot protect the launcher from the child: {exc}")
+        os._exit(1)
     for signo in FORWARDED_SIGNALS:
         signal.signal(signo, signal.SIG_IGN)  # only egressd's control pipe signals the launcher's child
     try:

@@ -104,17 +104,36 @@ def _read_status(fd: int) -> list[str]:
 
 
 def _outcome(lines: Sequence[str], bwrap_code: int) -> Outcome:
+    """Read the launcher's report: an `error` counts only before `started`, then the first `exit`.
+
+    The child cannot reach the pipe (the launcher is not dumpable), and even a line it forged after
+    `started` could not turn a run into "the sandbox did not start".
+    """
     started = "started" in lines
-    for line in lines:
+    before = lines[: lines.index("started")] if started else lines
+    for line in before:
         if line.startswith("error "):
             return Outcome(EXIT_CANNOT_RUN, started=False, error=line[6:])
-    for line in reversed(lines):
+    for line in lines:
         if line.startswith("exit "):
             with contextlib.suppress(ValueError):
                 return Outcome(int(line[5:]), started=started)
     if started:  # the launcher died without a word: bubblewrap's status is all there is
         return Outcome(bwrap_code)
     return Outcome(bwrap_code, started=False, error=f"bubblewrap exited with status {bwrap_code}")
+
+
+def _keep_only_inherited(keep: Sequence[int]) -> None:
+    """Nothing but stdio and the sandbox's pipes crosses into bubblewrap.
+
+    A descriptor the caller left open (a directory, a socket) would otherwise reach the child,
+    which could write through `/proc/self/fd/N` into a host directory the sandbox shows read-only.
+    """
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, False)
 
 
 def _wait_forwarding(pid: int, catcher: SignalCatcher, control_w: int) -> int:
@@ -170,6 +189,7 @@ def run_bwrap(
                 hidden=hidden_paths(session),
                 disable_userns=disable_userns,
             )
+            _keep_only_inherited((control_r, status_w))
             try:
                 # its own process group: the terminal's Ctrl-C must not kill bubblewrap's monitor
                 pid = spawn(bwrap_argv(spec), env, catcher, new_process_group=True)
