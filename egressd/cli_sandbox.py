@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping, Sequence
 
 import click
 
@@ -16,10 +17,23 @@ from egressd import process
 from egressd.cli import _fail, _say, _session, session_options
 from egressd.policy import PolicyError
 from egressd.sandbox import narrow, preflight
-from egressd.sandbox.mounts import MountError, plan_mounts
+from egressd.sandbox.layout import pinned_options, plan_layout
+from egressd.sandbox.mounts import MountError
 from egressd.sandbox.run import Outcome, run_bwrap, run_seatbelt
-from egressd.sandbox.unix_relay import RelayError
+from egressd.sandbox.unix_relay import RelayError, relay_home
 from egressd.session import SessionOptions
+
+# What --env-clear keeps: what a program needs to find itself and print text.
+KEPT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "TZ")
+
+
+def child_base_env(environ: Mapping[str, str], passed: Sequence[str]) -> dict[str, str]:
+    """--env-clear: the kept variables, LC_*, and the --pass-env names that are set."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if name in KEPT_ENV or name.startswith("LC_") or name in passed
+    }
 
 
 @click.command(
@@ -49,6 +63,36 @@ the sandbox's own loopback.""",
     "(repeatable).",
 )
 @click.option(
+    "--hide",
+    multiple=True,
+    metavar="PATH",
+    help="Also hidden from the child (empty inside), like the credentials hidden by default (repeatable).",
+)
+@click.option(
+    "--show",
+    multiple=True,
+    metavar="PATH",
+    help="Let the child read one of the credentials hidden by default, or a path inside one "
+    "(repeatable; egressd warns).",
+)
+@click.option(
+    "--rw-home",
+    is_flag=True,
+    help="Allow the working directory or a --rw path to be your home directory or hold it.",
+)
+@click.option(
+    "--env-clear",
+    is_flag=True,
+    help="Start the child's environment empty but for PATH, HOME, USER, LOGNAME, SHELL, TERM, LANG, "
+    "LC_*, TZ and the --pass-env names (egressd's proxy variables are always set).",
+)
+@click.option(
+    "--pass-env",
+    multiple=True,
+    metavar="NAME",
+    help="With --env-clear: also pass this variable of egressd's environment (repeatable).",
+)
+@click.option(
     "--only",
     multiple=True,
     metavar="RULE",
@@ -66,6 +110,11 @@ def sandbox_command(
     options: SessionOptions,
     rw: tuple[str, ...],
     ro: tuple[str, ...],
+    hide: tuple[str, ...],
+    show: tuple[str, ...],
+    rw_home: bool,
+    env_clear: bool,
+    pass_env: tuple[str, ...],
     only: tuple[str, ...],
     bwrap_path: str | None,
     command: tuple[str, ...],
@@ -79,11 +128,26 @@ def sandbox_command(
     """
     # Before any thread starts: the proxy and relay threads must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
+    if pass_env and not env_clear:
+        _fail("--pass-env works with --env-clear (without it the child gets egressd's whole environment)")
+    options = pinned_options(options)
     try:
-        mounts = plan_mounts(os.getcwd(), rw, ro)
         only_rules = narrow.parse_only(only)
-    except (MountError, PolicyError) as exc:
+        layout = plan_layout(
+            options,
+            workdir=os.getcwd(),
+            rw=rw,
+            ro=ro,
+            hide=hide,
+            show=show,
+            rw_home=rw_home,
+            always_hidden=[str(relay_home())] if sys.platform == "linux" else [],
+        )
+    except (MountError, PolicyError, RelayError) as exc:
         _fail(str(exc))
+    for path in layout.shown:
+        _say(f"warning: --show {path}: the sandboxed command can read it")
+    env_base = child_base_env(os.environ, pass_env) if env_clear else None
     bwrap, disable_userns, sandbox_exec = "", True, ""
     try:
         if sys.platform == "linux":
@@ -106,7 +170,8 @@ def sandbox_command(
                     session,
                     creds,
                     command,
-                    mounts,
+                    layout,
+                    env_base=env_base,
                     bwrap=bwrap,
                     disable_userns=disable_userns,
                     catcher=catcher,
@@ -115,7 +180,7 @@ def sandbox_command(
                 _fail(f"{exc}; {command[0]} was not run")
         else:
             outcome = run_seatbelt(
-                session, creds, command, mounts, sandbox_exec=sandbox_exec, catcher=catcher
+                session, creds, command, layout, env_base=env_base, sandbox_exec=sandbox_exec, catcher=catcher
             )
     if outcome.error:
         _say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")

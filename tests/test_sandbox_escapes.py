@@ -8,10 +8,16 @@ command with real bubblewrap, and fails if the way out is open.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
+
+import pytest
 
 from tests.support.egressd_cli import EGRESSD
 from tests.test_sandbox_integration import egressd_sandbox, python_inside, sandbox_env
@@ -99,3 +105,355 @@ def test_the_child_cannot_forge_the_launchers_status(work: Path) -> None:
     assert b"forged" not in result.stderr
     assert result.returncode == 7, result.stderr
     assert result.stdout.strip() == b"[]"
+
+
+# -- what egressd reads, runs and writes ---------------------------------------------------------
+def _egressd_copy_in(directory: Path) -> Path:
+    """egressd's package (with its addons) copied into `directory`, as an editable install or a
+    project `.venv` puts it under the working directory; returns the copy's import root."""
+    import egressd
+
+    root = directory / "src"
+    package = Path(egressd.__file__).parent
+    shutil.copytree(package, root / "egressd", ignore=shutil.ignore_patterns("__pycache__"))
+    addons = Path(importlib.util.find_spec("egressd.addons").submodule_search_locations[0])  # type: ignore[union-attr,index]
+    shutil.rmtree(root / "egressd" / "addons", ignore_errors=True)
+    shutil.copytree(addons, root / "egressd" / "addons", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+# The child's way of recording each try: "DONE", or the error it got.
+ATTEMPT = """
+    tried = {}
+    def attempt(name, action):
+        try:
+            action()
+            tried[name] = "DONE"
+        except OSError as exc:
+            tried[name] = exc.strerror
+"""
+
+PLANT_IN_EGRESSD = """
+    import json, os, socket, struct, sys
+    root, marker, socks_port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    def append():
+        with open(os.path.join(root, "egressd", "addons", "tunnel_guard.py"), "a") as f:
+            f.write(f"\\nopen({marker!r}, 'w').write('ran outside')\\n")
+    attempt("append_addon", append)
+    attempt("new_module", lambda: open(os.path.join(root, "egressd", "planted.py"), "w").close())
+    attempt("rename_root", lambda: os.rename(root, root + ".moved"))
+    attempt("rename_package", lambda: os.rename(os.path.join(root, "egressd"), os.path.join(root, "x")))
+    # the first SOCKS5 connection makes egressd import its SOCKS addon
+    with socket.create_connection(("127.0.0.1", socks_port), timeout=10) as s:
+        s.sendall(b"\\x05\\x01\\x00")
+        s.recv(2)
+    print(json.dumps(tried))
+"""
+
+
+def test_egressd_code_in_the_working_directory_is_read_only(tmp_path: Path, work: Path) -> None:
+    root = _egressd_copy_in(work)
+    marker = tmp_path / "ran-outside"
+    env = sandbox_env(work)
+    env["PYTHONPATH"] = str(root)  # egressd runs from the copy in the working directory
+    result = egressd_sandbox(
+        [], [*python_inside(ATTEMPT + PLANT_IN_EGRESSD), str(root), str(marker), "1080"], cwd=work, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    tried = json.loads(result.stdout)
+    assert tried == {
+        "append_addon": "Read-only file system",
+        "new_module": "Read-only file system",
+        "rename_root": "Device or resource busy",
+        "rename_package": "Read-only file system",
+    }
+    assert not marker.exists()
+    assert "ran outside" not in (root / "egressd" / "addons" / "tunnel_guard.py").read_text()
+
+
+def test_a_working_directory_inside_egressd_code_is_refused(work: Path) -> None:
+    root = _egressd_copy_in(work)
+    env = sandbox_env(work)
+    env["PYTHONPATH"] = str(root)
+    inside = root / "egressd" / "sandbox"
+    result = egressd_sandbox([], ["touch", "planted"], cwd=inside, env=env)
+    assert result.returncode == 2
+    assert b"egressd's own package" in result.stderr and b"must never change" in result.stderr
+    assert not (inside / "planted").exists()
+
+
+TAMPER = """
+    import json, os, sys, time, urllib.error, urllib.request
+    policy, audit, url = sys.argv[1:4]
+    attempt("rewrite_policy", lambda: open(policy, "w").write("version: 1\\nmode: allow\\n"))
+    def replace_policy():
+        with open("new.yaml", "w") as f:
+            f.write("version: 1\\nmode: allow\\n")
+        os.replace("new.yaml", policy)
+    attempt("replace_policy", replace_policy)
+    conf = os.path.dirname(policy)
+    attempt("move_policy_dir", lambda: os.rename(conf, conf + ".old"))
+    attempt("empty_audit", lambda: open(audit, "w").close())
+    attempt("forge_audit", lambda: open(audit, "a").write('{"forged": true}\\n'))
+    time.sleep(1.5)  # a reload would have happened by now
+    try:
+        urllib.request.urlopen(url, timeout=20)
+        tried["request"] = 200
+    except urllib.error.HTTPError as exc:
+        tried["request"] = exc.code
+    print(json.dumps(tried))
+"""
+
+
+def test_the_policy_and_audit_in_the_working_directory_cannot_be_changed(work: Path) -> None:
+    conf = work / "conf"
+    conf.mkdir()
+    policy = conf / "agent.yaml"
+    policy.write_text("version: 1\nmode: enforce\nallow: [up.test]\n")
+    original = policy.read_text()
+    audit = work / "audit.jsonl"
+    result = egressd_sandbox(
+        ["--policy", "conf/agent.yaml", "--audit", "audit.jsonl"],
+        [*python_inside(ATTEMPT + TAMPER), str(policy), str(audit), "http://elsewhere.test/"],
+        cwd=work,
+    )
+    assert result.returncode == 0, result.stderr
+    tried = json.loads(result.stdout)
+    assert tried.pop("replace_policy") in ("Device or resource busy", "Invalid cross-device link")
+    assert tried == {
+        "rewrite_policy": "Read-only file system",
+        "move_policy_dir": "Device or resource busy",
+        "empty_audit": "Read-only file system",
+        "forge_audit": "Read-only file system",
+        "request": 403,
+    }
+    assert policy.read_text() == original
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert not any(r.get("forged") for r in records)
+    assert any(r.get("host") == "elsewhere.test" and r.get("reason") == "not_allowlisted" for r in records)
+
+
+WAIT_AND_LOOK = """
+    import json, os, sys, time
+    home, go = sys.argv[1], sys.argv[2]
+    open("waiting", "w").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = []
+    for top, dirs, files in os.walk(home):
+        found += [os.path.relpath(os.path.join(top, f), home) for f in files]
+    print(json.dumps(sorted(found)))
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_a_ca_created_during_the_run_stays_hidden(work: Path) -> None:
+    home = work / ".egressd"  # visible to the child unless hidden; no CA yet, not even the directory
+    env = sandbox_env(work)
+    env["EGRESSD_HOME"] = str(home)
+    proc = subprocess.Popen(
+        [*EGRESSD, "sandbox", "--", *python_inside(WAIT_AND_LOOK), str(home), str(work / "go")],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_for(work / "waiting", proc)
+        rotated = subprocess.run([*EGRESSD, "ca", "rotate"], env=env, capture_output=True, timeout=60)
+        assert rotated.returncode == 0, rotated.stderr
+        assert list((home / "ca").iterdir())  # the key exists on the host now
+        (work / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert json.loads(out) == []
+
+
+# -- the user's credentials and start-up files ---------------------------------------------------
+SECRETS = {
+    ".ssh/id_ed25519": "PRIVATE KEY",
+    ".aws/credentials": "aws_secret_access_key=x",
+    ".npmrc": "//registry.npmjs.org/:_authToken=npm-secret",
+    ".pypirc": "password = pypi-secret",
+    ".netrc": "machine x login u password netrc-secret",
+    ".git-credentials": "https://u:git-secret@example.test",
+    ".config/gh/hosts.yml": "oauth_token: gh-secret",
+    ".docker/config.json": '{"auths": {"x": {"auth": "docker-secret"}}}',
+    ".kube/config": "token: kube-secret",
+    ".gnupg/private-keys-v1.d/k.key": "gpg-secret",
+    ".config/gcloud/credentials.db": "gcloud-secret",
+    ".azure/msal_token_cache.json": "azure-secret",
+    "notes/private.txt": "hidden by --hide",
+}
+
+READ_SECRETS = """
+    import json, os, socket, sys
+    home, names = sys.argv[1], sys.argv[2:]
+    seen = {}
+    for name in names:
+        try:
+            with open(os.path.join(home, name)) as f:
+                seen[name] = f.read()
+        except OSError as exc:
+            seen[name] = exc.strerror
+    agent = os.environ.get("SSH_AUTH_SOCK")
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(os.path.join(home, ".agent", "ssh.sock"))
+        seen["agent"] = "CONNECTED"
+    except OSError as exc:
+        seen["agent"] = exc.strerror
+    seen["SSH_AUTH_SOCK"] = agent
+    seen["FOO"] = os.environ.get("FOO")
+    seen["BAR"] = os.environ.get("BAR")
+    print(json.dumps(seen))
+"""
+
+
+@pytest.fixture
+def user_home(tmp_path: Path) -> Path:
+    """A home full of credentials, with an ssh-agent socket listening, outside /tmp's privacy:
+    bound under the working directory's parent, which the sandbox shows read-only."""
+    home = tmp_path / "home"
+    for name, text in SECRETS.items():
+        (home / name).parent.mkdir(parents=True, exist_ok=True)
+        (home / name).write_text(text)
+    (home / ".agent").mkdir()
+    return home
+
+
+def _credential_run(
+    tmp_path: Path, home: Path, work: Path, options: list[str], extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[bytes], dict[str, object]]:
+    agent = socket.socket(socket.AF_UNIX)
+    agent.bind(str(home / ".agent" / "ssh.sock"))
+    agent.listen(5)
+    env = sandbox_env(work)
+    env.update(HOME=str(home), SSH_AUTH_SOCK=str(home / ".agent" / "ssh.sock"), FOO="foo", BAR="bar")
+    env.update(extra_env or {})
+    try:
+        # the home is under /tmp here, which the sandbox makes private: --ro shows it, as a real
+        # home (outside /tmp) is shown by the read-only root
+        result = egressd_sandbox(
+            ["--ro", str(home), *options],
+            [*python_inside(READ_SECRETS), str(home), *SECRETS],
+            cwd=work,
+            env=env,
+        )
+    finally:
+        agent.close()
+    return result, (json.loads(result.stdout) if result.returncode == 0 else {})
+
+
+def test_the_users_credentials_and_agent_are_hidden(tmp_path: Path, user_home: Path, work: Path) -> None:
+    result, seen = _credential_run(
+        tmp_path, user_home, work, ["--hide", str(user_home / "notes/private.txt")]
+    )
+    assert result.returncode == 0, result.stderr
+    for name in SECRETS:
+        assert seen[name] in ("Permission denied", "No such file or directory"), name  # covered
+    assert seen["agent"] in ("Connection refused", "No such file or directory")
+    assert seen["SSH_AUTH_SOCK"] is None
+    assert seen["FOO"] == "foo"  # the rest of the environment passes by default
+
+
+def test_show_lets_one_through_with_a_warning_and_env_clear_passes_only_what_is_named(
+    tmp_path: Path, user_home: Path, work: Path
+) -> None:
+    result, seen = _credential_run(
+        tmp_path, user_home, work, ["--show", str(user_home / ".npmrc"), "--env-clear", "--pass-env", "BAR"]
+    )
+    assert result.returncode == 0, result.stderr
+    assert seen[".npmrc"] == SECRETS[".npmrc"]
+    assert f"warning: --show {user_home / '.npmrc'}".encode() in result.stderr
+    assert seen[".ssh/id_ed25519"] == "No such file or directory"
+    assert seen["FOO"] is None and seen["BAR"] == "bar"
+
+
+def test_a_mount_inside_hidden_credentials_needs_show(user_home: Path, work: Path) -> None:
+    env = sandbox_env(work)
+    env["HOME"] = str(user_home)
+    result = egressd_sandbox(["--ro", str(user_home / ".ssh")], ["true"], cwd=work, env=env)
+    assert result.returncode == 2
+    assert b"which the sandbox hides" in result.stderr and b"--show" in result.stderr
+
+
+def test_home_as_the_working_directory_is_refused_without_rw_home(user_home: Path, work: Path) -> None:
+    env = sandbox_env(work)
+    env["HOME"] = str(user_home)
+    plant = ["sh", "-c", "echo evil >> .bashrc"]
+    refused = egressd_sandbox(["--ro", str(user_home.parent)], plant, cwd=user_home, env=env)
+    assert refused.returncode == 2
+    assert b"home directory" in refused.stderr and b"--rw-home" in refused.stderr
+    assert not (user_home / ".bashrc").exists()
+    parent = egressd_sandbox([], plant, cwd=user_home.parent, env=env)  # an ancestor of the home
+    assert parent.returncode == 2 and b"home directory" in parent.stderr
+    rw = egressd_sandbox(["--rw", str(user_home)], plant, cwd=work, env=env)
+    assert rw.returncode == 2 and b"--rw" in rw.stderr
+    allowed = egressd_sandbox(
+        ["--rw-home"],
+        [*python_inside(READ_SECRETS), str(user_home), ".bashrc", ".ssh/id_ed25519"],
+        cwd=user_home,
+        env=env,
+    )
+    assert allowed.returncode == 0, allowed.stderr
+    seen = json.loads(allowed.stdout)
+    assert seen[".ssh/id_ed25519"] == "No such file or directory"  # still hidden
+
+
+@pytest.mark.parametrize("directory", ["/etc", "/usr", "/var", "/usr/share"])
+def test_a_system_directory_is_never_writable(directory: str, work: Path) -> None:
+    result = egressd_sandbox(["--rw-home"], ["true"], cwd=Path(directory))
+    assert result.returncode == 2
+    assert directory.encode() in result.stderr
+
+
+# -- other sandboxes -------------------------------------------------------------------------------
+LOOK_FOR_RELAYS = """
+    import json, os, socket, sys
+    tmpdir = sys.argv[1]
+    found, reached = [], []
+    for top, dirs, files in os.walk(tmpdir):
+        for name in files:
+            path = os.path.join(top, name)
+            found.append(path)
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(path)
+                reached.append(path)
+            except OSError:
+                pass
+    print(json.dumps({"found": found, "reached": reached}))
+"""
+
+
+def test_a_sandbox_never_reaches_another_sandboxs_relay(work: Path) -> None:
+    env = sandbox_env(work)  # both sandboxes share this TMPDIR, which the read-only root shows
+    first = subprocess.Popen(
+        [*EGRESSD, "sandbox", "--", "sh", "-c", "touch waiting; read line"],
+        cwd=work,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_for(work / "waiting", first)  # type: ignore[arg-type]
+        relays = [p for p in (work / ".t").rglob("*") if p.is_socket()]
+        assert relays  # the first sandbox's sockets are there on the host
+        second = egressd_sandbox([], [*python_inside(LOOK_FOR_RELAYS), env["TMPDIR"]], cwd=work)
+        assert second.returncode == 0, second.stderr
+        seen = json.loads(second.stdout)
+        assert seen["reached"] == [] and not set(seen["found"]) & {str(p) for p in relays}
+    finally:
+        first.communicate(b"done\n", timeout=30)

@@ -168,7 +168,9 @@ def test_child_environment(policy: Path, dns: DnsServer, work: Path) -> None:
 
 INSPECT_CLIENT = """
     import json, os, sys, urllib.error, urllib.request
-    out = {"key_dir": sorted(os.listdir(sys.argv[1])), "bundle": os.environ.get("SSL_CERT_FILE")}
+    home = sys.argv[1]
+    out = {"home": sorted(os.listdir(home)), "ca": os.path.exists(os.path.join(home, "ca")),
+           "bundle": os.environ.get("SSL_CERT_FILE")}
     for url in sys.argv[2:]:
         try:
             with urllib.request.urlopen(url, timeout=20) as response:
@@ -182,7 +184,8 @@ INSPECT_CLIENT = """
 def test_tls_inspection_inside_the_sandbox(
     tmp_path: Path, dns: DnsServer, upstream_tls: EchoHTTPSServer, ca_file: Path, work: Path
 ) -> None:
-    """Path rules on HTTPS work inside (the CA bundle is shown to the child); the CA key is hidden."""
+    """Path rules on HTTPS work inside (the CA bundle is shown to the child); egressd's home, with
+    the CA key, is hidden."""
     dns.add("up.test", upstream_tls.host)
     policy = write_policy(
         tmp_path, "version: 1\nallow: [198.51.100.0/24]\nbuiltin:\n  - {host: up.test, paths: [/v1/]}\n"
@@ -195,7 +198,7 @@ def test_tls_inspection_inside_the_sandbox(
     urls = [upstream_tls.url_for("up.test", "/v1/item"), upstream_tls.url_for("up.test", "/v2/item")]
     result = egressd_sandbox(
         [*_base(policy, dns), "--upstream-ca", str(ca_file)],
-        [*python_inside(INSPECT_CLIENT), str(home / "ca"), *urls],
+        [*python_inside(INSPECT_CLIENT), str(home), *urls],
         cwd=work,
         env=env,
     )
@@ -204,7 +207,7 @@ def test_tls_inspection_inside_the_sandbox(
     assert seen[urls[0]] == [200, "/v1/item"]
     assert seen[urls[1]] == [403, "builtin_path"]
     assert seen["bundle"] == str(home / "public" / "ca-bundle.pem")
-    assert seen["key_dir"] == []  # the CA key directory is an empty tmpfs inside
+    assert seen["home"] == ["public"] and seen["ca"] is False  # only the bundle is shown inside
     assert list((home / "ca").iterdir())  # while on the host the key is there
     assert [r["path"] for r in upstream_tls.requests] == ["/v1/item"]
 
@@ -449,7 +452,7 @@ def test_filesystem_layout(tmp_path: Path, policy: Path, work: Path) -> None:
     assert seen["home_write"] in ("Read-only file system", "Permission denied")
     assert seen["tmp_write"] is True and not Path("/tmp/inside").exists()  # private /tmp
     assert seen["host_tmp_visible"] is False
-    assert seen["run"] == []  # the host's daemon sockets are hidden
+    assert seen["run"] == ["egressd"]  # the host's daemon sockets are hidden; the relay's alone shown
     assert seen["rw_write"] is True and (rw_dir / "f").exists()
     assert seen["ro_write"] == "Read-only file system" and seen["ro_listing"] == ["keep"]
 
@@ -675,7 +678,7 @@ def test_relay_socket_and_credentials_are_the_childs_alone(
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline() == b"ready\n"
-        (directory,) = list((work / ".t").iterdir())
+        (directory,) = list((work / ".t" / f"egressd-{os.getuid()}").iterdir())
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700
         sock_path = directory / "http.sock"
         assert stat.S_ISSOCK(sock_path.stat().st_mode) and stat.S_IMODE(sock_path.stat().st_mode) == 0o600
@@ -792,4 +795,6 @@ def test_sandbox_accepts_every_exec_option() -> None:
     exec_options = {p.name for p in cli.commands["exec"].params}
     sandbox_options = {p.name for p in cli.commands["sandbox"].params}
     assert exec_options <= sandbox_options
-    assert sandbox_options - exec_options == {"rw", "ro", "only", "bwrap_path"}
+    assert sandbox_options - exec_options == {
+        "rw", "ro", "only", "bwrap_path", "hide", "show", "rw_home", "env_clear", "pass_env",
+    }  # fmt: skip

@@ -6,6 +6,7 @@ chained to a TCP echo server without a proxy, so what is checked is the plumbing
 
 from __future__ import annotations
 
+import os
 import socket
 import stat
 import subprocess
@@ -66,7 +67,7 @@ def test_relay_keeps_socket_paths_short(tmp_path: Path) -> None:
     deep.mkdir()
     with UnixRelay({"socks": ("127.0.0.1", 1)}, parent=str(deep)) as relay:
         assert len(relay.paths["socks"]) < 108
-        assert relay.paths["socks"].startswith("/tmp/egressd-sandbox-")
+        assert relay.paths["socks"].startswith(f"/tmp/egressd-{os.getuid()}/sandbox-")
 
 
 def test_bridge_command_line(tmp_path: Path, tcp_echo: TcpEchoServer) -> None:

@@ -4,10 +4,12 @@ Layout inside the sandbox, in mount order (later mounts cover earlier ones):
 - `/` read-only; fresh `/dev` and `/proc`; private, empty `/tmp` and `/run` (tmpfs). Hiding `/run`
   also hides the host's daemon sockets (D-Bus, systemd-resolved, docker, ssh-agent): a Unix socket
   is connectable even on a read-only mount, and some of those would be a way out;
-- the working directory and `--rw` paths writable, `--ro` paths read-only, parents first;
-- egressd's CA key directory covered by an empty tmpfs (the child never reads the key);
+- the working directory and `--rw` paths writable, `--ro` paths read-only, with the covers of
+  shields.py (egressd's own code, policy and audit read-only; credentials and egressd's home
+  hidden), all parents first;
 - paths egressd itself needs when they live under a hidden tree (its Python, the CA bundle);
-- the relay's socket directory, read-only, last (so no other mount covers it).
+- the relay's socket directory, read-only, last (so no other mount covers it), at a fixed path in
+  the private /run: the child never learns where the host keeps it.
 Namespaces: user (all capabilities dropped), PID, network (only `lo`, which bubblewrap brings
 up), IPC, UTS, cgroup; a new session (no controlling terminal: no TIOCSTI injection into the
 user's shell). The command is the launcher (see launcher.py), which runs the child.
@@ -18,7 +20,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from egressd.sandbox.mounts import Mount, order
+from egressd.sandbox.mounts import Mount, order, within
+from egressd.sandbox.shields import Cover, ordered_with
+
+# Where the relay's socket directory appears inside (the private /run).
+SOCKET_MOUNT = "/run/egressd"
 
 NAMESPACES: tuple[str, ...] = (
     "--unshare-user",
@@ -47,18 +53,29 @@ class BwrapSpec:
     socket_dir: str
     command: tuple[str, ...]  # the launcher and its arguments
     needed: tuple[str, ...] = ()  # read-only paths egressd needs inside (python, CA bundle)
-    hidden: tuple[str, ...] = ()  # host directories covered by an empty tmpfs (egressd's CA key)
+    covers: tuple[Cover, ...] = ()  # shields.plan_covers: what the child must not change or read
     disable_userns: bool = True  # bubblewrap >= 0.8: the child cannot make user namespaces
 
 
-def _within(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
+BASE_HIDDEN: tuple[str, ...] = ("/tmp", "/run", "/dev", "/proc")
 
 
-def _needs_mount(path: str, mounts: Sequence[Mount]) -> bool:
-    """Only paths the base layout hides, and that no user mount already shows."""
-    hidden = any(_within(path, top) for top in ("/tmp", "/run", "/dev", "/proc"))
-    return hidden and not any(_within(path, mount.path) for mount in mounts)
+def _needs_mount(path: str, mounts: Sequence[Mount], hiding: Sequence[str] = ()) -> bool:
+    """Paths the base layout hides that no user mount shows, and paths under a hiding cover."""
+    if any(within(path, top) for top in hiding):
+        return True
+    hidden = any(within(path, top) for top in BASE_HIDDEN)
+    return hidden and not any(within(path, mount.path) for mount in mounts)
+
+
+def _mount_args(item: Mount | Cover) -> list[str]:
+    if isinstance(item, Mount):
+        return ["--bind" if item.writable else "--ro-bind", item.path, item.path]
+    if item.kind == "tmpfs":
+        return ["--tmpfs", item.path]
+    if item.kind == "empty":
+        return ["--ro-bind", "/dev/null", item.path]
+    return ["--bind" if item.kind == "pin" else "--ro-bind", item.path, item.path]
 
 
 def security_options(disable_userns: bool) -> list[str]:
@@ -72,14 +89,12 @@ def security_options(disable_userns: bool) -> list[str]:
 def bwrap_argv(spec: BwrapSpec) -> list[str]:
     argv = [spec.bwrap, *security_options(spec.disable_userns)]
     argv += BASE_MOUNTS
-    # egressd's own paths (read-only) and the user's, parents first: a deeper user mount inside a
-    # needed path still wins, and a needed path is never laid over a user mount that contains it
-    needed = [Mount(path, False) for path in spec.needed if _needs_mount(path, spec.mounts)]
-    for mount in order([*needed, *spec.mounts]):
-        argv += ["--bind" if mount.writable else "--ro-bind", mount.path, mount.path]
-    for path in spec.hidden:
-        argv += ["--tmpfs", path]
-    argv += ["--ro-bind", spec.socket_dir, spec.socket_dir]
+    # the user's mounts, the covers and egressd's own needed paths, parents first
+    hiding = [c.path for c in spec.covers if c.kind in ("tmpfs", "empty")]
+    needed = [Cover(path, "ro") for path in spec.needed if _needs_mount(path, spec.mounts, hiding)]
+    for item in ordered_with(spec.mounts, [*spec.covers, *needed]):
+        argv += _mount_args(item)
+    argv += ["--ro-bind", spec.socket_dir, SOCKET_MOUNT]
     argv += ["--chdir", spec.workdir, "--", *spec.command]
     return argv
 

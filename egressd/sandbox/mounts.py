@@ -3,6 +3,10 @@
 Paths are checked and made canonical here (they must exist; symlinks resolved, so the path the
 child sees is the one that was checked), then ordered parents first so the most specific path
 wins whatever order the options came in: `--rw .` with `--ro ./.git` leaves `.git` read-only.
+
+Nothing writable may be a system directory, hold one, or lie in one that holds code or
+configuration others run (`/etc`, `/usr`, ...); nor be the user's home or hold it (the child would
+plant `~/.bashrc` lines or `authorized_keys`) unless `--rw-home` says so.
 """
 
 from __future__ import annotations
@@ -22,6 +26,43 @@ class Mount:
 
     path: str
     writable: bool
+
+
+# Writable in none of these, nor in any directory that holds one.
+SYSTEM_DIRS: tuple[str, ...] = (
+    "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/proc",
+    "/run", "/sbin", "/srv", "/sys", "/usr", "/var",
+)  # fmt: skip
+# Nor inside these: code and configuration that other programs run.
+SYSTEM_TREES: tuple[str, ...] = (
+    "/bin", "/boot", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/sbin", "/usr",
+)  # fmt: skip
+
+
+def within(path: str, top: str) -> bool:
+    """`path` is `top` or lies below it (canonical paths)."""
+    return path == top or top == "/" or path.startswith(top.rstrip("/") + "/")
+
+
+def _check_writable(option: str, path: str, home: str | None, rw_home: bool) -> None:
+    for system in SYSTEM_DIRS:
+        if within(system, path):
+            raise MountError(
+                f"{option} {path}: the system directory {system} would be writable in the sandbox; "
+                "name a project directory instead (cd into it, or --rw a subdirectory)"
+            )
+    for tree in SYSTEM_TREES:
+        if within(path, tree):
+            raise MountError(
+                f"{option} {path}: it lies in {tree}, which holds code and configuration other programs "
+                "run; name a project directory instead"
+            )
+    if home and within(home, path) and not rw_home:
+        raise MountError(
+            f"{option} {path}: the home directory {home} would be writable in the sandbox, where the "
+            "child could plant start-up files (~/.bashrc, ~/.ssh/authorized_keys); run from a project "
+            "directory (or --rw a subdirectory), or give --rw-home if you mean it"
+        )
 
 
 def _canonical(option: str, path: str) -> str:
@@ -45,8 +86,19 @@ def order(mounts: Iterable[Mount]) -> tuple[Mount, ...]:
     return tuple(sorted(mounts, key=lambda m: depth(m.path)))
 
 
-def plan_mounts(workdir: str, rw: Sequence[str], ro: Sequence[str]) -> tuple[Mount, ...]:
-    """The working directory (writable) plus `--rw` and `--ro`, checked and ordered."""
+def plan_mounts(
+    workdir: str,
+    rw: Sequence[str],
+    ro: Sequence[str],
+    *,
+    home: str | None = None,
+    rw_home: bool = False,
+) -> tuple[Mount, ...]:
+    """The working directory (writable) plus `--rw` and `--ro`, checked and ordered.
+
+    `home`: the user's home directory (canonical), which nothing writable may be or hold unless
+    `rw_home`.
+    """
     if os.path.realpath(workdir) == "/":
         raise MountError(
             "the working directory is /, which would make the whole file system writable in the "
@@ -63,4 +115,12 @@ def plan_mounts(workdir: str, rw: Sequence[str], ro: Sequence[str]) -> tuple[Mou
     cwd = os.path.realpath(workdir)
     if cwd not in chosen:  # an explicit --ro of the working directory wins over the default
         chosen[cwd] = Mount(cwd, True)
+    for mount in chosen.values():
+        if mount.writable:
+            option = "the working directory" if mount.path == cwd and cwd not in map(_real, rw) else "--rw"
+            _check_writable(option, mount.path, home, rw_home)
     return order(chosen.values())
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.abspath(os.path.expanduser(path)))

@@ -22,8 +22,9 @@ import egressd
 from egressd.child_env import child_environment
 from egressd.process import EXIT_CANNOT_RUN, SignalCatcher, exec_failure, run_child, spawn
 from egressd.sandbox import BRIDGE_HOST, BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT
-from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command
-from egressd.sandbox.mounts import Mount
+from egressd.sandbox.bwrap import SOCKET_MOUNT, BwrapSpec, bwrap_argv, launcher_command
+from egressd.sandbox.layout import Layout
+from egressd.sandbox.mounts import within
 from egressd.sandbox.seatbelt import seatbelt_argv, seatbelt_profile
 from egressd.sandbox.unix_relay import UnixRelay
 from egressd.ssh_env import with_git_ssh
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from egressd.session import ProxySession
 
 SANDBOX_VAR = "EGRESSD_SANDBOX"
+SOCKET_VARIABLES = ("SSH_AUTH_SOCK", "DOCKER_HOST")
 
 
 class SandboxFailed(RuntimeError):
@@ -55,12 +57,20 @@ def sandbox_env(
     socks: tuple[str, int] | None,
     kind: str,
     base: Mapping[str, str] | None = None,
+    hidden: Sequence[str] = (),
 ) -> dict[str, str]:
-    """The child environment with the proxy URLs the child can reach from inside the sandbox."""
+    """The child environment with the proxy URLs the child can reach from inside the sandbox.
+
+    Variables that lead to a hidden socket (SSH_AUTH_SOCK, a unix:// DOCKER_HOST) are dropped:
+    the sandbox hides what they point at.
+    """
     socks_url = creds.proxy_url(*socks, scheme="socks5h") if socks else None
-    env = child_environment(
-        os.environ if base is None else base, creds.proxy_url(*http), socks_url, ca_bundle=session.ca_bundle
-    )
+    base = dict(os.environ if base is None else base)
+    for name in SOCKET_VARIABLES:
+        target = base.get(name, "").removeprefix("unix://")
+        if target and any(within(os.path.realpath(target), top) for top in hidden):
+            del base[name]
+    env = child_environment(base, creds.proxy_url(*http), socks_url, ca_bundle=session.ca_bundle)
     env[SANDBOX_VAR] = kind
     return with_git_ssh(env, session.policy)
 
@@ -72,15 +82,6 @@ def needed_paths(session: ProxySession) -> tuple[str, ...]:
     if session.ca_bundle:
         paths.append(session.ca_bundle)
     return tuple(dict.fromkeys(os.path.realpath(p) for p in paths))
-
-
-def hidden_paths(session: ProxySession) -> tuple[str, ...]:
-    """egressd's CA key directory, when it exists: the child must not read the key."""
-    from egressd import ca
-
-    config = getattr(session.options, "config_dir", None) or ca.config_dir()
-    key_dir = os.path.realpath(ca.ca_dir(config))
-    return (key_dir,) if os.path.isdir(key_dir) else ()
 
 
 # -- Linux: bubblewrap ---------------------------------------------------------------------------
@@ -123,6 +124,11 @@ def _outcome(lines: Sequence[str], bwrap_code: int) -> Outcome:
     return Outcome(bwrap_code, started=False, error=f"bubblewrap exited with status {bwrap_code}")
 
 
+def _inside(socket_path: str) -> str:
+    """Where the sandbox sees one of the relay's sockets."""
+    return os.path.join(SOCKET_MOUNT, os.path.basename(socket_path))
+
+
 def _keep_only_inherited(keep: Sequence[int]) -> None:
     """Nothing but stdio and the sandbox's pipes crosses into bubblewrap.
 
@@ -153,8 +159,9 @@ def run_bwrap(
     session: ProxySession,
     creds: ProxyCredentials,
     command: Sequence[str],
-    mounts: Sequence[Mount],
+    layout: Layout,
     *,
+    env_base: Mapping[str, str] | None = None,
     bwrap: str,
     disable_userns: bool,
     catcher: SignalCatcher,
@@ -168,7 +175,9 @@ def run_bwrap(
         routes["socks"] = session.proxy.socks_address
         bridges.append((f"{BRIDGE_HOST}:{BRIDGE_SOCKS_PORT}", "socks"))
         socks = (BRIDGE_HOST, BRIDGE_SOCKS_PORT)
-    env = sandbox_env(session, creds, (BRIDGE_HOST, BRIDGE_HTTP_PORT), socks, "bubblewrap")
+    env = sandbox_env(
+        session, creds, (BRIDGE_HOST, BRIDGE_HTTP_PORT), socks, "bubblewrap", env_base, layout.hidden
+    )
     with UnixRelay(routes) as relay:
         assert relay.directory is not None
         control_r, control_w, status_r, status_w = _pipe_pair()
@@ -176,17 +185,17 @@ def run_bwrap(
             spec = BwrapSpec(
                 bwrap=bwrap,
                 workdir=os.getcwd(),
-                mounts=tuple(mounts),
+                mounts=layout.mounts,
                 socket_dir=str(relay.directory),
                 command=launcher_command(
                     sys.executable,
                     control_r,
                     status_w,
-                    [(address, relay.paths[name]) for address, name in bridges],
+                    [(address, _inside(relay.paths[name])) for address, name in bridges],
                     command,
                 ),
                 needed=needed_paths(session),
-                hidden=hidden_paths(session),
+                covers=layout.covers,
                 disable_userns=disable_userns,
             )
             _keep_only_inherited((control_r, status_w))
@@ -211,8 +220,9 @@ def run_seatbelt(
     session: ProxySession,
     creds: ProxyCredentials,
     command: Sequence[str],
-    mounts: Sequence[Mount],
+    layout: Layout,
     *,
+    env_base: Mapping[str, str] | None = None,
     sandbox_exec: str,
     catcher: SignalCatcher,
 ) -> Outcome:
@@ -221,10 +231,10 @@ def run_seatbelt(
     http = session.proxy.http_address
     socks = session.proxy.socks_address
     temp = {os.path.realpath(p) for p in ("/tmp", os.environ.get("TMPDIR", "/tmp"))}
-    writable = [m.path for m in mounts if m.writable] + sorted(temp)
-    readonly = [m.path for m in mounts if not m.writable]
+    writable = [m.path for m in layout.mounts if m.writable] + sorted(temp)
+    readonly = [m.path for m in layout.mounts if not m.writable]
     ports = [http[1]] + ([socks[1]] if socks else [])
     profile = seatbelt_profile(ports, writable, readonly)
-    env = sandbox_env(session, creds, http, socks, "seatbelt")
+    env = sandbox_env(session, creds, http, socks, "seatbelt", env_base, layout.hidden)
     argv = seatbelt_argv(profile, command, sandbox_exec)
     return Outcome(run_child(argv, env, catcher=catcher))

@@ -3,7 +3,9 @@
 The engine listens on TCP loopback only, and a network namespace cannot reach the host's loopback.
 A Unix socket can cross: it is bind-mounted into the sandbox. The sockets live in a fresh
 directory of mode 0700 (each socket 0600), so no other user on the host can connect; the proxy
-behind them still demands the child's credentials on every request. The relay copies bytes and
+behind them still demands the child's credentials on every request. Every sandbox's directory lies
+in one per-user parent (`egressd-UID`, 0700, checked to be this user's own), which each
+sandbox hides: a child never reaches another sandbox's sockets. The relay copies bytes and
 decides nothing. It runs in its own thread and event loop, like the engine.
 """
 
@@ -22,12 +24,31 @@ from pathlib import Path
 from egressd.sandbox.splice import close_quietly, splice
 
 START_TIMEOUT = 10.0
-# sun_path holds 108 bytes with the NUL; leave room for "/egressd-sandbox-XXXXXXXX/socks.sock"
-MAX_PARENT = 108 - 1 - len("/egressd-sandbox-XXXXXXXX/socks.sock")
+# sun_path holds 108 bytes with the NUL; leave room for the rest of the path
+MAX_PARENT = 108 - 1 - len(f"/egressd-{os.getuid()}/sandbox-XXXXXXXX/socks.sock")
 
 
 class RelayError(RuntimeError):
     """The relay could not start; the message says why."""
+
+
+def relay_home(parent: str | None = None) -> Path:
+    """The per-user parent of every sandbox's socket directory, created 0700 or accepted only if it
+    is a real directory of this user that nobody else can enter (another user may have made it
+    first in a shared /tmp)."""
+    parent = parent or tempfile.gettempdir()
+    if len(parent.encode()) > MAX_PARENT:  # a Unix socket path must stay short
+        parent = "/tmp"
+    path = Path(parent) / f"egressd-{os.getuid()}"
+    try:
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700)
+        info = os.lstat(path)
+    except OSError as exc:
+        raise RelayError(f"cannot create the sandbox's socket directory {path}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RelayError(f"{path} is not a private directory of this user; remove it and try again")
+    return Path(os.path.realpath(path))
 
 
 class UnixRelay:
@@ -37,6 +58,7 @@ class UnixRelay:
         self.routes = dict(routes)
         self._parent = parent
         self.directory: Path | None = None
+        self.common: Path | None = None  # the per-user parent of every sandbox's directory
         self.paths: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -47,16 +69,21 @@ class UnixRelay:
 
     def start(self) -> dict[str, str]:
         """Create the directory and sockets; return {route name: socket path}."""
-        parent = self._parent or tempfile.gettempdir()
-        if len(parent.encode()) > MAX_PARENT:  # a Unix socket path must stay short
-            parent = "/tmp"
-        try:
-            # mkdtemp creates the directory with mode 0700: only this user can reach the sockets
-            self.directory = Path(tempfile.mkdtemp(prefix="egressd-sandbox-", dir=parent))
-        except OSError as exc:
-            raise RelayError(
-                f"cannot create the sandbox's socket directory in {parent}: {exc.strerror}"
-            ) from exc
+        for attempt in range(3):  # another sandbox may remove the empty parent as we start
+            self.common = relay_home(self._parent)
+            try:
+                # mkdtemp creates the directory with mode 0700: only this user can reach the sockets
+                self.directory = Path(tempfile.mkdtemp(prefix="sandbox-", dir=self.common))
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise RelayError(
+                        f"cannot create the sandbox's socket directory in {self.common}"
+                    ) from None
+            except OSError as exc:
+                raise RelayError(
+                    f"cannot create the sandbox's socket directory in {self.common}: {exc.strerror or exc}"
+                ) from exc
         self.paths = {name: str(self.directory / f"{name}.sock") for name in self.routes}
         self._thread = threading.Thread(target=self._thread_main, name="egressd-unix-relay", daemon=True)
         self._thread.start()
@@ -121,6 +148,9 @@ class UnixRelay:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
+        if self.common is not None:
+            with contextlib.suppress(OSError):  # still in use by another sandbox: it stays
+                self.common.rmdir()
 
     def __enter__(self) -> UnixRelay:
         self.start()

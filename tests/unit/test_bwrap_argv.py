@@ -8,6 +8,7 @@ import pytest
 
 from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command, probe_argv
 from egressd.sandbox.mounts import Mount, MountError, order, plan_mounts
+from egressd.sandbox.shields import Cover
 
 SECURITY = [
     "--unshare-user",
@@ -33,26 +34,34 @@ def test_golden_argv() -> None:
             Mount("/home/u/.cache/pip", True),
             Mount("/home/u/project/.git", False),
         ),
-        socket_dir="/tmp/egressd-sandbox-abc",
+        socket_dir="/tmp/egressd-0/sandbox-abc",
         command=("/venv/bin/python", "-I", "-m", "egressd.sandbox.launcher", "--", "curl", "x"),
-        needed=("/opt/venv", "/tmp/venv", "/home/u/project/.venv", "/tmp/inspect/ca.pem"),
-        hidden=("/home/u/.config/egressd/ca",),
+        needed=("/opt/venv", "/tmp/venv", "/home/u/.config/egressd/public/ca-bundle.pem"),
+        covers=(
+            Cover("/home/u/project/conf/agent.yaml", "ro"),
+            Cover("/home/u/project/conf", "pin"),
+            Cover("/home/u/.config/egressd", "tmpfs"),
+            Cover("/home/u/.npmrc", "empty"),
+        ),
     )
     assert bwrap_argv(spec) == [
         "/usr/bin/bwrap",
         *SECURITY,
         *BASE,
-        # needed paths (only those the base layout hides and no user mount shows) and the user's
-        # mounts, parents first
+        # the user's mounts, the covers and the needed paths egressd shows (under /tmp, or under a
+        # hidden directory), parents first
         "--ro-bind", "/tmp/venv", "/tmp/venv",
-        "--ro-bind", "/tmp/inspect/ca.pem", "/tmp/inspect/ca.pem",
         "--bind", "/home/u/project", "/home/u/project",
+        "--ro-bind", "/dev/null", "/home/u/.npmrc",
         "--bind", "/home/u/.cache/pip", "/home/u/.cache/pip",
         "--ro-bind", "/home/u/project/.git", "/home/u/project/.git",
-        # egressd's CA key directory: an empty tmpfs over it
-        "--tmpfs", "/home/u/.config/egressd/ca",
-        # the relay's socket directory last: nothing can cover it
-        "--ro-bind", "/tmp/egressd-sandbox-abc", "/tmp/egressd-sandbox-abc",
+        "--bind", "/home/u/project/conf", "/home/u/project/conf",
+        "--tmpfs", "/home/u/.config/egressd",
+        "--ro-bind", "/home/u/project/conf/agent.yaml", "/home/u/project/conf/agent.yaml",
+        "--ro-bind", "/home/u/.config/egressd/public/ca-bundle.pem",
+        "/home/u/.config/egressd/public/ca-bundle.pem",
+        # the relay's socket directory last, at a fixed path in the private /run
+        "--ro-bind", "/tmp/egressd-0/sandbox-abc", "/run/egressd",
         "--chdir", "/home/u/project",
         "--", "/venv/bin/python", "-I", "-m", "egressd.sandbox.launcher", "--", "curl", "x",
     ]  # fmt: skip
@@ -74,8 +83,8 @@ def test_needed_path_under_tmp_never_covers_a_deeper_working_directory() -> None
     binds = [bind for bind in binds if bind[1].startswith("/tmp/repo")]
     assert binds == [
         ["--ro-bind", "/tmp/repo"],
-        ["--ro-bind", "/tmp/repo/.venv"],
         ["--bind", "/tmp/repo/work"],
+        ["--ro-bind", "/tmp/repo/.venv"],
     ]
 
 

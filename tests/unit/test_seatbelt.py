@@ -144,6 +144,7 @@ def test_full_macos_invocation(monkeypatch: pytest.MonkeyPatch) -> None:
     from egressd.engine.credentials import ProxyCredentials
     from egressd.process import SignalCatcher
     from egressd.sandbox import run
+    from egressd.sandbox.layout import Layout
     from egressd.sandbox.mounts import Mount
 
     seen: dict[str, object] = {}
@@ -160,7 +161,7 @@ def test_full_macos_invocation(monkeypatch: pytest.MonkeyPatch) -> None:
         _FakeSession(),  # type: ignore[arg-type]
         ProxyCredentials("egressd", "tok"),
         ["git", "fetch"],
-        [Mount("/Users/u/project", True), Mount("/Users/u/project/.git", False)],
+        Layout((Mount("/Users/u/project", True), Mount("/Users/u/project/.git", False)), (), (), ()),
         sandbox_exec="/usr/bin/sandbox-exec",
         catcher=SignalCatcher(()),
     )

@@ -1,0 +1,114 @@
+"""The sandbox's file system, planned from the options and this process before anything starts.
+
+Gathers what shields.py protects — egressd's code and interpreter (every directory it imports
+from), the policy it reloads, the audit it writes, its home (the CA key, whenever it is created),
+the user's credentials and authority sockets — and checks the user's mounts against them, so a
+bad combination stops with the fix before the proxy or the child runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import egressd
+from egressd import ca
+from egressd.sandbox.mounts import Mount, MountError, plan_mounts, within
+from egressd.sandbox.shields import Cover, apply_show, credential_paths, existing, plan_covers
+from egressd.session import SessionOptions, resolve_policy_path
+
+
+@dataclass(frozen=True)
+class Layout:
+    mounts: tuple[Mount, ...]
+    covers: tuple[Cover, ...]
+    hidden: tuple[str, ...]  # every hidden path (the environment drops variables pointing there)
+    shown: tuple[str, ...]  # credentials the user chose to show (a warning names each)
+
+
+def egressd_code() -> dict[str, str]:
+    """Every directory egressd's own process runs code from: a module it imports late (an addon on
+    the first SOCKS5 connection) must not be one the child wrote."""
+    code: dict[str, str] = {}
+
+    def add(paths: Sequence[str | None], what: str) -> None:
+        for path in existing(p for p in paths if p):
+            code.setdefault(path, what)
+
+    add([os.path.dirname(egressd.__file__)], "egressd's own package")
+    spec = importlib.util.find_spec("egressd.addons")
+    add(list(spec.submodule_search_locations or []) if spec else [], "egressd's mitmproxy addons")
+    add([sys.prefix, sys.exec_prefix], "egressd's Python environment")
+    add(
+        [sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable))],
+        "egressd's Python",
+    )
+    add([p for p in sys.path if p and os.path.isdir(p)], "a directory egressd imports from")
+    return code
+
+
+def pinned_options(options: SessionOptions) -> SessionOptions:
+    """The policy and audit paths resolved once: egressd reads and writes exactly the files the
+    sandbox protects, never through a symlink the child could point elsewhere."""
+    policy = options.policy_file
+    if policy is not None:
+        policy = os.path.realpath(resolve_policy_path(policy))
+    audit = options.audit_path
+    if audit is not None:
+        audit = os.path.realpath(audit)
+    return replace(options, policy_file=policy, audit_path=audit)
+
+
+def egressd_home(options: SessionOptions) -> str:
+    """egressd's home, created (0700) now so it can be hidden even if the CA appears only later."""
+    home = Path(options.config_dir) if options.config_dir else ca.config_dir()
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return os.path.realpath(home)
+
+
+def plan_layout(
+    options: SessionOptions,
+    *,
+    workdir: str,
+    rw: Sequence[str],
+    ro: Sequence[str],
+    hide: Sequence[str] = (),
+    show: Sequence[str] = (),
+    rw_home: bool = False,
+    always_hidden: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Layout:
+    """Mounts and covers for `options` (already pinned_options); MountError names the fix."""
+    environ = os.environ if environ is None else environ
+    home = os.path.realpath(os.path.expanduser("~"))
+    mounts = plan_mounts(workdir, rw, ro, home=home, rw_home=rw_home)
+    guarded = egressd_code()
+    if options.policy_file is not None:
+        guarded.setdefault(options.policy_file, "the policy egressd reads")
+    if options.audit_path is not None:
+        guarded.setdefault(options.audit_path, "the audit log egressd writes")
+    own = [egressd_home(options), *existing(always_hidden)]
+    credentials = [*credential_paths(home, environ), *_checked("--hide", hide)]
+    shown = _checked("--show", show)
+    for path in shown:
+        if any(within(path, top) for top in own):
+            raise MountError(f"--show {path}: egressd's own home and sockets are never shown to the child")
+    credentials, inside = apply_show(tuple(dict.fromkeys(credentials)), shown)
+    hidden = (*own, *credentials)
+    covers = plan_covers(mounts, guarded, hidden)
+    covers += tuple(Cover(path, "ro") for path in inside)
+    return Layout(mounts, covers, hidden, shown)
+
+
+def _checked(option: str, paths: Sequence[str]) -> tuple[str, ...]:
+    found = []
+    for path in paths:
+        full = os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+        if not os.path.exists(full):
+            raise MountError(f"{option} {path}: no such file or directory")
+        found.append(full)
+    return tuple(found)

@@ -1,0 +1,113 @@
+"""What the child must not change or read: the covers, table by table, with the nasty cases."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from egressd.sandbox.mounts import Mount, MountError, plan_mounts
+from egressd.sandbox.shields import Cover, apply_show, plan_covers
+
+W = Mount("/w", True)
+
+
+@pytest.mark.parametrize(
+    ("mounts", "guarded", "covers"),
+    [
+        # outside every writable mount: the read-only root already protects it
+        ((W,), {"/opt/venv": "code"}, ()),
+        # directly in the writable mount: a read-only bind, nothing to pin
+        ((W,), {"/w/agent.yaml": "policy"}, (Cover("/w/agent.yaml", "ro"),)),
+        # deeper: every plain directory on the way is pinned (cannot be renamed away)
+        (
+            (W,),
+            {"/w/a/b/agent.yaml": "policy"},
+            (Cover("/w/a/b/agent.yaml", "ro"), Cover("/w/a/b", "pin"), Cover("/w/a", "pin")),
+        ),
+        # a user mount on the way is a mount point already; its parents still get pinned
+        (
+            (W, Mount("/w/a/b", True)),
+            {"/w/a/b/c/x": "code"},
+            (Cover("/w/a/b/c/x", "ro"), Cover("/w/a/b/c", "pin"), Cover("/w/a", "pin")),
+        ),
+        # inside a --ro mount: read-only already, and that mount point cannot be renamed
+        ((W, Mount("/w/ro", False)), {"/w/ro/x": "code"}, ()),
+        # a writable mount inside a read-only one inside a writable one
+        (
+            (W, Mount("/w/a", False), Mount("/w/a/b/c", True)),
+            {"/w/a/b/c/d/p": "policy"},
+            (Cover("/w/a/b/c/d/p", "ro"), Cover("/w/a/b/c/d", "pin")),
+        ),
+    ],
+)
+def test_guarded_covers(
+    mounts: tuple[Mount, ...], guarded: dict[str, str], covers: tuple[Cover, ...]
+) -> None:
+    assert plan_covers(mounts, guarded, ()) == covers
+
+
+@pytest.mark.parametrize(
+    ("mounts", "guarded"),
+    [
+        ((Mount("/w", True),), {"/w": "egressd's own package"}),  # the working directory IS the code
+        ((Mount("/w/venv/lib", True),), {"/w/venv": "egressd's Python environment"}),  # inside it
+        ((Mount("/w/agent.yaml", True),), {"/w/agent.yaml": "the policy"}),  # --rw of the file itself
+    ],
+)
+def test_writable_guarded_paths_are_refused(mounts: tuple[Mount, ...], guarded: dict[str, str]) -> None:
+    with pytest.raises(MountError, match="must never change"):
+        plan_covers(mounts, guarded, ())
+
+
+def test_a_read_only_mount_inside_guarded_code_is_fine() -> None:
+    assert plan_covers((Mount("/w", True), Mount("/w/venv/x", False)), {"/w/venv": "code"}, ()) == (
+        Cover("/w/venv", "ro"),
+    )
+
+
+def test_hidden_directories_get_a_tmpfs_and_files_an_empty_file() -> None:
+    covers = plan_covers((W,), {}, ("/home/u/.ssh", "/home/u/.npmrc"), is_dir=lambda p: p.endswith(".ssh"))
+    assert covers == (Cover("/home/u/.ssh", "tmpfs"), Cover("/home/u/.npmrc", "empty"))
+
+
+@pytest.mark.parametrize("mount", [Mount("/home/u/.ssh", False), Mount("/home/u/.ssh/keys", True)])
+def test_a_user_mount_in_a_hidden_path_needs_show(mount: Mount) -> None:
+    with pytest.raises(MountError, match="--show /home/u/.ssh"):
+        plan_covers((W, mount), {}, ("/home/u/.ssh",))
+
+
+def test_show_drops_a_hidden_path_or_shows_inside_one() -> None:
+    hidden = ("/h/.ssh", "/h/.npmrc")
+    assert apply_show(hidden, ["/h/.npmrc"]) == (("/h/.ssh",), ())
+    assert apply_show(hidden, ["/h/.ssh/known_hosts"]) == (hidden, ("/h/.ssh/known_hosts",))
+    with pytest.raises(MountError, match="does not hide it"):
+        apply_show(hidden, ["/h/.bashrc"])
+
+
+@given(st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=5))
+def test_every_directory_between_a_writable_mount_and_a_guarded_path_is_pinned(parts: list[str]) -> None:
+    path = "/w/" + "/".join(parts) + "/f"
+    covers = plan_covers((W,), {path: "policy"}, ())
+    pinned = {c.path for c in covers if c.kind == "pin"}
+    expected = {"/w/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    assert pinned == expected and Cover(path, "ro") in covers
+
+
+# -- what may be writable ------------------------------------------------------------------------
+@pytest.mark.parametrize("rw", ["/etc", "/usr", "/usr/share", "/var", "/etc/ssh"])
+def test_system_directories_are_never_writable(rw: str, tmp_path: object) -> None:
+    with pytest.raises(MountError, match="system directory|holds code and configuration"):
+        plan_mounts(str(tmp_path), rw=[rw], ro=[])
+
+
+def test_home_and_its_ancestors_need_rw_home(tmp_path: object) -> None:
+    from pathlib import Path
+
+    home = Path(str(tmp_path)) / "home" / "u"
+    (home / "project").mkdir(parents=True)
+    for workdir in (home, home.parent):
+        with pytest.raises(MountError, match="--rw-home"):
+            plan_mounts(str(workdir), rw=[], ro=[], home=str(home))
+        assert plan_mounts(str(workdir), rw=[], ro=[], home=str(home), rw_home=True)
+    assert plan_mounts(str(home / "project"), rw=[], ro=[], home=str(home))  # below it is fine
