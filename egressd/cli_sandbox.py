@@ -93,6 +93,15 @@ the sandbox's own loopback.""",
     help="With --env-clear: also pass this variable of egressd's environment (repeatable).",
 )
 @click.option(
+    "--allow-loopback-port",
+    "loopback_ports",
+    multiple=True,
+    type=click.IntRange(1, 65535),
+    metavar="PORT",
+    help="Let the child reach this port of the host's loopback through the proxy (repeatable); "
+    "inside the sandbox only these and the policy's loopback.ports are reachable.",
+)
+@click.option(
     "--only",
     multiple=True,
     metavar="RULE",
@@ -115,6 +124,7 @@ def sandbox_command(
     rw_home: bool,
     env_clear: bool,
     pass_env: tuple[str, ...],
+    loopback_ports: tuple[int, ...],
     only: tuple[str, ...],
     bwrap_path: str | None,
     command: tuple[str, ...],
@@ -162,7 +172,8 @@ def sandbox_command(
         _fail(str(exc))
     narrowing = narrow.Narrowing(only_rules, options.overrides.profile) if only_rules else None
     outcome = Outcome(process.EXIT_CANNOT_RUN, started=False)
-    with _session(options, announce_reloads=options.trace, transform=narrowing) as session:
+    transform = narrow.LoopbackConfinement(loopback_ports, then=narrowing)
+    with _session(options, announce_reloads=options.trace, transform=transform) as session:
         creds = session.credentials(narrowing.profile if narrowing else None)
         if bwrap:
             try:

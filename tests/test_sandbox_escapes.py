@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.egressd_cli import EGRESSD
+from tests.support.egressd_cli import EGRESSD, write_policy
+from tests.support.upstreams import EchoHTTPServer
+from tests.test_exec_integration import assert_refusal, parse_http
 from tests.test_sandbox_integration import egressd_sandbox, python_inside, sandbox_env
 
 # -- what crosses into the sandbox ------------------------------------------------------------------
@@ -457,3 +459,33 @@ def test_a_sandbox_never_reaches_another_sandboxs_relay(work: Path) -> None:
         assert seen["reached"] == [] and not set(seen["found"]) & {str(p) for p in relays}
     finally:
         first.communicate(b"done\n", timeout=30)
+
+
+# -- the host's loopback ---------------------------------------------------------------------------
+def test_host_loopback_only_on_ports_the_policy_names(tmp_path: Path, work: Path) -> None:
+    """Another proxy on the host's loopback (here any server: `egressd run --mode allow`, a
+    corporate proxy, a database) is no way out of the sandbox unless its port is named."""
+    with EchoHTTPServer("127.0.0.1", name="other-proxy") as other, EchoHTTPServer("127.0.0.1") as named:
+        policy = write_policy(tmp_path, f"version: 1\nloopback: {{allow: true, ports: [{named.port}]}}\n")
+        curl = ["curl", "-sS", "-i", "--max-time", "20"]
+        refused = egressd_sandbox(
+            ["--policy", str(policy)], [*curl, f"http://127.0.0.1:{other.port}/"], cwd=work
+        )
+        assert_refusal(refused, 403, "loopback_port", "http_request_denied")
+        assert f"--allow-loopback-port {other.port}".encode() in parse_http(refused.stdout)[2]
+        tunnel = egressd_sandbox(
+            ["--policy", str(policy)], [*curl, "-p", f"http://localhost:{other.port}/"], cwd=work
+        )
+        assert b"403" in tunnel.stdout.split(b"\r\n", 1)[0]
+        assert other.connections == 0
+        by_policy = egressd_sandbox(
+            ["--policy", str(policy)], [*curl, f"http://127.0.0.1:{named.port}/"], cwd=work
+        )
+        assert parse_http(by_policy.stdout)[0] == 200, by_policy.stderr
+        by_option = egressd_sandbox(
+            ["--policy", str(policy), "--allow-loopback-port", str(other.port)],
+            [*curl, f"http://127.0.0.1:{other.port}/"],
+            cwd=work,
+        )
+        assert parse_http(by_option.stdout)[0] == 200, by_option.stderr
+        assert other.connections == 1

@@ -375,7 +375,9 @@ def test_host_loopback_through_the_proxy_own_loopback_directly(policy: Path, wor
     with EchoHTTPServer("127.0.0.1", name="host-loopback") as host_server:
         # the child runs its own server on the SAME port number, on the sandbox's own loopback
         result = egressd_sandbox(
-            ["--policy", str(policy)], [*python_inside(OWN_SERVER), str(host_server.port)], cwd=work
+            ["--policy", str(policy), "--allow-loopback-port", str(host_server.port)],
+            [*python_inside(OWN_SERVER), str(host_server.port)],
+            cwd=work,
         )
         assert result.returncode == 0, result.stderr
         through_proxy, by_name, own = result.stdout.decode().split("====")
@@ -797,4 +799,5 @@ def test_sandbox_accepts_every_exec_option() -> None:
     assert exec_options <= sandbox_options
     assert sandbox_options - exec_options == {
         "rw", "ro", "only", "bwrap_path", "hide", "show", "rw_home", "env_clear", "pass_env",
+        "loopback_ports",
     }  # fmt: skip

@@ -408,8 +408,14 @@ def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Dec
             detail = f"{where} is a loopback address and loopback.allow is false in {policy.source}."
             return _refuse(request, "loopback_disabled", "loopback.allow: false", detail, client)
         ports = policy.loopback.ports
-        if ports and request.port not in ports:
+        if not policy.loopback.admits_port(request.port):
             detail = f"loopback port {request.port} is not in loopback.ports {list(ports)}."
+            if policy.loopback.named_ports_only:
+                detail = (
+                    f"inside the sandbox the host's loopback is reachable only on the ports the policy "
+                    f"names (loopback.ports: {list(ports)}); allow this one with "
+                    f"--allow-loopback-port {request.port}."
+                )
             return _refuse(request, "loopback_port", f"loopback.ports: {list(ports)}", detail, client)
         outcome = _Allow("loopback", "loopback.allow", f"{where} is loopback (loopback.allow)", True)
         return _finish(request, client, policy, outcome, deny_pending, own)
@@ -534,7 +540,7 @@ def _verdict(decision: Decision, policy: Policy, ip: IPAddress, port: int) -> tu
             return klass, False, "egressd's own listening address"
         if not policy.loopback.allow:
             return klass, False, "loopback (loopback.allow is false)"
-        if policy.loopback.ports and port not in policy.loopback.ports:
+        if not policy.loopback.admits_port(port):
             return klass, False, f"loopback port not in loopback.ports {list(policy.loopback.ports)}"
     return klass, True, f"{why} (allowed by {license_})"
 

@@ -46,6 +46,11 @@ class Origin:
 class LoopbackPolicy:
     allow: bool = True
     ports: tuple[int, ...] = ()
+    # the sandbox sets this: the host's loopback only on the ports named, none when `ports` is empty
+    named_ports_only: bool = False
+
+    def admits_port(self, port: int) -> bool:
+        return port in self.ports if (self.ports or self.named_ports_only) else True
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ are host sets, and two host rules intersect in at most one host rule, so the int
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from egressd.policy import HostRule, Policy, PolicyError, RuleSet, parse_rule
@@ -156,3 +156,18 @@ class Narrowing:
             raise PolicyError(policy.source, "--profile", self.base, "no such profile")
         profile = narrowed_profile(self.only, base, self.profile)
         return replace(policy, profiles={**policy.profiles, self.profile: profile})
+
+
+class LoopbackConfinement:
+    """A ProxySession transform: inside the sandbox the host's loopback (another proxy, a database,
+    the Docker API on TCP) is reachable only on the ports the policy's `loopback.ports` or
+    `--allow-loopback-port` name: every other host port would be a way out of the sandbox."""
+
+    def __init__(self, ports: Sequence[int], then: Callable[[Policy], Policy] | None = None) -> None:
+        self.ports = tuple(ports)
+        self.then = then
+
+    def __call__(self, policy: Policy) -> Policy:
+        ports = tuple(dict.fromkeys((*policy.loopback.ports, *self.ports)))
+        policy = replace(policy, loopback=replace(policy.loopback, ports=ports, named_ports_only=True))
+        return self.then(policy) if self.then else policy
