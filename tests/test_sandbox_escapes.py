@@ -468,6 +468,10 @@ def test_host_loopback_only_on_ports_the_policy_names(tmp_path: Path, work: Path
     with EchoHTTPServer("127.0.0.1", name="other-proxy") as other, EchoHTTPServer("127.0.0.1") as named:
         policy = write_policy(tmp_path, f"version: 1\nloopback: {{allow: true, ports: [{named.port}]}}\n")
         curl = ["curl", "-sS", "-i", "--max-time", "20"]
+        preset = egressd_sandbox(
+            ["--policy", "default"], [*curl, f"http://127.0.0.1:{other.port}/"], cwd=work
+        )
+        assert_refusal(preset, 403, "loopback_port", "http_request_denied")
         refused = egressd_sandbox(
             ["--policy", str(policy)], [*curl, f"http://127.0.0.1:{other.port}/"], cwd=work
         )
