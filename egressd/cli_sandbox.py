@@ -93,6 +93,12 @@ the sandbox's own loopback.""",
     help="With --env-clear: also pass this variable of egressd's environment (repeatable).",
 )
 @click.option(
+    "--cache",
+    metavar="DIR",
+    help="Keep the child's npm, uv, pip and XDG caches in DIR (writable) to reuse them between runs; "
+    "by default each sandbox gets a fresh private cache.",
+)
+@click.option(
     "--allow-loopback-port",
     "loopback_ports",
     multiple=True,
@@ -124,6 +130,7 @@ def sandbox_command(
     rw_home: bool,
     env_clear: bool,
     pass_env: tuple[str, ...],
+    cache: str | None,
     loopback_ports: tuple[int, ...],
     only: tuple[str, ...],
     bwrap_path: str | None,
@@ -151,6 +158,7 @@ def sandbox_command(
             hide=hide,
             show=show,
             rw_home=rw_home,
+            cache=cache,
             always_hidden=[str(relay_home())] if sys.platform == "linux" else [],
         )
     except (MountError, PolicyError, RelayError) as exc:

@@ -14,12 +14,18 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
+from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, write_policy
+from tests.support.netns import UPSTREAM_V4
+from tests.support.npm_registry import NpmRegistry
 from tests.support.upstreams import EchoHTTPServer
 from tests.test_exec_integration import assert_refusal, parse_http
 from tests.test_sandbox_integration import egressd_sandbox, python_inside, sandbox_env
@@ -439,8 +445,16 @@ LOOK_FOR_RELAYS = """
 """
 
 
-def test_a_sandbox_never_reaches_another_sandboxs_relay(work: Path) -> None:
-    env = sandbox_env(work)  # both sandboxes share this TMPDIR, which the read-only root shows
+@pytest.fixture
+def shared_tmpdir() -> Iterator[Path]:
+    """A short TMPDIR outside /tmp: the read-only root shows it to every sandbox."""
+    path = Path(tempfile.mkdtemp(prefix="egressd-test-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_sandbox_never_reaches_another_sandboxs_relay(work: Path, shared_tmpdir: Path) -> None:
+    env = dict(os.environ, TMPDIR=str(shared_tmpdir))  # both sandboxes share it
     first = subprocess.Popen(
         [*EGRESSD, "sandbox", "--", "sh", "-c", "touch waiting; read line"],
         cwd=work,
@@ -451,9 +465,9 @@ def test_a_sandbox_never_reaches_another_sandboxs_relay(work: Path) -> None:
     )
     try:
         _wait_for(work / "waiting", first)  # type: ignore[arg-type]
-        relays = [p for p in (work / ".t").rglob("*") if p.is_socket()]
+        relays = [p for p in shared_tmpdir.rglob("*") if p.is_socket()]
         assert relays  # the first sandbox's sockets are there on the host
-        second = egressd_sandbox([], [*python_inside(LOOK_FOR_RELAYS), env["TMPDIR"]], cwd=work)
+        second = egressd_sandbox([], [*python_inside(LOOK_FOR_RELAYS), env["TMPDIR"]], cwd=work, env=env)
         assert second.returncode == 0, second.stderr
         seen = json.loads(second.stdout)
         assert seen["reached"] == [] and not set(seen["found"]) & {str(p) for p in relays}
@@ -493,3 +507,66 @@ def test_host_loopback_only_on_ports_the_policy_names(tmp_path: Path, work: Path
         )
         assert parse_http(by_option.stdout)[0] == 200, by_option.stderr
         assert other.connections == 1
+
+
+# -- caches ----------------------------------------------------------------------------------------
+NPM_ADDR = UPSTREAM_V4[15]
+
+
+@pytest.fixture
+def npm_registry(ca: trustme.CA, dns: DnsServer) -> Iterator[NpmRegistry]:
+    dns.add("registry.test", NPM_ADDR)
+    with NpmRegistry(NPM_ADDR, ca=ca, hostnames=["registry.test"]) as registry:
+        registry.add("egressd-tiny-dep", "1.0.0")
+        registry.add("egressd-tiny", "1.0.0", dependencies={"egressd-tiny-dep": "^1.0.0"})
+        yield registry
+
+
+def _npm_install(
+    tmp_path: Path, work: Path, registry: NpmRegistry, dns: DnsServer, ca_file: Path, options: list[str]
+) -> subprocess.CompletedProcess[bytes]:
+    home = tmp_path / "home"
+    (home / ".npm").mkdir(parents=True, exist_ok=True)  # the user's own cache: read-only inside
+    (work / "package.json").write_text('{"name": "p", "version": "0.0.0", "private": true}')
+    policy = write_policy(tmp_path, f"version: 1\nallow: [registry.test, {NPM_ADDR}]\n")
+    env = sandbox_env(work)
+    env = {k: v for k, v in env.items() if not k.lower().startswith(("npm_config_", "pip_"))}
+    env.update(HOME=str(home), npm_config_update_notifier="false", npm_config_fetch_retries="0")
+    env["npm_config_cafile"] = str(ca_file)
+    return egressd_sandbox(
+        # --ro shows the home as a real one (outside the private /tmp) is shown: read-only
+        [
+            "--policy",
+            str(policy),
+            "--nameserver",
+            dns.nameserver,
+            "--ro",
+            str(ca_file.parent),
+            "--ro",
+            str(home),
+        ]
+        + options,
+        ["npm", "install", "--no-audit", "--no-fund", "--registry", f"{registry.base_url}/", "egressd-tiny"],
+        cwd=work,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_npm_install_works_inside_with_a_private_cache(
+    tmp_path: Path, work: Path, npm_registry: NpmRegistry, dns: DnsServer, ca_file: Path
+) -> None:
+    result = _npm_install(tmp_path, work, npm_registry, dns, ca_file, [])
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert (work / "node_modules" / "egressd-tiny-dep" / "package.json").exists()
+    assert list((tmp_path / "home" / ".npm").iterdir()) == []  # the user's cache untouched
+
+
+def test_cache_dir_is_reused_between_runs(
+    tmp_path: Path, work: Path, npm_registry: NpmRegistry, dns: DnsServer, ca_file: Path
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    result = _npm_install(tmp_path, work, npm_registry, dns, ca_file, ["--cache", str(cache)])
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert (cache / "npm" / "_cacache").is_dir()

@@ -28,6 +28,7 @@ class Layout:
     covers: tuple[Cover, ...]
     hidden: tuple[str, ...]  # every hidden path (the environment drops variables pointing there)
     shown: tuple[str, ...]  # credentials the user chose to show (a warning names each)
+    cache: str | None = None  # --cache DIR (writable), or None: a private cache in the sandbox's /tmp
 
 
 def egressd_code() -> dict[str, str]:
@@ -79,12 +80,15 @@ def plan_layout(
     hide: Sequence[str] = (),
     show: Sequence[str] = (),
     rw_home: bool = False,
+    cache: str | None = None,
     always_hidden: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> Layout:
     """Mounts and covers for `options` (already pinned_options); MountError names the fix."""
     environ = os.environ if environ is None else environ
     home = os.path.realpath(os.path.expanduser("~"))
+    cache_dir = _checked("--cache", [cache])[0] if cache else None
+    rw = [*rw, cache_dir] if cache_dir else rw
     mounts = plan_mounts(workdir, rw, ro, home=home, rw_home=rw_home)
     guarded = egressd_code()
     if options.policy_file is not None:
@@ -101,7 +105,7 @@ def plan_layout(
     hidden = (*own, *credentials)
     covers = plan_covers(mounts, guarded, hidden)
     covers += tuple(Cover(path, "ro") for path in inside)
-    return Layout(mounts, covers, hidden, shown)
+    return Layout(mounts, covers, hidden, shown, cache_dir)
 
 
 def _checked(option: str, paths: Sequence[str]) -> tuple[str, ...]:

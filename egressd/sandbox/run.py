@@ -34,6 +34,15 @@ if TYPE_CHECKING:
     from egressd.session import ProxySession
 
 SANDBOX_VAR = "EGRESSD_SANDBOX"
+# The child's caches: a fresh directory in the sandbox's private /tmp, or --cache DIR. Never the
+# user's own (~/.npm, ~/.cache): read-only inside, and a cache the child could poison if writable.
+PRIVATE_CACHE = "/tmp/.egressd-cache"
+CACHE_VARIABLES = {
+    "npm_config_cache": "npm",
+    "UV_CACHE_DIR": "uv",
+    "PIP_CACHE_DIR": "pip",
+    "XDG_CACHE_HOME": "xdg",
+}
 SOCKET_VARIABLES = ("SSH_AUTH_SOCK", "DOCKER_HOST")
 
 
@@ -58,11 +67,13 @@ def sandbox_env(
     kind: str,
     base: Mapping[str, str] | None = None,
     hidden: Sequence[str] = (),
+    cache: str | None = None,
 ) -> dict[str, str]:
     """The child environment with the proxy URLs the child can reach from inside the sandbox.
 
     Variables that lead to a hidden socket (SSH_AUTH_SOCK, a unix:// DOCKER_HOST) are dropped:
-    the sandbox hides what they point at.
+    the sandbox hides what they point at. The caches of npm, uv, pip and XDG programs point into
+    `cache` (--cache DIR) or the sandbox's private /tmp.
     """
     socks_url = creds.proxy_url(*socks, scheme="socks5h") if socks else None
     base = dict(os.environ if base is None else base)
@@ -71,6 +82,8 @@ def sandbox_env(
         if target and any(within(os.path.realpath(target), top) for top in hidden):
             del base[name]
     env = child_environment(base, creds.proxy_url(*http), socks_url, ca_bundle=session.ca_bundle)
+    for name, sub in CACHE_VARIABLES.items():
+        env[name] = os.path.join(cache or PRIVATE_CACHE, sub)
     env[SANDBOX_VAR] = kind
     return with_git_ssh(env, session.policy)
 
@@ -176,7 +189,14 @@ def run_bwrap(
         bridges.append((f"{BRIDGE_HOST}:{BRIDGE_SOCKS_PORT}", "socks"))
         socks = (BRIDGE_HOST, BRIDGE_SOCKS_PORT)
     env = sandbox_env(
-        session, creds, (BRIDGE_HOST, BRIDGE_HTTP_PORT), socks, "bubblewrap", env_base, layout.hidden
+        session,
+        creds,
+        (BRIDGE_HOST, BRIDGE_HTTP_PORT),
+        socks,
+        "bubblewrap",
+        env_base,
+        layout.hidden,
+        layout.cache,
     )
     with UnixRelay(routes) as relay:
         assert relay.directory is not None
@@ -235,6 +255,6 @@ def run_seatbelt(
     readonly = [m.path for m in layout.mounts if not m.writable]
     ports = [http[1]] + ([socks[1]] if socks else [])
     profile = seatbelt_profile(ports, writable, readonly)
-    env = sandbox_env(session, creds, http, socks, "seatbelt", env_base, layout.hidden)
+    env = sandbox_env(session, creds, http, socks, "seatbelt", env_base, layout.hidden, layout.cache)
     argv = seatbelt_argv(profile, command, sandbox_exec)
     return Outcome(run_child(argv, env, catcher=catcher))
