@@ -9,7 +9,9 @@ a packet off this machine. Support code is imported as ``tests.support.*``.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -98,6 +100,15 @@ def work(tmp_path: Path) -> Path:
     path = tmp_path / "work"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def shared_tmpdir() -> Iterator[Path]:
+    """A short TMPDIR outside /tmp (the sandbox's relay sockets go there, and a Unix socket path
+    must stay short): the read-only root shows it to every sandbox."""
+    path = Path(tempfile.mkdtemp(prefix="egressd-test-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -443,14 +442,6 @@ LOOK_FOR_RELAYS = """
                 pass
     print(json.dumps({"found": found, "reached": reached}))
 """
-
-
-@pytest.fixture
-def shared_tmpdir() -> Iterator[Path]:
-    """A short TMPDIR outside /tmp: the read-only root shows it to every sandbox."""
-    path = Path(tempfile.mkdtemp(prefix="egressd-test-", dir="/var/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_sandbox_never_reaches_another_sandboxs_relay(work: Path, shared_tmpdir: Path) -> None:

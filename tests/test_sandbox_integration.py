@@ -665,10 +665,10 @@ def _proxy_request(connect: socket.socket, target: str) -> bytes:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another uid (CI runs as root)")
 def test_relay_socket_and_credentials_are_the_childs_alone(
-    policy: Path, dns: DnsServer, upstream: EchoHTTPServer, work: Path
+    policy: Path, dns: DnsServer, upstream: EchoHTTPServer, work: Path, shared_tmpdir: Path
 ) -> None:
     dns.add("up.test", upstream.host)
-    env = sandbox_env(work)
+    env = dict(os.environ, TMPDIR=str(shared_tmpdir))
     proc = subprocess.Popen(
         [*EGRESSD, "sandbox", *_base(policy, dns), "--", "sh", "-c", "echo ready; env; read line"],
         cwd=work,
@@ -680,7 +680,7 @@ def test_relay_socket_and_credentials_are_the_childs_alone(
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline() == b"ready\n"
-        (directory,) = list((work / ".t" / f"egressd-{os.getuid()}").iterdir())
+        (directory,) = list((shared_tmpdir / f"egressd-{os.getuid()}").iterdir())
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700
         sock_path = directory / "http.sock"
         assert stat.S_ISSOCK(sock_path.stat().st_mode) and stat.S_IMODE(sock_path.stat().st_mode) == 0o600
@@ -799,5 +799,5 @@ def test_sandbox_accepts_every_exec_option() -> None:
     assert exec_options <= sandbox_options
     assert sandbox_options - exec_options == {
         "rw", "ro", "only", "bwrap_path", "hide", "show", "rw_home", "env_clear", "pass_env",
-        "loopback_ports",
+        "loopback_ports", "cache",
     }  # fmt: skip
