@@ -16,6 +16,7 @@ import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -423,6 +424,35 @@ def test_relay_ssh_killed_mid_session_ends_the_run_cleanly(
     assert list(lab.remote_tmp.iterdir()) == []
 
 
+def test_relay_egressd_killed_takes_its_ssh_and_the_forward_along(
+    lab: SshLab, policy: Path, names: DnsServer, request: pytest.FixtureRequest
+) -> None:
+    """SIGKILL to egressd: its ssh master and session go too, and with them the remote forward.
+
+    Otherwise the forward stays open with no proxy behind it, and another user of this machine
+    who binds the freed proxy port receives the remote command's requests, credentials included.
+    """
+    request.addfinalizer(lab.kill_sessions)
+    script = 'printf "%s\\n" "$HTTP_PROXY"; exec sleep 60'
+    with Running(ssh_argv(lab, relay_options(policy, names), ["sh", "-c", script])) as run:
+        port = int(run.line().strip().rpartition(":")[2])
+        local = ssh_lab.descendants(run.proc.pid)
+        assert any("ControlMaster=yes" in ssh_lab.cmdline(pid) for pid in local), local
+        assert lab.in_remote(lambda: _listening(port))
+        run.proc.kill()
+        run.proc.wait()
+        _wait_for(
+            lambda: not [pid for pid in local if ssh_lab.cmdline(pid)],
+            "egressd's ssh processes to end after it was killed",
+            timeout=20,
+        )
+        _wait_for(
+            lambda: not lab.in_remote(lambda: _listening(port)),
+            "the remote forward to close after egressd was killed",
+            timeout=20,
+        )
+
+
 def test_relay_forward_failure_is_fatal_before_the_command_runs(
     lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path
 ) -> None:
@@ -589,6 +619,15 @@ def _quoted(argv: Sequence[str]) -> str:
 
 def _sleepers(tag: str) -> list[int]:
     return [pid for pid, line in ssh_lab.all_cmdlines() if line == f"sleep {tag}"]
+
+
+def _listening(port: int) -> bool:
+    """Something accepts on 127.0.0.1:port (call inside the remote namespace)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def _wait_for(condition: Callable[[], object], what: str, timeout: float = 10) -> None:
