@@ -394,8 +394,9 @@ def test_relay_ssh_killed_mid_session_ends_the_run_cleanly(
     workdir = Path(tempfile.mkdtemp(prefix="eg-", dir="/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
     env = {**os.environ, "TMPDIR": str(workdir)}
+    tag = f"62.{os.getpid()}"
     with Running(
-        ssh_argv(lab, relay_options(policy, names), ["sh", "-c", "echo ready; sleep 60"]), env=env
+        ssh_argv(lab, relay_options(policy, names), ["sh", "-c", f"echo ready; sleep {tag}"]), env=env
     ) as run:
         assert run.line() == "ready\n"
         local = ssh_lab.descendants(run.proc.pid)
@@ -413,15 +414,10 @@ def test_relay_ssh_killed_mid_session_ends_the_run_cleanly(
     time.sleep(0.2)
     assert not [pid for pid in local if ssh_lab.cmdline(pid)], "local processes left running"
     assert list(workdir.iterdir()) == []
-    # Relay mode has no egressd on the remote: like with plain ssh, a command without a pty that
-    # neither reads nor writes lives on there. Once it is gone, the next connection's set-up
-    # removes the session directory the drop left behind.
-    assert lab.remote_tmp is not None and len(list(lab.remote_tmp.iterdir())) == 1
-    lab.kill_sessions()
-    if what != "remote sshd":
-        return  # once is enough
-    assert egressd_ssh(lab, relay_options(policy, names), ["true"]).returncode == 0
-    assert list(lab.remote_tmp.iterdir()) == []
+    # on the remote, the session's reaper ended the command and removed the session directory
+    _wait_for(lambda: not _sleepers(tag), "the remote command to end after SSH dropped", timeout=20)
+    assert lab.remote_tmp is not None
+    _wait_for(lambda: not list(lab.remote_tmp.iterdir()), "the remote session directory to go")
 
 
 def test_relay_egressd_killed_takes_its_ssh_and_the_forward_along(
@@ -610,6 +606,59 @@ def test_remote_egress_without_egressd_there_stops_before_running(
     assert b"egressd is not installed on" in result.stderr
     assert b"--remote-egressd" in result.stderr
     assert not marker.exists()
+
+
+# -- lifetimes -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("what", ["remote sshd", "local ssh"])
+@pytest.mark.parametrize("mode", ["relay", "remote egress"])
+def test_ssh_drop_ends_what_the_command_detached(
+    lab: SshLab,
+    policy: Path,
+    names: DnsServer,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    mode: str,
+    what: str,
+) -> None:
+    """A child detached with setsid and one with a double fork: both end when SSH drops.
+
+    They hold the proxy credentials; left running, a released forward port could be bound by
+    another user of the remote host and receive their requests.
+    """
+    request.addfinalizer(lab.kill_sessions)
+    marker, pids = tmp_path / "marker", tmp_path / "pids"
+    loop = f"echo $$ >> {pids}; while :; do echo x >> {marker}; sleep 0.1; done"
+    quiet = "</dev/null >/dev/null 2>&1"
+    script = (
+        f"setsid sh -c {shlex.quote(loop)} {quiet} & ( sh -c {shlex.quote(loop)} {quiet} & ); "
+        f"echo ready; exec sleep 64.{os.getpid()}"
+    )
+    if mode == "relay":
+        options = relay_options(policy, names)
+    else:
+        options = remote_options(policy, request.getfixturevalue("remote_dns"))
+    with Running(ssh_argv(lab, options, ["sh", "-c", script])) as run:
+        assert run.line() == "ready\n"
+        _wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, "both detached children")
+        detached = [int(pid) for pid in pids.read_text().split()]
+        assert all(ssh_lab.cmdline(pid) for pid in detached)
+        if what == "remote sshd":
+            lab.drop_connections()
+        else:
+            masters = [
+                p for p in ssh_lab.descendants(run.proc.pid) if "ControlMaster=yes" in ssh_lab.cmdline(p)
+            ]
+            os.kill(masters[0], signal.SIGKILL)
+        assert run.finish(timeout=20) == 255
+    _wait_for(
+        lambda: not [pid for pid in detached if ssh_lab.cmdline(pid)],
+        "the detached children to end after SSH dropped",
+        timeout=20,
+    )
+    _wait_for(lambda: not _sleepers(f"64.{os.getpid()}"), "the command to end after SSH dropped")
+    size = marker.stat().st_size
+    time.sleep(0.3)
+    assert marker.stat().st_size == size  # nobody writes it any more
 
 
 # -- small helpers -------------------------------------------------------------------------------

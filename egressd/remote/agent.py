@@ -3,8 +3,10 @@
 It takes every policy from the channel (never from a file, never from EGRESSD_MODE here: the
 client already applied its own), runs the proxy, runs the command like `exec` does, and answers
 each policy with `applied` or `rejected` (a bad push keeps the last good policy). When the
-channel ends — the client went away or SSH dropped — the command is hung up (SIGHUP, SIGKILL
-5 s later): it must not run on under a policy its client can no longer change.
+channel ends — the client went away or SSH dropped — the command and everything it started,
+detached or not, is hung up (SIGHUP, SIGKILL 5 s later; the agent is their subreaper): none may
+run on under a policy its client can no longer change. What is left when the command exits ends
+the same way, since the proxy it would use goes with the agent.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -22,6 +23,7 @@ from egressd import process
 from egressd.audit import AuditLog
 from egressd.child_env import child_environment
 from egressd.policy import Policy, PolicyError
+from egressd.remote import reaper
 from egressd.remote.channel import ChannelError, LineChannel, read_policy
 from egressd.ssh_env import with_git_ssh
 
@@ -57,20 +59,6 @@ class ChannelAudit(AuditLog):
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         return self._forward(super().event(kind, **fields))
-
-
-def _hang_up(pid: int) -> None:
-    """SIGHUP to the command's whole process group, as a terminal hang-up would.
-
-    sshd starts every session in a group of its own, which the agent leads (the wrapper exec'd
-    it): the group is the command and what it started. The agent has SIGHUP blocked (the signal
-    catcher), so it only sees it as one more signal to pass on.
-    """
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if os.getpgrp() == os.getpid():
-            os.killpg(os.getpgrp(), signal.SIGHUP)
-        else:
-            os.kill(pid, signal.SIGHUP)
 
 
 def _check_profile(policy: Policy, profile: str | None) -> Policy:
@@ -173,6 +161,7 @@ class Agent:
             socks_url = creds.proxy_url(*socks, scheme="socks5h") if socks else None
             env = child_environment(os.environ, url, socks_url, ca_bundle=self.proxy.ca_bundle)
             env = with_git_ssh(env, policy)  # git over SSH through the proxy, as `exec` does
+            reaper.become_subreaper()  # detached children stay below the agent
             try:
                 pid = process.spawn(command, env, catcher)
             except OSError as exc:
@@ -185,20 +174,28 @@ class Agent:
             self.proxy.stop()
 
     def _wait(self, pid: int, catcher: process.SignalCatcher) -> int:
-        hung_up: float | None = None
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done == pid:
-                return os.waitstatus_to_exitcode(status)
-            if self.lost.is_set() and hung_up is None:
-                hung_up = time.monotonic()
-                _hang_up(pid)
-                self.say("the client is gone (policy channel closed): hung up the command")
-            elif hung_up is not None and time.monotonic() - hung_up > HANGUP_GRACE:
+        returncode: int | None = None
+        while returncode is None:
+            for done, status in reaper.reap():  # the command, and orphans re-parented here
+                if done == pid:
+                    returncode = reaper.exit_code(status)
+            if returncode is not None:
+                break
+            if self.lost.is_set():
+                self.say("the client is gone (policy channel closed): hanging up the command")
+                for done, status in reaper.end_tree(os.getpid(), os.getpgrp(), grace=HANGUP_GRACE):
+                    if done == pid:
+                        returncode = reaper.exit_code(status)
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)  # without /proc only the group was hung up
+                if returncode is None:
+                    _, status = os.waitpid(pid, 0)
+                    returncode = reaper.exit_code(status)
+                return returncode
             got = catcher.wait(0.25)
             if got is None or got.signo == signal.SIGCHLD or got.from_kernel:
                 continue  # the terminal already signalled the whole group, the command included
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, got.signo)
+        reaper.end_tree(os.getpid(), None, grace=1.0)  # what the command left behind
+        return returncode

@@ -16,7 +16,7 @@ from pathlib import Path
 from egressd import process
 from egressd.child_env import CA_BUNDLE_VARS, proxy_exports
 from egressd.policy import Policy
-from egressd.remote import scripts
+from egressd.remote import reaper, scripts
 from egressd.remote.connection import SshConnection, SshError
 from egressd.remote.supervise import Outcome, supervise
 from egressd.session import ProxySession
@@ -78,8 +78,14 @@ class Relay:
                 raise SshError(
                     f"cannot copy the CA bundle to {self.connection.name}: {done.stderr.strip()}", 2
                 )
+        # the remote end of the session ends all the command started when SSH drops (reaper.py)
+        done = self.connection.helper(
+            scripts.put_command(directory, scripts.REAPER_NAME), input=Path(reaper.__file__).read_bytes()
+        )
+        if not done.ok:
+            raise SshError(f"cannot prepare the session on {self.connection.name}: {done.stderr.strip()}", 2)
         # With a terminal on stdin the ssh client must stay in the foreground group to read it.
-        child = self.connection.start(scripts.wrapped(directory, command), new_group=not os.isatty(0))
+        child = self.connection.start(scripts.relay_wrapped(directory, command), new_group=not os.isatty(0))
         try:
             return supervise(child, self.connection, directory, catcher)
         finally:

@@ -21,6 +21,7 @@ DIR_PREFIX = "egressd-ssh."
 ENV_NAME = "env"
 PID_NAME = "pid"
 CHANNEL_NAME = "policy.sock"
+REAPER_NAME = "reaper.py"
 
 # Remove this user's session directories whose command is gone (an SSH drop leaves them behind);
 # one without a pid file yet is a session still starting, and is kept.
@@ -39,6 +40,15 @@ SETUP = (
 WRAPPER = (
     'd=$1; shift; printf "%s\\n" "$$" > "$d/' + PID_NAME + '" '
     '&& . "$d/' + ENV_NAME + '" && rm -f "$d/' + ENV_NAME + '" && exec "$@"'
+)
+# Relay mode: the same, but under the reaper (egressd/remote/reaper.py, uploaded as "$d/reaper.py")
+# with the remote's python3, which ends everything the command started when the session ends.
+# Without python3 the command runs as WRAPPER runs it, and stderr says what that means.
+RELAY_WRAPPER = (
+    'd=$1; shift; . "$d/' + ENV_NAME + '" && rm -f "$d/' + ENV_NAME + '" && '
+    'if command -v python3 >/dev/null 2>&1; then exec python3 -I -S "$d/' + REAPER_NAME + '" "$d" "$@"; fi; '
+    'echo "egressd: no python3 here: what the command detaches outlives a dropped SSH connection" >&2; '
+    'printf "%s\\n" "$$" > "$d/' + PID_NAME + '" && exec "$@"'
 )
 # $1 = signal name, $2 = the directory: signal the command the wrapper became (a signal that
 # arrives while the session is still starting waits up to 3 s for the pid).
@@ -93,6 +103,11 @@ def _name(key: str) -> str:
 def wrapped(directory: str, command: Sequence[str]) -> str:
     """The session command: the wrapper around the user's (or the agent's) command."""
     return remote_command(WRAPPER, directory, *command)
+
+
+def relay_wrapped(directory: str, command: Sequence[str]) -> str:
+    """The relay session command: the user's command under the reaper (see RELAY_WRAPPER)."""
+    return remote_command(RELAY_WRAPPER, directory, *command)
 
 
 def kill_command(directory: str, signal_name: str) -> str:
