@@ -122,7 +122,7 @@ def ssh_command(
 
         transform = None if client_loopback else close_client_loopback
         with _session(options, announce_reloads=options.trace, transform=transform) as session:
-            returncode = run_over_ssh(lambda c: Relay(session, c), connection(), command, catcher, _say)
+            returncode = run_over_ssh(lambda c: Relay(session, c, _say), connection(), command, catcher, _say)
         process.exit_like(returncode)
 
     returncode = _remote_egress(

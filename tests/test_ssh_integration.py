@@ -449,19 +449,57 @@ def test_relay_egressd_killed_takes_its_ssh_and_the_forward_along(
         )
 
 
+@pytest.mark.parametrize(
+    ("port", "words"),
+    [
+        (ssh_lab.NO_FORWARDING_PORT, [b"remote forward", b"failed"]),
+        # GatewayPorts yes: sshd binds the forward on every address, other hosts would reach it
+        (ssh_lab.GATEWAY_PORTS_PORT, [b"GatewayPorts", b"0.0.0.0:"]),
+    ],
+)
 def test_relay_forward_failure_is_fatal_before_the_command_runs(
-    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path
+    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path, port: int, words: list[bytes]
 ) -> None:
     marker = tmp_path / "ran"
     result = egressd_ssh(
         lab,
         relay_options(policy, names),
         ["touch", str(marker)],
-        destination=f"ssh://root@{ssh_lab.REMOTE}:{ssh_lab.NO_FORWARDING_PORT}",
+        destination=f"ssh://root@{ssh_lab.REMOTE}:{port}",
     )
-    assert result.returncode == 2
-    assert b"remote forward" in result.stderr and b"failed" in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert all(word in result.stderr for word in words), result.stderr
     assert not marker.exists()
+
+
+def test_config_files_cannot_forward_the_agent(
+    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """ForwardAgent/ForwardX11 in an ssh config file do not reach the session: egressd forces them off.
+
+    The system-wide ssh_config is replaced in a private mount namespace (this machine's own
+    ~/.ssh is left alone); a real ssh-agent runs for the session to be offered.
+    """
+    config = tmp_path / "ssh_config"
+    config.write_text("Host *\n    ForwardAgent yes\n    ForwardX11 yes\n    ForwardX11Trusted yes\n")
+    socket_path = tmp_path / "agent.sock"
+    started = subprocess.run(
+        ["ssh-agent", "-s", "-a", str(socket_path)], capture_output=True, text=True, check=True
+    )
+    agent_pid = int(started.stdout.split("SSH_AGENT_PID=", 1)[1].split(";", 1)[0])
+    request.addfinalizer(lambda: os.kill(agent_pid, signal.SIGTERM))
+    with_config = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+    with_config += ['mount --bind "$1" /etc/ssh/ssh_config && shift && exec "$@"', "sh", str(config)]
+    script = 'echo "agent=${SSH_AUTH_SOCK:-none}"'
+    done = subprocess.run(
+        [*with_config, *ssh_argv(lab, relay_options(policy, names), ["sh", "-c", script])],
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+        env={**os.environ, "SSH_AUTH_SOCK": str(socket_path), "DISPLAY": ":0"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"agent=none\n"
 
 
 def test_connect_failure_exits_255_without_running(

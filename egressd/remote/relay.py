@@ -9,8 +9,9 @@ remote host can connect to that port too, which is why the child's credentials m
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from egressd import process
@@ -41,13 +42,66 @@ def close_client_loopback(policy: Policy) -> Policy:
     )
 
 
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
+
+
+def _proc_address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """A /proc/net/tcp{,6} address: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(text)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
+
+
+def exposed_listeners(proc_net_tcp: str, ports: Collection[int]) -> list[str]:
+    """Listening sockets on `ports` bound to a non-loopback address, from /proc/net/tcp{,6} text.
+
+    sshd binds a remote forward on every address, whatever the client asked, when its
+    GatewayPorts is `yes`: then other hosts reach egressd's proxy port.
+    """
+    found = []
+    for line in proc_net_tcp.splitlines():
+        fields = line.split()
+        if len(fields) < 4 or fields[3] != _LISTEN or ":" not in fields[1]:
+            continue
+        address, _, port = fields[1].partition(":")
+        try:
+            ip, number = _proc_address(address), int(port, 16)
+        except ValueError:
+            continue
+        mapped = getattr(ip, "ipv4_mapped", None)
+        if number in ports and not (mapped or ip).is_loopback:
+            found.append(f"[{ip}]:{number}" if ip.version == 6 else f"{ip}:{number}")
+    return found
+
+
 class Relay:
     """One relayed run; `directory` is the remote session directory once it exists."""
 
-    def __init__(self, session: ProxySession, connection: SshConnection) -> None:
+    def __init__(
+        self, session: ProxySession, connection: SshConnection, say: Callable[[str], None] = lambda _: None
+    ) -> None:
         self.session = session
         self.connection = connection
+        self.say = say
         self.directory: str | None = None
+
+    def check_loopback_only(self, ports: Collection[int]) -> None:
+        """Refuse (exit 2) when sshd bound a forward beyond the remote's loopback (GatewayPorts)."""
+        done = self.connection.helper(scripts.remote_command(scripts.LISTENERS))
+        if not done.ok or "local_address" not in done.stdout:
+            self.say(
+                f"cannot check which address {self.connection.name} binds the forward on (no "
+                "/proc/net/tcp there); if its sshd has GatewayPorts yes, other hosts reach this proxy port"
+            )
+            return
+        exposed = exposed_listeners(done.stdout, ports)
+        if exposed:
+            raise SshError(
+                f"sshd on {self.connection.name} binds the reverse forward on {', '.join(exposed)}, not "
+                "only on its loopback (GatewayPorts yes in its sshd_config): other hosts could reach "
+                "egressd's proxy port. Set GatewayPorts no or clientspecified there. Nothing was run.",
+                exit_code=2,
+            )
 
     def environment(self) -> tuple[str, bytes | None]:
         """Forward the proxy's ports; the env file text and the CA bundle to upload (if any)."""
@@ -55,10 +109,13 @@ class Relay:
         assert proxy is not None, "start the session first"
         creds = self.session.credentials()
         http_port = self.connection.forward(*proxy.http_address)
+        ports = [http_port]
         socks_url = None
         if proxy.socks_address is not None:
             socks_port = self.connection.forward(*proxy.socks_address)
             socks_url = creds.proxy_url(REMOTE_LOOPBACK, socks_port, scheme="socks5h")
+            ports.append(socks_port)
+        self.check_loopback_only(ports)
         exports = proxy_exports(creds.proxy_url(REMOTE_LOOPBACK, http_port), socks_url)
         bundle = self.session.ca_bundle
         if bundle is None:

@@ -56,6 +56,8 @@ KILL = (
     'i=0; while [ ! -s "$2/' + PID_NAME + '" ] && [ "$i" -lt 30 ]; do sleep 0.1; i=$((i+1)); done; '
     'read p < "$2/' + PID_NAME + '" && kill -s "$1" "$p"'
 )
+# the remote's listening TCP sockets (Linux), to see where sshd bound the forwards
+LISTENERS = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; true"
 # $1 = the directory, $2 = a file name: stdin → that file
 PUT = 'cat > "$1/$2"'
 CLEANUP = 'rm -rf -- "$1"'
