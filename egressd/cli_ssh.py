@@ -23,6 +23,7 @@ from egressd.remote.destination import DestinationError, parse_destination
 from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option
 
 if TYPE_CHECKING:
+    from egressd.policy import Policy
     from egressd.remote.connection import SshConnection
     from egressd.session import SessionOptions
 
@@ -76,7 +77,8 @@ traffic leaves from there.""",
 @click.option(
     "--client-loopback",
     is_flag=True,
-    help="Relay mode: let the remote command reach THIS machine's loopback (closed by default).",
+    help="Relay mode: let the remote command reach THIS machine's loopback and own addresses "
+    "(closed by default).",
 )
 @click.argument("destination")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
@@ -118,9 +120,11 @@ def ssh_command(
         )
 
     if egress == "client":
-        from egressd.remote.relay import Relay, close_client_loopback
+        from egressd.remote.relay import Relay, relay_policy
 
-        transform = None if client_loopback else close_client_loopback
+        def transform(policy: Policy) -> Policy:
+            return relay_policy(policy, client_loopback=client_loopback)
+
         with _session(options, announce_reloads=options.trace, transform=transform) as session:
             returncode = run_over_ssh(lambda c: Relay(session, c, _say), connection(), command, catcher, _say)
         process.exit_like(returncode)

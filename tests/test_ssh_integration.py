@@ -253,6 +253,55 @@ def test_relay_allowed_only_through_the_client_refused_with_reason(
     assert {("up.test", "allow", "allowlist"), ("denied.test", "deny", "denylist")} <= decided
 
 
+@pytest.mark.parametrize(
+    ("extra", "loopback_ports", "expected"),
+    [
+        ([], None, (403, "loopback_disabled")),
+        (["--client-loopback"], "SERVICE", (200, None)),
+        (["--client-loopback"], "1", (403, "loopback_port")),
+    ],
+)
+def test_relay_client_own_addresses_fall_under_the_loopback_rules(
+    lab: SshLab,
+    names: DnsServer,
+    tmp_path: Path,
+    extra: list[str],
+    loopback_ports: str | None,
+    expected: tuple[int, str | None],
+) -> None:
+    """The client's LAN address (198.18.0.5, inside an allowed CIDR) leads to the client's own
+    services just as 127.0.0.1 does: through the relay it is loopback, in every spelling."""
+    service = EchoHTTPServer(ssh_lab.CLIENT_TO_INTERNET, name="client-service").start()
+    try:
+        names.add("client.test", ssh_lab.CLIENT_TO_INTERNET)
+        text = POLICY.replace("allow:\n", "allow:\n  - client.test\n")
+        if loopback_ports is not None:
+            ports = str(service.port) if loopback_ports == "SERVICE" else loopback_ports
+            text += f"loopback:\n  allow: true\n  ports: [{ports}]\n"
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(text)
+        lan = f"{ssh_lab.CLIENT_TO_INTERNET}:{service.port}"
+        requests = probe(
+            f"lan=http://{lan}/lan",
+            f"mapped=http://[::ffff:{ssh_lab.CLIENT_TO_INTERNET}]:{service.port}/mapped",
+        )
+        result = egressd_ssh(lab, relay_options(policy, names, *extra), requests)
+        assert result.returncode == 0, result.stderr
+        out = results(result.stdout)
+        for name in ("lan", "mapped"):
+            assert (out[name]["status"], out[name]["reason"]) == expected, out[name]
+        if expected[0] == 403:
+            assert service.requests == []
+        # a name for that address gets the same answer (the allowed CIDR licenses the address)
+        named = egressd_ssh(
+            lab, relay_options(policy, names, *extra), probe(f"name=http://client.test:{service.port}/name")
+        )
+        assert results(named.stdout)["name"]["status"] == expected[0], named.stdout
+        assert ("/name" in {r["path"] for r in service.requests}) == (expected[0] == 200)
+    finally:
+        service.stop()
+
+
 def test_relay_port_needs_the_childs_credentials(
     lab: SshLab, names: DnsServer, internet: EchoHTTPServer, policy: Path
 ) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal, get_args
 
-from .hosts import Host
+from .hosts import Host, IPAddress
 from .rules import RuleSet
 
 __all__ = [
@@ -46,6 +46,9 @@ class Origin:
 class LoopbackPolicy:
     allow: bool = True
     ports: tuple[int, ...] = ()
+    # More addresses that lead to this machine's own services, under the loopback rules like
+    # 127.0.0.1 (egressd ssh's relay: the client's interface addresses). Not in the file format.
+    addresses: frozenset[IPAddress] = frozenset()
 
 
 @dataclass(frozen=True)

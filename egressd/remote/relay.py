@@ -19,6 +19,7 @@ from egressd.child_env import CA_BUNDLE_VARS, proxy_exports
 from egressd.policy import Policy
 from egressd.remote import reaper, scripts
 from egressd.remote.connection import SshConnection, SshError
+from egressd.remote.interfaces import local_addresses
 from egressd.remote.supervise import Outcome, supervise
 from egressd.session import ProxySession
 
@@ -26,20 +27,25 @@ CA_NAME = "ca.pem"
 REMOTE_LOOPBACK = "127.0.0.1"
 
 
-def close_client_loopback(policy: Policy) -> Policy:
-    """A remote child's "localhost" is not the client's: keep the client's loopback closed to it.
+def relay_policy(policy: Policy, *, client_loopback: bool = False) -> Policy:
+    """The policy as the relay applies it: the client's own addresses count as its loopback.
 
-    Through the relay, a request for 127.0.0.1 would reach services listening on the CLIENT's
-    loopback (databases, dev servers, local model servers). `--client-loopback` skips this.
+    Through the relay, 127.0.0.1 — and just as well the client's LAN address — reaches services
+    listening on the CLIENT (databases, dev servers, local model servers). Those addresses fall
+    under the loopback rules, and the loopback is closed to the remote (a remote command's
+    "localhost" is not the client's) unless `--client-loopback` opens it. Read again at every
+    policy load, so addresses that changed meanwhile are current then.
     """
-    if not policy.loopback.allow:
-        return policy
-    return dataclasses.replace(
-        policy,
-        loopback=dataclasses.replace(policy.loopback, allow=False),
-        source=f"{policy.source} (egressd ssh: the client's loopback is closed to the remote; "
-        "--client-loopback opens it)",
-    )
+    own = frozenset(ip for ip in local_addresses() if not ip.is_loopback)
+    loopback = dataclasses.replace(policy.loopback, addresses=policy.loopback.addresses | own)
+    source = policy.source
+    if policy.loopback.allow and not client_loopback:
+        loopback = dataclasses.replace(loopback, allow=False)
+        source = (
+            f"{policy.source} (egressd ssh: the client's loopback and own addresses are closed to the "
+            "remote; --client-loopback opens them)"
+        )
+    return dataclasses.replace(policy, loopback=loopback, source=source)
 
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
