@@ -43,10 +43,11 @@ WRAPPER = (
 )
 # Relay mode: the same, but under the reaper (egressd/remote/reaper.py, uploaded as "$d/reaper.py")
 # with the remote's python3, which ends everything the command started when the session ends.
-# Without python3 the command runs as WRAPPER runs it, and stderr says what that means.
+# Without python3 (3.7 or later) the command runs as WRAPPER runs it, and stderr says so.
 RELAY_WRAPPER = (
     'd=$1; shift; . "$d/' + ENV_NAME + '" && rm -f "$d/' + ENV_NAME + '" && '
-    'if command -v python3 >/dev/null 2>&1; then exec python3 -I -S "$d/' + REAPER_NAME + '" "$d" "$@"; fi; '
+    'if python3 -I -S -c "import sys; sys.exit(sys.version_info < (3, 7))" >/dev/null 2>&1; '
+    'then exec python3 -I -S "$d/' + REAPER_NAME + '" "$d" "$@"; fi; '
     'echo "egressd: no python3 here: what the command detaches outlives a dropped SSH connection" >&2; '
     'printf "%s\\n" "$$" > "$d/' + PID_NAME + '" && exec "$@"'
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from egressd.policy import load_policy
-from egressd.remote import scripts
+from egressd.remote import reaper, scripts
 from egressd.remote.channel import ChannelError, decode, encode, policy_message, read_policy
 from egressd.remote.connection import control_directory
 from egressd.remote.destination import Destination, DestinationError, parse_destination
@@ -314,3 +315,30 @@ def test_exposed_listeners_reads_proc_net_tcp() -> None:
     ports = range(0xA000, 0xA007)
     assert exposed_listeners(PROC_NET_TCP, ports) == ["0.0.0.0:40961", "198.18.0.2:40962", "[::]:40966"]
     assert exposed_listeners(PROC_NET_TCP, [0xA000, 0xA003, 0xA004, 0xA005]) == []
+
+
+def test_relay_wrapper_runs_the_command_under_the_reaper(tmp_path: Path) -> None:
+    """With python3: the command's pid is recorded, its status passes through, and a child it
+    detached is ended when it exits. Without python3: it still runs, and stderr says what is lost."""
+    directory = tmp_path / "egressd-ssh.x"
+    directory.mkdir()
+    (directory / "reaper.py").write_bytes(Path(reaper.__file__).read_bytes())
+    pids = tmp_path / "pids"
+    detach = f"setsid sh -c 'echo $$ >> {pids}; exec sleep 30' </dev/null >/dev/null 2>&1 &"
+    command = ["sh", "-c", f'{detach} echo "$$"; while [ ! -s {pids} ]; do sleep 0.05; done; exit 3']
+    (directory / "env").write_text("")
+    done = _sh(scripts.relay_wrapped(str(directory), command))
+    assert done.returncode == 3, done.stderr
+    assert (directory / "pid").read_text().strip() == done.stdout.decode().strip()
+    assert not Path(f"/proc/{pids.read_text().strip()}").exists()  # ended and reaped by the reaper
+    # no python3 on PATH: the plain wrapper, with a warning
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "rm", "echo", "printf"):
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    (directory / "env").write_text("")
+    done = _sh(scripts.relay_wrapped(str(directory), ["sh", "-c", "exit 4"]), env={"PATH": str(bin_dir)})
+    assert done.returncode == 4
+    assert b"no python3 here" in done.stderr
