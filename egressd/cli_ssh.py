@@ -80,6 +80,19 @@ traffic leaves from there.""",
     help="Relay mode: let the remote command reach THIS machine's loopback and own addresses "
     "(closed by default).",
 )
+@click.option(
+    "--sandbox",
+    is_flag=True,
+    help="With --egress remote: run CMD in egressd's sandbox (bubblewrap) on the remote, whose only "
+    "way out is the remote egressd's proxy.",
+)
+@click.option(
+    "--rw",
+    multiple=True,
+    metavar="PATH",
+    help="With --sandbox: this remote path is writable in the sandbox (repeatable; the remote "
+    "working directory is read-only there).",
+)
 @click.argument("destination")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
 def ssh_command(
@@ -89,6 +102,8 @@ def ssh_command(
     egress: str,
     remote_egressd: str,
     client_loopback: bool,
+    sandbox: bool,
+    rw: tuple[str, ...],
     options: SessionOptions,
 ) -> None:
     """Run CMD on DESTINATION ([user@]host or ssh://[user@]host[:port]) under this machine's policy.
@@ -103,6 +118,13 @@ def ssh_command(
         raise click.BadParameter(str(exc)) from None
     if client_loopback and egress == "remote":
         raise click.BadParameter("--client-loopback is for relay mode (the remote's loopback is its own)")
+    if sandbox and egress != "remote":
+        raise click.BadParameter(
+            "--sandbox runs CMD in egressd's sandbox on the remote host: it needs --egress remote "
+            "(in relay mode no egressd runs there)"
+        )
+    if rw and not sandbox:
+        raise click.BadParameter("--rw is for --sandbox")
     if shutil.which(SSH_PROGRAM) is None:
         _fail("egressd ssh needs the OpenSSH client (`ssh`) on PATH")
     # Before any thread starts: every thread must inherit the blocked signal mask.
@@ -136,6 +158,7 @@ def ssh_command(
         command=command,
         catcher=catcher,
         connection=connection,
+        sandbox=("--sandbox", *(arg for path in rw for arg in ("--rw", path))) if sandbox else (),
     )
     process.exit_like(returncode)
 
@@ -148,6 +171,7 @@ def _remote_egress(
     command: tuple[str, ...],
     catcher: process.SignalCatcher,
     connection: Callable[[], SshConnection],
+    sandbox: tuple[str, ...] = (),
 ) -> int:
     from egressd.remote.push import AuditFile, LocalPolicy
     from egressd.remote.remote_egress import RemoteEgress
@@ -192,6 +216,7 @@ def _remote_egress(
         agent.append("--no-inspect")
     if audit is not None:
         agent.append("--audit-channel")
+    agent += sandbox
     return run_over_ssh(
         lambda c: RemoteEgress(
             c, local, words, agent, say=_say, announce=options.trace, audit=audit, files=files
@@ -216,6 +241,8 @@ def remote_agent() -> None:
 @click.option("--audit-channel", is_flag=True, help="Send the audit records to the client.")
 @click.option("--no-inspect", is_flag=True, help="Never intercept TLS.")
 @click.option("--upstream-ca", multiple=True, metavar="FILE", help="Also trust this CA for upstreams.")
+@click.option("--sandbox", is_flag=True, help="Run COMMAND in the sandbox (bubblewrap).")
+@click.option("--rw", multiple=True, metavar="PATH", help="With --sandbox: writable in the sandbox.")
 @click.option("--policy", "policy_file", hidden=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def agent_run(
@@ -226,6 +253,8 @@ def agent_run(
     audit_channel: bool,
     no_inspect: bool,
     upstream_ca: tuple[str, ...],
+    sandbox: bool,
+    rw: tuple[str, ...],
     policy_file: str | None,
     command: tuple[str, ...],
 ) -> None:
@@ -237,8 +266,16 @@ def agent_run(
         )
     address = parse_listen(listen)
     catcher = process.child_signal_catcher().install()
-    from egressd.remote.agent import Agent, AgentError
+    from egressd.remote.agent import Agent, AgentError, SandboxPlan
     from egressd.remote.channel import LineChannel
+
+    plan = None
+    if sandbox:
+        try:
+            plan = SandboxPlan.prepare(rw)
+        except AgentError as exc:  # before the channel: the client hears it and nothing runs
+            _remote_say(str(exc))
+            sys.exit(2)
 
     try:
         channel = LineChannel.connect(channel_path)
@@ -254,6 +291,7 @@ def agent_run(
         say=_remote_say,
         inspect=not no_inspect,
         upstream_ca=upstream_ca,
+        sandbox=plan,
     )
     try:
         returncode = agent.run(command, catcher)

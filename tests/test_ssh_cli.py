@@ -31,6 +31,8 @@ def egressd(*args: str) -> subprocess.CompletedProcess[str]:
         (["--ssh-option", "Tunnel=yes", "host"], "never forwards the ssh agent, X11 or a tunnel"),
         (["--listen", "0.0.0.0:0", "host"], "loopback only"),
         (["--egress", "elsewhere", "host"], "'elsewhere' is not one of"),
+        (["--sandbox", "host"], "it needs --egress remote"),
+        (["--rw", "/tmp", "--egress", "remote", "host"], "--rw is for --sandbox"),
     ],
 )
 def test_bad_arguments_exit_2_before_connecting(args: list[str], message: str, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import queue
 import random
 import select
@@ -678,6 +679,67 @@ def test_remote_egress_exit_status_and_signal_are_exact(
         assert run.line() == "ready\n"
         run.proc.send_signal(signal.SIGTERM)
         assert run.finish() == -signal.SIGTERM
+
+
+def test_remote_egress_sandbox_leaves_the_proxy_as_the_only_way_out(
+    lab: SshLab, remote_dns: DnsServer, routed: None, internet: EchoHTTPServer, policy: Path, tmp_path: Path
+) -> None:
+    """--sandbox: CMD runs in bubblewrap on the remote; the remote's own route is gone for it, the
+    remote egressd's proxy still decides, and the remote home is read-only while --rw paths are not."""
+    url = f"http://up.test:{internet.port}"
+    requests = probe(
+        f"up={url}/boxed",
+        f"denied=http://denied.test:{internet.port}/",
+        f"direct:direct=http://{INTERNET}:{internet.port}/direct",
+    )
+    writable = tmp_path / "rw"
+    writable.mkdir()
+    planted = Path(pwd.getpwuid(os.getuid()).pw_dir) / f"egressd-test-{os.getpid()}"  # the remote's home
+    script = (
+        'echo "sandbox=${EGRESSD_SANDBOX:-none}"; '
+        f"touch {planted.name} 2>/dev/null && echo home-writable; "
+        f"touch {writable}/made && echo rw-writable; exec {_quoted(requests)}"
+    )
+    options = remote_options(policy, remote_dns, "--sandbox", "--rw", str(writable))
+    try:
+        result = egressd_ssh(lab, options, ["sh", "-c", script])
+        assert not planted.exists()
+    finally:
+        planted.unlink(missing_ok=True)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.decode().splitlines()
+    assert lines[:2] == ["sandbox=bubblewrap", "rw-writable"], lines
+    out = results(result.stdout)
+    assert out["up"]["status"] == 200
+    assert out["denied"]["status"] == 403 and out["denied"]["reason"] == "denylist"
+    assert out["direct"]["status"] is None  # no network in the sandbox but the proxy
+    assert [r["path"] for r in internet.requests] == ["/boxed"]
+    assert peers(internet) == {ssh_lab.REMOTE_DIRECT}
+    assert (writable / "made").exists()
+    # without --sandbox the same request has the remote's own route
+    unboxed = egressd_ssh(lab, remote_options(policy, remote_dns), probe(requests[-1]))
+    assert results(unboxed.stdout)["direct"]["status"] == 200, unboxed.stderr
+
+
+def test_remote_egress_sandbox_ends_when_ssh_drops(
+    lab: SshLab, remote_dns: DnsServer, policy: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """--sandbox and SSH drops: the sandbox and what the command detached inside it end."""
+    request.addfinalizer(lab.kill_sessions)
+    tag = f"65.{os.getpid()}"
+    marker = tmp_path / "marker"
+    loop = f"sleep {tag} & while :; do echo x >> {marker}; sleep 0.1; done"
+    script = f"setsid sh -c {shlex.quote(loop)} </dev/null >/dev/null 2>&1 & echo ready; exec sleep {tag}"
+    options = remote_options(policy, remote_dns, "--sandbox", "--rw", str(tmp_path))
+    with Running(ssh_argv(lab, options, ["sh", "-c", script])) as run:
+        assert run.line() == "ready\n"
+        _wait_for(lambda: len(_sleepers(tag)) == 2 and marker.exists(), "the command and its detached child")
+        lab.drop_connections()
+        assert run.finish(timeout=20) == 255
+    _wait_for(lambda: not _sleepers(tag), "the sandboxed processes to end after SSH dropped", timeout=20)
+    size = marker.stat().st_size
+    time.sleep(0.3)
+    assert marker.stat().st_size == size
 
 
 def test_remote_egress_without_egressd_there_stops_before_running(

@@ -17,7 +17,8 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
 
 from egressd import process
 from egressd.audit import AuditLog
@@ -26,6 +27,9 @@ from egressd.policy import Policy, PolicyError
 from egressd.remote import reaper
 from egressd.remote.channel import ChannelError, LineChannel, read_policy
 from egressd.ssh_env import with_git_ssh
+
+if TYPE_CHECKING:
+    from egressd.sandbox.mounts import Mount
 
 FIRST_POLICY_TIMEOUT = 30.0
 HANGUP_GRACE = 5.0
@@ -67,6 +71,50 @@ def _check_profile(policy: Policy, profile: str | None) -> Policy:
     return policy
 
 
+@dataclass(frozen=True)
+class SandboxPlan:
+    """`--sandbox`: bubblewrap found and probed on this host, and the mounts for the command."""
+
+    bwrap: str
+    disable_userns: bool
+    mounts: tuple[Mount, ...]
+
+    @classmethod
+    def prepare(cls, rw: Sequence[str]) -> SandboxPlan:
+        """Check before anything runs: the command never runs unconfined (AgentError instead).
+
+        The working directory (the remote login's home) is read-only inside: a writable home
+        would let the command plant start-up files (~/.bashrc, ~/.ssh/authorized_keys) that run
+        later outside the sandbox. `--rw` paths are writable.
+        """
+        from egressd.sandbox import preflight
+        from egressd.sandbox.mounts import MountError, plan_mounts
+
+        if not sys.platform.startswith("linux"):
+            raise AgentError(f"--sandbox on the remote needs Linux (bubblewrap), not {sys.platform}")
+        try:
+            bwrap = preflight.locate_bwrap()
+            disable_userns = preflight.supports_disable_userns(bwrap)
+            preflight.probe(bwrap, disable_userns)
+            mounts = plan_mounts(os.getcwd(), rw, (os.getcwd(),))
+        except (preflight.SandboxUnavailable, MountError) as exc:
+            raise AgentError(f"--sandbox: {exc}") from exc
+        return cls(bwrap, disable_userns, mounts)
+
+
+@dataclass
+class _SandboxSession:
+    """What egressd.sandbox.run reads of a ProxySession: the agent's proxy and pushed policy."""
+
+    proxy: Any
+    policy: Policy
+    options: None = None
+
+    @property
+    def ca_bundle(self) -> str | None:
+        return self.proxy.ca_bundle
+
+
 class Agent:
     def __init__(
         self,
@@ -79,8 +127,10 @@ class Agent:
         say: Callable[[str], None],
         inspect: bool = True,
         upstream_ca: Sequence[str] = (),
+        sandbox: SandboxPlan | None = None,
     ) -> None:
         self.channel = channel
+        self.sandbox = sandbox
         self.inspect = inspect
         self.upstream_ca = tuple(upstream_ca)
         self.profile = profile
@@ -162,16 +212,63 @@ class Agent:
             env = child_environment(os.environ, url, socks_url, ca_bundle=self.proxy.ca_bundle)
             env = with_git_ssh(env, policy)  # git over SSH through the proxy, as `exec` does
             reaper.become_subreaper()  # detached children stay below the agent
-            try:
-                pid = process.spawn(command, env, catcher)
-            except OSError as exc:
-                returncode = process.exec_failure(command[0], exc)
+            if self.sandbox is not None:
+                returncode = self._run_sandboxed(self.sandbox, command, creds, policy, catcher)
             else:
-                returncode = self._wait(pid, catcher)
+                try:
+                    pid = process.spawn(command, env, catcher)
+                except OSError as exc:
+                    returncode = process.exec_failure(command[0], exc)
+                else:
+                    returncode = self._wait(pid, catcher)
             self.channel.send({"type": "exit", "returncode": returncode})
             return returncode
         finally:
             self.proxy.stop()
+
+    def _run_sandboxed(
+        self,
+        plan: SandboxPlan,
+        command: Sequence[str],
+        creds: Any,
+        policy: Policy,
+        catcher: process.SignalCatcher,
+    ) -> int:
+        """The command in bubblewrap, its only way out this agent's proxy; hung up if SSH drops."""
+        from egressd.sandbox.run import run_bwrap
+        from egressd.sandbox.unix_relay import RelayError
+
+        done = threading.Event()
+
+        def hang_up_when_lost() -> None:
+            while not done.wait(0.25):
+                if self.lost.is_set():
+                    self.say("the client is gone (policy channel closed): hanging up the sandbox")
+                    # run_bwrap waits for bubblewrap itself: signal, never reap
+                    reaper.end_tree(os.getpid(), None, grace=HANGUP_GRACE, collect=False)
+                    return
+
+        watcher = threading.Thread(target=hang_up_when_lost, name="egressd-sandbox-hangup", daemon=True)
+        watcher.start()
+        try:
+            outcome = run_bwrap(
+                _SandboxSession(self.proxy, policy),  # type: ignore[arg-type]
+                creds,
+                command,
+                plan.mounts,
+                bwrap=plan.bwrap,
+                disable_userns=plan.disable_userns,
+                catcher=catcher,
+            )
+        except RelayError as exc:
+            raise AgentError(f"the sandbox did not start: {exc}; {command[0]} was not run") from exc
+        finally:
+            done.set()
+            watcher.join()
+        if outcome.error:
+            raise AgentError(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
+        reaper.end_tree(os.getpid(), None, grace=1.0)  # what the command left behind
+        return outcome.returncode
 
     def _wait(self, pid: int, catcher: process.SignalCatcher) -> int:
         returncode: int | None = None

@@ -102,15 +102,19 @@ def _signal_all(pids: list[int], signo: int) -> None:
             os.kill(pid, signo)
 
 
-def end_tree(root: int, group: int | None = None, grace: float = HANGUP_GRACE) -> list[tuple[int, int]]:
+def end_tree(
+    root: int, group: int | None = None, grace: float = HANGUP_GRACE, *, collect: bool = True
+) -> list[tuple[int, int]]:
     """SIGHUP every process below root, SIGKILL what is left after `grace` s; reap them all.
 
     Killing repeats until nothing is left: a process forked meanwhile is re-parented to the
     subreaper and found by the next round. Without /proc, the command's process `group` only
     gets SIGHUP (the caller must handle SIGHUP itself).
-    Returns the wait statuses reaped on the way (the command's may be among them).
+    Returns the wait statuses reaped on the way (the command's may be among them); with
+    `collect=False` nothing is reaped (another thread waits for its child itself).
     """
-    reaped = reap()
+    gather = reap if collect else (lambda: [])
+    reaped = gather()
     pids = descendants(root)
     if pids is None:
         # no /proc: the hang-up a terminal would send, to the command's group (this one's too)
@@ -119,7 +123,7 @@ def end_tree(root: int, group: int | None = None, grace: float = HANGUP_GRACE) -
                 with contextlib.suppress(OSError):
                     os.killpg(group, signo)
             time.sleep(min(grace, 1.0))
-        return reaped + reap()
+        return reaped + gather()
     if not pids:
         return reaped
     _signal_all(pids, signal.SIGHUP)
@@ -127,16 +131,16 @@ def end_tree(root: int, group: int | None = None, grace: float = HANGUP_GRACE) -
     deadline = time.monotonic() + grace
     while pids and time.monotonic() < deadline:
         time.sleep(0.05)
-        reaped += reap()
+        reaped += gather()
         pids = descendants(root) or []
     for _ in range(1000):
         if not pids:
             break
         _signal_all(pids, signal.SIGKILL)
         time.sleep(0.01)
-        reaped += reap()
+        reaped += gather()
         pids = descendants(root) or []
-    return reaped + reap()
+    return reaped + gather()
 
 
 def _die_like(code: int) -> None:
