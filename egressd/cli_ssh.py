@@ -23,6 +23,7 @@ from egressd.remote.destination import DestinationError, parse_destination
 from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option
 
 if TYPE_CHECKING:
+    from egressd.policy import Policy
     from egressd.remote.connection import SshConnection
     from egressd.session import SessionOptions
 
@@ -76,7 +77,21 @@ traffic leaves from there.""",
 @click.option(
     "--client-loopback",
     is_flag=True,
-    help="Relay mode: let the remote command reach THIS machine's loopback (closed by default).",
+    help="Relay mode: let the remote command reach THIS machine's loopback and own addresses "
+    "(closed by default).",
+)
+@click.option(
+    "--sandbox",
+    is_flag=True,
+    help="With --egress remote: run CMD in egressd's sandbox (bubblewrap) on the remote, whose only "
+    "way out is the remote egressd's proxy.",
+)
+@click.option(
+    "--rw",
+    multiple=True,
+    metavar="PATH",
+    help="With --sandbox: this remote path is writable in the sandbox (repeatable; the remote "
+    "working directory is read-only there).",
 )
 @click.argument("destination")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
@@ -87,6 +102,8 @@ def ssh_command(
     egress: str,
     remote_egressd: str,
     client_loopback: bool,
+    sandbox: bool,
+    rw: tuple[str, ...],
     options: SessionOptions,
 ) -> None:
     """Run CMD on DESTINATION ([user@]host or ssh://[user@]host[:port]) under this machine's policy.
@@ -101,6 +118,13 @@ def ssh_command(
         raise click.BadParameter(str(exc)) from None
     if client_loopback and egress == "remote":
         raise click.BadParameter("--client-loopback is for relay mode (the remote's loopback is its own)")
+    if sandbox and egress != "remote":
+        raise click.BadParameter(
+            "--sandbox runs CMD in egressd's sandbox on the remote host: it needs --egress remote "
+            "(in relay mode no egressd runs there)"
+        )
+    if rw and not sandbox:
+        raise click.BadParameter("--rw is for --sandbox")
     if shutil.which(SSH_PROGRAM) is None:
         _fail("egressd ssh needs the OpenSSH client (`ssh`) on PATH")
     # Before any thread starts: every thread must inherit the blocked signal mask.
@@ -118,11 +142,13 @@ def ssh_command(
         )
 
     if egress == "client":
-        from egressd.remote.relay import Relay, close_client_loopback
+        from egressd.remote.relay import Relay, relay_policy
 
-        transform = None if client_loopback else close_client_loopback
+        def transform(policy: Policy) -> Policy:
+            return relay_policy(policy, client_loopback=client_loopback)
+
         with _session(options, announce_reloads=options.trace, transform=transform) as session:
-            returncode = run_over_ssh(lambda c: Relay(session, c), connection(), command, catcher, _say)
+            returncode = run_over_ssh(lambda c: Relay(session, c, _say), connection(), command, catcher, _say)
         process.exit_like(returncode)
 
     returncode = _remote_egress(
@@ -132,6 +158,7 @@ def ssh_command(
         command=command,
         catcher=catcher,
         connection=connection,
+        sandbox=("--sandbox", *(arg for path in rw for arg in ("--rw", path))) if sandbox else (),
     )
     process.exit_like(returncode)
 
@@ -144,6 +171,7 @@ def _remote_egress(
     command: tuple[str, ...],
     catcher: process.SignalCatcher,
     connection: Callable[[], SshConnection],
+    sandbox: tuple[str, ...] = (),
 ) -> int:
     from egressd.remote.push import AuditFile, LocalPolicy
     from egressd.remote.remote_egress import RemoteEgress
@@ -188,6 +216,7 @@ def _remote_egress(
         agent.append("--no-inspect")
     if audit is not None:
         agent.append("--audit-channel")
+    agent += sandbox
     return run_over_ssh(
         lambda c: RemoteEgress(
             c, local, words, agent, say=_say, announce=options.trace, audit=audit, files=files
@@ -212,6 +241,8 @@ def remote_agent() -> None:
 @click.option("--audit-channel", is_flag=True, help="Send the audit records to the client.")
 @click.option("--no-inspect", is_flag=True, help="Never intercept TLS.")
 @click.option("--upstream-ca", multiple=True, metavar="FILE", help="Also trust this CA for upstreams.")
+@click.option("--sandbox", is_flag=True, help="Run COMMAND in the sandbox (bubblewrap).")
+@click.option("--rw", multiple=True, metavar="PATH", help="With --sandbox: writable in the sandbox.")
 @click.option("--policy", "policy_file", hidden=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def agent_run(
@@ -222,6 +253,8 @@ def agent_run(
     audit_channel: bool,
     no_inspect: bool,
     upstream_ca: tuple[str, ...],
+    sandbox: bool,
+    rw: tuple[str, ...],
     policy_file: str | None,
     command: tuple[str, ...],
 ) -> None:
@@ -233,8 +266,16 @@ def agent_run(
         )
     address = parse_listen(listen)
     catcher = process.child_signal_catcher().install()
-    from egressd.remote.agent import Agent, AgentError
+    from egressd.remote.agent import Agent, AgentError, SandboxPlan
     from egressd.remote.channel import LineChannel
+
+    plan = None
+    if sandbox:
+        try:
+            plan = SandboxPlan.prepare(rw)
+        except AgentError as exc:  # before the channel: the client hears it and nothing runs
+            _remote_say(str(exc))
+            sys.exit(2)
 
     try:
         channel = LineChannel.connect(channel_path)
@@ -250,6 +291,7 @@ def agent_run(
         say=_remote_say,
         inspect=not no_inspect,
         upstream_ca=upstream_ca,
+        sandbox=plan,
     )
     try:
         returncode = agent.run(command, catcher)

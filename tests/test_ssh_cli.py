@@ -26,8 +26,13 @@ def egressd(*args: str) -> subprocess.CompletedProcess[str]:
         (["ssh://host:99999"], "port must be 1-65535"),
         (["--ssh-option", "ControlPath=/tmp/c", "host"], "manages ControlPath itself"),
         (["--ssh-option", "Port", "host"], "expected KEY=VALUE"),
+        (["--ssh-option", "ForwardAgent=yes", "host"], "never forwards the ssh agent, X11 or a tunnel"),
+        (["--ssh-option", "ForwardX11=yes", "host"], "never forwards the ssh agent, X11 or a tunnel"),
+        (["--ssh-option", "Tunnel=yes", "host"], "never forwards the ssh agent, X11 or a tunnel"),
         (["--listen", "0.0.0.0:0", "host"], "loopback only"),
         (["--egress", "elsewhere", "host"], "'elsewhere' is not one of"),
+        (["--sandbox", "host"], "it needs --egress remote"),
+        (["--rw", "/tmp", "--egress", "remote", "host"], "--rw is for --sandbox"),
     ],
 )
 def test_bad_arguments_exit_2_before_connecting(args: list[str], message: str, tmp_path: Path) -> None:

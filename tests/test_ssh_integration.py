@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import queue
 import random
 import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -252,6 +254,55 @@ def test_relay_allowed_only_through_the_client_refused_with_reason(
     assert {("up.test", "allow", "allowlist"), ("denied.test", "deny", "denylist")} <= decided
 
 
+@pytest.mark.parametrize(
+    ("extra", "loopback_ports", "expected"),
+    [
+        ([], None, (403, "loopback_disabled")),
+        (["--client-loopback"], "SERVICE", (200, None)),
+        (["--client-loopback"], "1", (403, "loopback_port")),
+    ],
+)
+def test_relay_client_own_addresses_fall_under_the_loopback_rules(
+    lab: SshLab,
+    names: DnsServer,
+    tmp_path: Path,
+    extra: list[str],
+    loopback_ports: str | None,
+    expected: tuple[int, str | None],
+) -> None:
+    """The client's LAN address (198.18.0.5, inside an allowed CIDR) leads to the client's own
+    services just as 127.0.0.1 does: through the relay it is loopback, in every spelling."""
+    service = EchoHTTPServer(ssh_lab.CLIENT_TO_INTERNET, name="client-service").start()
+    try:
+        names.add("client.test", ssh_lab.CLIENT_TO_INTERNET)
+        text = POLICY.replace("allow:\n", "allow:\n  - client.test\n")
+        if loopback_ports is not None:
+            ports = str(service.port) if loopback_ports == "SERVICE" else loopback_ports
+            text += f"loopback:\n  allow: true\n  ports: [{ports}]\n"
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(text)
+        lan = f"{ssh_lab.CLIENT_TO_INTERNET}:{service.port}"
+        requests = probe(
+            f"lan=http://{lan}/lan",
+            f"mapped=http://[::ffff:{ssh_lab.CLIENT_TO_INTERNET}]:{service.port}/mapped",
+        )
+        result = egressd_ssh(lab, relay_options(policy, names, *extra), requests)
+        assert result.returncode == 0, result.stderr
+        out = results(result.stdout)
+        for name in ("lan", "mapped"):
+            assert (out[name]["status"], out[name]["reason"]) == expected, out[name]
+        if expected[0] == 403:
+            assert service.requests == []
+        # a name for that address gets the same answer (the allowed CIDR licenses the address)
+        named = egressd_ssh(
+            lab, relay_options(policy, names, *extra), probe(f"name=http://client.test:{service.port}/name")
+        )
+        assert results(named.stdout)["name"]["status"] == expected[0], named.stdout
+        assert ("/name" in {r["path"] for r in service.requests}) == (expected[0] == 200)
+    finally:
+        service.stop()
+
+
 def test_relay_port_needs_the_childs_credentials(
     lab: SshLab, names: DnsServer, internet: EchoHTTPServer, policy: Path
 ) -> None:
@@ -393,8 +444,9 @@ def test_relay_ssh_killed_mid_session_ends_the_run_cleanly(
     workdir = Path(tempfile.mkdtemp(prefix="eg-", dir="/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
     env = {**os.environ, "TMPDIR": str(workdir)}
+    tag = f"62.{os.getpid()}"
     with Running(
-        ssh_argv(lab, relay_options(policy, names), ["sh", "-c", "echo ready; sleep 60"]), env=env
+        ssh_argv(lab, relay_options(policy, names), ["sh", "-c", f"echo ready; sleep {tag}"]), env=env
     ) as run:
         assert run.line() == "ready\n"
         local = ssh_lab.descendants(run.proc.pid)
@@ -412,30 +464,92 @@ def test_relay_ssh_killed_mid_session_ends_the_run_cleanly(
     time.sleep(0.2)
     assert not [pid for pid in local if ssh_lab.cmdline(pid)], "local processes left running"
     assert list(workdir.iterdir()) == []
-    # Relay mode has no egressd on the remote: like with plain ssh, a command without a pty that
-    # neither reads nor writes lives on there. Once it is gone, the next connection's set-up
-    # removes the session directory the drop left behind.
-    assert lab.remote_tmp is not None and len(list(lab.remote_tmp.iterdir())) == 1
-    lab.kill_sessions()
-    if what != "remote sshd":
-        return  # once is enough
-    assert egressd_ssh(lab, relay_options(policy, names), ["true"]).returncode == 0
-    assert list(lab.remote_tmp.iterdir()) == []
+    # on the remote, the session's reaper ended the command and removed the session directory
+    _wait_for(lambda: not _sleepers(tag), "the remote command to end after SSH dropped", timeout=20)
+    assert lab.remote_tmp is not None
+    _wait_for(lambda: not list(lab.remote_tmp.iterdir()), "the remote session directory to go")
 
 
+def test_relay_egressd_killed_takes_its_ssh_and_the_forward_along(
+    lab: SshLab, policy: Path, names: DnsServer, request: pytest.FixtureRequest
+) -> None:
+    """SIGKILL to egressd: its ssh master and session go too, and with them the remote forward.
+
+    Otherwise the forward stays open with no proxy behind it, and another user of this machine
+    who binds the freed proxy port receives the remote command's requests, credentials included.
+    """
+    request.addfinalizer(lab.kill_sessions)
+    script = 'printf "%s\\n" "$HTTP_PROXY"; exec sleep 60'
+    with Running(ssh_argv(lab, relay_options(policy, names), ["sh", "-c", script])) as run:
+        port = int(run.line().strip().rpartition(":")[2])
+        local = ssh_lab.descendants(run.proc.pid)
+        assert any("ControlMaster=yes" in ssh_lab.cmdline(pid) for pid in local), local
+        assert lab.in_remote(lambda: _listening(port))
+        run.proc.kill()
+        run.proc.wait()
+        _wait_for(
+            lambda: not [pid for pid in local if ssh_lab.cmdline(pid)],
+            "egressd's ssh processes to end after it was killed",
+            timeout=20,
+        )
+        _wait_for(
+            lambda: not lab.in_remote(lambda: _listening(port)),
+            "the remote forward to close after egressd was killed",
+            timeout=20,
+        )
+
+
+@pytest.mark.parametrize(
+    ("port", "words"),
+    [
+        (ssh_lab.NO_FORWARDING_PORT, [b"remote forward", b"failed"]),
+        # GatewayPorts yes: sshd binds the forward on every address, other hosts would reach it
+        (ssh_lab.GATEWAY_PORTS_PORT, [b"GatewayPorts", b"0.0.0.0:"]),
+    ],
+)
 def test_relay_forward_failure_is_fatal_before_the_command_runs(
-    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path
+    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path, port: int, words: list[bytes]
 ) -> None:
     marker = tmp_path / "ran"
     result = egressd_ssh(
         lab,
         relay_options(policy, names),
         ["touch", str(marker)],
-        destination=f"ssh://root@{ssh_lab.REMOTE}:{ssh_lab.NO_FORWARDING_PORT}",
+        destination=f"ssh://root@{ssh_lab.REMOTE}:{port}",
     )
-    assert result.returncode == 2
-    assert b"remote forward" in result.stderr and b"failed" in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert all(word in result.stderr for word in words), result.stderr
     assert not marker.exists()
+
+
+def test_config_files_cannot_forward_the_agent(
+    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """ForwardAgent/ForwardX11 in an ssh config file do not reach the session: egressd forces them off.
+
+    The system-wide ssh_config is replaced in a private mount namespace (this machine's own
+    ~/.ssh is left alone); a real ssh-agent runs for the session to be offered.
+    """
+    config = tmp_path / "ssh_config"
+    config.write_text("Host *\n    ForwardAgent yes\n    ForwardX11 yes\n    ForwardX11Trusted yes\n")
+    socket_path = tmp_path / "agent.sock"
+    started = subprocess.run(
+        ["ssh-agent", "-s", "-a", str(socket_path)], capture_output=True, text=True, check=True
+    )
+    agent_pid = int(started.stdout.split("SSH_AGENT_PID=", 1)[1].split(";", 1)[0])
+    request.addfinalizer(lambda: os.kill(agent_pid, signal.SIGTERM))
+    with_config = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+    with_config += ['mount --bind "$1" /etc/ssh/ssh_config && shift && exec "$@"', "sh", str(config)]
+    script = 'echo "agent=${SSH_AUTH_SOCK:-none}"'
+    done = subprocess.run(
+        [*with_config, *ssh_argv(lab, relay_options(policy, names), ["sh", "-c", script])],
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+        env={**os.environ, "SSH_AUTH_SOCK": str(socket_path), "DISPLAY": ":0"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"agent=none\n"
 
 
 def test_connect_failure_exits_255_without_running(
@@ -567,6 +681,67 @@ def test_remote_egress_exit_status_and_signal_are_exact(
         assert run.finish() == -signal.SIGTERM
 
 
+def test_remote_egress_sandbox_leaves_the_proxy_as_the_only_way_out(
+    lab: SshLab, remote_dns: DnsServer, routed: None, internet: EchoHTTPServer, policy: Path, tmp_path: Path
+) -> None:
+    """--sandbox: CMD runs in bubblewrap on the remote; the remote's own route is gone for it, the
+    remote egressd's proxy still decides, and the remote home is read-only while --rw paths are not."""
+    url = f"http://up.test:{internet.port}"
+    requests = probe(
+        f"up={url}/boxed",
+        f"denied=http://denied.test:{internet.port}/",
+        f"direct:direct=http://{INTERNET}:{internet.port}/direct",
+    )
+    writable = tmp_path / "rw"
+    writable.mkdir()
+    planted = Path(pwd.getpwuid(os.getuid()).pw_dir) / f"egressd-test-{os.getpid()}"  # the remote's home
+    script = (
+        'echo "sandbox=${EGRESSD_SANDBOX:-none}"; '
+        f"touch {planted.name} 2>/dev/null && echo home-writable; "
+        f"touch {writable}/made && echo rw-writable; exec {_quoted(requests)}"
+    )
+    options = remote_options(policy, remote_dns, "--sandbox", "--rw", str(writable))
+    try:
+        result = egressd_ssh(lab, options, ["sh", "-c", script])
+        assert not planted.exists()
+    finally:
+        planted.unlink(missing_ok=True)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.decode().splitlines()
+    assert lines[:2] == ["sandbox=bubblewrap", "rw-writable"], lines
+    out = results(result.stdout)
+    assert out["up"]["status"] == 200
+    assert out["denied"]["status"] == 403 and out["denied"]["reason"] == "denylist"
+    assert out["direct"]["status"] is None  # no network in the sandbox but the proxy
+    assert [r["path"] for r in internet.requests] == ["/boxed"]
+    assert peers(internet) == {ssh_lab.REMOTE_DIRECT}
+    assert (writable / "made").exists()
+    # without --sandbox the same request has the remote's own route
+    unboxed = egressd_ssh(lab, remote_options(policy, remote_dns), probe(requests[-1]))
+    assert results(unboxed.stdout)["direct"]["status"] == 200, unboxed.stderr
+
+
+def test_remote_egress_sandbox_ends_when_ssh_drops(
+    lab: SshLab, remote_dns: DnsServer, policy: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """--sandbox and SSH drops: the sandbox and what the command detached inside it end."""
+    request.addfinalizer(lab.kill_sessions)
+    tag = f"65.{os.getpid()}"
+    marker = tmp_path / "marker"
+    loop = f"sleep {tag} & while :; do echo x >> {marker}; sleep 0.1; done"
+    script = f"setsid sh -c {shlex.quote(loop)} </dev/null >/dev/null 2>&1 & echo ready; exec sleep {tag}"
+    options = remote_options(policy, remote_dns, "--sandbox", "--rw", str(tmp_path))
+    with Running(ssh_argv(lab, options, ["sh", "-c", script])) as run:
+        assert run.line() == "ready\n"
+        _wait_for(lambda: len(_sleepers(tag)) == 2 and marker.exists(), "the command and its detached child")
+        lab.drop_connections()
+        assert run.finish(timeout=20) == 255
+    _wait_for(lambda: not _sleepers(tag), "the sandboxed processes to end after SSH dropped", timeout=20)
+    size = marker.stat().st_size
+    time.sleep(0.3)
+    assert marker.stat().st_size == size
+
+
 def test_remote_egress_without_egressd_there_stops_before_running(
     lab: SshLab, policy: Path, tmp_path: Path
 ) -> None:
@@ -582,6 +757,59 @@ def test_remote_egress_without_egressd_there_stops_before_running(
     assert not marker.exists()
 
 
+# -- lifetimes -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("what", ["remote sshd", "local ssh"])
+@pytest.mark.parametrize("mode", ["relay", "remote egress"])
+def test_ssh_drop_ends_what_the_command_detached(
+    lab: SshLab,
+    policy: Path,
+    names: DnsServer,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    mode: str,
+    what: str,
+) -> None:
+    """A child detached with setsid and one with a double fork: both end when SSH drops.
+
+    They hold the proxy credentials; left running, a released forward port could be bound by
+    another user of the remote host and receive their requests.
+    """
+    request.addfinalizer(lab.kill_sessions)
+    marker, pids = tmp_path / "marker", tmp_path / "pids"
+    loop = f"echo $$ >> {pids}; while :; do echo x >> {marker}; sleep 0.1; done"
+    quiet = "</dev/null >/dev/null 2>&1"
+    script = (
+        f"setsid sh -c {shlex.quote(loop)} {quiet} & ( sh -c {shlex.quote(loop)} {quiet} & ); "
+        f"echo ready; exec sleep 64.{os.getpid()}"
+    )
+    if mode == "relay":
+        options = relay_options(policy, names)
+    else:
+        options = remote_options(policy, request.getfixturevalue("remote_dns"))
+    with Running(ssh_argv(lab, options, ["sh", "-c", script])) as run:
+        assert run.line() == "ready\n"
+        _wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, "both detached children")
+        detached = [int(pid) for pid in pids.read_text().split()]
+        assert all(ssh_lab.cmdline(pid) for pid in detached)
+        if what == "remote sshd":
+            lab.drop_connections()
+        else:
+            masters = [
+                p for p in ssh_lab.descendants(run.proc.pid) if "ControlMaster=yes" in ssh_lab.cmdline(p)
+            ]
+            os.kill(masters[0], signal.SIGKILL)
+        assert run.finish(timeout=20) == 255
+    _wait_for(
+        lambda: not [pid for pid in detached if ssh_lab.cmdline(pid)],
+        "the detached children to end after SSH dropped",
+        timeout=20,
+    )
+    _wait_for(lambda: not _sleepers(f"64.{os.getpid()}"), "the command to end after SSH dropped")
+    size = marker.stat().st_size
+    time.sleep(0.3)
+    assert marker.stat().st_size == size  # nobody writes it any more
+
+
 # -- small helpers -------------------------------------------------------------------------------
 def _quoted(argv: Sequence[str]) -> str:
     return shlex.join(argv)
@@ -589,6 +817,15 @@ def _quoted(argv: Sequence[str]) -> str:
 
 def _sleepers(tag: str) -> list[int]:
     return [pid for pid, line in ssh_lab.all_cmdlines() if line == f"sleep {tag}"]
+
+
+def _listening(port: int) -> bool:
+    """Something accepts on 127.0.0.1:port (call inside the remote namespace)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def _wait_for(condition: Callable[[], object], what: str, timeout: float = 10) -> None:

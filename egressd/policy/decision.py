@@ -10,7 +10,7 @@ import ipaddress
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from .addresses import AddressClass, classify, describe
+from .addresses import AddressClass, classify, describe, embedded_ipv4_candidates
 from .hosts import (
     Host,
     IPAddress,
@@ -121,6 +121,25 @@ def _canonical(raw: Target | str) -> tuple[Target, tuple[str, str]]:
 
 def _is_loopback_name(host: Host) -> bool:
     return host.name is not None and (host.name == "localhost" or host.name.endswith(".localhost"))
+
+
+_THIS_MACHINE = (AddressClass.LOOPBACK, "an address of this machine (loopback rules)")
+
+
+def _local(ip: IPAddress, addresses: frozenset[IPAddress]) -> bool:
+    """ip, in any spelling that embeds one, is one of `loopback.addresses`."""
+    if ip in addresses:
+        return True
+    return ip.version == 6 and any(v4 in addresses for v4 in embedded_ipv4_candidates(ip))
+
+
+def _describe(ip: IPAddress, policy: Policy) -> tuple[AddressClass, str]:
+    """describe(), with `loopback.addresses` classed as loopback (always-refused stays so)."""
+    klass = describe(ip)
+    local = policy.loopback.addresses
+    if local and klass[0] is not AddressClass.FORBIDDEN and _local(canonical_ip(ip), local):
+        return _THIS_MACHINE
+    return klass
 
 
 def _request(target: Target, spelling: tuple[str, str]) -> _Request:
@@ -375,6 +394,9 @@ def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Dec
     except TargetError as exc:
         return Decision(False, "invalid_target", None, None, detail=f"{exc}.", profile=client.profile)
     request = _request(target, spelling)
+    if policy.loopback.addresses and request.host.ip is not None and not request.loopback:
+        request.klass = _describe(request.host.ip, policy)
+        request.loopback = request.klass is _THIS_MACHINE
     where = request.where
 
     # 2. egressd's own listening addresses.
@@ -515,7 +537,7 @@ def _address_license(decision: Decision, policy: Policy, ip: IPAddress, port: in
 
 
 def _verdict(decision: Decision, policy: Policy, ip: IPAddress, port: int) -> tuple[AddressClass, bool, str]:
-    klass, why = describe(ip)
+    klass, why = _describe(ip, policy)
     if klass is AddressClass.FORBIDDEN:
         return klass, False, f"always refused ({why})"
     rule = policy.deny.match_address(ip, port)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal, get_args
 
-from .hosts import Host
+from .hosts import Host, IPAddress
 from .rules import RuleSet
 
 __all__ = [
@@ -48,6 +48,9 @@ class LoopbackPolicy:
     ports: tuple[int, ...] = ()
     # the sandbox sets this: the host's loopback only on the ports named, none when `ports` is empty
     named_ports_only: bool = False
+    # More addresses that lead to this machine's own services, under the loopback rules like
+    # 127.0.0.1 (egressd ssh's relay: the client's interface addresses). Not in the file format.
+    addresses: frozenset[IPAddress] = frozenset()
 
     def admits_port(self, port: int) -> bool:
         return port in self.ports if (self.ports or self.named_ports_only) else True

@@ -10,6 +10,8 @@ Two modes share one SSH connection layout (an OpenSSH control master plus multip
 
 Modules: `destination` (DESTINATION parsing), `sshargs` (pure argv building), `scripts` (the
 remote sh snippets), `spawn` (local processes with the right signal mask), `connection` (the
-master and its multiplexed commands), `supervise` (waiting, signals, SSH drops), `relay`,
-`channel`/`push`/`remote_egress` (client side of remote egress), `feeder`/`agent` (remote side).
+master and its multiplexed commands), `supervise` (waiting, signals, SSH drops), `relay` and
+`interfaces` (the client's own addresses), `channel`/`push`/`remote_egress` (client side of remote
+egress), `feeder`/`agent` (remote side), `reaper` (on the remote, in both modes: ends everything
+the command started when the session ends).
 """

@@ -3,8 +3,10 @@
 It takes every policy from the channel (never from a file, never from EGRESSD_MODE here: the
 client already applied its own), runs the proxy, runs the command like `exec` does, and answers
 each policy with `applied` or `rejected` (a bad push keeps the last good policy). When the
-channel ends — the client went away or SSH dropped — the command is hung up (SIGHUP, SIGKILL
-5 s later): it must not run on under a policy its client can no longer change.
+channel ends — the client went away or SSH dropped — the command and everything it started,
+detached or not, is hung up (SIGHUP, SIGKILL 5 s later; the agent is their subreaper): none may
+run on under a policy its client can no longer change. What is left when the command exits ends
+the same way, since the proxy it would use goes with the agent.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
 
 from egressd import process
 from egressd.audit import AuditLog
 from egressd.child_env import child_environment
 from egressd.policy import Policy, PolicyError
+from egressd.remote import reaper
 from egressd.remote.channel import ChannelError, LineChannel, read_policy
 from egressd.ssh_env import with_git_ssh
+
+if TYPE_CHECKING:
+    from egressd.sandbox.layout import Layout
 
 FIRST_POLICY_TIMEOUT = 30.0
 HANGUP_GRACE = 5.0
@@ -59,24 +65,63 @@ class ChannelAudit(AuditLog):
         return self._forward(super().event(kind, **fields))
 
 
-def _hang_up(pid: int) -> None:
-    """SIGHUP to the command's whole process group, as a terminal hang-up would.
-
-    sshd starts every session in a group of its own, which the agent leads (the wrapper exec'd
-    it): the group is the command and what it started. The agent has SIGHUP blocked (the signal
-    catcher), so it only sees it as one more signal to pass on.
-    """
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if os.getpgrp() == os.getpid():
-            os.killpg(os.getpgrp(), signal.SIGHUP)
-        else:
-            os.kill(pid, signal.SIGHUP)
-
-
 def _check_profile(policy: Policy, profile: str | None) -> Policy:
     if profile is not None and profile not in policy.profiles:
         raise PolicyError(policy.source, "--profile", profile, "no such profile in the pushed policy")
     return policy
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    """`--sandbox`: bubblewrap found and probed on this host, and the layout for the command."""
+
+    bwrap: str
+    disable_userns: bool
+    layout: Layout
+
+    @classmethod
+    def prepare(cls, rw: Sequence[str]) -> SandboxPlan:
+        """Check before anything runs: the command never runs unconfined (AgentError instead).
+
+        The working directory (the remote login's home) is read-only inside: a writable home
+        would let the command plant start-up files (~/.bashrc, ~/.ssh/authorized_keys) that run
+        later outside the sandbox. `--rw` paths are writable.
+        """
+        from egressd.sandbox import preflight
+        from egressd.sandbox.layout import plan_layout
+        from egressd.sandbox.mounts import MountError
+        from egressd.sandbox.unix_relay import RelayError, relay_home
+        from egressd.session import SessionOptions
+
+        if not sys.platform.startswith("linux"):
+            raise AgentError(f"--sandbox on the remote needs Linux (bubblewrap), not {sys.platform}")
+        try:
+            bwrap = preflight.locate_bwrap()
+            disable_userns = preflight.supports_disable_userns(bwrap)
+            preflight.probe(bwrap, disable_userns)
+            layout = plan_layout(
+                SessionOptions(),
+                workdir=os.getcwd(),
+                rw=rw,
+                ro=(os.getcwd(),),
+                always_hidden=[str(relay_home())],
+            )
+        except (preflight.SandboxUnavailable, MountError, RelayError) as exc:
+            raise AgentError(f"--sandbox: {exc}") from exc
+        return cls(bwrap, disable_userns, layout)
+
+
+@dataclass
+class _SandboxSession:
+    """What egressd.sandbox.run reads of a ProxySession: the agent's proxy and pushed policy."""
+
+    proxy: Any
+    policy: Policy
+    options: None = None
+
+    @property
+    def ca_bundle(self) -> str | None:
+        return self.proxy.ca_bundle
 
 
 class Agent:
@@ -91,8 +136,10 @@ class Agent:
         say: Callable[[str], None],
         inspect: bool = True,
         upstream_ca: Sequence[str] = (),
+        sandbox: SandboxPlan | None = None,
     ) -> None:
         self.channel = channel
+        self.sandbox = sandbox
         self.inspect = inspect
         self.upstream_ca = tuple(upstream_ca)
         self.profile = profile
@@ -173,32 +220,88 @@ class Agent:
             socks_url = creds.proxy_url(*socks, scheme="socks5h") if socks else None
             env = child_environment(os.environ, url, socks_url, ca_bundle=self.proxy.ca_bundle)
             env = with_git_ssh(env, policy)  # git over SSH through the proxy, as `exec` does
-            try:
-                pid = process.spawn(command, env, catcher)
-            except OSError as exc:
-                returncode = process.exec_failure(command[0], exc)
+            reaper.become_subreaper()  # detached children stay below the agent
+            if self.sandbox is not None:
+                returncode = self._run_sandboxed(self.sandbox, command, creds, policy, catcher)
             else:
-                returncode = self._wait(pid, catcher)
+                try:
+                    pid = process.spawn(command, env, catcher)
+                except OSError as exc:
+                    returncode = process.exec_failure(command[0], exc)
+                else:
+                    returncode = self._wait(pid, catcher)
             self.channel.send({"type": "exit", "returncode": returncode})
             return returncode
         finally:
             self.proxy.stop()
 
+    def _run_sandboxed(
+        self,
+        plan: SandboxPlan,
+        command: Sequence[str],
+        creds: Any,
+        policy: Policy,
+        catcher: process.SignalCatcher,
+    ) -> int:
+        """The command in bubblewrap, its only way out this agent's proxy; hung up if SSH drops."""
+        from egressd.sandbox.run import run_bwrap
+        from egressd.sandbox.unix_relay import RelayError
+
+        done = threading.Event()
+
+        def hang_up_when_lost() -> None:
+            while not done.wait(0.25):
+                if self.lost.is_set():
+                    self.say("the client is gone (policy channel closed): hanging up the sandbox")
+                    # run_bwrap waits for bubblewrap itself: signal, never reap
+                    reaper.end_tree(os.getpid(), None, grace=HANGUP_GRACE, collect=False)
+                    return
+
+        watcher = threading.Thread(target=hang_up_when_lost, name="egressd-sandbox-hangup", daemon=True)
+        watcher.start()
+        try:
+            outcome = run_bwrap(
+                _SandboxSession(self.proxy, policy),  # type: ignore[arg-type]
+                creds,
+                command,
+                plan.layout,
+                bwrap=plan.bwrap,
+                disable_userns=plan.disable_userns,
+                catcher=catcher,
+            )
+        except RelayError as exc:
+            raise AgentError(f"the sandbox did not start: {exc}; {command[0]} was not run") from exc
+        finally:
+            done.set()
+            watcher.join()
+        if outcome.error:
+            raise AgentError(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
+        reaper.end_tree(os.getpid(), None, grace=1.0)  # what the command left behind
+        return outcome.returncode
+
     def _wait(self, pid: int, catcher: process.SignalCatcher) -> int:
-        hung_up: float | None = None
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done == pid:
-                return os.waitstatus_to_exitcode(status)
-            if self.lost.is_set() and hung_up is None:
-                hung_up = time.monotonic()
-                _hang_up(pid)
-                self.say("the client is gone (policy channel closed): hung up the command")
-            elif hung_up is not None and time.monotonic() - hung_up > HANGUP_GRACE:
+        returncode: int | None = None
+        while returncode is None:
+            for done, status in reaper.reap():  # the command, and orphans re-parented here
+                if done == pid:
+                    returncode = reaper.exit_code(status)
+            if returncode is not None:
+                break
+            if self.lost.is_set():
+                self.say("the client is gone (policy channel closed): hanging up the command")
+                for done, status in reaper.end_tree(os.getpid(), os.getpgrp(), grace=HANGUP_GRACE):
+                    if done == pid:
+                        returncode = reaper.exit_code(status)
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)  # without /proc only the group was hung up
+                if returncode is None:
+                    _, status = os.waitpid(pid, 0)
+                    returncode = reaper.exit_code(status)
+                return returncode
             got = catcher.wait(0.25)
             if got is None or got.signo == signal.SIGCHLD or got.from_kernel:
                 continue  # the terminal already signalled the whole group, the command included
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, got.signo)
+        reaper.end_tree(os.getpid(), None, grace=1.0)  # what the command left behind
+        return returncode

@@ -6,7 +6,9 @@ must be started with that port in its environment. The master authenticates once
 user's session and signal delivery then run as fast multiplexed clients over it.
 
 The master runs in egressd's process group (so it can prompt on the terminal) with SIGINT and
-SIGQUIT ignored: Ctrl-C is for the remote command, and egressd delivers it there itself.
+SIGQUIT ignored: Ctrl-C is for the remote command, and egressd delivers it there itself. It is
+tethered to egressd (it gets SIGTERM when egressd dies, even of SIGKILL, on Linux): with it go the
+reverse forward and every multiplexed session, so nothing can take over the freed proxy port.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class SshConnection:
     def connect(self, catcher: process.SignalCatcher) -> None:
         """Start the master and wait until it accepts multiplexed clients."""
         self.master = self.spawner.spawn(
-            self.ssh.master(), stdin=DEVNULL, stdout=DEVNULL, ignore=("INT", "QUIT")
+            self.ssh.master(), stdin=DEVNULL, stdout=DEVNULL, ignore=("INT", "QUIT"), tether=True
         )
         stops = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
         while True:

@@ -21,6 +21,7 @@ DIR_PREFIX = "egressd-ssh."
 ENV_NAME = "env"
 PID_NAME = "pid"
 CHANNEL_NAME = "policy.sock"
+REAPER_NAME = "reaper.py"
 
 # Remove this user's session directories whose command is gone (an SSH drop leaves them behind);
 # one without a pid file yet is a session still starting, and is kept.
@@ -40,12 +41,24 @@ WRAPPER = (
     'd=$1; shift; printf "%s\\n" "$$" > "$d/' + PID_NAME + '" '
     '&& . "$d/' + ENV_NAME + '" && rm -f "$d/' + ENV_NAME + '" && exec "$@"'
 )
+# Relay mode: the same, but under the reaper (egressd/remote/reaper.py, uploaded as "$d/reaper.py")
+# with the remote's python3, which ends everything the command started when the session ends.
+# Without python3 (3.7 or later) the command runs as WRAPPER runs it, and stderr says so.
+RELAY_WRAPPER = (
+    'd=$1; shift; . "$d/' + ENV_NAME + '" && rm -f "$d/' + ENV_NAME + '" && '
+    'if python3 -I -S -c "import sys; sys.exit(sys.version_info < (3, 7))" >/dev/null 2>&1; '
+    'then exec python3 -I -S "$d/' + REAPER_NAME + '" "$d" "$@"; fi; '
+    'echo "egressd: no python3 here: what the command detaches outlives a dropped SSH connection" >&2; '
+    'printf "%s\\n" "$$" > "$d/' + PID_NAME + '" && exec "$@"'
+)
 # $1 = signal name, $2 = the directory: signal the command the wrapper became (a signal that
 # arrives while the session is still starting waits up to 3 s for the pid).
 KILL = (
     'i=0; while [ ! -s "$2/' + PID_NAME + '" ] && [ "$i" -lt 30 ]; do sleep 0.1; i=$((i+1)); done; '
     'read p < "$2/' + PID_NAME + '" && kill -s "$1" "$p"'
 )
+# the remote's listening TCP sockets (Linux), to see where sshd bound the forwards
+LISTENERS = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; true"
 # $1 = the directory, $2 = a file name: stdin → that file
 PUT = 'cat > "$1/$2"'
 CLEANUP = 'rm -rf -- "$1"'
@@ -93,6 +106,11 @@ def _name(key: str) -> str:
 def wrapped(directory: str, command: Sequence[str]) -> str:
     """The session command: the wrapper around the user's (or the agent's) command."""
     return remote_command(WRAPPER, directory, *command)
+
+
+def relay_wrapped(directory: str, command: Sequence[str]) -> str:
+    """The relay session command: the user's command under the reaper (see RELAY_WRAPPER)."""
+    return remote_command(RELAY_WRAPPER, directory, *command)
 
 
 def kill_command(directory: str, signal_name: str) -> str:

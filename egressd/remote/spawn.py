@@ -12,6 +12,7 @@ import contextlib
 import os
 import selectors
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -23,6 +24,39 @@ DEVNULL = -2
 
 # Python ignores these at start-up; an ssh (or sh) child must get the default back.
 _RESET = tuple(s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s)
+
+
+# Runs in a fresh interpreter between spawn and exec (posix_spawn runs no code of ours there):
+# argv = PARENT_PID IGNORED_SIGNALS PROGRAM ARGS... On Linux the program gets SIGTERM when
+# egressd dies, even of SIGKILL (PR_SET_PDEATHSIG survives exec); a parent already gone ends it.
+# Python ignores SIGPIPE/SIGXFSZ at start-up: they are put back before exec.
+_TETHER = """\
+import os, signal, sys
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(255)
+for name in ("SIGPIPE", "SIGXFSZ"):
+    if hasattr(signal, name):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+for name in filter(None, sys.argv[2].split(",")):
+    signal.signal(getattr(signal, "SIG" + name), signal.SIG_IGN)
+try:
+    os.execvp(sys.argv[3], sys.argv[3:])
+except OSError as exc:
+    sys.stderr.write(f"cannot run {sys.argv[3]}: {exc.strerror}\\n")
+    sys.exit(127)
+"""
+
+
+def tethered(argv: Sequence[str], ignore: Sequence[str] = ()) -> list[str]:
+    """argv run so that it dies with egressd (Linux), with `ignore` (INT, QUIT) ignored.
+
+    Why: the ssh master holds the reverse forward; if it outlived a SIGKILLed egressd, another
+    local user could bind the freed proxy port and receive the remote command's requests.
+    """
+    return [sys.executable, "-I", "-S", "-c", _TETHER, str(os.getpid()), ",".join(ignore), *argv]
 
 
 class SpawnError(OSError):
@@ -116,9 +150,13 @@ class Spawner:
         stderr: int | None = INHERIT,
         new_group: bool = False,
         ignore: Sequence[str] = (),
+        tether: bool = False,
     ) -> Child:
-        """Start argv; `ignore` names signals (INT, QUIT) the process starts with ignored."""
-        if ignore:
+        """Start argv; `ignore` names signals (INT, QUIT) the process starts with ignored;
+        `tether`: the process dies with egressd (see `tethered`)."""
+        if tether:
+            argv = tethered(argv, ignore)
+        elif ignore:
             # an ignored disposition survives exec; `trap ''` sets it without touching egressd's own
             argv = ["sh", "-c", f"trap '' {' '.join(ignore)}; exec \"$@\"", "sh", *argv]
         actions: list[tuple[int, ...] | tuple[int, int, str, int, int]] = []

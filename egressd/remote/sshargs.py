@@ -21,6 +21,20 @@ MASTER_FORCED: tuple[str, ...] = (
     "ExitOnForwardFailure=yes",
     "ClearAllForwardings=yes",
 )
+# Forwardings that hand the remote authority on THIS machine (the ssh agent's keys, the X
+# display, a network tunnel): off for the master and every multiplexed client (a mux client's own
+# config decides what its session requests), as flags and options placed before anything a
+# config file says: ssh keeps the first value it obtains.
+NO_AUTHORITY_FLAGS: tuple[str, ...] = ("-a", "-x")
+NO_AUTHORITY: tuple[str, ...] = (
+    "ForwardAgent=no",
+    "ForwardX11=no",
+    "ForwardX11Trusted=no",
+    "Tunnel=no",
+)
+# --ssh-option names refused unless their value is off
+AUTHORITY_OPTIONS: frozenset[str] = frozenset(option.split("=", 1)[0].lower() for option in NO_AUTHORITY)
+_OFF = frozenset({"no", "false"})
 # Defaults a user may override: notice a dead link within a minute, do not hang on connecting.
 MASTER_DEFAULTS: tuple[str, ...] = (
     "ServerAliveInterval=15",
@@ -64,6 +78,12 @@ def check_ssh_option(option: str) -> str:
         raise SshOptionError(f"{option!r}: expected KEY=VALUE, e.g. Port=2222 or IdentityFile=~/.ssh/id")
     if any(ch in option for ch in "\r\n\0"):
         raise SshOptionError(f"{option!r}: contains a line break or NUL")
+    if name in AUTHORITY_OPTIONS and _value(option).lower() not in _OFF:
+        raise SshOptionError(
+            f"{option!r}: egressd ssh never forwards the ssh agent, X11 or a tunnel: they would give "
+            "the remote command authority on this machine that no policy decides (ForwardAgent, "
+            "ForwardX11, ForwardX11Trusted and Tunnel are always off)"
+        )
     if name in MANAGED_OPTIONS:
         raise SshOptionError(
             f"{option!r}: egressd ssh manages {option.split('=', 1)[0].strip()} itself "
@@ -72,12 +92,17 @@ def check_ssh_option(option: str) -> str:
     return option
 
 
+def _value(option: str) -> str:
+    """`Key=Value` / `Key Value` → `Value` (stripped)."""
+    value = option.replace("=", " ", 1).split(None, 1)[1:] or [""]
+    return value[0].strip()
+
+
 def requests_tty(options: Sequence[str]) -> bool:
     """The user asked for a pseudo-terminal (`RequestTTY=yes|force`), as with `ssh -t`."""
     for option in options:
         if option_name(option) == "requesttty":
-            value = option.replace("=", " ", 1).split(None, 1)[1:] or [""]
-            return value[0].strip().lower() in {"yes", "force"}
+            return _value(option).lower() in {"yes", "force"}
     return False
 
 
@@ -99,7 +124,15 @@ class SshCommand:
 
     def _mux(self) -> list[str]:
         # -S first: for ControlPath too the first value wins.
-        return [self.program, "-S", self.control_path, "-o", "ControlMaster=no"]
+        return [
+            self.program,
+            "-S",
+            self.control_path,
+            "-o",
+            "ControlMaster=no",
+            *NO_AUTHORITY_FLAGS,
+            *_opts(NO_AUTHORITY),
+        ]
 
     def master(self) -> list[str]:
         """The control master: authenticates, then only carries forwards and sessions (-N)."""
@@ -109,7 +142,9 @@ class SshCommand:
             "-N",
             "-S",
             self.control_path,
+            *NO_AUTHORITY_FLAGS,
             *_opts(MASTER_FORCED),
+            *_opts(NO_AUTHORITY),
             *_opts(self.options),
             *_opts(MASTER_DEFAULTS),
             *self._tail(),

@@ -5,7 +5,8 @@ exactly what the client's policy allows, through the client. So the tests build 
 for real, from inside the pytest session's own namespace (the "client"):
 
     remote 198.18.0.2 --- 198.18.0.1  client (the test's namespace)  198.18.0.5 --- 198.18.0.6 internet
-    (sshd :2222; :2223 without forwarding)         (all /30 links)         (upstream servers)
+    (sshd :2222; :2223 without forwarding;         (all /30 links)         (upstream servers)
+     :2224 with GatewayPorts yes)
 
 The remote has no route to the internet; `direct_route()` adds one (a direct link
 198.18.0.9 <-> 198.18.0.10 plus a route) for the remote-egress case only. Addresses are from
@@ -41,6 +42,7 @@ INTERNET_DIRECT = "198.18.0.10"
 INTERNET_NET = "198.18.0.4/30"
 SSH_PORT = 2222
 NO_FORWARDING_PORT = 2223  # a `Match LocalPort` block turns TCP forwarding off there
+GATEWAY_PORTS_PORT = 2224  # ... and GatewayPorts on there: forwards bind every address
 
 PREFIX = "egressd-t-"
 NETNS_DIR = Path("/run/netns")
@@ -207,7 +209,10 @@ class SshLab:
         authorized.write_text(Path(f"{self.key}.pub").read_text())
         public = Path(f"{host_key}.pub").read_text().split()
         self.known_hosts.write_text(
-            "".join(f"[{REMOTE}]:{port} {public[0]} {public[1]}\n" for port in (SSH_PORT, NO_FORWARDING_PORT))
+            "".join(
+                f"[{REMOTE}]:{port} {public[0]} {public[1]}\n"
+                for port in (SSH_PORT, NO_FORWARDING_PORT, GATEWAY_PORTS_PORT)
+            )
         )
         # remote sessions keep their directories here, not in the machine's /tmp (short: a Unix
         # socket lives inside, and its path must stay under ~100 bytes)
@@ -217,6 +222,7 @@ class SshLab:
             f"""\
 Port {SSH_PORT}
 Port {NO_FORWARDING_PORT}
+Port {GATEWAY_PORTS_PORT}
 ListenAddress {REMOTE}
 HostKey {host_key}
 AuthorizedKeysFile {authorized}
@@ -234,6 +240,8 @@ SetEnv TMPDIR={self.remote_tmp} EGRESSD_HOME={self.remote_tmp / "egressd-home"}
 LogLevel VERBOSE
 Match LocalPort {NO_FORWARDING_PORT}
     AllowTcpForwarding no
+Match LocalPort {GATEWAY_PORTS_PORT}
+    GatewayPorts yes
 """
         )
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory

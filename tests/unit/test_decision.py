@@ -697,3 +697,28 @@ def test_resolution_refusal() -> None:
     assert "10.0.0.1" in refusal.detail and "169.254.169.254" in refusal.detail
     assert refusal.target == decision.target and not refusal.needs_resolution
     assert resolution_refusal(decision, []).reason == "resolved_forbidden"
+
+
+def test_loopback_addresses_fall_under_the_loopback_rules() -> None:
+    """`loopback.addresses` (egressd ssh's relay: the client's own addresses) are loopback, in every
+    spelling, for literals and for resolved names; an explicit CIDR allow does not lift that."""
+    base = pol(allow=["198.51.100.0/24", "own.test"])
+    own = frozenset({ip("198.51.100.7"), ip("2001:db8::7")})
+    closed = replace(base, loopback=replace(base.loopback, allow=False, addresses=own))
+    for spelling in (
+        "198.51.100.7",
+        "[::ffff:198.51.100.7]",
+        "[64:ff9b::c633:6407]",
+        "3325256711",
+        "[2001:db8::7]",
+    ):
+        got = check(f"{spelling}:80", closed)
+        assert (got.allowed, got.reason) == (False, "loopback_disabled"), spelling
+    assert check("198.51.100.8:80", closed).allowed  # another address of the allowed range
+    named = check("own.test:80", closed)
+    kept, verdicts = filter_addresses(named, [ip("198.51.100.7"), ip("198.51.100.8")], closed)
+    assert kept == [ip("198.51.100.8")]
+    assert verdicts[0].klass is AddressClass.LOOPBACK and "loopback.allow is false" in verdicts[0].why
+    ported = replace(base, loopback=replace(base.loopback, ports=(5432,), addresses=own))
+    assert check("198.51.100.7:5432", ported).allowed
+    assert check("198.51.100.7:80", ported).reason == "loopback_port"

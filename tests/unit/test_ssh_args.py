@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -16,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from egressd.policy import load_policy
-from egressd.remote import scripts
+from egressd.remote import reaper, scripts
 from egressd.remote.channel import ChannelError, decode, encode, policy_message, read_policy
 from egressd.remote.connection import control_directory
 from egressd.remote.destination import Destination, DestinationError, parse_destination
+from egressd.remote.relay import exposed_listeners
 from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option, option_name, requests_tty
 
 CP = "/tmp/egressd-ssh-x/ctl"
@@ -83,6 +85,7 @@ def test_ssh_options_checked() -> None:
     assert check_ssh_option("Port=2222") == "Port=2222"
     assert check_ssh_option("IdentityFile ~/.ssh/id") == "IdentityFile ~/.ssh/id"
     assert option_name("ServerAliveInterval=5") == "serveraliveinterval"
+    assert check_ssh_option("ForwardAgent=no") == "ForwardAgent=no"  # off is what egressd forces anyway
     for bad, why in [
         ("Port", "expected KEY=VALUE"),
         ("-oPort=1", "expected KEY=VALUE"),
@@ -91,6 +94,11 @@ def test_ssh_options_checked() -> None:
         ("RemoteForward=1 2", "manages RemoteForward"),
         ("ForkAfterAuthentication yes", "manages"),
         ("Port=1\nProxyCommand=x", "line break"),
+        ("ForwardAgent=yes", "never forwards the ssh agent"),
+        ("forwardagent /tmp/agent.sock", "never forwards"),
+        ("ForwardX11 yes", "never forwards"),
+        ("ForwardX11Trusted=yes", "never forwards"),
+        ("Tunnel=point-to-point", "never forwards"),
     ]:
         with pytest.raises(SshOptionError, match=why):
             check_ssh_option(bad)
@@ -102,15 +110,21 @@ def test_requests_tty() -> None:
 
 
 # -- ssh command lines (golden) --------------------------------------------------------------------
+NO_AUTHORITY_OPTS = [
+    "-o", "ForwardAgent=no", "-o", "ForwardX11=no", "-o", "ForwardX11Trusted=no", "-o", "Tunnel=no",
+]  # fmt: skip
+
+
 def _cmd(*options: str, dest: str = "ssh://ci@runner:2222") -> SshCommand:
     return SshCommand(parse_destination(dest), CP, options)
 
 
 def test_master_argv_forced_then_user_then_defaults() -> None:
     assert _cmd("Port=1", "ServerAliveInterval=5").master() == [
-        "ssh", "-n", "-N", "-S", CP,
+        "ssh", "-n", "-N", "-S", CP, "-a", "-x",
         "-o", "ControlMaster=yes", "-o", "ControlPersist=no",
         "-o", "ExitOnForwardFailure=yes", "-o", "ClearAllForwardings=yes",
+        *NO_AUTHORITY_OPTS,
         "-o", "Port=1", "-o", "ServerAliveInterval=5",
         "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4", "-o", "ConnectTimeout=30",
         "-p", "2222", "--", "ci@runner",
@@ -119,7 +133,7 @@ def test_master_argv_forced_then_user_then_defaults() -> None:
 
 def test_control_argvs() -> None:
     cmd = _cmd(dest="box")
-    mux = ["ssh", "-S", CP, "-o", "ControlMaster=no"]
+    mux = ["ssh", "-S", CP, "-o", "ControlMaster=no", "-a", "-x", *NO_AUTHORITY_OPTS]
     assert cmd.check() == [*mux, "-O", "check", "--", "box"]
     assert cmd.exit() == [*mux, "-O", "exit", "--", "box"]
     assert cmd.forward_remote("127.0.0.1", 8080) == [
@@ -135,7 +149,7 @@ def test_control_argvs() -> None:
 
 
 def test_session_and_helper_argvs() -> None:
-    mux = ["ssh", "-S", CP, "-o", "ControlMaster=no"]
+    mux = ["ssh", "-S", CP, "-o", "ControlMaster=no", "-a", "-x", *NO_AUTHORITY_OPTS]
     plain = _cmd("Port=1", dest="box")
     assert plain.session("CMD") == [*mux, "-T", "-e", "none", "-o", "Port=1", "--", "box", "CMD"]
     tty = _cmd("RequestTTY=yes", dest="box")
@@ -281,3 +295,50 @@ def test_channel_refuses_garbage() -> None:
     for line in (b"not json", b"[1]", b'{"no": "type"}'):
         with pytest.raises(ChannelError):
             decode(line)
+
+
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:A000 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1
+   1: 00000000:A001 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 2 1
+   2: 020012C6:A002 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3 1
+   3: 0100007F:A003 0100007F:9000 01 00000000:00000000 00:00000000 00000000     0        0 4 1
+  sl  local_address                         remote_address                        st
+   0: 00000000000000000000000001000000:A004 00000000000000000000000000000000:0000 0A
+   1: 0000000000000000FFFF00000100007F:A005 00000000000000000000000000000000:0000 0A
+   2: 00000000000000000000000000000000:A006 00000000000000000000000000000000:0000 0A
+"""
+
+
+def test_exposed_listeners_reads_proc_net_tcp() -> None:
+    """Loopback binds (127.0.0.1, ::1, ::ffff:127.0.0.1) are fine; a wildcard or LAN bind is not."""
+    ports = range(0xA000, 0xA007)
+    assert exposed_listeners(PROC_NET_TCP, ports) == ["0.0.0.0:40961", "198.18.0.2:40962", "[::]:40966"]
+    assert exposed_listeners(PROC_NET_TCP, [0xA000, 0xA003, 0xA004, 0xA005]) == []
+
+
+def test_relay_wrapper_runs_the_command_under_the_reaper(tmp_path: Path) -> None:
+    """With python3: the command's pid is recorded, its status passes through, and a child it
+    detached is ended when it exits. Without python3: it still runs, and stderr says what is lost."""
+    directory = tmp_path / "egressd-ssh.x"
+    directory.mkdir()
+    (directory / "reaper.py").write_bytes(Path(reaper.__file__).read_bytes())
+    pids = tmp_path / "pids"
+    detach = f"setsid sh -c 'echo $$ >> {pids}; exec sleep 30' </dev/null >/dev/null 2>&1 &"
+    command = ["sh", "-c", f'{detach} echo "$$"; while [ ! -s {pids} ]; do sleep 0.05; done; exit 3']
+    (directory / "env").write_text("")
+    done = _sh(scripts.relay_wrapped(str(directory), command))
+    assert done.returncode == 3, done.stderr
+    assert (directory / "pid").read_text().strip() == done.stdout.decode().strip()
+    assert not Path(f"/proc/{pids.read_text().strip()}").exists()  # ended and reaped by the reaper
+    # no python3 on PATH: the plain wrapper, with a warning
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "rm", "echo", "printf"):
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    (directory / "env").write_text("")
+    done = _sh(scripts.relay_wrapped(str(directory), ["sh", "-c", "exit 4"]), env={"PATH": str(bin_dir)})
+    assert done.returncode == 4
+    assert b"no python3 here" in done.stderr
