@@ -801,3 +801,19 @@ def test_sandbox_accepts_every_exec_option() -> None:
         "rw", "ro", "only", "bwrap_path", "hide", "show", "rw_home", "env_clear", "pass_env",
         "loopback_ports", "cache",
     }  # fmt: skip
+
+
+EXIT_WITH_CONNECTIONS_OPEN = """
+    import os, socket
+    waiting = socket.create_connection(("127.0.0.1", 3128))
+    waiting.sendall(b"CONNECT 127.0.0.1:9 HTTP/1.1\\r\\n\\r\\n")
+    idle = socket.create_connection(("127.0.0.1", 3128))
+    os._exit(0)
+"""
+
+
+def test_no_traceback_when_the_child_exits_with_connections_open(work: Path) -> None:
+    for _ in range(6):
+        result = egressd_sandbox([], python_inside(EXIT_WITH_CONNECTIONS_OPEN), cwd=work)
+        assert result.returncode == 0, result.stderr
+        assert b"Traceback" not in result.stderr and b"Error" not in result.stderr, result.stderr

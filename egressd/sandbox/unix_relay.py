@@ -134,6 +134,11 @@ class UnixRelay:
                 await close_quietly(writer)
                 return
             await splice((reader, writer), upstream)
+        except asyncio.CancelledError:
+            # stop() ends open connections by cancelling them; a cancelled client_connected_cb task
+            # makes asyncio's StreamReaderProtocol print a CancelledError traceback (Python 3.12),
+            # so the connection ends here, quietly, as a finished task
+            writer.close()
         finally:
             self._connections.discard(task)
 
