@@ -43,15 +43,16 @@ def child_base_env(environ: Mapping[str, str], passed: Sequence[str]) -> dict[st
     epilog="""\b
 Example:
   egressd sandbox --policy npm -- npm ci
-  egressd sandbox --policy agent.yaml --only api.example.com --rw ~/.cache/pip -- python agent.py
+  egressd sandbox --policy agent.yaml --only api.example.com --cache ~/.cache/agent -- python agent.py
   egressd sandbox --allow github.com:22 -- git clone ssh://git@github.com/org/repo
 
 \b
-Inside: / read-only, the working directory and --rw paths writable, private /tmp and /run,
-its own network with only loopback, no DNS. HTTP(S)_PROXY points at a loopback port inside
-the sandbox that leads to egressd's proxy; nothing else gets out. 127.0.0.1/localhost through
-the proxy is the HOST's loopback (policy permitting); connections that skip the proxy reach
-the sandbox's own loopback.""",
+Inside: / read-only, the working directory and --rw paths writable (never your home or a
+system directory), private /tmp and /run, its own network with only loopback, no DNS.
+egressd's code, policy and audit stay read-only; your credentials and egressd's CA key are
+hidden. HTTP(S)_PROXY points at a loopback port inside the sandbox that leads to egressd's
+proxy; nothing else gets out. 127.0.0.1/localhost through the proxy is the HOST's loopback,
+on the ports the policy names only. See docs/sandbox.md.""",
 )
 @session_options
 @click.option("--rw", multiple=True, metavar="PATH", help="Also writable in the sandbox (repeatable).")
