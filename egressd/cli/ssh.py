@@ -1,7 +1,7 @@
 """`egressd ssh` and the hidden `egressd remote-agent`: thin click commands over egressd.remote.
 
-Registered on the main group by `register(cli)` at the end of egressd/cli.py. `egressd ssh`
-takes every `exec` option (it shares the decorators and passes them through unchanged).
+`egressd ssh` takes every `exec` option (it shares the decorators and passes them through
+unchanged).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import click
 
 from egressd import process
-from egressd.cli import _CONTEXT, _fail, _say, _session, parse_listen, session_options
+from egressd.cli.options import CONTEXT, fail, open_session, parse_listen, say, session_options
 from egressd.policy import join_host_port
 from egressd.remote.destination import DestinationError, parse_destination
 from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option
@@ -38,7 +38,7 @@ def _remote_say(message: str) -> None:
 
 @click.command(
     "ssh",
-    context_settings=_CONTEXT,
+    context_settings=CONTEXT,
     short_help="Run a command on a remote host over SSH under this machine's policy.",
     epilog="""\b
 Examples:
@@ -126,7 +126,7 @@ def ssh_command(
     if rw and not sandbox:
         raise click.BadParameter("--rw is for --sandbox")
     if shutil.which(SSH_PROGRAM) is None:
-        _fail("egressd ssh needs the OpenSSH client (`ssh`) on PATH")
+        fail("egressd ssh needs the OpenSSH client (`ssh`) on PATH")
     # Before any thread starts: every thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
 
@@ -147,8 +147,8 @@ def ssh_command(
         def transform(policy: Policy) -> Policy:
             return relay_policy(policy, client_loopback=client_loopback)
 
-        with _session(options, announce_reloads=options.trace, transform=transform) as session:
-            returncode = run_over_ssh(lambda c: Relay(session, c, _say), connection(), command, catcher, _say)
+        with open_session(options, announce_reloads=options.trace, transform=transform) as session:
+            returncode = run_over_ssh(lambda c: Relay(session, c, say), connection(), command, catcher, say)
         process.exit_like(returncode)
 
     returncode = _remote_egress(
@@ -181,29 +181,29 @@ def _remote_egress(
     try:
         words = shlex.split(egressd)
     except ValueError as exc:
-        _fail(f"--remote-egressd {egressd!r}: {exc}")
+        fail(f"--remote-egressd {egressd!r}: {exc}")
     if not words:
-        _fail("--remote-egressd: empty command")
+        fail("--remote-egressd: empty command")
 
     def reload_failed(message: str) -> None:
-        _say(f"reload failed: {' '.join(message.split())}; keeping the last good policy (here and remotely)")
+        say(f"reload failed: {' '.join(message.split())}; keeping the last good policy (here and remotely)")
 
     try:
         local = LocalPolicy(options.policy_file, options.overrides, reload_failed)
     except SessionError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     audit = None
     if options.audit_path:
         try:
             audit = AuditFile(options.audit_path, dest_name)
         except OSError as exc:
-            _fail(f"--audit {options.audit_path}: {exc.strerror or exc}")
+            fail(f"--audit {options.audit_path}: {exc.strerror or exc}")
     files: dict[str, bytes] = {}  # copied into the remote session directory for the agent
     for index, path in enumerate(options.upstream_ca):
         try:
             files[f"upstream-ca-{index}.pem"] = Path(path).read_bytes()
         except OSError as exc:
-            _fail(f"--upstream-ca {path}: {exc.strerror or exc}")
+            fail(f"--upstream-ca {path}: {exc.strerror or exc}")
     agent: list[str] = []
     if options.overrides.profile:
         agent += ["--profile", options.overrides.profile]
@@ -219,16 +219,16 @@ def _remote_egress(
     agent += sandbox
     return run_over_ssh(
         lambda c: RemoteEgress(
-            c, local, words, agent, say=_say, announce=options.trace, audit=audit, files=files
+            c, local, words, agent, say=say, announce=options.trace, audit=audit, files=files
         ),
         connection(),
         command,
         catcher,
-        _say,
+        say,
     )
 
 
-@click.group("remote-agent", hidden=True, context_settings=_CONTEXT)
+@click.group("remote-agent", hidden=True, context_settings=CONTEXT)
 def remote_agent() -> None:
     """The remote end of `egressd ssh --egress remote` (started by it; not for direct use)."""
 
@@ -260,7 +260,7 @@ def agent_run(
 ) -> None:
     """Run COMMAND under the policies the client pushes over the channel."""
     if policy_file is not None:
-        _fail(
+        fail(
             "remote-agent takes its policy from the SSH connection only (egressd ssh --egress remote "
             "pushes the client's); --policy is refused here"
         )
@@ -310,8 +310,3 @@ def agent_feed(socket_path: str) -> None:
     from egressd.remote.feeder import run_feeder
 
     sys.exit(run_feeder(socket_path))
-
-
-def register(group: click.Group) -> None:
-    group.add_command(ssh_command)
-    group.add_command(remote_agent)

@@ -1,8 +1,6 @@
 """`egressd sandbox`: `exec`, but the proxy is the only way out (bubblewrap / Seatbelt).
 
-Registered on the `cli` group at the end of egressd/cli.py (import `egressd.cli`, not this module,
-first: it builds on cli.py's shared options). Thin: parse, check the platform, call
-egressd.sandbox, exit like the child.
+Thin: parse, check the platform, call egressd.sandbox, exit like the child.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import click
 
 from egressd import process
-from egressd.cli import _fail, _say, _session, session_options
+from egressd.cli.options import fail, open_session, say, session_options
 from egressd.policy import PolicyError
 from egressd.sandbox import narrow, preflight
 from egressd.sandbox.layout import pinned_options, plan_layout
@@ -147,7 +145,7 @@ def sandbox_command(
     # Before any thread starts: the proxy and relay threads must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
     if pass_env and not env_clear:
-        _fail("--pass-env works with --env-clear (without it the child gets egressd's whole environment)")
+        fail("--pass-env works with --env-clear (without it the child gets egressd's whole environment)")
     options = pinned_options(options)
     try:
         only_rules = narrow.parse_only(only)
@@ -163,9 +161,9 @@ def sandbox_command(
             always_hidden=[str(relay_home())] if sys.platform == "linux" else [],
         )
     except (MountError, PolicyError, RelayError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for path in layout.shown:
-        _say(f"warning: --show {path}: the sandboxed command can read it")
+        say(f"warning: --show {path}: the sandboxed command can read it")
     env_base = child_base_env(os.environ, pass_env) if env_clear else None
     bwrap, disable_userns, sandbox_exec = "", True, ""
     try:
@@ -176,13 +174,13 @@ def sandbox_command(
         elif sys.platform == "darwin":
             sandbox_exec = preflight.locate_sandbox_exec()
         else:
-            _fail(f"egressd sandbox runs on Linux (bubblewrap) and macOS (Seatbelt), not {sys.platform}")
+            fail(f"egressd sandbox runs on Linux (bubblewrap) and macOS (Seatbelt), not {sys.platform}")
     except preflight.SandboxUnavailable as exc:
-        _fail(str(exc))
+        fail(str(exc))
     narrowing = narrow.Narrowing(only_rules, options.overrides.profile) if only_rules else None
     outcome = Outcome(process.EXIT_CANNOT_RUN, started=False)
     transform = narrow.LoopbackConfinement(loopback_ports, then=narrowing)
-    with _session(options, announce_reloads=options.trace, transform=transform) as session:
+    with open_session(options, announce_reloads=options.trace, transform=transform) as session:
         creds = session.credentials(narrowing.profile if narrowing else None)
         if bwrap:
             try:
@@ -197,12 +195,12 @@ def sandbox_command(
                     catcher=catcher,
                 )
             except RelayError as exc:
-                _fail(f"{exc}; {command[0]} was not run")
+                fail(f"{exc}; {command[0]} was not run")
         else:
             outcome = run_seatbelt(
                 session, creds, command, layout, env_base=env_base, sandbox_exec=sandbox_exec, catcher=catcher
             )
     if outcome.error:
-        _say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
+        say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
         sys.exit(2)
     process.exit_like(outcome.returncode)

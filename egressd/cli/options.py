@@ -1,0 +1,198 @@
+"""Options, messages and the session every command that runs a proxy shares.
+
+stdout is sacred in `exec` (it belongs to the child); every egressd message goes to stderr with
+an `egressd:` prefix. egressd's own set-up failures (bad policy, bad option, proxy cannot start)
+exit 2 without running anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import ipaddress
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from egressd.policy import (
+    Policy,
+    PolicyError,
+)
+from egressd.policy.model import MODES
+from egressd.session import Overrides, ProxySession, SessionError, SessionOptions, base_policy
+
+if TYPE_CHECKING:
+    pass
+
+
+EXIT_USAGE = 2
+DRAIN_TIMEOUT = 10.0
+CONTEXT: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def say(message: str) -> None:
+    """One line to stderr, prefixed: the only place egressd talks while a child runs."""
+    click.echo(f"egressd: {message}", err=True)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    say(message)
+    sys.exit(code)
+
+
+# -- policy loading shared by exec / run / check / policy show ---------------------------------
+def effective_policy(policy_file: str | None, overrides: Overrides) -> Policy:
+    try:
+        return overrides.apply(base_policy(policy_file))
+    except PolicyError as exc:
+        fail(str(exc))
+
+
+def _with_options(func: Callable[..., Any], options: Sequence[Callable[..., Any]]) -> Callable[..., Any]:
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def policy_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--policy/--allow/--deny/--mode/--nameserver, identical on every command that decides."""
+    options = [
+        click.option(
+            "--policy",
+            "policy_file",
+            metavar="FILE",
+            help="Policy file (YAML/JSON) or a built-in preset name (default, npm, pypi, github). "
+            "Default: the built-in default policy (loopback only).",
+        ),
+        click.option("--allow", multiple=True, metavar="RULE", help="Add an allow rule (repeatable)."),
+        click.option("--deny", multiple=True, metavar="RULE", help="Add a deny rule (repeatable)."),
+        click.option(
+            "--mode", type=click.Choice(MODES), help="Override the mode (beats the file and EGRESSD_MODE)."
+        ),
+        click.option(
+            "--nameserver",
+            "nameservers",
+            multiple=True,
+            metavar="IP[:PORT]",
+            help="Resolve names with this DNS server instead of the system's (repeatable).",
+        ),
+    ]
+    return _with_options(func, options)
+
+
+def proxy_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--profile/--audit/--trace/--listen, identical on every command that runs the proxy."""
+    options = [
+        click.option("--profile", metavar="NAME", help="Issue the child's credentials for this profile."),
+        click.option(
+            "--audit", "audit_path", metavar="FILE", help="Append one JSON line per decision to FILE."
+        ),
+        click.option("--trace", is_flag=True, help="One human line per decision on stderr."),
+        click.option(
+            "--listen",
+            default="127.0.0.1:0",
+            show_default=True,
+            metavar="HOST:PORT",
+            help="Loopback listen address.",
+        ),
+    ]
+    return _with_options(func, options)
+
+
+def inspection_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--no-inspect/--upstream-ca: TLS inspection for the hosts whose rules need it."""
+    options = [
+        click.option(
+            "--no-inspect",
+            is_flag=True,
+            help="Never intercept TLS: hosts admitted only for some paths are refused (needs_inspection).",
+        ),
+        click.option(
+            "--upstream-ca",
+            multiple=True,
+            metavar="FILE",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Also trust this CA (PEM) for upstream certificates of intercepted hosts (repeatable).",
+        ),
+    ]
+    return _with_options(func, options)
+
+
+def cli_overrides(
+    allow: Sequence[str],
+    deny: Sequence[str],
+    mode: str | None,
+    nameservers: Sequence[str],
+    profile: str | None,
+) -> Overrides:
+    return Overrides(tuple(allow), tuple(deny), mode, tuple(nameservers), profile)
+
+
+def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
+    """Take what the three option groups parsed out of a command's parameters, as one value."""
+    names = ("allow", "deny", "mode", "nameservers", "profile")
+    overrides = cli_overrides(*(params.pop(name) for name in names))
+    return SessionOptions(
+        policy_file=params.pop("policy_file"),
+        overrides=overrides,
+        listen=parse_listen(params.pop("listen")),
+        audit_path=params.pop("audit_path"),
+        trace=params.pop("trace"),
+        inspect=not params.pop("no_inspect"),
+        upstream_ca=tuple(params.pop("upstream_ca")),
+    )
+
+
+def session_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """@policy_options, @proxy_options and @inspection_options, handed to the command as one
+    SessionOptions argument named `options` (every command that runs a proxy for a child)."""
+
+    @functools.wraps(func)
+    def with_options(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, options=_pop_session_options(kwargs), **kwargs)
+
+    return policy_options(proxy_options(inspection_options(with_options)))
+
+
+@contextlib.contextmanager
+def open_session(options: SessionOptions, **kwargs: Any) -> Iterator[ProxySession]:
+    """A started ProxySession; any set-up failure exits 2 with the reason on stderr."""
+    try:
+        session = ProxySession(options, say=say, **kwargs)
+        session.start()
+    except SessionError as exc:
+        fail(str(exc))
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`HOST:PORT`, `[::1]:PORT` or `PORT`; the host must be loopback (children are local)."""
+    host, port_text = "127.0.0.1", text
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1 : end + 2] != ":":
+            raise click.BadParameter(f"{text!r}: expected [IPv6]:PORT", param_hint="--listen")
+        host, port_text = text[1:end], text[end + 2 :]
+    elif ":" in text:
+        host, _, port_text = text.rpartition(":")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise click.BadParameter(f"{text!r}: port must be 0-65535", param_hint="--listen")
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: host must be an IP address", param_hint="--listen") from None
+    if not address.is_loopback:
+        raise click.BadParameter(
+            f"{text!r}: egressd listens on loopback only (127.0.0.0/8 or ::1). Its proxy is for "
+            "processes on this machine; a listener on another interface would let any host on the "
+            "network use your allowlist.",
+            param_hint="--listen",
+        )
+    return str(address), int(port_text)

@@ -1,0 +1,100 @@
+"""`egressd policy`: validate, show and locate policies."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import click
+
+from egressd.policy import (
+    PolicyError,
+    builtin_policy_path,
+    load_policy,
+)
+from egressd.policy.dump import policy_to_data
+from egressd.policy.model import MODES
+
+if TYPE_CHECKING:
+    pass
+from egressd.cli.options import cli_overrides, effective_policy, fail
+
+
+@click.group(
+    "policy",
+    epilog="""\b
+Example:
+  egressd policy validate policy.yaml policies/*.yaml
+  egressd policy show --allow api.github.com
+  egressd policy path npm""",
+)
+def policy_group() -> None:
+    """Validate, show and locate policies."""
+
+
+@policy_group.command(
+    "validate",
+    epilog="""\b
+Example:
+  egressd policy validate policy.yaml
+  egressd policy validate policies/*.yaml""",
+)
+@click.argument("files", nargs=-1, required=True, metavar="FILE...")
+def policy_validate(files: tuple[str, ...]) -> None:
+    """Check policy files: one line per file; exit 1 if any is bad."""
+    bad = 0
+    for name in files:
+        try:
+            policy = load_policy(name)
+        except PolicyError as exc:
+            bad += 1
+            click.echo(" ".join(str(exc).split()))
+            continue
+        click.echo(
+            f"{name}: ok (mode {policy.mode}, {len(policy.allow.rules)} allow, "
+            f"{len(policy.deny.rules)} deny, {len(policy.profiles)} profiles)"
+        )
+    sys.exit(1 if bad else 0)
+
+
+@policy_group.command(
+    "show",
+    epilog="""\b
+Example:
+  egressd policy show
+  egressd policy show policy.yaml --allow example.com --mode ask""",
+)
+@click.argument("file", required=False)
+@click.option("--allow", multiple=True, metavar="RULE", help="Add an allow rule (repeatable).")
+@click.option("--deny", multiple=True, metavar="RULE", help="Add a deny rule (repeatable).")
+@click.option("--mode", type=click.Choice(MODES), help="Override the mode.")
+@click.option("--nameserver", "nameservers", multiple=True, metavar="IP[:PORT]", help="DNS server override.")
+def policy_show(
+    file: str | None,
+    allow: tuple[str, ...],
+    deny: tuple[str, ...],
+    mode: str | None,
+    nameservers: tuple[str, ...],
+) -> None:
+    """Print the effective policy (FILE or the built-in default, plus overrides) as YAML."""
+    import yaml
+
+    policy = effective_policy(file, cli_overrides(allow, deny, mode, nameservers, None))
+    click.echo(f"# effective policy from {policy.source}")
+    click.echo(yaml.safe_dump(policy_to_data(policy), sort_keys=False, allow_unicode=True), nl=False)
+
+
+@policy_group.command(
+    "path",
+    epilog="""\b
+Example:
+  egressd policy path default
+  cp "$(egressd policy path npm)" my-policy.yaml""",
+)
+@click.argument("name")
+def policy_path(name: str) -> None:
+    """Print the path of the built-in preset NAME."""
+    try:
+        click.echo(str(builtin_policy_path(name)))
+    except PolicyError as exc:
+        fail(str(exc))

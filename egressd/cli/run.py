@@ -1,0 +1,98 @@
+"""`egressd run`: a long-running proxy that prints the settings a child needs."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import click
+
+from egressd import process
+from egressd.session import ProxySession, SessionOptions
+
+if TYPE_CHECKING:
+    from egressd.engine import EgressProxy
+from egressd.cli.options import open_session, say, session_options
+
+DRAIN_TIMEOUT = 10.0
+
+
+@click.command(
+    "run",
+    short_help="Run the proxy in the foreground; print the proxy settings for children.",
+    epilog="""\b
+Example:
+  egressd run --policy policy.yaml > egressd.env &
+  . ./egressd.env && npm install
+  kill -HUP %1     # reload policy.yaml now (edits are also picked up by themselves)
+  kill %1          # drain: in-flight connections get 10 s, then egressd exits""",
+)
+@session_options
+def run_command(options: SessionOptions) -> None:
+    """Run the proxy until SIGTERM/SIGINT; print the `export` lines a child needs.
+
+    stdout gets only the export lines (then is closed, so `$(...)` and pipes see EOF); status
+    goes to stderr. The policy file is reloaded when it changes and on SIGHUP; a file that fails
+    to load is reported and the last good policy stays in force.
+    """
+    stops = (signal.SIGINT, signal.SIGTERM)
+    catcher = process.SignalCatcher((*stops, signal.SIGHUP)).install()
+    with open_session(options, announce_reloads=True) as session:
+        for key, value in session.exports().items():
+            click.echo(f"export {key}={shlex.quote(value)}")
+        _close_stdout()
+        assert session.proxy is not None
+        host, port = session.proxy.http_address
+        where = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        socks_note = (
+            f", SOCKS5 on port {session.proxy.socks_address[1]}" if session.proxy.socks_address else ""
+        )
+        profile = options.overrides.profile
+        profile_note = f"; profile: {profile}" if profile else ""
+        policy = session.policy
+        click.echo(
+            f"# egressd listening on {where}{socks_note}; policy: {policy.source} (mode: {policy.mode})"
+            f"{profile_note}. SIGHUP reloads; SIGTERM or Ctrl-C drains and exits.",
+            err=True,
+        )
+        _serve(catcher, session, stops)
+        say(f"draining (up to {DRAIN_TIMEOUT:g}s for open connections)")
+        _drain(session.proxy, catcher, stops)
+    say("stopped")
+    sys.exit(0)
+
+
+def _close_stdout() -> None:
+    """After the exports, stdout is done: point fd 1 at /dev/null so readers see EOF."""
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _serve(catcher: process.SignalCatcher, session: ProxySession, stops: Sequence[int]) -> None:
+    while True:
+        got = catcher.wait(1.0)
+        if got is None:
+            continue
+        if got.signo in stops:
+            return
+        if not session.reload_now():
+            say("SIGHUP: no --policy file to reload")
+
+
+def _drain(proxy: EgressProxy, catcher: process.SignalCatcher, stops: Sequence[int]) -> None:
+    """drain() in a thread so a second SIGTERM/Ctrl-C can still cut it short."""
+    worker = threading.Thread(target=proxy.drain, args=(DRAIN_TIMEOUT,), name="egressd-drain", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        got = catcher.wait(0.2)
+        if got is not None and got.signo in stops:
+            say("second signal: stopping now")
+            proxy.stop()
+            return
