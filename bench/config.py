@@ -20,6 +20,8 @@ WORKLOADS: tuple[str, ...] = (
     "decision",  # 8
     "job",  # 9
 )
+# the workloads srt's proxy (peers.SrtPeer) takes part in
+SRT_WORKLOADS = frozenset({"throughput", "setup", "latency", "http", "idle", "job"})
 
 
 @dataclass(frozen=True)

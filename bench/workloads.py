@@ -33,6 +33,7 @@ from bench.peers import (
     EGRESSD_EXTRA_ENV,
     MITMPROXY,
     SQUID,
+    SRT,
     TARGETS,
     TINYPROXY,
     VENV_BIN,
@@ -66,9 +67,11 @@ class Context:
     profile_dir: Path | None = None  # --profile: py-spy samples egressd during every workload
     workload: str = ""
     egressd_sources: dict[str, list[str]] = field(default_factory=dict)  # source state -> workloads
+    srt: Path | None = None  # the installed sandbox-runtime package
+    srt_why: str = "not installed"  # why there is none
 
     def peers(self, workload: str) -> dict[str, Peer]:
-        return make_peers(self.work / "peers" / workload, self.proxy_cpu)
+        return make_peers(self.work / "peers" / workload, self.proxy_cpu, self.srt, self.srt_why)
 
 
 def _rotated(names: Sequence[str], run: int) -> list[str]:
@@ -552,6 +555,7 @@ def intercepted_https(ctx: Context) -> list[Metric]:
     for m in (rate, tput, peak, cpu):
         for name in (TINYPROXY, SQUID):
             m.unavailable(name, "n/a (does not intercept TLS)")
+        m.unavailable(SRT, "n/a (not configured: srt terminates TLS only with network.tlsTerminate)")
     peak.unavailable(DIRECT, "no proxy")
     cpu.unavailable(DIRECT, "no proxy")
     return [rate, tput, peak, cpu]
@@ -668,7 +672,7 @@ def exec_true(ctx: Context) -> list[Metric]:
     _record_source(ctx)
     egressd = system.pinned([str(VENV_BIN / "egressd"), "exec", "--", "true"], ctx.proxy_cpu)
     true = system.which("true") or "/bin/true"
-    for name in (TINYPROXY, SQUID, MITMPROXY):
+    for name in (TINYPROXY, SQUID, MITMPROXY, SRT):
         main.unavailable(name, "n/a (no wrapper command)")
     with contextlib.suppress(Exception):
         _wall(egressd, env)  # warm the page cache once
@@ -729,7 +733,7 @@ def decision(ctx: Context) -> list[Metric]:
             "10_rules_median_us": statistics.median(entry["small_runs_us"]),
             "from_string_median_us": statistics.median(entry["large_from_string_runs_us"]),
         }
-        for name in (DIRECT, TINYPROXY, SQUID, MITMPROXY):
+        for name in (DIRECT, TINYPROXY, SQUID, MITMPROXY, SRT):
             m.unavailable(name, "n/a")
         metrics.append(m)
     load = Metric(
