@@ -1,9 +1,11 @@
 """The targets: direct (no proxy), tinyproxy, Squid, mitmproxy (passthrough / intercepting), srt's proxy
-and egressd.
+and egressd; and the wrappers of the sandbox workloads (egressd exec, egressd sandbox, srt).
 
 Each peer writes its config into the run's work directory, starts on the proxy core and hands back a
 `Proxy`: where it listens, the Proxy-Authorization a client must send (egressd and srt), the proxy URL
-for npm, and the CA a client must trust when the peer intercepts TLS.
+for npm, and the CA a client must trust when the peer intercepts TLS. A `Wrapper` is a command prefix
+that runs a child with a proxy (and, for the sandboxes, confined); its children find the proxy in
+HTTP_PROXY.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ from bench import system
 
 VENV_BIN = Path(sys.executable).parent
 DIRECT, TINYPROXY, SQUID, MITMPROXY, EGRESSD = "direct", "tinyproxy", "squid", "mitmproxy", "egressd"
-SRT = "srt"  # sandbox-runtime's proxy
+SRT = "srt"  # sandbox-runtime: its proxy in the proxy workloads, its sandbox in the sandbox workloads
 TARGETS: tuple[str, ...] = (DIRECT, TINYPROXY, SQUID, MITMPROXY, SRT, EGRESSD)
 PEERS: tuple[str, ...] = (TINYPROXY, SQUID, MITMPROXY, SRT)
+# the sandbox workloads' targets: a child run by each wrapper
+EXEC, SANDBOX = "egressd exec", "egressd sandbox"
+SANDBOX_TARGETS: tuple[str, ...] = (EXEC, SANDBOX, SRT)
+ALL_TARGETS: tuple[str, ...] = (*TARGETS, EXEC, SANDBOX)
 
 
 class NotAvailable(Exception):
@@ -556,3 +562,67 @@ def make_peers(
         SRT: SrtPeer(work, cpu, srt, srt_why),
         EGRESSD: EgressdPeer(work, cpu),
     }
+
+
+# -- the sandbox workloads' wrappers --------------------------------------------------------------
+@dataclass
+class Wrapper:
+    """A command prefix that runs a child with a proxy: `prefix + ["--"] + child argv`."""
+
+    name: str
+    description: str
+    prefix: list[str]
+    env: dict[str, str]
+    config_text: str
+    version: str = ""
+
+    def argv(self, child: Sequence[str]) -> list[str]:
+        return [*self.prefix, "--", *child]
+
+
+def make_wrappers(
+    work: Path, cpu: int | None, ports: Sequence[int], srt: Path | None, srt_why: str = "not installed"
+) -> dict[str, Wrapper | str]:
+    """egressd exec, egressd sandbox and srt, each letting its child reach 127.0.0.1 on `ports` only
+    (and nothing else), run on the proxy core. A str instead of a Wrapper: why that target cannot run."""
+    work.mkdir(parents=True, exist_ok=True)
+    egressd = str(VENV_BIN / "egressd")
+    policy_text = f"""version: 1
+mode: enforce
+allow: []
+loopback:
+  allow: true
+  ports: [{", ".join(str(p) for p in ports)}]
+"""
+    policy = work / "policy.yaml"
+    policy.write_text(policy_text)
+    out: dict[str, Wrapper | str] = {}
+    env = _egressd_env(work)
+    extra = "".join(f"{k}={shlex.quote(v)} " for k, v in EGRESSD_EXTRA_ENV.items())
+    version = system.version_of([egressd, "--version"])
+    for name, command in ((EXEC, "exec"), (SANDBOX, "sandbox")):
+        argv = [egressd, command, "--policy", str(policy)]
+        out[name] = Wrapper(
+            name,
+            f"`egressd {command}`, a policy with only 127.0.0.1 on the upstream's ports",
+            system.pinned(argv, cpu),
+            env,
+            extra + shlex.join([*argv, "--", "CMD"]) + "\n# policy.yaml\n" + policy_text,
+            f"{version}, source {egressd_source_state()}",
+        )
+    if srt is None:
+        out[SRT] = f"n/a (srt not installed: {srt_why})"
+        return out
+    settings = work / "srt-settings.json"
+    text = json.dumps(srt_settings([f"127.0.0.1:{p}" for p in ports]), indent=2)
+    settings.write_text(text + "\n")
+    argv = [system.which("node") or "node", str(srt / "dist" / "cli.js"), "--settings", str(settings)]
+    out[SRT] = Wrapper(
+        SRT,
+        "`srt` (bubblewrap, its own network namespace, socat bridge to its proxy)",
+        system.pinned(argv, cpu),
+        _clean_env(),
+        shlex.join([*argv, "--", "CMD"]) + "\n# srt-settings.json\n" + text,
+        srt_version(srt),
+    )
+    return out
