@@ -19,7 +19,14 @@ WORKLOADS: tuple[str, ...] = (
     "exec",  # 7
     "decision",  # 8
     "job",  # 9
+    "sandbox-throughput",  # 10: egressd sandbox vs egressd exec vs srt, measured from inside
+    "sandbox-setup",  # 11
+    "sandbox-latency",  # 12
+    "sandbox-true",  # 13
 )
+SANDBOX_WORKLOADS = frozenset(w for w in WORKLOADS if w.startswith("sandbox-"))
+# the workloads srt takes part in: its proxy (peers.SrtPeer) or its sandbox
+SRT_WORKLOADS = frozenset({"throughput", "setup", "latency", "http", "idle", "job"} | SANDBOX_WORKLOADS)
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ class Sizes:
     idle_tunnels: int = 10_000  # 6 (capped by the fd hard limit: a proxy needs 2 fds per tunnel)
     idle_hold_seconds: float = 3.0  # 6: how long the tunnels sit idle before the check
     idle_open_concurrency: int = 200  # 6: CONNECTs in flight while opening
-    exec_runs: int = 7  # 7: `egressd exec -- true` runs per repeat
+    exec_runs: int = 7  # 7, 13: `egressd exec -- true` (13: and sandbox, srt) runs per repeat
     decision_rules: int = 100_000  # 8
     job_repeats: int = 7  # 9: npm ci runs per target (~5 s each on tmpfs: 7 for a steady median)
 
@@ -74,7 +81,7 @@ def parse_size(text: str) -> int:
 
 
 def select_workloads(only: list[str] | None) -> list[str]:
-    """--only accepts names or numbers (1-9), repeated or comma-separated."""
+    """--only accepts names or numbers (1-13), repeated or comma-separated."""
     if not only:
         return list(WORKLOADS)
     chosen: list[str] = []
@@ -86,7 +93,9 @@ def select_workloads(only: list[str] | None) -> list[str]:
             if part.isdigit() and 1 <= int(part) <= len(WORKLOADS):
                 part = WORKLOADS[int(part) - 1]
             if part not in WORKLOADS:
-                raise ValueError(f"unknown workload {part!r}; choose from {', '.join(WORKLOADS)} or 1-9")
+                raise ValueError(
+                    f"unknown workload {part!r}; choose from {', '.join(WORKLOADS)} or 1-{len(WORKLOADS)}"
+                )
             if part not in chosen:
                 chosen.append(part)
     return [w for w in WORKLOADS if w in chosen]

@@ -18,6 +18,7 @@ class Metric:
     better: Better
     main: bool = True  # False: a diagnostic (proxy CPU per op, core load, ...), in its own table
     ratio_to_direct: bool = True  # False where direct is no reference (added latency, RSS)
+    sandbox: bool = False  # a sandbox workload's: its targets are the wrappers (peers.SANDBOX_TARGETS)
     runs: dict[str, list[float]] = field(default_factory=dict)
     na: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

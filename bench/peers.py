@@ -1,8 +1,11 @@
-"""The targets: direct (no proxy), tinyproxy, Squid, mitmproxy (passthrough / intercepting) and egressd.
+"""The targets: direct (no proxy), tinyproxy, Squid, mitmproxy (passthrough / intercepting), srt's proxy
+and egressd; and the wrappers of the sandbox workloads (egressd exec, egressd sandbox, srt).
 
 Each peer writes its config into the run's work directory, starts on the proxy core and hands back a
-`Proxy`: where it listens, the Proxy-Authorization a client must send (egressd only), the proxy URL
-for npm, and the CA a client must trust when the peer intercepts TLS.
+`Proxy`: where it listens, the Proxy-Authorization a client must send (egressd and srt), the proxy URL
+for npm, and the CA a client must trust when the peer intercepts TLS. A `Wrapper` is a command prefix
+that runs a child with a proxy (and, for the sandboxes, confined); its children find the proxy in
+HTTP_PROXY.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import json
 import os
 import pwd
 import select
@@ -19,16 +23,23 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from bench import system
 
 VENV_BIN = Path(sys.executable).parent
 DIRECT, TINYPROXY, SQUID, MITMPROXY, EGRESSD = "direct", "tinyproxy", "squid", "mitmproxy", "egressd"
-TARGETS: tuple[str, ...] = (DIRECT, TINYPROXY, SQUID, MITMPROXY, EGRESSD)
-PEERS: tuple[str, ...] = (TINYPROXY, SQUID, MITMPROXY)
+SRT = "srt"  # sandbox-runtime: its proxy in the proxy workloads, its sandbox in the sandbox workloads
+TARGETS: tuple[str, ...] = (DIRECT, TINYPROXY, SQUID, MITMPROXY, SRT, EGRESSD)
+PEERS: tuple[str, ...] = (TINYPROXY, SQUID, MITMPROXY, SRT)
+# the sandbox workloads' targets: a child run by each wrapper
+EXEC, SANDBOX = "egressd exec", "egressd sandbox"
+SANDBOX_TARGETS: tuple[str, ...] = (EXEC, SANDBOX, SRT)
+ALL_TARGETS: tuple[str, ...] = (*TARGETS, EXEC, SANDBOX)
 
 
 class NotAvailable(Exception):
@@ -107,6 +118,20 @@ class Peer(ABC):
         except Exception:
             proc.kill()
             raise
+        return proc
+
+    def _spawn_reading(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """argv started on the peer's core with its stdout piped to the bench (where it says where it
+        listens) and its stderr in the work dir's stderr.log."""
+        log = open(self.work / "stderr.log", "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(
+            system.pinned(argv, self.cpu),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+        )
+        log.close()
         return proc
 
 
@@ -257,6 +282,96 @@ class MitmInterceptPeer(MitmPassthroughPeer):
         return proxy
 
 
+def srt_settings(allowed: Sequence[str]) -> dict[str, Any]:
+    """srt's settings file: only `allowed` (host or host:port) reachable, nothing asked, nothing else set."""
+    return {
+        "network": {"allowedDomains": list(allowed), "deniedDomains": [], "strictAllowlist": True},
+        "filesystem": {"denyRead": [], "allowRead": [], "allowWrite": [], "denyWrite": []},
+    }
+
+
+def srt_version(package: Path | None) -> str:
+    try:
+        assert package is not None
+        version = json.loads((package / "package.json").read_text())["version"]
+    except (AssertionError, OSError, ValueError, KeyError):
+        return "unknown"
+    return (
+        f"sandbox-runtime {version}, node {system.version_of([system.which('node') or 'node', '--version'])}"
+    )
+
+
+class SrtPeer(Peer):
+    """sandbox-runtime's proxy, started as `srt` starts it (bench/srt_proxy.mjs), without a sandbox."""
+
+    name = SRT
+    description = (
+        "sandbox-runtime's proxy (SandboxManager.initialize, as `srt` runs it): its HTTP+SOCKS port, "
+        "allowedDomains 127.0.0.1, strictAllowlist"
+    )
+
+    def __init__(self, work: Path, cpu: int | None, package: Path | None, why: str = "") -> None:
+        super().__init__(work, cpu)
+        self.package = package
+        self.why = why
+
+    def start(self) -> Proxy:
+        if self.package is None:
+            raise NotAvailable(f"n/a (srt not installed: {self.why})")
+        settings = self.work / "srt-settings.json"
+        text = json.dumps(srt_settings(["127.0.0.1"]), indent=2)
+        settings.write_text(text + "\n")
+        driver = Path(__file__).with_name("srt_proxy.mjs")
+        argv = [system.which("node") or "node", str(driver), str(self.package), str(settings)]
+        self.config_text = shlex.join(argv) + "\n# srt-settings.json\n" + text
+        proc = self._spawn_reading(argv, _clean_env())
+        try:
+            info = json.loads(_read_line(proc, 60.0))
+            port, token = int(info["port"]), str(info["token"])
+            system.wait_port("127.0.0.1", port, proc=proc)
+        except Exception:
+            proc.kill()
+            proc.wait()
+            raise
+        auth = base64.b64encode(f"srt:{token}".encode()).decode()
+        return Proxy(
+            SRT,
+            port,
+            proc,
+            auth=f"Basic {auth}",
+            url=f"http://srt:{token}@127.0.0.1:{port}",
+            log=self.work / "stderr.log",
+        )
+
+    def version(self) -> str:
+        return srt_version(self.package)
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
+
+
+def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    """The first line the process prints on stdout (then stdout is closed)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    data = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in data and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+        elif proc.poll() is not None:
+            break
+    proc.stdout.close()
+    if b"\n" not in data:
+        raise RuntimeError(f"{proc.args!r} printed no settings line (exit {proc.poll()}): {data[:200]!r}")
+    return data.split(b"\n", 1)[0].decode()
+
+
 # --egressd-env KEY=VALUE: extra environment for every egressd the bench starts (A/B runs)
 EGRESSD_EXTRA_ENV: dict[str, str] = {}
 
@@ -366,15 +481,7 @@ inspect: {inspect}
         extra = "".join(f"{k}={shlex.quote(v)} " for k, v in EGRESSD_EXTRA_ENV.items())
         self.config_text = extra + shlex.join(argv) + "\n# policy.yaml\n" + self.policy_text()
         self.source_state = egressd_source_state()
-        log = open(self.work / "stderr.log", "ab")  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen(
-            system.pinned(argv, self.cpu),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            env=self.env(),
-        )
-        log.close()
+        proc = self._spawn_reading(argv, self.env())
         try:
             exports = _read_until_eof(proc, 60.0)
             url = _export(exports, "HTTP_PROXY")
@@ -443,12 +550,79 @@ def _export(text: str, name: str) -> str:
     raise RuntimeError(f"egressd run printed no {name}: {text!r}")
 
 
-def make_peers(work: Path, cpu: int | None) -> dict[str, Peer]:
-    """The five targets of every workload except 5."""
+def make_peers(
+    work: Path, cpu: int | None, srt: Path | None = None, srt_why: str = "not installed"
+) -> dict[str, Peer]:
+    """The six targets of every proxy workload except 5 (srt: the installed package, or None and why)."""
     return {
         DIRECT: DirectPeer(work, cpu),
         TINYPROXY: TinyproxyPeer(work, cpu),
         SQUID: SquidPeer(work, cpu),
         MITMPROXY: MitmPassthroughPeer(work, cpu),
+        SRT: SrtPeer(work, cpu, srt, srt_why),
         EGRESSD: EgressdPeer(work, cpu),
     }
+
+
+# -- the sandbox workloads' wrappers --------------------------------------------------------------
+@dataclass
+class Wrapper:
+    """A command prefix that runs a child with a proxy: `prefix + ["--"] + child argv`."""
+
+    name: str
+    description: str
+    prefix: list[str]
+    env: dict[str, str]
+    config_text: str
+    version: str = ""
+
+    def argv(self, child: Sequence[str]) -> list[str]:
+        return [*self.prefix, "--", *child]
+
+
+def make_wrappers(
+    work: Path, cpu: int | None, ports: Sequence[int], srt: Path | None, srt_why: str = "not installed"
+) -> dict[str, Wrapper | str]:
+    """egressd exec, egressd sandbox and srt, each letting its child reach 127.0.0.1 on `ports` only
+    (and nothing else), run on the proxy core. A str instead of a Wrapper: why that target cannot run."""
+    work.mkdir(parents=True, exist_ok=True)
+    egressd = str(VENV_BIN / "egressd")
+    policy_text = f"""version: 1
+mode: enforce
+allow: []
+loopback:
+  allow: true
+  ports: [{", ".join(str(p) for p in ports)}]
+"""
+    policy = work / "policy.yaml"
+    policy.write_text(policy_text)
+    out: dict[str, Wrapper | str] = {}
+    env = _egressd_env(work)
+    extra = "".join(f"{k}={shlex.quote(v)} " for k, v in EGRESSD_EXTRA_ENV.items())
+    version = system.version_of([egressd, "--version"])
+    for name, command in ((EXEC, "exec"), (SANDBOX, "sandbox")):
+        argv = [egressd, command, "--policy", str(policy)]
+        out[name] = Wrapper(
+            name,
+            f"`egressd {command}`, a policy with only 127.0.0.1 on the upstream's ports",
+            system.pinned(argv, cpu),
+            env,
+            extra + shlex.join([*argv, "--", "CMD"]) + "\n# policy.yaml\n" + policy_text,
+            f"{version}, source {egressd_source_state()}",
+        )
+    if srt is None:
+        out[SRT] = f"n/a (srt not installed: {srt_why})"
+        return out
+    settings = work / "srt-settings.json"
+    text = json.dumps(srt_settings([f"127.0.0.1:{p}" for p in ports]), indent=2)
+    settings.write_text(text + "\n")
+    argv = [system.which("node") or "node", str(srt / "dist" / "cli.js"), "--settings", str(settings)]
+    out[SRT] = Wrapper(
+        SRT,
+        "`srt` (bubblewrap, its own network namespace, socat bridge to its proxy)",
+        system.pinned(argv, cpu),
+        _clean_env(),
+        shlex.join([*argv, "--", "CMD"]) + "\n# srt-settings.json\n" + text,
+        srt_version(srt),
+    )
+    return out

@@ -11,14 +11,30 @@ from pathlib import Path
 from typing import Any
 
 from bench.model import Metric
-from bench.peers import DIRECT, EGRESSD, MITMPROXY, PEERS, SQUID, TARGETS, TINYPROXY
+from bench.peers import (
+    ALL_TARGETS,
+    DIRECT,
+    EGRESSD,
+    EXEC,
+    MITMPROXY,
+    PEERS,
+    SANDBOX,
+    SANDBOX_TARGETS,
+    SQUID,
+    SRT,
+    TARGETS,
+    TINYPROXY,
+)
 
 LABELS = {
     DIRECT: "direct",
     TINYPROXY: "tinyproxy",
     SQUID: "Squid",
     MITMPROXY: "mitmproxy",
+    SRT: "srt",
     EGRESSD: "egressd",
+    EXEC: "egressd exec",
+    SANDBOX: "egressd sandbox",
 }
 GENERATOR_BOUND = 0.9  # load core busier than this: the figure is a floor set by the load side
 
@@ -75,24 +91,29 @@ def goals(metrics: Sequence[Metric]) -> list[Goal]:
     by = _by_key(metrics)
     out: list[Goal] = []
 
-    def ratio_goal(text: str, key: str, ref: str, op: Callable[[float], bool], bound: str) -> None:
+    def ratio_goal(
+        text: str, key: str, ref: str, op: Callable[[float], bool], bound: str, target: str = EGRESSD
+    ) -> None:
         m = by.get(key)
-        r = m.ratio(EGRESSD, ref) if m else None
+        r = m.ratio(target, ref) if m else None
         if m is None or r is None:
-            out.append(Goal(text, "not measured", None))
+            why = next((m.na[t] for t in (target, ref) if t in m.na), "not measured") if m else "not measured"
+            out.append(Goal(text, why, None))
             return
-        figure = f"{fmt(m.median(EGRESSD))} vs {fmt(m.median(ref))} {m.unit} = {fmt_ratio(r)} ({bound})"
+        figure = f"{fmt(m.median(target))} vs {fmt(m.median(ref))} {m.unit} = {fmt_ratio(r)} ({bound})"
         direct = m.ratio(DIRECT, ref)
         if direct is not None and not op(direct):
             # the limit itself misses the goal: the load side, not the proxy, decides this line
             figure += f"; with no proxy at all {fmt_ratio(direct)}: the load side here cannot show this goal"
         out.append(Goal(text, figure, op(r)))
 
-    def value_goal(text: str, key: str, op: Callable[[float], bool], bound: str) -> None:
+    def value_goal(
+        text: str, key: str, op: Callable[[float], bool], bound: str, target: str = EGRESSD
+    ) -> None:
         m = by.get(key)
-        v = m.median(EGRESSD) if m else None
+        v = m.median(target) if m else None
         if m is None or v is None:
-            why = m.na.get(EGRESSD, "not measured") if m else "not measured"
+            why = m.na.get(target, "not measured") if m else "not measured"
             out.append(Goal(text, why, None))
             return
         out.append(Goal(text, f"{fmt(v)} {m.unit} ({bound})", op(v)))
@@ -111,6 +132,10 @@ def goals(metrics: Sequence[Metric]) -> list[Goal]:
     for key in sorted(k for k in by if k.startswith("w2.c") and k.count(".") == 1):
         ratio_goal(
             f"Tunnel setup rate ≥ tinyproxy's ({by[key].title})", key, TINYPROXY, lambda r: r >= 1.0, "≥ 1.0×"
+        )
+        ratio_goal(f"Tunnel setup rate ≥ 1.5× srt ({by[key].title})", key, SRT, lambda r: r >= 1.5, "≥ 1.5×")
+        ratio_goal(
+            f"Tunnel setup rate ≥ 3× mitmproxy ({by[key].title})", key, MITMPROXY, lambda r: r >= 3.0, "≥ 3×"
         )
     for key, what in (("w4.keepalive", "keep-alive"), ("w4.close", "no keep-alive")):
         ratio_goal(
@@ -160,6 +185,34 @@ def goals(metrics: Sequence[Metric]) -> list[Goal]:
     ratio_goal(
         "Real job (npm ci) ≤ 1.10× the direct wall time", "w9.npm", DIRECT, lambda r: r <= 1.10, "≤ 1.10×"
     )
+    if any(m.sandbox for m in metrics):  # egressd sandbox against egressd exec and srt
+        ratio_goal(
+            "Sandbox tunnel throughput ≥ 0.8× egressd exec",
+            "sb1.download",
+            EXEC,
+            lambda r: r >= 0.8,
+            "≥ 0.8×",
+            SANDBOX,
+        )
+        for key in sorted(k for k in by if k.startswith("sb2.c") and k.count(".") == 1):
+            ratio_goal(
+                f"Sandbox setup rate ≥ 0.8× egressd exec (concurrency {key.removeprefix('sb2.c')})",
+                key,
+                EXEC,
+                lambda r: r >= 0.8,
+                "≥ 0.8×",
+                SANDBOX,
+            )
+        value_goal(
+            "Sandbox added latency per CONNECT p50 ≤ 0.3 ms (over egressd exec, from inside)",
+            "sb3.added_p50",
+            lambda v: v <= 0.3,
+            "≤ 0.3 ms",
+            SANDBOX,
+        )
+        ratio_goal(
+            "`egressd sandbox -- true` ≤ `srt true`", "sb4.true", SRT, lambda r: r <= 1.0, "≤ 1.0×", SANDBOX
+        )
     return out
 
 
@@ -168,8 +221,8 @@ def to_json(metrics: Sequence[Metric], meta: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for m in metrics:
         ratios = {
-            t: {r: m.ratio(t, r) for r in TARGETS if r != t and m.ratio(t, r) is not None}
-            for t in TARGETS
+            t: {r: m.ratio(t, r) for r in ALL_TARGETS if r != t and m.ratio(t, r) is not None}
+            for t in ALL_TARGETS
             if m.median(t) is not None
         }
         rows.append(
@@ -180,7 +233,7 @@ def to_json(metrics: Sequence[Metric], meta: dict[str, Any]) -> dict[str, Any]:
                 "unit": m.unit,
                 "better": m.better,
                 "main": m.main,
-                "figures": {t: m.summary(t) for t in TARGETS if t in m.runs or t in m.na},
+                "figures": {t: m.summary(t) for t in ALL_TARGETS if t in m.runs or t in m.na},
                 "ratios": ratios,  # ratios[a][b] = median(a) / median(b)
                 "notes": m.notes,
                 "extra": m.extra,
@@ -212,9 +265,27 @@ def _flag(m: Metric, target: str) -> str:
 
 
 def _table(metrics: Sequence[Metric]) -> list[str]:
-    peers = [p for p in PEERS]
-    head = ["workload", "metric", "unit"] + [LABELS[t] for t in TARGETS]
-    head += ["egressd ÷ direct"] + [f"egressd ÷ {LABELS[p]}" for p in peers]
+    """The proxy workloads: every target, then egressd ÷ direct and ÷ each peer."""
+    ratios = [("egressd ÷ direct", lambda m: m.ratio(EGRESSD, DIRECT) if m.ratio_to_direct else None)]
+    ratios += [(f"egressd ÷ {LABELS[p]}", lambda m, p=p: m.ratio(EGRESSD, p)) for p in PEERS]
+    return _rows(metrics, TARGETS, ratios)
+
+
+def _sandbox_table(metrics: Sequence[Metric]) -> list[str]:
+    """The sandbox workloads: egressd exec, egressd sandbox and srt, each running the same client."""
+    ratios = [
+        ("sandbox ÷ exec", lambda m: m.ratio(SANDBOX, EXEC)),
+        ("sandbox ÷ srt", lambda m: m.ratio(SANDBOX, SRT)),
+    ]
+    return _rows(metrics, SANDBOX_TARGETS, ratios)
+
+
+def _rows(
+    metrics: Sequence[Metric],
+    targets: Sequence[str],
+    ratios: Sequence[tuple[str, Callable[[Metric], float | None]]],
+) -> list[str]:
+    head = ["workload", "metric", "unit"] + [LABELS[t] for t in targets] + [label for label, _ in ratios]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     last = ""
     for m in metrics:
@@ -222,9 +293,8 @@ def _table(metrics: Sequence[Metric]) -> list[str]:
         last = m.workload
         arrow = "↑" if m.better == "higher" else "↓"
         cells = [wl, m.title, f"{m.unit} {arrow}"]
-        cells += [_cell(m, t) + _flag(m, t) for t in TARGETS]
-        cells.append(fmt_ratio(m.ratio(EGRESSD, DIRECT)) if m.ratio_to_direct else "–")
-        cells += [fmt_ratio(m.ratio(EGRESSD, p)) for p in peers]
+        cells += [_cell(m, t) + _flag(m, t) for t in targets]
+        cells += [fmt_ratio(ratio(m)) for _, ratio in ratios]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -233,9 +303,9 @@ def _peer_ratio_table(metrics: Sequence[Metric]) -> list[str]:
     """Every target against every other, for the main figures: 'row ÷ column' of the medians."""
     lines = []
     for m in metrics:
-        if not m.main or sum(1 for t in TARGETS if m.median(t) is not None) < 2:
+        present = [t for t in (SANDBOX_TARGETS if m.sandbox else TARGETS) if m.median(t) is not None]
+        if not m.main or len(present) < 2:
             continue
-        present = [t for t in TARGETS if m.median(t) is not None]
         lines.append(f"**{m.workload} — {m.title}** ({m.unit}, {m.better} is better)")
         lines.append("")
         lines.append("| ÷ | " + " | ".join(LABELS[t] for t in present) + " |")
@@ -251,8 +321,10 @@ def _peer_ratio_table(metrics: Sequence[Metric]) -> list[str]:
 
 
 def to_markdown(metrics: Sequence[Metric], meta: dict[str, Any]) -> str:
-    main = [m for m in metrics if m.main]
-    diag = [m for m in metrics if not m.main]
+    main = [m for m in metrics if m.main and not m.sandbox]
+    diag = [m for m in metrics if not m.main and not m.sandbox]
+    boxed = [m for m in metrics if m.main and m.sandbox]
+    boxed_diag = [m for m in metrics if not m.main and m.sandbox]
     out = [f"# egressd benchmark — {meta.get('started', '')}", ""]
     sizes = meta.get("sizes", {})
     out.append(
@@ -290,8 +362,23 @@ def to_markdown(metrics: Sequence[Metric], meta: dict[str, Any]) -> str:
     )
     out += ["", "## Goals (egressd, this run)", "", "| goal | egressd | met |", "|---|---|---|"]
     out += [f"| {g.text} | {g.figure} | {g.mark} |" for g in goals(metrics)]
-    out += ["", "## Results", ""] + _table(main)
-    out += ["", "## Diagnostics", ""] + _table(diag)
+    if main:
+        out += ["", "## Results", ""] + _table(main)
+    if diag:
+        out += ["", "## Diagnostics", ""] + _table(diag)
+    if boxed:
+        out += [
+            "",
+            "## Sandbox workloads (the same client inside each wrapper)",
+            "",
+            "Each run starts the wrapper with bench/sandbox_client.py as its child (wrapper on the proxy "
+            "core, client on the load core); the client reads HTTP_PROXY and measures from inside. "
+            "Ratios: egressd sandbox ÷ egressd exec, egressd sandbox ÷ srt.",
+            "",
+        ]
+        out += _sandbox_table(boxed)
+    if boxed_diag:
+        out += ["", "### Sandbox diagnostics", ""] + _sandbox_table(boxed_diag)
     details = [m for m in metrics if m.key.startswith("w8.") and m.main]
     if details:
         out += [
@@ -307,7 +394,8 @@ def to_markdown(metrics: Sequence[Metric], meta: dict[str, Any]) -> str:
                 f"| {case} | {fmt(m.median(EGRESSD))} | {fmt(m.extra.get('10_rules_median_us'))} | "
                 f"{fmt(m.extra.get('from_string_median_us'))} |"
             )
-    out += ["", "## Every target against every other (main figures)", ""] + _peer_ratio_table(main)
+    out += ["", "## Every target against every other (main figures)", ""]
+    out += _peer_ratio_table(main + boxed)
     notes = [(m, n) for m in metrics for n in m.notes]
     if notes:
         out += ["## Notes", ""]
@@ -339,18 +427,24 @@ def chart(metrics: Sequence[Metric], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         return f"no chart: {e}"
-    main = [m for m in metrics if m.main]
+    main = [m for m in metrics if m.main and not m.sandbox]
     panel1 = [m for m in main if m.ratio_to_direct and m.median(DIRECT) is not None]
     panel2 = [
         m for m in main if m.median(EGRESSD) is not None and any(m.median(p) is not None for p in PEERS)
     ]
     if not panel1 and not panel2:
         return "no chart: no ratios"
-    colours = {TINYPROXY: "#4c72b0", SQUID: "#55a868", MITMPROXY: "#c44e52", EGRESSD: "#8172b2"}
+    colours = {
+        TINYPROXY: "#4c72b0",
+        SQUID: "#55a868",
+        MITMPROXY: "#c44e52",
+        SRT: "#dd8452",
+        EGRESSD: "#8172b2",
+    }
     height = 1.6 + 0.42 * (len(panel1) * 4 + len(panel2) * 3) / 2.2
     fig, axes = plt.subplots(1, 2, figsize=(17, max(5.0, height)))
     for ax, rows, series, ref_label in (
-        (axes[0], panel1, [TINYPROXY, SQUID, MITMPROXY, EGRESSD], "direct"),
+        (axes[0], panel1, [TINYPROXY, SQUID, MITMPROXY, SRT, EGRESSD], "direct"),
         (axes[1], panel2, list(PEERS), "peer"),
     ):
         labels = [f"{m.workload.split('.')[0]}. {m.title}"[:60] for m in rows]

@@ -1,4 +1,4 @@
-"""egressd's benchmark against direct, tinyproxy, Squid and mitmproxy: one command (see bench/README.md).
+"""egressd's benchmark against direct, tinyproxy, Squid, mitmproxy and srt: one command (see bench/README.md).
 
     .venv/bin/python bench/run.py                    # the full run (about 20-25 minutes on 2 cores)
     .venv/bin/python bench/run.py --quick            # a smoke run (a few minutes)
@@ -37,19 +37,22 @@ from bench.workloads import RUNNERS, Context  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench/run.py",
-        description="Benchmark egressd against direct, tinyproxy, Squid and mitmproxy (issue 7).",
+        description="Benchmark egressd against direct, tinyproxy, Squid, mitmproxy and srt (issue 7).",
         epilog=f"workloads: {', '.join(f'{i}={w}' for i, w in enumerate(config.WORKLOADS, 1))}",
     )
     p.add_argument("--quick", action="store_true", help="smaller sizes, shorter windows: a smoke run")
     p.add_argument(
-        "--only", action="append", metavar="WORKLOAD", help="run only these (names or 1-9, comma-separated)"
+        "--only",
+        action="append",
+        metavar="WORKLOAD",
+        help=f"run only these (names or 1-{len(config.WORKLOADS)}, comma-separated)",
     )
     p.add_argument("--out", type=Path, default=_BENCH / "results", help="results parent directory")
     p.add_argument(
         "--cache-dir",
         type=Path,
         default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "egressd-bench",
-        help="where the npm job's tarballs are kept between runs",
+        help="where the npm job's tarballs and sandbox-runtime (srt) are kept between runs",
     )
     p.add_argument("--repeats", type=int, help="runs per figure (default 3)")
     p.add_argument("--throughput-bytes", type=config.parse_size, help="workload 1 size, e.g. 1G")
@@ -100,9 +103,10 @@ def sizes_from(args: argparse.Namespace) -> config.Sizes:
 
 def prepare(
     args: argparse.Namespace, workloads: list[str]
-) -> tuple[str, list[npmjob.Package] | None, list[str]]:
+) -> tuple[str, list[npmjob.Package] | None, list[str], tuple[Path | None, str]]:
     """Everything that needs the network (package registries only), before the bench leaves it."""
     notes: list[str] = []
+    srt: tuple[Path | None, str] = (None, "not needed by these workloads")
     if not args.no_install:
         system.ensure_debian_tools([b for b in system.DEBIAN_TOOLS if b != "npm"])
         still = system.ensure_pypi_tools(["matplotlib", "uvloop"])
@@ -122,7 +126,14 @@ def prepare(
             packages = npmjob.prepare(args.cache_dir, npm)
         else:
             notes.append("npm is missing: workload 9 not run")
-    return npm, packages, notes
+    if config.SRT_WORKLOADS & set(workloads):
+        if not npm and not args.no_install:
+            system.ensure_debian_tools(["npm"])
+            npm = shutil.which("npm") or ""
+        srt = system.ensure_srt(args.cache_dir, npm, install=not args.no_install)
+        if srt[0] is None:
+            notes.append(f"srt is not available: {srt[1]}")
+    return npm, packages, notes, srt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     system.log(f"results in {out}")
 
-    npm, packages, notes = prepare(args, workloads)
+    npm, packages, notes, (srt, srt_why) = prepare(args, workloads)
     cpu_at_start = system.machine_cpu()
     netns = "this process' namespace (--no-netns); loopback addresses only"
     if not args.no_netns:
@@ -198,7 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     meta["upstreams"] = upstream.describe(up)
     ctx = Context(
-        sizes, work, up, certs, proxy_cpu, args.cache_dir, npm, packages, registry_root=registry_root
+        sizes,
+        work,
+        up,
+        certs,
+        proxy_cpu,
+        args.cache_dir,
+        npm,
+        packages,
+        registry_root=registry_root,
+        srt=srt,
+        srt_why=srt_why,
     )
     if args.profile:
         ctx.profile_dir = out / "profiles"

@@ -27,7 +27,13 @@ DEBIAN_TOOLS: dict[str, str] = {
     "npm": "npm",  # only when the npm job runs and no npm is on PATH
     "cc": "gcc",  # the C load generators (bench/connect_load.c, bench/tls_load.c)
     "/usr/include/openssl/ssl.h": "libssl-dev",  # bench/tls_load.c
+    "bwrap": "bubblewrap",  # egressd sandbox and srt's Linux sandbox
+    "socat": "socat",  # srt's bridge between its proxy and the sandbox
+    "rg": "ripgrep",  # srt looks for files to protect with it
 }
+# Anthropic's sandbox-runtime (`srt`), from the npm registry into the bench's cache dir (pinned)
+SRT_PACKAGE = "@anthropic-ai/sandbox-runtime"
+SRT_VERSION = "0.0.83"
 # PyPI packages installed into the bench's own interpreter (the venv) when missing; never in pyproject.
 PYPI_TOOLS: dict[str, str] = {"matplotlib": "matplotlib", "uvloop": "uvloop", "py_spy": "py-spy"}
 
@@ -80,6 +86,46 @@ def ensure_debian_tools(binaries: Iterable[str]) -> None:
         stdout=subprocess.DEVNULL,
     )
     stop_packaged_daemons()
+
+
+def srt_dir(cache: Path) -> Path:
+    """Where the pinned sandbox-runtime package lives once installed (its package.json inside)."""
+    return cache / f"srt-{SRT_VERSION}" / "node_modules" / SRT_PACKAGE
+
+
+def ensure_srt(cache: Path, npm: str, *, install: bool = True) -> tuple[Path | None, str]:
+    """sandbox-runtime installed with `npm install` into the cache (once); (package dir, or None and why)."""
+    package = srt_dir(cache)
+    if (package / "dist" / "cli.js").exists():
+        return package, ""
+    if not install:
+        return None, f"{SRT_PACKAGE} is not in {package.parent.parent} (--no-install)"
+    if not npm:
+        return None, "npm is missing"
+    prefix = package.parent.parent.parent
+    prefix.mkdir(parents=True, exist_ok=True)
+    log(f"npm installing {SRT_PACKAGE}@{SRT_VERSION} into {prefix}")
+    out = subprocess.run(
+        [
+            npm,
+            "install",
+            "--prefix",
+            str(prefix),
+            "--no-audit",
+            "--no-fund",
+            "--ignore-scripts",
+            "--no-save",
+            f"{SRT_PACKAGE}@{SRT_VERSION}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if out.returncode != 0 or not (package / "dist" / "cli.js").exists():
+        why = (out.stderr or out.stdout).strip().splitlines()
+        return None, f"npm install {SRT_PACKAGE} failed: {why[-1] if why else out.returncode}"
+    return package, ""
 
 
 def stop_packaged_daemons() -> None:

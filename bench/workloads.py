@@ -1,7 +1,10 @@
-"""The nine workloads of issue 7. Each returns Metrics; none asserts a time, every failure is recorded.
+"""The nine workloads of issue 7 and the four sandbox workloads (10-13). Each returns Metrics; none
+asserts a time, every failure is recorded.
 
 Proxies are started fresh for each workload (for each run in workload 6) and all run on the proxy
-core; each run visits the targets in a rotated order so no target is always first.
+core; each run visits the targets in a rotated order so no target is always first. The sandbox
+workloads start a wrapper (egressd exec, egressd sandbox, srt) per run, on the proxy core, with the
+client (bench/sandbox_client.py) inside it on the load core.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ from typing import Any
 from bench import loadgen, npmjob, system
 from bench.certs import Certs, client_context
 from bench.config import Sizes
-from bench.model import Metric
+from bench.model import Better, Metric
 from bench.peers import (
     DIRECT,
     EGRESSD,
     EGRESSD_EXTRA_ENV,
+    EXEC,
     MITMPROXY,
+    SANDBOX_TARGETS,
     SQUID,
+    SRT,
     TARGETS,
     TINYPROXY,
     VENV_BIN,
@@ -42,8 +48,10 @@ from bench.peers import (
     NotAvailable,
     Peer,
     Proxy,
+    Wrapper,
     egressd_source_state,
     make_peers,
+    make_wrappers,
 )
 from bench.upstream import Upstreams
 
@@ -66,9 +74,11 @@ class Context:
     profile_dir: Path | None = None  # --profile: py-spy samples egressd during every workload
     workload: str = ""
     egressd_sources: dict[str, list[str]] = field(default_factory=dict)  # source state -> workloads
+    srt: Path | None = None  # the installed sandbox-runtime package
+    srt_why: str = "not installed"  # why there is none
 
     def peers(self, workload: str) -> dict[str, Peer]:
-        return make_peers(self.work / "peers" / workload, self.proxy_cpu)
+        return make_peers(self.work / "peers" / workload, self.proxy_cpu, self.srt, self.srt_why)
 
 
 def _rotated(names: Sequence[str], run: int) -> list[str]:
@@ -181,15 +191,28 @@ def _each_run(
     first_run: int = 0,
 ) -> None:
     """Call measure(target, proxy, run) for every run and target; failures become notes/n-a."""
-    for run in range(first_run, first_run + (repeats or ctx.sizes.repeats)):
+    runs = range(first_run, first_run + (repeats or ctx.sizes.repeats))
+    _visit(metrics, targets, runs, running.get, measure)
+
+
+def _visit[T](
+    metrics: Sequence[Metric],
+    targets: Sequence[str],
+    runs: range,
+    get: Callable[[str], T | str],
+    measure: Callable[[str, T, int], None],
+) -> None:
+    """measure(target, get(target), run) for every run and target, in an order rotated by the run;
+    get() answering a str (why the target cannot run) and failed runs become notes/n-a."""
+    for run in runs:
         for name in _rotated(targets, run):
-            proxy = running.get(name)
-            if isinstance(proxy, str):
+            item = get(name)
+            if isinstance(item, str):
                 for m in metrics:
-                    m.unavailable(name, proxy)
+                    m.unavailable(name, item)
                 continue
             try:
-                measure(name, proxy, run)
+                measure(name, item, run)
             except Exception as e:  # noqa: BLE001 - a failed run is recorded, not faked
                 msg = f"{name}: run {run + 1} failed: {type(e).__name__}: {e}"
                 system.log(msg)
@@ -552,6 +575,7 @@ def intercepted_https(ctx: Context) -> list[Metric]:
     for m in (rate, tput, peak, cpu):
         for name in (TINYPROXY, SQUID):
             m.unavailable(name, "n/a (does not intercept TLS)")
+        m.unavailable(SRT, "n/a (not configured: srt terminates TLS only with network.tlsTerminate)")
     peak.unavailable(DIRECT, "no proxy")
     cpu.unavailable(DIRECT, "no proxy")
     return [rate, tput, peak, cpu]
@@ -670,6 +694,7 @@ def exec_true(ctx: Context) -> list[Metric]:
     true = system.which("true") or "/bin/true"
     for name in (TINYPROXY, SQUID, MITMPROXY):
         main.unavailable(name, "n/a (no wrapper command)")
+    main.unavailable(SRT, "see workload 13 (`srt true`)")
     with contextlib.suppress(Exception):
         _wall(egressd, env)  # warm the page cache once
     for run in range(ctx.sizes.repeats):
@@ -729,7 +754,7 @@ def decision(ctx: Context) -> list[Metric]:
             "10_rules_median_us": statistics.median(entry["small_runs_us"]),
             "from_string_median_us": statistics.median(entry["large_from_string_runs_us"]),
         }
-        for name in (DIRECT, TINYPROXY, SQUID, MITMPROXY):
+        for name in (DIRECT, TINYPROXY, SQUID, MITMPROXY, SRT):
             m.unavailable(name, "n/a")
         metrics.append(m)
     load = Metric(
@@ -802,6 +827,250 @@ def _job_scratch(ctx: Context) -> Path:
     return directory / "scratch"
 
 
+# -- 10-13. the sandbox workloads ---------------------------------------------------------------------
+class _Sandboxes:
+    """The three wrappers of one sandbox workload, a scratch working directory for their children, and
+    how to run the client (bench/sandbox_client.py) inside one of them."""
+
+    def __init__(self, ctx: Context, workload: str, ports: Sequence[int]) -> None:
+        self.ctx = ctx
+        self.work = ctx.work / "peers" / workload
+        self.wrappers = make_wrappers(self.work, ctx.proxy_cpu, ports, ctx.srt, ctx.srt_why)
+        # a fresh empty directory: the sandboxes make the working directory writable to the child
+        self.cwd = Path(tempfile.mkdtemp(prefix="egressd-bench-sandbox-"))
+        _record_source(ctx)
+        for name, wrapper in self.wrappers.items():
+            if isinstance(wrapper, Wrapper):
+                key = f"{name} (sandbox workloads)"
+                ctx.peer_configs.setdefault(
+                    key,
+                    {
+                        "description": wrapper.description,
+                        "version": wrapper.version,
+                        "config": wrapper.config_text,
+                    },
+                )
+
+    def close(self) -> None:
+        shutil.rmtree(self.cwd, ignore_errors=True)
+
+    def client(self, *args: str) -> list[str]:
+        """The client's argv inside a wrapper, on the load core."""
+        load_cpu = system.LOAD_CPU if self.ctx.proxy_cpu is not None else None
+        repo = str(Path(__file__).resolve().parent.parent)
+        argv = ["env", f"PYTHONPATH={repo}", str(VENV_BIN / "python"), "-m", "bench.sandbox_client", *args]
+        return system.pinned(argv, load_cpu)
+
+    def run(self, wrapper: Wrapper, child: Sequence[str], timeout: float = 600) -> dict[str, Any]:
+        """Run child inside wrapper; the client's SANDBOX_RESULT, or an error naming what went wrong."""
+        out = subprocess.run(
+            wrapper.argv(child),
+            cwd=self.cwd,
+            env=wrapper.env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        for line in out.stdout.splitlines():
+            if line.startswith("SANDBOX_RESULT "):
+                result: dict[str, Any] = json.loads(line.removeprefix("SANDBOX_RESULT "))
+                return result
+        why = (out.stderr.strip() or out.stdout.strip() or f"exit {out.returncode}").splitlines()
+        raise RuntimeError(f"{wrapper.name}: exit {out.returncode}: {' / '.join(why[-3:])}"[:400])
+
+    def wall(self, wrapper: Wrapper, child: Sequence[str]) -> float:
+        """Wall time of child run inside wrapper (its output discarded); an error if it fails."""
+        t0 = time.perf_counter()
+        out = subprocess.run(
+            wrapper.argv(child),
+            cwd=self.cwd,
+            env=wrapper.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+        wall = time.perf_counter() - t0
+        if out.returncode != 0:
+            raise RuntimeError(f"{wrapper.name}: exit {out.returncode}: {out.stderr.strip()[-200:]}")
+        return wall
+
+    def each_run(
+        self,
+        metrics: Sequence[Metric],
+        measure: Callable[[str, Wrapper, int], None],
+        repeats: int | None = None,
+    ) -> None:
+        """measure(target, wrapper, run) for every run and target, rotated; failures become notes/n-a."""
+        runs = range(repeats or self.ctx.sizes.repeats)
+        _visit(metrics, SANDBOX_TARGETS, runs, self.wrappers.__getitem__, measure)
+
+
+@contextlib.contextmanager
+def sandboxes(ctx: Context, workload: str, ports: Sequence[int]) -> Iterator[_Sandboxes]:
+    boxes = _Sandboxes(ctx, workload, ports)
+    try:
+        yield boxes
+    finally:
+        boxes.close()
+
+
+def _sandbox_metric(key: str, workload: str, title: str, unit: str, better: Better, **kw: Any) -> Metric:
+    return Metric(key, workload, title, unit, better, sandbox=True, ratio_to_direct=False, **kw)
+
+
+# -- 10. tunnel throughput from inside --------------------------------------------------------------
+def sandbox_throughput(ctx: Context) -> list[Metric]:
+    wl = "10. Sandbox: tunnel throughput"
+    mib = ctx.sizes.big_response_bytes // (1024 * 1024)
+    m = _sandbox_metric(
+        "sb1.download",
+        wl,
+        f"one {mib} MiB HTTP download through one CONNECT tunnel, from inside",
+        "MiB/s",
+        "higher",
+    )
+
+    def measure(name: str, wrapper: Wrapper, run: int) -> None:
+        r = boxes.run(wrapper, boxes.client("download", HOST, str(ctx.up.http_port), "/big"))
+        m.add(name, r["bytes"] / (1024 * 1024) / r["seconds"])
+
+    with sandboxes(ctx, "sandbox-throughput", [ctx.up.http_port]) as boxes:
+        boxes.each_run([m], measure)
+    m.note("the client's wrapper starts afresh for every run; only the download is timed")
+    return [m]
+
+
+# -- 11. set-up rate from inside ----------------------------------------------------------------------
+def sandbox_setup(ctx: Context) -> list[Metric]:
+    wl = "11. Sandbox: tunnel setup rate"
+    native = loadgen.native_connect_load_binary()
+    binary = ""
+    if native is not None:  # /tmp is private in egressd's sandbox: the client runs a copy from the work dir
+        copy = ctx.work / "bin" / native.name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        if not copy.exists():
+            shutil.copy2(native, copy)
+        binary = str(copy)
+    out: list[Metric] = []
+    with sandboxes(ctx, "sandbox-setup", [ctx.up.http_port]) as boxes:
+        for conc in ctx.sizes.setup_concurrency:
+            rate = _sandbox_metric(
+                f"sb2.c{conc}",
+                wl,
+                f"CONNECT + GET + close from inside, concurrency {conc}",
+                "tunnels/s",
+                "higher",
+            )
+            p50 = _sandbox_metric(
+                f"sb2.c{conc}.p50",
+                wl,
+                f"time to tunnel p50, saturated, concurrency {conc}",
+                "ms",
+                "lower",
+                main=False,
+            )
+            p99 = _sandbox_metric(
+                f"sb2.c{conc}.p99",
+                wl,
+                f"time to tunnel p99, saturated, concurrency {conc}",
+                "ms",
+                "lower",
+                main=False,
+            )
+
+            def measure(
+                name: str,
+                wrapper: Wrapper,
+                run: int,
+                conc: int = conc,
+                rate: Metric = rate,
+                p50: Metric = p50,
+                p99: Metric = p99,
+            ) -> None:
+                args = [str(conc), str(ctx.sizes.warmup_seconds), str(ctx.sizes.rate_seconds)]
+                r = boxes.run(wrapper, boxes.client("setup", HOST, str(ctx.up.http_port), *args, binary))
+                if r["errors"]:
+                    rate.note(f"{name}: {r['errors']} failed tunnels in run {run + 1} ({r['error']})")
+                rate.add(name, r["ops"] / r["seconds"])
+                if "p50" in r:
+                    p50.add(name, r["p50"] * 1e3)
+                    p99.add(name, r["p99"] * 1e3)
+
+            boxes.each_run([rate, p50, p99], measure)
+            out += [rate, p50, p99]
+    if not binary:
+        out[0].note("bench/connect_load.c did not build: the Python generator ran inside")
+    return out
+
+
+# -- 12. added latency per CONNECT from inside --------------------------------------------------------
+def sandbox_latency(ctx: Context) -> list[Metric]:
+    wl = "12. Sandbox: latency per CONNECT"
+    samples = ctx.sizes.latency_c1_samples
+    label = f"concurrency 1, {samples:,} back to back, from inside"
+    added = {
+        q: _sandbox_metric(
+            f"sb3.added_{q}", wl, f"added {q} over egressd exec (same run), {label}", "ms", "lower"
+        )
+        for q in ("p50", "p99")
+    }
+    raw = {
+        q: _sandbox_metric(f"sb3.{q}", wl, f"time to tunnel {q}, {label}", "ms", "lower")
+        for q in ("p50", "p99")
+    }
+    runs: dict[tuple[str, int], dict[str, float]] = {}
+
+    def measure(name: str, wrapper: Wrapper, run: int) -> None:
+        warmup = str(ctx.sizes.warmup_seconds)
+        r = boxes.run(wrapper, boxes.client("latency", HOST, str(ctx.up.http_port), str(samples), warmup))
+        if r["errors"]:
+            raw["p50"].note(f"{name}: {r['errors']} failed CONNECTs in run {run + 1} ({r['error']})")
+        for q in ("p50", "p99"):
+            raw[q].add(name, r[q] * 1e3)
+        runs[(name, run)] = {q: r[q] * 1e3 for q in ("p50", "p99")}
+
+    with sandboxes(ctx, "sandbox-latency", [ctx.up.http_port]) as boxes:
+        boxes.each_run([*added.values(), *raw.values()], measure)
+    for (name, run), figures in runs.items():  # added = target - egressd exec, paired by run
+        base = runs.get((EXEC, run))
+        if name != EXEC and base is not None:
+            for q in ("p50", "p99"):
+                added[q].add(name, figures[q] - base[q])
+    for m in added.values():
+        m.unavailable(EXEC, "the reference")
+    return [*added.values(), *raw.values()]
+
+
+# -- 13. `egressd sandbox -- true` vs `srt true` vs `egressd exec -- true` ------------------------------
+def sandbox_true(ctx: Context) -> list[Metric]:
+    wl = "13. Sandbox: `-- true` wall time"
+    m = _sandbox_metric(
+        "sb4.true",
+        wl,
+        "`egressd sandbox -- true`, `srt true`, `egressd exec -- true`: wall time",
+        "s",
+        "lower",
+    )
+    true = system.which("true") or "/bin/true"
+    with sandboxes(ctx, "sandbox-true", [ctx.up.http_port]) as boxes:
+        for name in SANDBOX_TARGETS:  # warm the page cache once each
+            wrapper = boxes.wrappers[name]
+            if isinstance(wrapper, Wrapper):
+                with contextlib.suppress(Exception):
+                    boxes.wall(wrapper, [true])
+
+        def measure(name: str, wrapper: Wrapper, run: int) -> None:
+            m.add(name, boxes.wall(wrapper, [true]))
+
+        # exec_runs rounds per repeat, each visiting the three targets in a rotated order
+        boxes.each_run([m], measure, repeats=ctx.sizes.repeats * ctx.sizes.exec_runs)
+    return [m]
+
+
 RUNNERS: dict[str, Callable[[Context], list[Metric]]] = {
     "throughput": tunnel_throughput,
     "setup": tunnel_setup,
@@ -812,4 +1081,8 @@ RUNNERS: dict[str, Callable[[Context], list[Metric]]] = {
     "exec": exec_true,
     "decision": decision,
     "job": real_job,
+    "sandbox-throughput": sandbox_throughput,
+    "sandbox-setup": sandbox_setup,
+    "sandbox-latency": sandbox_latency,
+    "sandbox-true": sandbox_true,
 }
