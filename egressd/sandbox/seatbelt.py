@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from egressd.sandbox import sbpl
-from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import order, within
 from egressd.sandbox.sbpl import quote
+
+if TYPE_CHECKING:  # preflight imports this module; the Layout's imports are heavy
+    from egressd.sandbox.layout import Layout
 
 SANDBOX_EXEC = "/usr/bin/sandbox-exec"
 
