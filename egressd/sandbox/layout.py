@@ -29,6 +29,9 @@ class Layout:
     hidden: tuple[str, ...]  # every hidden path (the environment drops variables pointing there)
     shown: tuple[str, ...]  # credentials the user chose to show (a warning names each)
     cache: str | None = None  # --cache DIR (writable), or None: a private cache in the sandbox's /tmp
+    # what egressd reads, runs or writes while the child runs, wherever it is: Seatbelt shares the
+    # host's /tmp, so it protects each one itself (bubblewrap needs only the covers)
+    guarded: tuple[str, ...] = ()
 
 
 def egressd_code() -> dict[str, str]:
@@ -105,7 +108,7 @@ def plan_layout(
     hidden = (*own, *credentials)
     covers = plan_covers(mounts, guarded, hidden)
     covers += tuple(Cover(path, "ro") for path in inside)
-    return Layout(mounts, covers, hidden, shown, cache_dir)
+    return Layout(mounts, covers, hidden, shown, cache_dir, tuple(guarded))
 
 
 def _checked(option: str, paths: Sequence[str]) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from egressd.sandbox import BRIDGE_HOST, BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT
 from egressd.sandbox.bwrap import SOCKET_MOUNT, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import within
+from egressd.sandbox.sbpl import UnquotablePath
 from egressd.sandbox.seatbelt import seatbelt_argv, seatbelt_profile
 from egressd.sandbox.unix_relay import UnixRelay
 from egressd.ssh_env import with_git_ssh
@@ -236,6 +237,30 @@ def run_bwrap(
 
 
 # -- macOS: Seatbelt -----------------------------------------------------------------------------
+# Where macOS keeps temporary files: /tmp, and each user's $TMPDIR under /var/folders.
+TEMP_ROOTS = ("/private/tmp", "/private/var/folders")
+
+
+def temp_dirs(environ: Mapping[str, str]) -> list[str]:
+    """The temporary directories the child may write: /tmp and $TMPDIR, canonical. A $TMPDIR
+    elsewhere (the home, a project, /) is not made writable: the variable is not a --rw option."""
+    found = {os.path.realpath("/tmp")}
+    tmpdir = os.path.realpath(environ.get("TMPDIR") or "/tmp")
+    if any(within(tmpdir, top) and tmpdir != top for top in TEMP_ROOTS) or tmpdir == "/private/tmp":
+        found.add(tmpdir)
+    return sorted(found)
+
+
+def terminals() -> tuple[str, ...]:
+    """The terminal devices the child inherits on stdin, stdout and stderr (the only ones it opens)."""
+    names = []
+    for fd in (0, 1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                names.append(os.path.realpath(os.ttyname(fd)))
+    return tuple(dict.fromkeys(names))
+
+
 def run_seatbelt(
     session: ProxySession,
     creds: ProxyCredentials,
@@ -250,11 +275,15 @@ def run_seatbelt(
     assert session.proxy is not None
     http = session.proxy.http_address
     socks = session.proxy.socks_address
-    temp = {os.path.realpath(p) for p in ("/tmp", os.environ.get("TMPDIR", "/tmp"))}
-    writable = [m.path for m in layout.mounts if m.writable] + sorted(temp)
-    readonly = [m.path for m in layout.mounts if not m.writable]
+    temp = temp_dirs(os.environ)
     ports = [http[1]] + ([socks[1]] if socks else [])
-    profile = seatbelt_profile(ports, writable, readonly)
+    home = os.path.realpath(os.path.expanduser("~"))
+    try:
+        profile = seatbelt_profile(
+            layout, ports, temp=temp, home=home, needed=needed_paths(session), terminals=terminals()
+        )
+    except UnquotablePath as exc:
+        return Outcome(EXIT_CANNOT_RUN, started=False, error=str(exc))
     env = sandbox_env(session, creds, http, socks, "seatbelt", env_base, layout.hidden, layout.cache)
     argv = seatbelt_argv(profile, command, sandbox_exec)
     return Outcome(run_child(argv, env, catcher=catcher))

@@ -1,100 +1,285 @@
-"""The macOS sandbox: a Seatbelt profile (SBPL) whose only way out is egressd's proxy port.
+"""The macOS sandbox: a Seatbelt profile (SBPL) built from the same Layout bubblewrap gets on Linux.
 
-macOS has no per-process network namespace; Seatbelt instead filters each network operation. The
-profile denies all network operations, then allows outbound connections to the proxy's loopback
-ports only, plus binding and accepting on loopback so the child can still run its own servers.
+The profile starts from `(deny default)` and allows what a CLI child needs: forking, programs
+from the system's, package managers' and the user's directories, signals to its own processes,
+reading every file but the hidden ones, writing only where the layout makes it writable, and
+network connections only to egressd's proxy on the loopback. The layout's hidden paths
+(credentials, egressd's home) are neither read nor written; its guarded paths (egressd's code,
+policy, audit) are never written. macOS has no private /tmp, so the host's temporary directories
+are writable and guarded paths there are protected like those in a writable mount.
 
-The known trap: `(allow network-outbound (local ip "localhost:*"))` (or `"*:*"`) reads like a
-local-only allowance, but it matches the connection's LOCAL endpoint, which every outbound
-connection has - so it opens outbound traffic to anywhere. This profile never filters
-network-outbound on the local endpoint; `outbound_rules()` lets the tests check that.
+The known trap: `(allow network-outbound (local ip "localhost:*"))` reads like a local-only
+allowance, but it matches the connection's LOCAL endpoint, which every outbound connection has,
+so it opens outbound traffic to anywhere. This profile never filters network-outbound on the local
+endpoint; `outbound_rules()` lets the tests check that.
 
-Seatbelt applies the last matching rule, so the order below matters: deny first, allowances after.
-Pure functions; `egressd sandbox` on macOS runs `sandbox-exec -p PROFILE -- CMD...`.
+Seatbelt applies the last rule that matches, so each section allows first and denies after. Paths
+are canonical (the kernel checks the resolved path: /private/tmp, not /tmp); the other spelling of
+/tmp, /var and /etc is written too. Pure functions; on macOS `egressd sandbox` runs
+`sandbox-exec -p PROFILE -- CMD...`. Not yet run on a Mac: tested as text only (see the README).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from egressd.sandbox import sbpl
+from egressd.sandbox.mounts import order, within
+from egressd.sandbox.sbpl import quote
+
+if TYPE_CHECKING:  # preflight imports this module; the Layout's imports are heavy
+    from egressd.sandbox.layout import Layout
 
 SANDBOX_EXEC = "/usr/bin/sandbox-exec"
 
-# Device files every program writes to; everything else outside the writable paths is read-only.
-_DEVICE_WRITES: tuple[str, ...] = (
+# Where programs may run from, besides the user's home, the layout's paths and the temp dirs.
+SYSTEM_PROGRAMS: tuple[str, ...] = (
+    "/bin",
+    "/sbin",
+    "/usr",  # also /usr/local: Homebrew on Intel
+    "/System",
+    "/Library/Apple",  # Apple's own software outside /System (Rosetta)
+    "/Library/Developer/CommandLineTools",  # what /usr/bin/git, cc, make hand over to
+    "/opt/homebrew",
+    "/opt/local",  # MacPorts
+    "/nix",
+)
+XCODE = r'(regex #"^/Applications/Xcode[^/]*\.app/")'
+
+# Each Mach service by name, none other. Not trustd, ocspd or mDNSResponder: they fetch (AIA, OCSP,
+# CRL) or resolve names on a client's behalf, outside the sandbox, so they would be ways out.
+MACH_SERVICES: tuple[tuple[str, str], ...] = (
+    ("com.apple.system.opendirectoryd.libinfo", "users and groups: getpwuid (whoami, git, ssh, ~)"),
+    ("com.apple.system.opendirectoryd.membership", "group membership: getgrouplist (id, access checks)"),
+    ("com.apple.bsd.dirhelper", "the per-user temporary directory (confstr _CS_DARWIN_USER_TEMP_DIR)"),
+)
+
+_DEVICES: tuple[str, ...] = (
     '(literal "/dev/null")',
     '(literal "/dev/zero")',
     '(literal "/dev/dtracehelper")',
-    '(regex #"^/dev/tty")',
-    '(regex #"^/dev/fd/")',
+    '(literal "/dev/tty")',  # the child's own terminal (password prompts)
+    '(regex #"^/dev/fd/[0-9]+$")',
 )
+_ANY_TERMINAL = '(regex #"^/dev/ttys[0-9]+$")'  # not /dev/tty.* (serial ports)
+
+# macOS's symlinks at the root: a rule names both spellings of a path below one of them.
+_SYMLINKED = ("/tmp", "/var", "/etc")
 
 
-def sbpl_string(text: str) -> str:
-    """A double-quoted SBPL string literal."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+def spellings(path: str) -> tuple[str, ...]:
+    """The canonical path, then its other spelling when it lies under /private/{tmp,var,etc}."""
+    for top in _SYMLINKED:
+        if within(path, "/private" + top):
+            return path, path.removeprefix("/private")
+        if within(path, top):
+            return "/private" + path, path
+    return (path,)
+
+
+def _paths(filt: str, paths: Iterable[str]) -> list[str]:
+    return [f"({filt} {quote(s)})" for path in paths for s in spellings(path)]
+
+
+def _rule(head: str, filters: Sequence[str]) -> list[str]:
+    """One rule, or none without filters: an unfiltered `(allow file-write*)` would allow everything.
+    Several filters go on lines of their own."""
+    if not filters:
+        return []
+    if len(filters) == 1:
+        return [f"({head} {filters[0]})"]
+    return [f"({head}", *(f"    {f}" for f in filters), ")"]
+
+
+def _unique(paths: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(paths))
+
+
+def _outermost(paths: Iterable[str]) -> list[str]:
+    """The paths that lie in no other one of them (a subpath rule covers the rest)."""
+    paths = _unique(paths)
+    return [p for p in paths if not any(within(p, q) and p != q for q in paths)]
+
+
+def _process_rules() -> list[str]:
+    lines = [
+        ";; Processes: fork, and signal or inspect only the processes of this sandbox.",
+        "(allow process-fork)",
+        "(allow signal (target same-sandbox))",
+        "(allow process-info* (target same-sandbox))",
+        ";; Kernel parameters, read only: CPU count, OS version, the process table (ps).",
+        "(allow sysctl-read)",
+        ";; Named POSIX semaphores: Python's multiprocessing locks.",
+        "(allow ipc-posix-sem)",
+        ";; Mach services, each named; no others (not trustd or mDNSResponder: they would fetch or",
+        ";; resolve names for the child outside the proxy).",
+        "(allow mach-lookup",
+    ]
+    for name, why in MACH_SERVICES:
+        lines += [f"    ;; {why}", f"    (global-name {quote(name)})"]
+    return [*lines, ")"]
+
+
+def _network_rules(proxy_ports: Sequence[int]) -> list[str]:
+    return [
+        ";; Network: nothing but what follows. This also refuses the resolver's socket",
+        ";; (/private/var/run/mDNSResponder): there is no DNS inside, the proxy resolves names.",
+        "(deny network*)",
+        ";; The one way out: egressd's proxy on the loopback (HTTP, SOCKS5). There is deliberately no",
+        ";; network-outbound rule on the LOCAL endpoint: every outbound connection has one, so",
+        ";; such a rule would open outbound traffic to anywhere.",
+        *(f'(allow network-outbound (remote ip "localhost:{int(port)}"))' for port in proxy_ports),
+        ";; The child's own servers: bind and accept on the loopback only.",
+        '(allow network-bind (local ip "localhost:*"))',
+        '(allow network-inbound (local ip "localhost:*"))',
+    ]
+
+
+def _exec_rules(layout: Layout, temp: Sequence[str], home: str, needed: Sequence[str]) -> list[str]:
+    places = _outermost([home, *(m.path for m in layout.mounts), *temp, *needed])
+    return [
+        ";; Programs: from the system, package managers, your home, the working directory, --rw/--ro",
+        ";; paths, the temporary directories and egressd's Python; nowhere else (other users, volumes).",
+        *_rule("allow process-exec*", [*_paths("subpath", SYSTEM_PROGRAMS), XCODE]),
+        *_rule("allow process-exec*", _paths("subpath", places)),
+    ]
+
+
+def _write_rules(layout: Layout, temp: Sequence[str], terminals: Sequence[str]) -> list[str]:
+    lines = [
+        ";; Write: the devices every program writes to.",
+        *_rule("allow file-write*", _DEVICES),
+        ";; Terminals: the child's own only (/dev/tty and the one it inherited); opening another",
+        ";; would read what you type there. Its ioctls (isatty, raw mode, window size), but not",
+        ";; TIOCSTI, which would type into your shell once the child is gone.",
+        f"(deny file-read* file-write* {_ANY_TERMINAL})",
+        *_rule("allow file-read* file-write*", _paths("literal", terminals)),
+        *_rule("allow file-ioctl", ['(literal "/dev/tty")', _ANY_TERMINAL]),
+        "(deny file-ioctl (ioctl-command TIOCSTI))",
+        ";; The temporary directories: the host's own (macOS has no private /tmp).",
+        *_rule("allow file-write*", _paths("subpath", temp)),
+        ";; The working directory and --rw paths writable, --ro read-only; parents first, so the",
+        ";; most specific path wins, as on Linux.",
+    ]
+    for mount in order(layout.mounts):
+        action = "allow" if mount.writable else "deny"
+        lines += _rule(f"{action} file-write*", _paths("subpath", [mount.path]))
+    ro = [c.path for c in layout.covers if c.kind == "ro"]
+    guarded = _unique([*layout.guarded, *ro])
+    if guarded:
+        lines += [
+            ";; Never written: egressd's code and Python, the policy, the audit; --show paths.",
+            *_rule("deny file-write*", _paths("subpath", guarded)),
+        ]
+    return lines
+
+
+def _keep_names(layout: Layout, temp: Sequence[str]) -> list[str]:
+    """Directories in a writable place on the way to a protected path: a rename there would put
+    another file at that path (bubblewrap's pins and mount points do the same on Linux)."""
+    writable = [*temp, *(m.path for m in layout.mounts if m.writable)]
+    protected = [*(m.path for m in layout.mounts if not m.writable), *layout.guarded]
+    protected += [*(c.path for c in layout.covers), *layout.hidden]
+    names = []
+    for path in protected:
+        parent = os.path.dirname(path)
+        while parent != "/" and any(within(parent, top) for top in writable):
+            names.append(parent)
+            parent = os.path.dirname(parent)
+    if not names:
+        return []
+    return [
+        ";; Directories on the way to those or to a hidden path keep their names (no rename or removal);",
+        ";; what they hold stays writable.",
+        *_rule("deny file-write-unlink", _paths("literal", _unique(names))),
+    ]
+
+
+def _hidden_rules(layout: Layout, needed: Sequence[str]) -> list[str]:
+    if not layout.hidden:
+        return []
+    lines = [
+        ";; Hidden: credentials, egressd's home (the CA key), authority sockets: not read, written",
+        ";; or run, even inside a writable path.",
+        *_rule("deny file-read* file-write* process-exec*", _paths("subpath", layout.hidden)),
+    ]
+    inside = [c.path for c in layout.covers if c.kind == "ro" and _under(c.path, layout.hidden)]
+    if inside:
+        lines += [
+            ";; Shown read-only inside a hidden path (--show).",
+            *_rule("allow file-read*", _paths("subpath", inside)),
+        ]
+    ours = [p for p in needed if _under(p, layout.hidden)]
+    if ours:
+        lines += [
+            ";; egressd's own Python and CA bundle, read-only, where they lie in a hidden path.",
+            *_rule("allow file-read* process-exec*", _paths("subpath", ours)),
+        ]
+    return lines
+
+
+def _under(path: str, tops: Iterable[str]) -> bool:
+    return any(within(path, top) and path != top for top in tops)
 
 
 def seatbelt_profile(
-    proxy_ports: Sequence[int], writable: Sequence[str], readonly: Sequence[str] = ()
+    layout: Layout,
+    proxy_ports: Sequence[int],
+    *,
+    temp: Sequence[str],
+    home: str,
+    needed: Sequence[str] = (),
+    terminals: Sequence[str] = (),
 ) -> str:
-    """The profile text. Paths must be canonical (macOS: /private/tmp, not /tmp)."""
+    """The profile text for `layout` (canonical paths). `temp`: the host's temporary directories the
+    child writes; `home`: the user's; `needed`: what egressd's own process needs inside (its Python,
+    the CA bundle); `terminals`: the terminal devices the child inherits. UnquotablePath when a
+    path cannot be written safely."""
     if not proxy_ports:
         raise ValueError("the proxy port is the only way out: at least one is required")
-    lines = [
-        "(version 1)",
-        ";; egressd sandbox: the proxy on the loopback is the only way out.",
-        "(allow default)",
-        "",
-        ";; Network: nothing unless allowed below. This also refuses the resolver's socket",
-        ";; (/private/var/run/mDNSResponder): there is no DNS inside, the proxy resolves names.",
-        "(deny network*)",
-        ";; The child's own servers on loopback: bind and accept only. There is deliberately no",
-        ";; network-outbound rule on the LOCAL endpoint: every outbound connection has one, so",
-        ";; such a rule would open outbound traffic to anywhere.",
-        '(allow network-bind (local ip "localhost:*"))',
-        '(allow network-inbound (local ip "localhost:*"))',
-        ";; The one way out: egressd's proxy.",
-        *(f'(allow network-outbound (remote ip "localhost:{int(port)}"))' for port in proxy_ports),
-        "",
-        ";; Files: read anywhere; write only in the working directory, --rw paths and temporary files.",
-        "(deny file-write*)",
-        "(allow file-write*",
-        *(f"    (subpath {sbpl_string(path)})" for path in writable),
-        *(f"    {rule}" for rule in _DEVICE_WRITES),
-        ")",
+    sections = [
+        [
+            "(version 1)",
+            ";; egressd sandbox (Seatbelt), generated from the sandbox's layout: everything not",
+            ";; allowed below is denied. Seatbelt applies the last matching rule.",
+            "(deny default)",
+        ],
+        _process_rules(),
+        _network_rules(proxy_ports),
+        _exec_rules(layout, temp, home, needed),
+        [";; Files: read everything but the hidden paths (below).", "(allow file-read*)"],
+        _write_rules(layout, temp, terminals) + _keep_names(layout, temp),
+        _hidden_rules(layout, needed),
     ]
-    if readonly:
-        lines += [
-            ";; --ro paths stay read-only even inside a writable directory.",
-            "(deny file-write*",
-            *(f"    (subpath {sbpl_string(path)})" for path in readonly),
-            ")",
-        ]
-    return "\n".join(lines) + "\n"
+    return "\n\n".join("\n".join(lines) for lines in sections if lines) + "\n"
 
 
 def seatbelt_argv(profile: str, command: Sequence[str], sandbox_exec: str = SANDBOX_EXEC) -> list[str]:
     return [sandbox_exec, "-p", profile, "--", *command]
 
 
-_RULE = re.compile(r"^\((allow|deny) (network[-a-z*]*)(.*)\)$")
-
-
 def network_rules(profile: str) -> list[tuple[str, str, str]]:
-    """(action, operation, filter) for every network rule in the profile, for checks and tests."""
+    """(action, operation, filters) for every rule on network operations (or `default`) in the
+    profile, read as SBPL, for checks and tests."""
     rules = []
-    for line in profile.splitlines():
-        match = _RULE.match(line.strip())
-        if match:
-            rules.append((match.group(1), match.group(2), match.group(3).strip()))
+    for form in sbpl.read(profile):
+        if not (isinstance(form, list) and form and form[0] in ("allow", "deny")):
+            continue
+        operations = [item for item in form[1:] if isinstance(item, str)]
+        filters = " ".join(sbpl.render(item) for item in form[1:] if not isinstance(item, str))
+        for operation in operations:
+            if operation == "default" or operation.startswith("network"):
+                rules.append((str(form[0]), operation, filters))
     return rules
 
 
 def outbound_rules(profile: str) -> list[str]:
-    """The filters of every rule that ALLOWS an outbound connection (network-outbound or network*)."""
+    """The filters of every rule that ALLOWS an outbound connection (network-outbound, network*,
+    default)."""
     return [
         filt
         for action, operation, filt in network_rules(profile)
-        if action == "allow" and operation in ("network-outbound", "network*")
+        if action == "allow" and operation in ("network-outbound", "network*", "default")
     ]
