@@ -294,7 +294,7 @@ class FrontProtocol(_Pipe):
             return
         problem = head_problem(bytes(self.buffer))
         if problem is not None:
-            self._refuse(Refusal("bad_request", problem[1]))
+            self._refuse_unreadable(Refusal("bad_request", problem[1]))
             return
         end = self.buffer.find(b"\r\n\r\n")
         if end < 0:
@@ -325,7 +325,7 @@ class FrontProtocol(_Pipe):
         faults.maybe_fail("hook")
         parsed = _parse_connect(head)
         if isinstance(parsed, Refusal):
-            self._refuse(parsed)
+            self._refuse_unreadable(parsed)
             return
         authority, credentials = parsed
         creds = self.rt.credentials.check_basic(credentials)
@@ -397,9 +397,8 @@ class FrontProtocol(_Pipe):
 
     def _close_tunnel(self, problem: str) -> None:
         state = self.state
-        self.rt.audit_tunnel_refusal(
-            state, state.host if state else None, state.port if state else None, "sni_mismatch", problem
-        )
+        host, port = (state.host, state.port) if state else (None, None)
+        self.rt.audit_early_refusal(state, host, port, "sni_mismatch", problem, stage="tls")
         if self.peer is not None and self.peer.transport is not None:
             self.peer.transport.close()
         if self.transport is not None:
@@ -415,6 +414,11 @@ class FrontProtocol(_Pipe):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(render(refusal))
             self.transport.close()
+
+    def _refuse_unreadable(self, refusal: Refusal) -> None:
+        """A CONNECT head refused before any decision: recorded here, as mitmproxy's head guard does."""
+        self.rt.audit_early_refusal(self.state, None, None, refusal.reason, refusal.detail, stage="request")
+        self._refuse(refusal)
 
     def _hand_off(self, head: bytes = b"") -> None:
         """Relay this client, untouched, to the embedded mitmproxy (its addons decide)."""

@@ -295,16 +295,24 @@ class Runtime:
             detail = f"no request within {timeout:g}s"
             self.audit.event("header_timeout", conn=state.conn_id, peer=state.peer, detail=detail)
 
-    def audit_tunnel_refusal(
-        self, state: ConnState | None, host: str | None, port: int | None, reason: str, detail: str
+    def audit_early_refusal(
+        self,
+        state: ConnState | None,
+        host: str | None,
+        port: int | None,
+        reason: str,
+        detail: str,
+        *,
+        stage: str,
     ) -> None:
-        """The record of a tunnel closed after its TLS ClientHello (SNI check), on either tunnel path."""
+        """The record of a refusal no decision made, on any path: a tunnel closed after its TLS
+        ClientHello (SNI check, stage "tls"), a request head no parser may read (stage "request")."""
         if self.audit is not None:
             self.audit.decision(
                 conn=state.conn_id if state else None,
                 client=state.client_name if state else None,
                 profile=state.profile if state else None,
-                stage="tls",
+                stage=stage,
                 method=None,
                 scheme=None,
                 host=host,
@@ -317,7 +325,7 @@ class Runtime:
                 resolved=[],
                 connected=None,
             )
-        logger.info("closing tunnel to %s:%s: %s", host if host is not None else "?", port or "?", detail)
+        logger.info("refused (%s) %s:%s: %s", stage, host if host is not None else "?", port or "?", detail)
 
     def audit_closed(self, state: ConnState) -> None:
         if state.host is None or self.audit is None:
