@@ -8,7 +8,9 @@ this file on both paths (default, and EGRESSD_FASTPATH=0: everything through mit
 
 from __future__ import annotations
 
+import base64
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
-from tests.test_plain_http_path import RawClient, ScriptedServer
+from tests.test_plain_http_path import RawClient, ScriptedServer, _auth, _url
 
 # up.test resolves to 127.0.0.1 (the tests' DNS server): a name, so path and method rules apply
 PATH_POLICY = """\
@@ -63,6 +65,57 @@ def _assert_refused(answer: bytes, status: int, reason: str) -> None:
     assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:300]
     assert b"Proxy-Status: egressd; error=" in answer, answer[:600]
     assert f"X-Egressd-Reason: {reason}".encode() in answer, answer[:600]
+
+
+# -- 2. malformed Proxy-Authorization ------------------------------------------------------------
+def _b64(raw: bytes) -> bytes:
+    return base64.b64encode(raw)
+
+
+NASTY_CREDENTIALS = [
+    b"Basic \xff\xfe\xfd",  # raw non-ASCII bytes
+    "Basic égressd:tøken".encode(),  # UTF-8 where base64 belongs
+    b"Basic " + _b64("egressd:tök".encode("latin-1")),  # latin-1 inside the base64
+    b"Basic " + _b64(b"\xff\xfe:\x80\x81"),  # neither UTF-8 nor ASCII once decoded
+    b"Basic " + _b64(b"\x00:\x00"),
+    b"Basic " + _b64(b"no-colon-at-all"),
+    b"Basic " + _b64(b"egressd:x")[:-1],  # broken padding
+    b"Basic !!!not*base64!!!",
+    b"Basic ",
+    b"Basic",
+    b"Bearer abc",
+    b"\xc3\xa9 " + _b64(b"egressd:x"),  # a non-ASCII scheme
+]
+
+
+def _proxy_auth_answers(run: EgressdRun, server: ScriptedServer, value: bytes) -> list[bytes]:
+    """The answers to a plain-HTTP request and to a CONNECT carrying `value` as credentials."""
+    host, port, _ = _auth(run)
+    url = _url(server, "/")
+    answers = []
+    for head in (
+        f"GET {url} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n".encode(),
+        f"CONNECT 127.0.0.1:{server.port} HTTP/1.1\r\n".encode(),
+    ):
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(head + b"Proxy-Authorization: " + value + b"\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer and (piece := sock.recv(65536)):
+                answer += piece
+            answers.append(answer)
+    return answers
+
+
+def test_malformed_proxy_authorization_is_407(tmp_path: Path, server: ScriptedServer) -> None:
+    run = EgressdRun(["--policy", str(write_policy(tmp_path, "version: 1\nmode: enforce\n"))]).start()
+    try:
+        for value in NASTY_CREDENTIALS:
+            for answer in _proxy_auth_answers(run, server, value):
+                assert answer.startswith(b"HTTP/1.1 407 "), (value, answer[:300])
+                assert b"Proxy-Authenticate: Basic" in answer and b"proxy_auth_required" in answer, value
+    finally:
+        run.stop()
+    assert server.connections == 0
 
 
 # -- 3. a non-UTF-8 byte in the request line -----------------------------------------------------

@@ -519,12 +519,11 @@ def _is_ip(host: str) -> bool:
 
 
 def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
-    """The authority and the Proxy-Authorization value of a CONNECT head (strict)."""
-    try:
-        text = head.decode("ascii")
-    except UnicodeDecodeError:
-        return Refusal("bad_request", "non-ASCII bytes in the CONNECT request head")
-    lines = text[:-4].split("\r\n")
+    """The authority and the Proxy-Authorization value of a CONNECT head (strict). Field values may
+    hold non-ASCII bytes (obs-text, as mitmproxy reads them): bad credentials are a 407 either way."""
+    lines = head.decode("latin-1")[:-4].split("\r\n")
+    if not lines[0].isascii():
+        return Refusal("bad_request", f"non-ASCII bytes in the CONNECT request line {ascii(lines[0][:200])}")
     parts = lines[0].split(" ")
     if len(parts) != 3 or parts[0] != "CONNECT" or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
         return Refusal("bad_request", f"malformed CONNECT request line {lines[0][:200]!r}")
