@@ -30,6 +30,7 @@ from egressd.engine.gate import decision_refusal
 from egressd.engine.http_rules import (
     audit_http_event,
     audit_response_cut,
+    connection_problem,
     hop_by_hop_names,
     host_header_mismatch,
 )
@@ -202,6 +203,8 @@ class PolicyGate:
         refusal = None
         if not decision.allowed or decision.needs_inspection:
             refusal = decision_refusal(decision)
+        elif (problem := connection_problem(request.headers.get("connection", ""))) is not None:
+            refusal = Refusal("bad_request", problem, decision.target.host.text, decision.target.port)
         elif (mismatch := host_header_mismatch(request.headers.get_all("host"), decision.target)) is not None:
             refusal = Refusal("host_mismatch", mismatch, decision.target.host.text, decision.target.port)
         elif _is_upgrade(request) and not self.rt.policies.get().websocket:

@@ -11,15 +11,18 @@ from __future__ import annotations
 import base64
 import json
 import socket
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
+from tests.support.upstreams import EchoHTTPSServer
 from tests.test_plain_http_path import RawClient, ScriptedServer, _auth, _url
 
 # up.test resolves to 127.0.0.1 (the tests' DNS server): a name, so path and method rules apply
@@ -65,6 +68,122 @@ def _assert_refused(answer: bytes, status: int, reason: str) -> None:
     assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:300]
     assert b"Proxy-Status: egressd; error=" in answer, answer[:600]
     assert f"X-Egressd-Reason: {reason}".encode() in answer, answer[:600]
+
+
+# -- 1. Connection naming Content-Length, Transfer-Encoding or Host -------------------------------
+def _smuggling_head(auth: str, target: str, host: str, named: str) -> bytes:
+    """A GET under the allow rule whose body is a second request, and whose Connection header
+    names the header that frames (or addresses) it: stripped as hop-by-hop, the body would reach
+    the upstream as a request of its own."""
+    if named == "Transfer-Encoding":
+        body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(SMUGGLED), SMUGGLED)
+        framing = "Transfer-Encoding: chunked"
+    else:
+        body = SMUGGLED
+        framing = f"Content-Length: {len(body)}"
+    lines = [
+        f"GET {target} HTTP/1.1",
+        f"Host: {host}",
+        *([f"Proxy-Authorization: {auth}"] if auth else []),
+        f"Connection: keep-alive, {named}",
+        framing,
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("named", ["Content-Length", "Transfer-Encoding", "Host"])
+def test_connection_naming_a_framing_header_is_refused_on_plain_http(
+    audited: tuple[EgressdRun, Path], server: ScriptedServer, named: str
+) -> None:
+    run, audit = audited
+    client = RawClient(run)
+    host = f"up.test:{server.port}"
+    client.sock.sendall(_smuggling_head(client.auth, f"http://{host}/v1/read", host, named))
+    answer = client.rest()
+    _assert_refused(answer, 400, "bad_request")
+    assert named.lower().encode() in answer.lower()  # the body says which header
+    time.sleep(0.3)  # a smuggled request would have arrived by now
+    assert server.requests == [] and server.connections == 0
+    records = _records(audit, lambda r: r.get("reason") == "bad_request" and r.get("stage") == "request")
+    assert records and records[0]["decision"] == "deny" and records[0]["path"] == "/v1/read"
+    # the same request without the Connection trick is allowed: the refusal is about the framing
+    fine = RawClient(run).get(f"http://{host}/v1/read")
+    assert fine.startswith(b"HTTP/1.1 200 ") and [h.split(" ")[:2] for h in server.heads()] == [
+        ["GET", "/v1/read"]
+    ]
+
+
+@pytest.fixture
+def inspected(
+    tmp_path: Path, dns: DnsServer, ca: trustme.CA, ca_file: Path
+) -> Iterator[tuple[EgressdRun, EchoHTTPSServer, Path]]:
+    """egressd intercepting up.test (PATH_POLICY admits only some paths) in front of an HTTPS echo
+    server on 127.0.0.1."""
+    dns.add("up.test", "127.0.0.1")
+    audit = tmp_path / "audit.jsonl"
+    policy = write_policy(tmp_path, PATH_POLICY)
+    options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)]
+    with (
+        EchoHTTPSServer("127.0.0.1", ca=ca, hostnames=["up.test"]) as upstream,
+        EgressdRun([*options, "--upstream-ca", str(ca_file)]) as run,
+    ):
+        yield run, upstream, audit
+
+
+def _tunnel(run: EgressdRun, port: int) -> ssl.SSLSocket:
+    """An authenticated CONNECT to up.test, then TLS trusting egressd's CA bundle."""
+    host, proxy_port, auth = _auth(run)
+    sock = socket.create_connection((host, proxy_port), timeout=10)
+    sock.sendall(f"CONNECT up.test:{port} HTTP/1.1\r\nProxy-Authorization: {auth}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    context = ssl.create_default_context(cafile=run.env["SSL_CERT_FILE"])
+    return context.wrap_socket(sock, server_hostname="up.test")
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One response with a Content-Length body (or up to the close)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = sock.recv(65536)
+        if not piece:
+            return data
+        data += piece
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        body += piece
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("named", ["Content-Length", "Transfer-Encoding", "Host"])
+def test_connection_naming_a_framing_header_is_refused_inside_tls(
+    inspected: tuple[EgressdRun, EchoHTTPSServer, Path], named: str
+) -> None:
+    run, upstream, audit = inspected
+    host = f"up.test:{upstream.port}"
+    with _tunnel(run, upstream.port) as tls:
+        # inside the tunnel no request carries Proxy-Authorization: the CONNECT authenticated them
+        tls.sendall(f"GET /v1/read HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        assert _read_response(tls).startswith(b"HTTP/1.1 200 ")
+        tls.sendall(_smuggling_head("", "/v1/read", host, named))
+        answer = _read_response(tls)
+    _assert_refused(answer, 400, "bad_request")
+    time.sleep(0.3)  # a smuggled request would have arrived by now
+    assert [(r["method"], r["path"]) for r in upstream.requests] == [("GET", "/v1/read")]
+    assert _records(audit, lambda r: r.get("reason") == "bad_request" and r.get("scheme") == "https")
 
 
 # -- 2. malformed Proxy-Authorization ------------------------------------------------------------

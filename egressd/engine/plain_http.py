@@ -23,6 +23,7 @@ from egressd.engine.fastpath import HIGH_WATER
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem
 from egressd.engine.http_rules import (
+    FRAMING,
     audit_http_event,
     audit_response_cut,
     hop_by_hop_names,
@@ -117,7 +118,7 @@ def _simple_request(
         return None
     connection = ", ".join(v for n, v in headers if n.lower() == "connection")
     tokens = {t.strip().lower() for t in connection.split(",")}
-    if "upgrade" in tokens:
+    if "upgrade" in tokens or FRAMING & tokens:  # mitmproxy's addon refuses those (connection_problem)
         return None
     length_text = next((v for n, v in headers if n.lower() == "content-length"), "0")
     if not length_text.isdigit() or len(length_text) > 18:
