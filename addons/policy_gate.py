@@ -114,14 +114,7 @@ class PolicyGate:
 
     # -- authentication ----------------------------------------------------------------------
     def _authenticate(self, flow: http.HTTPFlow, state: ConnState) -> bool:
-        header = flow.request.headers.get("proxy-authorization")
-        if header is not None:
-            creds = self.rt.credentials.check_basic(header)
-            if creds is None:
-                return False
-            state.creds = creds
-            return True
-        return state.creds is not None or not self.rt.require_auth
+        return self.rt.authenticate(state, flow.request.headers.get("proxy-authorization"))
 
     def socks5_auth(self, data: Socks5AuthData) -> None:
         creds = self.rt.credentials.check(data.username, data.password)
@@ -131,6 +124,7 @@ class PolicyGate:
             data.valid = True
         elif not self.rt.require_auth:
             data.valid = True
+        state.tunnel = True  # requests mitmproxy reads inside carry no credentials of their own
 
     # -- CONNECT -----------------------------------------------------------------------------
     @fail_closed
@@ -157,6 +151,7 @@ class PolicyGate:
             self._refuse(flow, state, admission_refusal)
             return
         assert decision.target is not None
+        state.tunnel = True  # the requests inside were authenticated by this CONNECT
         # every later step and the connection use the canonical spelling
         flow.request.host = decision.target.host.text
         if self.rt.wants_inspection(decision, _client_key(flow, state)):

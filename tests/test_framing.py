@@ -257,3 +257,24 @@ def test_non_utf8_request_line_is_audited(audited: tuple[EgressdRun, Path], serv
     assert _records(audit, lambda r: r.get("reason") == "bad_request" and "CONNECT" in str(r.get("detail")))
     assert RawClient(run).get("http://nope.test/after").startswith(b"HTTP/1.1 403 ")
     assert _records(audit, lambda r: r.get("host") == "nope.test" and r.get("decision") == "deny")
+
+
+# -- 4. credentials on a kept-alive connection ---------------------------------------------------
+def test_every_request_on_a_kept_alive_connection_needs_credentials(
+    tmp_path: Path, server: ScriptedServer
+) -> None:
+    run = EgressdRun(["--policy", str(write_policy(tmp_path, "version: 1\nmode: enforce\n"))]).start()
+    try:
+        url = _url(server, "/second")
+        for unusual in ("", "Transfer-Encoding: chunked"):  # the lean path, and mitmproxy's
+            client = RawClient(run)
+            assert client.get(_url(server, "/first")).startswith(b"HTTP/1.1 200 ")
+            lines = [f"POST {url} HTTP/1.1", f"Host: 127.0.0.1:{server.port}"]
+            lines += [unusual] if unusual else ["Content-Length: 1"]
+            body = b"1\r\nx\r\n0\r\n\r\n" if unusual else b"x"
+            client.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+            answer = client.response()
+            assert answer.startswith(b"HTTP/1.1 407 ") and b"Proxy-Authenticate: Basic" in answer, answer
+        assert [h.split(" ")[1] for h in server.heads()] == ["/first", "/first"]
+    finally:
+        run.stop()

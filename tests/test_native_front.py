@@ -895,9 +895,9 @@ def test_a_served_request_has_the_records_python_writes(audit_path: Path, canned
     assert len({r["conn"] for r in closed}) == 3
 
 
-def test_a_request_authenticated_by_its_connection_is_not_remembered(canned_http: str) -> None:
-    """On a kept-alive connection a later request may omit Proxy-Authorization (the connection is
-    authenticated); those bytes alone must never be served to another connection: 407 there."""
+def test_a_request_without_credentials_after_an_authenticated_one_is_not_served(canned_http: str) -> None:
+    """On a kept-alive connection a later request must carry its own Proxy-Authorization (an earlier
+    request authenticates nothing, on any path): 407, and those bytes are never remembered either."""
     http = canned_http
     engine = _engine(_policy([http]))
     try:
@@ -911,7 +911,7 @@ def test_a_request_authenticated_by_its_connection_is_not_remembered(canned_http
             assert response is not None and response.status == 200
             sock.sendall(bare)
             response = reader.response()
-            assert response is not None and response.status == 200  # the connection's credentials
+            assert response is not None and response.status == 407
         for _ in range(2):
             answer = _exchange(engine, bare)
             assert answer.startswith(b"HTTP/1.1 407"), answer[:200]

@@ -328,11 +328,10 @@ class FrontProtocol(_Pipe):
             self._refuse_unreadable(parsed)
             return
         authority, credentials = parsed
-        creds = self.rt.credentials.check_basic(credentials)
-        if creds is None and self.rt.require_auth:
+        if not self.rt.authenticate(state, credentials):
             self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
             return
-        state.creds = creds
+        creds = state.creds
         host, port = authority
         decision = self.rt.gate.decide(host, port, state.profile, scheme="connect", method="CONNECT")
         if decision.target is not None:

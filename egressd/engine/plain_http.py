@@ -634,12 +634,7 @@ class PlainClient(asyncio.Protocol):
         rt, state = self.rt, self.state
         faults.maybe_fail("hook")
         header = request.values("proxy-authorization")
-        if header:
-            creds = rt.credentials.check_basic(header[0])
-            if creds is None:
-                return self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
-            state.creds = creds
-        elif state.creds is None and rt.require_auth:
+        if not rt.authenticate(state, header[0] if header else None):
             return self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
         limited = rt.rate_limit(state, self.front.client_id)
         if limited is not None:
@@ -746,8 +741,6 @@ class PlainClient(asyncio.Protocol):
         request = self.request
         if native is None or request is None or self.redirected or request.keep_alive:
             return
-        if self.state.creds is not None and not request.values("proxy-authorization"):
-            return  # authenticated by an earlier request on this connection, not by these bytes
         if request.method not in ("GET", "HEAD") or request.length or request.values("content-length"):
             return
         remembered = (request, self.outgoing)

@@ -54,6 +54,7 @@ class ConnState:
     request_admitted: set[tuple[str, int]] = field(default_factory=set)  # plain-HTTP targets decided
     intercept: set[tuple[str, int]] = field(default_factory=set)  # tunnels to TLS-intercept
     head_seen: bool = False  # a request head / CONNECT / SOCKS request arrived (header_timeout)
+    tunnel: bool = False  # an admitted CONNECT / SOCKS5 tunnel: its set-up authenticated what is inside
 
     @property
     def profile(self) -> str | None:
@@ -146,6 +147,18 @@ class Runtime:
     def active(self) -> int:
         native = self.native_active() if self.native_active is not None else 0
         return len(self.conns) + native
+
+    def authenticate(self, state: ConnState, header: str | None) -> bool:
+        """Whether a proxy request (plain HTTP or CONNECT) with this Proxy-Authorization value may go
+        on, on every path. Each request is checked on its own: an earlier request on a kept-alive
+        connection authenticates nothing (paths that disagreed on that answered 407 on one, 200 on
+        another). Requests inside a tunnel carry none: its CONNECT or SOCKS5 handshake counts."""
+        if state.tunnel:
+            return state.creds is not None or not self.require_auth
+        state.creds = self.credentials.check_basic(header) if header is not None else None
+        if header is not None and state.creds is None:
+            return False  # wrong credentials are refused even where none are required
+        return state.creds is not None or not self.require_auth
 
     # -- limits (every front end: HTTP proxy, SOCKS5, the fast tunnel path) ----------------------
     def rate_limit(self, state: ConnState, fallback_key: str) -> Refusal | None:
