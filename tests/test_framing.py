@@ -278,3 +278,29 @@ def test_every_request_on_a_kept_alive_connection_needs_credentials(
         assert [h.split(" ")[1] for h in server.heads()] == ["/first", "/first"]
     finally:
         run.stop()
+
+
+# -- 5. empty lines before a request line ----------------------------------------------------------
+def test_empty_lines_before_a_request_line_are_ignored(tmp_path: Path, server: ScriptedServer) -> None:
+    policy = "version: 1\nmode: enforce\nlimits: {header_timeout: 60}\n"
+    run = EgressdRun(["--policy", str(write_policy(tmp_path, policy))]).start()
+    try:
+        for empty in (b"\r\n", b"\r\n\r\n"):
+            client = RawClient(run)
+            client.sock.sendall(empty + client.request_bytes(_url(server, "/first")))
+            assert b'"/first"' in client.response()
+            client.sock.sendall(empty + client.request_bytes(_url(server, "/kept")))  # between requests
+            assert b'"/kept"' in client.response()
+            tunnel = RawClient(run)
+            tunnel.sock.sendall(
+                empty
+                + f"CONNECT 127.0.0.1:{server.port} HTTP/1.1\r\n"
+                f"Proxy-Authorization: {tunnel.auth}\r\n\r\n".encode()
+            )
+            assert tunnel.response().startswith(b"HTTP/1.1 200 ")
+            tunnel.sock.sendall(f"GET /tunnelled HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n\r\n".encode())
+            assert b'"/tunnelled"' in tunnel.response()
+            client.sock.close()
+            tunnel.sock.close()  # else egressd's drain waits for the tunnel when it stops
+    finally:
+        run.stop()

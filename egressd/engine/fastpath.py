@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 from egressd.engine import faults, native_front
 from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
 from egressd.engine.gate import decision_refusal
-from egressd.engine.http_head import head_problem
+from egressd.engine.http_head import head_problem, leading_empty_lines
 from egressd.engine.pinning import EarlierAttempt
 from egressd.engine.sni import sni_problem
 from egressd.refusal import Refusal
@@ -289,6 +289,7 @@ class FrontProtocol(_Pipe):
 
     # -- the request head --------------------------------------------------------------------------
     def _on_head_bytes(self) -> None:
+        del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
         if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
             self._serve_plain()  # plain HTTP: the lean path, or mitmproxy for unusual requests
             return

@@ -5,7 +5,9 @@ size limit on a head (its own FIXME). The wrapper installed here looks at the ra
 (egressd.engine.http_head) and answers 400/431 in egressd's format, so a head that two parsers
 could read differently is never decided one way and forwarded another. A head mitmproxy's own
 parser rejects (a non-ASCII byte in the request line, say) is refused here too, with the same
-parser, so that every such refusal is audited: mitmproxy answers those itself, unrecorded.
+parser, so that every such refusal is audited: mitmproxy answers those itself, unrecorded. Empty
+lines before a request line are dropped first (RFC 9112 2.2): h11 returns at each one and then
+waits for more bytes, so a request behind one hung until header_timeout.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ def install() -> None:
     def read_headers(self: Any, event: Any) -> Generator[Any, Any, None]:
         if isinstance(event, events.DataReceived):
             data = bytes(self.buf)
+            skip = leading_empty_lines(data)
+            for _ in range(skip // 2):
+                self.buf.maybe_extract_lines()  # RFC 9112 2.2; h11 returns at each, then waits
+            data = data[skip:]
             problem = head_problem(data) or _unreadable(data)
             if problem is not None:
                 status, why = problem
@@ -46,12 +52,11 @@ def _unreadable(data: bytes) -> tuple[int, str] | None:
     """(400, why) when mitmproxy's parser would refuse the complete head at the start of data."""
     from mitmproxy.net.http import http1
 
-    start = leading_empty_lines(data)
-    end = data.find(b"\r\n\r\n", start)  # head_problem passed: no bare LF, so CRLF ends every line
+    end = data.find(b"\r\n\r\n")  # head_problem passed: no bare LF, so CRLF ends every line
     if end < 0:
         return None
     try:
-        http1.expected_http_body_size(http1.read_request_head(data[start:end].split(b"\r\n")))
+        http1.expected_http_body_size(http1.read_request_head(data[:end].split(b"\r\n")))
     except ValueError as exc:
         return 400, str(exc)
     return None

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, cast
 from egressd.engine import faults
 from egressd.engine.fastpath import HIGH_WATER
 from egressd.engine.gate import decision_refusal
-from egressd.engine.http_head import head_problem
+from egressd.engine.http_head import head_problem, leading_empty_lines
 from egressd.engine.http_rules import (
     FRAMING,
     audit_http_event,
@@ -604,6 +604,8 @@ class PlainClient(asyncio.Protocol):
     # -- one request ---------------------------------------------------------------------------
     def _next(self) -> None:
         """Parse the next request head when it is complete; unusual ones go to mitmproxy."""
+        if self.phase == "head":
+            del self.inbuf[: leading_empty_lines(self.inbuf)]  # RFC 9112 2.2
         if self.phase != "head" or not self.inbuf:
             if self.phase == "head" and self.client_eof:
                 self.close()
