@@ -30,6 +30,7 @@ from egressd.engine.gate import decision_refusal
 from egressd.engine.http_rules import (
     audit_http_event,
     audit_response_cut,
+    connection_problem,
     hop_by_hop_names,
     host_header_mismatch,
 )
@@ -113,14 +114,7 @@ class PolicyGate:
 
     # -- authentication ----------------------------------------------------------------------
     def _authenticate(self, flow: http.HTTPFlow, state: ConnState) -> bool:
-        header = flow.request.headers.get("proxy-authorization")
-        if header is not None:
-            creds = self.rt.credentials.check_basic(header)
-            if creds is None:
-                return False
-            state.creds = creds
-            return True
-        return state.creds is not None or not self.rt.require_auth
+        return self.rt.authenticate(state, flow.request.headers.get("proxy-authorization"))
 
     def socks5_auth(self, data: Socks5AuthData) -> None:
         creds = self.rt.credentials.check(data.username, data.password)
@@ -130,6 +124,7 @@ class PolicyGate:
             data.valid = True
         elif not self.rt.require_auth:
             data.valid = True
+        state.tunnel = True  # requests mitmproxy reads inside carry no credentials of their own
 
     # -- CONNECT -----------------------------------------------------------------------------
     @fail_closed
@@ -156,6 +151,7 @@ class PolicyGate:
             self._refuse(flow, state, admission_refusal)
             return
         assert decision.target is not None
+        state.tunnel = True  # the requests inside were authenticated by this CONNECT
         # every later step and the connection use the canonical spelling
         flow.request.host = decision.target.host.text
         if self.rt.wants_inspection(decision, _client_key(flow, state)):
@@ -202,6 +198,8 @@ class PolicyGate:
         refusal = None
         if not decision.allowed or decision.needs_inspection:
             refusal = decision_refusal(decision)
+        elif (problem := connection_problem(request.headers.get("connection", ""))) is not None:
+            refusal = Refusal("bad_request", problem, decision.target.host.text, decision.target.port)
         elif (mismatch := host_header_mismatch(request.headers.get_all("host"), decision.target)) is not None:
             refusal = Refusal("host_mismatch", mismatch, decision.target.host.text, decision.target.port)
         elif _is_upgrade(request) and not self.rt.policies.get().websocket:

@@ -182,7 +182,7 @@ class TunnelGuard(NextLayer):
         context = nextlayer.context
         state = self.rt.conn(context.client.id)
         host, port = context.server.address
-        self.rt.audit_tunnel_refusal(state, host, port, reason, problem)
+        self.rt.audit_early_refusal(state, host, port, reason, problem, stage="tls")
         nextlayer.layer = RefuseTunnel(context)
 
 

@@ -139,13 +139,15 @@ class AuditLog:
             record[key] = fields.pop(key, None)
         record.update(fields)
         if self._file is not None:
-            line = json.dumps(record, default=str, ensure_ascii=False, separators=(",", ":"))
+            line = _json_line(record)
+            if not _encodable(line):  # a lone surrogate (an undecodable byte) would fail the write
+                line = _json_line(_escaped(record))
             self._write(self._file, line)
         return record
 
     def _trace_line(self, line: str) -> None:
         if self._trace is not None:
-            self._write(self._trace, line)
+            self._write(self._trace, line if _encodable(line) else _escaped(line))
 
     def _write(self, stream: TextIO, line: str) -> None:
         with self._lock:
@@ -158,6 +160,35 @@ class AuditLog:
                     self._failed = True
                     with contextlib.suppress(OSError, ValueError):
                         sys.stderr.write(f"egressd: audit write failed: {exc}\n")
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    return json.dumps(record, default=str, ensure_ascii=False, separators=(",", ":"))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _escaped(value: Any) -> Any:
+    """value with every string made UTF-8-encodable: bytes a client sent that were not UTF-8 (lone
+    surrogates from surrogateescape) become `\\xNN`, other lone surrogates `\\udNNN`."""
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_escaped(v) for v in value]
+    if not isinstance(value, str | int | float | None):
+        value = str(value)  # what json.dumps(default=str) would write
+    if not isinstance(value, str) or _encodable(value):
+        return value
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _private_opener(path: str, flags: int) -> int:

@@ -173,3 +173,19 @@ def test_redact_query(path: str | None, expected: str | None) -> None:
 def test_ids_and_timestamps() -> None:
     assert new_conn_id() != new_conn_id()
     assert TIME.match(utc_timestamp())
+
+
+def test_undecodable_bytes_are_escaped_and_later_records_still_arrive(tmp_path: Path) -> None:
+    """A client's non-UTF-8 byte reaches a record as a lone surrogate (surrogateescape): writing it
+    raw fails the UTF-8 file, which lost the record (and said so only once)."""
+    path = tmp_path / "audit.jsonl"
+    trace = io.StringIO()
+    with AuditLog(path, trace=trace) as audit:
+        audit.decision(host="up.test", port=80, path="/caf\udce9", decision="deny", detail=["\ud800"])
+        audit.event("internal_error", detail=ValueError("bad \udcff byte"))
+        audit.decision(host="up.test", port=80, path="/after", decision="allow")
+    first, second, third = lines(path)
+    assert first["path"] == "/caf\\xe9" and first["detail"] == ["\\ud800"]
+    assert second["detail"] == "bad \\xff byte"
+    assert third["path"] == "/after"
+    assert len(trace.getvalue().splitlines()) == 3

@@ -34,6 +34,7 @@ from egressd.engine.credentials import ProxyCredentials
 from egressd.engine.proxy import EgressProxy
 from egressd.policy import parse_policy
 from tests.support import netns
+from tests.support.attempts import gave_up_after, timed_out_after
 from tests.support.corpus import Reader, read_response
 from tests.support.dns_server import DnsServer
 from tests.support.upstreams import EchoHTTPSServer, StallableEchoServer, TcpEchoServer
@@ -363,8 +364,8 @@ def test_a_remembered_address_that_times_out_costs_no_more_than_twice_connect_ti
     assert elapsed < 2 * 1 + 0.7, elapsed
     attempts = _connection_records(_records(audit_path))[-1]["attempts"]
     assert isinstance(attempts, list) and len(attempts) == 2, attempts
-    assert attempts[0] == f"{host}:{port}: timed out after 1s"
-    assert attempts[1].startswith(f"{host}:{port}: timed out after "), attempts
+    assert gave_up_after(attempts[0], f"{host}:{port}", 1), attempts
+    assert timed_out_after(attempts[1], f"{host}:{port}") <= 1, attempts  # what was left of 2x
 
 
 def test_after_a_remembered_address_times_out_the_other_addresses_go_first(
@@ -395,7 +396,8 @@ def test_after_a_remembered_address_times_out_the_other_addresses_go_first(
     assert elapsed < 1 + 0.7, elapsed  # before: 1 s natively, 1 s more in Python, then the second
     record = _connection_records(_records(audit_path))[-1]
     assert record["connected"] == f"{second.host}:{port}", record
-    assert record["attempts"] == [f"{host}:{port}: timed out after 1s"], record
+    (attempt,) = record["attempts"]
+    assert gave_up_after(attempt, f"{host}:{port}", 1), record
 
 
 def _hello(server_name: str | None) -> bytes:
@@ -895,9 +897,9 @@ def test_a_served_request_has_the_records_python_writes(audit_path: Path, canned
     assert len({r["conn"] for r in closed}) == 3
 
 
-def test_a_request_authenticated_by_its_connection_is_not_remembered(canned_http: str) -> None:
-    """On a kept-alive connection a later request may omit Proxy-Authorization (the connection is
-    authenticated); those bytes alone must never be served to another connection: 407 there."""
+def test_a_request_without_credentials_after_an_authenticated_one_is_not_served(canned_http: str) -> None:
+    """On a kept-alive connection a later request must carry its own Proxy-Authorization (an earlier
+    request authenticates nothing, on any path): 407, and those bytes are never remembered either."""
     http = canned_http
     engine = _engine(_policy([http]))
     try:
@@ -911,7 +913,7 @@ def test_a_request_authenticated_by_its_connection_is_not_remembered(canned_http
             assert response is not None and response.status == 200
             sock.sendall(bare)
             response = reader.response()
-            assert response is not None and response.status == 200  # the connection's credentials
+            assert response is not None and response.status == 407
         for _ in range(2):
             answer = _exchange(engine, bare)
             assert answer.startswith(b"HTTP/1.1 407"), answer[:200]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import binascii
 import hmac
 import secrets
 import threading
@@ -54,9 +53,11 @@ class CredentialStore:
         with self._lock:
             candidates = list(self._tokens.values())
         found = None
+        # surrogatepass: a client's undecodable bytes (surrogateescape) compare unequal, never raise
+        user, secret = username.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass")
         for creds in candidates:  # constant-time compare against every issued token
-            if hmac.compare_digest(creds.token.encode(), token.encode()) and hmac.compare_digest(
-                creds.username.encode(), username.encode()
+            if hmac.compare_digest(creds.token.encode(), secret) and hmac.compare_digest(
+                creds.username.encode(), user
             ):
                 found = creds
         return found
@@ -68,9 +69,9 @@ class CredentialStore:
         scheme, _, encoded = header_value.strip().partition(" ")
         if scheme.lower() != "basic":
             return None
-        try:
+        try:  # non-ASCII text (ValueError) or base64, bytes that are not UTF-8: wrong, never a 500
             decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
+        except ValueError:
             return None
         username, sep, token = decoded.partition(":")
         if not sep:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 from egressd.engine import faults, native_front
 from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
 from egressd.engine.gate import decision_refusal
-from egressd.engine.http_head import head_problem
+from egressd.engine.http_head import head_problem, leading_empty_lines
 from egressd.engine.pinning import EarlierAttempt
 from egressd.engine.sni import sni_problem
 from egressd.refusal import Refusal
@@ -289,12 +289,13 @@ class FrontProtocol(_Pipe):
 
     # -- the request head --------------------------------------------------------------------------
     def _on_head_bytes(self) -> None:
+        del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
         if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
             self._serve_plain()  # plain HTTP: the lean path, or mitmproxy for unusual requests
             return
         problem = head_problem(bytes(self.buffer))
         if problem is not None:
-            self._refuse(Refusal("bad_request", problem[1]))
+            self._refuse_unreadable(Refusal("bad_request", problem[1]))
             return
         end = self.buffer.find(b"\r\n\r\n")
         if end < 0:
@@ -325,14 +326,13 @@ class FrontProtocol(_Pipe):
         faults.maybe_fail("hook")
         parsed = _parse_connect(head)
         if isinstance(parsed, Refusal):
-            self._refuse(parsed)
+            self._refuse_unreadable(parsed)
             return
         authority, credentials = parsed
-        creds = self.rt.credentials.check_basic(credentials)
-        if creds is None and self.rt.require_auth:
+        if not self.rt.authenticate(state, credentials):
             self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
             return
-        state.creds = creds
+        creds = state.creds
         host, port = authority
         decision = self.rt.gate.decide(host, port, state.profile, scheme="connect", method="CONNECT")
         if decision.target is not None:
@@ -397,9 +397,8 @@ class FrontProtocol(_Pipe):
 
     def _close_tunnel(self, problem: str) -> None:
         state = self.state
-        self.rt.audit_tunnel_refusal(
-            state, state.host if state else None, state.port if state else None, "sni_mismatch", problem
-        )
+        host, port = (state.host, state.port) if state else (None, None)
+        self.rt.audit_early_refusal(state, host, port, "sni_mismatch", problem, stage="tls")
         if self.peer is not None and self.peer.transport is not None:
             self.peer.transport.close()
         if self.transport is not None:
@@ -415,6 +414,11 @@ class FrontProtocol(_Pipe):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(render(refusal))
             self.transport.close()
+
+    def _refuse_unreadable(self, refusal: Refusal) -> None:
+        """A CONNECT head refused before any decision: recorded here, as mitmproxy's head guard does."""
+        self.rt.audit_early_refusal(self.state, None, None, refusal.reason, refusal.detail, stage="request")
+        self._refuse(refusal)
 
     def _hand_off(self, head: bytes = b"") -> None:
         """Relay this client, untouched, to the embedded mitmproxy (its addons decide)."""
@@ -515,12 +519,11 @@ def _is_ip(host: str) -> bool:
 
 
 def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
-    """The authority and the Proxy-Authorization value of a CONNECT head (strict)."""
-    try:
-        text = head.decode("ascii")
-    except UnicodeDecodeError:
-        return Refusal("bad_request", "non-ASCII bytes in the CONNECT request head")
-    lines = text[:-4].split("\r\n")
+    """The authority and the Proxy-Authorization value of a CONNECT head (strict). Field values may
+    hold non-ASCII bytes (obs-text, as mitmproxy reads them): bad credentials are a 407 either way."""
+    lines = head.decode("latin-1")[:-4].split("\r\n")
+    if not lines[0].isascii():
+        return Refusal("bad_request", f"non-ASCII bytes in the CONNECT request line {ascii(lines[0][:200])}")
     parts = lines[0].split(" ")
     if len(parts) != 3 or parts[0] != "CONNECT" or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
         return Refusal("bad_request", f"malformed CONNECT request line {lines[0][:200]!r}")

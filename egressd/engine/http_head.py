@@ -20,9 +20,7 @@ _BARE_CR = re.compile(rb"\r(?!\n)")
 def head_problem(data: bytes) -> tuple[int, str] | None:
     """(status, why) when the head at the start of data must be refused; None when it is fine
     or not complete yet (and not too long)."""
-    start = 0
-    while data.startswith(b"\r\n", start):  # RFC 9112 2.2: empty lines before a request are ignored
-        start += 2
+    start = leading_empty_lines(data)
     lf_end = data.find(b"\n\n", start)
     crlf_end = data.find(b"\r\n\r\n", start)
     ends = [e + 2 for e in (lf_end,) if e >= 0] + [e + 4 for e in (crlf_end,) if e >= 0]
@@ -35,6 +33,15 @@ def head_problem(data: bytes) -> tuple[int, str] | None:
     if end - start > MAX_HEAD:
         return 431, f"request head longer than {MAX_HEAD} bytes"
     return _line_problem(data[start:end], complete=True)
+
+
+def leading_empty_lines(data: bytes | bytearray) -> int:
+    """How many bytes of empty lines (CRLF) come before the request line: RFC 9112 2.2 says to
+    ignore them, and every path skips them the same way."""
+    start = 0
+    while data.startswith(b"\r\n", start):
+        start += 2
+    return start
 
 
 def _line_problem(head: bytes, *, complete: bool) -> tuple[int, str] | None:

@@ -61,6 +61,20 @@ def hop_by_hop_names(connection: str, *, keep_upgrade: bool) -> list[str]:
     return names
 
 
+# end-to-end headers a Connection header must not name: stripped as hop-by-hop while the body is
+# still forwarded, the upstream would frame (or address) the request otherwise than it was decided,
+# and read the body as a request nobody decided (request smuggling)
+FRAMING = frozenset({"content-length", "transfer-encoding", "host"})
+
+
+def connection_problem(connection: str) -> str | None:
+    """Why a request whose Connection header names a framing header is refused (400), or None."""
+    named = sorted(FRAMING.intersection(hop_by_hop_names(connection, keep_upgrade=True)))
+    if not named:
+        return None
+    return f"the Connection header names {', '.join(named)}, which frames the request: not hop-by-hop"
+
+
 def hostport(host: str, port: int, default_port: int = 80) -> str:
     """The Host header mitmproxy writes for a canonical host (no port when it is the default)."""
     if port == default_port:

@@ -191,8 +191,8 @@ class NativeFront:
             return 0
         if verdict is None:
             return 1
-        self.rt.audit_tunnel_refusal(
-            self.states.get(serial), meta.host, meta.port, "sni_mismatch", str(verdict)
+        self.rt.audit_early_refusal(
+            self.states.get(serial), meta.host, meta.port, "sni_mismatch", str(verdict), stage="tls"
         )
         return 2
 

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, cast
 from egressd.engine import faults
 from egressd.engine.fastpath import HIGH_WATER
 from egressd.engine.gate import decision_refusal
-from egressd.engine.http_head import head_problem
+from egressd.engine.http_head import head_problem, leading_empty_lines
 from egressd.engine.http_rules import (
+    FRAMING,
     audit_http_event,
     audit_response_cut,
     hop_by_hop_names,
@@ -117,7 +118,7 @@ def _simple_request(
         return None
     connection = ", ".join(v for n, v in headers if n.lower() == "connection")
     tokens = {t.strip().lower() for t in connection.split(",")}
-    if "upgrade" in tokens:
+    if "upgrade" in tokens or FRAMING & tokens:  # mitmproxy's addon refuses those (connection_problem)
         return None
     length_text = next((v for n, v in headers if n.lower() == "content-length"), "0")
     if not length_text.isdigit() or len(length_text) > 18:
@@ -603,6 +604,8 @@ class PlainClient(asyncio.Protocol):
     # -- one request ---------------------------------------------------------------------------
     def _next(self) -> None:
         """Parse the next request head when it is complete; unusual ones go to mitmproxy."""
+        if self.phase == "head":
+            del self.inbuf[: leading_empty_lines(self.inbuf)]  # RFC 9112 2.2
         if self.phase != "head" or not self.inbuf:
             if self.phase == "head" and self.client_eof:
                 self.close()
@@ -633,12 +636,7 @@ class PlainClient(asyncio.Protocol):
         rt, state = self.rt, self.state
         faults.maybe_fail("hook")
         header = request.values("proxy-authorization")
-        if header:
-            creds = rt.credentials.check_basic(header[0])
-            if creds is None:
-                return self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
-            state.creds = creds
-        elif state.creds is None and rt.require_auth:
+        if not rt.authenticate(state, header[0] if header else None):
             return self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
         limited = rt.rate_limit(state, self.front.client_id)
         if limited is not None:
@@ -745,8 +743,6 @@ class PlainClient(asyncio.Protocol):
         request = self.request
         if native is None or request is None or self.redirected or request.keep_alive:
             return
-        if self.state.creds is not None and not request.values("proxy-authorization"):
-            return  # authenticated by an earlier request on this connection, not by these bytes
         if request.method not in ("GET", "HEAD") or request.length or request.values("content-length"):
             return
         remembered = (request, self.outgoing)

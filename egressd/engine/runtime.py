@@ -54,6 +54,7 @@ class ConnState:
     request_admitted: set[tuple[str, int]] = field(default_factory=set)  # plain-HTTP targets decided
     intercept: set[tuple[str, int]] = field(default_factory=set)  # tunnels to TLS-intercept
     head_seen: bool = False  # a request head / CONNECT / SOCKS request arrived (header_timeout)
+    tunnel: bool = False  # an admitted CONNECT / SOCKS5 tunnel: its set-up authenticated what is inside
 
     @property
     def profile(self) -> str | None:
@@ -146,6 +147,18 @@ class Runtime:
     def active(self) -> int:
         native = self.native_active() if self.native_active is not None else 0
         return len(self.conns) + native
+
+    def authenticate(self, state: ConnState, header: str | None) -> bool:
+        """Whether a proxy request (plain HTTP or CONNECT) with this Proxy-Authorization value may go
+        on, on every path. Each request is checked on its own: an earlier request on a kept-alive
+        connection authenticates nothing (paths that disagreed on that answered 407 on one, 200 on
+        another). Requests inside a tunnel carry none: its CONNECT or SOCKS5 handshake counts."""
+        if state.tunnel:
+            return state.creds is not None or not self.require_auth
+        state.creds = self.credentials.check_basic(header) if header is not None else None
+        if header is not None and state.creds is None:
+            return False  # wrong credentials are refused even where none are required
+        return state.creds is not None or not self.require_auth
 
     # -- limits (every front end: HTTP proxy, SOCKS5, the fast tunnel path) ----------------------
     def rate_limit(self, state: ConnState, fallback_key: str) -> Refusal | None:
@@ -295,16 +308,24 @@ class Runtime:
             detail = f"no request within {timeout:g}s"
             self.audit.event("header_timeout", conn=state.conn_id, peer=state.peer, detail=detail)
 
-    def audit_tunnel_refusal(
-        self, state: ConnState | None, host: str | None, port: int | None, reason: str, detail: str
+    def audit_early_refusal(
+        self,
+        state: ConnState | None,
+        host: str | None,
+        port: int | None,
+        reason: str,
+        detail: str,
+        *,
+        stage: str,
     ) -> None:
-        """The record of a tunnel closed after its TLS ClientHello (SNI check), on either tunnel path."""
+        """The record of a refusal no decision made, on any path: a tunnel closed after its TLS
+        ClientHello (SNI check, stage "tls"), a request head no parser may read (stage "request")."""
         if self.audit is not None:
             self.audit.decision(
                 conn=state.conn_id if state else None,
                 client=state.client_name if state else None,
                 profile=state.profile if state else None,
-                stage="tls",
+                stage=stage,
                 method=None,
                 scheme=None,
                 host=host,
@@ -317,7 +338,7 @@ class Runtime:
                 resolved=[],
                 connected=None,
             )
-        logger.info("closing tunnel to %s:%s: %s", host if host is not None else "?", port or "?", detail)
+        logger.info("refused (%s) %s:%s: %s", stage, host if host is not None else "?", port or "?", detail)
 
     def audit_closed(self, state: ConnState) -> None:
         if state.host is None or self.audit is None:
