@@ -29,6 +29,7 @@ from tests.support import netns  # noqa: E402
 if TYPE_CHECKING:
     from egressd.engine.proxy import EgressProxy
 from tests.support.dns_server import DnsServer  # noqa: E402
+from tests.support.npm_registry import NpmRegistry  # noqa: E402
 from tests.support.upstreams import (  # noqa: E402
     EchoHTTPServer,
     EchoHTTPSServer,
@@ -109,6 +110,20 @@ def shared_tmpdir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="egressd-test-", dir="/var/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+NPM_ADDR = "198.51.100.31"  # the npm_registry fixture's address in the test network namespace
+
+
+@pytest.fixture
+def npm_registry(ca: trustme.CA, dns: DnsServer) -> Iterator[NpmRegistry]:
+    """A local npm registry (HTTPS, the session CA) as registry.test, with three tiny packages."""
+    dns.add("registry.test", NPM_ADDR)
+    with NpmRegistry(NPM_ADDR, ca=ca, hostnames=["registry.test"]) as registry:
+        registry.add("egressd-tiny-dep", "1.0.0")
+        registry.add("egressd-tiny", "1.0.0", dependencies={"egressd-tiny-dep": "^1.0.0"})
+        registry.add("egressd-unlisted", "1.0.0")
+        yield registry
 
 
 @pytest.fixture

@@ -209,16 +209,6 @@ def test_git_clone_through_inspection(
 # ------------------------------------------------------------------------------------------------
 # 2. npm install from a registry
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture
-def npm_registry(ca: trustme.CA, dns: DnsServer) -> Iterator[NpmRegistry]:
-    dns.add("registry.test", NPM_ADDR)
-    with NpmRegistry(NPM_ADDR, ca=ca, hostnames=["registry.test"]) as registry:
-        registry.add("egressd-tiny-dep", "1.0.0")
-        registry.add("egressd-tiny", "1.0.0", dependencies={"egressd-tiny-dep": "^1.0.0"})
-        registry.add("egressd-unlisted", "1.0.0")
-        yield registry
-
-
 def _npm_env(tmp_path: Path) -> dict[str, str]:
     """npm with no user/global config, no update check, no retries (a refusal must fail fast).
 

@@ -15,15 +15,12 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trustme
 
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, write_policy
-from tests.support.netns import UPSTREAM_V4
 from tests.support.npm_registry import NpmRegistry
 from tests.support.upstreams import EchoHTTPServer
 from tests.test_exec_integration import assert_refusal, parse_http
@@ -501,16 +498,6 @@ def test_host_loopback_only_on_ports_the_policy_names(tmp_path: Path, work: Path
 
 
 # -- caches ----------------------------------------------------------------------------------------
-NPM_ADDR = UPSTREAM_V4[15]
-
-
-@pytest.fixture
-def npm_registry(ca: trustme.CA, dns: DnsServer) -> Iterator[NpmRegistry]:
-    dns.add("registry.test", NPM_ADDR)
-    with NpmRegistry(NPM_ADDR, ca=ca, hostnames=["registry.test"]) as registry:
-        registry.add("egressd-tiny-dep", "1.0.0")
-        registry.add("egressd-tiny", "1.0.0", dependencies={"egressd-tiny-dep": "^1.0.0"})
-        yield registry
 
 
 def _npm_install(
@@ -519,7 +506,7 @@ def _npm_install(
     home = tmp_path / "home"
     (home / ".npm").mkdir(parents=True, exist_ok=True)  # the user's own cache: read-only inside
     (work / "package.json").write_text('{"name": "p", "version": "0.0.0", "private": true}')
-    policy = write_policy(tmp_path, f"version: 1\nallow: [registry.test, {NPM_ADDR}]\n")
+    policy = write_policy(tmp_path, f"version: 1\nallow: [registry.test, {registry.host}]\n")
     env = sandbox_env(work)
     env = {k: v for k, v in env.items() if not k.lower().startswith(("npm_config_", "pip_"))}
     env.update(HOME=str(home), npm_config_update_notifier="false", npm_config_fetch_retries="0")
