@@ -282,14 +282,16 @@ class PolicyGate:
         if limited is not None:
             data.server.error = failure_message(limited.reason, limited.detail)
             return
-        host, port = address[0], address[1]
-        decision = self.rt.gate.decide(host, port, state.profile)
-        if decision.allowed and decision.needs_inspection:
-            # paths are decided per request: plain HTTP already was; a tunnel is intercepted
-            if (host, port) in state.request_admitted:
+        decision = self.rt.gate.decide(address[0], address[1], state.profile)
+        if decision.allowed and decision.needs_inspection and decision.target is not None:
+            # paths are decided per request: plain HTTP already was; a tunnel is intercepted. Both
+            # sets hold the canonical target (the tunnel guard sees the pinned, canonical address),
+            # never the client's spelling (a SOCKS5 `API.TEST` must be intercepted like `api.test`)
+            canonical = (decision.target.host.text, decision.target.port)
+            if canonical in state.request_admitted:
                 decision = dataclasses.replace(decision, needs_inspection=False)
             elif self.rt.inspection:
-                state.intercept.add((host, port))
+                state.intercept.add(canonical)
                 decision = dataclasses.replace(decision, needs_inspection=False)
         admission = await self.rt.gate.admit(decision)
         if decision.target is not None:
