@@ -2,8 +2,10 @@
 
 Why: outside testers reached path-restricted hosts uninspected by spelling the host differently on
 SOCKS5 (``API.TEST``, ``api.test.``): the decision canonicalised the name, but the choice to intercept
-compared the client's spelling, so the tunnel passed through and every path reached the server. Real
-clients, a real `egressd run`, a real TLS upstream on 127.0.0.1 and the tests' own DNS server.
+compared the client's spelling, so the tunnel passed through and every path reached the server. And a
+policy whose only path rule is a ``deny`` never turned inspection on, so the proxy refused every
+connection (``needs_inspection``) while ``egressd check`` said allow. Real clients, a real
+`egressd run`, a real TLS upstream on 127.0.0.1 and the tests' own DNS server.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +23,7 @@ import trustme
 
 from tests.support.corpus import ProxyClient, Response, read_response
 from tests.support.dns_server import DnsServer
-from tests.support.egressd_cli import EgressdRun, write_policy
+from tests.support.egressd_cli import EGRESSD, EgressdRun, write_policy
 from tests.support.upstreams import EchoHTTPSServer
 
 NAME = "api.test"
@@ -31,6 +34,14 @@ PATH_ALLOW = """\
 version: 1
 allow:
   - {host: api.test, paths: [/v1/]}
+private: {allow: true}
+"""
+
+DENY_ONLY = """\
+version: 1
+allow: [api.test]
+deny:
+  - {host: api.test, paths: [/admin]}
 private: {allow: true}
 """
 
@@ -68,6 +79,12 @@ def _lab(tmp: Path, policy_text: str, ca: trustme.CA, ca_file: Path) -> Iterator
 @pytest.fixture(scope="module")
 def path_lab(tmp_path_factory: pytest.TempPathFactory, ca: trustme.CA, ca_file: Path) -> Iterator[Lab]:
     with _lab(tmp_path_factory.mktemp("path-allow"), PATH_ALLOW, ca, ca_file) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def deny_lab(tmp_path_factory: pytest.TempPathFactory, ca: trustme.CA, ca_file: Path) -> Iterator[Lab]:
+    with _lab(tmp_path_factory.mktemp("deny-only"), DENY_ONLY, ca, ca_file) as lab:
         yield lab
 
 
@@ -124,3 +141,30 @@ def test_path_rule_host_is_inspected_in_every_spelling(path_lab: Lab, front: str
     refused = _outcome(_get(path_lab, front, spelling, "/admin"))
     assert (allowed, refused) == ("200 upstream", "403 not_allowlisted"), (front, spelling)
     assert [r["path"] for r in path_lab.upstream.requests[before:]] == ["/v1/item"], (front, spelling)
+
+
+@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_path_scoped_deny_is_enforced_in_every_spelling(deny_lab: Lab, front: str, spelling: str) -> None:
+    """`deny: [{host: api.test, paths: [/admin]}]` alone turns inspection on for api.test: /admin is
+    refused with the deny rule's reason in every spelling, other paths reach the server."""
+    before = len(deny_lab.upstream.requests)
+    allowed = _outcome(_get(deny_lab, front, spelling, "/other"))
+    refused = _outcome(_get(deny_lab, front, spelling, "/admin"))
+    assert (allowed, refused) == ("200 upstream", "403 denylist"), (front, spelling)
+    assert [r["path"] for r in deny_lab.upstream.requests[before:]] == ["/other"], (front, spelling)
+
+
+def _check(lab: Lab, target: str) -> tuple[int, str]:
+    result = subprocess.run(
+        [*EGRESSD, "check", "--policy", str(lab.policy), target], capture_output=True, text=True, timeout=60
+    )
+    return result.returncode, result.stdout.splitlines()[0]
+
+
+def test_proxy_and_check_agree_on_a_deny_only_path_rule(deny_lab: Lab) -> None:
+    """`egressd check` and the proxy give the same answer for the same URL (one decision function)."""
+    assert _check(deny_lab, f"https://{NAME}/other") == (0, "allow")
+    assert _check(deny_lab, f"https://{NAME}/admin") == (1, "deny")
+    assert _outcome(_get(deny_lab, "connect", NAME, "/other")) == "200 upstream"
+    assert _outcome(_get(deny_lab, "connect", NAME, "/admin")) == "403 denylist"
