@@ -334,9 +334,12 @@ class FrontProtocol(_Pipe):
             return
         state.creds = creds
         host, port = authority
-        decision = self.rt.gate.decide(host, port, state.profile, scheme="connect", method="CONNECT")
-        if decision.target is not None:
-            state.host, state.port = decision.target.host.text, decision.target.port
+        decision = self.rt.decide(
+            state, self.client_id, host, port, scheme="connect", method="CONNECT", opens=True
+        )
+        if isinstance(decision, Refusal):
+            self._refuse(decision)  # a limit, before anything is decided
+            return
         if not decision.allowed or (decision.needs_inspection and not self.rt.inspection):
             refusal = decision_refusal(decision)
             self.rt.audit_decision(
@@ -353,11 +356,10 @@ class FrontProtocol(_Pipe):
             self._refuse(refusal)
             return
         if self.rt.wants_inspection(decision, state.client_key(self.client_id)):
-            self._hand_off(head)  # the mitmproxy addons limit, intercept and decide every request
-            return
-        limited = self.rt.rate_limit(state, self.client_id) or self.rt.connection_limit()
-        if limited is not None:
-            self._refuse(limited)
+            # the mitmproxy addons limit, intercept and decide every request: this CONNECT takes
+            # its token there, once
+            self.rt.refund_rate(state, self.client_id)
+            self._hand_off(head)
             return
         upstream = _Pipe(self.tunnel, upstream=True, coalesce=True)
         earlier, self.earlier = self.earlier, None
