@@ -89,6 +89,16 @@ class _Pipe(asyncio.Protocol):
         self.burst_start = 0.0  # when the current burst of such reads began
         self.burst_bytes = 0  # read in it after its first read
         self.coalescing: asyncio.TimerHandle | None = None
+        # what arrived before the peer was attached (a server that speaks first may answer the
+        # connect before the CONNECT's 200 is written): handed over by attach()
+        self.early = bytearray()
+
+    def attach(self, peer: _Pipe) -> None:
+        """Pair this side with its peer and pass on what this side read before."""
+        self.peer, peer.peer = peer, self
+        if self.early and peer.transport is not None and not peer.transport.is_closing():
+            peer.transport.write(bytes(self.early))
+        self.early = bytearray()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but speak the same interface
@@ -100,7 +110,9 @@ class _Pipe(asyncio.Protocol):
         now = time.monotonic()
         self.tunnel.count(self.upstream, n, now)
         peer = self.peer
-        if peer is not None and peer.transport is not None and not peer.transport.is_closing():
+        if peer is None:
+            self.early += data
+        elif peer.transport is not None and not peer.transport.is_closing():
             peer.transport.write(data)
         if n >= COALESCE_MIN and self.coalesce:
             if now - self.last_bulk >= COALESCE_WINDOW:
@@ -372,9 +384,9 @@ class FrontProtocol(_Pipe):
         if self.transport is None or self.transport.is_closing():
             upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
             return
-        upstream.peer, self.peer = self, upstream
         self.coalesce = COALESCE
         self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        upstream.attach(self)  # after the 200: a server's first bytes follow it
         if self.front.native is not None:
             self.front.native.remember(head, self.generation, creds, decision, admission)
         self.stage = "sni"
@@ -445,7 +457,7 @@ class FrontProtocol(_Pipe):
                     self.transport.write(render(Refusal("internal_error", f"proxy engine: {exc}")))
                 self.transport.close()
             return
-        inner.peer, self.peer = self, inner
+        inner.attach(self)
         assert inner.transport is not None
         pending += bytes(self.buffer)
         self.buffer = bytearray()
