@@ -20,11 +20,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
 from egressd.engine import faults, native_front
-from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem
 from egressd.engine.pinning import EarlierAttempt
-from egressd.engine.sni import sni_problem
+from egressd.engine.sni import WAIT, TunnelStart
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_CLIENT_HELLO = 64 * 1024
 # where the embedded mitmproxy listens for "http" or "socks" clients (started on first use)
 MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
 HIGH_WATER = 1 << 20
@@ -224,6 +222,7 @@ class FrontProtocol(_Pipe):
         self.timer: asyncio.TimerHandle | None = None
         self.server_id: str | None = None
         self.task: asyncio.Task[None] | None = None
+        self.hello: TunnelStart | None = None  # the SNI check of the tunnel's first bytes
         self.finished = False
         self.eof_pending = False
 
@@ -257,6 +256,9 @@ class FrontProtocol(_Pipe):
             super().data_received(data)
             return
         self.buffer += data
+        if self.stage == "sni":
+            self._on_hello_bytes(data)
+            return
         if self.stage == "handoff":
             # kept until mitmproxy is connected (uvloop may start reading after connection_made
             # even when it paused reading, so pausing alone does not hold the bytes back)
@@ -265,8 +267,6 @@ class FrontProtocol(_Pipe):
             return
         if self.stage == "head":
             self._on_head_bytes()
-        elif self.stage == "sni":
-            self._on_hello_bytes()
 
     def eof_received(self) -> bool:
         if self.stage == "relay":
@@ -390,23 +390,25 @@ class FrontProtocol(_Pipe):
         if self.front.native is not None:
             self.front.native.remember(head, self.generation, creds, decision, admission)
         self.stage = "sni"
+        self.hello = TunnelStart(state.host or "")
         self.transport.resume_reading()
         if self.buffer:
-            self._on_hello_bytes()
+            self._on_hello_bytes(bytes(self.buffer))
 
     # -- the TLS SNI check -------------------------------------------------------------------------
-    def _on_hello_bytes(self) -> None:
-        data = bytes(self.buffer)
-        verdict = first_bytes_verdict(self.state.host if self.state else "", data)
+    def _on_hello_bytes(self, data: bytes) -> None:
+        """The SNI check on the bytes just read (the buffer holds all read so far, to relay)."""
+        assert self.hello is not None
+        verdict = self.hello.feed(data)
         if verdict is WAIT:
             return
         if verdict is not None:
-            self._close_tunnel(verdict)
+            self._close_tunnel(str(verdict))
             return
         self.stage = "relay"
         if self.timer is not None:
             self.timer.cancel()
-        self.buffer = bytearray()
+        data, self.buffer = bytes(self.buffer), bytearray()
         super().data_received(data)
 
     def _close_tunnel(self, problem: str) -> None:
@@ -491,32 +493,6 @@ class FrontProtocol(_Pipe):
         self.transport.set_protocol(self)
         self.buffer = bytearray(pending)
         self._hand_off()
-
-
-class _Wait:
-    """first_bytes_verdict: the first bytes do not tell yet."""
-
-
-WAIT = _Wait()
-
-
-def first_bytes_verdict(tunnel_host: str, data: bytes) -> str | _Wait | None:
-    """The SNI rule on a tunnel's first client bytes: None to relay, WAIT for more, else why to close.
-
-    Both tunnel paths (this one and the native front) ask this one function."""
-    if starts_like_tls_record(data):
-        try:
-            hello = parse_client_hello(data)
-        except Exception:  # noqa: BLE001 - whatever the parser says, the tunnel is closed
-            return "unparseable TLS ClientHello"
-        if hello is None:
-            if len(data) > MAX_CLIENT_HELLO:
-                return "TLS ClientHello too long"
-            return WAIT  # split across packets: wait for the rest
-        return sni_problem(tunnel_host, hello.sni)
-    if len(data) < 3 and data and data[0] == 0x16:
-        return WAIT  # too short to tell
-    return None
 
 
 def _is_ip(host: str) -> bool:
