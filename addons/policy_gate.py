@@ -136,15 +136,18 @@ class PolicyGate:
             self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
             return
         flow.request.headers.pop("proxy-authorization", None)
-        limited = self.rt.rate_limit(state, flow.client_conn.id) or self.rt.connection_limit()
-        if limited is not None:
-            self._refuse(flow, state, limited)
-            return
-        decision = self.rt.gate.decide(
-            flow.request.host, flow.request.port, state.profile, scheme="connect", method="CONNECT"
+        decision = self.rt.decide(
+            state,
+            flow.client_conn.id,
+            flow.request.host,
+            flow.request.port,
+            scheme="connect",
+            method="CONNECT",
+            opens=True,
         )
-        if decision.target is not None:
-            state.host, state.port = decision.target.host.text, decision.target.port
+        if isinstance(decision, Refusal):
+            self._refuse(flow, state, decision)  # a limit, before anything is decided
+            return
         if not decision.allowed or (decision.needs_inspection and not self.rt.inspection):
             admission_refusal = decision_refusal(decision)
             self._audit_decision(state, flow, decision, admission_refusal)
@@ -180,21 +183,19 @@ class PolicyGate:
         if not self._authenticate(flow, state):
             self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
             return
-        limited = self.rt.rate_limit(state, flow.client_conn.id)
-        if limited is not None:
-            self._refuse(flow, state, limited)
-            return
         request = flow.request
-        decision = self.rt.gate.decide(
+        decision = self.rt.decide(
+            state,
+            flow.client_conn.id,
             request.host,
             request.port,
-            state.profile,
             scheme=request.scheme,
             method=request.method,
             path=request.path,
         )
-        if decision.target is not None:
-            state.host, state.port = decision.target.host.text, decision.target.port
+        if isinstance(decision, Refusal):
+            self._refuse(flow, state, decision)  # a limit, before anything is decided
+            return
         refusal = None
         if not decision.allowed or decision.needs_inspection:
             refusal = decision_refusal(decision)
@@ -275,23 +276,23 @@ class PolicyGate:
         if address is None:
             data.server.error = failure_message("invalid_target", "no destination")
             return
+        # a SOCKS5 connect is a request of its own; a CONNECT's or a request's hook took its token
         socks = data.client.proxy_mode.type_name == "socks5"
-        limited = (self.rt.rate_limit(state, data.client.id) if socks else None) or self.rt.connection_limit()
-        if limited is not None:
-            data.server.error = failure_message(limited.reason, limited.detail)
+        decision = self.rt.decide(state, data.client.id, address[0], address[1], rate=socks, opens=True)
+        if isinstance(decision, Refusal):
+            data.server.error = failure_message(decision.reason, decision.detail)
             return
-        host, port = address[0], address[1]
-        decision = self.rt.gate.decide(host, port, state.profile)
-        if decision.allowed and decision.needs_inspection:
-            # paths are decided per request: plain HTTP already was; a tunnel is intercepted
-            if (host, port) in state.request_admitted:
+        if decision.allowed and decision.needs_inspection and decision.target is not None:
+            # paths are decided per request: plain HTTP already was; a tunnel is intercepted. Both
+            # sets hold the canonical target (the tunnel guard sees the pinned, canonical address),
+            # never the client's spelling (a SOCKS5 `API.TEST` must be intercepted like `api.test`)
+            canonical = (decision.target.host.text, decision.target.port)
+            if canonical in state.request_admitted:
                 decision = dataclasses.replace(decision, needs_inspection=False)
             elif self.rt.inspection:
-                state.intercept.add((host, port))
+                state.intercept.add(canonical)
                 decision = dataclasses.replace(decision, needs_inspection=False)
         admission = await self.rt.gate.admit(decision)
-        if decision.target is not None:
-            state.host, state.port = decision.target.host.text, decision.target.port
         if admission.pin is None:
             assert admission.refusal is not None
             self.rt.audit_connection(state, admission, None)

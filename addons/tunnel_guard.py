@@ -2,7 +2,10 @@
 
 Replaces mitmproxy's built-in next-layer choice for tunnels (CONNECT and SOCKS5):
 - the TLS SNI must name the tunnel's host (an IP-literal tunnel may carry no SNI); otherwise the
-  tunnel is closed and audited;
+  tunnel is closed and audited. The client's first bytes are checked whoever speaks first: when the
+  server sends a banner before the client said anything, a passthrough tunnel relays it and checks
+  the client's first bytes in the relay; a tunnel to inspect holds it until the client spoke. They
+  are read incrementally (egressd.engine.sni.TunnelStart, as on the lean path), at a bounded cost;
 - an allowed tunnel passes through untouched (`TCPLayer(ignore=True)`, no recorded flow, so nothing
   is buffered), counting bytes for the audit;
 - TLS towards the proxy itself is not offered: the child talks plain HTTP or SOCKS5 to loopback.
@@ -15,6 +18,8 @@ Loads in a stock `mitmdump -s addons/tunnel_guard.py` too.
 from __future__ import annotations
 
 import logging
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from mitmproxy.addons.next_layer import NextLayer
@@ -22,11 +27,10 @@ from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TCPLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode
-from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.mode_servers import Socks5Instance
 
 from egressd.engine.runtime import Runtime, shared_runtime
-from egressd.engine.sni import sni_problem
+from egressd.engine.sni import WAIT, TunnelStart
 from egressd.policy import TargetError, canonical_host
 from egressd.refusal import POLICY_REASONS, parse_failure
 
@@ -42,18 +46,39 @@ SOCKS5_REPLY = {
 
 
 class CountingTunnel(TCPLayer):
-    """A passthrough tunnel (no flow, nothing kept) that counts bytes each way for the audit."""
+    """A passthrough tunnel (no flow, nothing kept) that counts bytes each way for the audit.
 
-    def __init__(self, context: Any, runtime: Runtime) -> None:
+    With `first_bytes` (the server spoke first), the client's bytes are held until that check
+    answers: relayed when it allows them, the tunnel closed (and audited) when it does not."""
+
+    def __init__(self, context: Any, runtime: Runtime, first_bytes: TunnelStart | None = None) -> None:
         super().__init__(context, ignore=True)
+        self.rt = runtime
         self._state = runtime.conn(context.client.id)
+        self._first_bytes = first_bytes
+        self._held = b""
 
     def relay_messages(self, event: events.Event) -> layer.CommandGenerator[None]:
-        if isinstance(event, events.DataReceived) and self._state is not None:
-            if event.connection == self.context.client:
-                self._state.bytes_up += len(event.data)
-            else:
-                self._state.bytes_down += len(event.data)
+        if isinstance(event, events.DataReceived):
+            from_client = event.connection == self.context.client
+            if self._state is not None:
+                if from_client:
+                    self._state.bytes_up += len(event.data)
+                else:
+                    self._state.bytes_down += len(event.data)
+            if from_client and self._first_bytes is not None:
+                verdict = self._first_bytes.feed(event.data)
+                self._held += event.data
+                if verdict is WAIT:
+                    return
+                if isinstance(verdict, str):
+                    self._handle_event = self.done  # type: ignore[method-assign]
+                    audit_refusal(self.rt, self.context, verdict)
+                    yield commands.CloseConnection(self.context.client)
+                    yield commands.CloseConnection(self.context.server)
+                    return
+                event = events.DataReceived(self.context.client, self._held)
+                self._first_bytes, self._held = None, b""
         yield from super().relay_messages(event)
 
 
@@ -111,6 +136,8 @@ class TunnelGuard(NextLayer):
     def __init__(self, runtime: Runtime) -> None:
         super().__init__()
         self.rt = runtime
+        # the SNI check of each tunnel whose layer is not chosen yet (gone with its NextLayer)
+        self._starts: weakref.WeakKeyDictionary[layer.NextLayer, _Start] = weakref.WeakKeyDictionary()
         _install_socks5_layer()
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
@@ -141,29 +168,32 @@ class TunnelGuard(NextLayer):
 
     def _tunnel_layer(self, nextlayer: layer.NextLayer) -> None:
         context = nextlayer.context
-        data_client = nextlayer.data_client()
         nextlayer.layer = None  # decided here only, whatever another next-layer addon chose
-        if not data_client and not nextlayer.data_server():
-            return  # wait for bytes
-        if data_client and starts_like_tls_record(data_client):
-            try:
-                hello = parse_client_hello(data_client)
-            except ValueError:
-                hello = None
-                problem = "unparseable TLS ClientHello"
-            else:
-                if hello is None:
-                    return  # ClientHello split across packets: wait for the rest
-                problem = sni_problem(context.server.address[0], hello.sni)
-            if problem is not None:
-                self._refuse(nextlayer, problem)
-                return
-        if self._intercept(context):
-            nextlayer.layer = _inspection_layers(
-                context, tls=bool(data_client) and starts_like_tls_record(data_client)
-            )
-            return
-        nextlayer.layer = CountingTunnel(context, self.rt)
+        start = self._starts.get(nextlayer)
+        if start is None:
+            start = self._starts[nextlayer] = _Start(TunnelStart(context.server.address[0]))
+        for event in nextlayer.events[start.events :]:  # only what arrived since the last call
+            if isinstance(event, events.DataReceived):
+                if event.connection == context.client:
+                    start.client_bytes += len(event.data)
+                    start.check.feed(event.data)
+                else:
+                    start.server_bytes += len(event.data)
+        start.events = len(nextlayer.events)
+        verdict = start.check.verdict
+        if isinstance(verdict, str):
+            self._refuse(nextlayer, verdict)
+        elif verdict is WAIT:
+            if not start.client_bytes and start.server_bytes and not self._intercept(context):
+                # the server spoke first: relay it now, and check the client's first bytes in the relay
+                nextlayer.layer = CountingTunnel(context, self.rt, start.check)
+            # else: wait for (more of) the client's first bytes; a tunnel to inspect holds the server's
+        elif self._intercept(context):
+            nextlayer.layer = _inspection_layers(context, tls=start.check.tls is True)
+        else:
+            nextlayer.layer = CountingTunnel(context, self.rt)
+        if nextlayer.layer is not None:
+            self._starts.pop(nextlayer, None)
 
     def _intercept(self, context: Any) -> bool:
         if not self.rt.inspection:
@@ -179,11 +209,24 @@ class TunnelGuard(NextLayer):
         return self.rt.policies.get().inspect.match(target, port) is not None
 
     def _refuse(self, nextlayer: layer.NextLayer, problem: str, reason: str = "sni_mismatch") -> None:
-        context = nextlayer.context
-        state = self.rt.conn(context.client.id)
-        host, port = context.server.address
-        self.rt.audit_early_refusal(state, host, port, reason, problem, stage="tls")
-        nextlayer.layer = RefuseTunnel(context)
+        audit_refusal(self.rt, nextlayer.context, problem, reason)
+        nextlayer.layer = RefuseTunnel(nextlayer.context)
+
+
+@dataclass
+class _Start:
+    """How far the SNI check of one undecided tunnel has read (TunnelGuard.next_layer)."""
+
+    check: TunnelStart
+    events: int = 0  # of the NextLayer's events, fed already
+    client_bytes: int = 0
+    server_bytes: int = 0
+
+
+def audit_refusal(rt: Runtime, context: Any, problem: str, reason: str = "sni_mismatch") -> None:
+    """The record of a tunnel closed for its first bytes (or what it carries)."""
+    host, port = context.server.address
+    rt.audit_early_refusal(rt.conn(context.client.id), host, port, reason, problem, stage="tls")
 
 
 def _inspection_layers(context: Any, *, tls: bool) -> layer.Layer:

@@ -2,6 +2,10 @@
 
 egressd never lets the operating system (or mitmproxy) resolve a name behind its back: the addresses
 returned here are classified by the policy and then they are the only ones connected to.
+
+Lookups of one name that are in flight at the same moment share one DNS query per record type (a
+burst of connections to one host must not become a burst of queries). Nothing is kept once the
+query is answered: the next connection asks again.
 """
 
 from __future__ import annotations
@@ -43,10 +47,10 @@ def make_resolver(nameservers: Sequence[tuple[str, int]], timeout: float) -> dns
 
 async def resolve(name: str, nameservers: Sequence[tuple[str, int]], timeout: float) -> list[IPAddress]:
     """A and AAAA for name, IPv4 first, answer order kept; raises ResolveError."""
-    resolver = make_resolver(nameservers, timeout)
+    servers = tuple(nameservers)
     results = await asyncio.gather(
-        _query(resolver, name, dns.rdatatype.A),
-        _query(resolver, name, dns.rdatatype.AAAA),
+        _shared_query(name, dns.rdatatype.A, servers, timeout),
+        _shared_query(name, dns.rdatatype.AAAA, servers, timeout),
     )
     addresses: list[IPAddress] = []
     errors: list[ResolveError] = []
@@ -62,6 +66,34 @@ async def resolve(name: str, nameservers: Sequence[tuple[str, int]], timeout: fl
     if errors:
         raise errors[0]
     raise ResolveError("dns_error", f"{name}: no A or AAAA records")
+
+
+# the query in flight per (event loop, name, record type, nameservers, timeout): a waiter joins it
+_QueryKey = tuple[asyncio.AbstractEventLoop, str, int, tuple[tuple[str, int], ...], float]
+_in_flight: dict[_QueryKey, asyncio.Future[list[IPAddress] | ResolveError]] = {}
+
+
+async def _shared_query(
+    name: str, rdtype: dns.rdatatype.RdataType, nameservers: tuple[tuple[str, int], ...], timeout: float
+) -> list[IPAddress] | ResolveError:
+    """The answer of the query for (name, rdtype) in flight now, or of a new one.
+
+    Keyed by the nameservers and timeout too (a reload that changes them starts a new query) and
+    by the loop (a future belongs to one). A waiter that is cancelled does not cancel the query
+    the others wait for (shield); the query ends within its own lifetime either way."""
+    key: _QueryKey = (asyncio.get_running_loop(), name, int(rdtype), nameservers, timeout)
+    query = _in_flight.get(key)
+    if query is None:
+        query = asyncio.ensure_future(_query(make_resolver(nameservers, timeout), name, rdtype))
+        if not query.done():  # an eager task may already have finished: nothing to share then
+            _in_flight[key] = query
+            query.add_done_callback(lambda done: _forget(key, done))
+    return await asyncio.shield(query)
+
+
+def _forget(key: _QueryKey, done: asyncio.Future[list[IPAddress] | ResolveError]) -> None:
+    if _in_flight.get(key) is done:
+        del _in_flight[key]
 
 
 async def _query(

@@ -24,27 +24,60 @@ def starts_like_tls_record(data: bytes) -> bool:
     return len(data) > 2 and data[0] == 0x16 and data[1] == 0x03 and data[2] <= 0x03
 
 
-def _handshake_bytes(data: bytes) -> bytes | None:
-    """The ClientHello handshake message reassembled from complete records, None while incomplete."""
-    message = b""
-    offset = 0
-    while len(data) >= offset + 5:
-        header = data[offset : offset + 5]
-        if not starts_like_tls_record(header):
-            raise ValueError(f"Expected TLS record, got {header!r} instead.")
-        size = struct.unpack("!H", header[3:])[0]
-        if size == 0:
-            raise ValueError("Record must not be empty.")
-        offset += 5
-        if len(data) < offset + size:
-            return None
-        message += data[offset : offset + size]
-        offset += size
-        if len(message) >= 4:
-            total = struct.unpack("!I", b"\x00" + message[1:4])[0] + 4
-            if len(message) >= total:
-                return message[:total]
-    return None
+# A ClientHello fits one record (up to 16 KiB); clients that split it use a few. Beyond these, the
+# tunnel is refused: the cost of reading a ClientHello stays bounded whatever its shape.
+MAX_CLIENT_HELLO = 64 * 1024  # bytes on the wire
+MAX_HELLO_RECORDS = 64
+
+
+class HelloTooLarge(ValueError):
+    """The ClientHello is not complete within MAX_CLIENT_HELLO bytes or MAX_HELLO_RECORDS records."""
+
+
+class HelloReader:
+    """Reassembles the ClientHello handshake message from TLS records as bytes arrive.
+
+    Each byte is looked at once (a record is taken when it is complete), so a hello that trickles in
+    costs what its size costs, not its size times the number of reads. `limited=False` reads without
+    the caps (the reference reading, compared with mitmproxy's in the unit tests)."""
+
+    def __init__(self, *, limited: bool = True) -> None:
+        self.limited = limited
+        self._pending = bytearray()  # the start of a record not complete yet
+        self._message = bytearray()
+        self.records = 0
+        self.size = 0
+
+    def feed(self, data: bytes) -> bytes | None:
+        """The complete handshake message once it is there; None while it is not. Raises ValueError
+        for bytes that cannot be a ClientHello (as mitmproxy does), HelloTooLarge past the caps."""
+        self._pending += data
+        self.size += len(data)
+        offset = 0
+        try:
+            while len(self._pending) >= offset + 5:
+                header = bytes(self._pending[offset : offset + 5])
+                if not starts_like_tls_record(header):
+                    raise ValueError(f"Expected TLS record, got {header!r} instead.")
+                size = struct.unpack("!H", header[3:])[0]
+                if size == 0:
+                    raise ValueError("Record must not be empty.")
+                if len(self._pending) < offset + 5 + size:
+                    break
+                self.records += 1
+                if self.limited and self.records > MAX_HELLO_RECORDS:
+                    raise HelloTooLarge(f"TLS ClientHello split into more than {MAX_HELLO_RECORDS} records")
+                self._message += self._pending[offset + 5 : offset + 5 + size]
+                offset += 5 + size
+                if len(self._message) >= 4:
+                    total = struct.unpack("!I", b"\x00" + self._message[1:4])[0] + 4
+                    if len(self._message) >= total:
+                        return bytes(self._message[:total])
+        finally:
+            del self._pending[:offset]
+        if self.limited and self.size > MAX_CLIENT_HELLO:
+            raise HelloTooLarge("TLS ClientHello too long")
+        return None
 
 
 @dataclass(frozen=True)
@@ -59,7 +92,11 @@ def parse_client_hello(data: bytes) -> Hello | None:
 
     Raises ValueError for bytes that cannot be a ClientHello (as mitmproxy does).
     """
-    message = _handshake_bytes(data)
+    return parse_message(HelloReader(limited=False).feed(data))
+
+
+def parse_message(message: bytes | None) -> Hello | None:
+    """The Hello in a complete handshake message from HelloReader (None: not complete yet)."""
     if not message:
         return None
     try:

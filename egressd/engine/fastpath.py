@@ -20,11 +20,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
 from egressd.engine import faults, native_front
-from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem, leading_empty_lines
 from egressd.engine.pinning import EarlierAttempt
-from egressd.engine.sni import sni_problem
+from egressd.engine.sni import WAIT, TunnelStart
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_CLIENT_HELLO = 64 * 1024
 # where the embedded mitmproxy listens for "http" or "socks" clients (started on first use)
 MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
 HIGH_WATER = 1 << 20
@@ -89,6 +87,16 @@ class _Pipe(asyncio.Protocol):
         self.burst_start = 0.0  # when the current burst of such reads began
         self.burst_bytes = 0  # read in it after its first read
         self.coalescing: asyncio.TimerHandle | None = None
+        # what arrived before the peer was attached (a server that speaks first may answer the
+        # connect before the CONNECT's 200 is written): handed over by attach()
+        self.early = bytearray()
+
+    def attach(self, peer: _Pipe) -> None:
+        """Pair this side with its peer and pass on what this side read before."""
+        self.peer, peer.peer = peer, self
+        if self.early and peer.transport is not None and not peer.transport.is_closing():
+            peer.transport.write(bytes(self.early))
+        self.early = bytearray()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but speak the same interface
@@ -100,7 +108,9 @@ class _Pipe(asyncio.Protocol):
         now = time.monotonic()
         self.tunnel.count(self.upstream, n, now)
         peer = self.peer
-        if peer is not None and peer.transport is not None and not peer.transport.is_closing():
+        if peer is None:
+            self.early += data
+        elif peer.transport is not None and not peer.transport.is_closing():
             peer.transport.write(data)
         if n >= COALESCE_MIN and self.coalesce:
             if now - self.last_bulk >= COALESCE_WINDOW:
@@ -212,6 +222,7 @@ class FrontProtocol(_Pipe):
         self.timer: asyncio.TimerHandle | None = None
         self.server_id: str | None = None
         self.task: asyncio.Task[None] | None = None
+        self.hello: TunnelStart | None = None  # the SNI check of the tunnel's first bytes
         self.finished = False
         self.eof_pending = False
 
@@ -245,6 +256,9 @@ class FrontProtocol(_Pipe):
             super().data_received(data)
             return
         self.buffer += data
+        if self.stage == "sni":
+            self._on_hello_bytes(data)
+            return
         if self.stage == "handoff":
             # kept until mitmproxy is connected (uvloop may start reading after connection_made
             # even when it paused reading, so pausing alone does not hold the bytes back)
@@ -253,8 +267,6 @@ class FrontProtocol(_Pipe):
             return
         if self.stage == "head":
             self._on_head_bytes()
-        elif self.stage == "sni":
-            self._on_hello_bytes()
 
     def eof_received(self) -> bool:
         if self.stage == "relay":
@@ -334,9 +346,12 @@ class FrontProtocol(_Pipe):
             return
         creds = state.creds
         host, port = authority
-        decision = self.rt.gate.decide(host, port, state.profile, scheme="connect", method="CONNECT")
-        if decision.target is not None:
-            state.host, state.port = decision.target.host.text, decision.target.port
+        decision = self.rt.decide(
+            state, self.client_id, host, port, scheme="connect", method="CONNECT", opens=True
+        )
+        if isinstance(decision, Refusal):
+            self._refuse(decision)  # a limit, before anything is decided
+            return
         if not decision.allowed or (decision.needs_inspection and not self.rt.inspection):
             refusal = decision_refusal(decision)
             self.rt.audit_decision(
@@ -353,11 +368,10 @@ class FrontProtocol(_Pipe):
             self._refuse(refusal)
             return
         if self.rt.wants_inspection(decision, state.client_key(self.client_id)):
-            self._hand_off(head)  # the mitmproxy addons limit, intercept and decide every request
-            return
-        limited = self.rt.rate_limit(state, self.client_id) or self.rt.connection_limit()
-        if limited is not None:
-            self._refuse(limited)
+            # the mitmproxy addons limit, intercept and decide every request: this CONNECT takes
+            # its token there, once
+            self.rt.refund_rate(state, self.client_id)
+            self._hand_off(head)
             return
         upstream = _Pipe(self.tunnel, upstream=True, coalesce=True)
         earlier, self.earlier = self.earlier, None
@@ -370,29 +384,31 @@ class FrontProtocol(_Pipe):
         if self.transport is None or self.transport.is_closing():
             upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
             return
-        upstream.peer, self.peer = self, upstream
         self.coalesce = COALESCE
         self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        upstream.attach(self)  # after the 200: a server's first bytes follow it
         if self.front.native is not None:
             self.front.native.remember(head, self.generation, creds, decision, admission)
         self.stage = "sni"
+        self.hello = TunnelStart(state.host or "")
         self.transport.resume_reading()
         if self.buffer:
-            self._on_hello_bytes()
+            self._on_hello_bytes(bytes(self.buffer))
 
     # -- the TLS SNI check -------------------------------------------------------------------------
-    def _on_hello_bytes(self) -> None:
-        data = bytes(self.buffer)
-        verdict = first_bytes_verdict(self.state.host if self.state else "", data)
+    def _on_hello_bytes(self, data: bytes) -> None:
+        """The SNI check on the bytes just read (the buffer holds all read so far, to relay)."""
+        assert self.hello is not None
+        verdict = self.hello.feed(data)
         if verdict is WAIT:
             return
         if verdict is not None:
-            self._close_tunnel(verdict)
+            self._close_tunnel(str(verdict))
             return
         self.stage = "relay"
         if self.timer is not None:
             self.timer.cancel()
-        self.buffer = bytearray()
+        data, self.buffer = bytes(self.buffer), bytearray()
         super().data_received(data)
 
     def _close_tunnel(self, problem: str) -> None:
@@ -447,7 +463,7 @@ class FrontProtocol(_Pipe):
                     self.transport.write(render(Refusal("internal_error", f"proxy engine: {exc}")))
                 self.transport.close()
             return
-        inner.peer, self.peer = self, inner
+        inner.attach(self)
         assert inner.transport is not None
         pending += bytes(self.buffer)
         self.buffer = bytearray()
@@ -481,32 +497,6 @@ class FrontProtocol(_Pipe):
         self.transport.set_protocol(self)
         self.buffer = bytearray(pending)
         self._hand_off()
-
-
-class _Wait:
-    """first_bytes_verdict: the first bytes do not tell yet."""
-
-
-WAIT = _Wait()
-
-
-def first_bytes_verdict(tunnel_host: str, data: bytes) -> str | _Wait | None:
-    """The SNI rule on a tunnel's first client bytes: None to relay, WAIT for more, else why to close.
-
-    Both tunnel paths (this one and the native front) ask this one function."""
-    if starts_like_tls_record(data):
-        try:
-            hello = parse_client_hello(data)
-        except Exception:  # noqa: BLE001 - whatever the parser says, the tunnel is closed
-            return "unparseable TLS ClientHello"
-        if hello is None:
-            if len(data) > MAX_CLIENT_HELLO:
-                return "TLS ClientHello too long"
-            return WAIT  # split across packets: wait for the rest
-        return sni_problem(tunnel_host, hello.sni)
-    if len(data) < 3 and data and data[0] == 0x16:
-        return WAIT  # too short to tell
-    return None
 
 
 def _is_ip(host: str) -> bool:

@@ -15,7 +15,7 @@ class TokenBuckets:
         self._buckets: dict[str, tuple[float, float]] = {}
 
     def take(self, key: str, rate: float, burst: int | None) -> float:
-        depth = float(burst if burst is not None else max(1, math.ceil(2 * rate)))
+        depth = _depth(rate, burst)
         now = time.monotonic()
         with self._lock:
             tokens, last = self._buckets.get(key, (depth, now))
@@ -26,6 +26,19 @@ class TokenBuckets:
             self._buckets[key] = (tokens, now)
             return (1 - tokens) / rate
 
+    def refund(self, key: str, rate: float, burst: int | None) -> None:
+        """Give back one token taken by take() (never above the bucket's depth)."""
+        depth = _depth(rate, burst)
+        with self._lock:
+            entry = self._buckets.get(key)
+            if entry is not None:
+                self._buckets[key] = (min(depth, entry[0] + 1), entry[1])
+
     def forget(self, key: str) -> None:
         with self._lock:
             self._buckets.pop(key, None)
+
+
+def _depth(rate: float, burst: int | None) -> float:
+    """The bucket depth: limits.burst, or twice the rate (at least 1)."""
+    return float(burst if burst is not None else max(1, math.ceil(2 * rate)))

@@ -184,7 +184,7 @@ class NativeFront:
 
     def _hello(self, meta: Remembered, data: bytes, serial: int) -> int:
         """0: wait for more, 1: relay, 2: close (recorded here)."""
-        from egressd.engine.fastpath import WAIT, first_bytes_verdict
+        from egressd.engine.sni import WAIT, first_bytes_verdict
 
         verdict = first_bytes_verdict(meta.host, data)
         if verdict is WAIT:

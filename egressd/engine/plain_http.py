@@ -638,15 +638,18 @@ class PlainClient(asyncio.Protocol):
         header = request.values("proxy-authorization")
         if not rt.authenticate(state, header[0] if header else None):
             return self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
-        limited = rt.rate_limit(state, self.front.client_id)
-        if limited is not None:
-            return self._refuse(limited)
-        decision = rt.gate.decide(
-            request.host, request.port, state.profile, scheme="http", method=request.method, path=request.path
+        decision = rt.decide(
+            state,
+            self.front.client_id,
+            request.host,
+            request.port,
+            scheme="http",
+            method=request.method,
+            path=request.path,
         )
+        if isinstance(decision, Refusal):
+            return self._refuse(decision)  # a limit, before anything is decided
         target = decision.target
-        if target is not None:
-            state.host, state.port = target.host.text, target.port
         refusal = None
         if not decision.allowed or decision.needs_inspection or target is None:
             refusal = decision_refusal(decision)

@@ -185,6 +185,44 @@ class Runtime:
             return None
         return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
 
+    def decide(
+        self,
+        state: ConnState,
+        fallback_key: str,
+        host: str,
+        port: int,
+        *,
+        scheme: str | None = None,
+        method: str | None = None,
+        path: str | None = None,
+        rate: bool = True,
+        opens: bool = False,
+    ) -> Decision | Refusal:
+        """The limits, then the one decision: the step every front awaits for a CONNECT, a request
+        or a SOCKS5 connect (lean paths, the mitmproxy hooks; the native front hands every request
+        to these while a limit is set). Limits come first so that refused targets cost a child its
+        rate like allowed ones: probing what the policy refuses is not free.
+
+        `rate`: this request takes a token (False where an earlier hook of the same request took
+        it); `opens`: it opens an upstream connection now (limits.max_connections). On a decision,
+        state.host/port name the canonical target."""
+        limited = (self.rate_limit(state, fallback_key) if rate else None) or (
+            self.connection_limit() if opens else None
+        )
+        if limited is not None:
+            return limited
+        decision = self.gate.decide(host, port, state.profile, scheme=scheme, method=method, path=path)
+        if decision.target is not None:
+            state.host, state.port = decision.target.host.text, decision.target.port
+        return decision
+
+    def refund_rate(self, state: ConnState, fallback_key: str) -> None:
+        """Give back the token `decide` took, for a request handed on to a front that takes its own
+        (the lean path hands tunnels to inspect to mitmproxy, which limits and decides them again)."""
+        limits = self.policies.get().limits
+        if limits.requests_per_second is not None:
+            self.buckets.refund(state.client_key(fallback_key), limits.requests_per_second, limits.burst)
+
     def wants_inspection(self, decision: Decision, client_key: str) -> bool:
         """Intercept an allowed tunnel (either tunnel path): hosts only a path/method rule admits,
         hosts the policy marks `inspect`, and the target of a redirect this child was sent."""

@@ -140,8 +140,15 @@ class Policy:
 
     @property
     def needs_inspection(self) -> bool:
-        """Some HTTPS would be TLS-intercepted: inspect rules, built-in allowances, path/method rules."""
-        return bool(len(self.inspect) or self.builtin or any(rule.restricted for rule in self.allow.rules))
+        """Some HTTPS would be TLS-intercepted: inspect rules, built-in allowances, and path/method
+        rules in allow or deny lists, the policy's or a profile's. Any rule that `decide` can only
+        settle with the path (a path-scoped deny too) needs it, or the proxy would refuse what
+        `egressd check` allows."""
+        rulesets = [self.allow, self.deny]
+        for profile in self.profiles.values():
+            rulesets += [profile.deny] if profile.allow is None else [profile.allow, profile.deny]
+        restricted = any(rule.restricted for rules in rulesets for rule in rules.rules)
+        return bool(len(self.inspect) or self.builtin or restricted)
 
     def with_overrides(
         self,

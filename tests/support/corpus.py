@@ -221,9 +221,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def tunnel_get(sock: socket.socket, host: str, timeout: float = 10.0) -> Response | None:
+def tunnel_get(
+    sock: socket.socket, host: str, timeout: float = 10.0, path: str = "/tunnel"
+) -> Response | None:
     """A plain HTTP request inside an established (non-TLS) tunnel."""
-    sock.sendall(f"GET /tunnel HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
     try:
         return read_response(sock, timeout)
     except (ConnectionResetError, TimeoutError):

@@ -62,6 +62,7 @@ class _Entry:
     sequence: list[list[str]] = field(default_factory=list)
     target: str = ""
     served: dict[str, int] = field(default_factory=dict)  # rdtype -> how many answered (sequence)
+    delay: float = 0.0  # seconds before the answer is sent (queries that overlap in time)
 
 
 class DnsServer:
@@ -86,11 +87,14 @@ class DnsServer:
         self._tcp_clients: set[socket.socket] = set()
 
     # -- programming -------------------------------------------------------------------------------
-    def add(self, name: str, *addresses: str, ttl: int = 0) -> None:
-        """Answer A/AAAA for ``name`` with ``addresses`` (sorted by family); replaces earlier data."""
+    def add(self, name: str, *addresses: str, ttl: int = 0, delay: float = 0.0) -> None:
+        """Answer A/AAAA for ``name`` with ``addresses`` (sorted by family); replaces earlier data.
+
+        ``delay``: send each answer that many seconds after its query arrived (other queries are
+        answered meanwhile), so that lookups of one name overlap in time."""
         v4, v6 = _split_families(addresses)
         with self._lock:
-            self._entries[_norm(name)] = _Entry("static", v4=v4, v6=v6, ttl=ttl)
+            self._entries[_norm(name)] = _Entry("static", v4=v4, v6=v6, ttl=ttl, delay=delay)
 
     def add_sequence(self, name: str, answers: list[list[str]], ttl: int = 0) -> None:
         """The n-th query of a type gets ``answers[min(n, len-1)]`` (of that family) — for rebinding."""
@@ -212,15 +216,22 @@ class DnsServer:
         self.stop()
 
     # -- answering ---------------------------------------------------------------------------------
-    def _answer(self, wire: bytes, transport: str) -> tuple[dns.message.Message | None, int]:
-        """The response to ``wire`` (None: stay silent) and the client's UDP size limit."""
+    def _answer(self, wire: bytes, transport: str) -> tuple[dns.message.Message | None, int, float]:
+        """The response to ``wire`` (None: stay silent), the client's UDP size limit and the delay."""
         try:
             query = dns.message.from_wire(wire)
         except dns.exception.DNSException as exc:
             log.debug("bad query: %s", exc)
-            return None, 512
+            return None, 512, 0.0
         limit = max(query.payload, 512) if query.edns >= 0 else 512
-        return self._respond(query, transport), limit
+        return self._respond(query, transport), limit, self._delay(query)
+
+    def _delay(self, query: dns.message.Message) -> float:
+        if not query.question:
+            return 0.0
+        with self._lock:
+            entry = self._entries.get(_norm(query.question[0].name.to_text()))
+            return entry.delay if entry is not None else 0.0
 
     def _respond(self, query: dns.message.Message, transport: str) -> dns.message.Message | None:
         if not query.question:
@@ -291,7 +302,7 @@ class DnsServer:
                     wire, peer = sock.recvfrom(65535)
                 except OSError:
                     continue
-                resp, limit = self._answer(wire, "udp")
+                resp, limit, delay = self._answer(wire, "udp")
                 if resp is None:
                     continue
                 try:
@@ -302,10 +313,10 @@ class DnsServer:
                     resp.additional.clear()
                     resp.flags |= dns.flags.TC
                     out = resp.to_wire()
-                try:
-                    sock.sendto(out, peer)
-                except OSError as exc:
-                    log.debug("udp send to %s failed: %s", peer, exc)
+                if delay:
+                    threading.Timer(delay, _send_udp, (sock, out, peer)).start()
+                else:
+                    _send_udp(sock, out, peer)
         finally:
             sel.close()
 
@@ -341,9 +352,11 @@ class DnsServer:
                 wire = _recv_exact(conn, length, self._stop)
                 if wire is None:
                     return
-                resp, _limit = self._answer(wire, "tcp")
+                resp, _limit, delay = self._answer(wire, "tcp")
                 if resp is None:
                     continue  # silent, keep the connection open
+                if delay:
+                    self._stop.wait(delay)
                 out = resp.to_wire()
                 conn.sendall(struct.pack("!H", len(out)) + out)
         except OSError:
@@ -352,6 +365,13 @@ class DnsServer:
             with self._lock:
                 self._tcp_clients.discard(conn)
             _close(conn)
+
+
+def _send_udp(sock: socket.socket, out: bytes, peer: tuple[str, int]) -> None:
+    try:
+        sock.sendto(out, peer)
+    except OSError as exc:
+        log.debug("udp send to %s failed: %s", peer, exc)
 
 
 def _recv_exact(conn: socket.socket, n: int, stop: threading.Event) -> bytes | None:

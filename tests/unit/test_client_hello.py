@@ -2,39 +2,20 @@
 
 from __future__ import annotations
 
-import ssl
-import struct
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mitmproxy.net.tls import starts_like_tls_record as mitm_starts_like_tls_record
 from mitmproxy.proxy.layers.tls import parse_client_hello as mitm_parse_client_hello
 
-from egressd.engine.client_hello import parse_client_hello, starts_like_tls_record
-
-
-def client_hello(server_hostname: str | None) -> bytes:
-    """A real ClientHello from Python's ssl module (OpenSSL), as it goes on the wire."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = context.wrap_bio(incoming, outgoing, server_hostname=server_hostname)
-    with pytest.raises(ssl.SSLWantReadError):
-        tls.do_handshake()
-    return outgoing.read()
-
-
-def records(message: bytes, sizes: list[int]) -> bytes:
-    """The handshake message of a ClientHello re-split into TLS records of the given sizes."""
-    out, offset = b"", 0
-    for size in sizes + [len(message)]:
-        chunk = message[offset : offset + size]
-        if not chunk:
-            break
-        out += b"\x16\x03\x01" + struct.pack("!H", len(chunk)) + chunk
-        offset += len(chunk)
-    return out
+from egressd.engine.client_hello import (
+    MAX_CLIENT_HELLO,
+    MAX_HELLO_RECORDS,
+    parse_client_hello,
+    starts_like_tls_record,
+)
+from egressd.engine.sni import WAIT, TunnelStart, first_bytes_verdict
+from tests.support.tls_hello import client_hello, records
 
 
 def outcome(parse: object, data: bytes) -> tuple[str, str | None]:
@@ -124,3 +105,44 @@ def test_mutated_hellos_behave_alike(name: str, position: int, value: int) -> No
     data = bytearray(HELLOS[name])
     data[position % len(data)] = value
     assert outcome(parse_client_hello, bytes(data)) == outcome(mitm_parse_client_hello, bytes(data))
+
+
+# -- TunnelStart: the same reading, fed as bytes arrive, at a bounded cost -----------------------
+@pytest.mark.parametrize("name", sorted(HELLOS))
+@pytest.mark.parametrize("step", [1, 7, 300])
+def test_tunnel_start_fed_in_pieces_agrees_with_one_reading(name: str, step: int) -> None:
+    """Fed in pieces of any size, TunnelStart answers what one reading of all the bytes answers."""
+    data = HELLOS[name]
+    start = TunnelStart("api.example.com")
+    verdicts = [start.feed(data[i : i + step]) for i in range(0, len(data), step)]
+    assert verdicts[:-1] == [WAIT] * (len(verdicts) - 1)
+    assert verdicts[-1] == first_bytes_verdict("api.example.com", data)
+
+
+def test_tunnel_start_refuses_a_hello_in_too_many_records() -> None:
+    """A ClientHello in more than MAX_HELLO_RECORDS records is refused, however it arrives."""
+    message = HELLOS["name"][5:]
+    few = records(message, [len(message) // MAX_HELLO_RECORDS + 1] * MAX_HELLO_RECORDS)
+    assert first_bytes_verdict("api.example.com", few) is None
+    many = records(message, [1] * (MAX_HELLO_RECORDS + 1))
+    verdict = first_bytes_verdict("api.example.com", many)
+    assert isinstance(verdict, str) and "records" in verdict
+    start = TunnelStart("api.example.com")
+    answers = {repr(start.feed(many[i : i + 1])) for i in range(len(many))}
+    assert answers == {repr(WAIT), repr(verdict)}
+
+
+def test_tunnel_start_refuses_a_hello_that_never_ends() -> None:
+    """A ClientHello that announces more than MAX_CLIENT_HELLO bytes is refused once that much came."""
+    announced = b"\x01" + (0xFFFFFF).to_bytes(3, "big") + bytes(5 * 16000)
+    data = records(announced, [16000] * 6)
+    start = TunnelStart("api.example.com")
+    verdict = start.feed(data[:MAX_CLIENT_HELLO])
+    assert verdict is WAIT
+    assert start.feed(data[MAX_CLIENT_HELLO:]) == "TLS ClientHello too long"
+    assert start.feed(b"more") == "TLS ClientHello too long"
+
+
+def test_tunnel_start_relays_what_is_not_tls() -> None:
+    for data in (b"GET / HTTP/1.1\r\n", b"SSH-2.0-x\r\n", b"\x16", b"\x16\x03\x05rest"):
+        assert TunnelStart("api.example.com").feed(data) == (WAIT if data == b"\x16" else None)
