@@ -27,7 +27,7 @@ from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import write_policy
 from tests.support.netns import UPSTREAM_V4
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
-from tests.test_sandbox_integration import PY, egressd_sandbox
+from tests.test_sandbox_integration import PY, egressd_sandbox, sandbox_env
 
 # No proxy configuration at all in the child: every variable egressd sets for it is removed.
 NO_PROXY_CONFIG = [
@@ -457,3 +457,34 @@ def test_no_capture_gets_nothing(
     assert result.returncode != 0
     assert b"Network is unreachable" in result.stderr
     assert upstream.connections == 0
+
+
+@pytest.mark.parametrize("nft", ["/nonexistent/nft", "/bin/false"], ids=["missing", "refused"])
+def test_without_nft_the_child_runs_confined_and_egressd_says_so(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, audit: Path, work: Path, nft: str
+) -> None:
+    """No nft (or nft failing, as when the kernel refuses): a warning on stderr, the child still
+    runs, the proxy still works, and a connection that ignores it gets nothing."""
+    dns.add("up.test", upstream.host)
+    env = sandbox_env(work)
+    env["EGRESSD_NFT"] = nft
+    script = f"""
+        import json, subprocess, sys
+        proxied = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{{http_code}}",
+                                  "http://up.test:{upstream.port}/proxied"], capture_output=True, text=True)
+        direct = subprocess.run([sys.executable, "-c", sys.argv[1], "{upstream.host}", "{upstream.port}"],
+                                capture_output=True, text=True)
+        print(json.dumps({{"proxied": proxied.stdout, "direct": direct.returncode}}))
+    """
+    policy = write_policy(tmp_path)
+    result = egressd_sandbox(
+        ["--policy", str(policy), "--nameserver", dns.nameserver],
+        [PY, "-c", textwrap.dedent(script), textwrap.dedent(LITERAL)],
+        cwd=work,
+        env=env,
+        timeout=TIMEOUT,
+    )
+    seen = output(result)
+    assert b"cannot capture connections that ignore the proxy variables" in result.stderr
+    assert seen == {"proxied": "200", "direct": 1}
+    assert [r["path"] for r in upstream.requests] == ["/proxied"]

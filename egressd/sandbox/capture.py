@@ -12,8 +12,9 @@ egressd (host side, owner of the sandbox's user namespace) installs, before the 
 
 The bridge then asks the proxy with a CONNECT for the name the address stands for: the decision
 stays in the proxy. This module decides nothing either; it only sets the plumbing. Run as
-`python -I -m egressd.sandbox.capture PID TCP_PORT DNS_PORT`, it enters PID's network namespace
-(and the user namespace that owns it, found with NS_GET_USERNS) and runs `ip` and `nft` there.
+`python -I -m egressd.sandbox.capture PID TCP_PORT DNS_PORT IP NFT`, it enters PID's network
+namespace (and the user namespace that owns it, found with NS_GET_USERNS) and runs `ip` and `nft`
+there. A separate process because joining a user namespace needs a single-threaded caller.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 # Addresses the bridge's DNS responder hands out, one per name (RFC 2544 benchmarking range: never
 # a real destination). Inside the sandbox every IPv4 address is local, these included.
@@ -61,10 +62,14 @@ table inet egressd_capture {{
 """
 
 
-def find_tool(name: str, path: str | None = None) -> str | None:
-    """`ip` and `nft` live in /usr/sbin, which an ordinary user's PATH often lacks."""
-    search = os.pathsep.join([path if path is not None else os.environ.get("PATH", ""), *TOOL_DIRS])
-    return shutil.which(name, path=search)
+def find_tool(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """$EGRESSD_IP / $EGRESSD_NFT, else PATH and the sbin directories (`ip` and `nft` live in
+    /usr/sbin, which an ordinary user's PATH often lacks)."""
+    environ = os.environ if environ is None else environ
+    chosen = environ.get(f"EGRESSD_{name.upper()}")
+    if chosen:
+        return chosen if os.path.isfile(chosen) and os.access(chosen, os.X_OK) else None
+    return shutil.which(name, path=os.pathsep.join([environ.get("PATH", ""), *TOOL_DIRS]))
 
 
 def install(pid: int, tcp_port: int, dns_port: int, python: str | None = None) -> str | None:
@@ -72,7 +77,7 @@ def install(pid: int, tcp_port: int, dns_port: int, python: str | None = None) -
     tools = {name: find_tool(name) for name in ("ip", "nft")}
     missing = [name for name, found in tools.items() if found is None]
     if missing:
-        return f"{' and '.join(missing)} not found ({HINT})"
+        return f"{' and '.join(missing)} not found; {HINT}"
     argv = [
         python or sys.executable,
         "-I",
@@ -81,8 +86,10 @@ def install(pid: int, tcp_port: int, dns_port: int, python: str | None = None) -
         str(pid),
         str(tcp_port),
         str(dns_port),
+        str(tools["ip"]),
+        str(tools["nft"]),
     ]
-    env = {"PATH": os.pathsep.join(os.path.dirname(str(t)) for t in tools.values()), "LC_ALL": "C"}
+    env = {"PATH": os.pathsep.join(TOOL_DIRS), "LC_ALL": "C"}
     try:
         result = subprocess.run(
             argv, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT, stdin=subprocess.DEVNULL
@@ -120,17 +127,20 @@ def _run(argv: Sequence[str], stdin: str | None = None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 3 or not all(a.isdigit() for a in args):
-        sys.exit("usage: python -m egressd.sandbox.capture PID TCP_PORT DNS_PORT")
-    pid, tcp_port, dns_port = map(int, args)
+    if len(args) != 5 or not all(a.isdigit() for a in args[:3]):
+        sys.exit("usage: python -m egressd.sandbox.capture PID TCP_PORT DNS_PORT IP NFT")
+    pid, tcp_port, dns_port = map(int, args[:3])
+    ip, nft = args[3:]
     try:
         enter_network_of(pid)
     except OSError as exc:
         sys.exit(f"cannot enter the sandbox's network namespace: {exc}")
     try:
+        # the rules first: a route without them would deliver every address to the sandbox's own
+        # loopback instead of "network unreachable"
+        _run([nft, "-f", "-"], ruleset(tcp_port, dns_port))
         # every IPv4 address is local: no "network unreachable" before the redirect sees the packet
-        _run(["ip", "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "local"])
-        _run(["nft", "-f", "-"], ruleset(tcp_port, dns_port))
+        _run([ip, "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "local"])
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
         sys.exit(str(exc))
 
