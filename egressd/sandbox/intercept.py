@@ -177,9 +177,17 @@ class Capture:
         return str(address), port
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One captured connection: whatever goes wrong ends in a closed connection, never a
+        traceback on the child's terminal."""
+        try:
+            await self._handle(reader, writer)
+        except Exception:  # noqa: BLE001 - the child only ever sees the connection close
+            await close_quietly(writer)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             address, port = original_destination(writer.get_extra_info("socket"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, struct.error):
             await close_quietly(writer)
             return
         target = self.target(address, port)
