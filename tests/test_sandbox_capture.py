@@ -45,7 +45,6 @@ NO_PROXY_CONFIG = [
             "no_proxy",
             "EGRESSD_SOCKS_PROXY",
             "NODE_USE_ENV_PROXY",
-            "JAVA_TOOL_OPTIONS",
         )
         for arg in ("-u", name)
     ],
@@ -260,6 +259,37 @@ def test_java_http_client(clients: Clients) -> None:
     )  # fmt: skip
     trust = [f"-Djavax.net.ssl.trustStore={store}", "-Djavax.net.ssl.trustStorePassword=changeit"]
     clients.check(clients.run(["java", *trust, "-Djavax.net.ssl.trustStoreType=PKCS12", str(source)]))
+
+
+def test_java_with_inspection_trusts_egressd_through_java_tool_options(
+    tmp_path: Path,
+    dns: DnsServer,
+    upstream_tls: EchoHTTPSServer,
+    ca_file: Path,
+    audit: Path,
+    work: Path,
+) -> None:
+    """Inspection on: the JVM reads no CA-bundle variable, so egressd's JAVA_TOOL_OPTIONS names a
+    trust store with its CA; path rules then hold for Java's captured HTTPS."""
+    dns.add("up.test", upstream_tls.host)
+    policy = write_policy(
+        tmp_path, "version: 1\nallow: [198.51.100.0/24]\nbuiltin:\n  - {host: up.test, paths: [/v1/]}\n"
+    )
+    source = work / "Client.java"
+    source.write_text(JAVA)
+    urls = [upstream_tls.url_for("up.test", "/v1/item"), upstream_tls.url_for("up.test", "/v2/item")]
+    options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)]
+    result = egressd_sandbox(
+        [*options, "--upstream-ca", str(ca_file)],
+        [*NO_PROXY_CONFIG, "java", str(source), *urls],
+        cwd=work,
+        timeout=TIMEOUT,
+    )
+    assert b"Picked up JAVA_TOOL_OPTIONS" in result.stderr
+    seen = output(result)
+    assert seen == {urls[0]: [200, "/v1/item"], urls[1]: [403, "?"]}, result.stderr
+    assert refused_in_audit(audit, "up.test", "builtin_path")
+    assert [r["path"] for r in upstream_tls.requests] == ["/v1/item"]
 
 
 GO = """

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import egressd
+from egressd.ca import java_truststore_path
 from egressd.child_env import child_environment
 from egressd.process import EXIT_CANNOT_RUN, SignalCatcher, exec_failure, run_child, spawn
 from egressd.sandbox import (
@@ -54,6 +55,7 @@ CACHE_VARIABLES = {
     "XDG_CACHE_HOME": "xdg",
 }
 SOCKET_VARIABLES = ("SSH_AUTH_SOCK", "DOCKER_HOST")
+JAVA_OPTIONS = "JAVA_TOOL_OPTIONS"
 
 
 class SandboxFailed(RuntimeError):
@@ -92,10 +94,21 @@ def sandbox_env(
         if target and any(within(os.path.realpath(target), top) for top in hidden):
             del base[name]
     env = child_environment(base, creds.proxy_url(*http), socks_url, ca_bundle=session.ca_bundle)
+    store = java_truststore_path(session.ca_bundle) if session.ca_bundle else None
+    # the JVM splits JAVA_TOOL_OPTIONS at whitespace: a path with a space cannot be said there
+    if store is not None and store.is_file() and not any(c.isspace() for c in str(store)):
+        env[JAVA_OPTIONS] = java_trust_options(env.get(JAVA_OPTIONS), store)
     for name, sub in CACHE_VARIABLES.items():
         env[name] = os.path.join(cache or PRIVATE_CACHE, sub)
     env[SANDBOX_VAR] = kind
     return with_git_ssh(env, session.policy)
+
+
+def java_trust_options(inherited: str | None, store: os.PathLike[str] | str) -> str:
+    """JAVA_TOOL_OPTIONS with egressd's trust store: the JVM reads no CA-bundle variable, and a
+    JVM whose connections are captured meets egressd's CA on the hosts it inspects."""
+    ours = f"-Djavax.net.ssl.trustStore={store} -Djavax.net.ssl.trustStoreType=JKS"
+    return f"{inherited} {ours}" if inherited else ours
 
 
 def needed_paths(session: ProxySession) -> tuple[str, ...]:
@@ -104,6 +117,8 @@ def needed_paths(session: ProxySession) -> tuple[str, ...]:
     paths = [sys.prefix, sys.base_prefix, package_root]
     if session.ca_bundle:
         paths.append(session.ca_bundle)
+        if os.path.isfile(java_truststore_path(session.ca_bundle)):
+            paths.append(str(java_truststore_path(session.ca_bundle)))
     return tuple(dict.fromkeys(os.path.realpath(p) for p in paths))
 
 

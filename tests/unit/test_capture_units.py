@@ -8,13 +8,17 @@ loopback destinations) without starting a sandbox.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import struct
 
 import dns.flags
 import dns.message
 import dns.rcode
 import dns.rdatatype
+import trustme
 
+from egressd.ca import JKS_PASSWORD, java_truststore
 from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.capture import ruleset
 from egressd.sandbox.intercept import SYNTHETIC, Capture, NameTable, answer, connect_head
@@ -102,3 +106,16 @@ def test_launcher_and_bwrap_arguments_for_capture() -> None:
     args = bwrap_argv(spec)
     assert args[args.index("--info-fd") + 1] == "11"
     assert args.index("--info-fd") < args.index("--")
+
+
+def test_java_truststore_holds_every_certificate_of_the_bundle() -> None:
+    """The JVM's trust store for inspection: a JKS with one trusted-certificate entry per PEM
+    certificate, and the integrity digest Java checks when given the password."""
+    first, second = trustme.CA(), trustme.CA()
+    pem = first.cert_pem.bytes() + b"\n" + second.cert_pem.bytes()
+    store = java_truststore(pem, now=0)
+    magic, version, count = struct.unpack(">IIi", store[:12])
+    assert (magic, version, count) == (0xFEEDFEED, 2, 2)
+    assert store[12:16] == struct.pack(">i", 2)  # a trusted-certificate entry
+    body, digest = store[:-20], store[-20:]
+    assert digest == hashlib.sha1(JKS_PASSWORD.encode("utf-16-be") + b"Mighty Aphrodite" + body).digest()
