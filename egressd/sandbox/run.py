@@ -226,7 +226,9 @@ def _set_up_network(
                 f"cannot capture connections that ignore the proxy variables ({problem}); "
                 "inside the sandbox only the proxy leads out"
             )
-    setup = {"capture": captured, "auth": f"{creds.username}:{creds.token}"}
+    setup: dict[str, object] = {"capture": captured}
+    if captured:  # the credentials go only where they are used
+        setup["auth"] = f"{creds.username}:{creds.token}"
     with contextlib.suppress(OSError):  # the launcher is gone: its status tells why
         os.write(setup_w, json.dumps(setup).encode() + b"\n")
 
