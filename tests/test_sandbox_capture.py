@@ -518,3 +518,40 @@ def test_without_nft_the_child_runs_confined_and_egressd_says_so(
     assert b"cannot capture connections that ignore the proxy variables" in result.stderr
     assert seen == {"proxied": "200", "direct": 1}
     assert [r["path"] for r in upstream.requests] == ["/proxied"]
+
+
+UNDO = """
+    import json, socket, subprocess, sys
+    out = {}
+    route = ["ip", "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "local"]
+    for name, argv in (("nft_flush", ["nft", "flush", "ruleset"]), ("route_del", route)):
+        out[name] = subprocess.run(argv, capture_output=True).returncode
+    # the transparent listener itself, asked directly: closed without a word
+    with socket.create_connection(("127.0.0.1", 3129), timeout=30) as s:
+        s.sendall(b"CONNECT up.test:80 HTTP/1.1\\r\\n\\r\\n")
+        out["direct_listener"] = s.recv(100).decode()
+    for name in ("up.test", "elsewhere.test"):
+        try:
+            with socket.create_connection((name, int(sys.argv[1])), timeout=30) as s:
+                s.sendall(b"GET /after HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n")
+                out[name] = s.recv(100).split(b"\\r\\n")[0].decode()
+        except OSError as exc:
+            out[name] = type(exc).__name__
+    print(json.dumps(out))
+"""
+
+
+def test_the_child_cannot_undo_or_skip_the_capture(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, audit: Path, work: Path
+) -> None:
+    """The rules and route are out of the child's reach (it has no capabilities); the listener
+    asked directly answers nothing; after the attempts, decisions are still the proxy's."""
+    dns.add("up.test", upstream.host)
+    command = [PY, "-c", textwrap.dedent(UNDO), str(upstream.port)]
+    seen = output(run_captured(tmp_path, dns, audit, command, work))
+    assert seen["nft_flush"] != 0 and seen["route_del"] != 0
+    assert seen["direct_listener"] == ""
+    assert seen["up.test"].endswith("200 OK")
+    assert seen["elsewhere.test"] in ("", "ConnectionResetError")
+    assert refused_in_audit(audit, "elsewhere.test", "not_allowlisted")
+    assert [r["path"] for r in upstream.requests] == ["/after"]
