@@ -447,7 +447,7 @@ def test_dns_udp_and_sni_inside_the_capture(
     assert seen["dns_udp_53"] == seen["dns_tcp_53"] == [up]
     # dropped on the way out of the sender: sendto() itself fails (EPERM)
     assert seen["udp"] == seen["dns_other_port"] == "PermissionError"
-    assert seen["sni_mismatch"] != "ANSWERED", seen
+    assert not seen["sni_mismatch"].startswith("ANSWERED"), seen
     assert seen["sni_same"] == "HTTP/1.0 200 OK" or seen["sni_same"].endswith(" 200 OK"), seen
     assert refused_in_audit(audit, "up.test", "sni_mismatch")
     assert dns.queries, "the proxy resolved the names it decided"
@@ -552,6 +552,6 @@ def test_the_child_cannot_undo_or_skip_the_capture(
     assert seen["nft_flush"] != 0 and seen["route_del"] != 0
     assert seen["direct_listener"] == ""
     assert seen["up.test"].endswith("200 OK")
-    assert seen["elsewhere.test"] in ("", "ConnectionResetError")
+    assert seen["elsewhere.test"] in ("", "ConnectionResetError", "BrokenPipeError")
     assert refused_in_audit(audit, "elsewhere.test", "not_allowlisted")
     assert [r["path"] for r in upstream.requests] == ["/after"]
