@@ -555,3 +555,37 @@ def test_the_child_cannot_undo_or_skip_the_capture(
     assert seen["elsewhere.test"] in ("", "ConnectionResetError", "BrokenPipeError")
     assert refused_in_audit(audit, "elsewhere.test", "not_allowlisted")
     assert [r["path"] for r in upstream.requests] == ["/after"]
+
+
+PLAIN_REQUESTS = """
+    import json, socket, sys
+    out = {}
+    for path, host in (("/v1/ok", "up.test"), ("/v2/no", "up.test"), ("/v1/fronted", "other.test")):
+        with socket.create_connection(("up.test", int(sys.argv[1])), timeout=30) as s:
+            head = f"GET {path} HTTP/1.1\\r\\nHost: {host}\\r\\nConnection: close\\r\\n\\r\\n"
+            s.sendall(head.encode())
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+        out[path] = int(data.split(b" ")[1]) if data else None
+    print(json.dumps(out))
+"""
+
+
+def test_plain_http_to_a_host_with_path_rules_is_decided_per_request(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, audit: Path, work: Path
+) -> None:
+    """A captured plain-HTTP connection to a host with path rules is inspected like any CONNECT
+    to it: each request's path is decided, and a Host header naming another host is refused."""
+    dns.add("up.test", upstream.host)
+    dns.add("other.test", upstream.host)
+    policy = write_policy(
+        tmp_path, "version: 1\nallow: [198.51.100.0/24]\nbuiltin:\n  - {host: up.test, paths: [/v1/]}\n"
+    )
+    options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)]
+    command = [*NO_PROXY_CONFIG, PY, "-c", textwrap.dedent(PLAIN_REQUESTS), str(upstream.port)]
+    seen = output(egressd_sandbox(options, command, cwd=work, timeout=TIMEOUT))
+    assert seen["/v1/ok"] == 200
+    assert seen["/v2/no"] == 403 and refused_in_audit(audit, "up.test", "builtin_path")
+    assert seen["/v1/fronted"] in (400, 403) and refused_in_audit(audit, "up.test", "host_mismatch")
+    assert [r["path"] for r in upstream.requests] == ["/v1/ok"]
