@@ -30,7 +30,9 @@ MAX_NAMES = 65536  # a child asking for more names gets SERVFAIL, never unbounde
 TTL = 60
 MAX_NAME = 253
 MAX_ANSWER_HEAD = 64 * 1024  # the proxy's answer to CONNECT (a refusal has a text body)
-ANSWER_TIMEOUT = 120.0  # the proxy bounds resolving and connecting itself; this only stops a hang
+# The proxy bounds resolving and connecting itself, and an ask-mode approval may wait for a person:
+# this only ends a hang (the proxy's default idle timeout).
+ANSWER_TIMEOUT = 3600.0
 DNS_TCP_TIMEOUT = 30.0
 LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
 # Names handed an address: hostname characters only (IDNA arrives as xn--). Anything else would
