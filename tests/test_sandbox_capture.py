@@ -527,9 +527,12 @@ UNDO = """
     for name, argv in (("nft_flush", ["nft", "flush", "ruleset"]), ("route_del", route)):
         out[name] = subprocess.run(argv, capture_output=True).returncode
     # the transparent listener itself, asked directly: closed without a word
-    with socket.create_connection(("127.0.0.1", 3129), timeout=30) as s:
-        s.sendall(b"CONNECT up.test:80 HTTP/1.1\\r\\n\\r\\n")
-        out["direct_listener"] = s.recv(100).decode()
+    try:
+        with socket.create_connection(("127.0.0.1", 3129), timeout=30) as s:
+            s.sendall(b"CONNECT up.test:80 HTTP/1.1\\r\\n\\r\\n")
+            out["direct_listener"] = s.recv(100).decode()
+    except OSError as exc:  # closed with our bytes unread: a reset
+        out["direct_listener"] = type(exc).__name__
     for name in ("up.test", "elsewhere.test"):
         try:
             with socket.create_connection((name, int(sys.argv[1])), timeout=30) as s:
@@ -550,7 +553,7 @@ def test_the_child_cannot_undo_or_skip_the_capture(
     command = [PY, "-c", textwrap.dedent(UNDO), str(upstream.port)]
     seen = output(run_captured(tmp_path, dns, audit, command, work))
     assert seen["nft_flush"] != 0 and seen["route_del"] != 0
-    assert seen["direct_listener"] == ""
+    assert seen["direct_listener"] in ("", "ConnectionResetError", "BrokenPipeError")
     assert seen["up.test"].endswith("200 OK")
     assert seen["elsewhere.test"] in ("", "ConnectionResetError", "BrokenPipeError")
     assert refused_in_audit(audit, "elsewhere.test", "not_allowlisted")
