@@ -6,7 +6,10 @@ transport that ignores the environment) and no proxy configuration in the child:
 answers with synthetic addresses, each TCP connection is redirected to the bridge and decided by
 the proxy as a CONNECT to the name asked, so an allowed host answers 200 and another is refused
 with its reason in the audit; UDP other than DNS gets nothing; a ClientHello naming another host
-than the DNS name is closed (sni_mismatch); --no-capture keeps the old "nothing gets out".
+than the DNS name is closed (sni_mismatch); an IP literal is decided as that literal; plain HTTP
+to a host with path rules is decided request by request; with inspection on, the JVM trusts
+egressd's CA through JAVA_TOOL_OPTIONS; the child cannot undo the capture; without nft egressd
+warns and the child stays confined; --no-capture keeps the old "nothing gets out".
 """
 
 from __future__ import annotations
