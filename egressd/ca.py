@@ -2,15 +2,21 @@
 
 The CA key lives in `<config>/ca/` (directory 0700, key 0600), never in mitmproxy's default folder
 and never next to the bundle a child is pointed at: children get `<config>/public/ca-bundle.pem`
-(the system roots plus egressd's CA certificate), a folder with no key in it.
+(the system roots plus egressd's CA certificate), a folder with no key in it. The JVM reads no
+CA-bundle variable and no PEM trust store, so the same certificates are also written as a Java
+KeyStore, `<config>/public/ca-bundle.jks` (certificates only, no key).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import ssl
+import struct
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +52,30 @@ def ca_cert_path(config: Path) -> Path:
 
 def bundle_path(config: Path) -> Path:
     return public_dir(config) / "ca-bundle.pem"
+
+
+def java_truststore_path(bundle: str | os.PathLike[str]) -> Path:
+    """The Java KeyStore written next to a CA bundle."""
+    return Path(bundle).with_suffix(".jks")
+
+
+# The JKS integrity digest: SHA-1 over the password (UTF-16BE), this phrase and the store.
+_JKS_WHITENER = b"Mighty Aphrodite"
+JKS_PASSWORD = "changeit"  # Java's customary trust-store password; the store holds no secret
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+
+
+def java_truststore(pem: bytes, now: float | None = None) -> bytes:
+    """Every certificate of a PEM bundle as trusted-certificate entries of a JKS key store (the JVM
+    reads it with javax.net.ssl.trustStore; Java 8+ reads JKS whatever its default store type)."""
+    certs = [ssl.PEM_cert_to_DER_cert(block.decode("ascii")) for block in _PEM_CERT.findall(pem)]
+    stamp = int((time.time() if now is None else now) * 1000)
+    out = struct.pack(">IIi", 0xFEEDFEED, 2, len(certs))
+    for index, der in enumerate(certs):
+        alias = f"egressd-{index}".encode()
+        out += struct.pack(">iH", 2, len(alias)) + alias + struct.pack(">qH", stamp, 5) + b"X.509"
+        out += struct.pack(">i", len(der)) + der
+    return out + hashlib.sha1(JKS_PASSWORD.encode("utf-16-be") + _JKS_WHITENER + out).digest()
 
 
 def system_roots() -> Path | None:
@@ -88,7 +118,9 @@ def ensure_ca(config: Path) -> Path:
         _write_atomic(ca_cert_path(config), cert_pem, 0o644)
         roots = system_roots()
         system = roots.read_bytes() if roots else b""
-        _write_atomic(bundle_path(config), _join_pem(system, cert_pem), 0o644)
+        bundle = _join_pem(system, cert_pem)
+        _write_atomic(bundle_path(config), bundle, 0o644)
+        _write_atomic(java_truststore_path(bundle_path(config)), java_truststore(bundle), 0o644)
     except OSError as exc:
         raise CAError(f"cannot set up egressd's CA in {config}: {exc.strerror or exc}") from exc
     return ca_cert_path(config)

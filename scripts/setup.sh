@@ -18,6 +18,9 @@ APT_PACKAGES=(
   iproute2:ip
   ca-certificates
   bubblewrap:bwrap
+  nftables:nft  # the sandbox's capture of connections that ignore the proxy variables
+  openjdk-17-jdk-headless:javac  # tests: Java's HttpClient inside the sandbox
+  golang-go:go  # tests: a Go client whose transport ignores the environment
   openssh-client:ssh
   openssh-server:sshd
   wrk

@@ -157,7 +157,7 @@ def test_ca_bundle_variables_only_when_inspection_is_on(tmp_path: Path, dns: Dns
     ca_cert = (home / "public" / "egressd-ca-cert.pem").read_text().strip()
     text = bundle.read_text()
     assert ca_cert in text and text.count("BEGIN CERTIFICATE") > 10  # system roots plus egressd's CA
-    assert not any("PRIVATE KEY" in p.read_text() for p in bundle.parent.iterdir())
+    assert not any(b"PRIVATE KEY" in p.read_bytes() for p in bundle.parent.iterdir())  # .jks too
     key_dir = home / "ca"
     assert stat.S_IMODE(key_dir.stat().st_mode) == 0o700
     key = key_dir / "mitmproxy-ca.pem"

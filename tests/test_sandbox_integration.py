@@ -248,6 +248,8 @@ BYPASS = """
 def test_a_program_ignoring_the_proxy_gets_nothing_out(
     policy: Path, tcp_echo: TcpEchoServer, upstream: EchoHTTPServer, upstream_v6: EchoHTTPServer, work: Path
 ) -> None:
+    """The confinement alone (--no-capture): with capture, such connections reach the proxy instead
+    (tests/test_sandbox_capture.py)."""
     with DnsServer(UPSTREAM_V4[8]) as outside_dns:
         outside_dns.add("up.test", upstream.host)
         # sanity: from the host, every one of these servers answers
@@ -256,7 +258,15 @@ def test_a_program_ignoring_the_proxy_gets_nothing_out(
             assert s.recv(1) == b"x"
         tcp_echo.connections = tcp_echo.received = 0
         result = egressd_sandbox(
-            ["--policy", str(policy), "--nameserver", outside_dns.nameserver, "--mode", "allow"],
+            [
+                "--policy",
+                str(policy),
+                "--nameserver",
+                outside_dns.nameserver,
+                "--mode",
+                "allow",
+                "--no-capture",
+            ],
             [
                 *python_inside(BYPASS),
                 tcp_echo.host,
@@ -285,7 +295,7 @@ def test_curl_ignoring_the_proxy_fails(
 ) -> None:
     dns.add("up.test", upstream.host)
     result = egressd_sandbox(
-        [*_base(policy, dns), "--mode", "allow"],
+        [*_base(policy, dns), "--mode", "allow", "--no-capture"],
         ["curl", "-sS", "--noproxy", "*", "--max-time", "10", f"http://{upstream.host}:{upstream.port}/"],
         cwd=work,
     )
@@ -799,7 +809,7 @@ def test_sandbox_accepts_every_exec_option() -> None:
     assert exec_options <= sandbox_options
     assert sandbox_options - exec_options == {
         "rw", "ro", "only", "bwrap_path", "hide", "show", "rw_home", "env_clear", "pass_env",
-        "loopback_ports", "cache",
+        "loopback_ports", "cache", "capture_direct",
     }  # fmt: skip
 
 

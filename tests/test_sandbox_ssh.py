@@ -189,17 +189,50 @@ def test_git_clone_over_ssh_refused_with_the_reason(
 def test_ssh_without_the_helper_gets_nothing(
     tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
 ) -> None:
-    """Plain ssh inside the sandbox, not told about the proxy, cannot reach the server at all."""
+    """Plain ssh inside the sandbox, not told about the proxy and not captured (--no-capture),
+    cannot reach the server at all."""
     dns.add("git.test", SSH_HOST)
     policy = write_policy(tmp_path, f"version: 1\nmode: allow\nallow: [{SSH_HOST}:22]\n")
     result = egressd_sandbox(
-        ["--policy", str(policy), "--nameserver", dns.nameserver],
+        ["--policy", str(policy), "--nameserver", dns.nameserver, "--no-capture"],
         ["ssh", "-F", str(git_server.ssh_config), f"root@{SSH_HOST}", "true"],
         cwd=work_dir,
     )
     assert result.returncode == 255
     assert b"Network is unreachable" in result.stderr
     assert _connections(git_server) == 0
+
+
+def test_ssh_without_the_helper_is_captured_and_decided(
+    tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
+) -> None:
+    """With capture (the default), plain ssh's connection becomes a CONNECT: allowed to the
+    allowed host:22 and audited; refused (and audited) when the policy does not allow it."""
+    audit = tmp_path / "audit.jsonl"
+    command = ["ssh", "-F", str(git_server.ssh_config), f"root@{SSH_HOST}", "true"]
+    allowed = write_policy(tmp_path, f"version: 1\nallow: [{SSH_HOST}:22]\n", name="allowed.yaml")
+    result = egressd_sandbox(
+        ["--policy", str(allowed), "--nameserver", dns.nameserver, "--audit", str(audit)],
+        command,
+        cwd=work_dir,
+    )
+    assert result.returncode == 0, result.stderr
+    assert _connections(git_server) == 1
+    refused = write_policy(tmp_path, "version: 1\nallow: [git.test:22]\n", name="refused.yaml")
+    result = egressd_sandbox(
+        ["--policy", str(refused), "--nameserver", dns.nameserver, "--audit", str(audit)],
+        command,
+        cwd=work_dir,
+    )
+    assert result.returncode == 255
+    assert _connections(git_server) == 1
+    decisions = [
+        (r["host"], r["port"], r["decision"], r["reason"])
+        for r in map(json.loads, audit.read_text().splitlines())
+        if r.get("event") == "decision"
+    ]
+    assert decisions[0][:3] == (SSH_HOST, 22, "allow")
+    assert decisions[-1] == (SSH_HOST, 22, "deny", "not_allowlisted")
 
 
 def test_git_clone_over_ssh_with_exec(

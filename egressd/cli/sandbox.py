@@ -46,9 +46,10 @@ Example:
 
 \b
 Inside: / read-only, the working directory and --rw paths writable (never your home or a
-system directory), private /tmp and /run, its own network with only loopback, no DNS.
+system directory), private /tmp and /run, its own network with only loopback.
 egressd's code, policy and audit stay read-only; your credentials and egressd's CA key are
 hidden. HTTP(S)_PROXY points at a loopback port inside the sandbox that leads to egressd's
+proxy; TCP connections that ignore it (and their DNS) are captured and decided by the same
 proxy; nothing else gets out. 127.0.0.1/localhost through the proxy is the HOST's loopback,
 on the ports the policy names only. See docs/sandbox.md.""",
 )
@@ -114,6 +115,14 @@ on the ports the policy names only. See docs/sandbox.md.""",
     "policy (and --profile) allows them too (repeatable).",
 )
 @click.option(
+    "--capture/--no-capture",
+    "capture_direct",
+    default=True,
+    show_default=True,
+    help="Linux: send connections that ignore the proxy variables (and their DNS) through the proxy "
+    "too, decided like any CONNECT. --no-capture: such connections get nothing.",
+)
+@click.option(
     "--bwrap",
     "bwrap_path",
     metavar="PATH",
@@ -132,6 +141,7 @@ def sandbox_command(
     cache: str | None,
     loopback_ports: tuple[int, ...],
     only: tuple[str, ...],
+    capture_direct: bool,
     bwrap_path: str | None,
     command: tuple[str, ...],
 ) -> None:
@@ -193,6 +203,8 @@ def sandbox_command(
                     bwrap=bwrap,
                     disable_userns=disable_userns,
                     catcher=catcher,
+                    capture_direct=capture_direct,
+                    warn=say,
                 )
             except RelayError as exc:
                 fail(f"{exc}; {command[0]} was not run")

@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 from egressd.sandbox.splice import close_quietly, splice
 
@@ -44,17 +44,19 @@ async def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, u
     await splice((reader, writer), upstream)
 
 
-async def serve(routes: Sequence[tuple[socket.socket, str]]) -> None:
-    """Serve every (listening socket, Unix socket path) pair forever."""
+async def serve(routes: Sequence[tuple[socket.socket, str]], *also: Awaitable[None]) -> None:
+    """Serve every (listening socket, Unix socket path) pair forever, and `also` (the capture)."""
     servers = [
         await asyncio.start_server(lambda r, w, p=path: _forward(r, w, p), sock=sock) for sock, path in routes
     ]
-    await asyncio.gather(*(server.serve_forever() for server in servers))
+    await asyncio.gather(*(server.serve_forever() for server in servers), *also)
 
 
-def start_thread(routes: Sequence[tuple[socket.socket, str]]) -> threading.Thread:
+def start_thread(routes: Sequence[tuple[socket.socket, str]], *also: Awaitable[None]) -> threading.Thread:
     """Serve in a daemon thread: it ends with the process that runs it."""
-    thread = threading.Thread(target=asyncio.run, args=(serve(routes),), name="egressd-bridge", daemon=True)
+    thread = threading.Thread(
+        target=asyncio.run, args=(serve(routes, *also),), name="egressd-bridge", daemon=True
+    )
     thread.start()
     return thread
 

@@ -55,6 +55,7 @@ class BwrapSpec:
     needed: tuple[str, ...] = ()  # read-only paths egressd needs inside (python, CA bundle)
     covers: tuple[Cover, ...] = ()  # shields.plan_covers: what the child must not change or read
     disable_userns: bool = True  # bubblewrap >= 0.8: the child cannot make user namespaces
+    info_fd: int | None = None  # bubblewrap writes the sandbox's PID there (egressd sets up capture)
 
 
 BASE_HIDDEN: tuple[str, ...] = ("/tmp", "/run", "/dev", "/proc")
@@ -95,6 +96,8 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
     for item in ordered_with(spec.mounts, [*spec.covers, *needed]):
         argv += _mount_args(item)
     argv += ["--ro-bind", spec.socket_dir, SOCKET_MOUNT]
+    if spec.info_fd is not None:
+        argv += ["--info-fd", str(spec.info_fd)]
     argv += ["--chdir", spec.workdir, "--", *spec.command]
     return argv
 
@@ -108,11 +111,23 @@ def probe_argv(bwrap: str, python: str, disable_userns: bool, needed: Sequence[s
 
 
 def launcher_command(
-    python: str, control_fd: int, status_fd: int, bridges: Sequence[tuple[str, str]], child: Sequence[str]
+    python: str,
+    control_fd: int,
+    status_fd: int,
+    bridges: Sequence[tuple[str, str]],
+    child: Sequence[str],
+    *,
+    setup_fd: int | None = None,
+    capture: tuple[int, int, str] | None = None,
 ) -> tuple[str, ...]:
-    """`python -I -m egressd.sandbox.launcher ... -- CHILD`; bridges are (HOST:PORT, socket path)."""
+    """`python -I -m egressd.sandbox.launcher ... -- CHILD`; bridges are (HOST:PORT, socket path),
+    capture is (transparent port, DNS port, socket path of the proxy's HTTP route)."""
     argv = [python, "-I", "-m", "egressd.sandbox.launcher"]
     argv += ["--control-fd", str(control_fd), "--status-fd", str(status_fd)]
+    if setup_fd is not None:
+        argv += ["--setup-fd", str(setup_fd)]
     for address, path in bridges:
         argv += ["--bridge", f"{address}={path}"]
+    if capture is not None:
+        argv += ["--capture", f"{capture[0]},{capture[1]}={capture[2]}"]
     return (*argv, "--", *child)

@@ -8,6 +8,11 @@ launcher fills those gaps over two pipes inherited from egressd:
   is gone: the child is stopped (SIGTERM, then SIGKILL), since it has no way out any more.
 - status (launcher -> egressd): `started`, then `exit N` (a subprocess-style code, -N for a
   signal), or `error MESSAGE` when the sandbox could not be set up.
+- setup (egressd -> launcher, optional): one JSON line, then EOF, written once egressd has set up
+  the sandbox's network from outside (capture.py): whether connections are captured and the
+  child's proxy credentials, which the capture's CONNECTs carry. The child starts only after it,
+  so nothing it sends escapes the capture, and the credentials never pass through argv or the
+  environment, which the child could read.
 
 Before the child starts, the bridge's loopback listeners are bound, so the first request the child
 makes already finds them. When the launcher exits, bubblewrap's init ends the sandbox's PID
@@ -19,16 +24,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
 from egressd.process import FORWARDED_SIGNALS, exec_failure
-from egressd.sandbox import bridge
+from egressd.sandbox import BRIDGE_HOST, bridge
 
 STOP_GRACE = 5.0
 PR_SET_DUMPABLE = 4
@@ -46,6 +52,39 @@ def _parse_bridge(text: str) -> tuple[tuple[str, int], str]:
     if not sep or not path:
         raise ValueError(f"{text!r}: expected HOST:PORT=UNIX_PATH")
     return bridge.parse_hostport(address), path
+
+
+def _parse_capture(text: str) -> tuple[int, int, str]:
+    ports, sep, path = text.partition("=")
+    tcp, comma, dns = ports.partition(",")
+    if not sep or not path or not comma or not tcp.isdigit() or not dns.isdigit():
+        raise ValueError(f"{text!r}: expected TCP_PORT,DNS_PORT=UNIX_PATH")
+    return int(tcp), int(dns), path
+
+
+def _read_setup(fd: int) -> dict[str, object]:
+    """egressd's one setup line; an empty dict when egressd went away before sending it."""
+    data = b""
+    with contextlib.suppress(OSError):
+        while b"\n" not in data and (chunk := os.read(fd, 4096)):
+            data += chunk
+    os.close(fd)
+    try:
+        setup = json.loads(data.partition(b"\n")[0] or b"{}")
+    except ValueError:
+        return {}
+    return setup if isinstance(setup, dict) else {}
+
+
+def _capture_servers(spec: str, auth: str) -> Awaitable[None]:
+    """Bind the capture's listeners and return the coroutine that serves them."""
+    from egressd.sandbox import intercept
+
+    tcp_port, dns_port, path = _parse_capture(spec)
+    tcp = bridge.listen((BRIDGE_HOST, tcp_port))
+    dns_udp = intercept.bind_udp((BRIDGE_HOST, dns_port))
+    dns_tcp = bridge.listen((BRIDGE_HOST, dns_port))
+    return intercept.Capture(path, auth).serve(tcp, dns_udp, dns_tcp)
 
 
 def _signaller(pid: int) -> Callable[[int], None]:
@@ -79,6 +118,8 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--status-fd", type=int, required=True)
     parser.add_argument("--bridge", action="append", default=[], metavar="HOST:PORT=UNIX_PATH")
+    parser.add_argument("--setup-fd", type=int, default=None)
+    parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT=UNIX_PATH")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -101,8 +142,8 @@ def _not_dumpable() -> None:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = _arguments(argv)
     control, status = args.control_fd, args.status_fd
-    for fd in (control, status):
-        os.set_inheritable(fd, False)  # the child gets neither pipe
+    for fd in (control, status, *([args.setup_fd] if args.setup_fd is not None else [])):
+        os.set_inheritable(fd, False)  # the child gets none of the pipes
     try:
         _not_dumpable()
     except OSError as exc:
@@ -115,7 +156,19 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except (OSError, ValueError) as exc:
         _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
         os._exit(1)
-    bridge.start_thread(routes)
+    also: list[Awaitable[None]] = []
+    if args.setup_fd is not None:
+        setup = _read_setup(args.setup_fd)
+        if not setup:
+            _report(status, "error egressd went away before the command started")
+            os._exit(1)
+        if args.capture and setup.get("capture") and isinstance(setup.get("auth"), str):
+            try:
+                also.append(_capture_servers(args.capture, str(setup["auth"])))
+            except (OSError, ValueError) as exc:
+                _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
+                os._exit(1)
+    bridge.start_thread(routes, *also)
     try:
         pid = os.posix_spawnp(args.command[0], args.command, os.environ, setsigdef=_CHILD_DEFAULTS)
     except OSError as exc:

@@ -11,17 +11,28 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import select
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import egressd
+from egressd.ca import java_truststore_path
 from egressd.child_env import child_environment
 from egressd.process import EXIT_CANNOT_RUN, SignalCatcher, exec_failure, run_child, spawn
-from egressd.sandbox import BRIDGE_HOST, BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT
+from egressd.sandbox import (
+    BRIDGE_CAPTURE_PORT,
+    BRIDGE_DNS_PORT,
+    BRIDGE_HOST,
+    BRIDGE_HTTP_PORT,
+    BRIDGE_SOCKS_PORT,
+    capture,
+)
 from egressd.sandbox.bwrap import SOCKET_MOUNT, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import within
@@ -45,6 +56,7 @@ CACHE_VARIABLES = {
     "XDG_CACHE_HOME": "xdg",
 }
 SOCKET_VARIABLES = ("SSH_AUTH_SOCK", "DOCKER_HOST")
+JAVA_OPTIONS = "JAVA_TOOL_OPTIONS"
 
 
 class SandboxFailed(RuntimeError):
@@ -83,10 +95,21 @@ def sandbox_env(
         if target and any(within(os.path.realpath(target), top) for top in hidden):
             del base[name]
     env = child_environment(base, creds.proxy_url(*http), socks_url, ca_bundle=session.ca_bundle)
+    store = java_truststore_path(session.ca_bundle) if session.ca_bundle else None
+    # the JVM splits JAVA_TOOL_OPTIONS at whitespace: a path with a space cannot be said there
+    if store is not None and store.is_file() and not any(c.isspace() for c in str(store)):
+        env[JAVA_OPTIONS] = java_trust_options(env.get(JAVA_OPTIONS), store)
     for name, sub in CACHE_VARIABLES.items():
         env[name] = os.path.join(cache or PRIVATE_CACHE, sub)
     env[SANDBOX_VAR] = kind
     return with_git_ssh(env, session.policy)
+
+
+def java_trust_options(inherited: str | None, store: os.PathLike[str] | str) -> str:
+    """JAVA_TOOL_OPTIONS with egressd's trust store: the JVM reads no CA-bundle variable, and a
+    JVM whose connections are captured meets egressd's CA on the hosts it inspects."""
+    ours = f"-Djavax.net.ssl.trustStore={store} -Djavax.net.ssl.trustStoreType=JKS"
+    return f"{inherited} {ours}" if inherited else ours
 
 
 def needed_paths(session: ProxySession) -> tuple[str, ...]:
@@ -95,6 +118,8 @@ def needed_paths(session: ProxySession) -> tuple[str, ...]:
     paths = [sys.prefix, sys.base_prefix, package_root]
     if session.ca_bundle:
         paths.append(session.ca_bundle)
+        if os.path.isfile(java_truststore_path(session.ca_bundle)):
+            paths.append(str(java_truststore_path(session.ca_bundle)))
     return tuple(dict.fromkeys(os.path.realpath(p) for p in paths))
 
 
@@ -156,6 +181,63 @@ def _keep_only_inherited(keep: Sequence[int]) -> None:
                 os.set_inheritable(fd, False)
 
 
+INFO_TIMEOUT = 60.0  # bubblewrap reports the sandbox's PID once its namespaces exist
+
+
+def _sandbox_pid(info_fd: int, timeout: float = INFO_TIMEOUT) -> int | None:
+    """The sandbox's first process, from bubblewrap's --info-fd JSON; None if bubblewrap failed."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([info_fd], [], [], left)
+        if not ready:
+            break
+        try:
+            chunk = os.read(info_fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+        with contextlib.suppress(ValueError):
+            pid = json.loads(data).get("child-pid")
+            return pid if isinstance(pid, int) and pid > 0 else None
+    return None
+
+
+def _set_up_network(
+    info_r: int, setup_w: int, creds: ProxyCredentials, want_capture: bool, warn: Callable[[str], None]
+) -> None:
+    """Install the capture in the sandbox's network namespace, then let the launcher start the child.
+
+    Without nft or ip, or when the kernel refuses, the child still runs confined: it simply cannot
+    connect except through the proxy (the warning says so)."""
+    captured = False
+    if want_capture:
+        pid = _sandbox_pid(info_r)
+        problem = (
+            capture.install(pid, BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT)
+            if pid is not None
+            else "bubblewrap did not report the sandbox's PID"
+        )
+        if problem is None:
+            captured = True
+        else:
+            warn(
+                f"cannot capture connections that ignore the proxy variables ({problem}); "
+                "inside the sandbox only the proxy leads out"
+            )
+    setup: dict[str, object] = {"capture": captured}
+    if captured:  # the credentials go only where they are used
+        setup["auth"] = f"{creds.username}:{creds.token}"
+    with contextlib.suppress(OSError):  # the launcher is gone: its status tells why
+        os.write(setup_w, json.dumps(setup).encode() + b"\n")
+
+
+def _say(message: str) -> None:
+    print(f"egressd: {message}", file=sys.stderr, flush=True)
+
+
 def _wait_forwarding(pid: int, catcher: SignalCatcher, control_w: int) -> int:
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -179,8 +261,11 @@ def run_bwrap(
     bwrap: str,
     disable_userns: bool,
     catcher: SignalCatcher,
+    capture_direct: bool = True,
+    warn: Callable[[str], None] = _say,
 ) -> Outcome:
-    """Relay up, bubblewrap with the launcher inside, signals forwarded, status read; relay down."""
+    """Relay up, bubblewrap with the launcher inside, capture installed, signals forwarded, status
+    read; relay down. `capture_direct`: redirect connections that skip the proxy to it."""
     assert session.proxy is not None
     routes = {"http": session.proxy.http_address}
     bridges = [(f"{BRIDGE_HOST}:{BRIDGE_HTTP_PORT}", "http")]
@@ -202,6 +287,11 @@ def run_bwrap(
     with UnixRelay(routes) as relay:
         assert relay.directory is not None
         control_r, control_w, status_r, status_w = _pipe_pair()
+        info_r, info_w = os.pipe()
+        setup_r, setup_w = os.pipe()
+        os.set_inheritable(info_w, True)
+        os.set_inheritable(setup_r, True)
+        http_inside = _inside(relay.paths["http"])
         try:
             spec = BwrapSpec(
                 bwrap=bwrap,
@@ -214,26 +304,35 @@ def run_bwrap(
                     status_w,
                     [(address, _inside(relay.paths[name])) for address, name in bridges],
                     command,
+                    setup_fd=setup_r,
+                    capture=(BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, http_inside) if capture_direct else None,
                 ),
                 needed=needed_paths(session),
                 covers=layout.covers,
                 disable_userns=disable_userns,
+                info_fd=info_w,
             )
-            _keep_only_inherited((control_r, status_w))
+            _keep_only_inherited((control_r, status_w, info_w, setup_r))
             try:
                 # its own process group: the terminal's Ctrl-C must not kill bubblewrap's monitor
                 pid = spawn(bwrap_argv(spec), env, catcher, new_process_group=True)
             except OSError as exc:
                 return Outcome(exec_failure(bwrap, exc), started=False, error=f"cannot run {bwrap}")
             finally:
-                os.close(control_r)  # the sandbox holds these ends now
-                os.close(status_w)
+                for fd in (control_r, status_w, info_w, setup_r):
+                    os.close(fd)  # the sandbox holds these ends now
+            try:
+                _set_up_network(info_r, setup_w, creds, capture_direct, warn)
+            finally:
+                os.close(setup_w)  # EOF: the launcher never waits for more
+                setup_w = -1
             bwrap_code = _wait_forwarding(pid, catcher, control_w)
             return _outcome(_read_status(status_r), bwrap_code)
         finally:
-            for fd in (control_w, status_r):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            for fd in (control_w, status_r, info_r, setup_w):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
 
 # -- macOS: Seatbelt -----------------------------------------------------------------------------

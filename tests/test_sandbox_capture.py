@@ -1,0 +1,597 @@
+"""Capture in the sandbox: clients that ignore the proxy variables go through the proxy anyway.
+
+What is proved here, through the real `egressd sandbox` with the real clients (node 20's fetch and
+https.get, urllib3's PoolManager, aiohttp's default session, Java 17's HttpClient, Go with a
+transport that ignores the environment) and no proxy configuration in the child: the bridge's DNS
+answers with synthetic addresses, each TCP connection is redirected to the bridge and decided by
+the proxy as a CONNECT to the name asked, so an allowed host answers 200 and another is refused
+with its reason in the audit; UDP other than DNS gets nothing; a ClientHello naming another host
+than the DNS name is closed (sni_mismatch); an IP literal is decided as that literal; plain HTTP
+to a host with path rules is decided request by request; with inspection on, the JVM trusts
+egressd's CA through JAVA_TOOL_OPTIONS; the child cannot undo the capture; without nft egressd
+warns and the child stays confined; --no-capture keeps the old "nothing gets out".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.dns_server import DnsServer
+from tests.support.egressd_cli import write_policy
+from tests.support.netns import UPSTREAM_V4
+from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
+from tests.test_sandbox_integration import PY, egressd_sandbox, sandbox_env
+
+# No proxy configuration at all in the child: every variable egressd sets for it is removed.
+NO_PROXY_CONFIG = [
+    "env",
+    *[
+        arg
+        for name in (
+            "HTTP_PROXY",
+            "HTTPS_PROXY",
+            "ALL_PROXY",
+            "NO_PROXY",
+            "http_proxy",
+            "https_proxy",
+            "all_proxy",
+            "no_proxy",
+            "EGRESSD_SOCKS_PROXY",
+            "NODE_USE_ENV_PROXY",
+        )
+        for arg in ("-u", name)
+    ],
+]
+TIMEOUT = 180
+
+
+@pytest.fixture
+def audit(tmp_path: Path) -> Path:
+    return tmp_path / "audit.jsonl"
+
+
+def records(audit: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in audit.read_text().splitlines()] if audit.exists() else []
+
+
+def refused_in_audit(audit: Path, host: str, reason: str) -> bool:
+    return any(
+        r.get("event") == "decision"
+        and r.get("host") == host
+        and r.get("decision") == "deny"
+        and r.get("reason") == reason
+        for r in records(audit)
+    )
+
+
+def run_captured(
+    tmp_path: Path, dns: DnsServer, audit: Path, command: list[str], work: Path, *extra: str
+) -> subprocess.CompletedProcess[bytes]:
+    policy = write_policy(tmp_path)
+    options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit), *extra]
+    return egressd_sandbox(options, [*NO_PROXY_CONFIG, *command], cwd=work, timeout=TIMEOUT)
+
+
+def output(result: subprocess.CompletedProcess[bytes]) -> dict[str, Any]:
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    return json.loads(result.stdout.decode().strip().splitlines()[-1])
+
+
+@dataclass
+class Clients:
+    """Everything a client test needs: allowed plain and HTTPS URLs, a refused one, the audit."""
+
+    tmp_path: Path
+    dns: DnsServer
+    upstream: EchoHTTPServer
+    ca_file: Path
+    audit: Path
+    work: Path
+    urls: tuple[str, str, str]
+
+    def run(self, command: list[str], *extra: str) -> dict[str, Any]:
+        """Run the client in the sandbox (the CA file shown) with the URLs as its last arguments."""
+        options = ["--ro", str(self.ca_file.parent), *extra]
+        return output(
+            run_captured(self.tmp_path, self.dns, self.audit, [*command, *self.urls], self.work, *options)
+        )
+
+    def check(self, seen: dict[str, Any], prefix: str = "") -> None:
+        """Allowed: 200 with the path; refused: an error in the child, the reason in the audit."""
+        plain, tls, refused = self.urls
+        assert seen[prefix + plain] == [200, "/plain"], seen
+        assert seen[prefix + tls] == [200, "/tls"], seen
+        assert seen[prefix + refused][0] == "error", seen
+        assert refused_in_audit(self.audit, "elsewhere.test", "not_allowlisted")
+        assert "/refused" not in [r["path"] for r in self.upstream.requests]
+
+
+@pytest.fixture
+def clients(
+    tmp_path: Path,
+    dns: DnsServer,
+    upstream: EchoHTTPServer,
+    upstream_tls: EchoHTTPSServer,
+    ca_file: Path,
+    audit: Path,
+    work: Path,
+) -> Clients:
+    """up.test (plain HTTP) and other.test (HTTPS) are allowed; elsewhere.test is not."""
+    dns.add("up.test", upstream.host)
+    dns.add("other.test", upstream_tls.host)
+    urls = (
+        f"http://up.test:{upstream.port}/plain",
+        upstream_tls.url_for("other.test", "/tls"),
+        f"http://elsewhere.test:{upstream.port}/refused",
+    )
+    return Clients(tmp_path, dns, upstream, ca_file, audit, work, urls)
+
+
+URLLIB3 = """
+    import json, sys, urllib3
+    out = {}
+    timeout = urllib3.Timeout(connect=30, read=60)
+    pool = urllib3.PoolManager(ca_certs=sys.argv[1], retries=False, timeout=timeout)
+    for url in sys.argv[2:]:
+        try:
+            response = pool.request("GET", url)
+            out[url] = [response.status, json.loads(response.data)["path"]]
+        except Exception as exc:
+            out[url] = ["error", type(exc).__name__]
+    print(json.dumps(out))
+"""
+
+
+def test_urllib3_pool_manager(clients: Clients) -> None:
+    clients.check(clients.run([PY, "-c", textwrap.dedent(URLLIB3), str(clients.ca_file)]))
+
+
+AIOHTTP = """
+    import asyncio, json, ssl, sys, aiohttp
+    async def main():
+        out = {}
+        context = ssl.create_default_context(cafile=sys.argv[1])
+        timeout = aiohttp.ClientTimeout(total=90)
+        async with aiohttp.ClientSession(timeout=timeout) as session:  # trust_env=False: no proxy
+            for url in sys.argv[2:]:
+                try:
+                    async with session.get(url, ssl=context) as response:
+                        out[url] = [response.status, (await response.json(content_type=None))["path"]]
+                except Exception as exc:
+                    out[url] = ["error", type(exc).__name__]
+        print(json.dumps(out))
+    asyncio.run(main())
+"""
+
+
+def test_aiohttp_default_session(clients: Clients) -> None:
+    clients.check(clients.run([PY, "-c", textwrap.dedent(AIOHTTP), str(clients.ca_file)]))
+
+
+NODE = """
+    const https = require("https");
+    const http = require("http");
+    function get(url) {
+      const lib = url.startsWith("https:") ? https : http;
+      return new Promise((resolve) => {
+        const req = lib.get(url, { timeout: 60000 }, (res) => {
+          let body = "";
+          res.on("data", (c) => (body += c));
+          res.on("end", () => resolve([res.statusCode, JSON.parse(body).path]));
+        });
+        req.on("error", (e) => resolve(["error", e.code || e.message]));
+        req.on("timeout", () => req.destroy(new Error("timeout")));
+      });
+    }
+    async function viaFetch(url) {
+      try {
+        const res = await fetch(url, { signal: AbortSignal.timeout(60000) });
+        return [res.status, (await res.json()).path];
+      } catch (e) {
+        return ["error", String((e.cause && e.cause.code) || e.message)];
+      }
+    }
+    (async () => {
+      const out = {};
+      for (const url of process.argv.slice(1)) {
+        out["fetch " + url] = await viaFetch(url);
+        out["get " + url] = await get(url);
+      }
+      console.log(JSON.stringify(out));
+    })();
+"""
+
+
+def test_node_fetch_and_https_get(clients: Clients) -> None:
+    seen = clients.run([f"NODE_EXTRA_CA_CERTS={clients.ca_file}", "node", "-e", textwrap.dedent(NODE)])
+    clients.check(seen, prefix="fetch ")
+    clients.check(seen, prefix="get ")
+
+
+JAVA = """
+import java.net.URI;
+import java.net.http.HttpClient;
+import java.net.http.HttpRequest;
+import java.net.http.HttpResponse;
+import java.time.Duration;
+
+public class Client {
+    public static void main(String[] args) {
+        HttpClient client = HttpClient.newBuilder().connectTimeout(Duration.ofSeconds(60)).build();
+        StringBuilder out = new StringBuilder("{");
+        for (int i = 0; i < args.length; i++) {
+            String result;
+            try {
+                HttpRequest request = HttpRequest.newBuilder(URI.create(args[i]))
+                    .timeout(Duration.ofSeconds(60)).build();
+                HttpResponse<String> response = client.send(request, HttpResponse.BodyHandlers.ofString());
+                String body = response.body();
+                int at = body.indexOf("\\"path\\": \\"");
+                String path = at < 0 ? "?" : body.substring(at + 9, body.indexOf('"', at + 9));
+                result = "[" + response.statusCode() + ", \\"" + path + "\\"]";
+            } catch (Exception e) {
+                result = "[\\"error\\", \\"" + e.getClass().getSimpleName() + "\\"]";
+            }
+            out.append(i == 0 ? "" : ", ").append("\\"").append(args[i]).append("\\": ").append(result);
+        }
+        System.out.println(out.append("}"));
+    }
+}
+"""
+
+
+def test_java_http_client(clients: Clients) -> None:
+    source = clients.work / "Client.java"
+    source.write_text(JAVA)
+    # the JVM trusts its own store: the test CA goes into a PKCS12 truststore made here
+    store = clients.work / "trust.p12"
+    subprocess.run(
+        ["keytool", "-importcert", "-noprompt", "-alias", "test", "-file", str(clients.ca_file), "-storetype",
+         "PKCS12", "-keystore", str(store), "-storepass", "changeit"],
+        check=True, capture_output=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    trust = [f"-Djavax.net.ssl.trustStore={store}", "-Djavax.net.ssl.trustStorePassword=changeit"]
+    clients.check(clients.run(["java", *trust, "-Djavax.net.ssl.trustStoreType=PKCS12", str(source)]))
+
+
+def test_java_with_inspection_trusts_egressd_through_java_tool_options(
+    tmp_path: Path,
+    dns: DnsServer,
+    upstream_tls: EchoHTTPSServer,
+    ca_file: Path,
+    audit: Path,
+    work: Path,
+) -> None:
+    """Inspection on: the JVM reads no CA-bundle variable, so egressd's JAVA_TOOL_OPTIONS names a
+    trust store with its CA; path rules then hold for Java's captured HTTPS."""
+    dns.add("up.test", upstream_tls.host)
+    policy = write_policy(
+        tmp_path, "version: 1\nallow: [198.51.100.0/24]\nbuiltin:\n  - {host: up.test, paths: [/v1/]}\n"
+    )
+    source = work / "Client.java"
+    source.write_text(JAVA)
+    urls = [upstream_tls.url_for("up.test", "/v1/item"), upstream_tls.url_for("up.test", "/v2/item")]
+    options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)]
+    result = egressd_sandbox(
+        [*options, "--upstream-ca", str(ca_file)],
+        [*NO_PROXY_CONFIG, "java", str(source), *urls],
+        cwd=work,
+        timeout=TIMEOUT,
+    )
+    assert b"Picked up JAVA_TOOL_OPTIONS" in result.stderr
+    seen = output(result)
+    assert seen == {urls[0]: [200, "/v1/item"], urls[1]: [403, "?"]}, result.stderr
+    assert refused_in_audit(audit, "up.test", "builtin_path")
+    assert [r["path"] for r in upstream_tls.requests] == ["/v1/item"]
+
+
+GO = """
+package main
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"time"
+)
+
+func main() {
+	pem, err := os.ReadFile(os.Args[1])
+	if err != nil {
+		panic(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(pem)
+	// Proxy: nil — this transport ignores HTTP_PROXY and friends entirely
+	transport := &http.Transport{Proxy: nil, TLSClientConfig: &tls.Config{RootCAs: roots}}
+	client := &http.Client{Transport: transport, Timeout: 60 * time.Second}
+	out := map[string][]interface{}{}
+	for _, url := range os.Args[2:] {
+		response, err := client.Get(url)
+		if err != nil {
+			out[url] = []interface{}{"error", "request failed"}
+			continue
+		}
+		var body struct{ Path string `json:"path"` }
+		json.NewDecoder(response.Body).Decode(&body)
+		response.Body.Close()
+		out[url] = []interface{}{response.StatusCode, body.Path}
+	}
+	line, _ := json.Marshal(out)
+	fmt.Println(string(line))
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Go client, built here with the standard library only (no module download, no network)."""
+    directory = tmp_path_factory.mktemp("goclient")
+    (directory / "main.go").write_text(GO)
+    env = dict(os.environ)
+    env.update(
+        GOCACHE=str(directory / "cache"),
+        GOPATH=str(directory / "gopath"),
+        GOFLAGS="-mod=mod",
+        GOPROXY="off",
+        GO111MODULE="off",
+        CGO_ENABLED="0",
+    )
+    binary = directory / "client"
+    subprocess.run(
+        ["go", "build", "-o", str(binary), "main.go"],
+        cwd=directory,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return binary
+
+
+def test_go_transport_without_proxy(clients: Clients, go_client: Path) -> None:
+    clients.check(clients.run([str(go_client), str(clients.ca_file)], "--ro", str(go_client.parent)))
+
+
+# -- what the capture does and does not let through ------------------------------------------------
+PROBE = """
+    import json, socket, ssl, sys
+    import dns.message, dns.query, dns.rdatatype
+    tls_port, udp_host, udp_port, outside_dns, outside_dns_port, ca = sys.argv[1:7]
+    out = {}
+    def addresses(name):
+        return sorted({info[4][0] for info in socket.getaddrinfo(name, 80, type=socket.SOCK_STREAM)})
+    out["up"] = addresses("up.test")
+    out["up_again"] = addresses("UP.test.")
+    out["other"] = addresses("other.test")
+    try:
+        socket.getaddrinfo("up.test", 80, socket.AF_INET6)
+        out["aaaa"] = "answered"
+    except socket.gaierror as exc:
+        out["aaaa"] = "no address"
+    # any nameserver address on port 53 (here: the outside DNS server's) reaches the bridge's
+    # responder instead, over UDP and TCP
+    query = dns.message.make_query("up.test", "A")
+    for name, ask in (("dns_udp_53", dns.query.udp), ("dns_tcp_53", dns.query.tcp)):
+        answer = ask(query, outside_dns, port=53, timeout=10)
+        out[name] = [r.address for rrset in answer.answer for r in rrset]
+    # UDP anywhere else gets nothing: a datagram to an upstream, a DNS server on another port
+    for name, host, port in (("udp", udp_host, udp_port), ("dns_other_port", outside_dns, outside_dns_port)):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.settimeout(3)
+            try:
+                s.sendto(dns.message.make_query("up.test", "A").to_wire(), (host, int(port)))
+                s.recvfrom(512)
+                out[name] = "ANSWERED"
+            except OSError as exc:
+                out[name] = type(exc).__name__
+    # a ClientHello naming another host than the name the address stands for is closed
+    context = ssl.create_default_context(cafile=ca)
+    try:
+        with socket.create_connection(("up.test", int(tls_port)), timeout=30) as raw:
+            with context.wrap_socket(raw, server_hostname="other.test") as tls:
+                tls.sendall(b"GET / HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
+                out["sni_mismatch"] = "ANSWERED " + repr(tls.recv(100))
+    except (OSError, ssl.SSLError) as exc:
+        out["sni_mismatch"] = type(exc).__name__
+    # the same name in the ClientHello works
+    try:
+        with socket.create_connection(("up.test", int(tls_port)), timeout=30) as raw:
+            with context.wrap_socket(raw, server_hostname="up.test") as tls:
+                tls.sendall(b"GET /sni-ok HTTP/1.1\\r\\nHost: up.test\\r\\nConnection: close\\r\\n\\r\\n")
+                out["sni_same"] = tls.recv(100).split(b"\\r\\n")[0].decode()
+    except (OSError, ssl.SSLError) as exc:
+        out["sni_same"] = type(exc).__name__
+    print(json.dumps(out))
+"""
+
+
+def test_dns_udp_and_sni_inside_the_capture(
+    tmp_path: Path, dns: DnsServer, upstream_tls: EchoHTTPSServer, ca_file: Path, audit: Path, work: Path
+) -> None:
+    dns.add("up.test", upstream_tls.host)
+    dns.add("other.test", upstream_tls.host)
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp,
+        DnsServer(UPSTREAM_V4[8]) as outside_dns,
+    ):
+        outside_dns.add("up.test", upstream_tls.host)
+        udp.bind((UPSTREAM_V4[2], 0))
+        udp.settimeout(0.5)
+        udp_host, udp_port = udp.getsockname()
+        command = [
+            PY, "-c", textwrap.dedent(PROBE), str(upstream_tls.port), udp_host, str(udp_port),
+            outside_dns.host, str(outside_dns.port), str(ca_file),
+        ]  # fmt: skip
+        result = run_captured(tmp_path, dns, audit, command, work, "--ro", str(ca_file.parent))
+        seen = output(result)
+        with pytest.raises(TimeoutError):
+            udp.recvfrom(512)
+        assert outside_dns.queries == []
+    synthetic = ipaddress.ip_network("198.18.0.0/15")
+    (up,) = seen["up"]
+    assert ipaddress.ip_address(up) in synthetic
+    assert seen["up_again"] == [up]  # one address per name, whatever its spelling
+    assert seen["other"] != [up] and ipaddress.ip_address(seen["other"][0]) in synthetic
+    assert seen["aaaa"] == "no address"
+    assert seen["dns_udp_53"] == seen["dns_tcp_53"] == [up]
+    # dropped on the way out of the sender: sendto() itself fails (EPERM)
+    assert seen["udp"] == seen["dns_other_port"] == "PermissionError"
+    assert not seen["sni_mismatch"].startswith("ANSWERED"), seen
+    assert seen["sni_same"] == "HTTP/1.0 200 OK" or seen["sni_same"].endswith(" 200 OK"), seen
+    assert refused_in_audit(audit, "up.test", "sni_mismatch")
+    assert dns.queries, "the proxy resolved the names it decided"
+    assert [r["path"] for r in upstream_tls.requests] == ["/sni-ok"]
+
+
+LITERAL = """
+    import json, socket, sys
+    host, port = sys.argv[1], int(sys.argv[2])
+    with socket.create_connection((host, port), timeout=30) as s:
+        head = "GET /literal HTTP/1.1\\r\\nHost: " + host + "\\r\\nConnection: close\\r\\n\\r\\n"
+        s.sendall(head.encode())
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    print(json.dumps({"status": data.split(b"\\r\\n")[0].decode()}))
+"""
+
+
+def test_an_ip_literal_is_decided_as_a_literal(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, audit: Path, work: Path
+) -> None:
+    """198.51.100.0/24 is allowed by an explicit CIDR rule: the literal destination is what the
+    proxy decides (no name is invented for it)."""
+    command = [PY, "-c", textwrap.dedent(LITERAL), upstream.host, str(upstream.port)]
+    seen = output(run_captured(tmp_path, dns, audit, command, work))
+    assert seen["status"].endswith("200 OK")
+    assert upstream.requests[-1]["path"] == "/literal"
+    assert any(r.get("host") == upstream.host and r.get("decision") == "allow" for r in records(audit))
+
+
+def test_no_capture_gets_nothing(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, audit: Path, work: Path
+) -> None:
+    command = [PY, "-c", textwrap.dedent(LITERAL), upstream.host, str(upstream.port)]
+    result = run_captured(tmp_path, dns, audit, command, work, "--no-capture")
+    assert result.returncode != 0
+    assert b"Network is unreachable" in result.stderr
+    assert upstream.connections == 0
+
+
+@pytest.mark.parametrize("nft", ["/nonexistent/nft", "/bin/false"], ids=["missing", "refused"])
+def test_without_nft_the_child_runs_confined_and_egressd_says_so(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, audit: Path, work: Path, nft: str
+) -> None:
+    """No nft (or nft failing, as when the kernel refuses): a warning on stderr, the child still
+    runs, the proxy still works, and a connection that ignores it gets nothing."""
+    dns.add("up.test", upstream.host)
+    env = sandbox_env(work)
+    env["EGRESSD_NFT"] = nft
+    script = f"""
+        import json, subprocess, sys
+        proxied = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{{http_code}}",
+                                  "http://up.test:{upstream.port}/proxied"], capture_output=True, text=True)
+        direct = subprocess.run([sys.executable, "-c", sys.argv[1], "{upstream.host}", "{upstream.port}"],
+                                capture_output=True, text=True)
+        print(json.dumps({{"proxied": proxied.stdout, "direct": direct.returncode}}))
+    """
+    policy = write_policy(tmp_path)
+    result = egressd_sandbox(
+        ["--policy", str(policy), "--nameserver", dns.nameserver],
+        [PY, "-c", textwrap.dedent(script), textwrap.dedent(LITERAL)],
+        cwd=work,
+        env=env,
+        timeout=TIMEOUT,
+    )
+    seen = output(result)
+    assert b"cannot capture connections that ignore the proxy variables" in result.stderr
+    assert seen == {"proxied": "200", "direct": 1}
+    assert [r["path"] for r in upstream.requests] == ["/proxied"]
+
+
+UNDO = """
+    import json, socket, subprocess, sys
+    out = {}
+    route = ["ip", "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "local"]
+    for name, argv in (("nft_flush", ["nft", "flush", "ruleset"]), ("route_del", route)):
+        out[name] = subprocess.run(argv, capture_output=True).returncode
+    # the transparent listener itself, asked directly: closed without a word
+    try:
+        with socket.create_connection(("127.0.0.1", 3129), timeout=30) as s:
+            s.sendall(b"CONNECT up.test:80 HTTP/1.1\\r\\n\\r\\n")
+            out["direct_listener"] = s.recv(100).decode()
+    except OSError as exc:  # closed with our bytes unread: a reset
+        out["direct_listener"] = type(exc).__name__
+    for name in ("up.test", "elsewhere.test"):
+        try:
+            with socket.create_connection((name, int(sys.argv[1])), timeout=30) as s:
+                s.sendall(b"GET /after HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n")
+                out[name] = s.recv(100).split(b"\\r\\n")[0].decode()
+        except OSError as exc:
+            out[name] = type(exc).__name__
+    print(json.dumps(out))
+"""
+
+
+def test_the_child_cannot_undo_or_skip_the_capture(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, audit: Path, work: Path
+) -> None:
+    """The rules and route are out of the child's reach (it has no capabilities); the listener
+    asked directly answers nothing; after the attempts, decisions are still the proxy's."""
+    dns.add("up.test", upstream.host)
+    command = [PY, "-c", textwrap.dedent(UNDO), str(upstream.port)]
+    seen = output(run_captured(tmp_path, dns, audit, command, work))
+    assert seen["nft_flush"] != 0 and seen["route_del"] != 0
+    assert seen["direct_listener"] in ("", "ConnectionResetError", "BrokenPipeError")
+    assert seen["up.test"].endswith("200 OK")
+    assert seen["elsewhere.test"] in ("", "ConnectionResetError", "BrokenPipeError")
+    assert refused_in_audit(audit, "elsewhere.test", "not_allowlisted")
+    assert [r["path"] for r in upstream.requests] == ["/after"]
+
+
+PLAIN_REQUESTS = """
+    import json, socket, sys
+    out = {}
+    for path, host in (("/v1/ok", "up.test"), ("/v2/no", "up.test"), ("/v1/fronted", "other.test")):
+        with socket.create_connection(("up.test", int(sys.argv[1])), timeout=30) as s:
+            head = f"GET {path} HTTP/1.1\\r\\nHost: {host}\\r\\nConnection: close\\r\\n\\r\\n"
+            s.sendall(head.encode())
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+        out[path] = int(data.split(b" ")[1]) if data else None
+    print(json.dumps(out))
+"""
+
+
+def test_plain_http_to_a_host_with_path_rules_is_decided_per_request(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, audit: Path, work: Path
+) -> None:
+    """A captured plain-HTTP connection to a host with path rules is inspected like any CONNECT
+    to it: each request's path is decided, and a Host header naming another host is refused."""
+    dns.add("up.test", upstream.host)
+    dns.add("other.test", upstream.host)
+    policy = write_policy(
+        tmp_path, "version: 1\nallow: [198.51.100.0/24]\nbuiltin:\n  - {host: up.test, paths: [/v1/]}\n"
+    )
+    options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)]
+    command = [*NO_PROXY_CONFIG, PY, "-c", textwrap.dedent(PLAIN_REQUESTS), str(upstream.port)]
+    seen = output(egressd_sandbox(options, command, cwd=work, timeout=TIMEOUT))
+    assert seen["/v1/ok"] == 200
+    assert seen["/v2/no"] == 403 and refused_in_audit(audit, "up.test", "builtin_path")
+    assert seen["/v1/fronted"] in (400, 403) and refused_in_audit(audit, "up.test", "host_mismatch")
+    assert [r["path"] for r in upstream.requests] == ["/v1/ok"]
