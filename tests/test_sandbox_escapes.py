@@ -422,47 +422,6 @@ def test_a_system_directory_is_never_writable(directory: str, work: Path) -> Non
     assert directory.encode() in result.stderr
 
 
-# -- other sandboxes -------------------------------------------------------------------------------
-LOOK_FOR_RELAYS = """
-    import json, os, socket, sys
-    tmpdir = sys.argv[1]
-    found, reached = [], []
-    for top, dirs, files in os.walk(tmpdir):
-        for name in files:
-            path = os.path.join(top, name)
-            found.append(path)
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(path)
-                reached.append(path)
-            except OSError:
-                pass
-    print(json.dumps({"found": found, "reached": reached}))
-"""
-
-
-def test_a_sandbox_never_reaches_another_sandboxs_relay(work: Path, shared_tmpdir: Path) -> None:
-    env = dict(os.environ, TMPDIR=str(shared_tmpdir))  # both sandboxes share it
-    first = subprocess.Popen(
-        [*EGRESSD, "sandbox", "--", "sh", "-c", "touch waiting; read line"],
-        cwd=work,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        _wait_for(work / "waiting", first)  # type: ignore[arg-type]
-        relays = [p for p in shared_tmpdir.rglob("*") if p.is_socket()]
-        assert relays  # the first sandbox's sockets are there on the host
-        second = egressd_sandbox([], [*python_inside(LOOK_FOR_RELAYS), env["TMPDIR"]], cwd=work, env=env)
-        assert second.returncode == 0, second.stderr
-        seen = json.loads(second.stdout)
-        assert seen["reached"] == [] and not set(seen["found"]) & {str(p) for p in relays}
-    finally:
-        first.communicate(b"done\n", timeout=30)
-
-
 # -- the host's loopback ---------------------------------------------------------------------------
 def test_host_loopback_only_on_ports_the_policy_names(tmp_path: Path, work: Path) -> None:
     """Another proxy on the host's loopback (here any server: `egressd run --mode allow`, a

@@ -18,7 +18,6 @@ from egressd.sandbox import narrow, preflight
 from egressd.sandbox.layout import pinned_options, plan_layout
 from egressd.sandbox.mounts import MountError
 from egressd.sandbox.run import Outcome, run_bwrap, run_seatbelt
-from egressd.sandbox.unix_relay import RelayError, relay_home
 from egressd.session import SessionOptions
 
 # What --env-clear keeps: what a program needs to find itself and print text.
@@ -152,7 +151,7 @@ def sandbox_command(
     bubblewrap (Linux) or Seatbelt (macOS) it stops with what to install; it never runs CMD
     unconfined.
     """
-    # Before any thread starts: the proxy and relay threads must inherit the blocked signal mask.
+    # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
     if pass_env and not env_clear:
         fail("--pass-env works with --env-clear (without it the child gets egressd's whole environment)")
@@ -168,9 +167,8 @@ def sandbox_command(
             show=show,
             rw_home=rw_home,
             cache=cache,
-            always_hidden=[str(relay_home())] if sys.platform == "linux" else [],
         )
-    except (MountError, PolicyError, RelayError) as exc:
+    except (MountError, PolicyError) as exc:
         fail(str(exc))
     for path in layout.shown:
         say(f"warning: --show {path}: the sandboxed command can read it")
@@ -193,21 +191,18 @@ def sandbox_command(
     with open_session(options, announce_reloads=options.trace, transform=transform) as session:
         creds = session.credentials(narrowing.profile if narrowing else None)
         if bwrap:
-            try:
-                outcome = run_bwrap(
-                    session,
-                    creds,
-                    command,
-                    layout,
-                    env_base=env_base,
-                    bwrap=bwrap,
-                    disable_userns=disable_userns,
-                    catcher=catcher,
-                    capture_direct=capture_direct,
-                    warn=say,
-                )
-            except RelayError as exc:
-                fail(f"{exc}; {command[0]} was not run")
+            outcome = run_bwrap(
+                session,
+                creds,
+                command,
+                layout,
+                env_base=env_base,
+                bwrap=bwrap,
+                disable_userns=disable_userns,
+                catcher=catcher,
+                capture_direct=capture_direct,
+                warn=say,
+            )
         else:
             outcome = run_seatbelt(
                 session, creds, command, layout, env_base=env_base, sandbox_exec=sandbox_exec, catcher=catcher

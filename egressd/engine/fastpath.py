@@ -15,6 +15,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
@@ -563,6 +564,12 @@ class FastFront:
         self.servers.append(server)
         address = server.sockets[0].getsockname()
         return address[0], address[1]
+
+    async def serve(self, sock: socket.socket, kind: str) -> None:
+        """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket)."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: FrontProtocol(self, kind), sock=sock)
+        self.servers.append(server)
 
     async def _sweep_idle(self) -> None:
         """limits.idle_timeout for relayed tunnels: one sweep a second, not a timer per tunnel."""

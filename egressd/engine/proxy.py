@@ -288,6 +288,20 @@ class EgressProxy:
                 else:
                     self.http_address = address
 
+    def serve_socket(self, sock: socket.socket, kind: str) -> None:
+        """Accept clients of `kind` ("http" or "socks") on a listening socket made elsewhere, as on
+        egressd's own ports: the sandbox's launcher makes it inside the sandbox's network namespace,
+        so the child reaches the proxy with no relay in between."""
+        loop = self._loop
+        if loop is None or self._thread is None or not self._thread.is_alive():
+            raise EngineError("the proxy is not running")
+        if self._front is None:
+            raise EngineError(
+                "a listener handed over needs egressd's own front, which EGRESSD_FASTPATH=0 turns off"
+            )
+        future = asyncio.run_coroutine_threadsafe(self._front.serve(sock, kind), loop)
+        future.result(timeout=START_TIMEOUT)
+
     def drain(self, timeout: float) -> None:
         """Refuse new connections, let in-flight ones finish within timeout, then stop."""
         self.runtime.draining = True

@@ -90,7 +90,6 @@ class SandboxPlan:
         from egressd.sandbox import preflight
         from egressd.sandbox.layout import plan_layout
         from egressd.sandbox.mounts import MountError
-        from egressd.sandbox.unix_relay import RelayError, relay_home
         from egressd.session import SessionOptions
 
         if not sys.platform.startswith("linux"):
@@ -104,9 +103,8 @@ class SandboxPlan:
                 workdir=os.getcwd(),
                 rw=rw,
                 ro=(os.getcwd(),),
-                always_hidden=[str(relay_home())],
             )
-        except (preflight.SandboxUnavailable, MountError, RelayError) as exc:
+        except (preflight.SandboxUnavailable, MountError) as exc:
             raise AgentError(f"--sandbox: {exc}") from exc
         return cls(bwrap, disable_userns, layout)
 
@@ -245,7 +243,6 @@ class Agent:
     ) -> int:
         """The command in bubblewrap, its only way out this agent's proxy; hung up if SSH drops."""
         from egressd.sandbox.run import run_bwrap
-        from egressd.sandbox.unix_relay import RelayError
 
         done = threading.Event()
 
@@ -269,8 +266,6 @@ class Agent:
                 disable_userns=plan.disable_userns,
                 catcher=catcher,
             )
-        except RelayError as exc:
-            raise AgentError(f"the sandbox did not start: {exc}; {command[0]} was not run") from exc
         finally:
             done.set()
             watcher.join()

@@ -7,9 +7,7 @@ Layout inside the sandbox, in mount order (later mounts cover earlier ones):
 - the working directory and `--rw` paths writable, `--ro` paths read-only, with the covers of
   shields.py (egressd's own code, policy and audit read-only; credentials and egressd's home
   hidden), all parents first;
-- paths egressd itself needs when they live under a hidden tree (its Python, the CA bundle);
-- the relay's socket directory, read-only, last (so no other mount covers it), at a fixed path in
-  the private /run: the child never learns where the host keeps it.
+- paths egressd itself needs when they live under a hidden tree (its Python, the CA bundle).
 Namespaces: user (all capabilities dropped), PID, network (only `lo`, which bubblewrap brings
 up), IPC, UTS, cgroup; a new session (no controlling terminal: no TIOCSTI injection into the
 user's shell). The command is the launcher (see launcher.py), which runs the child.
@@ -22,9 +20,6 @@ from dataclasses import dataclass
 
 from egressd.sandbox.mounts import Mount, order, within
 from egressd.sandbox.shields import Cover, ordered_with
-
-# Where the relay's socket directory appears inside (the private /run).
-SOCKET_MOUNT = "/run/egressd"
 
 NAMESPACES: tuple[str, ...] = (
     "--unshare-user",
@@ -50,7 +45,6 @@ class BwrapSpec:
     bwrap: str
     workdir: str
     mounts: tuple[Mount, ...]
-    socket_dir: str
     command: tuple[str, ...]  # the launcher and its arguments
     needed: tuple[str, ...] = ()  # read-only paths egressd needs inside (python, CA bundle)
     covers: tuple[Cover, ...] = ()  # shields.plan_covers: what the child must not change or read
@@ -95,7 +89,6 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
     needed = [Cover(path, "ro") for path in spec.needed if _needs_mount(path, spec.mounts, hiding)]
     for item in ordered_with(spec.mounts, [*spec.covers, *needed]):
         argv += _mount_args(item)
-    argv += ["--ro-bind", spec.socket_dir, SOCKET_MOUNT]
     if spec.info_fd is not None:
         argv += ["--info-fd", str(spec.info_fd)]
     argv += ["--chdir", spec.workdir, "--", *spec.command]
@@ -114,20 +107,29 @@ def launcher_command(
     python: str,
     control_fd: int,
     status_fd: int,
-    bridges: Sequence[tuple[str, str]],
+    handover_fd: int,
+    listens: Sequence[tuple[str, str]],
     child: Sequence[str],
     *,
     setup_fd: int | None = None,
     capture: tuple[int, int, str] | None = None,
 ) -> tuple[str, ...]:
-    """`python -I -m egressd.sandbox.launcher ... -- CHILD`; bridges are (HOST:PORT, socket path),
-    capture is (transparent port, DNS port, socket path of the proxy's HTTP route)."""
+    """`python -I -m egressd.sandbox.launcher ... -- CHILD`; listens are (HOST:PORT, "http" or
+    "socks"), the proxy's listeners the launcher binds and hands over; capture is (transparent
+    port, DNS port, HOST:PORT of the proxy's HTTP listener inside)."""
     argv = [python, "-I", "-m", "egressd.sandbox.launcher"]
-    argv += ["--control-fd", str(control_fd), "--status-fd", str(status_fd)]
+    argv += [
+        "--control-fd",
+        str(control_fd),
+        "--status-fd",
+        str(status_fd),
+        "--handover-fd",
+        str(handover_fd),
+    ]
     if setup_fd is not None:
         argv += ["--setup-fd", str(setup_fd)]
-    for address, path in bridges:
-        argv += ["--bridge", f"{address}={path}"]
+    for address, kind in listens:
+        argv += ["--listen", f"{address}={kind}"]
     if capture is not None:
         argv += ["--capture", f"{capture[0]},{capture[1]}={capture[2]}"]
     return (*argv, "--", *child)

@@ -6,7 +6,7 @@
   resolves the name when it decides.
 - A transparent TCP listener takes each redirected connection, recovers where the child meant to
   go (SO_ORIGINAL_DST), maps a synthetic address back to its name (an IP literal stays a literal)
-  and asks the proxy, through the relay's Unix socket and with the child's credentials, for
+  and asks the proxy, at its listener on the sandbox's loopback and with the child's credentials, for
   `CONNECT name:port`. The proxy decides it as any CONNECT (policy, audit, the SNI rule); on a
   refusal the bridge closes the connection, and the audit says why. The bridge reads only the
   proxy's answer, never the child's bytes.
@@ -164,8 +164,8 @@ async def _proxy_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 class Capture:
     """The bridge's DNS responder and transparent listener; they share one name table."""
 
-    def __init__(self, unix_path: str, auth: str) -> None:
-        self.unix_path = unix_path
+    def __init__(self, proxy: tuple[str, int], auth: str) -> None:
+        self.proxy = proxy  # the proxy's listener on the sandbox's loopback
         self.auth = auth
         self.table = NameTable()
 
@@ -197,7 +197,7 @@ class Capture:
             await close_quietly(writer)
             return
         try:
-            up_reader, up_writer = await asyncio.open_unix_connection(self.unix_path)
+            up_reader, up_writer = await asyncio.open_connection(*self.proxy)
         except OSError:
             await close_quietly(writer)
             return

@@ -1,9 +1,13 @@
-"""The first egressd process inside the bubblewrap sandbox: bridge up, then the child, then report.
+"""The first egressd process inside the bubblewrap sandbox: the proxy's listeners, then the child.
 
 bubblewrap neither forwards signals nor reports how its child died (a signal becomes 128+N), and
 the sandbox is a new session, so the terminal's signals do not reach the child either. The
-launcher fills those gaps over two pipes inherited from egressd:
+launcher fills those gaps, and hands egressd the proxy's listeners, over what it inherits:
 
+- handover (a Unix socket to egressd): first of all, the launcher binds the proxy's listening
+  sockets on the sandbox's loopback (127.0.0.1:3128 HTTP, :1080 SOCKS5) and sends them to egressd
+  (SCM_RIGHTS), which accepts the child's connections on them itself: no relay in between. They
+  are bound before the child starts, so its first connection already finds them.
 - control (egressd -> launcher): one byte per signal to deliver to the child. EOF means egressd
   is gone: the child is stopped (SIGTERM, then SIGKILL), since it has no way out any more.
 - status (launcher -> egressd): `started`, then `exit N` (a subprocess-style code, -N for a
@@ -14,9 +18,8 @@ launcher fills those gaps over two pipes inherited from egressd:
   so nothing it sends escapes the capture, and the credentials never pass through argv or the
   environment, which the child could read.
 
-Before the child starts, the bridge's loopback listeners are bound, so the first request the child
-makes already finds them. When the launcher exits, bubblewrap's init ends the sandbox's PID
-namespace, and with it the bridge and anything the child left running.
+When the launcher exits, bubblewrap's init ends the sandbox's PID namespace, and with it the
+capture's bridge and anything the child left running.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -38,6 +42,7 @@ from egressd.sandbox import BRIDGE_HOST, bridge
 
 STOP_GRACE = 5.0
 PR_SET_DUMPABLE = 4
+PROXY_BACKLOG = 4096  # as egressd's own ports: a burst of the child's connections waits, not fails
 # Dispositions the child must start with (the launcher ignores these, Python ignores SIGPIPE).
 _CHILD_DEFAULTS = tuple({*FORWARDED_SIGNALS, signal.SIGPIPE, getattr(signal, "SIGXFSZ", signal.SIGPIPE)})
 
@@ -47,19 +52,34 @@ def _report(fd: int, line: str) -> None:
         os.write(fd, (line + "\n").encode())
 
 
-def _parse_bridge(text: str) -> tuple[tuple[str, int], str]:
-    address, sep, path = text.partition("=")
-    if not sep or not path:
-        raise ValueError(f"{text!r}: expected HOST:PORT=UNIX_PATH")
-    return bridge.parse_hostport(address), path
+def _parse_listen(text: str) -> tuple[tuple[str, int], str]:
+    address, sep, kind = text.partition("=")
+    if not sep or kind not in ("http", "socks"):
+        raise ValueError(f"{text!r}: expected HOST:PORT=http|socks")
+    return bridge.parse_hostport(address), kind
 
 
-def _parse_capture(text: str) -> tuple[int, int, str]:
-    ports, sep, path = text.partition("=")
+def _hand_over(fd: int, listens: Sequence[str]) -> None:
+    """Bind the proxy's listeners here, in the sandbox's network namespace, and send them to
+    egressd: one message, the kinds comma-separated, the descriptors in the same order."""
+    with socket.socket(fileno=fd) as channel:
+        sockets = [
+            (bridge.listen(address, PROXY_BACKLOG), kind) for address, kind in map(_parse_listen, listens)
+        ]
+        try:
+            kinds = ",".join(kind for _, kind in sockets).encode()
+            socket.send_fds(channel, [kinds], [sock.fileno() for sock, _ in sockets])
+        finally:
+            for sock, _ in sockets:
+                sock.close()  # egressd holds them now
+
+
+def _parse_capture(text: str) -> tuple[int, int, tuple[str, int]]:
+    ports, sep, proxy = text.partition("=")
     tcp, comma, dns = ports.partition(",")
-    if not sep or not path or not comma or not tcp.isdigit() or not dns.isdigit():
-        raise ValueError(f"{text!r}: expected TCP_PORT,DNS_PORT=UNIX_PATH")
-    return int(tcp), int(dns), path
+    if not sep or not proxy or not comma or not tcp.isdigit() or not dns.isdigit():
+        raise ValueError(f"{text!r}: expected TCP_PORT,DNS_PORT=PROXY_HOST:PORT")
+    return int(tcp), int(dns), bridge.parse_hostport(proxy)
 
 
 def _read_setup(fd: int) -> dict[str, object]:
@@ -80,11 +100,11 @@ def _capture_servers(spec: str, auth: str) -> Awaitable[None]:
     """Bind the capture's listeners and return the coroutine that serves them."""
     from egressd.sandbox import intercept
 
-    tcp_port, dns_port, path = _parse_capture(spec)
+    tcp_port, dns_port, proxy = _parse_capture(spec)
     tcp = bridge.listen((BRIDGE_HOST, tcp_port))
     dns_udp = intercept.bind_udp((BRIDGE_HOST, dns_port))
     dns_tcp = bridge.listen((BRIDGE_HOST, dns_port))
-    return intercept.Capture(path, auth).serve(tcp, dns_udp, dns_tcp)
+    return intercept.Capture(proxy, auth).serve(tcp, dns_udp, dns_tcp)
 
 
 def _signaller(pid: int) -> Callable[[int], None]:
@@ -117,9 +137,10 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m egressd.sandbox.launcher")
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--status-fd", type=int, required=True)
-    parser.add_argument("--bridge", action="append", default=[], metavar="HOST:PORT=UNIX_PATH")
+    parser.add_argument("--handover-fd", type=int, required=True)
+    parser.add_argument("--listen", action="append", default=[], metavar="HOST:PORT=http|socks")
     parser.add_argument("--setup-fd", type=int, default=None)
-    parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT=UNIX_PATH")
+    parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT=PROXY_HOST:PORT")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -132,7 +153,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
 def _not_dumpable() -> None:
     """No process of the same user (the child) may open /proc/<launcher>/fd or ptrace the launcher.
 
-    Its status pipe leads to egressd and its bridge holds the relay sockets: both stay its own.
+    Its status pipe leads to egressd and its bridge holds the child's credentials: both stay its own.
     """
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
@@ -142,7 +163,7 @@ def _not_dumpable() -> None:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = _arguments(argv)
     control, status = args.control_fd, args.status_fd
-    for fd in (control, status, *([args.setup_fd] if args.setup_fd is not None else [])):
+    for fd in (control, status, args.handover_fd, *([args.setup_fd] if args.setup_fd is not None else [])):
         os.set_inheritable(fd, False)  # the child gets none of the pipes
     try:
         _not_dumpable()
@@ -152,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     for signo in FORWARDED_SIGNALS:
         signal.signal(signo, signal.SIG_IGN)  # only egressd's control pipe signals the launcher's child
     try:
-        routes = [(bridge.listen(address), path) for address, path in map(_parse_bridge, args.bridge)]
+        _hand_over(args.handover_fd, args.listen)
     except (OSError, ValueError) as exc:
         _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
         os._exit(1)
@@ -168,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             except (OSError, ValueError) as exc:
                 _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
                 os._exit(1)
-    bridge.start_thread(routes, *also)
+    if also:
+        bridge.start_thread(*also)
     try:
         pid = os.posix_spawnp(args.command[0], args.command, os.environ, setsigdef=_CHILD_DEFAULTS)
     except OSError as exc:

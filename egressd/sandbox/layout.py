@@ -84,7 +84,6 @@ def plan_layout(
     show: Sequence[str] = (),
     rw_home: bool = False,
     cache: str | None = None,
-    always_hidden: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> Layout:
     """Mounts and covers for `options` (already pinned_options); MountError names the fix."""
@@ -98,7 +97,7 @@ def plan_layout(
         guarded.setdefault(options.policy_file, "the policy egressd reads")
     if options.audit_path is not None:
         guarded.setdefault(options.audit_path, "the audit log egressd writes")
-    own = [egressd_home(options), *existing(always_hidden)]
+    own = [egressd_home(options)]
     credentials = [*credential_paths(home, environ), *_checked("--hide", hide)]
     shown = _checked("--show", show)
     for path in shown:

@@ -1,9 +1,11 @@
 """Run one child in the sandbox, with a started ProxySession, and return how it ended.
 
-Linux: the Unix relay (host) -> bubblewrap -> launcher (bridge, then the child). egressd forwards
-every signal it catches to the launcher over the control pipe: the sandbox is a new session, so
-even the terminal's Ctrl-C reaches the child only this way, once. The exit status comes back on
-the status pipe (bubblewrap alone would turn "killed by SIGTERM" into 143).
+Linux: bubblewrap -> launcher, which binds the proxy's listeners on the sandbox's loopback and
+hands them to egressd (the proxy accepts the child's connections on them itself, no relay in
+between), then starts the child. egressd forwards every signal it catches to the launcher over the
+control pipe: the sandbox is a new session, so even the terminal's Ctrl-C reaches the child only
+this way, once. The exit status comes back on the status pipe (bubblewrap alone would turn "killed
+by SIGTERM" into 143).
 macOS: `sandbox-exec` with the generated profile runs the child directly, like `exec` does.
 """
 
@@ -15,6 +17,7 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 import egressd
 from egressd.ca import java_truststore_path
 from egressd.child_env import child_environment
+from egressd.engine.proxy import EngineError
 from egressd.process import EXIT_CANNOT_RUN, SignalCatcher, exec_failure, run_child, spawn
 from egressd.sandbox import (
     BRIDGE_CAPTURE_PORT,
@@ -33,12 +37,11 @@ from egressd.sandbox import (
     BRIDGE_SOCKS_PORT,
     capture,
 )
-from egressd.sandbox.bwrap import SOCKET_MOUNT, BwrapSpec, bwrap_argv, launcher_command
+from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import within
 from egressd.sandbox.sbpl import UnquotablePath
 from egressd.sandbox.seatbelt import seatbelt_argv, seatbelt_profile
-from egressd.sandbox.unix_relay import UnixRelay
 from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
@@ -163,9 +166,23 @@ def _outcome(lines: Sequence[str], bwrap_code: int) -> Outcome:
     return Outcome(bwrap_code, started=False, error=f"bubblewrap exited with status {bwrap_code}")
 
 
-def _inside(socket_path: str) -> str:
-    """Where the sandbox sees one of the relay's sockets."""
-    return os.path.join(SOCKET_MOUNT, os.path.basename(socket_path))
+HANDOVER_TIMEOUT = 30.0  # the launcher binds two sockets; a loaded machine may take a while to start it
+
+
+def _receive_listeners(channel: socket.socket) -> list[tuple[socket.socket, str]]:
+    """The proxy's listeners the launcher bound inside, or [] when it died first (its status says
+    why)."""
+    channel.settimeout(HANDOVER_TIMEOUT)
+    try:
+        message, fds, _flags, _addr = socket.recv_fds(channel, 1024, 8)
+    except OSError:
+        return []
+    kinds = message.decode("ascii", "replace").split(",") if message else []
+    if len(kinds) != len(fds):
+        for fd in fds:
+            os.close(fd)
+        return []
+    return [(socket.socket(fileno=fd), kind) for fd, kind in zip(fds, kinds, strict=True)]
 
 
 def _keep_only_inherited(keep: Sequence[int]) -> None:
@@ -264,15 +281,15 @@ def run_bwrap(
     capture_direct: bool = True,
     warn: Callable[[str], None] = _say,
 ) -> Outcome:
-    """Relay up, bubblewrap with the launcher inside, capture installed, signals forwarded, status
-    read; relay down. `capture_direct`: redirect connections that skip the proxy to it."""
+    """bubblewrap with the launcher inside; the proxy's listeners it hands over served by the
+    proxy; capture installed; signals forwarded; status read. `capture_direct`: redirect
+    connections that skip the proxy to it."""
     assert session.proxy is not None
-    routes = {"http": session.proxy.http_address}
-    bridges = [(f"{BRIDGE_HOST}:{BRIDGE_HTTP_PORT}", "http")]
+    http = f"{BRIDGE_HOST}:{BRIDGE_HTTP_PORT}"
+    listens = [(http, "http")]
     socks = None
     if session.proxy.socks_address:
-        routes["socks"] = session.proxy.socks_address
-        bridges.append((f"{BRIDGE_HOST}:{BRIDGE_SOCKS_PORT}", "socks"))
+        listens.append((f"{BRIDGE_HOST}:{BRIDGE_SOCKS_PORT}", "socks"))
         socks = (BRIDGE_HOST, BRIDGE_SOCKS_PORT)
     env = sandbox_env(
         session,
@@ -284,55 +301,66 @@ def run_bwrap(
         layout.hidden,
         layout.cache,
     )
-    with UnixRelay(routes) as relay:
-        assert relay.directory is not None
-        control_r, control_w, status_r, status_w = _pipe_pair()
-        info_r, info_w = os.pipe()
-        setup_r, setup_w = os.pipe()
-        os.set_inheritable(info_w, True)
-        os.set_inheritable(setup_r, True)
-        http_inside = _inside(relay.paths["http"])
+    control_r, control_w, status_r, status_w = _pipe_pair()
+    info_r, info_w = os.pipe()
+    setup_r, setup_w = os.pipe()
+    handover, handover_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    os.set_inheritable(info_w, True)
+    os.set_inheritable(setup_r, True)
+    os.set_inheritable(handover_child.fileno(), True)
+    inherited = (control_r, status_w, info_w, setup_r, handover_child.fileno())
+    try:
+        spec = BwrapSpec(
+            bwrap=bwrap,
+            workdir=os.getcwd(),
+            mounts=layout.mounts,
+            command=launcher_command(
+                sys.executable,
+                control_r,
+                status_w,
+                handover_child.fileno(),
+                listens,
+                command,
+                setup_fd=setup_r,
+                capture=(BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, http) if capture_direct else None,
+            ),
+            needed=needed_paths(session),
+            covers=layout.covers,
+            disable_userns=disable_userns,
+            info_fd=info_w,
+        )
+        _keep_only_inherited(inherited)
         try:
-            spec = BwrapSpec(
-                bwrap=bwrap,
-                workdir=os.getcwd(),
-                mounts=layout.mounts,
-                socket_dir=str(relay.directory),
-                command=launcher_command(
-                    sys.executable,
-                    control_r,
-                    status_w,
-                    [(address, _inside(relay.paths[name])) for address, name in bridges],
-                    command,
-                    setup_fd=setup_r,
-                    capture=(BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, http_inside) if capture_direct else None,
-                ),
-                needed=needed_paths(session),
-                covers=layout.covers,
-                disable_userns=disable_userns,
-                info_fd=info_w,
-            )
-            _keep_only_inherited((control_r, status_w, info_w, setup_r))
-            try:
-                # its own process group: the terminal's Ctrl-C must not kill bubblewrap's monitor
-                pid = spawn(bwrap_argv(spec), env, catcher, new_process_group=True)
-            except OSError as exc:
-                return Outcome(exec_failure(bwrap, exc), started=False, error=f"cannot run {bwrap}")
-            finally:
-                for fd in (control_r, status_w, info_w, setup_r):
-                    os.close(fd)  # the sandbox holds these ends now
-            try:
-                _set_up_network(info_r, setup_w, creds, capture_direct, warn)
-            finally:
-                os.close(setup_w)  # EOF: the launcher never waits for more
-                setup_w = -1
-            bwrap_code = _wait_forwarding(pid, catcher, control_w)
-            return _outcome(_read_status(status_r), bwrap_code)
+            # its own process group: the terminal's Ctrl-C must not kill bubblewrap's monitor
+            pid = spawn(bwrap_argv(spec), env, catcher, new_process_group=True)
+        except OSError as exc:
+            return Outcome(exec_failure(bwrap, exc), started=False, error=f"cannot run {bwrap}")
         finally:
-            for fd in (control_w, status_r, info_r, setup_w):
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+            for fd in (control_r, status_w, info_w, setup_r):
+                os.close(fd)  # the sandbox holds these ends now
+            handover_child.close()
+        problem = None
+        try:
+            try:
+                for sock, kind in _receive_listeners(handover):
+                    session.proxy.serve_socket(sock, kind)  # the proxy's loop owns it from now on
+            except EngineError as exc:
+                problem = str(exc)  # EOF on setup below: the launcher stops without the child
+            else:
+                _set_up_network(info_r, setup_w, creds, capture_direct, warn)
+        finally:
+            os.close(setup_w)  # EOF: the launcher never waits for more
+            setup_w = -1
+        bwrap_code = _wait_forwarding(pid, catcher, control_w)
+        if problem is not None:
+            return Outcome(EXIT_CANNOT_RUN, started=False, error=problem)
+        return _outcome(_read_status(status_r), bwrap_code)
+    finally:
+        handover.close()
+        for fd in (control_w, status_r, info_r, setup_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 # -- macOS: Seatbelt -----------------------------------------------------------------------------

@@ -34,7 +34,6 @@ def test_golden_argv() -> None:
             Mount("/home/u/.cache/pip", True),
             Mount("/home/u/project/.git", False),
         ),
-        socket_dir="/tmp/egressd-0/sandbox-abc",
         command=("/venv/bin/python", "-I", "-m", "egressd.sandbox.launcher", "--", "curl", "x"),
         needed=("/opt/venv", "/tmp/venv", "/home/u/.config/egressd/public/ca-bundle.pem"),
         covers=(
@@ -60,8 +59,6 @@ def test_golden_argv() -> None:
         "--ro-bind", "/home/u/project/conf/agent.yaml", "/home/u/project/conf/agent.yaml",
         "--ro-bind", "/home/u/.config/egressd/public/ca-bundle.pem",
         "/home/u/.config/egressd/public/ca-bundle.pem",
-        # the relay's socket directory last, at a fixed path in the private /run
-        "--ro-bind", "/tmp/egressd-0/sandbox-abc", "/run/egressd",
         "--chdir", "/home/u/project",
         "--", "/venv/bin/python", "-I", "-m", "egressd.sandbox.launcher", "--", "curl", "x",
     ]  # fmt: skip
@@ -74,7 +71,6 @@ def test_needed_path_under_tmp_never_covers_a_deeper_working_directory() -> None
         "bwrap",
         "/tmp/repo/work",
         (Mount("/tmp/repo/work", True),),
-        "/tmp/s",
         ("true",),
         needed=("/tmp/repo", "/tmp/repo/.venv"),
     )
@@ -95,14 +91,14 @@ def test_probe_shows_the_interpreter_when_it_lives_under_tmp() -> None:
 
 
 def test_old_bubblewrap_without_disable_userns() -> None:
-    spec = BwrapSpec("bwrap", "/w", (Mount("/w", True),), "/tmp/s", ("true",), disable_userns=False)
+    spec = BwrapSpec("bwrap", "/w", (Mount("/w", True),), ("true",), disable_userns=False)
     argv = bwrap_argv(spec)
     assert "--disable-userns" not in argv
     assert argv[1:7] == SECURITY[:6] and "--cap-drop" in argv
 
 
 def test_network_namespace_and_no_capabilities_always() -> None:
-    argv = bwrap_argv(BwrapSpec("bwrap", "/w", (), "/tmp/s", ("true",)))
+    argv = bwrap_argv(BwrapSpec("bwrap", "/w", (), ("true",)))
     assert "--unshare-net" in argv and "--share-net" not in argv
     assert argv[argv.index("--cap-drop") + 1] == "ALL"
     assert "--cap-add" not in argv
@@ -119,11 +115,12 @@ def test_launcher_command() -> None:
         "/py",
         5,
         7,
-        [("127.0.0.1:3128", "/tmp/s/http.sock"), ("127.0.0.1:1080", "/tmp/s/socks.sock")],
+        9,
+        [("127.0.0.1:3128", "http"), ("127.0.0.1:1080", "socks")],
         ["git", "clone", "--", "x"],
     ) == (
         "/py", "-I", "-m", "egressd.sandbox.launcher", "--control-fd", "5", "--status-fd", "7",
-        "--bridge", "127.0.0.1:3128=/tmp/s/http.sock", "--bridge", "127.0.0.1:1080=/tmp/s/socks.sock",
+        "--handover-fd", "9", "--listen", "127.0.0.1:3128=http", "--listen", "127.0.0.1:1080=socks",
         "--", "git", "clone", "--", "x",
     )  # fmt: skip
 

@@ -95,14 +95,12 @@ def test_ruleset_redirects_tcp_and_dns_and_drops_the_rest() -> None:
 
 
 def test_launcher_and_bwrap_arguments_for_capture() -> None:
-    argv = launcher_command(
-        "/py", 5, 7, [], ["curl"], setup_fd=9, capture=(3129, 1053, "/run/egressd/h.sock")
-    )
+    argv = launcher_command("/py", 5, 7, 8, [], ["curl"], setup_fd=9, capture=(3129, 1053, "127.0.0.1:3128"))
     assert argv == (
         "/py", "-I", "-m", "egressd.sandbox.launcher", "--control-fd", "5", "--status-fd", "7",
-        "--setup-fd", "9", "--capture", "3129,1053=/run/egressd/h.sock", "--", "curl",
+        "--handover-fd", "8", "--setup-fd", "9", "--capture", "3129,1053=127.0.0.1:3128", "--", "curl",
     )  # fmt: skip
-    spec = BwrapSpec("bwrap", "/w", (), "/tmp/s", ("true",), info_fd=11)
+    spec = BwrapSpec("bwrap", "/w", (), ("true",), info_fd=11)
     args = bwrap_argv(spec)
     assert args[args.index("--info-fd") + 1] == "11"
     assert args.index("--info-fd") < args.index("--")
