@@ -174,11 +174,12 @@ def sandbox_command(
         say(f"warning: --show {path}: the sandboxed command can read it")
     env_base = child_base_env(os.environ, pass_env) if env_clear else None
     bwrap, disable_userns, sandbox_exec = "", True, ""
+    probe = None
     try:
         if sys.platform == "linux":
             bwrap = preflight.locate_bwrap(bwrap_path)
             disable_userns = preflight.supports_disable_userns(bwrap)
-            preflight.probe(bwrap, disable_userns)
+            probe = preflight.Probe(bwrap, disable_userns)  # judged once the proxy is up
         elif sys.platform == "darwin":
             sandbox_exec = preflight.locate_sandbox_exec()
         else:
@@ -190,6 +191,11 @@ def sandbox_command(
     transform = narrow.LoopbackConfinement(loopback_ports, then=narrowing)
     with open_session(options, announce_reloads=options.trace, transform=transform) as session:
         creds = session.credentials(narrowing.profile if narrowing else None)
+        if probe is not None:
+            try:
+                probe.wait()
+            except preflight.SandboxUnavailable as exc:
+                fail(str(exc))
         if bwrap:
             outcome = run_bwrap(
                 session,

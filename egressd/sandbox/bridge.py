@@ -3,10 +3,10 @@ capture (intercept.py). The launcher binds every listener before the child start
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import socket
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -26,12 +26,24 @@ def listen(address: tuple[str, int], backlog: int = 128) -> socket.socket:
     return sock
 
 
-def start_thread(*coroutines: Awaitable[None]) -> threading.Thread:
-    """Serve the coroutines (the capture) in a daemon thread: it ends with the launcher."""
+def bind_udp(address: tuple[str, int]) -> socket.socket:
+    """A bound UDP socket (bound before the child starts, like the TCP listeners)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    return sock
 
-    async def serve() -> None:
-        await asyncio.gather(*coroutines)
 
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="egressd-bridge", daemon=True)
+def start_thread(serve: Callable[[], Awaitable[None]]) -> threading.Thread:
+    """Run `serve()` on an event loop in a daemon thread, which ends with the launcher. asyncio is
+    imported there, off the way to the child's start."""
+
+    def run() -> None:
+        import asyncio
+
+        asyncio.run(serve())  # type: ignore[arg-type]
+
+    thread = threading.Thread(target=run, name="egressd-bridge", daemon=True)
     thread.start()
     return thread

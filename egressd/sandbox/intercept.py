@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import ipaddress
 import re
 import socket
@@ -223,12 +222,3 @@ class Capture:
             await asyncio.start_server(lambda r, w: _dns_tcp(self.table, r, w), sock=dns_tcp),
         ]
         await asyncio.gather(*(server.serve_forever() for server in servers))
-
-
-def bind_udp(address: tuple[str, int]) -> socket.socket:
-    """A bound UDP socket (bound before the child starts, like the TCP listeners)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
-    return sock

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -96,15 +97,20 @@ def _read_setup(fd: int) -> dict[str, object]:
     return setup if isinstance(setup, dict) else {}
 
 
-def _capture_servers(spec: str, auth: str) -> Awaitable[None]:
-    """Bind the capture's listeners and return the coroutine that serves them."""
-    from egressd.sandbox import intercept
-
+def _bind_capture(spec: str) -> Callable[[str], Awaitable[None]]:
+    """Bind the capture's listeners now (before the child starts); return what serves them, given
+    the child's credentials, once the bridge's thread runs."""
     tcp_port, dns_port, proxy = _parse_capture(spec)
     tcp = bridge.listen((BRIDGE_HOST, tcp_port))
-    dns_udp = intercept.bind_udp((BRIDGE_HOST, dns_port))
+    dns_udp = bridge.bind_udp((BRIDGE_HOST, dns_port))
     dns_tcp = bridge.listen((BRIDGE_HOST, dns_port))
-    return intercept.Capture(proxy, auth).serve(tcp, dns_udp, dns_tcp)
+
+    def serve(auth: str) -> Awaitable[None]:
+        from egressd.sandbox import intercept
+
+        return intercept.Capture(proxy, auth).serve(tcp, dns_udp, dns_tcp)
+
+    return serve
 
 
 def _signaller(pid: int) -> Callable[[int], None]:
@@ -177,26 +183,28 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except (OSError, ValueError) as exc:
         _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
         os._exit(1)
-    also: list[Awaitable[None]] = []
+    capture: Callable[[], Awaitable[None]] | None = None
     if args.setup_fd is not None:
         setup = _read_setup(args.setup_fd)
         if not setup:
             _report(status, "error egressd went away before the command started")
             os._exit(1)
-        if args.capture and setup.get("capture") and isinstance(setup.get("auth"), str):
+        auth = setup.get("auth")
+        if args.capture and setup.get("capture") and isinstance(auth, str):
             try:
-                also.append(_capture_servers(args.capture, str(setup["auth"])))
+                serve = _bind_capture(args.capture)
             except (OSError, ValueError) as exc:
                 _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
                 os._exit(1)
-    if also:
-        bridge.start_thread(*also)
+            capture = functools.partial(serve, auth)
     try:
         pid = os.posix_spawnp(args.command[0], args.command, os.environ, setsigdef=_CHILD_DEFAULTS)
     except OSError as exc:
         code = exec_failure(args.command[0], exc)
         _report(status, f"exit {code}")
         os._exit(code)
+    if capture is not None:  # the listeners are bound: the child's first connections wait for it
+        bridge.start_thread(capture)
     _report(status, "started")
     threading.Thread(target=_relay_signals, args=(control, _signaller(pid)), daemon=True).start()
     _, wait_status = os.waitpid(pid, 0)

@@ -88,21 +88,41 @@ def interpreter_paths() -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)))
 
 
+class Probe:
+    """An empty sandbox with the real namespaces, started now and judged by wait(): egressd starts
+    its proxy meanwhile, so the check costs no start-up time."""
+
+    def __init__(self, bwrap: str, disable_userns: bool, python: str | None = None) -> None:
+        self.bwrap = bwrap
+        argv = probe_argv(bwrap, python or sys.executable, disable_userns, interpreter_paths())
+        try:
+            self._proc: subprocess.Popen[str] | None = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True
+            )
+            self._error: str | None = None
+        except OSError as exc:
+            self._proc = None
+            self._error = f"cannot run {bwrap}: {exc.strerror or exc}. {NEVER_UNCONFINED}"
+
+    def wait(self) -> None:
+        """Raise SandboxUnavailable, saying why and what to do, when the empty sandbox failed."""
+        if self._proc is None:
+            raise SandboxUnavailable(self._error or f"cannot run {self.bwrap}")
+        try:
+            output, _ = self._proc.communicate(timeout=PROBE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.communicate()
+            raise SandboxUnavailable(
+                f"bubblewrap did not start within {PROBE_TIMEOUT:g}s. {NEVER_UNCONFINED}"
+            ) from None
+        if self._proc.returncode != 0:
+            raise SandboxUnavailable(explain_failure(output))
+
+
 def probe(bwrap: str, disable_userns: bool, python: str | None = None) -> None:
     """Start an empty sandbox with the real namespaces; raise SandboxUnavailable when it fails."""
-    argv = probe_argv(bwrap, python or sys.executable, disable_userns, interpreter_paths())
-    try:
-        result = subprocess.run(
-            argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired:
-        raise SandboxUnavailable(
-            f"bubblewrap did not start within {PROBE_TIMEOUT:g}s. {NEVER_UNCONFINED}"
-        ) from None
-    except OSError as exc:
-        raise SandboxUnavailable(f"cannot run {bwrap}: {exc.strerror or exc}. {NEVER_UNCONFINED}") from exc
-    if result.returncode != 0:
-        raise SandboxUnavailable(explain_failure(result.stderr or result.stdout))
+    Probe(bwrap, disable_userns, python).wait()
 
 
 def locate_sandbox_exec() -> str:
