@@ -204,8 +204,10 @@ class FrontProtocol(_Pipe):
         initial: bytes = b"",
         waited: float = 0.0,
         earlier: EarlierAttempt | None = None,
+        native: NativeFront | None = None,
     ) -> None:
         super().__init__(Tunnel(self), upstream=False)
+        self.native = native  # the native front that read this connection first, which may remember it
         # a connection the native front read first (egressd/engine/native_front.py): its bytes,
         # how long it waited for them (header_timeout counts from the accept), and its connect to
         # the remembered address when that timed out (the first upstream connect accounts for it)
@@ -318,8 +320,8 @@ class FrontProtocol(_Pipe):
             self.timer.cancel()  # header_timeout bounds the head; connect_timeout bounds the rest
             self.timer = None
         self.transport.pause_reading()
-        if self.front.native is not None:
-            self.generation = self.front.native.generation  # before anything is decided
+        if self.native is not None:
+            self.generation = self.native.generation  # before anything is decided
         head = bytes(self.buffer[: end + 4])
         del self.buffer[: end + 4]
         self.task = asyncio.get_running_loop().create_task(self._connect(head))
@@ -388,8 +390,8 @@ class FrontProtocol(_Pipe):
         self.coalesce = COALESCE
         self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         upstream.attach(self)  # after the 200: a server's first bytes follow it
-        if self.front.native is not None:
-            self.front.native.remember(head, self.generation, creds, decision, admission)
+        if self.native is not None:
+            self.native.remember(head, self.generation, creds, decision, admission)
         self.stage = "sni"
         self.hello = TunnelStart(state.host or "")
         self.transport.resume_reading()
@@ -548,16 +550,16 @@ class FastFront:
         self.servers: list[asyncio.Server] = []
         self.clients: set[FrontProtocol] = set()
         self._sweeper: asyncio.Task[None] | None = None
-        self.native: NativeFront | None = None
+        self.natives: list[NativeFront] = []  # one per HTTP listener the C front serves
 
     async def start(self, host: str, port: int, kind: str = "http") -> tuple[str, int]:
         """Listen for `kind` clients: "http" (the proxy port) or "socks" (relayed to mitmproxy)."""
         loop = asyncio.get_running_loop()
         if self._sweeper is None:
             self._sweeper = loop.create_task(self._sweep_idle())
-        if kind == "http" and self.native is None and native_front.available() and _is_ip(host):
+        if kind == "http" and native_front.available() and _is_ip(host):
             sock = native_front.listening_socket(host, port)
-            self.native = native_front.NativeFront(self, sock)
+            self.natives.append(native_front.NativeFront(self, sock))
             address = sock.getsockname()
             return address[0], address[1]
         server = await loop.create_server(lambda: FrontProtocol(self, kind), host, port, backlog=4096)
@@ -565,8 +567,18 @@ class FastFront:
         address = server.sockets[0].getsockname()
         return address[0], address[1]
 
+    @property
+    def native(self) -> NativeFront | None:
+        """The C front on egressd's own proxy port, when it serves that port."""
+        return self.natives[0] if self.natives else None
+
     async def serve(self, sock: socket.socket, kind: str) -> None:
-        """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket)."""
+        """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket):
+        an HTTP one served by its own C front where that is built, as egressd's own port is."""
+        if kind == "http" and native_front.available():
+            sock.setblocking(False)
+            self.natives.append(native_front.NativeFront(self, sock))
+            return
         loop = asyncio.get_running_loop()
         server = await loop.create_server(lambda: FrontProtocol(self, kind), sock=sock)
         self.servers.append(server)
@@ -584,12 +596,12 @@ class FastFront:
     def close_listeners(self) -> None:
         for server in self.servers:
             server.close()
-        if self.native is not None:
-            self.native.stop_listening()
+        for native in self.natives:
+            native.stop_listening()
 
     def close(self) -> None:
         self.close_listeners()
-        if self.native is not None:
-            self.native.close()
+        for native in self.natives:
+            native.close()
         if self._sweeper is not None:
             self._sweeper.cancel()

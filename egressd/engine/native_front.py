@@ -86,8 +86,7 @@ class NativeFront:
         self._configure()
         self.loop.add_reader(self.tunnels.fileno(), self.tunnels.poll)
         self.rt.watch_decisions(self._changed)
-        self.rt.native_active = self.tunnels.active
-        self.rt.native_upstreams = self.tunnels.upstreams
+        self.rt.native_fronts.append(self.tunnels)
         self.closed = False
 
     @property
@@ -167,7 +166,9 @@ class NativeFront:
         except OSError:
             return False
         try:
-            protocol = FrontProtocol(self.front, "http", initial=data, waited=waited, earlier=earlier)
+            protocol = FrontProtocol(
+                self.front, "http", initial=data, waited=waited, earlier=earlier, native=self
+            )
             self.loop.create_task(self._adopt(sock, protocol))
         except Exception:  # noqa: BLE001 - C closes the fd
             logger.exception("could not adopt a connection")
@@ -246,8 +247,7 @@ class NativeFront:
         self.rt.unwatch_decisions(self._changed)
         self.loop.remove_reader(self.tunnels.fileno())
         self.tunnels.close()
-        self.rt.native_active = None
-        self.rt.native_upstreams = None
+        self.rt.native_fronts.remove(self.tunnels)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.tunnels.stats())

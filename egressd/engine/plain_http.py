@@ -622,7 +622,7 @@ class PlainClient(asyncio.Protocol):
             self._hand_off(b"")
             return
         del self.inbuf[: end + 4]
-        native = self.front.front.native
+        native = self.front.native
         self.head, self.generation, self.redirected = head, native.generation if native else -1, False
         self.state.head_seen = True
         self.requests += 1
@@ -742,7 +742,7 @@ class PlainClient(asyncio.Protocol):
     def _remember(self, decision: Decision, admission: Admission, key: tuple[str, int]) -> None:
         """Let the native front serve this very head again: a bodiless GET or HEAD that closes the
         connection after its response, decided without a redirect memory entry."""
-        native = self.front.front.native
+        native = self.front.native
         request = self.request
         if native is None or request is None or self.redirected or request.keep_alive:
             return

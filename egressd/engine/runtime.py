@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from egressd.engine.changes import Changes
 from egressd.engine.credentials import CredentialStore, ProxyCredentials
@@ -97,8 +97,7 @@ class Runtime:
         self._ids = itertools.count(1)
         # connections the native tunnel front holds (egressd/engine/native_front.py): drain waits
         # for them, limits.max_connections counts their upstreams
-        self.native_active: Callable[[], int] | None = None
-        self.native_upstreams: Callable[[], int] | None = None
+        self.native_fronts: list[Any] = []  # the C fronts' Front objects: their tunnels count too
 
     @property
     def inspection(self) -> bool:
@@ -145,7 +144,7 @@ class Runtime:
             return self.conns.pop(client_id, None)
 
     def active(self) -> int:
-        native = self.native_active() if self.native_active is not None else 0
+        native = sum(front.active() for front in self.native_fronts)
         return len(self.conns) + native
 
     def authenticate(self, state: ConnState, header: str | None) -> bool:
@@ -180,7 +179,7 @@ class Runtime:
 
     def connection_limit(self) -> Refusal | None:
         limit = self.policies.get().limits.max_connections
-        native = self.native_upstreams() if self.native_upstreams is not None else 0
+        native = sum(front.upstreams() for front in self.native_fronts)
         if limit is None or len(self.upstreams) + native < limit:
             return None
         return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
