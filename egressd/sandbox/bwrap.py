@@ -95,12 +95,13 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
     return argv
 
 
-def probe_argv(bwrap: str, python: str, disable_userns: bool, needed: Sequence[str] = ()) -> list[str]:
-    """The same namespaces and base mounts, running `python -c pass`: can a sandbox start here?"""
+def probe_argv(bwrap: str, program: str, disable_userns: bool, needed: Sequence[str] = ()) -> list[str]:
+    """The same namespaces and base mounts, with egressd's interpreter shown, running `program`
+    (`true`: starting an interpreter would only add time): can a sandbox start here?"""
     argv = [bwrap, *security_options(disable_userns), *BASE_MOUNTS]
     for mount in order(Mount(path, False) for path in needed if _needs_mount(path, ())):
         argv += ["--ro-bind", mount.path, mount.path]
-    return [*argv, "--", python, "-I", "-c", "pass"]
+    return [*argv, "--", program]
 
 
 def launcher_command(

@@ -92,9 +92,10 @@ class Probe:
     """An empty sandbox with the real namespaces, started now and judged by wait(): egressd starts
     its proxy meanwhile, so the check costs no start-up time."""
 
-    def __init__(self, bwrap: str, disable_userns: bool, python: str | None = None) -> None:
+    def __init__(self, bwrap: str, disable_userns: bool, program: str | None = None) -> None:
         self.bwrap = bwrap
-        argv = probe_argv(bwrap, python or sys.executable, disable_userns, interpreter_paths())
+        program = program or os.path.realpath(shutil.which("true") or "/bin/true")
+        argv = probe_argv(bwrap, program, disable_userns, interpreter_paths())
         try:
             self._proc: subprocess.Popen[str] | None = subprocess.Popen(
                 argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True
@@ -120,9 +121,9 @@ class Probe:
             raise SandboxUnavailable(explain_failure(output))
 
 
-def probe(bwrap: str, disable_userns: bool, python: str | None = None) -> None:
+def probe(bwrap: str, disable_userns: bool) -> None:
     """Start an empty sandbox with the real namespaces; raise SandboxUnavailable when it fails."""
-    Probe(bwrap, disable_userns, python).wait()
+    Probe(bwrap, disable_userns).wait()
 
 
 def locate_sandbox_exec() -> str:
