@@ -283,6 +283,51 @@ def test_a_ca_created_during_the_run_stays_hidden(work: Path) -> None:
     assert json.loads(out) == []
 
 
+RENAME_AND_LOOK = """
+    import json, os, sys, time
+    home, go = sys.argv[1], sys.argv[2]
+    parent = os.path.dirname(home)  # a plain directory of the working directory, above the hidden one
+    try:
+        os.rename(parent, parent + ".moved")  # the hidden tmpfs goes with it...
+        os.makedirs(home)  # ...and the host path now leads to a directory the child reads
+    except OSError as exc:
+        print(json.dumps({"rename": exc.strerror}), file=sys.stderr)
+    open("waiting", "w").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = []
+    for top, dirs, files in os.walk(home):
+        found += [os.path.relpath(os.path.join(top, f), home) for f in files]
+    print(json.dumps(sorted(found)))
+"""
+
+
+def test_a_hidden_home_cannot_be_moved_away_by_renaming_its_parent(work: Path) -> None:
+    home = work / "state" / ".egressd"  # hidden; `state` is a plain directory the child can write
+    env = sandbox_env(work)
+    env["EGRESSD_HOME"] = str(home)
+    proc = subprocess.Popen(
+        [*EGRESSD, "sandbox", "--", *python_inside(RENAME_AND_LOOK), str(home), str(work / "go")],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_for(work / "waiting", proc)
+        rotated = subprocess.run([*EGRESSD, "ca", "rotate"], env=env, capture_output=True, timeout=60)
+        assert rotated.returncode == 0, rotated.stderr
+        (work / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert json.loads(out) == []  # the CA key went to egressd's real home, never the child's
+    assert list((home / "ca").iterdir())
+    assert not (work / "state.moved").exists()
+
+
 # -- the user's credentials and start-up files ---------------------------------------------------
 SECRETS = {
     ".ssh/id_ed25519": "PRIVATE KEY",

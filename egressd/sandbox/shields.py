@@ -11,8 +11,10 @@ Two kinds of host paths matter to a sandboxed child that has read the source:
   refused: the child could change it.
 - **hidden** — what the child must not read: the user's credentials, egressd's home (the CA key,
   also when it is created or rotated during the run) and sockets that hand out authority (the
-  ssh-agent, docker). A directory gets an empty tmpfs, a file or socket an empty file. A user mount
-  inside one needs `--show` first.
+  ssh-agent, docker). A directory gets an empty tmpfs, a file or socket an empty file, and the
+  plain directories on the way are pinned like a guarded path's (a tmpfs moves with a renamed
+  parent, and the path would then lead to a directory of the child's). A user mount inside one
+  needs `--show` first.
 """
 
 from __future__ import annotations
@@ -108,7 +110,16 @@ def plan_covers(
                     f"own files); add --show {path} to let the child see it"
                 )
         covers[path] = Cover(path, "tmpfs" if is_dir(path) else "empty")
-    return tuple(covers.values())
+        # a mount moves with its parent: renamed away, the host path would lead to a directory
+        # the child made, where whatever egressd or the user writes there later (a rotated CA)
+        # is the child's to read
+        for pin in _pins(path, mounts):
+            covers.setdefault(pin.path, pin)
+    # a pin inside a hidden directory would bind the host's directory over its empty tmpfs
+    hiding = [c.path for c in covers.values() if c.kind in ("tmpfs", "empty")]
+    return tuple(
+        c for c in covers.values() if c.kind != "pin" or not any(within(c.path, top) for top in hiding)
+    )
 
 
 def existing(paths: Iterable[str]) -> tuple[str, ...]:

@@ -71,6 +71,18 @@ def test_hidden_directories_get_a_tmpfs_and_files_an_empty_file() -> None:
     assert covers == (Cover("/home/u/.ssh", "tmpfs"), Cover("/home/u/.npmrc", "empty"))
 
 
+def test_directories_on_the_way_to_a_hidden_path_are_pinned() -> None:
+    # renamed, `a` would take the tmpfs along and leave the host path to a directory of the child's
+    covers = plan_covers((W,), {}, ("/w/a/b/.egressd",), is_dir=lambda p: True)
+    assert covers == (Cover("/w/a/b/.egressd", "tmpfs"), Cover("/w/a/b", "pin"), Cover("/w/a", "pin"))
+
+
+def test_no_pin_reopens_a_hidden_directory() -> None:
+    # /w/h/x is hidden inside the hidden /w/h: a pin of /w/h/x's parent would show the host's /w/h
+    covers = plan_covers((W,), {}, ("/w/h", "/w/h/y/x"), is_dir=lambda p: True)
+    assert covers == (Cover("/w/h", "tmpfs"), Cover("/w/h/y/x", "tmpfs"))
+
+
 @pytest.mark.parametrize("mount", [Mount("/home/u/.ssh", False), Mount("/home/u/.ssh/keys", True)])
 def test_a_user_mount_in_a_hidden_path_needs_show(mount: Mount) -> None:
     with pytest.raises(MountError, match="--show /home/u/.ssh"):
