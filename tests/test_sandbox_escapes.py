@@ -237,6 +237,47 @@ def test_the_policy_and_audit_in_the_working_directory_cannot_be_changed(work: P
     assert any(r.get("host") == "elsewhere.test" and r.get("reason") == "not_allowlisted" for r in records)
 
 
+SWAP_UNDER_A_READ_ONLY_MOUNT = """
+    import json, os, sys, time, urllib.error, urllib.request
+    policy, url = sys.argv[1:3]
+    shown = os.path.dirname(policy)  # the user's --ro directory, itself inside a plain one
+    outer = os.path.dirname(shown)
+    def swap():
+        os.rename(outer, outer + ".old")  # the read-only mount moves along
+        os.makedirs(shown)
+        with open(policy, "w") as f:  # the host path of the policy is now the child's file
+            f.write("version: 1\\nmode: allow\\n")
+    attempt("swap", swap)
+    deadline = time.monotonic() + (15 if tried["swap"] == "DONE" else 0)
+    while True:  # until the reload (polled every 0.5 s) took the child's file, if it can
+        try:
+            urllib.request.urlopen(url, timeout=20)
+            tried["request"] = 200
+        except urllib.error.HTTPError as exc:
+            tried["request"] = exc.headers.get("X-Egressd-Reason")
+        if tried["request"] != "not_allowlisted" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    print(json.dumps(tried))
+"""
+
+
+def test_a_policy_under_a_nested_read_only_mount_cannot_be_swapped(work: Path) -> None:
+    shown = work / "cfg" / "egressd"
+    shown.mkdir(parents=True)
+    policy = shown / "agent.yaml"
+    policy.write_text("version: 1\nmode: enforce\nallow: [up.test]\n")
+    original = policy.read_text()
+    result = egressd_sandbox(
+        ["--ro", "cfg/egressd", "--policy", "cfg/egressd/agent.yaml"],
+        [*python_inside(ATTEMPT + SWAP_UNDER_A_READ_ONLY_MOUNT), str(policy), "http://elsewhere.test/"],
+        cwd=work,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"swap": "Device or resource busy", "request": "not_allowlisted"}
+    assert policy.read_text() == original
+
+
 WAIT_AND_LOOK = """
     import json, os, sys, time
     home, go = sys.argv[1], sys.argv[2]

@@ -33,6 +33,8 @@ W = Mount("/w", True)
         ),
         # inside a --ro mount: read-only already, and that mount point cannot be renamed
         ((W, Mount("/w/ro", False)), {"/w/ro/x": "code"}, ()),
+        # a --ro mount deeper in: it would move with its renamed parent, which is pinned
+        ((W, Mount("/w/a/ro", False)), {"/w/a/ro/x": "policy"}, (Cover("/w/a", "pin"),)),
         # a writable mount inside a read-only one inside a writable one
         (
             (W, Mount("/w/a", False), Mount("/w/a/b/c", True)),
@@ -75,6 +77,11 @@ def test_directories_on_the_way_to_a_hidden_path_are_pinned() -> None:
     # renamed, `a` would take the tmpfs along and leave the host path to a directory of the child's
     covers = plan_covers((W,), {}, ("/w/a/b/.egressd",), is_dir=lambda p: True)
     assert covers == (Cover("/w/a/b/.egressd", "tmpfs"), Cover("/w/a/b", "pin"), Cover("/w/a", "pin"))
+
+
+def test_directories_on_the_way_to_a_nested_user_mount_are_pinned() -> None:
+    mounts = (W, Mount("/w/sub/.git", False), Mount("/w/x", True), Mount("/opt/ro/a/b", False))
+    assert plan_covers(mounts, {}, ()) == (Cover("/w/sub", "pin"),)
 
 
 def test_no_pin_reopens_a_hidden_directory() -> None:
