@@ -278,6 +278,35 @@ def test_a_policy_under_a_nested_read_only_mount_cannot_be_swapped(work: Path) -
     assert policy.read_text() == original
 
 
+def test_an_audit_path_a_child_made_a_symlink_is_refused(tmp_path: Path, work: Path) -> None:
+    """An earlier child (no --audit then) leaves `audit.jsonl -> ~/.bashrc`; egressd must not follow
+    it and append records whose paths the child chose (`$(...)` runs when bash reads the line)."""
+    bashrc = tmp_path / "home" / ".bashrc"
+    bashrc.parent.mkdir()
+    bashrc.write_text("export A=1\n")
+    plant = ["ln", "-s", str(bashrc), "audit.jsonl"]
+    assert egressd_sandbox([], plant, cwd=work).returncode == 0
+    url = "http://elsewhere.test/$(touch${IFS}pwned)"
+    later = egressd_sandbox(
+        ["--audit", "audit.jsonl"], ["curl", "-sS", "-g", "--max-time", "20", url], cwd=work
+    )
+    assert bashrc.read_text() == "export A=1\n"
+    assert later.returncode == 2, later.stderr
+    assert b"symlink" in later.stderr and b"audit.jsonl" in later.stderr
+
+
+def test_a_rw_path_a_child_made_a_symlink_is_refused(tmp_path: Path, work: Path) -> None:
+    """An earlier child leaves `build -> ~/.config/autostart`; `--ro . --rw build` must not make
+    the directory the child chose writable."""
+    victim = tmp_path / "autostart"
+    victim.mkdir()
+    assert egressd_sandbox([], ["ln", "-s", str(victim), "build"], cwd=work).returncode == 0
+    later = egressd_sandbox(["--ro", ".", "--rw", "build"], ["touch", "build/planted"], cwd=work)
+    assert list(victim.iterdir()) == []
+    assert later.returncode == 2, later.stderr
+    assert b"symlink" in later.stderr and b"--rw build" in later.stderr
+
+
 WAIT_AND_LOOK = """
     import json, os, sys, time
     home, go = sys.argv[1], sys.argv[2]

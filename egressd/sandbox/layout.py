@@ -55,6 +55,36 @@ def egressd_code() -> dict[str, str]:
     return code
 
 
+def followed_links(path: str, *, _depth: int = 0) -> tuple[str, ...]:
+    """Every symlink resolving `path` goes through (the links' own paths, in order)."""
+    links: list[str] = []
+    resolved = "/"
+    for part in os.path.abspath(os.path.expanduser(path)).split("/"):
+        if not part:
+            continue
+        candidate = os.path.join(resolved, part)
+        if os.path.islink(candidate) and _depth < 40:
+            links.append(candidate)
+            target = os.path.join(resolved, os.readlink(candidate))
+            links += followed_links(target, _depth=_depth + 1)
+            resolved = os.path.realpath(target)
+        else:
+            resolved = candidate
+    return tuple(links)
+
+
+def option_links(options: SessionOptions) -> tuple[tuple[str, str, str], ...]:
+    """(option, as given, symlink) for the symlinks the policy and audit paths go through: taken
+    before pinned_options resolves them, for plan_layout to check against the writable mounts."""
+    found = []
+    if options.policy_file is not None:
+        given = str(resolve_policy_path(options.policy_file))
+        found += [("--policy", given, link) for link in followed_links(given)]
+    if options.audit_path is not None:
+        found += [("--audit", options.audit_path, link) for link in followed_links(options.audit_path)]
+    return tuple(found)
+
+
 def pinned_options(options: SessionOptions) -> SessionOptions:
     """The policy and audit paths resolved once: egressd reads and writes exactly the files the
     sandbox protects, never through a symlink the child could point elsewhere."""
@@ -85,13 +115,19 @@ def plan_layout(
     rw_home: bool = False,
     cache: str | None = None,
     environ: Mapping[str, str] | None = None,
+    links: Sequence[tuple[str, str, str]] = (),
 ) -> Layout:
-    """Mounts and covers for `options` (already pinned_options); MountError names the fix."""
+    """Mounts and covers for `options` (already pinned_options; `links` from option_links before
+    that); MountError names the fix."""
     environ = os.environ if environ is None else environ
     home = os.path.realpath(os.path.expanduser("~"))
+    given = [("--rw", p) for p in rw] + [("--ro", p) for p in ro] + ([("--cache", cache)] if cache else [])
+    links = [*links, *_home_links(options)]
+    links += [(option, path, link) for option, path in given for link in followed_links(path)]
     cache_dir = _checked("--cache", [cache])[0] if cache else None
     rw = [*rw, cache_dir] if cache_dir else rw
     mounts = plan_mounts(workdir, rw, ro, home=home, rw_home=rw_home)
+    _check_links([os.path.realpath(workdir), *(m.path for m in mounts if m.writable)], links)
     guarded = egressd_code()
     if options.policy_file is not None:
         guarded.setdefault(options.policy_file, "the policy egressd reads")
@@ -108,6 +144,25 @@ def plan_layout(
     covers = plan_covers(mounts, guarded, hidden)
     covers += tuple(Cover(path, "ro") for path in inside)
     return Layout(mounts, covers, hidden, shown, cache_dir, tuple(guarded))
+
+
+def _home_links(options: SessionOptions) -> list[tuple[str, str, str]]:
+    given = str(options.config_dir) if options.config_dir else str(ca.config_dir())
+    return [("egressd's home (EGRESSD_HOME)", given, link) for link in followed_links(given)]
+
+
+def _check_links(places: Sequence[str], links: Sequence[tuple[str, str, str]]) -> None:
+    """A symlink in the working directory or a writable one may be the child's (left by an earlier
+    run): following it, egressd would read its policy from, or append its audit (lines whose host
+    and path the child chose) to, whatever file the child named, ~/.bashrc included, and a --rw
+    would make that file's directory writable."""
+    for option, given, link in links:
+        if any(within(link, place) for place in places):
+            raise MountError(
+                f"{option} {given}: it goes through the symlink {link}, in a directory a sandboxed "
+                f"command can write (an earlier one may have put it there; it leads to "
+                f"{os.path.realpath(link)}); name the real path if you mean it, or remove the link"
+            )
 
 
 def _checked(option: str, paths: Sequence[str]) -> tuple[str, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -130,3 +132,18 @@ def test_home_and_its_ancestors_need_rw_home(tmp_path: object) -> None:
             plan_mounts(str(workdir), rw=[], ro=[], home=str(home))
         assert plan_mounts(str(workdir), rw=[], ro=[], home=str(home), rw_home=True)
     assert plan_mounts(str(home / "project"), rw=[], ro=[], home=str(home))  # below it is fine
+
+
+def test_followed_links_names_every_symlink_on_the_way(tmp_path: Path) -> None:
+    from egressd.sandbox.layout import followed_links
+
+    (tmp_path / "real" / "d").mkdir(parents=True)
+    (tmp_path / "real" / "d" / "f").write_text("x")
+    (tmp_path / "hop").symlink_to("real")
+    (tmp_path / "real" / "link").symlink_to(tmp_path / "hop" / "d" / "f")
+    assert followed_links(str(tmp_path / "real" / "d" / "f")) == ()
+    assert followed_links(str(tmp_path / "hop" / "link")) == (
+        str(tmp_path / "hop"),
+        str(tmp_path / "real" / "link"),
+        str(tmp_path / "hop"),
+    )
