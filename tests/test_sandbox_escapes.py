@@ -278,6 +278,37 @@ def test_a_policy_under_a_nested_read_only_mount_cannot_be_swapped(work: Path) -
     assert policy.read_text() == original
 
 
+WRITE_THROUGH_A_LINK = """
+    import json, os, sys
+    try:
+        os.link(sys.argv[1], "fresh")  # a new link across the read-only bind: never possible
+        tried = {"new_link": "DONE"}
+    except OSError as exc:
+        tried = {"new_link": exc.strerror}
+    with open(".planted", "w") as f:  # an old one: the policy's own inode
+        f.write("version: 1\\nmode: allow\\n")
+    print(json.dumps(tried))
+"""
+
+
+@pytest.mark.parametrize("option", ["--policy", "--audit"])
+def test_a_hard_link_to_the_policy_or_audit_in_a_writable_directory_is_refused(
+    option: str, work: Path
+) -> None:
+    conf = work / "conf"
+    conf.mkdir()
+    target = conf / "agent.yaml"
+    target.write_text("version: 1\nmode: enforce\nallow: [up.test]\n")
+    original = target.read_text()
+    os.link(target, work / ".planted")  # left by an earlier child, when the file was not guarded
+    result = egressd_sandbox(
+        [option, "conf/agent.yaml"], [*python_inside(WRITE_THROUGH_A_LINK), str(target)], cwd=work
+    )
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert b"hard link" in result.stderr
+    assert target.read_text() == original
+
+
 def test_an_audit_path_a_child_made_a_symlink_is_refused(tmp_path: Path, work: Path) -> None:
     """An earlier child (no --audit then) leaves `audit.jsonl -> ~/.bashrc`; egressd must not follow
     it and append records whose paths the child chose (`$(...)` runs when bash reads the line)."""

@@ -8,6 +8,7 @@ bad combination stops with the fix before the proxy or the child runs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -128,6 +129,7 @@ def plan_layout(
     rw = [*rw, cache_dir] if cache_dir else rw
     mounts = plan_mounts(workdir, rw, ro, home=home, rw_home=rw_home)
     _check_links([os.path.realpath(workdir), *(m.path for m in mounts if m.writable)], links)
+    _check_single_links(mounts, options)
     guarded = egressd_code()
     if options.policy_file is not None:
         guarded.setdefault(options.policy_file, "the policy egressd reads")
@@ -162,6 +164,30 @@ def _check_links(places: Sequence[str], links: Sequence[tuple[str, str, str]]) -
                 f"{option} {given}: it goes through the symlink {link}, in a directory a sandboxed "
                 f"command can write (an earlier one may have put it there; it leads to "
                 f"{os.path.realpath(link)}); name the real path if you mean it, or remove the link"
+            )
+
+
+def _check_single_links(mounts: Sequence[Mount], options: SessionOptions) -> None:
+    """The policy and audit must have no other hard link the child could write through: a
+    read-only bind covers a path, not the inode, and an earlier child may have linked the file
+    into a directory that is writable now."""
+    writable_devices = set()
+    for mount in mounts:
+        if mount.writable:
+            with contextlib.suppress(OSError):
+                writable_devices.add(os.stat(mount.path).st_dev)
+    for option, path in (("--policy", options.policy_file), ("--audit", options.audit_path)):
+        if path is None:
+            continue
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue  # an audit file egressd has yet to create
+        if info.st_nlink > 1 and info.st_dev in writable_devices:
+            raise MountError(
+                f"{option} {path}: the file has {info.st_nlink} hard links, on a file system the "
+                "sandbox makes writable: the child could change it through another one (an earlier "
+                "sandboxed command may have made it); use a copy with a single link"
             )
 
 
