@@ -175,6 +175,44 @@ def test_egressd_code_in_the_working_directory_is_read_only(tmp_path: Path, work
     assert "ran outside" not in (root / "egressd" / "addons" / "tunnel_guard.py").read_text()
 
 
+PLANT_BYTECODE = """
+    import importlib._bootstrap_external as bootstrap, json, os, socket, sys
+    prefix, source, marker = sys.argv[1:4]
+    def plant():
+        info = os.stat(source)
+        text = open(source).read() + f"\\nopen({marker!r}, 'w').write('ran outside')\\n"
+        data = bootstrap._code_to_timestamp_pyc(compile(text, source, "exec"), info.st_mtime, info.st_size)
+        name = os.path.basename(source)[:-3] + f".{sys.implementation.cache_tag}.pyc"
+        target = os.path.join(prefix + os.path.dirname(source), name)  # where egressd looks first
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(data)
+    attempt("plant", plant)
+    with socket.create_connection(("127.0.0.1", 1080), timeout=10) as s:  # egressd starts mitmproxy
+        s.sendall(b"\\x05\\x01\\x00")
+        s.recv(2)
+    print(json.dumps(tried))
+"""
+
+
+def test_a_bytecode_cache_prefix_in_the_working_directory_is_read_only(tmp_path: Path, work: Path) -> None:
+    """PYTHONPYCACHEPREFIX: egressd loads the bytecode of a module it imports late (its addons,
+    mitmproxy) from there, not from beside the read-only source."""
+    marker = tmp_path / "ran-outside"
+    source = importlib.util.find_spec("egressd.addons.tunnel_guard").origin  # type: ignore[union-attr]
+    env = sandbox_env(work)
+    env["PYTHONPYCACHEPREFIX"] = str(work / ".pycache")
+    result = egressd_sandbox(
+        [],
+        [*python_inside(ATTEMPT + PLANT_BYTECODE), str(work / ".pycache"), str(source), str(marker)],
+        cwd=work,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"plant": "Read-only file system"}
+    assert not marker.exists()
+
+
 def test_a_working_directory_inside_egressd_code_is_refused(work: Path) -> None:
     root = _egressd_copy_in(work)
     env = sandbox_env(work)

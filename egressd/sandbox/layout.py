@@ -53,6 +53,13 @@ def egressd_code() -> dict[str, str]:
         "egressd's Python",
     )
     add([p for p in sys.path if p and os.path.isdir(p)], "a directory egressd imports from")
+    if sys.pycache_prefix:
+        # PYTHONPYCACHEPREFIX: the bytecode of every module egressd imports late is looked for
+        # there before the (read-only) source is compiled. Made now if missing, so the child
+        # can never be the one to create it.
+        with contextlib.suppress(OSError):
+            os.makedirs(sys.pycache_prefix, exist_ok=True)
+        add([sys.pycache_prefix], "egressd's bytecode cache (PYTHONPYCACHEPREFIX)")
     return code
 
 
