@@ -376,6 +376,20 @@ def test_a_rw_path_a_child_made_a_symlink_is_refused(tmp_path: Path, work: Path)
     assert b"symlink" in later.stderr and b"--rw build" in later.stderr
 
 
+def test_a_file_named_like_a_preset_does_not_replace_the_preset(work: Path) -> None:
+    """`egressd sandbox --policy npm -- npm ci`: an earlier child (a postinstall script) leaves a
+    file `npm` in the working directory; the next run must not take its policy for the preset."""
+    plant = ["sh", "-c", "printf 'version: 1\\nmode: allow\\n' > npm"]
+    assert egressd_sandbox(["--policy", "npm"], plant, cwd=work).returncode == 0
+    assert (work / "npm").read_text() == "version: 1\nmode: allow\n"
+    later = egressd_sandbox(
+        ["--policy", "npm"], ["curl", "-sS", "-i", "--max-time", "20", "http://x.test/"], cwd=work
+    )
+    assert b"mode: allow" not in later.stdout
+    assert later.returncode == 2, later.stdout
+    assert b"./npm" in later.stderr and b"preset" in later.stderr
+
+
 WAIT_AND_LOOK = """
     import json, os, sys, time
     home, go = sys.argv[1], sys.argv[2]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import egressd
 from egressd import ca
+from egressd.policy import PolicyError, builtin_policy_path
 from egressd.sandbox.mounts import Mount, MountError, plan_mounts, within
 from egressd.sandbox.shields import Cover, apply_show, credential_paths, existing, plan_covers
 from egressd.session import SessionOptions, resolve_policy_path
@@ -93,11 +94,31 @@ def option_links(options: SessionOptions) -> tuple[tuple[str, str, str], ...]:
     return tuple(found)
 
 
+def _unshadowed_preset(value: str) -> None:
+    """`--policy npm` means the preset, but a file `npm` in the working directory wins, and an
+    earlier sandboxed command (a postinstall script) can write that file: both existing is
+    refused, and `./npm` names the file."""
+    if not os.path.exists(value) or os.sep in value:
+        return
+    try:
+        builtin_policy_path(value)
+    except PolicyError:
+        return  # no preset of that name: the file is all it can mean
+    raise PolicyError(
+        "--policy",
+        None,
+        value,
+        f"names both the built-in preset and the file ./{value} (which a sandboxed command may "
+        f"have written); remove ./{value} for the preset, or write --policy ./{value} for the file",
+    )
+
+
 def pinned_options(options: SessionOptions) -> SessionOptions:
     """The policy and audit paths resolved once: egressd reads and writes exactly the files the
     sandbox protects, never through a symlink the child could point elsewhere."""
     policy = options.policy_file
     if policy is not None:
+        _unshadowed_preset(policy)
         policy = os.path.realpath(resolve_policy_path(policy))
     audit = options.audit_path
     if audit is not None:
