@@ -495,6 +495,14 @@ SECRETS = {
     ".gnupg/private-keys-v1.d/k.key": "gpg-secret",
     ".config/gcloud/credentials.db": "gcloud-secret",
     ".azure/msal_token_cache.json": "azure-secret",
+    ".cargo/credentials.toml": 'token = "cargo-secret"',
+    ".gem/credentials": ":rubygems_api_key: gem-secret",
+    ".vault-token": "vault-secret",
+    ".terraform.d/credentials.tfrc.json": '{"credentials": {"app.terraform.io": {"token": "tf-secret"}}}',
+    ".config/hub": "oauth_token: hub-secret",
+    ".config/glab-cli/config.yml": "token: glab-secret",
+    ".config/composer/auth.json": '{"github-oauth": {"github.com": "composer-secret"}}',
+    ".pulumi/credentials.json": '{"accessTokens": {"x": "pulumi-secret"}}',
     "notes/private.txt": "hidden by --hide",
 }
 

@@ -44,6 +44,17 @@ CREDENTIALS: tuple[str, ...] = (
     ".gnupg",
     ".azure",
     ".password-store",
+    # registry, forge and infrastructure tokens of other tools
+    ".cargo/credentials.toml",
+    ".cargo/credentials",
+    ".gem/credentials",
+    ".vault-token",
+    ".terraform.d/credentials.tfrc.json",
+    ".config/hub",
+    ".config/glab-cli",
+    ".config/composer/auth.json",
+    ".composer/auth.json",
+    ".pulumi/credentials.json",
 )
 # Daemon sockets that hand out authority, outside the private /run and /tmp.
 AUTHORITY_SOCKETS: tuple[str, ...] = ("/var/run/docker.sock", "/var/run/podman/podman.sock")
