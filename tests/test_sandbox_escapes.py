@@ -24,7 +24,7 @@ from tests.support.egressd_cli import EGRESSD, write_policy
 from tests.support.npm_registry import NpmRegistry
 from tests.support.upstreams import EchoHTTPServer
 from tests.test_exec_integration import assert_refusal, parse_http
-from tests.test_sandbox_integration import egressd_sandbox, python_inside, sandbox_env
+from tests.test_sandbox_integration import BWRAP, egressd_sandbox, python_inside, sandbox_env
 
 # -- what crosses into the sandbox ------------------------------------------------------------------
 WRITE_THROUGH_FDS = """
@@ -388,6 +388,25 @@ def test_a_file_named_like_a_preset_does_not_replace_the_preset(work: Path) -> N
     assert b"mode: allow" not in later.stdout
     assert later.returncode == 2, later.stdout
     assert b"./npm" in later.stderr and b"preset" in later.stderr
+
+
+def test_a_bwrap_the_child_put_on_path_is_never_run(tmp_path: Path, work: Path) -> None:
+    """PATH often leads into the project (an activated .venv/bin, direnv's node_modules/.bin, ./bin):
+    an earlier child (a package's console script named `bwrap`) must not get run, unconfined, by
+    the next `egressd sandbox`."""
+    marker = tmp_path / "ran-outside"
+    fake = f'#!/bin/sh\necho unconfined > {marker}\nexec {BWRAP} "$@"\n'
+    write = "import os, sys; os.mkdir('bin'); open('bin/bwrap', 'w').write(sys.argv[1])"
+    write += "; os.chmod('bin/bwrap', 0o755)"
+    plant = [*python_inside(write), fake]
+    assert egressd_sandbox([], plant, cwd=work).returncode == 0
+    assert (work / "bin" / "bwrap").exists()
+    env = sandbox_env(work)
+    env["PATH"] = f"{work / 'bin'}:{env['PATH']}"
+    later = egressd_sandbox([], ["true"], cwd=work, env=env)
+    assert not marker.exists()
+    assert later.returncode == 2, later.stderr
+    assert str(work / "bin" / "bwrap").encode() in later.stderr
 
 
 WAIT_AND_LOOK = """

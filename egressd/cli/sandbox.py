@@ -182,7 +182,8 @@ def sandbox_command(
     probe = None
     try:
         if sys.platform == "linux":
-            bwrap = preflight.locate_bwrap(bwrap_path)
+            writable = [os.path.realpath(os.getcwd()), *(m.path for m in layout.mounts if m.writable)]
+            bwrap = preflight.locate_bwrap(bwrap_path, writable=writable)
             disable_userns = preflight.supports_disable_userns(bwrap)
             probe = preflight.Probe(bwrap, disable_userns)  # judged once the proxy is up
         elif sys.platform == "darwin":
