@@ -24,7 +24,7 @@ from tests.support.egressd_cli import EGRESSD, write_policy
 from tests.support.npm_registry import NpmRegistry
 from tests.support.upstreams import EchoHTTPServer
 from tests.test_exec_integration import assert_refusal, parse_http
-from tests.test_sandbox_integration import egressd_sandbox, python_inside, sandbox_env
+from tests.test_sandbox_integration import BWRAP, egressd_sandbox, python_inside, sandbox_env
 
 # -- what crosses into the sandbox ------------------------------------------------------------------
 WRITE_THROUGH_FDS = """
@@ -175,6 +175,44 @@ def test_egressd_code_in_the_working_directory_is_read_only(tmp_path: Path, work
     assert "ran outside" not in (root / "egressd" / "addons" / "tunnel_guard.py").read_text()
 
 
+PLANT_BYTECODE = """
+    import importlib._bootstrap_external as bootstrap, json, os, socket, sys
+    prefix, source, marker = sys.argv[1:4]
+    def plant():
+        info = os.stat(source)
+        text = open(source).read() + f"\\nopen({marker!r}, 'w').write('ran outside')\\n"
+        data = bootstrap._code_to_timestamp_pyc(compile(text, source, "exec"), info.st_mtime, info.st_size)
+        name = os.path.basename(source)[:-3] + f".{sys.implementation.cache_tag}.pyc"
+        target = os.path.join(prefix + os.path.dirname(source), name)  # where egressd looks first
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(data)
+    attempt("plant", plant)
+    with socket.create_connection(("127.0.0.1", 1080), timeout=10) as s:  # egressd starts mitmproxy
+        s.sendall(b"\\x05\\x01\\x00")
+        s.recv(2)
+    print(json.dumps(tried))
+"""
+
+
+def test_a_bytecode_cache_prefix_in_the_working_directory_is_read_only(tmp_path: Path, work: Path) -> None:
+    """PYTHONPYCACHEPREFIX: egressd loads the bytecode of a module it imports late (its addons,
+    mitmproxy) from there, not from beside the read-only source."""
+    marker = tmp_path / "ran-outside"
+    source = importlib.util.find_spec("egressd.addons.tunnel_guard").origin  # type: ignore[union-attr]
+    env = sandbox_env(work)
+    env["PYTHONPYCACHEPREFIX"] = str(work / ".pycache")
+    result = egressd_sandbox(
+        [],
+        [*python_inside(ATTEMPT + PLANT_BYTECODE), str(work / ".pycache"), str(source), str(marker)],
+        cwd=work,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"plant": "Read-only file system"}
+    assert not marker.exists()
+
+
 def test_a_working_directory_inside_egressd_code_is_refused(work: Path) -> None:
     root = _egressd_copy_in(work)
     env = sandbox_env(work)
@@ -237,6 +275,140 @@ def test_the_policy_and_audit_in_the_working_directory_cannot_be_changed(work: P
     assert any(r.get("host") == "elsewhere.test" and r.get("reason") == "not_allowlisted" for r in records)
 
 
+SWAP_UNDER_A_READ_ONLY_MOUNT = """
+    import json, os, sys, time, urllib.error, urllib.request
+    policy, url = sys.argv[1:3]
+    shown = os.path.dirname(policy)  # the user's --ro directory, itself inside a plain one
+    outer = os.path.dirname(shown)
+    def swap():
+        os.rename(outer, outer + ".old")  # the read-only mount moves along
+        os.makedirs(shown)
+        with open(policy, "w") as f:  # the host path of the policy is now the child's file
+            f.write("version: 1\\nmode: allow\\n")
+    attempt("swap", swap)
+    deadline = time.monotonic() + (15 if tried["swap"] == "DONE" else 0)
+    while True:  # until the reload (polled every 0.5 s) took the child's file, if it can
+        try:
+            urllib.request.urlopen(url, timeout=20)
+            tried["request"] = 200
+        except urllib.error.HTTPError as exc:
+            tried["request"] = exc.headers.get("X-Egressd-Reason")
+        if tried["request"] != "not_allowlisted" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    print(json.dumps(tried))
+"""
+
+
+def test_a_policy_under_a_nested_read_only_mount_cannot_be_swapped(work: Path) -> None:
+    shown = work / "cfg" / "egressd"
+    shown.mkdir(parents=True)
+    policy = shown / "agent.yaml"
+    policy.write_text("version: 1\nmode: enforce\nallow: [up.test]\n")
+    original = policy.read_text()
+    result = egressd_sandbox(
+        ["--ro", "cfg/egressd", "--policy", "cfg/egressd/agent.yaml"],
+        [*python_inside(ATTEMPT + SWAP_UNDER_A_READ_ONLY_MOUNT), str(policy), "http://elsewhere.test/"],
+        cwd=work,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"swap": "Device or resource busy", "request": "not_allowlisted"}
+    assert policy.read_text() == original
+
+
+WRITE_THROUGH_A_LINK = """
+    import json, os, sys
+    try:
+        os.link(sys.argv[1], "fresh")  # a new link across the read-only bind: never possible
+        tried = {"new_link": "DONE"}
+    except OSError as exc:
+        tried = {"new_link": exc.strerror}
+    with open(".planted", "w") as f:  # an old one: the policy's own inode
+        f.write("version: 1\\nmode: allow\\n")
+    print(json.dumps(tried))
+"""
+
+
+@pytest.mark.parametrize("option", ["--policy", "--audit"])
+def test_a_hard_link_to_the_policy_or_audit_in_a_writable_directory_is_refused(
+    option: str, work: Path
+) -> None:
+    conf = work / "conf"
+    conf.mkdir()
+    target = conf / "agent.yaml"
+    target.write_text("version: 1\nmode: enforce\nallow: [up.test]\n")
+    original = target.read_text()
+    os.link(target, work / ".planted")  # left by an earlier child, when the file was not guarded
+    result = egressd_sandbox(
+        [option, "conf/agent.yaml"], [*python_inside(WRITE_THROUGH_A_LINK), str(target)], cwd=work
+    )
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert b"hard link" in result.stderr
+    assert target.read_text() == original
+
+
+def test_an_audit_path_a_child_made_a_symlink_is_refused(tmp_path: Path, work: Path) -> None:
+    """An earlier child (no --audit then) leaves `audit.jsonl -> ~/.bashrc`; egressd must not follow
+    it and append records whose paths the child chose (`$(...)` runs when bash reads the line)."""
+    bashrc = tmp_path / "home" / ".bashrc"
+    bashrc.parent.mkdir()
+    bashrc.write_text("export A=1\n")
+    plant = ["ln", "-s", str(bashrc), "audit.jsonl"]
+    assert egressd_sandbox([], plant, cwd=work).returncode == 0
+    url = "http://elsewhere.test/$(touch${IFS}pwned)"
+    later = egressd_sandbox(
+        ["--audit", "audit.jsonl"], ["curl", "-sS", "-g", "--max-time", "20", url], cwd=work
+    )
+    assert bashrc.read_text() == "export A=1\n"
+    assert later.returncode == 2, later.stderr
+    assert b"symlink" in later.stderr and b"audit.jsonl" in later.stderr
+
+
+def test_a_rw_path_a_child_made_a_symlink_is_refused(tmp_path: Path, work: Path) -> None:
+    """An earlier child leaves `build -> ~/.config/autostart`; `--ro . --rw build` must not make
+    the directory the child chose writable."""
+    victim = tmp_path / "autostart"
+    victim.mkdir()
+    assert egressd_sandbox([], ["ln", "-s", str(victim), "build"], cwd=work).returncode == 0
+    later = egressd_sandbox(["--ro", ".", "--rw", "build"], ["touch", "build/planted"], cwd=work)
+    assert list(victim.iterdir()) == []
+    assert later.returncode == 2, later.stderr
+    assert b"symlink" in later.stderr and b"--rw build" in later.stderr
+
+
+def test_a_file_named_like_a_preset_does_not_replace_the_preset(work: Path) -> None:
+    """`egressd sandbox --policy npm -- npm ci`: an earlier child (a postinstall script) leaves a
+    file `npm` in the working directory; the next run must not take its policy for the preset."""
+    plant = ["sh", "-c", "printf 'version: 1\\nmode: allow\\n' > npm"]
+    assert egressd_sandbox(["--policy", "npm"], plant, cwd=work).returncode == 0
+    assert (work / "npm").read_text() == "version: 1\nmode: allow\n"
+    later = egressd_sandbox(
+        ["--policy", "npm"], ["curl", "-sS", "-i", "--max-time", "20", "http://x.test/"], cwd=work
+    )
+    assert b"mode: allow" not in later.stdout
+    assert later.returncode == 2, later.stdout
+    assert b"./npm" in later.stderr and b"preset" in later.stderr
+
+
+def test_a_bwrap_the_child_put_on_path_is_never_run(tmp_path: Path, work: Path) -> None:
+    """PATH often leads into the project (an activated .venv/bin, direnv's node_modules/.bin, ./bin):
+    an earlier child (a package's console script named `bwrap`) must not get run, unconfined, by
+    the next `egressd sandbox`."""
+    marker = tmp_path / "ran-outside"
+    fake = f'#!/bin/sh\necho unconfined > {marker}\nexec {BWRAP} "$@"\n'
+    write = "import os, sys; os.mkdir('bin'); open('bin/bwrap', 'w').write(sys.argv[1])"
+    write += "; os.chmod('bin/bwrap', 0o755)"
+    plant = [*python_inside(write), fake]
+    assert egressd_sandbox([], plant, cwd=work).returncode == 0
+    assert (work / "bin" / "bwrap").exists()
+    env = sandbox_env(work)
+    env["PATH"] = f"{work / 'bin'}:{env['PATH']}"
+    later = egressd_sandbox([], ["true"], cwd=work, env=env)
+    assert not marker.exists()
+    assert later.returncode == 2, later.stderr
+    assert str(work / "bin" / "bwrap").encode() in later.stderr
+
+
 WAIT_AND_LOOK = """
     import json, os, sys, time
     home, go = sys.argv[1], sys.argv[2]
@@ -283,6 +455,51 @@ def test_a_ca_created_during_the_run_stays_hidden(work: Path) -> None:
     assert json.loads(out) == []
 
 
+RENAME_AND_LOOK = """
+    import json, os, sys, time
+    home, go = sys.argv[1], sys.argv[2]
+    parent = os.path.dirname(home)  # a plain directory of the working directory, above the hidden one
+    try:
+        os.rename(parent, parent + ".moved")  # the hidden tmpfs goes with it...
+        os.makedirs(home)  # ...and the host path now leads to a directory the child reads
+    except OSError as exc:
+        print(json.dumps({"rename": exc.strerror}), file=sys.stderr)
+    open("waiting", "w").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = []
+    for top, dirs, files in os.walk(home):
+        found += [os.path.relpath(os.path.join(top, f), home) for f in files]
+    print(json.dumps(sorted(found)))
+"""
+
+
+def test_a_hidden_home_cannot_be_moved_away_by_renaming_its_parent(work: Path) -> None:
+    home = work / "state" / ".egressd"  # hidden; `state` is a plain directory the child can write
+    env = sandbox_env(work)
+    env["EGRESSD_HOME"] = str(home)
+    proc = subprocess.Popen(
+        [*EGRESSD, "sandbox", "--", *python_inside(RENAME_AND_LOOK), str(home), str(work / "go")],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_for(work / "waiting", proc)
+        rotated = subprocess.run([*EGRESSD, "ca", "rotate"], env=env, capture_output=True, timeout=60)
+        assert rotated.returncode == 0, rotated.stderr
+        (work / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert json.loads(out) == []  # the CA key went to egressd's real home, never the child's
+    assert list((home / "ca").iterdir())
+    assert not (work / "state.moved").exists()
+
+
 # -- the user's credentials and start-up files ---------------------------------------------------
 SECRETS = {
     ".ssh/id_ed25519": "PRIVATE KEY",
@@ -297,6 +514,14 @@ SECRETS = {
     ".gnupg/private-keys-v1.d/k.key": "gpg-secret",
     ".config/gcloud/credentials.db": "gcloud-secret",
     ".azure/msal_token_cache.json": "azure-secret",
+    ".cargo/credentials.toml": 'token = "cargo-secret"',
+    ".gem/credentials": ":rubygems_api_key: gem-secret",
+    ".vault-token": "vault-secret",
+    ".terraform.d/credentials.tfrc.json": '{"credentials": {"app.terraform.io": {"token": "tf-secret"}}}',
+    ".config/hub": "oauth_token: hub-secret",
+    ".config/glab-cli/config.yml": "token: glab-secret",
+    ".config/composer/auth.json": '{"github-oauth": {"github.com": "composer-secret"}}',
+    ".pulumi/credentials.json": '{"accessTokens": {"x": "pulumi-secret"}}',
     "notes/private.txt": "hidden by --hide",
 }
 

@@ -15,7 +15,7 @@ from egressd import process
 from egressd.cli.options import fail, open_session, say, session_options
 from egressd.policy import PolicyError
 from egressd.sandbox import narrow, preflight
-from egressd.sandbox.layout import pinned_options, plan_layout
+from egressd.sandbox.layout import option_links, pinned_options, plan_layout
 from egressd.sandbox.mounts import MountError
 from egressd.sandbox.run import Outcome, run_bwrap, run_seatbelt
 from egressd.session import SessionOptions
@@ -155,7 +155,11 @@ def sandbox_command(
     catcher = process.child_signal_catcher().install()
     if pass_env and not env_clear:
         fail("--pass-env works with --env-clear (without it the child gets egressd's whole environment)")
-    options = pinned_options(options)
+    try:
+        links = option_links(options)  # before pinning: which symlinks the paths go through
+        options = pinned_options(options)
+    except PolicyError as exc:  # no such preset
+        fail(str(exc))
     try:
         only_rules = narrow.parse_only(only)
         layout = plan_layout(
@@ -167,6 +171,7 @@ def sandbox_command(
             show=show,
             rw_home=rw_home,
             cache=cache,
+            links=links,
         )
     except (MountError, PolicyError) as exc:
         fail(str(exc))
@@ -177,7 +182,8 @@ def sandbox_command(
     probe = None
     try:
         if sys.platform == "linux":
-            bwrap = preflight.locate_bwrap(bwrap_path)
+            writable = [os.path.realpath(os.getcwd()), *(m.path for m in layout.mounts if m.writable)]
+            bwrap = preflight.locate_bwrap(bwrap_path, writable=writable)
             disable_userns = preflight.supports_disable_userns(bwrap)
             probe = preflight.Probe(bwrap, disable_userns)  # judged once the proxy is up
         elif sys.platform == "darwin":

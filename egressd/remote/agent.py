@@ -95,15 +95,16 @@ class SandboxPlan:
         if not sys.platform.startswith("linux"):
             raise AgentError(f"--sandbox on the remote needs Linux (bubblewrap), not {sys.platform}")
         try:
-            bwrap = preflight.locate_bwrap()
-            disable_userns = preflight.supports_disable_userns(bwrap)
-            preflight.probe(bwrap, disable_userns)
             layout = plan_layout(
                 SessionOptions(),
                 workdir=os.getcwd(),
                 rw=rw,
                 ro=(os.getcwd(),),
             )
+            # never a bwrap an earlier sandboxed command could have written (a --rw path on PATH)
+            bwrap = preflight.locate_bwrap(writable=[m.path for m in layout.mounts if m.writable])
+            disable_userns = preflight.supports_disable_userns(bwrap)
+            preflight.probe(bwrap, disable_userns)
         except (preflight.SandboxUnavailable, MountError) as exc:
             raise AgentError(f"--sandbox: {exc}") from exc
         return cls(bwrap, disable_userns, layout)

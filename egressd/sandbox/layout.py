@@ -8,6 +8,7 @@ bad combination stops with the fix before the proxy or the child runs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import egressd
 from egressd import ca
+from egressd.policy import PolicyError, builtin_policy_path
 from egressd.sandbox.mounts import Mount, MountError, plan_mounts, within
 from egressd.sandbox.shields import Cover, apply_show, credential_paths, existing, plan_covers
 from egressd.session import SessionOptions, resolve_policy_path
@@ -52,7 +54,63 @@ def egressd_code() -> dict[str, str]:
         "egressd's Python",
     )
     add([p for p in sys.path if p and os.path.isdir(p)], "a directory egressd imports from")
+    if sys.pycache_prefix:
+        # PYTHONPYCACHEPREFIX: the bytecode of every module egressd imports late is looked for
+        # there before the (read-only) source is compiled. Made now if missing, so the child
+        # can never be the one to create it.
+        with contextlib.suppress(OSError):
+            os.makedirs(sys.pycache_prefix, exist_ok=True)
+        add([sys.pycache_prefix], "egressd's bytecode cache (PYTHONPYCACHEPREFIX)")
     return code
+
+
+def followed_links(path: str, *, _depth: int = 0) -> tuple[str, ...]:
+    """Every symlink resolving `path` goes through (the links' own paths, in order)."""
+    links: list[str] = []
+    resolved = "/"
+    for part in os.path.abspath(os.path.expanduser(path)).split("/"):
+        if not part:
+            continue
+        candidate = os.path.join(resolved, part)
+        if os.path.islink(candidate) and _depth < 40:
+            links.append(candidate)
+            target = os.path.join(resolved, os.readlink(candidate))
+            links += followed_links(target, _depth=_depth + 1)
+            resolved = os.path.realpath(target)
+        else:
+            resolved = candidate
+    return tuple(links)
+
+
+def option_links(options: SessionOptions) -> tuple[tuple[str, str, str], ...]:
+    """(option, as given, symlink) for the symlinks the policy and audit paths go through: taken
+    before pinned_options resolves them, for plan_layout to check against the writable mounts."""
+    found = []
+    if options.policy_file is not None:
+        given = str(resolve_policy_path(options.policy_file))
+        found += [("--policy", given, link) for link in followed_links(given)]
+    if options.audit_path is not None:
+        found += [("--audit", options.audit_path, link) for link in followed_links(options.audit_path)]
+    return tuple(found)
+
+
+def _unshadowed_preset(value: str) -> None:
+    """`--policy npm` means the preset, but a file `npm` in the working directory wins, and an
+    earlier sandboxed command (a postinstall script) can write that file: both existing is
+    refused, and `./npm` names the file."""
+    if not os.path.exists(value) or os.sep in value:
+        return
+    try:
+        builtin_policy_path(value)
+    except PolicyError:
+        return  # no preset of that name: the file is all it can mean
+    raise PolicyError(
+        "--policy",
+        None,
+        value,
+        f"names both the built-in preset and the file ./{value} (which a sandboxed command may "
+        f"have written); remove ./{value} for the preset, or write --policy ./{value} for the file",
+    )
 
 
 def pinned_options(options: SessionOptions) -> SessionOptions:
@@ -60,6 +118,7 @@ def pinned_options(options: SessionOptions) -> SessionOptions:
     sandbox protects, never through a symlink the child could point elsewhere."""
     policy = options.policy_file
     if policy is not None:
+        _unshadowed_preset(policy)
         policy = os.path.realpath(resolve_policy_path(policy))
     audit = options.audit_path
     if audit is not None:
@@ -85,13 +144,20 @@ def plan_layout(
     rw_home: bool = False,
     cache: str | None = None,
     environ: Mapping[str, str] | None = None,
+    links: Sequence[tuple[str, str, str]] = (),
 ) -> Layout:
-    """Mounts and covers for `options` (already pinned_options); MountError names the fix."""
+    """Mounts and covers for `options` (already pinned_options; `links` from option_links before
+    that); MountError names the fix."""
     environ = os.environ if environ is None else environ
     home = os.path.realpath(os.path.expanduser("~"))
+    given = [("--rw", p) for p in rw] + [("--ro", p) for p in ro] + ([("--cache", cache)] if cache else [])
+    links = [*links, *_home_links(options)]
+    links += [(option, path, link) for option, path in given for link in followed_links(path)]
     cache_dir = _checked("--cache", [cache])[0] if cache else None
     rw = [*rw, cache_dir] if cache_dir else rw
     mounts = plan_mounts(workdir, rw, ro, home=home, rw_home=rw_home)
+    _check_links([os.path.realpath(workdir), *(m.path for m in mounts if m.writable)], links)
+    _check_single_links(mounts, options)
     guarded = egressd_code()
     if options.policy_file is not None:
         guarded.setdefault(options.policy_file, "the policy egressd reads")
@@ -108,6 +174,50 @@ def plan_layout(
     covers = plan_covers(mounts, guarded, hidden)
     covers += tuple(Cover(path, "ro") for path in inside)
     return Layout(mounts, covers, hidden, shown, cache_dir, tuple(guarded))
+
+
+def _home_links(options: SessionOptions) -> list[tuple[str, str, str]]:
+    given = str(options.config_dir) if options.config_dir else str(ca.config_dir())
+    return [("egressd's home (EGRESSD_HOME)", given, link) for link in followed_links(given)]
+
+
+def _check_links(places: Sequence[str], links: Sequence[tuple[str, str, str]]) -> None:
+    """A symlink in the working directory or a writable one may be the child's (left by an earlier
+    run): following it, egressd would read its policy from, or append its audit (lines whose host
+    and path the child chose) to, whatever file the child named, ~/.bashrc included, and a --rw
+    would make that file's directory writable."""
+    for option, given, link in links:
+        if any(within(link, place) for place in places):
+            raise MountError(
+                f"{option} {given}: it goes through the symlink {link}, in a directory a sandboxed "
+                f"command can write (an earlier one may have put it there; it leads to "
+                f"{os.path.realpath(link)}); name the real path if you mean it, or remove the link"
+            )
+
+
+def _check_single_links(mounts: Sequence[Mount], options: SessionOptions) -> None:
+    """The policy and audit must have no other hard link the child could write through: a
+    read-only bind covers a path, not the inode, and an earlier child may have linked the file
+    into a directory that is writable now."""
+    writable_devices = set()
+    for mount in mounts:
+        if mount.writable:
+            with contextlib.suppress(OSError):
+                writable_devices.add(os.stat(mount.path).st_dev)
+    code = egressd_code()
+    for option, path in (("--policy", options.policy_file), ("--audit", options.audit_path)):
+        if path is None or any(within(path, top) for top in code):
+            continue  # a preset: egressd's package (installers such as uv hard-link it from a cache)
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue  # an audit file egressd has yet to create
+        if info.st_nlink > 1 and info.st_dev in writable_devices:
+            raise MountError(
+                f"{option} {path}: the file has {info.st_nlink} hard links, on a file system the "
+                "sandbox makes writable: the child could change it through another one (an earlier "
+                "sandboxed command may have made it); use a copy with a single link"
+            )
 
 
 def _checked(option: str, paths: Sequence[str]) -> tuple[str, ...]:

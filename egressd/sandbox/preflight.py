@@ -10,9 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from egressd.sandbox.bwrap import probe_argv
+from egressd.sandbox.mounts import within
 from egressd.sandbox.seatbelt import SANDBOX_EXEC
 
 BWRAP_ENV = "EGRESSD_BWRAP"
@@ -46,8 +47,16 @@ class SandboxUnavailable(RuntimeError):
     """No sandbox can run here; the message says why and how to fix it."""
 
 
-def locate_bwrap(explicit: str | None = None, env: Mapping[str, str] | None = None) -> str:
-    """--bwrap, else $EGRESSD_BWRAP, else `bwrap` on PATH; must be an executable file."""
+def locate_bwrap(
+    explicit: str | None = None, env: Mapping[str, str] | None = None, writable: Sequence[str] = ()
+) -> str:
+    """--bwrap, else $EGRESSD_BWRAP, else `bwrap` on PATH; must be an executable file.
+
+    `writable`: directories a sandboxed command can write (the working directory, --rw paths).
+    A bwrap found there on PATH (which often leads into the project: an activated .venv/bin,
+    node_modules/.bin) may be an earlier child's, and egressd runs it outside any sandbox: it is
+    refused. A path the user names (--bwrap /x/bwrap) is taken as named.
+    """
     env = os.environ if env is None else env
     wanted = explicit or env.get(BWRAP_ENV) or None
     if wanted is None:
@@ -56,13 +65,27 @@ def locate_bwrap(explicit: str | None = None, env: Mapping[str, str] | None = No
             raise SandboxUnavailable(
                 f"bubblewrap (bwrap) is not installed, or not on PATH. {INSTALL_HINT} {NEVER_UNCONFINED}"
             )
-        return found
+        return _outside(found, writable)
     path = wanted if "/" in wanted else shutil.which(wanted, path=env.get("PATH"))
     if path is None or not (os.path.isfile(path) and os.access(path, os.X_OK)):
         origin = "--bwrap" if explicit else BWRAP_ENV
         raise SandboxUnavailable(
             f"bubblewrap not found at {wanted!r} ({origin}). {INSTALL_HINT} {NEVER_UNCONFINED}"
         )
+    return path if "/" in wanted else _outside(path, writable)
+
+
+def _outside(path: str, writable: Sequence[str]) -> str:
+    found = os.path.abspath(path)
+    for candidate in (found, os.path.realpath(found)):
+        for top in writable:
+            if within(candidate, top):
+                raise SandboxUnavailable(
+                    f"the bwrap found at {found} lies in {top}, which a sandboxed command can write "
+                    "(an earlier one may have put it there), and egressd would run it unconfined; "
+                    f"name the system's with --bwrap (e.g. /usr/bin/bwrap) or take {top} off PATH. "
+                    f"{NEVER_UNCONFINED}"
+                )
     return path
 
 

@@ -7,12 +7,15 @@ Two kinds of host paths matter to a sandboxed child that has read the source:
   audit it writes. Inside a writable mount each becomes a read-only bind. Renaming a directory on
   the way to it would let the child put another file at the same path on the host, so every plain
   directory between it and the writable mount is bound onto itself (still writable, but a mount
-  point cannot be renamed or removed). A writable mount that IS such a path, or lies inside one, is
-  refused: the child could change it.
+  point cannot be renamed or removed) — also when a `--ro` mount holds it, and on the way to
+  every user mount nested in a writable one (a mount moves with its renamed parent). A writable
+  mount that IS such a path, or lies inside one, is refused: the child could change it.
 - **hidden** — what the child must not read: the user's credentials, egressd's home (the CA key,
   also when it is created or rotated during the run) and sockets that hand out authority (the
-  ssh-agent, docker). A directory gets an empty tmpfs, a file or socket an empty file. A user mount
-  inside one needs `--show` first.
+  ssh-agent, docker). A directory gets an empty tmpfs, a file or socket an empty file, and the
+  plain directories on the way are pinned like a guarded path's (a tmpfs moves with a renamed
+  parent, and the path would then lead to a directory of the child's). A user mount inside one
+  needs `--show` first.
 """
 
 from __future__ import annotations
@@ -41,6 +44,17 @@ CREDENTIALS: tuple[str, ...] = (
     ".gnupg",
     ".azure",
     ".password-store",
+    # registry, forge and infrastructure tokens of other tools
+    ".cargo/credentials.toml",
+    ".cargo/credentials",
+    ".gem/credentials",
+    ".vault-token",
+    ".terraform.d/credentials.tfrc.json",
+    ".config/hub",
+    ".config/glab-cli",
+    ".config/composer/auth.json",
+    ".composer/auth.json",
+    ".pulumi/credentials.json",
 )
 # Daemon sockets that hand out authority, outside the private /run and /tmp.
 AUTHORITY_SOCKETS: tuple[str, ...] = ("/var/run/docker.sock", "/var/run/podman/podman.sock")
@@ -95,9 +109,10 @@ def plan_covers(
                     "outside it"
                 )
         holder = _innermost(path, mounts)
-        if holder is None or not holder.writable:
-            continue  # read-only already: the root, or a --ro mount
-        covers[path] = Cover(path, "ro")
+        if holder is not None and holder.writable:  # else read-only already: the root, or a --ro mount
+            covers[path] = Cover(path, "ro")
+        # pinned also when a --ro mount holds it: that mount moves with a renamed parent, and the
+        # child would put its own file at the path egressd reads
         for pin in _pins(path, mounts):
             covers.setdefault(pin.path, pin)
     for path in hidden:
@@ -108,7 +123,19 @@ def plan_covers(
                     f"own files); add --show {path} to let the child see it"
                 )
         covers[path] = Cover(path, "tmpfs" if is_dir(path) else "empty")
-    return tuple(covers.values())
+        # a mount moves with its parent: renamed away, the host path would lead to a directory
+        # the child made, where whatever egressd or the user writes there later (a rotated CA)
+        # is the child's to read
+        for pin in _pins(path, mounts):
+            covers.setdefault(pin.path, pin)
+    for mount in mounts:  # the user's own --ro (and --rw) mounts keep their host paths too
+        for pin in _pins(mount.path, mounts):
+            covers.setdefault(pin.path, pin)
+    # a pin inside a hidden directory would bind the host's directory over its empty tmpfs
+    hiding = [c.path for c in covers.values() if c.kind in ("tmpfs", "empty")]
+    return tuple(
+        c for c in covers.values() if c.kind != "pin" or not any(within(c.path, top) for top in hiding)
+    )
 
 
 def existing(paths: Iterable[str]) -> tuple[str, ...]:

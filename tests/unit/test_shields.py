@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -33,6 +35,8 @@ W = Mount("/w", True)
         ),
         # inside a --ro mount: read-only already, and that mount point cannot be renamed
         ((W, Mount("/w/ro", False)), {"/w/ro/x": "code"}, ()),
+        # a --ro mount deeper in: it would move with its renamed parent, which is pinned
+        ((W, Mount("/w/a/ro", False)), {"/w/a/ro/x": "policy"}, (Cover("/w/a", "pin"),)),
         # a writable mount inside a read-only one inside a writable one
         (
             (W, Mount("/w/a", False), Mount("/w/a/b/c", True)),
@@ -69,6 +73,23 @@ def test_a_read_only_mount_inside_guarded_code_is_fine() -> None:
 def test_hidden_directories_get_a_tmpfs_and_files_an_empty_file() -> None:
     covers = plan_covers((W,), {}, ("/home/u/.ssh", "/home/u/.npmrc"), is_dir=lambda p: p.endswith(".ssh"))
     assert covers == (Cover("/home/u/.ssh", "tmpfs"), Cover("/home/u/.npmrc", "empty"))
+
+
+def test_directories_on_the_way_to_a_hidden_path_are_pinned() -> None:
+    # renamed, `a` would take the tmpfs along and leave the host path to a directory of the child's
+    covers = plan_covers((W,), {}, ("/w/a/b/.egressd",), is_dir=lambda p: True)
+    assert covers == (Cover("/w/a/b/.egressd", "tmpfs"), Cover("/w/a/b", "pin"), Cover("/w/a", "pin"))
+
+
+def test_directories_on_the_way_to_a_nested_user_mount_are_pinned() -> None:
+    mounts = (W, Mount("/w/sub/.git", False), Mount("/w/x", True), Mount("/opt/ro/a/b", False))
+    assert plan_covers(mounts, {}, ()) == (Cover("/w/sub", "pin"),)
+
+
+def test_no_pin_reopens_a_hidden_directory() -> None:
+    # /w/h/x is hidden inside the hidden /w/h: a pin of /w/h/x's parent would show the host's /w/h
+    covers = plan_covers((W,), {}, ("/w/h", "/w/h/y/x"), is_dir=lambda p: True)
+    assert covers == (Cover("/w/h", "tmpfs"), Cover("/w/h/y/x", "tmpfs"))
 
 
 @pytest.mark.parametrize("mount", [Mount("/home/u/.ssh", False), Mount("/home/u/.ssh/keys", True)])
@@ -111,3 +132,18 @@ def test_home_and_its_ancestors_need_rw_home(tmp_path: object) -> None:
             plan_mounts(str(workdir), rw=[], ro=[], home=str(home))
         assert plan_mounts(str(workdir), rw=[], ro=[], home=str(home), rw_home=True)
     assert plan_mounts(str(home / "project"), rw=[], ro=[], home=str(home))  # below it is fine
+
+
+def test_followed_links_names_every_symlink_on_the_way(tmp_path: Path) -> None:
+    from egressd.sandbox.layout import followed_links
+
+    (tmp_path / "real" / "d").mkdir(parents=True)
+    (tmp_path / "real" / "d" / "f").write_text("x")
+    (tmp_path / "hop").symlink_to("real")
+    (tmp_path / "real" / "link").symlink_to(tmp_path / "hop" / "d" / "f")
+    assert followed_links(str(tmp_path / "real" / "d" / "f")) == ()
+    assert followed_links(str(tmp_path / "hop" / "link")) == (
+        str(tmp_path / "hop"),
+        str(tmp_path / "real" / "link"),
+        str(tmp_path / "hop"),
+    )
