@@ -409,6 +409,22 @@ def test_a_bwrap_the_child_put_on_path_is_never_run(tmp_path: Path, work: Path) 
     assert str(work / "bin" / "bwrap").encode() in later.stderr
 
 
+def test_capture_tools_the_child_put_on_path_are_never_run(tmp_path: Path, work: Path) -> None:
+    """nft, ip and nsenter run outside the sandbox (in its network namespace): a copy an earlier
+    child left on a PATH that leads into the project is never the one run."""
+    marker = tmp_path / "ran-outside"
+    write = "import os, sys\nos.mkdir('bin')\nfor name in ('nft', 'ip', 'nsenter'):\n"
+    write += "    open('bin/' + name, 'w').write(sys.argv[1]); os.chmod('bin/' + name, 0o755)"
+    fake = f"#!/bin/sh\necho unconfined > {marker}\nexit 1\n"
+    assert egressd_sandbox([], [*python_inside(write), fake], cwd=work).returncode == 0
+    env = sandbox_env(work)
+    env["PATH"] = f"{work / 'bin'}:{env['PATH']}"
+    later = egressd_sandbox([], ["true"], cwd=work, env=env)
+    assert later.returncode == 0, later.stderr
+    assert not marker.exists()
+    assert b"cannot capture" not in later.stderr  # the system's tools set the capture up
+
+
 WAIT_AND_LOOK = """
     import json, os, sys, time
     home, go = sys.argv[1], sys.argv[2]

@@ -59,13 +59,14 @@ table inet egressd_capture {{
 
 
 def find_tool(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """$EGRESSD_IP / $EGRESSD_NFT, else PATH and the sbin directories (`ip` and `nft` live in
-    /usr/sbin, which an ordinary user's PATH often lacks)."""
+    """$EGRESSD_IP / $EGRESSD_NFT / $EGRESSD_NSENTER, else the system directories only: these run
+    outside the sandbox, and PATH often leads into the project (an activated .venv/bin,
+    node_modules/.bin), where an earlier child could have put its own `nft`."""
     environ = os.environ if environ is None else environ
     chosen = environ.get(f"EGRESSD_{name.upper()}")
     if chosen:
         return chosen if os.path.isfile(chosen) and os.access(chosen, os.X_OK) else None
-    return shutil.which(name, path=os.pathsep.join([environ.get("PATH", ""), *TOOL_DIRS]))
+    return shutil.which(name, path=os.pathsep.join(TOOL_DIRS))
 
 
 def install(pid: int, tcp_port: int, dns_port: int) -> str | None:

@@ -117,7 +117,9 @@ class Probe:
 
     def __init__(self, bwrap: str, disable_userns: bool, program: str | None = None) -> None:
         self.bwrap = bwrap
-        program = program or os.path.realpath(shutil.which("true") or "/bin/true")
+        # from the system's directories: PATH may lead into the project (it would run confined,
+        # but a probe must not depend on what a child left there)
+        program = program or os.path.realpath(shutil.which("true", path="/usr/bin:/bin") or "/bin/true")
         argv = probe_argv(bwrap, program, disable_userns, interpreter_paths())
         try:
             self._proc: subprocess.Popen[str] | None = subprocess.Popen(
