@@ -30,7 +30,7 @@ from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import write_policy
 from tests.support.netns import UPSTREAM_V4
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
-from tests.test_sandbox_integration import PY, egressd_sandbox, sandbox_env
+from tests.test_sandbox_integration import PY, egressd_sandbox, python_inside, sandbox_env
 
 # No proxy configuration at all in the child: every variable egressd sets for it is removed.
 NO_PROXY_CONFIG = [
@@ -250,10 +250,10 @@ public class Client {
 """
 
 
-def test_java_http_client(clients: Clients) -> None:
+def _java_trusting_the_test_ca(clients: Clients) -> list[str]:
+    """`java` with a PKCS12 trust store holding the test CA (the JVM reads no CA-bundle variable)."""
     source = clients.work / "Client.java"
     source.write_text(JAVA)
-    # the JVM trusts its own store: the test CA goes into a PKCS12 truststore made here
     store = clients.work / "trust.p12"
     subprocess.run(
         ["keytool", "-importcert", "-noprompt", "-alias", "test", "-file", str(clients.ca_file), "-storetype",
@@ -261,7 +261,58 @@ def test_java_http_client(clients: Clients) -> None:
         check=True, capture_output=True, timeout=TIMEOUT,
     )  # fmt: skip
     trust = [f"-Djavax.net.ssl.trustStore={store}", "-Djavax.net.ssl.trustStorePassword=changeit"]
-    clients.check(clients.run(["java", *trust, "-Djavax.net.ssl.trustStoreType=PKCS12", str(source)]))
+    return ["java", *trust, "-Djavax.net.ssl.trustStoreType=PKCS12", str(source)]
+
+
+def test_java_http_client(clients: Clients) -> None:
+    # without egressd's JAVA_TOOL_OPTIONS (its proxy settings): the JVM then ignores any proxy
+    clients.check(clients.run(["env", "-u", "JAVA_TOOL_OPTIONS", *_java_trusting_the_test_ca(clients)]))
+
+
+def test_java_through_java_tool_options_needs_no_credentials(clients: Clients) -> None:
+    """egressd's JAVA_TOOL_OPTIONS point the JVM at the sandbox's credential-free proxy port (the
+    JVM sends no Basic credentials on a CONNECT): with capture off, the proxy decides each host."""
+    seen = clients.run(_java_trusting_the_test_ca(clients), "--no-capture")
+    plain, tls, refused = clients.urls
+    assert seen[plain] == [200, "/plain"] and seen[tls] == [200, "/tls"], seen
+    assert seen[refused] == [403, "?"], seen  # the proxy's refusal, with its reason in the audit
+    assert refused_in_audit(clients.audit, "elsewhere.test", "not_allowlisted")
+    assert "/refused" not in [r["path"] for r in clients.upstream.requests]
+
+
+OPEN_PORT = """
+    import json, os, socket, sys
+    from urllib.parse import urlsplit
+    def ask(port, target, auth=None):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            host = urlsplit(target).netloc
+            head = f"GET {target} HTTP/1.1\\r\\nHost: {host}\\r\\nConnection: close\\r\\n"
+            if auth:
+                head += f"Proxy-Authorization: Basic {auth}\\r\\n"
+            s.sendall((head + "\\r\\n").encode())
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        return int(data.split(b" ", 2)[1])
+    plain = sys.argv[1]
+    print(json.dumps({
+        "open": ask(3130, plain), "open_wrong": ask(3130, plain, "Zm9vOmJhcg=="),
+        "proxy_without": ask(3128, plain), "env": os.environ.get("JAVA_TOOL_OPTIONS"),
+    }))
+"""
+
+
+def test_the_credential_free_port_is_the_childs_and_refuses_wrong_credentials(clients: Clients) -> None:
+    plain = clients.urls[0]
+    seen = output(
+        run_captured(
+            clients.tmp_path, clients.dns, clients.audit, [*python_inside(OPEN_PORT), plain], clients.work
+        )
+    )
+    assert seen["open"] == 200  # no credentials needed: only the child reaches it
+    assert seen["open_wrong"] == 407  # but wrong ones are still refused
+    assert seen["proxy_without"] == 407  # the main port still needs the child's token
+    assert "-Dhttps.proxyPort=3130" in seen["env"] and "-Dhttp.nonProxyHosts=" in seen["env"]
 
 
 def test_java_with_inspection_trusts_egressd_through_java_tool_options(

@@ -49,6 +49,11 @@ class CredentialStore:
             self._tokens.pop(creds.token, None)
         self.changes.changed()
 
+    def valid(self, creds: ProxyCredentials) -> bool:
+        """Still issued (a revoked child's credential-free listener admits nothing more)."""
+        with self._lock:
+            return self._tokens.get(creds.token) == creds
+
     def check(self, username: str, token: str) -> ProxyCredentials | None:
         with self._lock:
             candidates = list(self._tokens.values())

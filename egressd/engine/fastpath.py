@@ -28,6 +28,7 @@ from egressd.engine.sni import WAIT, TunnelStart
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
+    from egressd.engine.credentials import ProxyCredentials
     from egressd.engine.native_front import NativeFront
     from egressd.engine.runtime import ConnState, Runtime
 
@@ -205,9 +206,12 @@ class FrontProtocol(_Pipe):
         waited: float = 0.0,
         earlier: EarlierAttempt | None = None,
         native: NativeFront | None = None,
+        implicit: ProxyCredentials | None = None,
     ) -> None:
         super().__init__(Tunnel(self), upstream=False)
         self.native = native  # the native front that read this connection first, which may remember it
+        self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
+        self.handed_off_as: str | None = None  # this client's address as the embedded mitmproxy sees it
         # a connection the native front read first (egressd/engine/native_front.py): its bytes,
         # how long it waited for them (header_timeout counts from the accept), and its connect to
         # the remembered address when that timed out (the first upstream connect accounts for it)
@@ -241,6 +245,7 @@ class FrontProtocol(_Pipe):
         peer = transport.get_extra_info("peername") or ("?", 0)
         self.client_id = f"fast-{id(self):x}"
         self.state = self.rt.open_conn(self.client_id, f"{peer[0]}:{peer[1]}")
+        self.state.implicit = self.implicit
         timeout = self.rt.policies.get().limits.header_timeout
         remaining = max(0.0, timeout - self.waited)
         self.timer = asyncio.get_running_loop().call_later(remaining, self._head_timeout, timeout)
@@ -296,6 +301,8 @@ class FrontProtocol(_Pipe):
             return
         self.finished = True
         self.front.clients.discard(self)
+        if self.handed_off_as is not None:
+            self.rt.handed_off.pop(self.handed_off_as, None)
         if self.server_id is not None:
             self.rt.upstreams.discard(self.server_id)
         state = self.rt.close_conn(self.client_id)
@@ -458,7 +465,10 @@ class FrontProtocol(_Pipe):
         inner = _Pipe(self.tunnel, upstream=True)
         try:
             address = await self.front.mitmproxy_address(self.kind)
-            await loop.create_connection(lambda: inner, *address)
+            if self.implicit is None:
+                await loop.create_connection(lambda: inner, *address)
+            else:
+                await loop.create_connection(lambda: inner, sock=await self._handed_off_socket(address))
         except Exception as exc:  # noqa: BLE001 - the client is closed, never let through
             logger.error("egressd could not hand a connection to mitmproxy: %r", exc)
             if self.transport is not None:
@@ -493,6 +503,25 @@ class FrontProtocol(_Pipe):
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()
+
+    async def _handed_off_socket(self, address: tuple[str, int]) -> socket.socket:
+        """A connection to mitmproxy from a credential-free listener: mitmproxy's addons know it by
+        the address it comes from, so that address carries the listener's credentials, registered
+        before mitmproxy can see the connection."""
+        assert self.implicit is not None
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.bind((address[0], 0))
+            local = sock.getsockname()
+            self.handed_off_as = f"{local[0]}:{local[1]}"
+            self.rt.handed_off[self.handed_off_as] = self.implicit
+            await asyncio.get_running_loop().sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def _plain_hand_off(self, pending: bytes) -> None:
         """Back from the lean plain-HTTP path at a request boundary: mitmproxy decides from here."""
@@ -572,15 +601,15 @@ class FastFront:
         """The C front on egressd's own proxy port, when it serves that port."""
         return self.natives[0] if self.natives else None
 
-    async def serve(self, sock: socket.socket, kind: str) -> None:
+    async def serve(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
         """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket):
         an HTTP one served by its own C front where that is built, as egressd's own port is."""
         if kind == "http" and native_front.available():
             sock.setblocking(False)
-            self.natives.append(native_front.NativeFront(self, sock))
+            self.natives.append(native_front.NativeFront(self, sock, implicit))
             return
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: FrontProtocol(self, kind), sock=sock)
+        server = await loop.create_server(lambda: FrontProtocol(self, kind, implicit=implicit), sock=sock)
         self.servers.append(server)
 
     async def _sweep_idle(self) -> None:

@@ -73,9 +73,12 @@ class RememberedRequest(Remembered):
 class NativeFront:
     """One listening socket served by the C front; misses go to FastFront's Python protocols."""
 
-    def __init__(self, front: FastFront, sock: socket.socket) -> None:
+    def __init__(
+        self, front: FastFront, sock: socket.socket, implicit: ProxyCredentials | None = None
+    ) -> None:
         assert _tunnels is not None
         self.front = front
+        self.implicit = implicit  # a credential-free listener's credentials (ConnState.implicit)
         self.rt = front.rt
         self.sock = sock
         self.loop = asyncio.get_running_loop()
@@ -167,7 +170,13 @@ class NativeFront:
             return False
         try:
             protocol = FrontProtocol(
-                self.front, "http", initial=data, waited=waited, earlier=earlier, native=self
+                self.front,
+                "http",
+                initial=data,
+                waited=waited,
+                earlier=earlier,
+                native=self,
+                implicit=self.implicit,
             )
             self.loop.create_task(self._adopt(sock, protocol))
         except Exception:  # noqa: BLE001 - C closes the fd

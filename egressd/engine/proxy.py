@@ -56,9 +56,7 @@ class EgressProxy:
         fastpath: bool | None = None,
     ) -> None:
         if nameservers:
-            policy = policy.with_overrides(
-                nameservers=[join_host_port(h, p) for h, p in nameservers]
-            )
+            policy = policy.with_overrides(nameservers=[join_host_port(h, p) for h, p in nameservers])
         self.runtime = Runtime(PolicyHolder(policy), audit=audit, require_auth=require_auth)
         self.listen = listen
         self.socks = socks
@@ -288,10 +286,12 @@ class EgressProxy:
                 else:
                     self.http_address = address
 
-    def serve_socket(self, sock: socket.socket, kind: str) -> None:
+    def serve_socket(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
         """Accept clients of `kind` ("http" or "socks") on a listening socket made elsewhere, as on
         egressd's own ports: the sandbox's launcher makes it inside the sandbox's network namespace,
-        so the child reaches the proxy with no relay in between."""
+        so the child reaches the proxy with no relay in between. `implicit`: the listener is the
+        child's alone (the sandbox's credential-free port), and a request without credentials is
+        the child's."""
         loop = self._loop
         if loop is None or self._thread is None or not self._thread.is_alive():
             raise EngineError("the proxy is not running")
@@ -299,7 +299,7 @@ class EgressProxy:
             raise EngineError(
                 "a listener handed over needs egressd's own front, which EGRESSD_FASTPATH=0 turns off"
             )
-        future = asyncio.run_coroutine_threadsafe(self._front.serve(sock, kind), loop)
+        future = asyncio.run_coroutine_threadsafe(self._front.serve(sock, kind, implicit), loop)
         future.result(timeout=START_TIMEOUT)
 
     def drain(self, timeout: float) -> None:

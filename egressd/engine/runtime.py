@@ -55,6 +55,9 @@ class ConnState:
     intercept: set[tuple[str, int]] = field(default_factory=set)  # tunnels to TLS-intercept
     head_seen: bool = False  # a request head / CONNECT / SOCKS request arrived (header_timeout)
     tunnel: bool = False  # an admitted CONNECT / SOCKS5 tunnel: its set-up authenticated what is inside
+    # credentials the listener grants: only the child can reach it (the sandbox's credential-free
+    # port); a request without Proxy-Authorization counts as the child's, a wrong one is refused
+    implicit: ProxyCredentials | None = None
 
     @property
     def profile(self) -> str | None:
@@ -97,6 +100,9 @@ class Runtime:
         self._ids = itertools.count(1)
         # connections the native tunnel front holds (egressd/engine/native_front.py): drain waits
         # for them, limits.max_connections counts their upstreams
+        # a connection handed to the embedded mitmproxy from a credential-free listener: its
+        # credentials, by the address mitmproxy sees the connection come from ("host:port")
+        self.handed_off: dict[str, ProxyCredentials] = {}
         self.native_fronts: list[Any] = []  # the C fronts' Front objects: their tunnels count too
 
     @property
@@ -131,7 +137,7 @@ class Runtime:
         )
 
     def open_conn(self, client_id: str, peer: str) -> ConnState:
-        state = ConnState(conn_id=self.new_conn_id(), peer=peer)
+        state = ConnState(conn_id=self.new_conn_id(), peer=peer, implicit=self.handed_off.get(peer))
         with self._lock:
             self.conns[client_id] = state
         return state
@@ -154,6 +160,9 @@ class Runtime:
         another). Requests inside a tunnel carry none: its CONNECT or SOCKS5 handshake counts."""
         if state.tunnel:
             return state.creds is not None or not self.require_auth
+        if header is None and state.implicit is not None:
+            state.creds = state.implicit
+            return self.credentials.valid(state.implicit)
         state.creds = self.credentials.check_basic(header) if header is not None else None
         if header is not None and state.creds is None:
             return False  # wrong credentials are refused even where none are required

@@ -14,6 +14,8 @@ should start fast.
 BRIDGE_HOST = "127.0.0.1"
 BRIDGE_HTTP_PORT = 3128
 BRIDGE_SOCKS_PORT = 1080
+# The proxy without credentials: only the child can reach it (the JVM, Chromium's --proxy-server)
+BRIDGE_OPEN_PORT = 3130
 # Capture (clients that ignore the proxy variables): the transparent listener and DNS responder.
 BRIDGE_CAPTURE_PORT = 3129
 BRIDGE_DNS_PORT = 1053

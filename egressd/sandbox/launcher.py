@@ -5,7 +5,8 @@ the sandbox is a new session, so the terminal's signals do not reach the child e
 launcher fills those gaps, and hands egressd the proxy's listeners, over what it inherits:
 
 - handover (a Unix socket to egressd): first of all, the launcher binds the proxy's listening
-  sockets on the sandbox's loopback (127.0.0.1:3128 HTTP, :1080 SOCKS5) and sends them to egressd
+  sockets on the sandbox's loopback (127.0.0.1:3128 HTTP, :1080 SOCKS5, :3130 HTTP that needs no
+  credentials, since only the child can reach it) and sends them to egressd
   (SCM_RIGHTS), which accepts the child's connections on them itself: no relay in between. They
   are bound before the child starts, so its first connection already finds them.
 - control (egressd -> launcher): one byte per signal to deliver to the child. EOF means egressd
@@ -55,8 +56,8 @@ def _report(fd: int, line: str) -> None:
 
 def _parse_listen(text: str) -> tuple[tuple[str, int], str]:
     address, sep, kind = text.partition("=")
-    if not sep or kind not in ("http", "socks"):
-        raise ValueError(f"{text!r}: expected HOST:PORT=http|socks")
+    if not sep or kind not in ("http", "socks", "open"):
+        raise ValueError(f"{text!r}: expected HOST:PORT=http|socks|open")
     return bridge.parse_hostport(address), kind
 
 
@@ -144,7 +145,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--status-fd", type=int, required=True)
     parser.add_argument("--handover-fd", type=int, required=True)
-    parser.add_argument("--listen", action="append", default=[], metavar="HOST:PORT=http|socks")
+    parser.add_argument("--listen", action="append", default=[], metavar="HOST:PORT=http|socks|open")
     parser.add_argument("--setup-fd", type=int, default=None)
     parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT=PROXY_HOST:PORT")
     parser.add_argument("command", nargs=argparse.REMAINDER)

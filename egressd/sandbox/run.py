@@ -34,6 +34,7 @@ from egressd.sandbox import (
     BRIDGE_DNS_PORT,
     BRIDGE_HOST,
     BRIDGE_HTTP_PORT,
+    BRIDGE_OPEN_PORT,
     BRIDGE_SOCKS_PORT,
     capture,
 )
@@ -84,6 +85,7 @@ def sandbox_env(
     base: Mapping[str, str] | None = None,
     hidden: Sequence[str] = (),
     cache: str | None = None,
+    open_port: tuple[str, int] | None = None,
 ) -> dict[str, str]:
     """The child environment with the proxy URLs the child can reach from inside the sandbox.
 
@@ -102,6 +104,8 @@ def sandbox_env(
     # the JVM splits JAVA_TOOL_OPTIONS at whitespace: a path with a space cannot be said there
     if store is not None and store.is_file() and not any(c.isspace() for c in str(store)):
         env[JAVA_OPTIONS] = java_trust_options(env.get(JAVA_OPTIONS), store)
+    if open_port is not None:  # the JVM sends no Basic credentials on a CONNECT: the open port
+        env[JAVA_OPTIONS] = java_proxy_options(env.get(JAVA_OPTIONS), open_port)
     for name, sub in CACHE_VARIABLES.items():
         env[name] = os.path.join(cache or PRIVATE_CACHE, sub)
     env[SANDBOX_VAR] = kind
@@ -112,6 +116,17 @@ def java_trust_options(inherited: str | None, store: os.PathLike[str] | str) -> 
     """JAVA_TOOL_OPTIONS with egressd's trust store: the JVM reads no CA-bundle variable, and a
     JVM whose connections are captured meets egressd's CA on the hosts it inspects."""
     ours = f"-Djavax.net.ssl.trustStore={store} -Djavax.net.ssl.trustStoreType=JKS"
+    return f"{inherited} {ours}" if inherited else ours
+
+
+def java_proxy_options(inherited: str | None, address: tuple[str, int]) -> str:
+    """JAVA_TOOL_OPTIONS with the sandbox's credential-free proxy port for HTTP and HTTPS, and no
+    host exempted (the JVM's default skips localhost, which must be decided like any host)."""
+    host, port = address
+    ours = " ".join(
+        f"-D{scheme}.proxyHost={host} -D{scheme}.proxyPort={port}" for scheme in ("http", "https")
+    )
+    ours += " -Dhttp.nonProxyHosts="
     return f"{inherited} {ours}" if inherited else ours
 
 
@@ -286,7 +301,7 @@ def run_bwrap(
     connections that skip the proxy to it."""
     assert session.proxy is not None
     http = f"{BRIDGE_HOST}:{BRIDGE_HTTP_PORT}"
-    listens = [(http, "http")]
+    listens = [(http, "http"), (f"{BRIDGE_HOST}:{BRIDGE_OPEN_PORT}", "open")]
     socks = None
     if session.proxy.socks_address:
         listens.append((f"{BRIDGE_HOST}:{BRIDGE_SOCKS_PORT}", "socks"))
@@ -300,6 +315,7 @@ def run_bwrap(
         env_base,
         layout.hidden,
         layout.cache,
+        (BRIDGE_HOST, BRIDGE_OPEN_PORT),
     )
     control_r, control_w, status_r, status_w = _pipe_pair()
     info_r, info_w = os.pipe()
@@ -343,7 +359,10 @@ def run_bwrap(
         try:
             try:
                 for sock, kind in _receive_listeners(handover):
-                    session.proxy.serve_socket(sock, kind)  # the proxy's loop owns it from now on
+                    # the proxy's loop owns it from now on; "open" needs no credentials: it is the
+                    # child's alone, in its own network namespace
+                    implicit = creds if kind == "open" else None
+                    session.proxy.serve_socket(sock, "http" if kind == "open" else kind, implicit)
             except EngineError as exc:
                 problem = str(exc)  # EOF on setup below: the launcher stops without the child
             else:
