@@ -94,8 +94,8 @@ on the ports the policy names only. See docs/sandbox.md.""",
 @click.option(
     "--cache",
     metavar="DIR",
-    help="Keep the child's npm, uv, pip and XDG caches in DIR (an existing directory, writable) to reuse them; "
-    "by default each sandbox gets a fresh private cache.",
+    help="Keep the child's npm, uv, pip and XDG caches in DIR (an existing directory, writable) to "
+    "reuse them; by default each sandbox gets a fresh private cache.",
 )
 @click.option(
     "--allow-loopback-port",
