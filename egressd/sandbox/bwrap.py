@@ -104,8 +104,16 @@ def probe_argv(bwrap: str, program: str, disable_userns: bool, needed: Sequence[
     return [*argv, "--", program]
 
 
+# The launcher runs from the package egressd itself runs from (appended to sys.path: the standard
+# library still comes first, even where the package's parent is a directory the child may write).
+LAUNCHER_BOOT = (
+    "import sys; sys.path.append(sys.argv.pop(1)); from egressd.sandbox.launcher import main; main()"
+)
+
+
 def launcher_command(
     python: str,
+    package_root: str,
     control_fd: int,
     status_fd: int,
     handover_fd: int,
@@ -115,10 +123,10 @@ def launcher_command(
     setup_fd: int | None = None,
     capture: tuple[int, int, str] | None = None,
 ) -> tuple[str, ...]:
-    """`python -I -m egressd.sandbox.launcher ... -- CHILD`; listens are (HOST:PORT, "http" or
-    "socks"), the proxy's listeners the launcher binds and hands over; capture is (transparent
-    port, DNS port, HOST:PORT of the proxy's HTTP listener inside)."""
-    argv = [python, "-I", "-m", "egressd.sandbox.launcher"]
+    """`python -I -c LAUNCHER_BOOT PACKAGE_ROOT ... -- CHILD`; listens are (HOST:PORT, "http",
+    "socks" or "open"), the proxy's listeners the launcher binds and hands over; capture is
+    (transparent port, DNS port, HOST:PORT of the proxy's HTTP listener inside)."""
+    argv = [python, "-I", "-c", LAUNCHER_BOOT, package_root]
     argv += [
         "--control-fd",
         str(control_fd),

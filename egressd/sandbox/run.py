@@ -130,10 +130,14 @@ def java_proxy_options(inherited: str | None, address: tuple[str, int]) -> str:
     return f"{inherited} {ours}" if inherited else ours
 
 
+def package_root() -> str:
+    """The directory egressd's own package is imported from (the launcher imports it from there)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(egressd.__file__)))
+
+
 def needed_paths(session: ProxySession) -> tuple[str, ...]:
     """What egressd itself needs inside: its Python and package, and the CA bundle when inspecting."""
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(egressd.__file__)))
-    paths = [sys.prefix, sys.base_prefix, package_root]
+    paths = [sys.prefix, sys.base_prefix, package_root()]
     if session.ca_bundle:
         paths.append(session.ca_bundle)
         if os.path.isfile(java_truststore_path(session.ca_bundle)):
@@ -332,6 +336,7 @@ def run_bwrap(
             mounts=layout.mounts,
             command=launcher_command(
                 sys.executable,
+                package_root(),
                 control_r,
                 status_w,
                 handover_child.fileno(),

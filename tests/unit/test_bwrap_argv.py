@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command, probe_argv
+from egressd.sandbox.bwrap import LAUNCHER_BOOT, BwrapSpec, bwrap_argv, launcher_command, probe_argv
 from egressd.sandbox.mounts import Mount, MountError, order, plan_mounts
 from egressd.sandbox.shields import Cover
 
@@ -113,13 +113,14 @@ def test_probe_argv() -> None:
 def test_launcher_command() -> None:
     assert launcher_command(
         "/py",
+        "/venv/lib/site-packages",
         5,
         7,
         9,
         [("127.0.0.1:3128", "http"), ("127.0.0.1:1080", "socks")],
         ["git", "clone", "--", "x"],
     ) == (
-        "/py", "-I", "-m", "egressd.sandbox.launcher", "--control-fd", "5", "--status-fd", "7",
+        "/py", "-I", "-c", LAUNCHER_BOOT, "/venv/lib/site-packages", "--control-fd", "5", "--status-fd", "7",
         "--handover-fd", "9", "--listen", "127.0.0.1:3128=http", "--listen", "127.0.0.1:1080=socks",
         "--", "git", "clone", "--", "x",
     )  # fmt: skip

@@ -19,7 +19,7 @@ import dns.rdatatype
 import trustme
 
 from egressd.ca import JKS_PASSWORD, java_truststore
-from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command
+from egressd.sandbox.bwrap import LAUNCHER_BOOT, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.capture import ruleset
 from egressd.sandbox.intercept import SYNTHETIC, Capture, NameTable, answer, connect_head
 
@@ -95,9 +95,11 @@ def test_ruleset_redirects_tcp_and_dns_and_drops_the_rest() -> None:
 
 
 def test_launcher_and_bwrap_arguments_for_capture() -> None:
-    argv = launcher_command("/py", 5, 7, 8, [], ["curl"], setup_fd=9, capture=(3129, 1053, "127.0.0.1:3128"))
+    argv = launcher_command(
+        "/py", "/r", 5, 7, 8, [], ["curl"], setup_fd=9, capture=(3129, 1053, "127.0.0.1:3128")
+    )
     assert argv == (
-        "/py", "-I", "-m", "egressd.sandbox.launcher", "--control-fd", "5", "--status-fd", "7",
+        "/py", "-I", "-c", LAUNCHER_BOOT, "/r", "--control-fd", "5", "--status-fd", "7",
         "--handover-fd", "8", "--setup-fd", "9", "--capture", "3129,1053=127.0.0.1:3128", "--", "curl",
     )  # fmt: skip
     spec = BwrapSpec("bwrap", "/w", (), ("true",), info_fd=11)
