@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from egressd import process
+from egressd.exits import EXIT_CANNOT_RUN
 from egressd.session import SessionOptions
 from egressd.ssh_env import with_git_ssh
 
@@ -34,7 +35,7 @@ def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
     """
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
-    returncode = process.EXIT_CANNOT_RUN
+    returncode = EXIT_CANNOT_RUN
     with open_session(options, announce_reloads=options.trace) as session:
         env = with_git_ssh(session.child_env(), session.policy)
         returncode = process.run_child(command, env, catcher=catcher)

@@ -13,6 +13,7 @@ import click
 
 from egressd import process
 from egressd.cli.options import fail, open_session, say, session_options
+from egressd.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
 from egressd.sandbox import narrow, preflight
 from egressd.sandbox.layout import option_links, pinned_options, plan_layout
@@ -193,7 +194,7 @@ def sandbox_command(
     except preflight.SandboxUnavailable as exc:
         fail(str(exc))
     narrowing = narrow.Narrowing(only_rules, options.overrides.profile) if only_rules else None
-    outcome = Outcome(process.EXIT_CANNOT_RUN, started=False)
+    outcome = Outcome(EXIT_CANNOT_RUN, started=False)
     transform = narrow.LoopbackConfinement(loopback_ports, then=narrowing)
     with open_session(options, announce_reloads=options.trace, transform=transform) as session:
         creds = session.credentials(narrowing.profile if narrowing else None)

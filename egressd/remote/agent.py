@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from egressd import process
 from egressd.audit import AuditLog
 from egressd.child_env import child_environment
+from egressd.exits import exec_failure
 from egressd.policy import Policy, PolicyError
 from egressd.remote import reaper
 from egressd.remote.channel import ChannelError, LineChannel, read_policy
@@ -226,7 +227,7 @@ class Agent:
                 try:
                     pid = process.spawn(command, env, catcher)
                 except OSError as exc:
-                    returncode = process.exec_failure(command[0], exc)
+                    returncode = exec_failure(command[0], exc)
                 else:
                     returncode = self._wait(pid, catcher)
             self.channel.send({"type": "exit", "returncode": returncode})

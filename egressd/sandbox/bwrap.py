@@ -104,16 +104,18 @@ def probe_argv(bwrap: str, program: str, disable_userns: bool, needed: Sequence[
     return [*argv, "--", program]
 
 
-# The launcher runs from the package egressd itself runs from (appended to sys.path: the standard
-# library still comes first, even where the package's parent is a directory the child may write).
+# The launcher runs from the package egressd itself runs from, and the capture needs dnspython from
+# its site-packages: both appended to sys.path (os.pathsep-separated), after the standard library,
+# even where the package's parent is a directory the child may write.
 LAUNCHER_BOOT = (
-    "import sys; sys.path.append(sys.argv.pop(1)); from egressd.sandbox.launcher import main; main()"
+    "import os, sys; sys.path += sys.argv.pop(1).split(os.pathsep); "
+    "from egressd.sandbox.launcher import main; main()"
 )
 
 
 def launcher_command(
     python: str,
-    package_root: str,
+    import_path: str,
     control_fd: int,
     status_fd: int,
     handover_fd: int,
@@ -123,10 +125,12 @@ def launcher_command(
     setup_fd: int | None = None,
     capture: tuple[int, int, str] | None = None,
 ) -> tuple[str, ...]:
-    """`python -I -c LAUNCHER_BOOT PACKAGE_ROOT ... -- CHILD`; listens are (HOST:PORT, "http",
+    """`python -I -S -c LAUNCHER_BOOT IMPORT_PATH ... -- CHILD`; listens are (HOST:PORT, "http",
     "socks" or "open"), the proxy's listeners the launcher binds and hands over; capture is
     (transparent port, DNS port, HOST:PORT of the proxy's HTTP listener inside)."""
-    argv = [python, "-I", "-c", LAUNCHER_BOOT, package_root]
+    # -S: no site processing, .pth files or editable finders: the launcher imports the standard
+    # library, egressd's own package and dnspython, from IMPORT_PATH
+    argv = [python, "-I", "-S", "-c", LAUNCHER_BOOT, import_path]
     argv += [
         "--control-fd",
         str(control_fd),

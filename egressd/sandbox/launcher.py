@@ -39,7 +39,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
-from egressd.process import FORWARDED_SIGNALS, exec_failure
+from egressd.exits import FORWARDED_SIGNALS, exec_failure
 from egressd.sandbox import BRIDGE_HOST, bridge
 
 STOP_GRACE = 5.0

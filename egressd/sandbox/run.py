@@ -19,6 +19,7 @@ import select
 import signal
 import socket
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ import egressd
 from egressd.ca import java_truststore_path
 from egressd.child_env import child_environment
 from egressd.engine.proxy import EngineError
-from egressd.process import EXIT_CANNOT_RUN, SignalCatcher, exec_failure, run_child, spawn
+from egressd.exits import EXIT_CANNOT_RUN, exec_failure
+from egressd.process import SignalCatcher, run_child, spawn
 from egressd.sandbox import (
     BRIDGE_CAPTURE_PORT,
     BRIDGE_DNS_PORT,
@@ -133,6 +135,13 @@ def java_proxy_options(inherited: str | None, address: tuple[str, int]) -> str:
 def package_root() -> str:
     """The directory egressd's own package is imported from (the launcher imports it from there)."""
     return os.path.dirname(os.path.dirname(os.path.abspath(egressd.__file__)))
+
+
+def launcher_import_path() -> str:
+    """Where the launcher (started without site) imports from: egressd's package and the
+    site-packages that hold what the capture uses (dnspython)."""
+    paths = [package_root(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    return os.pathsep.join(dict.fromkeys(paths))
 
 
 def needed_paths(session: ProxySession) -> tuple[str, ...]:
@@ -336,7 +345,7 @@ def run_bwrap(
             mounts=layout.mounts,
             command=launcher_command(
                 sys.executable,
-                package_root(),
+                launcher_import_path(),
                 control_r,
                 status_w,
                 handover_child.fileno(),

@@ -120,7 +120,8 @@ def test_launcher_command() -> None:
         [("127.0.0.1:3128", "http"), ("127.0.0.1:1080", "socks")],
         ["git", "clone", "--", "x"],
     ) == (
-        "/py", "-I", "-c", LAUNCHER_BOOT, "/venv/lib/site-packages", "--control-fd", "5", "--status-fd", "7",
+        "/py", "-I", "-S", "-c", LAUNCHER_BOOT, "/venv/lib/site-packages",
+        "--control-fd", "5", "--status-fd", "7",
         "--handover-fd", "9", "--listen", "127.0.0.1:3128=http", "--listen", "127.0.0.1:1080=socks",
         "--", "git", "clone", "--", "x",
     )  # fmt: skip

@@ -99,7 +99,7 @@ def test_launcher_and_bwrap_arguments_for_capture() -> None:
         "/py", "/r", 5, 7, 8, [], ["curl"], setup_fd=9, capture=(3129, 1053, "127.0.0.1:3128")
     )
     assert argv == (
-        "/py", "-I", "-c", LAUNCHER_BOOT, "/r", "--control-fd", "5", "--status-fd", "7",
+        "/py", "-I", "-S", "-c", LAUNCHER_BOOT, "/r", "--control-fd", "5", "--status-fd", "7",
         "--handover-fd", "8", "--setup-fd", "9", "--capture", "3129,1053=127.0.0.1:3128", "--", "curl",
     )  # fmt: skip
     spec = BwrapSpec("bwrap", "/w", (), ("true",), info_fd=11)

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from egressd.process import EXIT_CANNOT_RUN
+from egressd.exits import EXIT_CANNOT_RUN
 from egressd.sandbox import sbpl
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import Mount, within
