@@ -425,9 +425,13 @@ def test_capture_tools_the_child_put_on_path_are_never_run(tmp_path: Path, work:
     assert b"cannot capture" not in later.stderr  # the system's tools set the capture up
 
 
-WAIT_AND_LOOK = """
+# The child's side of the CA tests: take HOME and GO, do what comes between, then say it waits,
+# wait for GO, and list the files it finds in HOME.
+CA_ARGS = """
     import json, os, sys, time
     home, go = sys.argv[1], sys.argv[2]
+"""
+CA_LOOK = """
     open("waiting", "w").close()
     deadline = time.monotonic() + 30
     while not os.path.exists(go) and time.monotonic() < deadline:
@@ -437,6 +441,7 @@ WAIT_AND_LOOK = """
         found += [os.path.relpath(os.path.join(top, f), home) for f in files]
     print(json.dumps(sorted(found)))
 """
+WAIT_AND_LOOK = CA_ARGS + CA_LOOK
 
 
 def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
@@ -477,24 +482,18 @@ def test_a_ca_created_during_the_run_stays_hidden(work: Path) -> None:
     assert _ca_rotated_while_the_child_looks(work, home, WAIT_AND_LOOK) == []
 
 
-RENAME_AND_LOOK = """
-    import json, os, sys, time
-    home, go = sys.argv[1], sys.argv[2]
+RENAME_AND_LOOK = (
+    CA_ARGS
+    + """
     parent = os.path.dirname(home)  # a plain directory of the working directory, above the hidden one
     try:
         os.rename(parent, parent + ".moved")  # the hidden tmpfs goes with it...
         os.makedirs(home)  # ...and the host path now leads to a directory the child reads
     except OSError as exc:
         print(json.dumps({"rename": exc.strerror}), file=sys.stderr)
-    open("waiting", "w").close()
-    deadline = time.monotonic() + 30
-    while not os.path.exists(go) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    found = []
-    for top, dirs, files in os.walk(home):
-        found += [os.path.relpath(os.path.join(top, f), home) for f in files]
-    print(json.dumps(sorted(found)))
 """
+    + CA_LOOK
+)
 
 
 def test_a_hidden_home_cannot_be_moved_away_by_renaming_its_parent(work: Path) -> None:

@@ -1,16 +1,16 @@
 """`egressd sandbox`: run a child whose only way out is egressd's proxy.
 
-Linux: bubblewrap gives the child its own network namespace (only `lo`); egressd relays a Unix
-socket to its proxy and an in-sandbox bridge listens on the sandbox's loopback and forwards to
-that socket. macOS: a generated Seatbelt profile allows outbound connections to the proxy's
-loopback port only. Neither the relay nor the bridge decides anything: every byte reaches the
-proxy, and the proxy's one decision function decides.
+Linux: bubblewrap gives the child its own network namespace (only `lo`); the launcher binds the
+proxy's listeners on the sandbox's loopback and hands them to egressd, whose proxy accepts the
+child's connections there; connections that ignore the proxy are captured and sent to it as
+CONNECTs. macOS: a generated Seatbelt profile allows outbound connections to the proxy's loopback
+ports only. Nothing in the sandbox decides anything: the proxy's one decision function decides.
 
-This package's `__init__` stays import-free: the launcher and bridge run inside the sandbox and
-should start fast.
+This package's `__init__` stays import-free: the launcher and capture run inside the sandbox
+and should start fast.
 """
 
-# The in-sandbox loopback ports the bridge listens on (the sandbox has its own, empty loopback).
+# The in-sandbox loopback ports of the proxy's listeners (the sandbox has its own, empty loopback).
 BRIDGE_HOST = "127.0.0.1"
 BRIDGE_HTTP_PORT = 3128
 BRIDGE_SOCKS_PORT = 1080

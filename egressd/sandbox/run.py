@@ -65,10 +65,6 @@ SOCKET_VARIABLES = ("SSH_AUTH_SOCK", "DOCKER_HOST")
 JAVA_OPTIONS = "JAVA_TOOL_OPTIONS"
 
 
-class SandboxFailed(RuntimeError):
-    """The sandbox did not start the command (bubblewrap or the launcher failed)."""
-
-
 @dataclass(frozen=True)
 class Outcome:
     """How the child ended (subprocess-style code), or why it never started."""

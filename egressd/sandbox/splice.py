@@ -1,7 +1,7 @@
 """Copy bytes both ways between two asyncio stream pairs, keeping half-closes.
 
-Shared by the host-side Unix relay and the in-sandbox bridge. It never looks at the bytes: the
-proxy at the far end is the only thing that decides. Half-close is forwarded (SSH, git and
+Used by the sandbox's capture (intercept.py) once the proxy admitted a CONNECT. It never looks at
+the bytes: the proxy at the far end is the only thing that decides. Half-close is forwarded (SSH, git and
 request/response protocols rely on it), and both sides are closed when both directions end.
 """
 
