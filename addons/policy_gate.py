@@ -4,8 +4,6 @@ A thin adapter from mitmproxy hooks to the gatekeeper (egressd.engine.gate), whi
 decision function. `server_connect` is the choke point: every upstream connection, whatever front end
 asked for it (CONNECT, plain HTTP, SOCKS5), is decided and pinned there, and the connect hook
 (egressd.engine.pinning) refuses any connection it did not pin.
-
-Loads in a stock `mitmdump -s addons/policy_gate.py` too (policy from EGRESSD_POLICY).
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from egressd.engine.http_rules import (
     host_header_mismatch,
 )
 from egressd.engine.pinning import current_pin
-from egressd.engine.runtime import ConnState, Runtime, shared_runtime
+from egressd.engine.runtime import ConnState, Runtime
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
 
 logger = logging.getLogger(__name__)
@@ -381,16 +379,3 @@ def _is_upgrade(request: http.Request) -> bool:
 def _strip_hop_by_hop(headers: http.Headers, *, keep_upgrade: bool) -> None:
     for name in hop_by_hop_names(headers.get("connection", ""), keep_upgrade=keep_upgrade):
         headers.pop(name, None)
-
-
-_stock: list[Any] | None = None
-
-
-def __getattr__(name: str) -> Any:
-    # `mitmdump -s addons/policy_gate.py` reads `addons`; build it only then, not on import.
-    global _stock
-    if name == "addons":
-        if _stock is None:
-            _stock = [PolicyGate(shared_runtime())]
-        return _stock
-    raise AttributeError(name)

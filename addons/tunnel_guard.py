@@ -11,8 +11,6 @@ Replaces mitmproxy's built-in next-layer choice for tunnels (CONNECT and SOCKS5)
 - TLS towards the proxy itself is not offered: the child talks plain HTTP or SOCKS5 to loopback.
 It also gives SOCKS5 clients the right reply code: "not allowed by ruleset" for a policy refusal,
 "host unreachable" for DNS, "connection refused" when the upstream refuses.
-
-Loads in a stock `mitmdump -s addons/tunnel_guard.py` too.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TC
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.mode_servers import Socks5Instance
 
-from egressd.engine.runtime import Runtime, shared_runtime
+from egressd.engine.runtime import Runtime
 from egressd.engine.sni import WAIT, TunnelStart
 from egressd.policy import TargetError, canonical_host
 from egressd.refusal import POLICY_REASONS, parse_failure
@@ -236,15 +234,3 @@ def _inspection_layers(context: Any, *, tls: bool) -> layer.Layer:
     server_tls = ServerTLSLayer(context)
     server_tls.child_layer = ClientTLSLayer(context)
     return server_tls
-
-
-_stock: list[Any] | None = None
-
-
-def __getattr__(name: str) -> Any:
-    global _stock
-    if name == "addons":
-        if _stock is None:
-            _stock = [TunnelGuard(shared_runtime())]
-        return _stock
-    raise AttributeError(name)

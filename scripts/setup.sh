@@ -24,7 +24,6 @@ APT_PACKAGES=(
   openssh-client:ssh
   openssh-server:sshd
   wrk
-  gcc   # builds the native tunnel front (egressd/engine/_tunnels.c)
   libc6-dev
 )
 

@@ -183,7 +183,7 @@ def echo_engine(tcp_echo: TcpEchoServer) -> Iterator[EgressProxy]:
 
     host, port = tcp_echo.address
     policy = parse_policy({"version": 1, "mode": "enforce", "allow": [f"{host}:{port}"]}, "test")
-    engine = EgressProxy(policy, fastpath=True)
+    engine = EgressProxy(policy)
     engine.start()
     try:
         yield engine

@@ -10,7 +10,6 @@ sits a connection-counting server on the same port, and none of them may see a c
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,8 +117,7 @@ def test_absolute_form_http(corpus: Corpus, case: Case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_connect(corpus: Corpus, case: Case) -> None:
     """``CONNECT HOST:PORT`` — the tunnel goes to the decided address or nowhere. Twice, the same
-    head bytes: an allowed head is served the second time by the native front (what Python
-    remembered), and must reach the same server; a refused one is decided again."""
+    head bytes: the second is decided again, and reaches the same server or nothing."""
     before = corpus.servers.counts()
     for _attempt in range(2):
         with corpus.client.connect(f"{case.host}:{corpus.port}") as (response, sock):
@@ -150,25 +148,8 @@ def test_socks5_by_name(corpus: Corpus, case: Case) -> None:
 @pytest.mark.parametrize(
     "front",
     [
-        pytest.param(
-            "absolute-form",
-            marks=pytest.mark.xfail(
-                os.environ.get("EGRESSD_FASTPATH") == "0",
-                strict=True,
-                reason="known gap: with the lean paths off, mitmproxy 12.3.1 reads absolute-form hosts with "
-                "IDNA 2003 and answers 400 (a false refusal, never an allow); the lean plain-HTTP path, "
-                "CONNECT and SOCKS5 reach the name",
-            ),
-        ),
-        pytest.param(
-            "connect",
-            marks=pytest.mark.xfail(
-                os.environ.get("EGRESSD_FASTPATH") == "0",
-                strict=True,
-                reason="known gap: with the lean tunnel path off, mitmproxy 12.3.1 reads the CONNECT "
-                "authority with IDNA 2003 too (a false refusal, never an allow)",
-            ),
-        ),
+        "absolute-form",
+        "connect",
         "socks5",
     ],
 )

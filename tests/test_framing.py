@@ -2,8 +2,7 @@
 
 Each test sends raw bytes from a real client socket to a real `egressd run` and watches a real
 upstream on 127.0.0.1: what the upstream received (never the smuggled request), what the client was
-answered (status and egressd's refusal headers) and what the audit file holds. scripts/test.sh runs
-this file on both paths (default, and EGRESSD_FASTPATH=0: everything through mitmproxy).
+answered (status and egressd's refusal headers) and what the audit file holds.
 """
 
 from __future__ import annotations

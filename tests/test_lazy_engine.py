@@ -86,7 +86,7 @@ def test_a_failed_mitmproxy_start_is_tried_again(
 
     monkeypatch.setattr(engine_proxy, "_import_mitmproxy", fail_once)
     policy = parse_policy({"version": 1, "mode": "enforce", "allow": []}, "test")
-    engine = EgressProxy(policy, fastpath=True)
+    engine = EgressProxy(policy)
     engine.start()
     try:
         assert engine.socks_address is not None

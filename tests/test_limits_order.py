@@ -3,8 +3,7 @@
 Why: outside testers found that the lean CONNECT path took a rate-limit token only after an allow:
 with `requests_per_second: 1, burst: 1` three CONNECTs to a refused host answered 403, 403, 403
 there but 403, 429, 429 through mitmproxy, so a child could probe refused hosts as fast as it liked.
-Each front is driven by a real client against a real `egressd run` (on both paths: the suite runs
-with EGRESSD_FASTPATH=0 too).
+Each front is driven by a real client against a real `egressd run`.
 """
 
 from __future__ import annotations

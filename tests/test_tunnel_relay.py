@@ -25,26 +25,11 @@ from egressd.engine.credentials import ProxyCredentials
 from egressd.engine.proxy import EgressProxy
 from tests.support.upstreams import TcpEchoServer
 
-# a tunnel the native front serves (what Python decided before); EGRESSD_NATIVE=0 turns it off
-SERVED = pytest.param(
-    True, marks=pytest.mark.skipif(os.environ.get("EGRESSD_NATIVE") == "0", reason="EGRESSD_NATIVE=0")
-)
 RECORD = 16 * 1024 + 21  # a TLS record with its header and tag: the chunk a TLS sender writes
 
 
-def _tunnel(proxy: EgressProxy, tcp_echo: TcpEchoServer, served: bool = False) -> socket.socket:
-    """A tunnel to the echo server: decided in Python, or (served) a head Python remembered and the
-    native front (egressd/engine/_tunnels.c) now relays."""
-    if served:
-        creds = proxy.issue_credentials()
-        front = proxy._front
-        assert front is not None and front.native is not None, "the native front is not serving"
-        with _tunnel_with(proxy, tcp_echo, creds) as first:
-            _ping_pong(first, 1)
-        hits = front.native.stats()["hits"]
-        sock = _tunnel_with(proxy, tcp_echo, creds)
-        assert front.native.stats()["hits"] == hits + 1
-        return sock
+def _tunnel(proxy: EgressProxy, tcp_echo: TcpEchoServer) -> socket.socket:
+    """A tunnel to the echo server, with a fresh child's credentials."""
     return _tunnel_with(proxy, tcp_echo, proxy.issue_credentials())
 
 
@@ -85,15 +70,14 @@ def _ping_pong(sock: socket.socket, rounds: int) -> None:
         assert got == message
 
 
-@pytest.mark.parametrize("served", [False, SERVED], ids=["python", "native"])
 def test_a_streamed_tunnel_keeps_every_byte_in_order_and_stays_interactive(
-    echo_engine: EgressProxy, tcp_echo: TcpEchoServer, served: bool
+    echo_engine: EgressProxy, tcp_echo: TcpEchoServer
 ) -> None:
     """Full duplex through the echo upstream: TLS-record-sized writes up, echoes down, hashed."""
     total = 24 << 20
     payload = os.urandom(RECORD * 64)
     sent, received = hashlib.sha256(), hashlib.sha256()
-    with _tunnel(echo_engine, tcp_echo, served) as sock:
+    with _tunnel(echo_engine, tcp_echo) as sock:
         _ping_pong(sock, 3)
         reader = threading.Thread(target=_read_exactly, args=(sock, total, received))
         reader.start()
@@ -146,7 +130,7 @@ def test_lean_path_sockets_have_nagle_off(
     monkeypatch.setenv("EGRESSD_UVLOOP", uvloop_on)
     host, port = tcp_echo.address
     policy = parse_policy({"version": 1, "mode": "enforce", "allow": [f"{host}:{port}"]}, "test")
-    engine = EgressProxy(policy, fastpath=True)
+    engine = EgressProxy(policy)
     engine.start()
     try:
         front = engine._front
@@ -164,9 +148,8 @@ def test_lean_path_sockets_have_nagle_off(
 
 
 def _buffered(front: fastpath.FastFront) -> int:
-    """The most bytes any relay transport of the front (or the native front) holds in its write
-    buffer right now."""
-    most = front.native.stats()["buffered"] if front.native is not None else 0
+    """The most bytes any relay transport of the front holds in its write buffer right now."""
+    most = 0
     for client in list(front.clients):
         for side in (client, client.peer):
             transport = side.transport if side is not None else None
@@ -175,10 +158,9 @@ def _buffered(front: fastpath.FastFront) -> int:
     return most
 
 
-@pytest.mark.parametrize("served", [False, SERVED], ids=["python", "native"])
 @pytest.mark.parametrize("chunk", [RECORD, 256 * 1024])
 def test_a_side_that_does_not_read_stops_the_relay_from_reading(
-    echo_engine: EgressProxy, tcp_echo: TcpEchoServer, chunk: int, served: bool
+    echo_engine: EgressProxy, tcp_echo: TcpEchoServer, chunk: int
 ) -> None:
     """The client sends and does not read the echoes: the echo server blocks, then the relay must stop
     reading (its buffers stay near the high-water mark, coalescing ticks or not) and the client stall."""
@@ -188,7 +170,7 @@ def test_a_side_that_does_not_read_stops_the_relay_from_reading(
     sent = hashlib.sha256()
     total = 0
     most = 0
-    with _tunnel(echo_engine, tcp_echo, served) as sock:
+    with _tunnel(echo_engine, tcp_echo) as sock:
         sock.setblocking(False)
         stalled_since = None
         deadline = time.monotonic() + 60

@@ -4,8 +4,7 @@ Why: outside testers found (1) that an upstream that sends a banner first made m
 passthrough tunnel before the ClientHello was checked, so a ClientHello naming another host went
 through (SOCKS5, and CONNECT on the mitmproxy path); (2) that a ClientHello sent as thousands of
 1-byte TLS records was parsed again from its start on every read, which stalled other clients'
-CONNECTs for up to 1.5 s. Real clients, a real `egressd run`, real servers on 127.0.0.1, on both
-paths (the suite runs with EGRESSD_FASTPATH=0 too).
+CONNECTs for up to 1.5 s. Real clients, a real `egressd run`, real servers on 127.0.0.1.
 """
 
 from __future__ import annotations

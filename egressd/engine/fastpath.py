@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import socket
@@ -20,16 +19,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
-from egressd.engine import faults, native_front
+from egressd.engine import faults
 from egressd.engine.gate import decision_refusal
 from egressd.engine.http_head import head_problem, leading_empty_lines
-from egressd.engine.pinning import EarlierAttempt
 from egressd.engine.sni import WAIT, TunnelStart
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
     from egressd.engine.credentials import ProxyCredentials
-    from egressd.engine.native_front import NativeFront
     from egressd.engine.runtime import ConnState, Runtime
 
 logger = logging.getLogger(__name__)
@@ -203,22 +200,12 @@ class FrontProtocol(_Pipe):
         front: FastFront,
         kind: str = "http",
         initial: bytes = b"",
-        waited: float = 0.0,
-        earlier: EarlierAttempt | None = None,
-        native: NativeFront | None = None,
         implicit: ProxyCredentials | None = None,
     ) -> None:
         super().__init__(Tunnel(self), upstream=False)
-        self.native = native  # the native front that read this connection first, which may remember it
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
         self.handed_off_as: str | None = None  # this client's address as the embedded mitmproxy sees it
-        # a connection the native front read first (egressd/engine/native_front.py): its bytes,
-        # how long it waited for them (header_timeout counts from the accept), and its connect to
-        # the remembered address when that timed out (the first upstream connect accounts for it)
-        self.initial = initial
-        self.waited = waited
-        self.earlier = earlier
-        self.generation = -1  # the native front's generation when the head was complete
+        self.initial = initial  # bytes read before this protocol took the connection
         self.front = front
         self.kind = kind
         self.rt = front.rt
@@ -247,8 +234,7 @@ class FrontProtocol(_Pipe):
         self.state = self.rt.open_conn(self.client_id, f"{peer[0]}:{peer[1]}")
         self.state.implicit = self.implicit
         timeout = self.rt.policies.get().limits.header_timeout
-        remaining = max(0.0, timeout - self.waited)
-        self.timer = asyncio.get_running_loop().call_later(remaining, self._head_timeout, timeout)
+        self.timer = asyncio.get_running_loop().call_later(timeout, self._head_timeout, timeout)
         if self.initial:
             initial, self.initial = self.initial, b""
             self.data_received(initial)
@@ -327,8 +313,6 @@ class FrontProtocol(_Pipe):
             self.timer.cancel()  # header_timeout bounds the head; connect_timeout bounds the rest
             self.timer = None
         self.transport.pause_reading()
-        if self.native is not None:
-            self.generation = self.native.generation  # before anything is decided
         head = bytes(self.buffer[: end + 4])
         del self.buffer[: end + 4]
         self.task = asyncio.get_running_loop().create_task(self._connect(head))
@@ -354,7 +338,6 @@ class FrontProtocol(_Pipe):
         if not self.rt.authenticate(state, credentials):
             self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
             return
-        creds = state.creds
         host, port = authority
         decision = self.rt.decide(
             state, self.client_id, host, port, scheme="connect", method="CONNECT", opens=True
@@ -384,8 +367,7 @@ class FrontProtocol(_Pipe):
             self._hand_off(head)
             return
         upstream = _Pipe(self.tunnel, upstream=True, coalesce=True)
-        earlier, self.earlier = self.earlier, None
-        admission = await self.rt.connect_admitted(state, decision, upstream, earlier)
+        admission = await self.rt.connect_admitted(state, decision, upstream)
         if isinstance(admission, Refusal):
             self._refuse(admission)
             return
@@ -397,8 +379,6 @@ class FrontProtocol(_Pipe):
         self.coalesce = COALESCE
         self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         upstream.attach(self)  # after the 200: a server's first bytes follow it
-        if self.native is not None:
-            self.native.remember(head, self.generation, creds, decision, admission)
         self.stage = "sni"
         self.hello = TunnelStart(state.host or "")
         self.transport.resume_reading()
@@ -531,15 +511,6 @@ class FrontProtocol(_Pipe):
         self._hand_off()
 
 
-def _is_ip(host: str) -> bool:
-    """The native front binds one address; a name (several addresses) is left to asyncio."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
     """The authority and the Proxy-Authorization value of a CONNECT head (strict). Field values may
     hold non-ASCII bytes (obs-text, as mitmproxy reads them): bad credentials are a 407 either way."""
@@ -579,35 +550,19 @@ class FastFront:
         self.servers: list[asyncio.Server] = []
         self.clients: set[FrontProtocol] = set()
         self._sweeper: asyncio.Task[None] | None = None
-        self.natives: list[NativeFront] = []  # one per HTTP listener the C front serves
 
     async def start(self, host: str, port: int, kind: str = "http") -> tuple[str, int]:
         """Listen for `kind` clients: "http" (the proxy port) or "socks" (relayed to mitmproxy)."""
         loop = asyncio.get_running_loop()
         if self._sweeper is None:
             self._sweeper = loop.create_task(self._sweep_idle())
-        if kind == "http" and native_front.available() and _is_ip(host):
-            sock = native_front.listening_socket(host, port)
-            self.natives.append(native_front.NativeFront(self, sock))
-            address = sock.getsockname()
-            return address[0], address[1]
         server = await loop.create_server(lambda: FrontProtocol(self, kind), host, port, backlog=4096)
         self.servers.append(server)
         address = server.sockets[0].getsockname()
         return address[0], address[1]
 
-    @property
-    def native(self) -> NativeFront | None:
-        """The C front on egressd's own proxy port, when it serves that port."""
-        return self.natives[0] if self.natives else None
-
     async def serve(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
-        """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket):
-        an HTTP one served by its own C front where that is built, as egressd's own port is."""
-        if kind == "http" and native_front.available():
-            sock.setblocking(False)
-            self.natives.append(native_front.NativeFront(self, sock, implicit))
-            return
+        """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket)."""
         loop = asyncio.get_running_loop()
         server = await loop.create_server(lambda: FrontProtocol(self, kind, implicit=implicit), sock=sock)
         self.servers.append(server)
@@ -625,12 +580,8 @@ class FastFront:
     def close_listeners(self) -> None:
         for server in self.servers:
             server.close()
-        for native in self.natives:
-            native.stop_listening()
 
     def close(self) -> None:
         self.close_listeners()
-        for native in self.natives:
-            native.close()
         if self._sweeper is not None:
             self._sweeper.cancel()

@@ -13,12 +13,19 @@ waits for more bytes, so a request behind one hung until header_timeout.
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egressd.engine.http_head import head_problem, leading_empty_lines
 
+if TYPE_CHECKING:
+    from egressd.engine.runtime import Runtime
 
-def install() -> None:
+_runtime: Runtime | None = None  # whose audit records a refused head
+
+
+def install(runtime: Runtime) -> None:
+    global _runtime
+    _runtime = runtime
     from mitmproxy.proxy import commands, events
     from mitmproxy.proxy.layers.http import _http1
 
@@ -63,7 +70,6 @@ def _unreadable(data: bytes) -> tuple[int, str] | None:
 
 
 def _audit(client_id: str, why: str) -> None:
-    from egressd.engine.runtime import shared_runtime
-
-    rt = shared_runtime()
-    rt.audit_early_refusal(rt.conn(client_id), None, None, "bad_request", why, stage="request")
+    rt = _runtime
+    if rt is not None:
+        rt.audit_early_refusal(rt.conn(client_id), None, None, "bad_request", why, stage="request")

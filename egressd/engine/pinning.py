@@ -26,16 +26,6 @@ from egressd.refusal import failure_message
 MITMPROXY_VERSION = "12.3.1"
 
 
-@dataclass(frozen=True)
-class EarlierAttempt:
-    """A connect for this same connection that already timed out: the native front's, to the
-    address it remembered. It counts against the 2x connect_timeout, and that address goes last."""
-
-    address: str
-    port: int
-    seconds: float
-
-
 @dataclass
 class Pin:
     """The admitted destination of one upstream connection."""
@@ -47,7 +37,6 @@ class Pin:
     connected: tuple[str, int] | None = None
     attempts: list[str] = field(default_factory=list)
     failure: tuple[str, str] | None = None
-    earlier: EarlierAttempt | None = None
 
 
 current_pin: contextvars.ContextVar[Pin | None] = contextvars.ContextVar("egressd_pin", default=None)
@@ -91,16 +80,7 @@ async def connect_protocol(pin: Pin, protocol: asyncio.BaseProtocol) -> tuple[st
         transport, _ = await loop.create_connection(lambda: protocol, address, pin.port)
         return transport
 
-    addresses, spent = pin.addresses, 0.0
-    if (earlier := pin.earlier) is not None:
-        where = join_host_port(earlier.address, earlier.port)
-        pin.attempts.append(f"{where}: timed out after {earlier.seconds:.3g}s")
-        others = tuple(a for a in addresses if str(a) != earlier.address)
-        addresses = others + tuple(a for a in addresses if str(a) == earlier.address)
-        spent = earlier.seconds
-    _, connected = await try_addresses(
-        addresses, pin.port, pin.connect_timeout, open_one, pin.attempts, spent=spent
-    )
+    _, connected = await try_addresses(pin.addresses, pin.port, pin.connect_timeout, open_one, pin.attempts)
     pin.connected = connected
     return connected
 
@@ -111,13 +91,10 @@ async def try_addresses[T](
     connect_timeout: float,
     open_one: Callable[[str], Awaitable[T]],
     attempts: list[str] | None = None,
-    *,
-    spent: float = 0.0,
 ) -> tuple[T, tuple[str, int]]:
-    """Try each address in order; each attempt bounded, all within 2x connect_timeout (less what an
-    earlier attempt for the same connection spent)."""
+    """Try each address in order; each attempt bounded, all within 2x connect_timeout."""
     log = attempts if attempts is not None else []
-    deadline = time.monotonic() + 2 * connect_timeout - spent
+    deadline = time.monotonic() + 2 * connect_timeout
     kinds: list[str] = []
     for address in addresses:
         remaining = deadline - time.monotonic()

@@ -34,7 +34,6 @@ from egressd.refusal import EGRESSD_HEADERS, Refusal
 
 if TYPE_CHECKING:
     from egressd.engine.fastpath import FrontProtocol
-    from egressd.engine.gate import Admission
     from egressd.engine.runtime import ConnState, Runtime
     from egressd.policy import Decision
 
@@ -455,7 +454,7 @@ def too_large_refusal(key: tuple[str, int], length: int, limit: int) -> Refusal:
 def audit_request(
     rt: Runtime, state: ConnState, decision: Decision, refusal: Refusal | None, request: Request
 ) -> None:
-    """The record of one plain-HTTP request's decision (served by Python or the native front)."""
+    """The record of one plain-HTTP request's decision."""
     rt.audit_decision(
         state,
         decision,
@@ -500,11 +499,6 @@ class PlainClient(asyncio.Protocol):
         self.last_active = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
-        # for the native front (egressd/engine/native_front.py): the request's exact head, the
-        # front's generation before it was decided, whether a redirect memory entry was taken
-        self.head = self.outgoing = b""
-        self.generation = -1
-        self.redirected = False
 
     # -- the client connection ---------------------------------------------------------------
     def start(self) -> None:
@@ -622,8 +616,6 @@ class PlainClient(asyncio.Protocol):
             self._hand_off(b"")
             return
         del self.inbuf[: end + 4]
-        native = self.front.native
-        self.head, self.generation, self.redirected = head, native.generation if native else -1, False
         self.state.head_seen = True
         self.requests += 1
         self.phase = "deciding"
@@ -663,7 +655,7 @@ class PlainClient(asyncio.Protocol):
         key = (decision.target.host.text, decision.target.port)
         self.request = request
         self.url = request_url(key, request.path)
-        head = self.outgoing = self._outgoing_head(request, key)
+        head = self._outgoing_head(request, key)
         upstream = self.upstream
         if upstream is not None and upstream.reuses(key, self):
             self._send(upstream, request, head)
@@ -688,7 +680,6 @@ class PlainClient(asyncio.Protocol):
         origin = self.rt.redirects.take(self.state.client_key(self.front.client_id), self.url)
         if origin is None:
             return set()
-        self.redirected = True
         present = {n.lower() for n, _ in request.headers} - dropped  # as after the hop-by-hop strip
         names = self.rt.policies.get().credentials.strip_on_host_change
         stripped = [name for name in names if name.lower() in present]
@@ -725,8 +716,7 @@ class PlainClient(asyncio.Protocol):
         if limited is not None:
             return self._refuse(limited)
         upstream = Upstream(self, key)
-        earlier, self.front.earlier = self.front.earlier, None
-        admission = await rt.connect_admitted(state, decision, upstream, earlier)
+        admission = await rt.connect_admitted(state, decision, upstream)
         if isinstance(admission, Refusal):
             return self._refuse(admission)
         upstream.server_id = f"{self.front.client_id}-up{self.requests}"
@@ -736,20 +726,7 @@ class PlainClient(asyncio.Protocol):
             rt.upstreams.discard(upstream.server_id)
             return None
         self.upstream = upstream
-        self._remember(decision, admission, key)
         return upstream
-
-    def _remember(self, decision: Decision, admission: Admission, key: tuple[str, int]) -> None:
-        """Let the native front serve this very head again: a bodiless GET or HEAD that closes the
-        connection after its response, decided without a redirect memory entry."""
-        native = self.front.native
-        request = self.request
-        if native is None or request is None or self.redirected or request.keep_alive:
-            return
-        if request.method not in ("GET", "HEAD") or request.length or request.values("content-length"):
-            return
-        remembered = (request, self.outgoing)
-        native.remember(self.head, self.generation, self.state.creds, decision, admission, remembered)
 
     def _send(self, upstream: Upstream, request: Request, head: bytes) -> None:
         body = bytes(self.inbuf[: request.length])

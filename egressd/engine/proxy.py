@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from egressd.engine import pinning
 from egressd.engine.credentials import ProxyCredentials
 from egressd.engine.gate import PolicyHolder
-from egressd.engine.runtime import Runtime, set_shared_runtime
+from egressd.engine.runtime import Runtime
 from egressd.policy import Policy, join_host_port
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ class EgressProxy:
         inspect: bool = True,
         config_dir: Path | None = None,
         upstream_ca: Sequence[str] = (),
-        fastpath: bool | None = None,
     ) -> None:
         if nameservers:
             policy = policy.with_overrides(nameservers=[join_host_port(h, p) for h, p in nameservers])
@@ -72,8 +71,6 @@ class EgressProxy:
         self.config_dir = config_dir
         self.upstream_ca = tuple(upstream_ca)
         self.ca_bundle: str | None = None
-        # the lean tunnel path (egressd/engine/fastpath.py); EGRESSD_FASTPATH=0 turns it off
-        self.fastpath = fastpath if fastpath is not None else os.environ.get("EGRESSD_FASTPATH", "1") != "0"
         self._front: FastFront | None = None
         self._stopping: asyncio.Event | None = None
         self._mitm_started: asyncio.Future[None] | None = None
@@ -104,7 +101,6 @@ class EgressProxy:
         pinning.check_version()
         _raise_fd_limit()
         self._prepare_inspection()
-        set_shared_runtime(self.runtime)
         self._thread = threading.Thread(target=self._thread_main, name="egressd-proxy", daemon=True)
         self._thread.start()
         if not self._ready.wait(START_TIMEOUT):
@@ -147,11 +143,7 @@ class EgressProxy:
         self._stopping = asyncio.Event()
         host, port = self.listen
         try:
-            if self.fastpath:
-                await self._start_front(host, port)
-            else:
-                # without the lean path, mitmproxy itself listens on the public ports
-                await self._start_mitmproxy(host, port, 0 if self.socks else None)
+            await self._start_front(host, port)
             self._ready.set()
             await self._stopping.wait()
         finally:
@@ -217,7 +209,7 @@ class EgressProxy:
 
         pinning.install()
         error_pages.install()
-        head_guard.install()
+        head_guard.install(self.runtime)
         opts = options.Options()
         master = Master(opts, event_loop=loop)
         server = proxyserver.Proxyserver()
@@ -280,11 +272,6 @@ class EgressProxy:
             self.runtime.gate.add_self_address(address[0], address[1])
             kind = "socks" if instance.mode.type_name == "socks5" else "http"
             self._mitm_addresses[kind] = address
-            if not self.fastpath:
-                if kind == "socks":
-                    self.socks_address = address
-                else:
-                    self.http_address = address
 
     def serve_socket(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
         """Accept clients of `kind` ("http" or "socks") on a listening socket made elsewhere, as on
@@ -295,10 +282,7 @@ class EgressProxy:
         loop = self._loop
         if loop is None or self._thread is None or not self._thread.is_alive():
             raise EngineError("the proxy is not running")
-        if self._front is None:
-            raise EngineError(
-                "a listener handed over needs egressd's own front, which EGRESSD_FASTPATH=0 turns off"
-            )
+        assert self._front is not None
         future = asyncio.run_coroutine_threadsafe(self._front.serve(sock, kind, implicit), loop)
         future.result(timeout=START_TIMEOUT)
 

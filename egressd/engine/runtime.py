@@ -1,29 +1,22 @@
-"""Shared state of one running proxy: policy, gatekeeper, credentials, audit and live connections.
-
-The addons are thin adapters that all read this one object, whether egressd embeds mitmproxy or a
-stock `mitmdump -s addons/<name>.py` loads them (then `shared_runtime()` builds it from the
-environment).
-"""
+"""Shared state of one running proxy: policy, gatekeeper, credentials, audit and live connections."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import math
-import os
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from egressd.engine.changes import Changes
 from egressd.engine.credentials import CredentialStore, ProxyCredentials
 from egressd.engine.gate import Gatekeeper, PolicyHolder
 from egressd.engine.limits import TokenBuckets
-from egressd.engine.pinning import ConnectFailure, EarlierAttempt, connect_protocol
+from egressd.engine.pinning import ConnectFailure, connect_protocol
 from egressd.engine.redirects import RedirectMemory
 from egressd.refusal import Refusal
 
@@ -98,12 +91,9 @@ class Runtime:
         # connection was 2% of a tunnel's set-up)
         self._id_prefix = secrets.token_hex(3)
         self._ids = itertools.count(1)
-        # connections the native tunnel front holds (egressd/engine/native_front.py): drain waits
-        # for them, limits.max_connections counts their upstreams
         # a connection handed to the embedded mitmproxy from a credential-free listener: its
         # credentials, by the address mitmproxy sees the connection come from ("host:port")
         self.handed_off: dict[str, ProxyCredentials] = {}
-        self.native_fronts: list[Any] = []  # the C fronts' Front objects: their tunnels count too
 
     @property
     def inspection(self) -> bool:
@@ -150,8 +140,7 @@ class Runtime:
             return self.conns.pop(client_id, None)
 
     def active(self) -> int:
-        native = sum(front.active() for front in self.native_fronts)
-        return len(self.conns) + native
+        return len(self.conns)
 
     def authenticate(self, state: ConnState, header: str | None) -> bool:
         """Whether a proxy request (plain HTTP or CONNECT) with this Proxy-Authorization value may go
@@ -188,8 +177,7 @@ class Runtime:
 
     def connection_limit(self) -> Refusal | None:
         limit = self.policies.get().limits.max_connections
-        native = sum(front.upstreams() for front in self.native_fronts)
-        if limit is None or len(self.upstreams) + native < limit:
+        if limit is None or len(self.upstreams) < limit:
             return None
         return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
 
@@ -207,9 +195,8 @@ class Runtime:
         opens: bool = False,
     ) -> Decision | Refusal:
         """The limits, then the one decision: the step every front awaits for a CONNECT, a request
-        or a SOCKS5 connect (lean paths, the mitmproxy hooks; the native front hands every request
-        to these while a limit is set). Limits come first so that refused targets cost a child its
-        rate like allowed ones: probing what the policy refuses is not free.
+        or a SOCKS5 connect (the front, the mitmproxy hooks). Limits come first so that refused
+        targets cost a child its rate like allowed ones: probing what the policy refuses is not free.
 
         `rate`: this request takes a token (False where an earlier hook of the same request took
         it); `opens`: it opens an upstream connection now (limits.max_connections). On a decision,
@@ -282,18 +269,15 @@ class Runtime:
         state: ConnState,
         decision: Decision,
         protocol: asyncio.BaseProtocol,
-        earlier: EarlierAttempt | None = None,
     ) -> Admission | Refusal:
         """Admit an allowed decision (resolution, pinning) and connect `protocol` to the pinned
-        address, for both lean paths; the connection record is written here either way. `earlier`:
-        the native front's timed-out attempt for this connection (pinning.connect_protocol)."""
+        address; the connection record is written here either way."""
         admission = await self.gate.admit(decision)
         pin = admission.pin
         if pin is None:
             assert admission.refusal is not None
             self.audit_connection(state, admission, None)
             return admission.refusal
-        pin.earlier = earlier
         try:
             await connect_protocol(pin, protocol)
         except ConnectFailure as failure:
@@ -398,36 +382,3 @@ class Runtime:
             bytes_down=state.bytes_down,
             duration=round(time.monotonic() - state.started, 3),
         )
-
-
-_shared: Runtime | None = None
-_shared_lock = threading.Lock()
-
-
-def set_shared_runtime(runtime: Runtime) -> None:
-    global _shared
-    with _shared_lock:
-        _shared = runtime
-
-
-def shared_runtime() -> Runtime:
-    """The process' runtime; under a stock mitmdump it is built from EGRESSD_POLICY/EGRESSD_AUDIT."""
-    global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = _runtime_from_environment()
-        return _shared
-
-
-def _runtime_from_environment() -> Runtime:
-    from egressd.audit import AuditLog
-    from egressd.engine import pinning
-    from egressd.policy import default_policy, load_policy
-
-    pinning.install()
-    path = os.environ.get("EGRESSD_POLICY")
-    policy = load_policy(path, env=os.environ) if path else default_policy()
-    audit_path = os.environ.get("EGRESSD_AUDIT")
-    audit = AuditLog(audit_path, trace=sys.stderr if os.environ.get("EGRESSD_TRACE") else None)
-    # Under a stock mitmdump nobody issues per-child tokens: the operator owns the listener.
-    return Runtime(PolicyHolder(policy), audit=audit, require_auth=False)
