@@ -1,9 +1,9 @@
 """mitmproxy addon: authenticate the child, decide every CONNECT, request and upstream connection.
 
-A thin adapter from mitmproxy hooks to the gatekeeper (egressd.engine.gate), which calls the one
+A thin adapter from mitmproxy hooks to the gatekeeper (egressd.admission.gate), which calls the one
 decision function. `server_connect` is the choke point: every upstream connection, whatever front end
 asked for it (CONNECT, plain HTTP, SOCKS5), is decided and pinned there, and the connect hook
-(egressd.engine.pinning) refuses any connection it did not pin.
+(egressd.admission.pinning) refuses any connection it did not pin.
 """
 
 from __future__ import annotations
@@ -21,19 +21,20 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
 from mitmproxy.proxy.layers.modes import Socks5AuthData
 
-from egressd.engine import faults, response_limit
-from egressd.engine.connections import close_client
-from egressd.engine.error_pages import refusal_response
-from egressd.engine.gate import decision_refusal
-from egressd.engine.http_rules import (
+from egressd.admission import faults
+from egressd.admission.gate import decision_refusal
+from egressd.admission.http_rules import (
     audit_http_event,
     audit_response_cut,
     connection_problem,
     hop_by_hop_names,
     host_header_mismatch,
 )
-from egressd.engine.pinning import current_pin
-from egressd.engine.runtime import ConnState, Runtime
+from egressd.admission.pinning import current_pin
+from egressd.admission.runtime import ConnState, Runtime
+from egressd.inspect import response_limit
+from egressd.inspect.connections import close_client
+from egressd.inspect.error_pages import refusal_response
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
 
 logger = logging.getLogger(__name__)

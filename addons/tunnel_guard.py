@@ -5,7 +5,7 @@ Replaces mitmproxy's built-in next-layer choice for tunnels (CONNECT and SOCKS5)
   tunnel is closed and audited. The client's first bytes are checked whoever speaks first: when the
   server sends a banner before the client said anything, a passthrough tunnel relays it and checks
   the client's first bytes in the relay; a tunnel to inspect holds it until the client spoke. They
-  are read incrementally (egressd.engine.sni.TunnelStart, as on the lean path), at a bounded cost;
+  are read incrementally (egressd.wire.sni.TunnelStart, as on the lean path), at a bounded cost;
 - an allowed tunnel passes through untouched (`TCPLayer(ignore=True)`, no recorded flow, so nothing
   is buffered), counting bytes for the audit;
 - TLS towards the proxy itself is not offered: the child talks plain HTTP or SOCKS5 to loopback.
@@ -27,10 +27,10 @@ from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TC
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.mode_servers import Socks5Instance
 
-from egressd.engine.runtime import Runtime
-from egressd.engine.sni import WAIT, TunnelStart
+from egressd.admission.runtime import Runtime
 from egressd.policy import TargetError, canonical_host
 from egressd.refusal import POLICY_REASONS, parse_failure
+from egressd.wire.sni import WAIT, TunnelStart
 
 logger = logging.getLogger(__name__)
 

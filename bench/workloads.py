@@ -679,7 +679,7 @@ def exec_true(ctx: Context) -> list[Metric]:
             [
                 py,
                 "-c",
-                "import egressd.engine.proxy, mitmproxy.master, mitmproxy.addons.proxyserver, "
+                "import egressd.proxy, mitmproxy.master, mitmproxy.addons.proxyserver, "
                 "egressd.addons.policy_gate",
             ],
         ),

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
-from egressd.audit import AuditLog
 from egressd.child_env import child_environment, proxy_exports
+from egressd.observe.audit import AuditLog
 from egressd.policy import (
     Policy,
     PolicyError,
@@ -27,7 +27,8 @@ from egressd.policy import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from egressd.engine import EgressProxy, ProxyCredentials
+    from egressd.admission.credentials import ProxyCredentials
+    from egressd.proxy import EgressProxy
     from egressd.reload import PolicyWatcher
 
 _PRESET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
@@ -158,7 +159,7 @@ class ProxySession:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> Self:
-        from egressd.engine import EgressProxy, EngineError
+        from egressd.proxy import EgressProxy, EngineError
 
         try:
             self.audit = AuditLog(self.options.audit_path, trace=sys.stderr if self.options.trace else None)

@@ -26,8 +26,8 @@ with instrumented():
     from mitmproxy.net.http import http1, url
     from mitmproxy.proxy.layers.http import HTTPMode, validate_request
 
-    from egressd.engine.gate import Gatekeeper, PolicyHolder
-    from egressd.engine.http_rules import host_header_mismatch
+    from egressd.admission.gate import Gatekeeper, PolicyHolder
+    from egressd.admission.http_rules import host_header_mismatch
     from egressd.policy import TargetError, canonical_host, parse_policy
     from tests.support import reference as ref
 

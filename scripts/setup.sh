@@ -85,10 +85,9 @@ if ! venv_ok; then
   fi
 fi
 
-# Editable install with test extras, only when pyproject.toml, setup.py or the C source changed
-# since the last install (the install builds egressd/engine/_tunnels.c in place).
+# Editable install with test extras, only when pyproject.toml changed since the last install.
 stamp="$VENV/.egressd-install-stamp"
-want="$(cat pyproject.toml setup.py egressd/engine/_tunnels.c | sha256sum | cut -d' ' -f1)"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
   || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("egressd")' 2>/dev/null; then
   log "installing egressd (editable, with test extras) into $VENV"

@@ -27,7 +27,7 @@ import trustme  # noqa: E402
 from tests.support import netns  # noqa: E402
 
 if TYPE_CHECKING:
-    from egressd.engine.proxy import EgressProxy
+    from egressd.proxy import EgressProxy
 from tests.support.dns_server import DnsServer  # noqa: E402
 from tests.support.npm_registry import NpmRegistry  # noqa: E402
 from tests.support.upstreams import (  # noqa: E402
@@ -178,8 +178,8 @@ def tcp_echo() -> Iterator[TcpEchoServer]:
 @pytest.fixture
 def echo_engine(tcp_echo: TcpEchoServer) -> Iterator[EgressProxy]:
     """An in-process engine (lean paths on) whose policy allows only the TCP echo server."""
-    from egressd.engine.proxy import EgressProxy
     from egressd.policy import parse_policy
+    from egressd.proxy import EgressProxy
 
     host, port = tcp_echo.address
     policy = parse_policy({"version": 1, "mode": "enforce", "allow": [f"{host}:{port}"]}, "test")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from egressd.audit import AuditLog, new_conn_id, redact_query, utc_timestamp
+from egressd.observe.audit import AuditLog, new_conn_id, redact_query, utc_timestamp
 
 TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 

@@ -112,7 +112,7 @@ HOST_CASES = [
     ("host-with-userinfo", "http://allowed.test:{P}/", ["allowed.test:{P}@evil.test"], 400, "host_mismatch"),
     ("host-address-of-other", "http://198.51.100.1:{P}/", ["198.51.100.9:{P}"], 400, "host_mismatch"),
     # found by fuzz/fuzz_request_head.py: str.strip() calls \x1c-\x1f whitespace; egressd now refuses
-    # any control character in a request head before it is parsed (egressd/engine/http_head.py)
+    # any control character in a request head before it is parsed (egressd/wire/http_head.py)
     ("host-control-char-prefix", "http://allowed.test:{P}/", ["\x1eallowed.test:{P}"], 400, "bad_request"),
     ("host-control-char-suffix", "http://allowed.test:{P}/", ["allowed.test:{P}\x1c"], 400, "bad_request"),
     ("target-evil-host-allowed", "http://evil.test:{P}/", ["allowed.test:{P}"], 403, "not_allowlisted"),

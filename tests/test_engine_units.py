@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from egressd.engine import pinning
-from egressd.engine.credentials import CredentialStore
-from egressd.engine.error_pages import refusal_from_error
+from egressd.admission import pinning
+from egressd.admission.credentials import CredentialStore
+from egressd.inspect.error_pages import refusal_from_error
 from egressd.refusal import Refusal, failure_message, parse_failure
 from tests.support.upstreams import EchoHTTPServer, RefusingPort, StallingPort
 
@@ -215,6 +215,6 @@ def test_connect_hook_refuses_other_mitmproxy_version(monkeypatch: pytest.Monkey
     ],
 )
 def test_sni_rule(tunnel: str, sni: str | None, ok: bool) -> None:
-    from egressd.engine.sni import sni_problem
+    from egressd.wire.sni import sni_problem
 
     assert (sni_problem(tunnel, sni) is None) is ok

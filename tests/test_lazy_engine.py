@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from egressd.engine.proxy import EgressProxy
 from egressd.policy import parse_policy
+from egressd.proxy import EgressProxy
 from tests.support.egressd_cli import EGRESSD
 from tests.support.upstreams import TcpEchoServer
 
@@ -73,7 +73,7 @@ def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(echo_engin
 def test_a_failed_mitmproxy_start_is_tried_again(
     tcp_echo: TcpEchoServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import egressd.engine.proxy as engine_proxy
+    import egressd.proxy as engine_proxy
 
     real = engine_proxy._import_mitmproxy
     calls: list[int] = []

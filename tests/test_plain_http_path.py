@@ -1,4 +1,4 @@
-"""The lean plain-HTTP path (egressd.engine.plain_http) with real clients and a real scripted server.
+"""The lean plain-HTTP path (egressd.front.plain_http) with real clients and a real scripted server.
 
 The server below speaks raw HTTP/1.1 so each test can choose the framing (Content-Length, chunked,
 close-delimited, broken chunked, 1xx) and count the TCP connections egressd opened to it: keep-alive

@@ -20,9 +20,9 @@ import time
 import pytest
 import uvloop
 
-from egressd.engine import fastpath
-from egressd.engine.credentials import ProxyCredentials
-from egressd.engine.proxy import EgressProxy
+from egressd.admission.credentials import ProxyCredentials
+from egressd.front import server as fastpath
+from egressd.proxy import EgressProxy
 from tests.support.upstreams import TcpEchoServer
 
 RECORD = 16 * 1024 + 21  # a TLS record with its header and tag: the chunk a TLS sender writes
@@ -124,8 +124,8 @@ def test_lean_path_sockets_have_nagle_off(
     """Small heads and answers go out at once: both event loops set TCP_NODELAY on every TCP
     transport, accepted (the client side) or connected (the pinned upstream), so the lean paths
     do not set it again."""
-    from egressd.engine.proxy import EgressProxy
     from egressd.policy import parse_policy
+    from egressd.proxy import EgressProxy
 
     monkeypatch.setenv("EGRESSD_UVLOOP", uvloop_on)
     host, port = tcp_echo.address

@@ -16,7 +16,7 @@ from egressd import process
 from egressd.session import ProxySession, SessionOptions
 
 if TYPE_CHECKING:
-    from egressd.engine import EgressProxy
+    from egressd.proxy import EgressProxy
 from egressd.cli.options import open_session, say, session_options
 
 DRAIN_TIMEOUT = 10.0

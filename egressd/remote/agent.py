@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from egressd import process
-from egressd.audit import AuditLog
 from egressd.child_env import child_environment
 from egressd.exits import exec_failure
+from egressd.observe.audit import AuditLog
 from egressd.policy import Policy, PolicyError
 from egressd.remote import reaper
 from egressd.remote.channel import ChannelError, LineChannel, read_policy
@@ -196,7 +196,7 @@ class Agent:
 
     # -- the command -------------------------------------------------------------------------
     def run(self, command: Sequence[str], catcher: process.SignalCatcher) -> int:
-        from egressd.engine import EgressProxy, EngineError
+        from egressd.proxy import EgressProxy, EngineError
 
         policy = self.first_policy()
         self.proxy = EgressProxy(

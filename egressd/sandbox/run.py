@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import egressd
 from egressd.ca import java_truststore_path
 from egressd.child_env import child_environment
-from egressd.engine.proxy import EngineError
 from egressd.exits import EXIT_CANNOT_RUN, exec_failure
 from egressd.process import SignalCatcher, run_child, spawn
+from egressd.proxy import EngineError
 from egressd.sandbox import (
     BRIDGE_CAPTURE_PORT,
     BRIDGE_DNS_PORT,
@@ -48,7 +48,7 @@ from egressd.sandbox.seatbelt import seatbelt_argv, seatbelt_profile
 from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
-    from egressd.engine import ProxyCredentials
+    from egressd.admission.credentials import ProxyCredentials
     from egressd.session import ProxySession
 
 SANDBOX_VAR = "EGRESSD_SANDBOX"

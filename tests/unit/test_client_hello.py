@@ -1,4 +1,4 @@
-"""egressd.engine.client_hello reads the SNI exactly as mitmproxy's parser does (both tunnel paths agree)."""
+"""egressd.wire.client_hello reads the SNI exactly as mitmproxy's parser does (both tunnel paths agree)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from hypothesis import strategies as st
 from mitmproxy.net.tls import starts_like_tls_record as mitm_starts_like_tls_record
 from mitmproxy.proxy.layers.tls import parse_client_hello as mitm_parse_client_hello
 
-from egressd.engine.client_hello import (
+from egressd.wire.client_hello import (
     MAX_CLIENT_HELLO,
     MAX_HELLO_RECORDS,
     parse_client_hello,
     starts_like_tls_record,
 )
-from egressd.engine.sni import WAIT, TunnelStart, first_bytes_verdict
+from egressd.wire.sni import WAIT, TunnelStart, first_bytes_verdict
 from tests.support.tls_hello import client_hello, records
 
 

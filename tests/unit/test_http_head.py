@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from egressd.engine.http_head import MAX_HEAD, head_problem
+from egressd.wire.http_head import MAX_HEAD, head_problem
 
 OK = [
     b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n",

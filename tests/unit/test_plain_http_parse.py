@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from egressd.engine.plain_http import ChunkedReader, ProtocolError, parse_request
+from egressd.front.plain_http import ChunkedReader, ProtocolError, parse_request
 
 
 def _head(first: str, *headers: str) -> bytes:

@@ -643,7 +643,7 @@ class _FakeSession:
 
 
 def _run_seatbelt(monkeypatch: pytest.MonkeyPatch, layout: Layout, seen: dict[str, object]):
-    from egressd.engine.credentials import ProxyCredentials
+    from egressd.admission.credentials import ProxyCredentials
     from egressd.process import SignalCatcher
     from egressd.sandbox import run
 

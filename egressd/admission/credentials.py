@@ -8,7 +8,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 
-from egressd.engine.changes import Changes
+from egressd.admission.changes import Changes
 from egressd.policy import join_host_port
 
 DEFAULT_USERNAME = "egressd"

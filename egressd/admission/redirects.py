@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
-from egressd.engine.changes import Changes
+from egressd.admission.changes import Changes
 from egressd.policy import TargetError, canonical_host, join_host_port
 
 TTL_SECONDS = 120.0

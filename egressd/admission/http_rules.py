@@ -1,6 +1,6 @@
 """HTTP request rules both plain-HTTP paths apply (the mitmproxy addon and the lean path).
 
-One copy of each rule, so the lean path (egressd.engine.plain_http) cannot drift from the mitmproxy
+One copy of each rule, so the lean path (egressd.front.plain_http) cannot drift from the mitmproxy
 path (addons/policy_gate.py). Pure, apart from the audit record helpers, and no mitmproxy import.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from egressd.policy import TargetError, canonical_host, join_host_port
 
 if TYPE_CHECKING:
-    from egressd.engine.runtime import ConnState, Runtime
+    from egressd.admission.runtime import ConnState, Runtime
 
 # hop-by-hop headers (RFC 9110 7.6.1) and proxy headers never forwarded upstream
 HOP_BY_HOP = ("proxy-authorization", "proxy-connection", "keep-alive", "te", "trailer", "proxy-authenticate")

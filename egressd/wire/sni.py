@@ -3,8 +3,8 @@ tunnel guard: what a tunnel's first client bytes may be, read at a bounded cost.
 
 from __future__ import annotations
 
-from egressd.engine.client_hello import HelloReader, HelloTooLarge, parse_message, starts_like_tls_record
 from egressd.policy import TargetError, canonical_host
+from egressd.wire.client_hello import HelloReader, HelloTooLarge, parse_message, starts_like_tls_record
 
 
 def sni_problem(tunnel_host: str, sni: str | None) -> str | None:

@@ -3,7 +3,7 @@
 mitmproxy costs ~1 ms of CPU per plain-HTTP request; most requests are simple (`GET http://h/p`,
 one Host header, no body or a Content-Length body). Those are authenticated, limited, decided,
 audited, stripped and forwarded here with the same rules as addons/policy_gate.py (shared through
-egressd.engine.http_rules), over pinned upstream connections reused for keep-alive. Any request that
+egressd.admission.http_rules), over pinned upstream connections reused for keep-alive. Any request that
 is not clearly simple is handed, at a request boundary and undecided, to the embedded mitmproxy, so
 its addons decide it exactly as before. Responses are framed strictly (Content-Length, chunked,
 close-delimited); anything ambiguous closes both sides rather than being forwarded.
@@ -18,11 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from egressd.engine import faults
-from egressd.engine.fastpath import HIGH_WATER
-from egressd.engine.gate import decision_refusal
-from egressd.engine.http_head import head_problem, leading_empty_lines
-from egressd.engine.http_rules import (
+from egressd.admission import faults
+from egressd.admission.gate import decision_refusal
+from egressd.admission.http_rules import (
     FRAMING,
     audit_http_event,
     audit_response_cut,
@@ -30,11 +28,13 @@ from egressd.engine.http_rules import (
     host_header_mismatch,
     hostport,
 )
+from egressd.front.server import HIGH_WATER
 from egressd.refusal import EGRESSD_HEADERS, Refusal
+from egressd.wire.http_head import head_problem, leading_empty_lines
 
 if TYPE_CHECKING:
-    from egressd.engine.fastpath import FrontProtocol
-    from egressd.engine.runtime import ConnState, Runtime
+    from egressd.admission.runtime import ConnState, Runtime
+    from egressd.front.server import FrontProtocol
     from egressd.policy import Decision
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 mitmproxy 12.3.1 reads request heads with h11's line splitter, which accepts bare LF, and has no
 size limit on a head (its own FIXME). The wrapper installed here looks at the raw bytes first
-(egressd.engine.http_head) and answers 400/431 in egressd's format, so a head that two parsers
+(egressd.wire.http_head) and answers 400/431 in egressd's format, so a head that two parsers
 could read differently is never decided one way and forwarded another. A head mitmproxy's own
 parser rejects (a non-ASCII byte in the request line, say) is refused here too, with the same
 parser, so that every such refusal is audited: mitmproxy answers those itself, unrecorded. Empty
@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
-from egressd.engine.http_head import head_problem, leading_empty_lines
+from egressd.wire.http_head import head_problem, leading_empty_lines
 
 if TYPE_CHECKING:
-    from egressd.engine.runtime import Runtime
+    from egressd.admission.runtime import Runtime
 
 _runtime: Runtime | None = None  # whose audit records a refused head
 

@@ -13,9 +13,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from egressd.engine import faults
-from egressd.engine.changes import Changes
-from egressd.engine.pinning import Pin
+from egressd.admission import faults
+from egressd.admission.changes import Changes
+from egressd.admission.pinning import Pin
+from egressd.admission.resolver import ResolveError, resolve
 from egressd.policy import (
     Client,
     Decision,
@@ -27,7 +28,6 @@ from egressd.policy import (
     resolution_refusal,
 )
 from egressd.refusal import Refusal
-from egressd.resolver import ResolveError, resolve
 
 logger = logging.getLogger(__name__)
 

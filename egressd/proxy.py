@@ -19,17 +19,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from egressd.engine import pinning
-from egressd.engine.credentials import ProxyCredentials
-from egressd.engine.gate import PolicyHolder
-from egressd.engine.runtime import Runtime
+from egressd.admission import pinning
+from egressd.admission.credentials import ProxyCredentials
+from egressd.admission.gate import PolicyHolder
+from egressd.admission.runtime import Runtime
 from egressd.policy import Policy, join_host_port
 
 if TYPE_CHECKING:
     from mitmproxy.master import Master
 
-    from egressd.audit import AuditLog
-    from egressd.engine.fastpath import FastFront
+    from egressd.front.server import FastFront
+    from egressd.observe.audit import AuditLog
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class EgressProxy:
 
     async def _start_front(self, host: str, port: int) -> None:
         """The lean path listens on the public ports; mitmproxy starts when first needed."""
-        from egressd.engine.fastpath import FastFront
+        from egressd.front.server import FastFront
 
         self._front = FastFront(self.runtime, self._mitmproxy_address)
         self.http_address = await self._front.start(host, port)
@@ -205,7 +205,7 @@ class EgressProxy:
 
         from egressd.addons.policy_gate import PolicyGate
         from egressd.addons.tunnel_guard import TunnelGuard
-        from egressd.engine import error_pages, head_guard
+        from egressd.inspect import error_pages, head_guard
 
         pinning.install()
         error_pages.install()

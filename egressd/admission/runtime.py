@@ -12,19 +12,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from egressd.engine.changes import Changes
-from egressd.engine.credentials import CredentialStore, ProxyCredentials
-from egressd.engine.gate import Gatekeeper, PolicyHolder
-from egressd.engine.limits import TokenBuckets
-from egressd.engine.pinning import ConnectFailure, connect_protocol
-from egressd.engine.redirects import RedirectMemory
+from egressd.admission.changes import Changes
+from egressd.admission.credentials import CredentialStore, ProxyCredentials
+from egressd.admission.gate import Gatekeeper, PolicyHolder
+from egressd.admission.limits import TokenBuckets
+from egressd.admission.pinning import ConnectFailure, connect_protocol
+from egressd.admission.redirects import RedirectMemory
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
     import asyncio
 
-    from egressd.audit import AuditLog
-    from egressd.engine.gate import Admission
+    from egressd.admission.gate import Admission
+    from egressd.observe.audit import AuditLog
     from egressd.policy import Decision
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 
 from mitmproxy import http
 
-from egressd.engine.connections import close_client
-from egressd.engine.error_pages import refusal_response
+from egressd.inspect.connections import close_client
+from egressd.inspect.error_pages import refusal_response
 from egressd.refusal import Refusal
 
 

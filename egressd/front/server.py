@@ -19,15 +19,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
-from egressd.engine import faults
-from egressd.engine.gate import decision_refusal
-from egressd.engine.http_head import head_problem, leading_empty_lines
-from egressd.engine.sni import WAIT, TunnelStart
+from egressd.admission import faults
+from egressd.admission.gate import decision_refusal
 from egressd.refusal import Refusal
+from egressd.wire.http_head import head_problem, leading_empty_lines
+from egressd.wire.sni import WAIT, TunnelStart
 
 if TYPE_CHECKING:
-    from egressd.engine.credentials import ProxyCredentials
-    from egressd.engine.runtime import ConnState, Runtime
+    from egressd.admission.credentials import ProxyCredentials
+    from egressd.admission.runtime import ConnState, Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -470,10 +470,10 @@ class FrontProtocol(_Pipe):
         else:
             inner.transport.close()
 
-    # -- plain HTTP (egressd.engine.plain_http) --------------------------------------------------
+    # -- plain HTTP (egressd.front.plain_http) --------------------------------------------------
     def _serve_plain(self) -> None:
         """Give the client to the lean plain-HTTP path; it returns unusual requests via _plain_hand_off."""
-        from egressd.engine.plain_http import PlainClient  # it imports this module
+        from egressd.front.plain_http import PlainClient  # it imports this module
 
         assert self.transport is not None
         if self.timer is not None:
