@@ -347,20 +347,24 @@ class Runtime:
         detail: str,
         *,
         stage: str,
+        method: str | None = None,
+        scheme: str | None = None,
+        path: str | None = None,
     ) -> None:
         """The record of a refusal no decision made, on any path: a tunnel closed after its TLS
-        ClientHello (SNI check, stage "tls"), a request head no parser may read (stage "request")."""
+        ClientHello (SNI check, stage "tls"), a request head no parser may read (stage "request";
+        its method, scheme and path when its request line could be read)."""
         if self.audit is not None:
             self.audit.decision(
                 conn=state.conn_id if state else None,
                 client=state.client_name if state else None,
                 profile=state.profile if state else None,
                 stage=stage,
-                method=None,
-                scheme=None,
+                method=method,
+                scheme=scheme,
                 host=host,
                 port=port,
-                path=None,
+                path=path,
                 decision="deny",
                 reason=reason,
                 rule=None,

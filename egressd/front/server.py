@@ -1,11 +1,12 @@
-"""The lean tunnel path: allowed, non-inspected CONNECT tunnels without mitmproxy's per-connection layers.
+"""egressd's HTTP proxy port: CONNECT tunnels here, plain HTTP in egressd.front.plain_http.
 
-egressd's HTTP proxy port is served here. A CONNECT is authenticated, limited and decided by the same
-gatekeeper (the one decision function), resolved and pinned by the same connect path, refused with the
-same Refusal, and audited with the same records as in mitmproxy's path. An allowed tunnel that no rule
-wants inspected is then relayed by two small asyncio protocols (flow-controlled, nothing recorded)
-after the TLS SNI check. Everything else — plain HTTP, tunnels to inspect — is handed to the embedded
-mitmproxy untouched (the bytes read so far first), so it is decided by the mitmproxy addons.
+A CONNECT is authenticated, limited and decided by the same gatekeeper (the one decision function),
+resolved and pinned by the same connect path, refused with the same Refusal, and audited with the
+same records as every other front. An allowed tunnel that no rule wants inspected is then relayed by
+two small asyncio protocols (flow-controlled, nothing recorded) after the TLS SNI check; the same
+relay carries an allowed WebSocket after its 101. Absolute-form requests are served by
+egressd.front.plain_http on h11. Only tunnels to inspect (and SOCKS5, for now) are handed to the
+embedded mitmproxy, untouched, so its addons decide the requests inside them.
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ class FrontProtocol(_Pipe):
     def _on_head_bytes(self) -> None:
         del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
         if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
-            self._serve_plain()  # plain HTTP: the lean path, or mitmproxy for unusual requests
+            self._serve_plain()  # plain HTTP: served by egressd.front.plain_http, never by mitmproxy
             return
         problem = head_problem(bytes(self.buffer))
         if problem is not None:
@@ -472,7 +473,7 @@ class FrontProtocol(_Pipe):
 
     # -- plain HTTP (egressd.front.plain_http) --------------------------------------------------
     def _serve_plain(self) -> None:
-        """Give the client to the lean plain-HTTP path; it returns unusual requests via _plain_hand_off."""
+        """Give the client to the plain-HTTP path (egressd.front.plain_http): it serves every request."""
         from egressd.front.plain_http import PlainClient  # it imports this module
 
         assert self.transport is not None
@@ -502,13 +503,6 @@ class FrontProtocol(_Pipe):
             sock.close()
             raise
         return sock
-
-    def _plain_hand_off(self, pending: bytes) -> None:
-        """Back from the lean plain-HTTP path at a request boundary: mitmproxy decides from here."""
-        assert self.transport is not None
-        self.transport.set_protocol(self)
-        self.buffer = bytearray(pending)
-        self._hand_off()
 
 
 def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:

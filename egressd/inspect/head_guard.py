@@ -1,5 +1,8 @@
 """Refuse ambiguous, oversized or unreadable HTTP/1 request heads before mitmproxy parses them.
 
+Plain (absolute-form) HTTP never reaches mitmproxy: egressd's front reads it (egressd.wire.http1).
+This guard is for the requests INSIDE the TLS tunnels mitmproxy inspects, which only mitmproxy reads.
+
 mitmproxy 12.3.1 reads request heads with h11's line splitter, which accepts bare LF, and has no
 size limit on a head (its own FIXME). The wrapper installed here looks at the raw bytes first
 (egressd.wire.http_head) and answers 400/431 in egressd's format, so a head that two parsers
