@@ -18,24 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from egressd.admission import faults
-from egressd.admission.gate import decision_refusal
-from egressd.admission.http_rules import (
-    FRAMING,
-    audit_http_event,
-    audit_response_cut,
-    hop_by_hop_names,
-    host_header_mismatch,
-    hostport,
-)
+from egressd.admission.http_rules import FRAMING, hop_by_hop_names, hostport
+from egressd.admission.pipeline import Admitted, Ask
 from egressd.front.server import HIGH_WATER
 from egressd.refusal import EGRESSD_HEADERS, Refusal
 from egressd.wire.http_head import head_problem, leading_empty_lines
 
 if TYPE_CHECKING:
-    from egressd.admission.runtime import ConnState, Runtime
     from egressd.front.server import FrontProtocol
-    from egressd.policy import Decision
 
 logger = logging.getLogger(__name__)
 
@@ -451,23 +441,6 @@ def too_large_refusal(key: tuple[str, int], length: int, limit: int) -> Refusal:
     return Refusal("response_too_large", detail, *key)
 
 
-def audit_request(
-    rt: Runtime, state: ConnState, decision: Decision, refusal: Refusal | None, request: Request
-) -> None:
-    """The record of one plain-HTTP request's decision."""
-    rt.audit_decision(
-        state,
-        decision,
-        refusal,
-        stage="request",
-        method=request.method,
-        scheme="http",
-        path=request.path,
-        host=request.host,
-        port=request.port,
-    )
-
-
 def _response_head(response: Response, headers: list[tuple[str, str]]) -> bytes:
     """The head as the client gets it: egressd's own headers are never forwarded from upstream."""
     lines = [f"{response.version} {response.status} {response.reason}"]
@@ -516,7 +489,7 @@ class PlainClient(asyncio.Protocol):
         if self.requests == 0 and self.phase == "head":
             left = limits.header_timeout - (now - self.state.started)
             if left <= 0:
-                self.rt.audit_header_timeout(self.state, limits.header_timeout)
+                self.rt.header_timeout(self.state, limits.header_timeout)
                 self.close()
                 return
         else:
@@ -619,40 +592,37 @@ class PlainClient(asyncio.Protocol):
         self.state.head_seen = True
         self.requests += 1
         self.phase = "deciding"
-        decision = self._decide(request)
-        if decision is not None:
-            self._go(request, decision)
+        self.task = asyncio.get_running_loop().create_task(self._admit_and_go(request))
 
-    def _decide(self, request: Request) -> Decision | None:
-        """The same checks, in the same order, as PolicyGate.requestheaders; None: refused."""
-        rt, state = self.rt, self.state
-        faults.maybe_fail("hook")
-        header = request.values("proxy-authorization")
-        if not rt.authenticate(state, header[0] if header else None):
-            return self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
-        decision = rt.decide(
-            state,
-            self.front.client_id,
+    async def _admit_and_go(self, request: Request) -> None:
+        try:
+            admitted = await self._admit(request)
+            if isinstance(admitted, Refusal):
+                self._refuse(admitted)
+            elif self.phase == "deciding":
+                self._go(request, admitted)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fail closed
+            self.internal_error(exc)
+
+    async def _admit(self, request: Request) -> Admitted | Refusal:
+        """The request through the admission pipeline, as every front's requests go."""
+        authorization = request.values("proxy-authorization")
+        ask = Ask(
+            "request",
             request.host,
             request.port,
             scheme="http",
             method=request.method,
             path=request.path,
+            credentials=authorization[0] if authorization else None,
+            headers=request.headers,
         )
-        if isinstance(decision, Refusal):
-            return self._refuse(decision)  # a limit, before anything is decided
-        target = decision.target
-        refusal = None
-        if not decision.allowed or decision.needs_inspection or target is None:
-            refusal = decision_refusal(decision)
-        elif (mismatch := host_header_mismatch(request.values("host"), target)) is not None:
-            refusal = Refusal("host_mismatch", mismatch, target.host.text, target.port)
-        audit_request(rt, state, decision, refusal, request)
-        return decision if refusal is None else self._refuse(refusal)
+        return await self.rt.admit(self.state, ask)
 
-    def _go(self, request: Request, decision: Decision) -> None:
-        assert decision.target is not None
-        key = (decision.target.host.text, decision.target.port)
+    def _go(self, request: Request, admitted: Admitted) -> None:
+        key = (admitted.host, admitted.port)
         self.request = request
         self.url = request_url(key, request.path)
         head = self._outgoing_head(request, key)
@@ -661,7 +631,7 @@ class PlainClient(asyncio.Protocol):
             self._send(upstream, request, head)
             return
         self._drop_upstream()
-        self.task = asyncio.get_running_loop().create_task(self._open_and_send(decision, key, request, head))
+        self.task = asyncio.get_running_loop().create_task(self._open_and_send(admitted, key, request, head))
 
     def _outgoing_head(self, request: Request, key: tuple[str, int]) -> bytes:
         """Origin-form, canonical Host, no hop-by-hop headers, credentials stripped after a
@@ -677,14 +647,13 @@ class PlainClient(asyncio.Protocol):
         return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
 
     def _credentials_to_strip(self, request: Request, key: tuple[str, int], dropped: set[str]) -> set[str]:
-        origin = self.rt.redirects.take(self.state.client_key(self.front.client_id), self.url)
+        origin = self.rt.redirects.take(self.state.client_key, self.url)
         if origin is None:
             return set()
         present = {n.lower() for n, _ in request.headers} - dropped  # as after the hop-by-hop strip
         names = self.rt.policies.get().credentials.strip_on_host_change
         stripped = [name for name in names if name.lower() in present]
-        audit_http_event(
-            self.rt,
+        self.rt.notice(
             self.state,
             "credentials_stripped",
             redirected_from=origin,
@@ -695,13 +664,13 @@ class PlainClient(asyncio.Protocol):
         return {name.lower() for name in stripped}
 
     def remember_redirect(self, location: str) -> None:
-        self.rt.redirects.remember(self.state.client_key(self.front.client_id), self.url, location)
+        self.rt.redirects.remember(self.state.client_key, self.url, location)
 
     async def _open_and_send(
-        self, decision: Decision, key: tuple[str, int], request: Request, head: bytes
+        self, admitted: Admitted, key: tuple[str, int], request: Request, head: bytes
     ) -> None:
         try:
-            upstream = await self._open(decision, key)
+            upstream = await self._open(admitted, key)
             if upstream is not None and self.phase == "deciding":
                 self._send(upstream, request, head)
         except asyncio.CancelledError:
@@ -709,21 +678,17 @@ class PlainClient(asyncio.Protocol):
         except Exception as exc:  # noqa: BLE001 - fail closed
             self.internal_error(exc)
 
-    async def _open(self, decision: Decision, key: tuple[str, int]) -> Upstream | None:
-        """A new pinned upstream connection (Runtime.connect_admitted, as for a CONNECT)."""
-        rt, state = self.rt, self.state
-        limited = rt.connection_limit()
-        if limited is not None:
-            return self._refuse(limited)
+    async def _open(self, admitted: Admitted, key: tuple[str, int]) -> Upstream | None:
+        """A new upstream connection to the addresses the pipeline pins for this request."""
+        rt = self.rt
         upstream = Upstream(self, key)
-        admission = await rt.connect_admitted(state, decision, upstream)
-        if isinstance(admission, Refusal):
-            return self._refuse(admission)
-        upstream.server_id = f"{self.front.client_id}-up{self.requests}"
-        rt.upstreams.add(upstream.server_id)
+        upstream.server_id = f"{self.state.conn_id}-up{self.requests}"
+        refusal = await rt.connect(self.state, admitted, upstream, upstream.server_id)
+        if refusal is not None:
+            return self._refuse(refusal)
         if self.phase != "deciding":
             upstream.close()
-            rt.upstreams.discard(upstream.server_id)
+            rt.disconnected(upstream.server_id)
             return None
         self.upstream = upstream
         return upstream
@@ -786,7 +751,8 @@ class PlainClient(asyncio.Protocol):
         request = self.request
         assert request is not None and self.state.host is not None and self.state.port is not None
         state = self.state
-        audit_response_cut(self.rt, state, state.host, state.port, request.path, limit, seen)
+        where = {"host": state.host, "port": state.port, "path": request.path}
+        self.rt.notice(state, "response_cut", **where, limit=limit, bytes=seen)
 
     def upstream_broke(self, upstream: Upstream, why: str) -> None:
         """Broken framing from upstream: a 502 when nothing was sent yet, else both sides close."""
@@ -800,7 +766,7 @@ class PlainClient(asyncio.Protocol):
     def upstream_lost(self, upstream: Upstream) -> None:
         if upstream is not self.upstream:
             return
-        self.rt.upstreams.discard(upstream.server_id)
+        self.rt.disconnected(upstream.server_id)
         self.upstream = None
         if upstream.phase == "idle":
             return  # a kept-alive connection the server closed: the next request opens another
@@ -809,7 +775,7 @@ class PlainClient(asyncio.Protocol):
     def _drop_upstream(self) -> None:
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
-            self.rt.upstreams.discard(upstream.server_id)
+            self.rt.disconnected(upstream.server_id)
             upstream.close()
 
     # -- endings -------------------------------------------------------------------------------
@@ -824,7 +790,6 @@ class PlainClient(asyncio.Protocol):
         self._drop_upstream()
         if self.timer is not None:
             self.timer.cancel()
-        self.rt.audit_closed(self.state)  # the lean part's record; mitmproxy keeps its own
         self.phase = "handoff"
         pending, self.inbuf = head + bytes(self.inbuf), bytearray()
         self.front._plain_hand_off(pending)

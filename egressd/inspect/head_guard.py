@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 from egressd.wire.http_head import head_problem, leading_empty_lines
 
 if TYPE_CHECKING:
-    from egressd.admission.runtime import Runtime
+    from egressd.admission.pipeline import Pipeline
 
-_runtime: Runtime | None = None  # whose audit records a refused head
+_runtime: Pipeline | None = None  # whose audit records a refused head
 
 
-def install(runtime: Runtime) -> None:
+def install(runtime: Pipeline) -> None:
     global _runtime
     _runtime = runtime
     from mitmproxy.proxy import commands, events
@@ -72,4 +72,4 @@ def _unreadable(data: bytes) -> tuple[int, str] | None:
 def _audit(client_id: str, why: str) -> None:
     rt = _runtime
     if rt is not None:
-        rt.audit_early_refusal(rt.conn(client_id), None, None, "bad_request", why, stage="request")
+        rt.refused_early(None, None, None, "bad_request", why, stage="request")
