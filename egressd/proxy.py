@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from egressd.admission import pinning
 from egressd.admission.credentials import ProxyCredentials
 from egressd.admission.pipeline import Pipeline
 from egressd.admission.state import PolicyHolder
+from egressd.inspect import patches
 from egressd.inspect.handoffs import Handoffs
 from egressd.policy import Policy, join_host_port
 
@@ -100,7 +100,7 @@ class EgressProxy:
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        pinning.check_version()
+        patches.check_version()
         _raise_fd_limit()
         self._prepare_inspection()
         self._thread = threading.Thread(target=self._thread_main, name="egressd-proxy", daemon=True)
@@ -207,11 +207,8 @@ class EgressProxy:
 
         from egressd.addons.policy_gate import PolicyGate
         from egressd.addons.tunnel_guard import TunnelGuard
-        from egressd.inspect import error_pages, head_guard
 
-        pinning.install()
-        error_pages.install()
-        head_guard.install(self.pipeline)
+        patches.install(self.pipeline)
         opts = options.Options()
         master = Master(opts, event_loop=loop)
         server = proxyserver.Proxyserver()

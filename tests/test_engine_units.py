@@ -11,6 +11,7 @@ import pytest
 
 from egressd.admission import pinning
 from egressd.admission.credentials import CredentialStore
+from egressd.inspect import patches
 from egressd.inspect.error_pages import refusal_from_error
 from egressd.refusal import Refusal, failure_message, parse_failure
 from tests.support.upstreams import EchoHTTPServer, RefusingPort, StallingPort
@@ -119,8 +120,8 @@ def test_connect_pinned_reports_refused_and_timeout() -> None:
 
 
 def test_connect_hook_refuses_unadmitted_connections() -> None:
-    pinning.install()
-    assert pinning.installed()
+    patches.install()
+    assert patches.installed()
     import mitmproxy.proxy.server as server
 
     with EchoHTTPServer("198.51.100.7") as upstream:
@@ -161,7 +162,7 @@ def test_connect_hook_refuses_other_mitmproxy_version(monkeypatch: pytest.Monkey
     monkeypatch.setattr(version, "VERSION", "99.0.0")
     monkeypatch.setattr("mitmproxy.proxy.server.asyncio", asyncio)
     with pytest.raises(RuntimeError, match="mitmproxy==12.3.1"):
-        pinning.install()
+        patches.install()
 
 
 # -- SNI rule ----------------------------------------------------------------------------------
