@@ -67,7 +67,8 @@ def _git(*args: str) -> str:
         ["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=60, check=False
     )
     if out.returncode != 0:
-        raise RuntimeError((out.stderr or out.stdout).strip().splitlines()[-1:] or f"git {args[0]} failed")
+        lines = (out.stderr or out.stdout).strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"git {args[0]} failed")
     return out.stdout.strip()
 
 
