@@ -6,30 +6,8 @@ import base64
 import hmac
 import secrets
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from egressd.policy import join_host_port
-
-if TYPE_CHECKING:
-    from egressd.admission.state import ConnState
-
-DEFAULT_USERNAME = "egressd"
-
-
-@dataclass(frozen=True)
-class ProxyCredentials:
-    """What a child puts in its proxy URL; the username names its profile."""
-
-    username: str
-    token: str
-
-    @property
-    def profile(self) -> str | None:
-        return None if self.username == DEFAULT_USERNAME else self.username
-
-    def proxy_url(self, host: str, port: int, scheme: str = "http") -> str:
-        return f"{scheme}://{self.username}:{self.token}@{join_host_port(host, port)}"
+from egressd.admission.state import DEFAULT_USERNAME, ConnState, ProxyCredentials
 
 
 class CredentialStore:

@@ -7,8 +7,24 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from egressd.admission.credentials import ProxyCredentials
-from egressd.policy import Policy
+from egressd.policy import Policy, join_host_port
+
+DEFAULT_USERNAME = "egressd"
+
+
+@dataclass(frozen=True)
+class ProxyCredentials:
+    """What a child puts in its proxy URL; the username names its profile."""
+
+    username: str
+    token: str
+
+    @property
+    def profile(self) -> str | None:
+        return None if self.username == DEFAULT_USERNAME else self.username
+
+    def proxy_url(self, host: str, port: int, scheme: str = "http") -> str:
+        return f"{scheme}://{self.username}:{self.token}@{join_host_port(host, port)}"
 
 
 class PolicyHolder:
