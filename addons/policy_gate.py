@@ -1,14 +1,15 @@
-"""mitmproxy addon: authenticate the child, decide every CONNECT, request and upstream connection.
+"""mitmproxy addon: the connections egressd's front handed over, and every request inside them.
 
-A thin adapter from mitmproxy hooks to the gatekeeper (egressd.admission.gate), which calls the one
-decision function. `server_connect` is the choke point: every upstream connection, whatever front end
-asked for it (CONNECT, plain HTTP, SOCKS5), is decided and pinned there, and the connect hook
-(egressd.admission.pinning) refuses any connection it did not pin.
+mitmproxy serves only connections the front registered (egressd.inspect.handoffs): a tunnel the
+admission pipeline already admitted for inspection, whose CONNECT must name what was admitted, or
+(until the front serves every plain-HTTP request itself) a plain-HTTP client. Each request is
+admitted by the same pipeline (`Pipeline.admit`, stage "inner" inside a tunnel); every upstream
+connection goes to the addresses the pipeline pinned, never resolved here (the connect hook in
+egressd.admission.pinning refuses anything else).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import inspect
@@ -17,24 +18,15 @@ from collections.abc import Callable
 from typing import Any
 
 from mitmproxy import connection, http
-from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
-from mitmproxy.proxy.layers.modes import Socks5AuthData
 
-from egressd.admission import faults
-from egressd.admission.gate import decision_refusal
-from egressd.admission.http_rules import (
-    audit_http_event,
-    audit_response_cut,
-    connection_problem,
-    hop_by_hop_names,
-    host_header_mismatch,
-)
+from egressd.admission.http_rules import hop_by_hop_names
 from egressd.admission.pinning import current_pin
-from egressd.admission.runtime import ConnState, Runtime
+from egressd.admission.pipeline import Admitted, Ask, Pipeline
+from egressd.admission.state import ConnState
 from egressd.inspect import response_limit
-from egressd.inspect.connections import close_client
 from egressd.inspect.error_pages import refusal_response
+from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
 
 logger = logging.getLogger(__name__)
@@ -71,93 +63,41 @@ def fail_closed(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class PolicyGate:
-    def __init__(self, runtime: Runtime) -> None:
-        self.rt = runtime
-
-    # -- options -----------------------------------------------------------------------------
-    def load(self, loader: Loader) -> None:
-        from mitmproxy import ctx
-
-        # mitmproxy's SOCKS5 layer asks for user/password only when this option is set; egressd
-        # checks the credentials itself (socks5_auth below), so the option may not exist yet.
-        if "proxyauth" not in ctx.options:
-            loader.add_option("proxyauth", str | None, None, "egressd: SOCKS5 credentials required")
+    def __init__(self, pipeline: Pipeline, handoffs: Handoffs) -> None:
+        self.rt = pipeline
+        self.handoffs = handoffs
+        self._clients: dict[str, Handoff] = {}  # by mitmproxy's client id
 
     # -- connections -------------------------------------------------------------------------
     def client_connected(self, client: connection.Client) -> None:
-        if self.rt.draining:
-            client.error = "egressd is shutting down"
+        handoff = self.handoffs.get(_peer(client))
+        if handoff is None:
+            # not from egressd's front: a child that found the engine's loopback port
+            client.error = "egressd: not a connection egressd's front handed over"
             return
-        self.rt.open_conn(client.id, _peer(client))
-        timeout = self.rt.policies.get().limits.header_timeout
-        asyncio.get_running_loop().call_later(timeout, self._header_deadline, client.id, timeout)
-
-    def _header_deadline(self, client_id: str, timeout: float) -> None:
-        """Slow or silent clients (Slowloris) are cut when no request head arrived in time."""
-        state = self.rt.conn(client_id)
-        if state is None or state.head_seen:
-            return
-        if close_client(client_id):
-            self.rt.audit_header_timeout(state, timeout)
+        self._clients[client.id] = handoff
 
     def client_disconnected(self, client: connection.Client) -> None:
-        state = self.rt.close_conn(client.id)
-        if state is not None:
-            self.rt.audit_closed(state)
+        self._clients.pop(client.id, None)  # the front that handed it over writes its closed record
 
-    def _state(self, client: connection.Client) -> ConnState:
-        state = self.rt.conn(client.id)
-        if state is None:  # a stock mitmdump may have loaded us after the client connected
-            state = self.rt.open_conn(client.id, _peer(client))
-        return state
+    def find(self, client: connection.Client) -> Handoff | None:
+        return self._clients.get(client.id)
 
-    # -- authentication ----------------------------------------------------------------------
-    def _authenticate(self, flow: http.HTTPFlow, state: ConnState) -> bool:
-        return self.rt.authenticate(state, flow.request.headers.get("proxy-authorization"))
+    def handoff(self, client: connection.Client) -> Handoff:
+        handoff = self._clients.get(client.id)
+        if handoff is None:
+            raise RuntimeError("a connection egressd's front did not hand over")
+        return handoff
 
-    def socks5_auth(self, data: Socks5AuthData) -> None:
-        creds = self.rt.credentials.check(data.username, data.password)
-        state = self._state(data.client_conn)
-        if creds is not None:
-            state.creds = creds
-            data.valid = True
-        elif not self.rt.require_auth:
-            data.valid = True
-        state.tunnel = True  # requests mitmproxy reads inside carry no credentials of their own
-
-    # -- CONNECT -----------------------------------------------------------------------------
+    # -- CONNECT: already admitted by the front ------------------------------------------------
     @fail_closed
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        state = self._state(flow.client_conn)
-        state.head_seen = True
-        faults.maybe_fail("hook")
-        if not self._authenticate(flow, state):
-            self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
-            return
-        flow.request.headers.pop("proxy-authorization", None)
-        decision = self.rt.decide(
-            state,
-            flow.client_conn.id,
-            flow.request.host,
-            flow.request.port,
-            scheme="connect",
-            method="CONNECT",
-            opens=True,
-        )
-        if isinstance(decision, Refusal):
-            self._refuse(flow, state, decision)  # a limit, before anything is decided
-            return
-        if not decision.allowed or (decision.needs_inspection and not self.rt.inspection):
-            admission_refusal = decision_refusal(decision)
-            self._audit_decision(state, flow, decision, admission_refusal)
-            self._refuse(flow, state, admission_refusal)
-            return
-        assert decision.target is not None
-        state.tunnel = True  # the requests inside were authenticated by this CONNECT
-        # every later step and the connection use the canonical spelling
-        flow.request.host = decision.target.host.text
-        if self.rt.wants_inspection(decision, _client_key(flow, state)):
-            state.intercept.add((flow.request.host, flow.request.port))
+        handoff = self.handoff(flow.client_conn)
+        admitted = handoff.tunnel
+        request = flow.request
+        if admitted is None or (request.host, request.port) != (admitted.host, admitted.port):
+            why = "a CONNECT that was not the one admitted"
+            self._refuse(flow, Refusal("bad_request", why, request.host, request.port))
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get(_REFUSED):
@@ -166,63 +106,48 @@ class PolicyGate:
             flow.response.text if flow.response else ""
         )
         host, port = flow.request.host, flow.request.port
-        if failure is None:
-            refusal = Refusal("connect_error", flow.server_conn.error or "connection failed", host, port)
-        else:
-            refusal = _failure_refusal(failure, host, port, self._state(flow.client_conn), flow.server_conn)
-        flow.response = refusal_response(refusal)
+        reason, detail = failure or ("connect_error", flow.server_conn.error or "connection failed")
+        admitted = self._clients.get(flow.client_conn.id)
+        rule = admitted.tunnel.decision.rule if admitted is not None and admitted.tunnel else None
+        flow.response = refusal_response(Refusal(reason, detail, host, port, rule))
         flow.metadata[_REFUSED] = True
 
-    # -- plain HTTP --------------------------------------------------------------------------
+    # -- requests ------------------------------------------------------------------------------
     @fail_closed
-    def requestheaders(self, flow: http.HTTPFlow) -> None:
-        state = self._state(flow.client_conn)
-        state.head_seen = True
-        faults.maybe_fail("hook")
-        if not self._authenticate(flow, state):
-            self._refuse(flow, state, Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
-            return
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        handoff = self.handoff(flow.client_conn)
         request = flow.request
-        decision = self.rt.decide(
-            state,
-            flow.client_conn.id,
-            request.host,
-            request.port,
-            scheme=request.scheme,
+        tunnel = handoff.tunnel
+        if tunnel is not None:
+            # inside the admitted tunnel: its target, whatever the request says (the request rules
+            # refuse a Host header that names another)
+            host, port, scheme, credentials = tunnel.host, tunnel.port, request.scheme, None
+        else:
+            host, port, scheme = request.host, request.port, request.scheme
+            credentials = request.headers.get("proxy-authorization")
+        ask = Ask(
+            "inner" if tunnel is not None else "request",
+            host,
+            port,
+            scheme=scheme,
             method=request.method,
             path=request.path,
+            credentials=credentials,
+            headers=list(request.headers.items(multi=True)),
         )
-        if isinstance(decision, Refusal):
-            self._refuse(flow, state, decision)  # a limit, before anything is decided
+        admitted = await self.rt.admit(handoff.conn, ask)
+        if isinstance(admitted, Refusal):
+            self._refuse(flow, admitted)
             return
-        refusal = None
-        if not decision.allowed or decision.needs_inspection:
-            refusal = decision_refusal(decision)
-        elif (problem := connection_problem(request.headers.get("connection", ""))) is not None:
-            refusal = Refusal("bad_request", problem, decision.target.host.text, decision.target.port)
-        elif (mismatch := host_header_mismatch(request.headers.get_all("host"), decision.target)) is not None:
-            refusal = Refusal("host_mismatch", mismatch, decision.target.host.text, decision.target.port)
-        elif _is_upgrade(request) and not self.rt.policies.get().websocket:
-            refusal = Refusal(
-                "websocket",
-                "protocol upgrades (WebSocket) are off in this policy (websocket: false)",
-                decision.target.host.text,
-                decision.target.port,
-            )
-        self._audit_decision(state, flow, decision, refusal)
-        if refusal is not None:
-            self._refuse(flow, state, refusal)
-            return
-        assert decision.target is not None
-        request.host = decision.target.host.text
-        # the connection this request opens is admitted for its host; paths were checked just now
-        state.request_admitted.add((request.host, request.port))
+        request.host = admitted.host
+        if tunnel is None:
+            handoff.requests[(admitted.host, admitted.port)] = admitted
         _strip_hop_by_hop(request.headers, keep_upgrade=_is_upgrade(request))
-        self._strip_credentials_after_redirect(flow, state)
+        self._strip_credentials_after_redirect(flow, handoff.conn)
 
-    def _strip_credentials_after_redirect(self, flow: http.HTTPFlow, state: ConnState) -> None:
+    def _strip_credentials_after_redirect(self, flow: http.HTTPFlow, conn: ConnState) -> None:
         """The follow-up of a redirect to another origin carries none of the credential headers."""
-        origin = self.rt.redirects.take(_client_key(flow, state), flow.request.url)
+        origin = self.rt.redirects.take(conn.client_key, flow.request.url)
         if origin is None:
             return
         names = self.rt.policies.get().credentials.strip_on_host_change
@@ -230,9 +155,8 @@ class PolicyGate:
         for name in stripped:
             flow.request.headers.pop(name, None)
         request = flow.request
-        audit_http_event(
-            self.rt,
-            state,
+        self.rt.notice(
+            conn,
             "credentials_stripped",
             redirected_from=origin,
             host=request.host,
@@ -247,87 +171,79 @@ class PolicyGate:
         response = flow.response
         for name in EGRESSD_HEADERS:
             response.headers.pop(name, None)
-        state = self._state(flow.client_conn)
+        conn = self.handoff(flow.client_conn).conn
         location = response.headers.get("location")
         if 300 <= response.status_code < 400 and location:
-            self.rt.redirects.remember(_client_key(flow, state), flow.request.url, location)
+            self.rt.redirects.remember(conn.client_key, flow.request.url, location)
         limit = self.rt.policies.get().limits.max_response_bytes
         if limit is not None:
-            response_limit.apply(flow, limit, self._on_response_cut(flow, state, limit))
+            response_limit.apply(flow, limit, self._on_response_cut(flow, conn, limit))
 
-    def _on_response_cut(self, flow: http.HTTPFlow, state: ConnState, limit: int) -> Callable[[int], None]:
+    def _on_response_cut(self, flow: http.HTTPFlow, conn: ConnState, limit: int) -> Callable[[int], None]:
         def cut(seen: int) -> None:
             request = flow.request
-            audit_response_cut(self.rt, state, request.host, request.port, request.path, limit, seen)
+            where = {"host": request.host, "port": request.port, "path": request.path}
+            self.rt.notice(conn, "response_cut", **where, limit=limit, bytes=seen)
 
         return cut
 
     def error(self, flow: http.HTTPFlow) -> None:
         logger.debug("flow error: %s", flow.error)
 
-    # -- the choke point: every upstream connection --------------------------------------------
+    # -- every upstream connection: to the pinned addresses only --------------------------------
     @fail_closed
     async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         current_pin.set(None)
-        state = self._state(data.client)
-        state.head_seen = True
+        handoff = self.handoff(data.client)
         address = data.server.address
         if address is None:
             data.server.error = failure_message("invalid_target", "no destination")
             return
-        # a SOCKS5 connect is a request of its own; a CONNECT's or a request's hook took its token
-        socks = data.client.proxy_mode.type_name == "socks5"
-        decision = self.rt.decide(state, data.client.id, address[0], address[1], rate=socks, opens=True)
-        if isinstance(decision, Refusal):
-            data.server.error = failure_message(decision.reason, decision.detail)
+        admitted = handoff.tunnel or handoff.requests.get((address[0], address[1]))
+        if admitted is None or (address[0], address[1]) != (admitted.host, admitted.port):
+            where = f"{address[0]}:{address[1]}"
+            data.server.error = failure_message("internal_error", f"{where} was not admitted")
             return
-        if decision.allowed and decision.needs_inspection and decision.target is not None:
-            # paths are decided per request: plain HTTP already was; a tunnel is intercepted. Both
-            # sets hold the canonical target (the tunnel guard sees the pinned, canonical address),
-            # never the client's spelling (a SOCKS5 `API.TEST` must be intercepted like `api.test`)
-            canonical = (decision.target.host.text, decision.target.port)
-            if canonical in state.request_admitted:
-                decision = dataclasses.replace(decision, needs_inspection=False)
-            elif self.rt.inspection:
-                state.intercept.add(canonical)
-                decision = dataclasses.replace(decision, needs_inspection=False)
-        admission = await self.rt.gate.admit(decision)
-        if admission.pin is None:
-            assert admission.refusal is not None
-            self.rt.audit_connection(state, admission, None)
-            data.server.error = failure_message(admission.refusal.reason, admission.refusal.detail)
-            state.admissions[data.server.id] = admission
-            return
-        # the connect hook compares the address it is asked for with the pin
-        data.server.address = (admission.pin.host, admission.pin.port)
-        state.admissions[data.server.id] = admission
-        current_pin.set(admission.pin)
+        # each connection its own attempts; a request's addresses are resolved on its first one
+        connection = Admitted(admitted.decision, admitted.inspect, admitted.pin, admitted.resolved)
+        if connection.pin is None:
+            if (limited := self.rt.limits.connections()) is not None:
+                data.server.error = failure_message(limited.reason, limited.detail)
+                return
+            refusal = await self.rt.pin(handoff.conn, connection)
+            if refusal is not None:
+                data.server.error = failure_message(refusal.reason, refusal.detail)
+                return
+            admitted.pin, admitted.resolved = connection.pin, connection.resolved
+        assert connection.pin is not None
+        connection.pin = dataclasses.replace(connection.pin, connected=None, attempts=[], failure=None)
+        data.server.address = (connection.pin.host, connection.pin.port)
+        handoff.connections[data.server.id] = connection
+        current_pin.set(connection.pin)
 
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
-        state = self._state(data.client)
-        admission = state.admissions.get(data.server.id)
-        if admission is not None:
-            self.rt.upstreams.add(data.server.id)
-            self.rt.audit_connection(state, admission, None)
+        handoff = self._clients.get(data.client.id)
+        connection = handoff.connections.get(data.server.id) if handoff is not None else None
+        if connection is not None and handoff is not None:
+            self.rt.connected(data.server.id)
+            self.rt.connection_record(handoff.conn, connection, None)
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
-        # runs after client_disconnected when the client went first: keyed by the server connection
-        self.rt.upstreams.discard(data.server.id)
-        state = self.rt.conn(data.client.id)
-        if state is not None:
-            state.admissions.pop(data.server.id, None)
+        self.rt.disconnected(data.server.id)
+        handoff = self._clients.get(data.client.id)
+        if handoff is not None:
+            handoff.connections.pop(data.server.id, None)
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
-        state = self._state(data.client)
-        admission = state.admissions.get(data.server.id)
-        if admission is not None and admission.pin is not None:
-            self.rt.audit_connection(
-                state, admission, admission.pin.failure or ("connect_error", str(data.server.error))
-            )
+        handoff = self._clients.get(data.client.id)
+        connection = handoff.connections.get(data.server.id) if handoff is not None else None
+        if connection is not None and handoff is not None and connection.pin is not None:
+            failure = connection.pin.failure or ("connect_error", str(data.server.error))
+            self.rt.connection_record(handoff.conn, connection, failure)
 
     # -- faults ------------------------------------------------------------------------------
     def internal_error(self, hook: str, argument: Any, exc: BaseException) -> None:
-        """A bug while deciding refuses (never allows) and is audited."""
+        """A bug while deciding refuses (never allows) and is recorded."""
         refusal = self.rt.internal_error(hook, exc)
         if isinstance(argument, http.HTTPFlow):
             argument.metadata[_REFUSED] = True
@@ -336,41 +252,10 @@ class PolicyGate:
             current_pin.set(None)
             argument.server.error = failure_message(refusal.reason, refusal.detail)
 
-    # -- helpers -----------------------------------------------------------------------------
-    def _refuse(self, flow: http.HTTPFlow, state: ConnState, refusal: Refusal) -> None:
+    def _refuse(self, flow: http.HTTPFlow, refusal: Refusal) -> None:
         flow.metadata[_REFUSED] = True
         flow.request.stream = False  # a refused request is answered, never streamed upstream
         flow.response = refusal_response(refusal)
-
-    def _audit_decision(
-        self, state: ConnState, flow: http.HTTPFlow, decision: Any, refusal: Refusal | None
-    ) -> None:
-        connect = flow.request.method == "CONNECT"
-        self.rt.audit_decision(
-            state,
-            decision,
-            refusal,
-            stage="connect" if connect else "request",
-            method=flow.request.method,
-            scheme=None if connect else flow.request.scheme,
-            path=None if connect else flow.request.path,
-            host=flow.request.host,
-            port=flow.request.port,
-        )
-
-
-def _client_key(flow: http.HTTPFlow, state: ConnState) -> str:
-    """Redirects are remembered per child (its token), whatever connection the follow-up uses."""
-    return state.client_key(flow.client_conn.id)
-
-
-def _failure_refusal(
-    failure: tuple[str, str], host: str, port: int, state: ConnState, server: connection.Server
-) -> Refusal:
-    reason, detail = failure
-    admission = state.admissions.get(server.id)
-    rule = admission.decision.rule if admission is not None else None
-    return Refusal(reason, detail, host, port, rule)
 
 
 def _is_upgrade(request: http.Request) -> bool:

@@ -1,16 +1,12 @@
-"""mitmproxy addon: choose the layer inside every tunnel, and guard it.
+"""mitmproxy addon: choose the layer inside every tunnel egressd's front handed over, and guard it.
 
-Replaces mitmproxy's built-in next-layer choice for tunnels (CONNECT and SOCKS5):
-- the TLS SNI must name the tunnel's host (an IP-literal tunnel may carry no SNI); otherwise the
-  tunnel is closed and audited. The client's first bytes are checked whoever speaks first: when the
-  server sends a banner before the client said anything, a passthrough tunnel relays it and checks
-  the client's first bytes in the relay; a tunnel to inspect holds it until the client spoke. They
-  are read incrementally (egressd.wire.sni.TunnelStart, as on the lean path), at a bounded cost;
-- an allowed tunnel passes through untouched (`TCPLayer(ignore=True)`, no recorded flow, so nothing
-  is buffered), counting bytes for the audit;
-- TLS towards the proxy itself is not offered: the child talks plain HTTP or SOCKS5 to loopback.
-It also gives SOCKS5 clients the right reply code: "not allowed by ruleset" for a policy refusal,
-"host unreachable" for DNS, "connection refused" when the upstream refuses.
+Replaces mitmproxy's built-in next-layer choice. mitmproxy only gets tunnels the admission pipeline
+admitted for inspection, so inside a tunnel there is one choice — TLS towards both sides, then HTTP,
+every request decided with its path — after one check: the TLS SNI must name the tunnel's host (an
+IP-literal tunnel may carry no SNI); otherwise the tunnel is closed and recorded. The server's bytes
+are held until the client spoke, whoever speaks first. The client's first bytes are read
+incrementally (egressd.wire.sni.TunnelStart, as in the front), at a bounded cost. TLS towards the
+proxy itself is not offered.
 """
 
 from __future__ import annotations
@@ -20,15 +16,15 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from egressd.addons.policy_gate import PolicyGate
 from mitmproxy.addons.next_layer import NextLayer
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer
-from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TCPLayer, modes
+from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.mode_servers import Socks5Instance
 
-from egressd.admission.runtime import Runtime
-from egressd.policy import TargetError, canonical_host
+from egressd.admission.pipeline import Pipeline
 from egressd.refusal import POLICY_REASONS, parse_failure
 from egressd.wire.sni import WAIT, TunnelStart
 
@@ -41,43 +37,6 @@ SOCKS5_REPLY = {
     "connect_refused": 0x05,  # connection refused
     "connect_timeout": 0x06,  # TTL expired: the closest code for "timed out"
 }
-
-
-class CountingTunnel(TCPLayer):
-    """A passthrough tunnel (no flow, nothing kept) that counts bytes each way for the audit.
-
-    With `first_bytes` (the server spoke first), the client's bytes are held until that check
-    answers: relayed when it allows them, the tunnel closed (and audited) when it does not."""
-
-    def __init__(self, context: Any, runtime: Runtime, first_bytes: TunnelStart | None = None) -> None:
-        super().__init__(context, ignore=True)
-        self.rt = runtime
-        self._state = runtime.conn(context.client.id)
-        self._first_bytes = first_bytes
-        self._held = b""
-
-    def relay_messages(self, event: events.Event) -> layer.CommandGenerator[None]:
-        if isinstance(event, events.DataReceived):
-            from_client = event.connection == self.context.client
-            if self._state is not None:
-                if from_client:
-                    self._state.bytes_up += len(event.data)
-                else:
-                    self._state.bytes_down += len(event.data)
-            if from_client and self._first_bytes is not None:
-                verdict = self._first_bytes.feed(event.data)
-                self._held += event.data
-                if verdict is WAIT:
-                    return
-                if isinstance(verdict, str):
-                    self._handle_event = self.done  # type: ignore[method-assign]
-                    audit_refusal(self.rt, self.context, verdict)
-                    yield commands.CloseConnection(self.context.client)
-                    yield commands.CloseConnection(self.context.server)
-                    return
-                event = events.DataReceived(self.context.client, self._held)
-                self._first_bytes, self._held = None, b""
-        yield from super().relay_messages(event)
 
 
 class RefuseTunnel(layer.Layer):
@@ -131,9 +90,10 @@ class TunnelGuard(NextLayer):
 
     name = "nextlayer"  # it replaces mitmproxy's, under the same addon name
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, pipeline: Pipeline, gate: PolicyGate) -> None:
         super().__init__()
-        self.rt = runtime
+        self.rt = pipeline
+        self.gate = gate
         # the SNI check of each tunnel whose layer is not chosen yet (gone with its NextLayer)
         self._starts: weakref.WeakKeyDictionary[layer.NextLayer, _Start] = weakref.WeakKeyDictionary()
         _install_socks5_layer()
@@ -182,33 +142,27 @@ class TunnelGuard(NextLayer):
         if isinstance(verdict, str):
             self._refuse(nextlayer, verdict)
         elif verdict is WAIT:
-            if not start.client_bytes and start.server_bytes and not self._intercept(context):
-                # the server spoke first: relay it now, and check the client's first bytes in the relay
-                nextlayer.layer = CountingTunnel(context, self.rt, start.check)
-            # else: wait for (more of) the client's first bytes; a tunnel to inspect holds the server's
+            pass  # wait for (more of) the client's first bytes; the server's are held meanwhile
         elif self._intercept(context):
             nextlayer.layer = _inspection_layers(context, tls=start.check.tls is True)
         else:
-            nextlayer.layer = CountingTunnel(context, self.rt)
+            self._refuse(nextlayer, "a tunnel handed over without inspection", reason="internal_error")
         if nextlayer.layer is not None:
             self._starts.pop(nextlayer, None)
 
     def _intercept(self, context: Any) -> bool:
-        if not self.rt.inspection:
-            return False
-        state = self.rt.conn(context.client.id)
-        host, port = context.server.address
-        if state is not None and (host, port) in state.intercept:
-            return True
-        try:
-            target = canonical_host(host)
-        except (TargetError, ValueError):
-            return False
-        return self.rt.policies.get().inspect.match(target, port) is not None
+        """Only tunnels the pipeline admitted for inspection are handed to mitmproxy."""
+        handoff = self.gate.find(context.client)
+        tunnel = handoff.tunnel if handoff is not None else None
+        return self.rt.inspection and tunnel is not None and tunnel.inspect
 
     def _refuse(self, nextlayer: layer.NextLayer, problem: str, reason: str = "sni_mismatch") -> None:
-        audit_refusal(self.rt, nextlayer.context, problem, reason)
-        nextlayer.layer = RefuseTunnel(nextlayer.context)
+        context = nextlayer.context
+        host, port = context.server.address
+        handoff = self.gate.find(context.client)
+        conn = handoff.conn if handoff is not None else None
+        self.rt.refused_early(conn, host, port, reason, problem, stage="tls")
+        nextlayer.layer = RefuseTunnel(context)
 
 
 @dataclass
@@ -219,12 +173,6 @@ class _Start:
     events: int = 0  # of the NextLayer's events, fed already
     client_bytes: int = 0
     server_bytes: int = 0
-
-
-def audit_refusal(rt: Runtime, context: Any, problem: str, reason: str = "sni_mismatch") -> None:
-    """The record of a tunnel closed for its first bytes (or what it carries)."""
-    host, port = context.server.address
-    rt.audit_early_refusal(rt.conn(context.client.id), host, port, reason, problem, stage="tls")
 
 
 def _inspection_layers(context: Any, *, tls: bool) -> layer.Layer:

@@ -1,5 +1,6 @@
-"""The targets: direct (no proxy), tinyproxy, Squid, mitmproxy (passthrough / intercepting), srt's proxy
-and egressd; and the wrappers of the sandbox workloads (egressd exec, egressd sandbox, srt).
+"""The targets: direct (no proxy), tinyproxy, Squid, mitmproxy (passthrough / intercepting), srt's proxy,
+egressd-before (egressd at an earlier commit, bench/before.py) and egressd; and the wrappers of the
+sandbox workloads (egressd exec, egressd sandbox, srt).
 
 Each peer writes its config into the run's work directory, starts on the proxy core and hands back a
 `Proxy`: where it listens, the Proxy-Authorization a client must send (egressd and srt), the proxy URL
@@ -30,12 +31,14 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from bench import system
+from bench.before import Before, clean_env
 
 VENV_BIN = Path(sys.executable).parent
 DIRECT, TINYPROXY, SQUID, MITMPROXY, EGRESSD = "direct", "tinyproxy", "squid", "mitmproxy", "egressd"
 SRT = "srt"  # sandbox-runtime: its proxy in the proxy workloads, its sandbox in the sandbox workloads
-TARGETS: tuple[str, ...] = (DIRECT, TINYPROXY, SQUID, MITMPROXY, SRT, EGRESSD)
-PEERS: tuple[str, ...] = (TINYPROXY, SQUID, MITMPROXY, SRT)
+EGRESSD_BEFORE = "egressd-before"  # egressd at an earlier commit (--before, default 05cc838)
+TARGETS: tuple[str, ...] = (DIRECT, TINYPROXY, SQUID, MITMPROXY, SRT, EGRESSD_BEFORE, EGRESSD)
+PEERS: tuple[str, ...] = (TINYPROXY, SQUID, MITMPROXY, SRT, EGRESSD_BEFORE)
 # the sandbox workloads' targets: a child run by each wrapper
 EXEC, SANDBOX = "egressd exec", "egressd sandbox"
 SANDBOX_TARGETS: tuple[str, ...] = (EXEC, SANDBOX, SRT)
@@ -379,7 +382,7 @@ EGRESSD_EXTRA_ENV: dict[str, str] = {}
 def _egressd_env(work: Path) -> dict[str, str]:
     env = {
         k: v
-        for k, v in os.environ.items()
+        for k, v in clean_env().items()
         if not k.upper().endswith("_PROXY") and not k.startswith("EGRESSD_")
     }
     env["XDG_CONFIG_HOME"] = str(work / "config")  # egressd's config dir (its CA) stays in the bench
@@ -392,12 +395,7 @@ def egressd_source_state() -> str:
     import egressd
 
     package = Path(egressd.__file__).resolve().parent
-    files = (
-        sorted(package.rglob("*.py"))
-        + sorted(package.rglob("*.c"))  # the native tunnel front
-        + sorted(package.rglob("*.so"))  # and what was built from it
-        + sorted((package.parent / "addons").glob("*.py"))
-    )
+    files = sorted(package.rglob("*.py")) + sorted((package.parent / "addons").glob("*.py"))
     digest = hashlib.sha256()
     for f in files:
         digest.update(str(f.relative_to(package.parent)).encode())
@@ -418,6 +416,7 @@ def egressd_source_state() -> str:
 class EgressdPeer(Peer):
     name = EGRESSD
     description = "egressd run, default policy (loopback allowed), no audit"
+    bin = VENV_BIN  # where its `egressd` is
 
     def __init__(
         self, work: Path, cpu: int | None, *, intercept: bool = False, upstream_ca: Path | None = None
@@ -427,6 +426,13 @@ class EgressdPeer(Peer):
         self.upstream_ca = upstream_ca
         self.ca_path: Path | None = None
         self.source_state = ""
+
+    @property
+    def egressd(self) -> str:
+        return str(self.bin / "egressd")
+
+    def source(self) -> str:
+        return egressd_source_state()
 
     def policy_text(self) -> str:
         inspect = '["127.0.0.1"]' if self.intercept else "[]"
@@ -440,12 +446,12 @@ inspect: {inspect}
 
     def env(self) -> dict[str, str]:
         env = _egressd_env(self.work)
-        if self.intercept and self.upstream_ca is not None and not _run_option("--upstream-ca"):
+        if self.intercept and self.upstream_ca is not None and not _run_option(self.egressd, "--upstream-ca"):
             env["SSL_CERT_FILE"] = str(self.upstream_ca)  # egressd must trust the bench's upstreams
         return env
 
     def upstream_args(self) -> list[str]:
-        if self.intercept and self.upstream_ca is not None and _run_option("--upstream-ca"):
+        if self.intercept and self.upstream_ca is not None and _run_option(self.egressd, "--upstream-ca"):
             return ["--upstream-ca", str(self.upstream_ca)]
         return []
 
@@ -453,7 +459,7 @@ inspect: {inspect}
         """The CA egressd intercepts with, or NotAvailable (`egressd ca path` does not work yet)."""
         try:
             out = subprocess.run(
-                [str(VENV_BIN / "egressd"), "ca", "path"],
+                [self.egressd, "ca", "path"],
                 capture_output=True,
                 text=True,
                 timeout=60,
@@ -476,11 +482,11 @@ inspect: {inspect}
         port = system.free_port()
         policy = self.work / "policy.yaml"
         policy.write_text(self.policy_text())
-        argv = [str(VENV_BIN / "egressd"), "run", "--policy", str(policy), "--listen", f"127.0.0.1:{port}"]
+        argv = [self.egressd, "run", "--policy", str(policy), "--listen", f"127.0.0.1:{port}"]
         argv += self.upstream_args()
         extra = "".join(f"{k}={shlex.quote(v)} " for k, v in EGRESSD_EXTRA_ENV.items())
         self.config_text = extra + shlex.join(argv) + "\n# policy.yaml\n" + self.policy_text()
-        self.source_state = egressd_source_state()
+        self.source_state = self.source()
         proc = self._spawn_reading(argv, self.env())
         try:
             exports = _read_until_eof(proc, 60.0)
@@ -494,7 +500,7 @@ inspect: {inspect}
         user, password = unquote(parts.username or ""), unquote(parts.password or "")
         token = base64.b64encode(f"{user}:{password}".encode()).decode()
         return Proxy(
-            EGRESSD,
+            self.name,
             port,
             proc,
             auth=f"Basic {token}",
@@ -504,16 +510,48 @@ inspect: {inspect}
         )
 
     def version(self) -> str:
-        version = system.version_of([str(VENV_BIN / "egressd"), "--version"])
+        version = system.version_of([self.egressd, "--version"])
         return f"{version}, source {self.source_state}"
 
 
+class EgressdBeforePeer(EgressdPeer):
+    """egressd at an earlier commit (bench/before.py: its own source copy and venv in the cache dir),
+    started exactly like the egressd under test: same argv, policy, environment and core."""
+
+    name = EGRESSD_BEFORE
+    description = "egressd run at an earlier commit (the same argv and policy as egressd)"
+
+    def __init__(
+        self,
+        work: Path,
+        cpu: int | None,
+        before: Before,
+        *,
+        intercept: bool = False,
+        upstream_ca: Path | None = None,
+    ):
+        super().__init__(work, cpu, intercept=intercept, upstream_ca=upstream_ca)
+        self.before = before
+        self.description = f"egressd run at commit {before.short} (the same argv and policy as egressd)"
+        if before.bin is not None:
+            self.bin = before.bin
+
+    def source(self) -> str:
+        front = ", native C front built" if self.before.native else ""
+        return f"commit {self.before.short}{front} ({self.before.root})"
+
+    def start(self) -> Proxy:
+        if self.before.bin is None:
+            raise NotAvailable(f"n/a (egressd at {self.before.short}: {self.before.why})")
+        return super().start()
+
+
 @functools.cache
-def _run_option(option: str) -> bool:
+def _run_option(egressd: str, option: str) -> bool:
     """Does this egressd's `run` take the option? (The bench runs against a moving tree.)"""
     try:
         out = subprocess.run(
-            [str(VENV_BIN / "egressd"), "run", "--help"],
+            [egressd, "run", "--help"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -551,17 +589,25 @@ def _export(text: str, name: str) -> str:
 
 
 def make_peers(
-    work: Path, cpu: int | None, srt: Path | None = None, srt_why: str = "not installed"
+    work: Path,
+    cpu: int | None,
+    srt: Path | None = None,
+    srt_why: str = "not installed",
+    before: Before | None = None,
 ) -> dict[str, Peer]:
-    """The six targets of every proxy workload except 5 (srt: the installed package, or None and why)."""
-    return {
+    """The targets of every proxy workload except 5 (srt: the installed package, or None and why;
+    before: egressd at an earlier commit, None with --no-before)."""
+    peers: dict[str, Peer] = {
         DIRECT: DirectPeer(work, cpu),
         TINYPROXY: TinyproxyPeer(work, cpu),
         SQUID: SquidPeer(work, cpu),
         MITMPROXY: MitmPassthroughPeer(work, cpu),
         SRT: SrtPeer(work, cpu, srt, srt_why),
-        EGRESSD: EgressdPeer(work, cpu),
     }
+    if before is not None:
+        peers[EGRESSD_BEFORE] = EgressdBeforePeer(work, cpu, before)
+    peers[EGRESSD] = EgressdPeer(work, cpu)
+    return peers
 
 
 # -- the sandbox workloads' wrappers --------------------------------------------------------------

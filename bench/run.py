@@ -1,6 +1,7 @@
-"""egressd's benchmark against direct, tinyproxy, Squid, mitmproxy and srt: one command (see bench/README.md).
+"""egressd's benchmark against direct, tinyproxy, Squid, mitmproxy, srt and egressd at an earlier commit
+(egressd-before): one command (see bench/README.md).
 
-    .venv/bin/python bench/run.py                    # the full run (about 20-25 minutes on 2 cores)
+    .venv/bin/python bench/run.py                    # the full run (about 45 minutes on 2 cores)
     .venv/bin/python bench/run.py --quick            # a smoke run (a few minutes)
     .venv/bin/python bench/run.py --only setup,latency --repeats 5
 
@@ -28,7 +29,7 @@ import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench import config, loadgen, npmjob, peers, profile, report, system, upstream  # noqa: E402
+from bench import before, config, loadgen, npmjob, peers, profile, report, system, upstream  # noqa: E402
 from bench.certs import make_certs  # noqa: E402
 from bench.model import Metric  # noqa: E402
 from bench.workloads import RUNNERS, Context  # noqa: E402
@@ -37,7 +38,10 @@ from bench.workloads import RUNNERS, Context  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench/run.py",
-        description="Benchmark egressd against direct, tinyproxy, Squid, mitmproxy and srt (issue 7).",
+        description=(
+            "Benchmark egressd against direct, tinyproxy, Squid, mitmproxy, srt and egressd at an "
+            "earlier commit (egressd-before)."
+        ),
         epilog=f"workloads: {', '.join(f'{i}={w}' for i, w in enumerate(config.WORKLOADS, 1))}",
     )
     p.add_argument("--quick", action="store_true", help="smaller sizes, shorter windows: a smoke run")
@@ -52,8 +56,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cache-dir",
         type=Path,
         default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "egressd-bench",
-        help="where the npm job's tarballs and sandbox-runtime (srt) are kept between runs",
+        help="where the npm job's tarballs, sandbox-runtime (srt) and egressd-before are kept between runs",
     )
+    p.add_argument(
+        "--before",
+        default=before.DEFAULT_COMMIT,
+        metavar="COMMIT",
+        help=f"the egressd-before peer: egressd at this commit, in its own venv in the cache dir "
+        f"(default {before.DEFAULT_COMMIT}, the engine with its native C front)",
+    )
+    p.add_argument("--no-before", action="store_true", help="no egressd-before peer")
     p.add_argument("--repeats", type=int, help="runs per figure (default 3)")
     p.add_argument("--throughput-bytes", type=config.parse_size, help="workload 1 size, e.g. 1G")
     p.add_argument("--big-bytes", type=config.parse_size, help="workload 5 response size, e.g. 256M")
@@ -72,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra environment for every egressd started (e.g. EGRESSD_FASTPATH=0 for an A/B run)",
+        help="extra environment for every egressd started, egressd-before's too (e.g. EGRESSD_UVLOOP=0)",
     )
     p.add_argument(
         "--profile",
@@ -101,9 +113,13 @@ def sizes_from(args: argparse.Namespace) -> config.Sizes:
     return replace(sizes, **overrides)
 
 
+# the workloads egressd-before takes part in (not the decision function, not the sandbox workloads)
+BEFORE_WORKLOADS = frozenset({"throughput", "setup", "latency", "http", "intercept", "idle", "exec", "job"})
+
+
 def prepare(
     args: argparse.Namespace, workloads: list[str]
-) -> tuple[str, list[npmjob.Package] | None, list[str], tuple[Path | None, str]]:
+) -> tuple[str, list[npmjob.Package] | None, list[str], tuple[Path | None, str], before.Before | None]:
     """Everything that needs the network (package registries only), before the bench leaves it."""
     notes: list[str] = []
     srt: tuple[Path | None, str] = (None, "not needed by these workloads")
@@ -133,7 +149,12 @@ def prepare(
         srt = system.ensure_srt(args.cache_dir, npm, install=not args.no_install)
         if srt[0] is None:
             notes.append(f"srt is not available: {srt[1]}")
-    return npm, packages, notes, srt
+    earlier = None
+    if not args.no_before and BEFORE_WORKLOADS & set(workloads):
+        earlier = before.prepare(args.cache_dir, args.before, install=not args.no_install)
+        if earlier.bin is None:
+            notes.append(f"egressd-before is not available: {earlier.why}")
+    return npm, packages, notes, srt, earlier
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     system.log(f"results in {out}")
 
-    npm, packages, notes, (srt, srt_why) = prepare(args, workloads)
+    npm, packages, notes, (srt, srt_why), earlier = prepare(args, workloads)
     cpu_at_start = system.machine_cpu()
     netns = "this process' namespace (--no-netns); loopback addresses only"
     if not args.no_netns:
@@ -192,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "event_loop": loadgen.event_loop_name(),
         "loadavg_start": _loadavg(),
         "prepare_notes": notes,
+        "egressd_before": earlier.as_dict() if earlier is not None else None,
         "results_dir": str(out),
     }
     certs = make_certs(work / "certs")
@@ -220,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         registry_root=registry_root,
         srt=srt,
         srt_why=srt_why,
+        before=earlier,
     )
     if args.profile:
         ctx.profile_dir = out / "profiles"

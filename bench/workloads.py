@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen, npmjob, system
+from bench.before import Before
 from bench.certs import Certs, client_context
 from bench.config import Sizes
 from bench.model import Better, Metric
 from bench.peers import (
     DIRECT,
     EGRESSD,
+    EGRESSD_BEFORE,
     EGRESSD_EXTRA_ENV,
     EXEC,
     MITMPROXY,
@@ -43,6 +45,7 @@ from bench.peers import (
     TINYPROXY,
     VENV_BIN,
     DirectPeer,
+    EgressdBeforePeer,
     EgressdPeer,
     MitmInterceptPeer,
     NotAvailable,
@@ -76,9 +79,10 @@ class Context:
     egressd_sources: dict[str, list[str]] = field(default_factory=dict)  # source state -> workloads
     srt: Path | None = None  # the installed sandbox-runtime package
     srt_why: str = "not installed"  # why there is none
+    before: Before | None = None  # egressd at an earlier commit (None: --no-before)
 
     def peers(self, workload: str) -> dict[str, Peer]:
-        return make_peers(self.work / "peers" / workload, self.proxy_cpu, self.srt, self.srt_why)
+        return make_peers(self.work / "peers" / workload, self.proxy_cpu, self.srt, self.srt_why, self.before)
 
 
 def _rotated(names: Sequence[str], run: int) -> list[str]:
@@ -112,7 +116,7 @@ class Fleet:
             system.log(f"{name}: could not start: {e}")
             return
         key = f"{name} (intercepting)" if _intercepting(peer) else name
-        if isinstance(peer, EgressdPeer):
+        if isinstance(peer, EgressdPeer) and peer.name == EGRESSD:  # the tree under test
             seen = self.ctx.egressd_sources.setdefault(peer.source_state, [])
             if self.ctx.workload not in seen:
                 seen.append(self.ctx.workload)
@@ -192,6 +196,7 @@ def _each_run(
 ) -> None:
     """Call measure(target, proxy, run) for every run and target; failures become notes/n-a."""
     runs = range(first_run, first_run + (repeats or ctx.sizes.repeats))
+    targets = [t for t in targets if t in running.peers]  # e.g. no egressd-before with --no-before
     _visit(metrics, targets, runs, running.get, measure)
 
 
@@ -534,8 +539,12 @@ def intercepted_https(ctx: Context) -> list[Metric]:
     peers: dict[str, Peer] = {
         DIRECT: DirectPeer(work, ctx.proxy_cpu),
         MITMPROXY: MitmInterceptPeer(work, ctx.proxy_cpu, ctx.certs.ca),
-        EGRESSD: EgressdPeer(work, ctx.proxy_cpu, intercept=True, upstream_ca=ctx.certs.ca),
     }
+    if ctx.before is not None:
+        peers[EGRESSD_BEFORE] = EgressdBeforePeer(
+            work, ctx.proxy_cpu, ctx.before, intercept=True, upstream_ca=ctx.certs.ca
+        )
+    peers[EGRESSD] = EgressdPeer(work, ctx.proxy_cpu, intercept=True, upstream_ca=ctx.certs.ca)
 
     def measure(name: str, proxy: Proxy, run: int) -> None:
         if proxy.direct:
@@ -562,6 +571,8 @@ def intercepted_https(ctx: Context) -> list[Metric]:
             rate.add(name, r.ops / r.seconds)
             if not proxy.direct:
                 cpu.add(name, r.proxy_cpu / r.ops * 1e6)
+        else:  # e.g. the handshakes (and a lazily started mitmproxy) took the whole window
+            rate.note(f"{name}: no request completed in run {run + 1}'s window (warm-up + {r.seconds:g} s)")
         time.sleep(SETTLE)
         load = LoadWindow(ctx).start()
         b = loadgen.big_response(proxy, HOST, ctx.up.https_port, context)
@@ -660,6 +671,17 @@ def _wall(argv: Sequence[str], env: dict[str, str] | None = None) -> float:
     return time.perf_counter() - t0
 
 
+def _wall_before(m: Metric, argv: list[str], env: dict[str, str], run: int) -> list[str] | None:
+    """One timed `egressd exec -- true` of egressd-before into m; None (no more) when it fails."""
+    try:
+        m.add(EGRESSD_BEFORE, _wall(argv, env))
+    except subprocess.CalledProcessError as e:
+        m.note(f"egressd-before: run {run + 1} failed: {e}")
+        m.unavailable(EGRESSD_BEFORE, f"error: {e}")
+        return None
+    return argv
+
+
 def exec_true(ctx: Context) -> list[Metric]:
     wl = "7. egressd exec -- true"
     main = Metric(
@@ -692,16 +714,30 @@ def exec_true(ctx: Context) -> list[Metric]:
     _record_source(ctx)
     egressd = system.pinned([str(VENV_BIN / "egressd"), "exec", "--", "true"], ctx.proxy_cpu)
     true = system.which("true") or "/bin/true"
+    # egressd-before's own `egressd exec -- true` (its venv, its config dir), for comparison
+    before: list[str] | None = None
+    before_env = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    before_env["XDG_CONFIG_HOME"] = str(ctx.work / "exec-config-before")
+    if ctx.before is not None and ctx.before.bin is not None:
+        before = system.pinned([str(ctx.before.bin / "egressd"), "exec", "--", "true"], ctx.proxy_cpu)
+    elif ctx.before is not None:
+        main.unavailable(EGRESSD_BEFORE, f"n/a (egressd at {ctx.before.short}: {ctx.before.why})")
     for name in (TINYPROXY, SQUID, MITMPROXY):
         main.unavailable(name, "n/a (no wrapper command)")
     main.unavailable(SRT, "see workload 13 (`srt true`)")
     with contextlib.suppress(Exception):
         _wall(egressd, env)  # warm the page cache once
+        if before is not None:
+            _wall(before, before_env)
     for run in range(ctx.sizes.repeats):
         try:
-            for _ in range(ctx.sizes.exec_runs):
+            for i in range(ctx.sizes.exec_runs):
+                if before is not None and i % 2:  # egressd and egressd-before take turns going first
+                    before = _wall_before(main, before, before_env, run)
                 main.add(EGRESSD, _wall(egressd, env))
                 main.add(DIRECT, _wall([true]))
+                if before is not None and not i % 2:
+                    before = _wall_before(main, before, before_env, run)
             for key, (_, argv) in breakdown.items():
                 parts[key].add(
                     EGRESSD,
@@ -756,6 +792,8 @@ def decision(ctx: Context) -> list[Metric]:
         }
         for name in (DIRECT, TINYPROXY, SQUID, MITMPROXY, SRT):
             m.unavailable(name, "n/a")
+        if ctx.before is not None:
+            m.unavailable(EGRESSD_BEFORE, "not measured (decide() of the tree under test only)")
         metrics.append(m)
     load = Metric(
         "w8.load", wl, f"loading a {rules:,}-rule policy", "s", "lower", main=False, ratio_to_direct=False

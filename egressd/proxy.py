@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from egressd.admission import pinning
 from egressd.admission.credentials import ProxyCredentials
-from egressd.admission.gate import PolicyHolder
-from egressd.admission.runtime import Runtime
+from egressd.admission.pipeline import Pipeline
+from egressd.admission.state import PolicyHolder
+from egressd.inspect import patches
+from egressd.inspect.handoffs import Handoffs
 from egressd.policy import Policy, join_host_port
 
 if TYPE_CHECKING:
@@ -56,7 +57,8 @@ class EgressProxy:
     ) -> None:
         if nameservers:
             policy = policy.with_overrides(nameservers=[join_host_port(h, p) for h, p in nameservers])
-        self.runtime = Runtime(PolicyHolder(policy), audit=audit, require_auth=require_auth)
+        self.pipeline = Pipeline(PolicyHolder(policy), audit=audit, require_auth=require_auth)
+        self.handoffs = Handoffs()  # the connections the front hands to mitmproxy
         self.listen = listen
         self.socks = socks
         self.http_address: tuple[str, int] = ("", 0)
@@ -81,24 +83,24 @@ class EgressProxy:
     # -- policy and credentials ----------------------------------------------------------------
     @property
     def policy(self) -> Policy:
-        return self.runtime.policies.get()
+        return self.pipeline.policies.get()
 
     def set_policy(self, policy: Policy) -> None:
-        self.runtime.policies.set(policy)
+        self.pipeline.policies.set(policy)
         if self._loop is not None and self._master is not None:
             master = self._master
             timeout = policy.limits.idle_timeout
             self._loop.call_soon_threadsafe(lambda: master.options.update(tcp_timeout=int(timeout)))
 
     def issue_credentials(self, profile: str | None = None) -> ProxyCredentials:
-        return self.runtime.credentials.issue(profile)
+        return self.pipeline.credentials.issue(profile)
 
     def revoke(self, creds: ProxyCredentials) -> None:
-        self.runtime.credentials.revoke(creds)
+        self.pipeline.credentials.revoke(creds)
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        pinning.check_version()
+        patches.check_version()
         _raise_fd_limit()
         self._prepare_inspection()
         self._thread = threading.Thread(target=self._thread_main, name="egressd-proxy", daemon=True)
@@ -123,7 +125,7 @@ class EgressProxy:
             raise EngineError(str(exc)) from exc
         self._confdir = ca.ca_dir(config)
         self.ca_bundle = str(ca.bundle_path(config))
-        self.runtime.inspection = True
+        self.pipeline.inspection = True
 
     def _thread_main(self) -> None:
         try:
@@ -155,12 +157,12 @@ class EgressProxy:
         """The lean path listens on the public ports; mitmproxy starts when first needed."""
         from egressd.front.server import FastFront
 
-        self._front = FastFront(self.runtime, self._mitmproxy_address)
+        self._front = FastFront(self.pipeline, self._mitmproxy_address, self.handoffs)
         self.http_address = await self._front.start(host, port)
-        self.runtime.gate.add_self_address(*self.http_address)
+        self.pipeline.decider.add_self_address(*self.http_address)
         if self.socks:
             self.socks_address = await self._front.start(host, 0, kind="socks")
-            self.runtime.gate.add_self_address(*self.socks_address)
+            self.pipeline.decider.add_self_address(*self.socks_address)
 
     async def _mitmproxy_address(self, kind: str) -> tuple[str, int]:
         """The internal address of mitmproxy's HTTP or SOCKS5 listener, starting mitmproxy once.
@@ -205,16 +207,14 @@ class EgressProxy:
 
         from egressd.addons.policy_gate import PolicyGate
         from egressd.addons.tunnel_guard import TunnelGuard
-        from egressd.inspect import error_pages, head_guard
 
-        pinning.install()
-        error_pages.install()
-        head_guard.install(self.runtime)
+        patches.install(self.pipeline)
         opts = options.Options()
         master = Master(opts, event_loop=loop)
         server = proxyserver.Proxyserver()
-        master.addons.add(core.Core(), server, TunnelGuard(self.runtime), PolicyGate(self.runtime))
-        if self.runtime.inspection:
+        gate = PolicyGate(self.pipeline, self.handoffs)
+        master.addons.add(core.Core(), server, TunnelGuard(self.pipeline, gate), gate)
+        if self.pipeline.inspection:
             from mitmproxy.addons import tlsconfig
 
             # confdir first: TlsConfig loads (or creates) its CA as soon as it is added
@@ -228,7 +228,6 @@ class EgressProxy:
             connection_strategy="eager",
             tcp_timeout=int(self.policy.limits.idle_timeout),
             stream_large_bodies="256k",
-            proxyauth="egressd",  # makes mitmproxy's SOCKS5 layer ask for user/password
             http2=False,  # intercepted HTTPS speaks HTTP/1.1 on both sides: one Host, one request line
         )
         self._master = master
@@ -269,7 +268,7 @@ class EgressProxy:
         for instance in instances:
             addr = instance.listen_addrs[0]
             address = (addr[0], addr[1])
-            self.runtime.gate.add_self_address(address[0], address[1])
+            self.pipeline.decider.add_self_address(address[0], address[1])
             kind = "socks" if instance.mode.type_name == "socks5" else "http"
             self._mitm_addresses[kind] = address
 
@@ -288,7 +287,7 @@ class EgressProxy:
 
     def drain(self, timeout: float) -> None:
         """Refuse new connections, let in-flight ones finish within timeout, then stop."""
-        self.runtime.draining = True
+        self.pipeline.draining = True
         loop = self._loop
         if loop is not None and self._thread is not None and self._thread.is_alive():
             future = asyncio.run_coroutine_threadsafe(self._stop_listening(), loop)
@@ -297,7 +296,7 @@ class EgressProxy:
             except Exception:  # noqa: BLE001
                 logger.exception("could not stop listening")
             deadline = time.monotonic() + timeout
-            while self.runtime.active() and time.monotonic() < deadline:
+            while self.pipeline.active() and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.stop()
 

@@ -11,6 +11,7 @@ import pytest
 
 from egressd.admission import pinning
 from egressd.admission.credentials import CredentialStore
+from egressd.inspect import patches
 from egressd.inspect.error_pages import refusal_from_error
 from egressd.refusal import Refusal, failure_message, parse_failure
 from tests.support.upstreams import EchoHTTPServer, RefusingPort, StallingPort
@@ -118,41 +119,9 @@ def test_connect_pinned_reports_refused_and_timeout() -> None:
         assert elapsed < 2 * 0.5 + 0.5  # all attempts within 2x connect_timeout
 
 
-def _connect_after_earlier(
-    addresses: tuple[str, ...], port: int, earlier: pinning.EarlierAttempt
-) -> pinning.Pin:
-    """connect_protocol for a pin whose connection already spent a timed-out attempt."""
-    pin = pinning.Pin("h.test", port, tuple(ip(a) for a in addresses), 0.5, earlier=earlier)
-
-    class Closing(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            transport.close()
-
-    asyncio.run(pinning.connect_protocol(pin, Closing()))
-    return pin
-
-
-def test_an_earlier_timed_out_attempt_goes_last_and_counts_against_the_budget() -> None:
-    with StallingPort("198.51.100.5") as stalling, EchoHTTPServer("198.51.100.7", stalling.port) as server:
-        silent, port = stalling.address
-        earlier = pinning.EarlierAttempt(silent, port, 0.5)
-        # the silent address first in the resolver's order: the other one is tried first
-        pin = _connect_after_earlier((silent, server.host), port, earlier)
-        assert pin.connected == (server.host, port)
-        assert pin.attempts == [f"{silent}:{port}: timed out after 0.5s"]
-        # only the silent address: tried again, for what is left of 2x connect_timeout
-        start = time.monotonic()
-        with pytest.raises(pinning.ConnectFailure) as failed:
-            _connect_after_earlier((silent,), port, pinning.EarlierAttempt(silent, port, 0.8))
-        elapsed = time.monotonic() - start
-        assert failed.value.reason == "connect_timeout"
-        assert elapsed < 2 * 0.5 - 0.8 + 0.3, elapsed  # 0.2 s left of the 1 s budget
-        assert failed.value.detail.startswith(f"{silent}:{port}: timed out after 0.8s; {silent}:{port}: ")
-
-
 def test_connect_hook_refuses_unadmitted_connections() -> None:
-    pinning.install()
-    assert pinning.installed()
+    patches.install()
+    assert patches.installed()
     import mitmproxy.proxy.server as server
 
     with EchoHTTPServer("198.51.100.7") as upstream:
@@ -193,7 +162,7 @@ def test_connect_hook_refuses_other_mitmproxy_version(monkeypatch: pytest.Monkey
     monkeypatch.setattr(version, "VERSION", "99.0.0")
     monkeypatch.setattr("mitmproxy.proxy.server.asyncio", asyncio)
     with pytest.raises(RuntimeError, match="mitmproxy==12.3.1"):
-        pinning.install()
+        patches.install()
 
 
 # -- SNI rule ----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Per-child proxy credentials: a fresh random token for every child, checked in constant time."""
+"""The credentials step: a fresh random token for every child, checked in constant time."""
 
 from __future__ import annotations
 
@@ -6,27 +6,8 @@ import base64
 import hmac
 import secrets
 import threading
-from dataclasses import dataclass
 
-from egressd.admission.changes import Changes
-from egressd.policy import join_host_port
-
-DEFAULT_USERNAME = "egressd"
-
-
-@dataclass(frozen=True)
-class ProxyCredentials:
-    """What a child puts in its proxy URL; the username names its profile."""
-
-    username: str
-    token: str
-
-    @property
-    def profile(self) -> str | None:
-        return None if self.username == DEFAULT_USERNAME else self.username
-
-    def proxy_url(self, host: str, port: int, scheme: str = "http") -> str:
-        return f"{scheme}://{self.username}:{self.token}@{join_host_port(host, port)}"
+from egressd.admission.state import DEFAULT_USERNAME, ConnState, ProxyCredentials
 
 
 class CredentialStore:
@@ -35,19 +16,16 @@ class CredentialStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tokens: dict[str, ProxyCredentials] = {}
-        self.changes = Changes()
 
     def issue(self, profile: str | None = None) -> ProxyCredentials:
         creds = ProxyCredentials(profile or DEFAULT_USERNAME, secrets.token_urlsafe(24))
         with self._lock:
             self._tokens[creds.token] = creds
-        self.changes.changed()
         return creds
 
     def revoke(self, creds: ProxyCredentials) -> None:
         with self._lock:
             self._tokens.pop(creds.token, None)
-        self.changes.changed()
 
     def valid(self, creds: ProxyCredentials) -> bool:
         """Still issued (a revoked child's credential-free listener admits nothing more)."""
@@ -82,3 +60,30 @@ class CredentialStore:
         if not sep:
             return None
         return self.check(username, token)
+
+
+# What a client presented: a Proxy-Authorization value (HTTP), a SOCKS5 user and password, or nothing.
+Presented = str | tuple[str, str] | None
+
+
+def authenticate(
+    store: CredentialStore, conn: ConnState, presented: Presented, *, require_auth: bool
+) -> bool:
+    """Whether a CONNECT, SOCKS5 connect or request with these credentials may go on, the same on
+    every front. Each request is checked on its own: an earlier request on a kept-alive connection
+    authenticates nothing. Requests inside a tunnel carry none: its CONNECT or SOCKS5 handshake
+    counts. Sets conn.creds to whose request it is."""
+    if conn.tunnel:
+        return conn.creds is not None or not require_auth
+    if presented is None and conn.implicit is not None:
+        conn.creds = conn.implicit
+        return store.valid(conn.implicit)
+    if presented is None:
+        conn.creds = None
+    elif isinstance(presented, tuple):
+        conn.creds = store.check(*presented)
+    else:
+        conn.creds = store.check_basic(presented)
+    if presented is not None and conn.creds is None:
+        return False  # wrong credentials are refused even where none are required
+    return conn.creds is not None or not require_auth

@@ -1,18 +1,18 @@
-"""HTTP request rules both plain-HTTP paths apply (the mitmproxy addon and the lean path).
+"""The request-rules step: what an HTTP request's headers must satisfy once its target is allowed.
 
-One copy of each rule, so the lean path (egressd.front.plain_http) cannot drift from the mitmproxy
-path (addons/policy_gate.py). Pure, apart from the audit record helpers, and no mitmproxy import.
+Applied by the admission pipeline to every plain-HTTP request and every request inside an inspected
+tunnel (the Host header names the decided host, the Connection header names no framing header,
+upgrades only where the policy allows WebSockets), and the hop-by-hop names every HTTP path strips.
+Pure; no mitmproxy import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from egressd.policy import TargetError, canonical_host, join_host_port
-
-if TYPE_CHECKING:
-    from egressd.admission.runtime import ConnState, Runtime
+from egressd.refusal import Refusal
 
 # hop-by-hop headers (RFC 9110 7.6.1) and proxy headers never forwarded upstream
 HOP_BY_HOP = ("proxy-authorization", "proxy-connection", "keep-alive", "te", "trailer", "proxy-authenticate")
@@ -82,14 +82,18 @@ def hostport(host: str, port: int, default_port: int = 80) -> str:
     return join_host_port(host, port)
 
 
-def audit_http_event(rt: Runtime, state: ConnState, event: str, **fields: object) -> None:
-    """An audit event of one plain-HTTP exchange (credentials_stripped, response_cut), either path."""
-    if rt.audit is not None:
-        rt.audit.event(event, conn=state.conn_id, client=state.client_name, **fields)
-
-
-def audit_response_cut(
-    rt: Runtime, state: ConnState, host: str | None, port: int | None, path: str, limit: int, seen: int
-) -> None:
-    """The record of a response refused or cut at limits.max_response_bytes."""
-    audit_http_event(rt, state, "response_cut", host=host, port=port, path=path, limit=limit, bytes=seen)
+def request_refusal(target: Any, headers: Sequence[tuple[str, str]], *, websocket: bool) -> Refusal | None:
+    """Why an allowed request is refused for its headers, or None."""
+    host, port = target.host.text, target.port
+    connection = ", ".join(v for n, v in headers if n.lower() == "connection")
+    if (problem := connection_problem(connection)) is not None:
+        return Refusal("bad_request", problem, host, port)
+    hosts = [v for n, v in headers if n.lower() == "host"]
+    if (mismatch := host_header_mismatch(hosts, target)) is not None:
+        return Refusal("host_mismatch", mismatch, host, port)
+    upgrade = "upgrade" in connection.lower() and any(n.lower() == "upgrade" for n, _ in headers)
+    if upgrade and not websocket:
+        return Refusal(
+            "websocket", "protocol upgrades (WebSocket) are off in this policy (websocket: false)", host, port
+        )
+    return None

@@ -1,10 +1,52 @@
-"""Per-child request rate limiting (token buckets) for limits.requests_per_second / limits.burst."""
+"""The limits step: limits.requests_per_second / burst per child (token buckets) and
+limits.max_connections (upstream connections open at once).
+
+The rate limit is taken before the decision, for refused targets as for allowed ones: probing what
+the policy refuses is not free.
+"""
 
 from __future__ import annotations
 
 import math
 import threading
 import time
+from typing import TYPE_CHECKING
+
+from egressd.refusal import Refusal
+
+if TYPE_CHECKING:
+    from egressd.admission.state import ConnState, PolicyHolder
+
+
+class Limits:
+    def __init__(self, policies: PolicyHolder) -> None:
+        self.policies = policies
+        self.buckets = TokenBuckets()
+        self.upstreams: set[str] = set()  # ids of upstream connections open now
+
+    def rate(self, conn: ConnState) -> Refusal | None:
+        """One request's token, per child: its token, or the connection when it has none."""
+        limits = self.policies.get().limits
+        if limits.requests_per_second is None:
+            return None
+        wait = self.buckets.take(conn.client_key, limits.requests_per_second, limits.burst)
+        if wait <= 0:
+            return None
+        return Refusal(
+            "rate_limited",
+            f"more than {limits.requests_per_second:g} requests per second from this child "
+            f"(limits.requests_per_second, burst {limits.burst or 'default'})",
+            conn.host or "",
+            conn.port,
+            retry_after=max(1, math.ceil(wait)),
+        )
+
+    def connections(self) -> Refusal | None:
+        """Another upstream connection would exceed limits.max_connections."""
+        limit = self.policies.get().limits.max_connections
+        if limit is None or len(self.upstreams) < limit:
+            return None
+        return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
 
 
 class TokenBuckets:
@@ -25,14 +67,6 @@ class TokenBuckets:
                 return 0.0
             self._buckets[key] = (tokens, now)
             return (1 - tokens) / rate
-
-    def refund(self, key: str, rate: float, burst: int | None) -> None:
-        """Give back one token taken by take() (never above the bucket's depth)."""
-        depth = _depth(rate, burst)
-        with self._lock:
-            entry = self._buckets.get(key)
-            if entry is not None:
-                self._buckets[key] = (min(depth, entry[0] + 1), entry[1])
 
     def forget(self, key: str) -> None:
         with self._lock:

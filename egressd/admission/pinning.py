@@ -1,11 +1,8 @@
-"""Pinned connecting: upstream connections go ONLY to addresses the policy validated.
+"""The pin step: upstream connections go ONLY to the addresses the pipeline validated.
 
-mitmproxy 12.3.1 opens every upstream TCP connection with `asyncio.open_connection(host, port)` inside
-`mitmproxy.proxy.server.ConnectionHandler.open_connection`, after running the `server_connect` hook in
-the same task. Our `server_connect` hook puts the validated addresses into a context variable; the
-shim installed here replaces `asyncio` as seen by that one module and connects only to those
-addresses. A connection that no hook admitted fails closed: nothing is ever resolved or connected
-behind the policy's back. The exact mitmproxy version is pinned and tests cover this hook.
+Each address is tried in order, each attempt bounded by connect_timeout, all within twice that.
+`current_pin` carries a pin to the connect of the embedded mitmproxy (egressd.inspect.patches),
+which refuses any connection without one: nothing is resolved or connected behind the policy's back.
 """
 
 from __future__ import annotations
@@ -15,15 +12,11 @@ import contextvars
 import errno
 import socket
 import time
-import types
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from egressd.policy import IPAddress, join_host_port
 from egressd.refusal import failure_message
-
-MITMPROXY_VERSION = "12.3.1"
 
 
 @dataclass
@@ -128,61 +121,3 @@ def _no_delay(sock: socket.socket | None) -> None:
 
 def _fmt(address: IPAddress, port: int) -> str:
     return join_host_port(str(address), port)
-
-
-async def _pinned_open_connection(
-    host: str | None = None, port: int | None = None, *, local_addr: Any = None, **kwargs: Any
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    pin = current_pin.get()
-    if pin is None or kwargs or (host, port) != (pin.host, pin.port):
-        raise ConnectFailure(
-            "internal_error", f"upstream connection to {host}:{port} was not admitted by the policy gate"
-        )
-    current_pin.set(None)  # one pin, one connection
-    try:
-        reader, writer, connected = await connect_pinned(
-            pin.addresses, pin.port, pin.connect_timeout, local_addr=local_addr, attempts=pin.attempts
-        )
-    except ConnectFailure as e:
-        pin.failure = (e.reason, e.detail)
-        raise
-    pin.connected = connected
-    return reader, writer
-
-
-class _AsyncioForMitmproxy(types.ModuleType):
-    """`asyncio` as seen by mitmproxy.proxy.server: everything real except open_connection."""
-
-    def __init__(self) -> None:
-        super().__init__("asyncio")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(asyncio, name)
-
-    open_connection = staticmethod(_pinned_open_connection)
-
-
-def check_version() -> None:
-    """Refuse to run on an untested mitmproxy (cheap: mitmproxy's proxy core is not imported)."""
-    from mitmproxy import version
-
-    if version.VERSION != MITMPROXY_VERSION:
-        raise RuntimeError(
-            f"egressd needs mitmproxy=={MITMPROXY_VERSION} (found {version.VERSION}): "
-            "its connect hook is tested against that version only"
-        )
-
-
-def install() -> None:
-    """Install the connect hook (idempotent); refuses to run on an untested mitmproxy."""
-    check_version()
-    import mitmproxy.proxy.server as server
-
-    if not isinstance(server.asyncio, _AsyncioForMitmproxy):
-        server.asyncio = _AsyncioForMitmproxy()  # type: ignore[assignment]
-
-
-def installed() -> bool:
-    import mitmproxy.proxy.server as server
-
-    return isinstance(server.asyncio, _AsyncioForMitmproxy)

@@ -12,7 +12,6 @@ import time
 from collections import OrderedDict
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
-from egressd.admission.changes import Changes
 from egressd.policy import TargetError, canonical_host, join_host_port
 
 TTL_SECONDS = 120.0
@@ -54,7 +53,6 @@ class RedirectMemory:
         self._max = max_entries
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
-        self.changes = Changes()
 
     def remember(self, client: str, request_url: str, location: str) -> None:
         """Note a redirect when it leaves the request's origin; same-origin redirects keep headers."""
@@ -68,7 +66,6 @@ class RedirectMemory:
             self._entries.move_to_end((client, key))
             while len(self._entries) > self._max:
                 self._entries.popitem(last=False)
-        self.changes.changed()  # this child's next tunnel to that origin must be inspected
 
     def expects(self, client: str, scheme: str, host: str, port: int) -> bool:
         """A redirect sent this child to that origin: its tunnel must be opened up to strip headers."""

@@ -20,9 +20,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from egressd.admission import faults
-from egressd.admission.gate import decision_refusal
-from egressd.admission.http_rules import audit_http_event, audit_response_cut, host_header_mismatch, hostport
+from egressd.admission.http_rules import hostport
+from egressd.admission.pipeline import Admitted, Ask
 from egressd.front.server import HIGH_WATER, _Pipe
 from egressd.refusal import Refusal
 from egressd.wire.http1 import (
@@ -39,9 +38,9 @@ from egressd.wire.http1 import (
 )
 
 if TYPE_CHECKING:
-    from egressd.admission.runtime import ConnState, Runtime
+    from egressd.admission.pipeline import Pipeline
+    from egressd.admission.state import ConnState
     from egressd.front.server import FrontProtocol
-    from egressd.policy import Decision
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +177,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         _Writable.__init__(self)
         assert front.state is not None and front.transport is not None
         self.front = front
-        self.rt: Runtime = front.rt
+        self.rt: Pipeline = front.rt
         self.state: ConnState = front.state
         self.transport: asyncio.Transport = front.transport
         self.wire = ClientSide()
@@ -214,7 +213,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         if self.requests == 0 and self.phase == "head":
             left = limits.header_timeout - (now - self.state.started)
             if left <= 0:
-                self.rt.audit_header_timeout(self.state, limits.header_timeout)
+                self.rt.header_timeout(self.state, limits.header_timeout)
                 self.close()
                 return
         else:
@@ -296,35 +295,42 @@ class PlainClient(_Writable, asyncio.Protocol):
         self.phase = "exchange"
         self.requests += 1
         self.state.head_seen = True
-        decision = self._admit(head)
-        if isinstance(decision, Refusal):
-            self._refuse(decision)
+        admitted = await self._admit(head)
+        if isinstance(admitted, Refusal):
+            self._refuse(admitted)
             return False
-        assert decision.target is not None
-        key = (decision.target.host.text, decision.target.port)
+        key = (admitted.host, admitted.port)
         url = request_url(key, head.path)
         strip = self._credentials_to_strip(head, key, url)
         upstream = self.idle.pop(key, None)
         if upstream is None or not upstream.open:
             if upstream is not None:
                 self._forget(upstream)
-            opened = await self._open(decision, key)
+            opened = await self._open(admitted, key)
             if isinstance(opened, Refusal):
                 self._refuse(opened)
                 return False
             upstream = opened
         self.busy = upstream
-        upstream.write(upstream.wire.request(head, upstream_headers(head, key[0], key[1], strip)))
-        sending = asyncio.get_running_loop().create_task(self._send_body(upstream))
+        sent = upstream.wire.request(head, upstream_headers(head, key[0], key[1], strip))
+        sending: asyncio.Task[None] | None = None
+        if self.inbox.events and isinstance(self.inbox.events[0], End):  # no body: no task for it
+            self.inbox.events.popleft()
+            upstream.write(sent + upstream.wire.end())
+        else:
+            upstream.write(sent)
+            sending = asyncio.get_running_loop().create_task(self._send_body(upstream))
         try:
             outcome = await self._relay_response(upstream, head, key, url)
         finally:
-            if not sending.done():
+            if sending is not None and not sending.done():
                 sending.cancel()
         self.busy = None
         if outcome == "relay":
             return False
-        body_sent = sending.done() and not sending.cancelled() and sending.exception() is None
+        body_sent = sending is None or (
+            sending.done() and not sending.cancelled() and sending.exception() is None
+        )
         if outcome == "done" and body_sent and upstream.wire.reusable() and upstream.open:
             self._keep(upstream)
         else:
@@ -381,7 +387,7 @@ class PlainClient(_Writable, asyncio.Protocol):
                     self._refuse(too_large_refusal(key, int(length[0]), self.limit))
                     return "closed"
                 if 300 <= event.status < 400 and (location := event.values("location")):
-                    self.rt.redirects.remember(self._client_key(), url, location[0])
+                    self.rt.redirects.remember(self.state.client_key, url, location[0])
                 started = True
                 self.write(self.wire.response(event))
             elif isinstance(event, Body):
@@ -403,53 +409,32 @@ class PlainClient(_Writable, asyncio.Protocol):
                 return "relay"
 
     # -- admission: the steps around the one decision ------------------------------------------------
-    def _admit(self, request: RequestHead) -> Decision | Refusal:
-        """Credentials, limits, the decision, the Host check and its audit record, in that order."""
-        rt, state = self.rt, self.state
-        faults.maybe_fail("hook")
-        header = request.values("proxy-authorization")
-        if not rt.authenticate(state, header[0] if header else None):
-            return Refusal("proxy_auth_required", "missing or wrong proxy credentials")
-        decision = rt.decide(
-            state,
-            self.front.client_id,
+    async def _admit(self, request: RequestHead) -> Admitted | Refusal:
+        """The request through the admission pipeline, as every front's requests go (credentials,
+        limits, the decision, the request rules, the records)."""
+        authorization = request.values("proxy-authorization")
+        ask = Ask(
+            "request",
             request.host,
             request.port,
             scheme="http",
             method=request.method,
             path=request.path,
+            credentials=authorization[0] if authorization else None,
+            headers=request.headers,
         )
-        if isinstance(decision, Refusal):
-            return decision  # a limit, before anything is decided
-        target = decision.target
-        refusal = None
-        if not decision.allowed or decision.needs_inspection or target is None:
-            refusal = decision_refusal(decision)
-        elif (mismatch := host_header_mismatch(request.values("host"), target)) is not None:
-            refusal = Refusal("host_mismatch", mismatch, target.host.text, target.port)
-        elif request.upgrade and not rt.policies.get().websocket:
-            detail = "protocol upgrades (WebSocket) are off in this policy (websocket: false)"
-            refusal = Refusal("websocket", detail, target.host.text, target.port)
-        audit_request(rt, state, decision, refusal, request)
-        return decision if refusal is None else refusal
+        return await self.rt.admit(self.state, ask)
 
-    async def _open(self, decision: Decision, key: Key) -> Upstream | Refusal:
-        """A new pinned upstream connection (Runtime.connect_admitted, as for a CONNECT)."""
-        rt, state = self.rt, self.state
-        limited = rt.connection_limit()
-        if limited is not None:
-            return limited
+    async def _open(self, admitted: Admitted, key: Key) -> Upstream | Refusal:
+        """A new upstream connection to the addresses the pipeline pins for this request."""
         upstream = Upstream(self, key)
-        admission = await rt.connect_admitted(state, decision, upstream)
-        if isinstance(admission, Refusal):
-            return admission
-        upstream.server_id = f"{self.front.client_id}-up{self.requests}"
-        rt.upstreams.add(upstream.server_id)
-        return upstream
+        upstream.server_id = f"{self.state.conn_id}-up{self.requests}"
+        refusal = await self.rt.connect(self.state, admitted, upstream, upstream.server_id)
+        return upstream if refusal is None else refusal
 
     def _credentials_to_strip(self, request: RequestHead, key: Key, url: str) -> set[str]:
         """The follow-up of a redirect to another origin carries none of the credential headers."""
-        origin = self.rt.redirects.take(self._client_key(), url)
+        origin = self.rt.redirects.take(self.state.client_key, url)
         if origin is None:
             return set()
         present = {n.lower() for n, _ in request.headers}
@@ -457,8 +442,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         stripped = [
             name for name in names if name.lower() in present and name.lower() != "proxy-authorization"
         ]
-        audit_http_event(
-            self.rt,
+        self.rt.notice(
             self.state,
             "credentials_stripped",
             redirected_from=origin,
@@ -468,12 +452,10 @@ class PlainClient(_Writable, asyncio.Protocol):
         )
         return {name.lower() for name in names}
 
-    def _client_key(self) -> str:
-        return self.state.client_key(self.front.client_id)
-
     def _audit_cut(self, key: Key, path: str, seen: int) -> None:
         assert self.limit is not None
-        audit_response_cut(self.rt, self.state, key[0], key[1], path, self.limit, seen)
+        where = {"host": key[0], "port": key[1], "path": path}
+        self.rt.notice(self.state, "response_cut", **where, limit=self.limit, bytes=seen)
 
     # -- upstream connections ------------------------------------------------------------------------
     def _keep(self, upstream: Upstream) -> None:
@@ -483,12 +465,12 @@ class PlainClient(_Writable, asyncio.Protocol):
         self.idle[upstream.key] = upstream
 
     def _forget(self, upstream: Upstream) -> None:
-        self.rt.upstreams.discard(upstream.server_id)
+        self.rt.disconnected(upstream.server_id)
         upstream.close()
 
     def upstream_gone(self, upstream: Upstream) -> None:
         """An upstream connection closed: a kept-alive one leaves the pool."""
-        self.rt.upstreams.discard(upstream.server_id)
+        self.rt.disconnected(upstream.server_id)
         if self.idle.get(upstream.key) is upstream:
             del self.idle[upstream.key]
 
@@ -547,7 +529,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         """A request no reader may take: 400 (431 for a huge head), recorded before any decision."""
         head = exc.head
         where = (head.host, head.port) if head is not None else (None, None)
-        self.rt.audit_early_refusal(
+        self.rt.refused_early(
             self.state,
             *where,
             exc.reason,
@@ -580,20 +562,3 @@ def too_large_refusal(key: Key, length: int, limit: int) -> Refusal:
     """egressd's 502 for a Content-Length over limits.max_response_bytes (before any body)."""
     detail = f"the response is {length} bytes; limits.max_response_bytes is {limit}"
     return Refusal("response_too_large", detail, *key)
-
-
-def audit_request(
-    rt: Runtime, state: ConnState, decision: Decision, refusal: Refusal | None, request: RequestHead
-) -> None:
-    """The record of one plain-HTTP request's decision."""
-    rt.audit_decision(
-        state,
-        decision,
-        refusal,
-        stage="request",
-        method=request.method,
-        scheme="http",
-        path=request.path,
-        host=request.host,
-        port=request.port,
-    )

@@ -1,12 +1,11 @@
-"""egressd's HTTP proxy port: CONNECT tunnels here, plain HTTP in egressd.front.plain_http.
+"""egressd's front: the listeners every child connects to, on asyncio (uvloop).
 
-A CONNECT is authenticated, limited and decided by the same gatekeeper (the one decision function),
-resolved and pinned by the same connect path, refused with the same Refusal, and audited with the
-same records as every other front. An allowed tunnel that no rule wants inspected is then relayed by
-two small asyncio protocols (flow-controlled, nothing recorded) after the TLS SNI check; the same
-relay carries an allowed WebSocket after its 101. Absolute-form requests are served by
-egressd.front.plain_http on h11. Only tunnels to inspect (and SOCKS5, for now) are handed to the
-embedded mitmproxy, untouched, so its addons decide the requests inside them.
+A CONNECT's head is read here and admitted through the admission pipeline (the front does none of
+its steps itself). An admitted tunnel is relayed by two small flow-controlled asyncio protocols after
+the TLS SNI check, nothing recorded; a tunnel the pipeline marks for inspection is handed to the
+embedded mitmproxy, already admitted, and its addons decide each request inside it through the same
+pipeline. Absolute-form HTTP requests are served by `egressd.front.plain_http` (h11), never by
+mitmproxy; an allowed WebSocket becomes the same relay after its 101.
 """
 
 from __future__ import annotations
@@ -20,15 +19,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
-from egressd.admission import faults
-from egressd.admission.gate import decision_refusal
+from egressd.admission.pipeline import Admitted, Ask
+from egressd.inspect.handoffs import Handoff, Handoffs
+from egressd.policy import join_host_port
 from egressd.refusal import Refusal
 from egressd.wire.http_head import head_problem, leading_empty_lines
 from egressd.wire.sni import WAIT, TunnelStart
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.admission.runtime import ConnState, Runtime
+    from egressd.admission.pipeline import Pipeline
+    from egressd.admission.state import ConnState
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class _Pipe(asyncio.Protocol):
         # what arrived before the peer was attached (a server that speaks first may answer the
         # connect before the CONNECT's 200 is written): handed over by attach()
         self.early = bytearray()
+        # the embedded mitmproxy's answer to a hand-off's CONNECT: read here, not relayed
+        self.answer: asyncio.Future[bytes] | None = None
+        self.answer_buffer = bytearray()
 
     def attach(self, peer: _Pipe) -> None:
         """Pair this side with its peer and pass on what this side read before."""
@@ -104,6 +108,10 @@ class _Pipe(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
+        if self.answer is not None:
+            data = self._read_answer(data)
+            if not data:
+                return
         n = len(data)
         now = time.monotonic()
         self.tunnel.count(self.upstream, n, now)
@@ -129,6 +137,38 @@ class _Pipe(asyncio.Protocol):
                 self.transport.pause_reading()
                 self.coalescing = asyncio.get_running_loop().call_later(COALESCE_PAUSE, self._read_on)
 
+    def _read_answer(self, data: bytes) -> bytes:
+        """Collect one complete response (head and Content-Length body); the rest is returned."""
+        assert self.answer is not None
+        self.answer_buffer += data
+        buffer = self.answer_buffer
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > 65536:
+                self._settle_answer(ConnectionError("no response head from the inspection engine"))
+            return b""
+        length = 0
+        for line in bytes(buffer[:end]).split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length" and value.strip().isdigit():
+                length = int(value.strip())
+        total = end + 4 + length
+        if len(buffer) < total:
+            return b""
+        answer, rest = bytes(buffer[:total]), bytes(buffer[total:])
+        self.answer_buffer = bytearray()
+        self._settle_answer(answer)
+        return rest
+
+    def _settle_answer(self, outcome: bytes | BaseException) -> None:
+        future, self.answer = self.answer, None
+        if future is None or future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
     def _read_on(self) -> None:
         self.coalescing = None
         if not self.held and self.transport is not None and not self.transport.is_closing():
@@ -141,6 +181,8 @@ class _Pipe(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.answer is not None:
+            self._settle_answer(ConnectionError("the inspection engine closed the connection"))
         if self.coalescing is not None:
             self.coalescing.cancel()
             self.coalescing = None
@@ -197,23 +239,17 @@ class FrontProtocol(_Pipe):
     """The client side: reads the request head, then becomes one side of a relay."""
 
     def __init__(
-        self,
-        front: FastFront,
-        kind: str = "http",
-        initial: bytes = b"",
-        implicit: ProxyCredentials | None = None,
+        self, front: FastFront, kind: str = "http", implicit: ProxyCredentials | None = None
     ) -> None:
         super().__init__(Tunnel(self), upstream=False)
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
         self.handed_off_as: str | None = None  # this client's address as the embedded mitmproxy sees it
-        self.initial = initial  # bytes read before this protocol took the connection
         self.front = front
         self.kind = kind
         self.rt = front.rt
         self.buffer = bytearray()
         self.stage = "head"
         self.state: ConnState | None = None
-        self.client_id = ""
         self.timer: asyncio.TimerHandle | None = None
         self.server_id: str | None = None
         self.task: asyncio.Task[None] | None = None
@@ -227,23 +263,18 @@ class FrontProtocol(_Pipe):
             transport.close()
             return
         self.front.clients.add(self)
-        if self.kind != "http":
-            self._hand_off()  # SOCKS5: mitmproxy's SOCKS5 layer authenticates and decides
-            return
         peer = transport.get_extra_info("peername") or ("?", 0)
-        self.client_id = f"fast-{id(self):x}"
-        self.state = self.rt.open_conn(self.client_id, f"{peer[0]}:{peer[1]}")
-        self.state.implicit = self.implicit
+        self.state = self.rt.open_conn(f"{peer[0]}:{peer[1]}", self.implicit)
+        if self.kind != "http":
+            self._hand_off(None)  # SOCKS5: mitmproxy's SOCKS5 layer (being moved into the front)
+            return
         timeout = self.rt.policies.get().limits.header_timeout
         self.timer = asyncio.get_running_loop().call_later(timeout, self._head_timeout, timeout)
-        if self.initial:
-            initial, self.initial = self.initial, b""
-            self.data_received(initial)
 
     def _head_timeout(self, timeout: float) -> None:
         if self.stage == "head" and self.transport is not None:
             if self.state is not None:
-                self.rt.audit_header_timeout(self.state, timeout)
+                self.rt.header_timeout(self.state, timeout)
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -289,12 +320,11 @@ class FrontProtocol(_Pipe):
         self.finished = True
         self.front.clients.discard(self)
         if self.handed_off_as is not None:
-            self.rt.handed_off.pop(self.handed_off_as, None)
+            self.front.handoffs.remove(self.handed_off_as)
         if self.server_id is not None:
-            self.rt.upstreams.discard(self.server_id)
-        state = self.rt.close_conn(self.client_id)
-        if state is not None:
-            self.rt.audit_closed(state)
+            self.rt.disconnected(self.server_id)
+        if self.state is not None:
+            self.rt.close_conn(self.state)
 
     # -- the request head --------------------------------------------------------------------------
     def _on_head_bytes(self) -> None:
@@ -320,60 +350,35 @@ class FrontProtocol(_Pipe):
 
     async def _connect(self, head: bytes) -> None:
         try:
-            await self._decide_and_open(head)
+            await self._admit_and_open(head)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
-            self._refuse(self.rt.internal_error("fastpath", exc))
+            self._refuse(self.rt.internal_error("front", exc))
 
-    async def _decide_and_open(self, head: bytes) -> None:
+    async def _admit_and_open(self, head: bytes) -> None:
         state = self.state
         assert state is not None
-        state.head_seen = True
-        faults.maybe_fail("hook")
         parsed = _parse_connect(head)
         if isinstance(parsed, Refusal):
             self._refuse_unreadable(parsed)
             return
-        authority, credentials = parsed
-        if not self.rt.authenticate(state, credentials):
-            self._refuse(Refusal("proxy_auth_required", "missing or wrong proxy credentials"))
+        (host, port), credentials = parsed
+        ask = Ask("connect", host, port, scheme="connect", method="CONNECT", credentials=credentials)
+        admitted = await self.rt.admit(state, ask)
+        if isinstance(admitted, Refusal):
+            self._refuse(admitted)
             return
-        host, port = authority
-        decision = self.rt.decide(
-            state, self.client_id, host, port, scheme="connect", method="CONNECT", opens=True
-        )
-        if isinstance(decision, Refusal):
-            self._refuse(decision)  # a limit, before anything is decided
-            return
-        if not decision.allowed or (decision.needs_inspection and not self.rt.inspection):
-            refusal = decision_refusal(decision)
-            self.rt.audit_decision(
-                state,
-                decision,
-                refusal,
-                stage="connect",
-                method="CONNECT",
-                scheme=None,
-                path=None,
-                host=host,
-                port=port,
-            )
-            self._refuse(refusal)
-            return
-        if self.rt.wants_inspection(decision, state.client_key(self.client_id)):
-            # the mitmproxy addons limit, intercept and decide every request: this CONNECT takes
-            # its token there, once
-            self.rt.refund_rate(state, self.client_id)
-            self._hand_off(head)
+        if admitted.inspect:
+            self._hand_off(admitted)
             return
         upstream = _Pipe(self.tunnel, upstream=True, coalesce=True)
-        admission = await self.rt.connect_admitted(state, decision, upstream)
-        if isinstance(admission, Refusal):
-            self._refuse(admission)
+        server_id = f"{state.conn_id}-up"
+        refusal = await self.rt.connect(state, admitted, upstream, server_id)
+        if refusal is not None:
+            self._refuse(refusal)
             return
-        self.server_id = f"{self.client_id}-up"
-        self.rt.upstreams.add(self.server_id)
+        self.server_id = server_id
         if self.transport is None or self.transport.is_closing():
             upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
             return
@@ -381,7 +386,7 @@ class FrontProtocol(_Pipe):
         self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         upstream.attach(self)  # after the 200: a server's first bytes follow it
         self.stage = "sni"
-        self.hello = TunnelStart(state.host or "")
+        self.hello = TunnelStart(admitted.host)
         self.transport.resume_reading()
         if self.buffer:
             self._on_hello_bytes(bytes(self.buffer))
@@ -405,7 +410,7 @@ class FrontProtocol(_Pipe):
     def _close_tunnel(self, problem: str) -> None:
         state = self.state
         host, port = (state.host, state.port) if state else (None, None)
-        self.rt.audit_early_refusal(state, host, port, "sni_mismatch", problem, stage="tls")
+        self.rt.refused_early(state, host, port, "sni_mismatch", problem, stage="tls")
         if self.peer is not None and self.peer.transport is not None:
             self.peer.transport.close()
         if self.transport is not None:
@@ -423,55 +428,92 @@ class FrontProtocol(_Pipe):
             self.transport.close()
 
     def _refuse_unreadable(self, refusal: Refusal) -> None:
-        """A CONNECT head refused before any decision: recorded here, as mitmproxy's head guard does."""
-        self.rt.audit_early_refusal(self.state, None, None, refusal.reason, refusal.detail, stage="request")
+        """A CONNECT head refused before any decision: recorded, as every unreadable head is."""
+        self.rt.refused_early(self.state, None, None, refusal.reason, refusal.detail, stage="request")
         self._refuse(refusal)
 
-    def _hand_off(self, head: bytes = b"") -> None:
-        """Relay this client, untouched, to the embedded mitmproxy (its addons decide)."""
-        assert self.transport is not None
+    # -- inspection: the embedded mitmproxy --------------------------------------------------------
+    def _hand_off(self, admitted: Admitted | None) -> None:
+        """Relay this client to the embedded mitmproxy: a tunnel the pipeline admitted for
+        inspection (mitmproxy's addons decide each request inside it), or a SOCKS5
+        client whose requests mitmproxy reads."""
+        assert self.transport is not None and self.state is not None
         self.transport.pause_reading()
-        pending = head + bytes(self.buffer)
-        self.buffer = bytearray()
+        if admitted is not None:
+            target = join_host_port(admitted.host, admitted.port)
+            pending = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
+        else:
+            pending = bytes(self.buffer)
+            self.buffer = bytearray()
         if self.timer is not None:
             self.timer.cancel()
-        if self.state is not None:
-            self.rt.close_conn(self.client_id)  # mitmproxy's addons keep the records of this client
-            self.state = None
         self.stage = "handoff"
-        self.task = asyncio.get_running_loop().create_task(self._open_mitmproxy(pending))
+        handoff = Handoff(self.state, admitted)
+        self.task = asyncio.get_running_loop().create_task(self._open_mitmproxy(handoff, pending))
 
-    async def _open_mitmproxy(self, pending: bytes) -> None:
+    async def _open_mitmproxy(self, handoff: Handoff, pending: bytes) -> None:
         loop = asyncio.get_running_loop()
         inner = _Pipe(self.tunnel, upstream=True)
+        admitted = handoff.tunnel
+        answered: asyncio.Future[bytes] | None = None
+        if admitted is not None:
+            answered = inner.answer = loop.create_future()  # mitmproxy's answer to the CONNECT
         try:
             address = await self.front.mitmproxy_address(self.kind)
-            if self.implicit is None:
-                await loop.create_connection(lambda: inner, *address)
-            else:
-                await loop.create_connection(lambda: inner, sock=await self._handed_off_socket(address))
+            sock = await self._handed_off_socket(address, handoff)
+            await loop.create_connection(lambda: inner, sock=sock)
+            assert inner.transport is not None
+            inner.transport.write(pending)
+            if answered is not None:
+                answer = await answered
         except Exception as exc:  # noqa: BLE001 - the client is closed, never let through
             logger.error("egressd could not hand a connection to mitmproxy: %r", exc)
             if self.transport is not None:
                 if self.kind == "http" and not self.transport.is_closing():
                     self.transport.write(render(Refusal("internal_error", f"proxy engine: {exc}")))
                 self.transport.close()
+            if inner.transport is not None:
+                inner.transport.close()
             return
+        assert self.transport is not None
+        if answered is not None and not answer.startswith(b"HTTP/1.1 200"):
+            self.transport.write(answer)  # egressd's refusal, rendered by the addon (connect failed)
+            self.transport.close()
+            inner.transport.close()
+            return
+        if answered is not None:
+            self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         inner.attach(self)
-        assert inner.transport is not None
-        pending += bytes(self.buffer)
+        pending = bytes(self.buffer)
         self.buffer = bytearray()
         self.stage = "relay"
         if pending:
             inner.transport.write(pending)
         if self.eof_pending:
             inner.eof_received_from_peer()
-        if self.transport is not None and not self.transport.is_closing():
+        if not self.transport.is_closing():
             self.transport.resume_reading()
         else:
             inner.transport.close()
 
-    # -- plain HTTP (egressd.front.plain_http) --------------------------------------------------
+    async def _handed_off_socket(self, address: tuple[str, int], handoff: Handoff) -> socket.socket:
+        """A connection to mitmproxy from a local address registered first (inspect.handoffs):
+        mitmproxy serves only connections it finds there."""
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.bind((address[0], 0))
+            local = sock.getsockname()
+            self.handed_off_as = f"{local[0]}:{local[1]}"
+            self.front.handoffs.add(self.handed_off_as, handoff)
+            await asyncio.get_running_loop().sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    # -- plain HTTP (egressd.front.plain_http) -------------------------------------------------------
     def _serve_plain(self) -> None:
         """Give the client to the plain-HTTP path (egressd.front.plain_http): it serves every request."""
         from egressd.front.plain_http import PlainClient  # it imports this module
@@ -484,25 +526,6 @@ class FrontProtocol(_Pipe):
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()
-
-    async def _handed_off_socket(self, address: tuple[str, int]) -> socket.socket:
-        """A connection to mitmproxy from a credential-free listener: mitmproxy's addons know it by
-        the address it comes from, so that address carries the listener's credentials, registered
-        before mitmproxy can see the connection."""
-        assert self.implicit is not None
-        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            sock.bind((address[0], 0))
-            local = sock.getsockname()
-            self.handed_off_as = f"{local[0]}:{local[1]}"
-            self.rt.handed_off[self.handed_off_as] = self.implicit
-            await asyncio.get_running_loop().sock_connect(sock, address)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
 
 
 def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
@@ -536,11 +559,12 @@ def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
 
 
 class FastFront:
-    """The listeners on egressd's public ports: HTTP proxy (decided here) and SOCKS5 (handed off)."""
+    """egressd's listeners: the HTTP proxy port (CONNECT and absolute-form HTTP) and SOCKS5."""
 
-    def __init__(self, runtime: Runtime, mitmproxy_address: MitmproxyAddress) -> None:
-        self.rt = runtime
+    def __init__(self, pipeline: Pipeline, mitmproxy_address: MitmproxyAddress, handoffs: Handoffs) -> None:
+        self.rt = pipeline
         self.mitmproxy_address = mitmproxy_address
+        self.handoffs = handoffs
         self.servers: list[asyncio.Server] = []
         self.clients: set[FrontProtocol] = set()
         self._sweeper: asyncio.Task[None] | None = None

@@ -1,8 +1,9 @@
 """Error responses mitmproxy generates itself (malformed request, failed upstream) in egressd's format.
 
-mitmproxy 12.3.1 renders those with `mitmproxy.proxy.layers.http._http1.make_error_response`; the
-replacement gives them the same Proxy-Status / X-Egressd-Reason headers and readable body as every
-other refusal, and turns egressd's failure markers (DNS, connect) into the right status code.
+mitmproxy 12.3.1 renders those with `_http1.make_error_response`; the replacement (installed by
+egressd.inspect.patches) gives them the same Proxy-Status / X-Egressd-Reason headers and readable
+body as every other refusal, and turns egressd's failure markers (DNS, connect) into the right
+status code.
 """
 
 from __future__ import annotations
@@ -49,9 +50,3 @@ def refusal_response(refusal: Refusal, status: int | None = None) -> http.Respon
 def make_error_response(status_code: int, message: str = "") -> bytes:
     status, refusal = refusal_from_error(status_code, message)
     return http1.assemble_response(refusal_response(refusal, status))
-
-
-def install() -> None:
-    import mitmproxy.proxy.layers.http._http1 as http1_layer
-
-    http1_layer.make_error_response = make_error_response  # type: ignore[assignment]

@@ -1,5 +1,6 @@
 """Audit log (one JSON line per decision / closed connection) and the optional human trace.
 
+It observes the admission pipeline's events (`observe`) and takes the CLI's own records (reloads).
 Called from the proxy's event-loop thread and from the CLI, so every write takes one lock and
 is flushed at once: a crash never loses a decision that was already acted on. Nothing here ever
 writes to stdout, which belongs to the child (MCP/ACP speak JSON-RPC on it).
@@ -8,13 +9,17 @@ writes to stdout, which belongs to the child (MCP/ACP speak JSON-RPC on it).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
 import sys
 import threading
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from egressd.admission.events import Event
 
 DECISION_KEYS: tuple[str, ...] = (
     "conn",
@@ -91,6 +96,24 @@ class AuditLog:
     @property
     def enabled(self) -> bool:
         return self._file is not None or self._trace is not None
+
+    # -- the pipeline's events ------------------------------------------------------------------
+    def observe(self, event: Event) -> None:
+        """One audit line for each event of the admission pipeline (subscribed to its bus)."""
+        from egressd.admission.events import Closed, Decided
+
+        if isinstance(event, Decided):
+            fields = dataclasses.asdict(event)
+            fields["stage"] = "request" if event.stage == "inner" else event.stage
+            fields["decision"] = "allow" if fields.pop("allowed") else "deny"
+            attempts = fields.pop("attempts")
+            if attempts is not None:  # the connection records: the addresses tried
+                fields["attempts"] = list(attempts) or None
+            self.decision(**fields)
+        elif isinstance(event, Closed):
+            self.closed(**dataclasses.asdict(event))
+        else:
+            self.event(event.kind, **event.fields)
 
     # -- records -------------------------------------------------------------------------------
     def decision(self, **fields: Any) -> dict[str, Any]:

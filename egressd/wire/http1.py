@@ -187,10 +187,10 @@ class _Reader:
         self.eof = False  # the peer ended its side
         self.fed_eof = False  # and h11 was told
 
-    def _take_head(self, *, skip_empty: bool) -> bytes | None:
+    def _take_head(self) -> bytes | None:
         """The next complete, guarded head (removed from raw), or None when more bytes are needed."""
         if self.scanner is None:
-            self.scanner = HeadScanner(skip_empty=skip_empty)
+            self.scanner = HeadScanner()
         found = self.scanner.scan(self.raw)
         if found is None:
             return None
@@ -252,7 +252,7 @@ class ClientSide(_Reader):
             return []
         out: list[Event] = []
         if self.in_head:
-            head = self._take_head(skip_empty=True)
+            head = self._take_head()
             if head is None:
                 if self.eof and self.raw:
                     raise WireError("the connection ended inside a request head")
@@ -446,7 +446,7 @@ class ServerSide(_Reader):
         out: list[Event] = []
         while not self.switched:
             if self.in_head:
-                head = self._take_head(skip_empty=False)
+                head = self._take_head()
                 if head is None:
                     if self.eof:
                         raise WireError("the server closed the connection before the response ended", 502)

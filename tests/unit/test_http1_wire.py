@@ -27,6 +27,7 @@ from egressd.wire.http1 import (
     split_target,
     upstream_headers,
 )
+from egressd.wire.http_head import HeadScanner, head_problem, leading_empty_lines
 
 
 def _head(first: str, *headers: str) -> bytes:
@@ -407,3 +408,34 @@ def test_random_bytes_raise_only_wire_errors(raw: bytes, step: int) -> None:
             _read(data, step)
         with contextlib.suppress(WireError):
             _exchange("GET", b"HTTP/1.1 " + raw, step, eof=True)
+
+
+LINES = [b"GET http://h/ HTTP/1.1", b"Host: h", b"X-A: a", b" folded", b"X-B: \x00", b"X-C: a\rb", b"", b"\t"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(LINES), min_size=1, max_size=6),
+    st.lists(st.sampled_from([b"\r\n", b"\n"]), min_size=6, max_size=6),
+    st.lists(st.integers(1, 30), max_size=20),
+)
+def test_scanner_agrees_with_head_problem(lines: list[bytes], ends: list[bytes], cuts: list[int]) -> None:
+    """Fed in any pieces, the incremental scanner refuses exactly what head_problem refuses on the
+    whole head, and finds the same end."""
+    data = b"".join(line + end for line, end in zip(lines, ends, strict=False)) + b"\r\n"
+    scanner = HeadScanner()
+    verdict = None
+    position = 0
+    for cut in [*cuts, len(data)]:
+        position = min(len(data), position + cut)
+        verdict = scanner.scan(data[:position])
+        if verdict is not None:
+            break
+    expected = head_problem(data)
+    if expected is not None:
+        assert verdict is not None and verdict[0] != 0, (data, verdict)
+    elif leading_empty_lines(data) == len(data):  # only empty lines: no head yet
+        assert verdict is None
+    else:
+        assert verdict is not None and verdict[0] == 0, (data, verdict)
+        assert data[: int(verdict[1])].endswith(b"\r\n\r\n")

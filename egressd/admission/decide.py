@@ -1,0 +1,72 @@
+"""The decide step: the one pure decision (`egressd.policy.decide`) for a target as a client wrote
+it, never raising — an unparseable target or a bug refuses."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+from egressd.admission import faults
+from egressd.admission.state import PolicyHolder
+from egressd.policy import Client, Decision, IPAddress, decide, make_target
+from egressd.refusal import Refusal
+
+logger = logging.getLogger(__name__)
+
+
+class Decider:
+    def __init__(self, policies: PolicyHolder) -> None:
+        self.policies = policies
+        self.self_addresses: tuple[tuple[IPAddress, int], ...] = ()
+
+    def add_self_address(self, host: str, port: int) -> None:
+        """egressd's own listeners: a connection to one is refused (`self`)."""
+        address = (ipaddress.ip_address(host), port)
+        if address not in self.self_addresses:
+            self.self_addresses = (*self.self_addresses, address)
+
+    def decide(
+        self,
+        host: str,
+        port: int,
+        profile: str | None,
+        *,
+        scheme: str | None = None,
+        method: str | None = None,
+        path: str | None = None,
+    ) -> Decision:
+        policy = self.policies.get()
+        try:
+            target = make_target(host, port, scheme=scheme, path=path, method=method)
+        except ValueError as e:
+            return Decision(allowed=False, reason="invalid_target", rule=None, target=None, detail=str(e))
+        try:
+            faults.maybe_fail("decide")
+            return decide(target, Client(profile=profile), policy, self_addresses=self.self_addresses)
+        except Exception as e:  # noqa: BLE001 - fail closed on any bug
+            logger.exception("decision failed")
+            return Decision(allowed=False, reason="internal_error", rule=None, target=target, detail=repr(e))
+
+
+def refusal_for(decision: Decision) -> Refusal:
+    """The refusal a client gets for a refused decision."""
+    target = decision.target
+    return Refusal(
+        reason=decision.reason,
+        detail=decision.detail,
+        host=target.host.text if target is not None else "",
+        port=target.port if target is not None else None,
+        rule=decision.rule,
+    )
+
+
+def needs_inspection_refusal(decision: Decision) -> Refusal:
+    """An allowed host whose rules name paths or methods, where egressd cannot see them."""
+    target = decision.target
+    return Refusal(
+        "needs_inspection",
+        "this host is admitted only for some paths or methods, which needs TLS inspection",
+        target.host.text if target else "",
+        target.port if target else None,
+        decision.rule,
+    )

@@ -1,0 +1,96 @@
+"""What the admission pipeline tells the world: typed events and the bus that carries them.
+
+Fronts never write audit records or traces themselves: the pipeline emits one event per step that
+matters (a decision, a connection opened, a connection closed with its bytes, a refusal no decision
+made, a notice such as credentials stripped), and every observer — the audit log, the trace, later
+metrics and a dashboard — subscribes to the bus. A failing observer is logged, never propagated: it
+must not change what was decided.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+Stage = Literal["connect", "socks", "request", "inner", "connection", "tls"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """One decision: a CONNECT, SOCKS5 connect or request (allowed or refused), or an upstream
+    connection (stage "connection": opened, with its resolved and connected addresses, or not)."""
+
+    conn: str | None
+    client: str | None
+    profile: str | None
+    stage: Stage
+    host: str | None
+    port: int | None
+    allowed: bool
+    reason: str
+    rule: str | None
+    detail: str
+    method: str | None = None
+    scheme: str | None = None
+    path: str | None = None
+    resolved: tuple[str, ...] = ()
+    connected: str | None = None
+    attempts: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """A client connection ended: bytes each way and how long it lived."""
+
+    conn: str
+    client: str | None
+    host: str | None
+    port: int | None
+    bytes_up: int
+    bytes_down: int
+    duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Anything else an observer may want: header_timeout, internal_error, credentials_stripped,
+    response_cut."""
+
+    kind: str
+    fields: Mapping[str, object] = field(default_factory=dict)
+
+
+Event = Decided | Closed | Notice
+Observer = Callable[[Event], None]
+
+
+class EventBus:
+    """Synchronous fan-out to the observers, in subscription order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._observers: tuple[Observer, ...] = ()
+
+    def subscribe(self, observer: Observer) -> None:
+        with self._lock:
+            self._observers = (*self._observers, observer)
+
+    def unsubscribe(self, observer: Observer) -> None:
+        with self._lock:
+            self._observers = tuple(o for o in self._observers if o is not observer)
+
+    @property
+    def observed(self) -> bool:
+        return bool(self._observers)
+
+    def emit(self, event: Event) -> None:
+        for observer in self._observers:
+            try:
+                observer(event)
+            except Exception:  # noqa: BLE001 - an observer never changes a decision
+                logger.exception("egressd: an observer failed on %s", type(event).__name__)

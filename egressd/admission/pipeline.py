@@ -1,0 +1,351 @@
+"""The one admission pipeline: every CONNECT, SOCKS5 connect and HTTP request, whichever front read
+it, is admitted here and nowhere else.
+
+`await pipeline.admit(conn, ask)` runs the steps in one fixed order —
+credentials → limits → decide → approver → request rules → inspection choice → resolve → filter →
+pin — and answers an `Admitted` or a `Refusal`. `await pipeline.connect(...)` opens the upstream
+connection to the pinned addresses only. Every step is its own module in this package; the fronts
+(`egressd/front/`) and the mitmproxy addons (`addons/`) only read bytes, call these two, and write
+what they answer. What happened is emitted on `pipeline.events` (decisions, connections opened and
+closed with their bytes, refusals no decision made, notices); the audit log and the trace subscribe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from egressd.admission import approver as approvals
+from egressd.admission import faults
+from egressd.admission import resolve as resolution
+from egressd.admission.credentials import CredentialStore, Presented, ProxyCredentials, authenticate
+from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
+from egressd.admission.events import Closed, Decided, EventBus, Notice, Stage
+from egressd.admission.http_rules import request_refusal
+from egressd.admission.limits import Limits
+from egressd.admission.pinning import ConnectFailure, Pin, connect_protocol
+from egressd.admission.redirects import RedirectMemory
+from egressd.admission.state import ConnState, PolicyHolder
+from egressd.policy import Decision, IPAddress
+from egressd.refusal import Refusal
+
+if TYPE_CHECKING:
+    from egressd.admission.approver import Approver
+    from egressd.observe.audit import AuditLog
+
+logger = logging.getLogger(__name__)
+
+AUTH_REFUSAL = Refusal("proxy_auth_required", "missing or wrong proxy credentials")
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a front asks admission for, as the client wrote it.
+
+    stage: "connect" (HTTP CONNECT), "socks" (SOCKS5 connect), "request" (an absolute-form HTTP
+    request) or "inner" (a request inside an admitted, inspected tunnel: the tunnel's connection is
+    already pinned, so nothing is resolved)."""
+
+    stage: Stage
+    host: str
+    port: int
+    scheme: str | None = None
+    method: str | None = None
+    path: str | None = None
+    credentials: Presented = None
+    headers: Sequence[tuple[str, str]] | None = None  # an HTTP request's, for the request rules
+
+
+@dataclass
+class Admitted:
+    """An allowed ask: its decision, whether its tunnel is inspected, and where it may connect."""
+
+    decision: Decision
+    inspect: bool = False
+    pin: Pin | None = None  # None for "inner" requests
+    resolved: tuple[IPAddress, ...] = ()
+
+    @property
+    def host(self) -> str:
+        assert self.decision.target is not None
+        return self.decision.target.host.text
+
+    @property
+    def port(self) -> int:
+        assert self.decision.target is not None
+        return self.decision.target.port
+
+
+@dataclass
+class Connections:
+    """The client connections open now, by the id the front gave them."""
+
+    open: dict[str, ConnState] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        policies: PolicyHolder,
+        *,
+        credentials: CredentialStore | None = None,
+        audit: AuditLog | None = None,
+        require_auth: bool = True,
+        approver: Approver | None = None,
+    ) -> None:
+        self.policies = policies
+        self.credentials = credentials or CredentialStore()
+        self.require_auth = require_auth
+        self.decider = Decider(policies)
+        self.limits = Limits(policies)
+        self.approver = approver
+        self.redirects = RedirectMemory()
+        self.events = EventBus()
+        if audit is not None:
+            self.events.subscribe(audit.observe)
+        self.inspection = False  # TLS inspection available (CA ready); off with --no-inspect
+        self.draining = False
+        self._conns = Connections()
+        # connection ids for the audit log: a random prefix per proxy and a counter
+        self._id_prefix = secrets.token_hex(3)
+        self._ids = itertools.count(1)
+
+    # -- client connections ------------------------------------------------------------------------
+    def open_conn(self, peer: str, implicit: ProxyCredentials | None = None) -> ConnState:
+        state = ConnState(conn_id=f"{self._id_prefix}{next(self._ids):06x}", peer=peer, implicit=implicit)
+        with self._conns.lock:
+            self._conns.open[state.conn_id] = state
+        return state
+
+    def close_conn(self, state: ConnState) -> None:
+        """The client connection ended: forgotten, and its closed record emitted (once)."""
+        with self._conns.lock:
+            if self._conns.open.pop(state.conn_id, None) is None:
+                return
+        if state.host is not None:
+            self.events.emit(
+                Closed(
+                    conn=state.conn_id,
+                    client=state.client_name,
+                    host=state.host,
+                    port=state.port,
+                    bytes_up=state.bytes_up,
+                    bytes_down=state.bytes_down,
+                    duration=round(time.monotonic() - state.started, 3),
+                )
+            )
+
+    def active(self) -> int:
+        return len(self._conns.open)
+
+    # -- admission ---------------------------------------------------------------------------------
+    async def admit(self, conn: ConnState, ask: Ask) -> Admitted | Refusal:
+        """The steps, in order; never raises (a bug refuses with internal_error)."""
+        try:
+            return await self._admit(conn, ask)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fail closed
+            return self.internal_error(f"admit ({ask.stage})", exc)
+
+    async def _admit(self, conn: ConnState, ask: Ask) -> Admitted | Refusal:
+        conn.head_seen = True
+        faults.maybe_fail("hook")
+        if ask.stage == "inner" and not conn.tunnel:
+            return self.internal_error("admit", RuntimeError("a request inside a tunnel nobody admitted"))
+        # 1. credentials
+        if not authenticate(self.credentials, conn, ask.credentials, require_auth=self.require_auth):
+            return AUTH_REFUSAL
+        # 2. limits, before anything is decided: refused targets cost a child its rate too
+        tunnel = ask.stage in ("connect", "socks")
+        limited = self.limits.rate(conn) or (self.limits.connections() if tunnel else None)
+        if limited is not None:
+            return limited
+        # 3. the decision; every later step uses its canonical target, never the client's spelling
+        decision = self.decider.decide(
+            ask.host, ask.port, conn.profile, scheme=ask.scheme, method=ask.method, path=ask.path
+        )
+        if decision.target is not None:
+            conn.host, conn.port = decision.target.host.text, decision.target.port
+        # 4. the approver (mode: ask waits here)
+        if decision.ask:
+            decision = await approvals.answer(self.approver, decision, conn)
+        # 5. the request rules, and the choice to inspect
+        refusal, inspect = self._judge(conn, ask, decision)
+        if refusal is not None or ask.stage in ("request", "inner"):
+            self._decided(conn, ask, decision, refusal)
+        if refusal is not None:
+            return refusal
+        if not tunnel:
+            return Admitted(decision)  # resolved when a connection is opened for it (connect)
+        # 6. resolve, filter, pin: a tunnel's answer (200, SOCKS5 reply) waits for its addresses
+        admitted = Admitted(decision, inspect)
+        refusal = await self.pin(conn, admitted)
+        if refusal is not None:
+            return refusal
+        conn.tunnel = True  # what the tunnel carries was authenticated by its set-up
+        return admitted
+
+    async def pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
+        """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""
+        pinned = await resolution.pin(admitted.decision, self.policies.get())
+        admitted.decision, admitted.pin, admitted.resolved = pinned.decision, pinned.pin, pinned.resolved
+        if pinned.refusal is not None:
+            self.connection_record(conn, admitted, (pinned.refusal.reason, pinned.refusal.detail))
+        return pinned.refusal
+
+    def _judge(self, conn: ConnState, ask: Ask, decision: Decision) -> tuple[Refusal | None, bool]:
+        """(refusal, inspect) for a decision: refused ones, the request rules, inspection."""
+        if not decision.allowed or decision.target is None:
+            return refusal_for(decision), False
+        if ask.stage in ("request", "inner"):
+            if decision.needs_inspection:
+                return needs_inspection_refusal(decision), False
+            policy = self.policies.get()
+            return request_refusal(decision.target, ask.headers or (), websocket=policy.websocket), False
+        inspect = self.wants_inspection(decision, conn)
+        if decision.needs_inspection and not inspect:
+            return needs_inspection_refusal(decision), False
+        return None, inspect
+
+    def wants_inspection(self, decision: Decision, conn: ConnState) -> bool:
+        """A tunnel is intercepted for hosts only a path/method rule admits, hosts the policy marks
+        `inspect`, and the target of a cross-origin redirect this child was sent."""
+        target = decision.target
+        if not self.inspection or target is None:
+            return False
+        if decision.needs_inspection or self.policies.get().inspect.match(target.host, target.port):
+            return True
+        return self.redirects.expects(conn.client_key, "https", target.host.text, target.port)
+
+    # -- the upstream connection -------------------------------------------------------------------
+    async def connect(
+        self, conn: ConnState, admitted: Admitted, protocol: asyncio.BaseProtocol, upstream_id: str
+    ) -> Refusal | None:
+        """Connect `protocol` to the pinned addresses only (a request's are resolved and pinned
+        now), with the connection record either way. `upstream_id` counts against
+        limits.max_connections until `disconnected(upstream_id)`."""
+        limited = self.limits.connections()
+        if limited is not None:
+            return limited
+        if admitted.pin is None and (refusal := await self.pin(conn, admitted)) is not None:
+            return refusal
+        pin = admitted.pin
+        assert pin is not None
+        try:
+            await connect_protocol(pin, protocol)
+        except ConnectFailure as failure:
+            self.connection_record(conn, admitted, (failure.reason, failure.detail))
+            return Refusal(failure.reason, failure.detail, pin.host, pin.port, admitted.decision.rule)
+        self.limits.upstreams.add(upstream_id)
+        self.connection_record(conn, admitted, None)
+        return None
+
+    def connected(self, upstream_id: str) -> None:
+        """An upstream connection opened elsewhere (mitmproxy's, to a pin this pipeline made)."""
+        self.limits.upstreams.add(upstream_id)
+
+    def disconnected(self, upstream_id: str) -> None:
+        self.limits.upstreams.discard(upstream_id)
+
+    # -- events ------------------------------------------------------------------------------------
+    def _emit(self, conn: ConnState | None, **fields: Any) -> None:
+        """A Decided event about this client connection."""
+        client = {"conn": None, "client": None, "profile": None}
+        if conn is not None:
+            client = {"conn": conn.conn_id, "client": conn.client_name, "profile": conn.profile}
+        self.events.emit(Decided(**client, **fields))
+
+    def _decided(self, conn: ConnState, ask: Ask, decision: Decision, refusal: Refusal | None) -> None:
+        target = decision.target
+        request = ask.stage in ("request", "inner")
+        self._emit(
+            conn,
+            stage=ask.stage,
+            method=ask.method,
+            scheme=ask.scheme if request else None,
+            host=target.host.text if target else ask.host,
+            port=target.port if target else ask.port,
+            path=ask.path if request else None,
+            allowed=refusal is None,
+            reason=refusal.reason if refusal else decision.reason,
+            rule=decision.rule,
+            detail=refusal.detail if refusal else decision.detail,
+        )
+
+    def connection_record(self, conn: ConnState, admitted: Admitted, failure: tuple[str, str] | None) -> None:
+        """The decision record of one upstream connection, with resolved and connected addresses."""
+        decision, pin = admitted.decision, admitted.pin
+        target = decision.target
+        reason, detail = failure if failure is not None else (decision.reason, decision.detail)
+        self._emit(
+            conn,
+            stage="connection",
+            host=target.host.text if target else conn.host,
+            port=target.port if target else conn.port,
+            allowed=decision.allowed and pin is not None and failure is None,
+            reason=reason,
+            rule=decision.rule,
+            detail=detail,
+            resolved=tuple(str(a) for a in admitted.resolved),
+            connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
+            attempts=tuple(pin.attempts) if pin is not None else (),
+        )
+
+    def refused_early(
+        self,
+        conn: ConnState | None,
+        host: str | None,
+        port: int | None,
+        reason: str,
+        detail: str,
+        *,
+        stage: Stage,
+        method: str | None = None,
+        scheme: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        """A refusal no decision made: a tunnel closed after its first bytes (SNI, stage "tls"), a
+        request head no parser may read (stage "request"; its method, scheme and path when its
+        request line could be read)."""
+        self._emit(
+            conn,
+            stage=stage,
+            method=method,
+            scheme=scheme,
+            host=host,
+            port=port,
+            path=path,
+            allowed=False,
+            reason=reason,
+            rule=None,
+            detail=detail,
+        )
+        logger.info("refused (%s) %s:%s: %s", stage, host if host is not None else "?", port or "?", detail)
+
+    def header_timeout(self, conn: ConnState, timeout: float) -> None:
+        """A client cut for not finishing its request head in time."""
+        detail = f"no request within {timeout:g}s"
+        self.events.emit(
+            Notice("header_timeout", {"conn": conn.conn_id, "peer": conn.peer, "detail": detail})
+        )
+
+    def notice(self, conn: ConnState, kind: str, **fields: object) -> None:
+        """What an HTTP exchange did besides deciding: credentials_stripped, response_cut."""
+        self.events.emit(Notice(kind, {"conn": conn.conn_id, "client": conn.client_name, **fields}))
+
+    def internal_error(self, where: str, exc: BaseException) -> Refusal:
+        """A bug while admitting, on any front: logged, recorded, and answered by a refusal."""
+        logger.error("egressd internal error in %s: %r", where, exc, exc_info=exc)
+        refusal = Refusal("internal_error", f"{where}: {type(exc).__name__}: {exc}")
+        fields = {"hook": where, "decision": "deny", "reason": "internal_error", "detail": refusal.detail}
+        self.events.emit(Notice("internal_error", fields))
+        return refusal

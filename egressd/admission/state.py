@@ -1,0 +1,74 @@
+"""What admission reads besides the request: the policy in force and what is known of one client
+connection."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from egressd.policy import Policy, join_host_port
+
+DEFAULT_USERNAME = "egressd"
+
+
+@dataclass(frozen=True)
+class ProxyCredentials:
+    """What a child puts in its proxy URL; the username names its profile."""
+
+    username: str
+    token: str
+
+    @property
+    def profile(self) -> str | None:
+        return None if self.username == DEFAULT_USERNAME else self.username
+
+    def proxy_url(self, host: str, port: int, scheme: str = "http") -> str:
+        return f"{scheme}://{self.username}:{self.token}@{join_host_port(host, port)}"
+
+
+class PolicyHolder:
+    """The policy in force; swapped atomically on reload."""
+
+    def __init__(self, policy: Policy) -> None:
+        self._policy = policy
+        self._lock = threading.Lock()
+
+    def get(self) -> Policy:
+        return self._policy
+
+    def set(self, policy: Policy) -> None:
+        with self._lock:
+            self._policy = policy
+
+
+@dataclass
+class ConnState:
+    """What egressd knows about one client connection, whichever front accepted it."""
+
+    conn_id: str
+    peer: str
+    started: float = field(default_factory=time.monotonic)
+    creds: ProxyCredentials | None = None
+    host: str | None = None  # the canonical target of the last decision
+    port: int | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    head_seen: bool = False  # a request head / CONNECT / SOCKS request arrived (header_timeout)
+    tunnel: bool = False  # an admitted CONNECT / SOCKS5 tunnel: its set-up authenticated what is inside
+    # credentials the listener grants: only the child can reach it (the sandbox's credential-free
+    # port); a request without Proxy-Authorization counts as the child's, a wrong one is refused
+    implicit: ProxyCredentials | None = None
+
+    @property
+    def profile(self) -> str | None:
+        return self.creds.profile if self.creds else None
+
+    @property
+    def client_name(self) -> str | None:
+        return self.creds.username if self.creds else None
+
+    @property
+    def client_key(self) -> str:
+        """Whose limits and redirect memory apply: the child's token, or this connection's id."""
+        return self.creds.token if self.creds is not None else self.conn_id
