@@ -154,14 +154,18 @@ def split_target(target: str) -> tuple[str, str, int, str]:
     authority, path = rest[:cut], rest[cut:]
     if "#" in path:
         raise WireError("a fragment in the request target")
+    if path.startswith("?"):  # legal, but lenient parsers read `http://evil?@good/` as good
+        raise WireError(f"a query right after the authority, without a path: {target[:200]!r}")
     if not authority or not _AUTHORITY.issuperset(authority) or "@" in authority:
         raise WireError(f"malformed authority (userinfo or invalid characters) {authority[:200]!r}")
     port_text = ""
     if authority.startswith("["):
         end = authority.find("]")
         host, after = authority[1:end], authority[end + 1 :]
-        if end < 0 or (after and not after.startswith(":")):
-            raise WireError(f"malformed IPv6 authority {authority[:200]!r}")
+        if end < 0 or (after and not after.startswith(":")) or ":" not in host:
+            raise WireError(
+                f"malformed IP-literal authority (brackets hold an IPv6 address) {authority[:200]!r}"
+            )
         port_text = after[1:] if after else ""
         has_port = bool(after)
     else:

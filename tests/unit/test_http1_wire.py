@@ -83,7 +83,7 @@ def test_absolute_form_request_split_once_host_as_written() -> None:
     ("target", "expected"),
     [
         ("http://h", ("http", "h", 80, "/")),
-        ("HTTP://h:81?q", ("http", "h", 81, "/?q")),
+        ("HTTP://h:81/?q", ("http", "h", 81, "/?q")),
         ("http://[::1]:8080/x", ("http", "::1", 8080, "/x")),
         ("http://[::ffff:127.0.0.1]/", ("http", "::ffff:127.0.0.1", 80, "/")),
         ("http://0x7f.1:0080/", ("http", "0x7f.1", 80, "/")),
@@ -105,6 +105,8 @@ REFUSED = [
     ("userinfo", _head("GET http://a@evil/ HTTP/1.1", "Host: evil")),
     ("backslash", _head("GET http://a\\@evil/ HTTP/1.1", "Host: evil")),
     ("fragment", _head("GET http://h/#f HTTP/1.1", "Host: h")),
+    ("query-without-path", _head("GET http://evil?@good/ HTTP/1.1", "Host: good")),
+    ("name-in-brackets", _head("GET http://[h]/ HTTP/1.1", "Host: [h]")),
     ("port-zero", _head("GET http://h:0/ HTTP/1.1", "Host: h")),
     ("port-big", _head("GET http://h:65536/ HTTP/1.1", "Host: h")),
     ("port-sign", _head("GET http://h:+80/ HTTP/1.1", "Host: h")),
