@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import h11
 
 from egressd.admission.http_rules import FRAMING, connection_problem, hop_by_hop_names, hostport
+from egressd.refusal import EGRESSD_HEADERS
 from egressd.wire.http_head import HeadScanner
 
 MAX_HEAD = 64 * 1024
@@ -384,8 +385,6 @@ class ClientSide(_Reader):
 def response_headers(headers: Headers, *, keep_upgrade: bool) -> Headers:
     """Response fields forwarded to the child: no hop-by-hop fields, no framing (h11 frames anew),
     and never egressd's own headers from upstream (a forged refusal)."""
-    from egressd.refusal import EGRESSD_HEADERS
-
     connection = ", ".join(_values(headers, "connection"))
     drop = set(hop_by_hop_names(connection, keep_upgrade=keep_upgrade)) | set(EGRESSD_HEADERS)
     drop |= {"transfer-encoding"} | ({"upgrade"} if not keep_upgrade else set())
