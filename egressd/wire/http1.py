@@ -194,6 +194,8 @@ class _Reader:
 
     def _take_head(self) -> bytes | None:
         """The next complete, guarded head (removed from raw), or None when more bytes are needed."""
+        if not self.raw:
+            return None
         if self.scanner is None:
             self.scanner = HeadScanner()
         found = self.scanner.scan(self.raw)
