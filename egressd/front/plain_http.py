@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from egressd.admission.http_rules import hostport
 from egressd.admission.pipeline import Admitted, Ask
 from egressd.front.server import HIGH_WATER, _Pipe
 from egressd.refusal import Refusal
@@ -36,6 +35,7 @@ from egressd.wire.http1 import (
     WireError,
     upstream_headers,
 )
+from egressd.wire.http_fields import hostport
 
 if TYPE_CHECKING:
     from egressd.admission.pipeline import Pipeline

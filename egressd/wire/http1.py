@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import h11
 
-from egressd.admission.http_rules import FRAMING, connection_problem, hop_by_hop_names, hostport
 from egressd.refusal import EGRESSD_HEADERS
+from egressd.wire.http_fields import FRAMING, connection_problem, hop_by_hop_names, hostport
 from egressd.wire.http_head import HeadScanner
 
 MAX_HEAD = 64 * 1024
