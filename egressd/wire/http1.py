@@ -320,6 +320,8 @@ class ClientSide(_Reader):
         if hosts != 1:
             headers = headers[:-1]  # the stand-in
         version = request.http_version.decode("ascii")
+        if version not in ("1.1", "1.0"):
+            raise WireError(f"HTTP/{version} is not HTTP/1.1 or HTTP/1.0")
         self.request = RequestHead(method, scheme, host, port, path, version, headers)
         if problem is not None:
             raise WireError(problem, head=self.request)
@@ -506,3 +508,42 @@ class ServerSide(_Reader):
         conn.start_next_cycle()
         self.in_head = False
         return True
+
+
+@dataclass(frozen=True)
+class ConnectHead:
+    """A CONNECT request: its authority split once (host as written) and its Proxy-Authorization."""
+
+    host: str
+    port: int
+    authorization: str | None
+
+
+def read_connect(head: bytes) -> ConnectHead:
+    """One complete CONNECT head (the raw-head guard already passed it) read by h11. Raises WireError."""
+    line = head.split(b"\r\n", 1)[0]
+    if not line.isascii():
+        raise WireError(f"non-ASCII bytes in the CONNECT request line {ascii(line[:200].decode('latin-1'))}")
+    fields = _raw_fields(head)
+    if sum(1 for n, _ in fields if n == b"host") != 1:  # h11 insists on one Host field in HTTP/1.1
+        lines = [x for x in head[:-4].split(b"\r\n") if x.partition(b":")[0].lower() != b"host"]
+        head = b"\r\n".join(lines) + b"\r\n" + _STAND_IN + b"\r\n"
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+    conn.receive_data(head)
+    request = _next(conn)
+    if (
+        not isinstance(request, h11.Request)
+        or request.method != b"CONNECT"
+        or request.http_version not in (b"1.1", b"1.0")
+    ):
+        raise WireError(f"malformed CONNECT request line {line[:200].decode('latin-1')!r}")
+    authority = request.target.decode("ascii")
+    host, sep, port_text = authority.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or len(port_text) > 5 or not 0 < int(port_text) < 65536:
+        raise WireError(f"CONNECT needs host:port, got {authority[:200]!r}")
+    credentials = [v for n, v in _text(request.headers.raw_items()) if n.lower() == "proxy-authorization"]
+    if len(credentials) > 1:
+        raise WireError("more than one Proxy-Authorization header")
+    return ConnectHead(host, int(port_text), credentials[0].strip() if credentials else None)

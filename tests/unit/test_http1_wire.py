@@ -24,6 +24,7 @@ from egressd.wire.http1 import (
     ServerSide,
     Switched,
     WireError,
+    read_connect,
     split_target,
     upstream_headers,
 )
@@ -441,3 +442,50 @@ def test_scanner_agrees_with_head_problem(lines: list[bytes], ends: list[bytes],
     else:
         assert verdict is not None and verdict[0] == 0, (data, verdict)
         assert data[: int(verdict[1])].endswith(b"\r\n\r\n")
+
+
+# -- CONNECT heads ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("head", "expect"),
+    [
+        (b"CONNECT up.test:443 HTTP/1.1\r\nHost: up.test:443\r\n\r\n", ("up.test", 443, None)),
+        (b"CONNECT up.test:443 HTTP/1.1\r\n\r\n", ("up.test", 443, None)),  # no Host: fine for CONNECT
+        (b"CONNECT [2001:db8::1]:8443 HTTP/1.0\r\n\r\n", ("2001:db8::1", 8443, None)),
+        (
+            b"CONNECT up.test:443 HTTP/1.1\r\nProxy-Authorization:  Basic abc \r\n\r\n",
+            ("up.test", 443, "Basic abc"),
+        ),
+        (b"CONNECT up.test:443 HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", ("up.test", 443, None)),
+    ],
+)
+def test_a_connect_head_is_read(head: bytes, expect: tuple[str, int, str | None]) -> None:
+    connect = read_connect(head)
+    assert (connect.host, connect.port, connect.authorization) == expect
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"CONNECT up.test HTTP/1.1\r\n\r\n",  # no port
+        b"CONNECT up.test:0 HTTP/1.1\r\n\r\n",
+        b"CONNECT up.test:65536 HTTP/1.1\r\n\r\n",
+        b"CONNECT up.test:+443 HTTP/1.1\r\n\r\n",
+        b"CONNECT :443 HTTP/1.1\r\n\r\n",
+        b"CONNECT up.test:443 HTTP/2.0\r\n\r\n",
+        b"CONNECT up.test:443\r\n\r\n",
+        b"CONNECT  up.test:443 HTTP/1.1\r\n\r\n",
+        b"CONNECT caf\xe9.test:443 HTTP/1.1\r\n\r\n",  # a non-ASCII byte: refused and recorded
+        b"GET up.test:443 HTTP/1.1\r\n\r\n",
+        b"CONNECT up.test:443 HTTP/1.1\r\nProxy-Authorization: a\r\nProxy-Authorization: b\r\n\r\n",
+        b"CONNECT up.test:443 HTTP/1.1\r\nbad header\r\n\r\n",
+    ],
+)
+def test_a_malformed_connect_head_is_refused(head: bytes) -> None:
+    with pytest.raises(WireError):
+        read_connect(head)
+
+
+@pytest.mark.parametrize("version", [b"HTTP/2.0", b"HTTP/1.2", b"HTTP/0.9"])
+def test_a_request_of_another_http_version_is_refused(version: bytes) -> None:
+    with pytest.raises(WireError):
+        ClientSide().receive(b"GET http://a.test/ " + version + b"\r\nHost: a.test\r\n\r\n")
