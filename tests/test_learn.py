@@ -86,6 +86,7 @@ def test_guards_hold_in_allow_and_learn_through_the_proxy(tmp_path: Path, mode: 
             result = curl(env, url)
             assert status(result) == 403, (url, result.stdout)
             assert header(result, "X-Egressd-Reason") == reason, url
+            assert "error=destination_ip_prohibited" in (header(result, "Proxy-Status") or ""), url
             if reason == "private_address":
                 assert "private.allow" in result.stdout.decode("latin-1")
     records = audit_records(audit)
