@@ -646,4 +646,5 @@ def resolution_refusal(decision: Decision, verdicts: Sequence[AddressVerdict]) -
         needs_inspection=False,
         private_ok=False,
         addresses=(),
+        would_be=None,  # refused now: nothing was learned
     )

@@ -188,3 +188,16 @@ def test_learn_is_a_mode_of_the_file_the_env_and_the_overrides(tmp_path: Any) ->
     path.write_text("version: 1\nmode: enforce\n")
     assert load_policy(path, env={"EGRESSD_MODE": "learn"}).mode == "learn"
     assert load_policy(path).with_overrides(mode="learn").mode == "learn"
+
+
+def test_a_learned_name_that_resolves_only_to_guarded_addresses_is_refused() -> None:
+    import ipaddress
+
+    from egressd.policy import filter_addresses, resolution_refusal
+
+    policy = pol("learn")
+    decision = decide("intranet.test:443", Client(), policy)
+    kept, verdicts = filter_addresses(decision, [ipaddress.ip_address("192.168.1.1")], policy)
+    assert kept == []
+    refused = resolution_refusal(decision, verdicts)
+    assert (refused.allowed, refused.reason, refused.would_be) == (False, "resolved_forbidden", None)
