@@ -192,6 +192,32 @@ def echo_engine(tcp_echo: TcpEchoServer) -> Iterator[EgressProxy]:
 
 
 @pytest.fixture
+def inspected_echo(tcp_echo: TcpEchoServer) -> Iterator[TcpEchoServer]:
+    """A second raw TCP echo server on tcp_echo's address, which inspecting_engine inspects."""
+    with TcpEchoServer(tcp_echo.address[0], name="tcp-echo-inspected") as server:
+        yield server
+
+
+@pytest.fixture
+def inspecting_engine(tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer) -> Iterator[EgressProxy]:
+    """An in-process engine that allows both echo servers and inspects inspected_echo: a tunnel to
+    it is handed to the embedded mitmproxy (the one thing that starts it), one to tcp_echo is not."""
+    from egressd.policy import parse_policy
+    from egressd.proxy import EgressProxy
+
+    lean, inspected = (f"{h}:{p}" for h, p in (tcp_echo.address, inspected_echo.address))
+    policy = parse_policy(
+        {"version": 1, "mode": "enforce", "allow": [lean, inspected], "inspect": [inspected]}, "test"
+    )
+    engine = EgressProxy(policy)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
 def refusing_port() -> Iterator[RefusingPort]:
     """A reserved port on 198.51.100.4 where connecting is refused (RST)."""
     with RefusingPort(netns.UPSTREAM_V4[3]) as port:

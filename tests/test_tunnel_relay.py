@@ -98,23 +98,18 @@ def test_a_streamed_tunnel_keeps_every_byte_in_order_and_stays_interactive(
 
 
 def test_only_lean_tunnels_coalesce_not_the_hand_off_to_mitmproxy(
-    echo_engine: EgressProxy, tcp_echo: TcpEchoServer
+    inspecting_engine: EgressProxy, tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer
 ) -> None:
     """On the hand-off the far side is the embedded mitmproxy on this same loop: no ticks there."""
-    front = echo_engine._front
-    assert front is not None and echo_engine.socks_address is not None
-    with (
-        _tunnel(echo_engine, tcp_echo) as lean,
-        socket.create_connection(echo_engine.socks_address, timeout=30) as handed_off,
-    ):
+    front = inspecting_engine._front
+    assert front is not None
+    with _tunnel(inspecting_engine, tcp_echo) as lean, _tunnel(inspecting_engine, inspected_echo):
         _ping_pong(lean, 1)
-        handed_off.sendall(b"\x05\x01\x02")  # SOCKS5: relayed to mitmproxy
-        assert handed_off.recv(2) == b"\x05\x02"
         pairs = [(client, client.peer) for client in front.clients]
         assert len(pairs) == 2 and all(peer is not None for _, peer in pairs)
-        by_kind = {client.kind: (client, peer) for client, peer in pairs}
-        assert by_kind["http"][0].coalesce and by_kind["http"][1].coalesce  # type: ignore[union-attr]
-        assert not by_kind["socks"][0].coalesce and not by_kind["socks"][1].coalesce  # type: ignore[union-attr]
+        by_path = {client.server_id is not None: (client, peer) for client, peer in pairs}
+        assert by_path[True][0].coalesce and by_path[True][1].coalesce  # type: ignore[union-attr]
+        assert not by_path[False][0].coalesce and not by_path[False][1].coalesce  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("uvloop_on", ["1", "0"])

@@ -196,6 +196,11 @@ class Pipeline:
         conn.tunnel = True  # what the tunnel carries was authenticated by its set-up
         return admitted
 
+    def authenticate(self, conn: ConnState, presented: Presented) -> bool:
+        """The credentials step alone, for a protocol that answers it before its request arrives
+        (SOCKS5's RFC 1929 sub-negotiation); admit() runs it again on the same credentials."""
+        return authenticate(self.credentials, conn, presented, require_auth=self.require_auth)
+
     async def pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
         """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""
         pinned = await resolution.pin(admitted.decision, self.policies.get())

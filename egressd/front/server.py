@@ -16,8 +16,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, cast
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, cast
 
 from egressd.admission.pipeline import Admitted, Ask
 from egressd.inspect.handoffs import Handoff, Handoffs
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# where the embedded mitmproxy listens for "http" or "socks" clients (started on first use)
+# where the embedded mitmproxy listens for the clients handed to it (started on first use)
 MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
 HIGH_WATER = 1 << 20
 # Read coalescing for streaming tunnels. A relay that reads each packet as it arrives (a TLS sender
@@ -266,9 +266,6 @@ class FrontProtocol(_Pipe):
         self.front.clients.add(self)
         peer = transport.get_extra_info("peername") or ("?", 0)
         self.state = self.rt.open_conn(f"{peer[0]}:{peer[1]}", self.implicit)
-        if self.kind != "http":
-            self._hand_off(None)  # SOCKS5: mitmproxy's SOCKS5 layer (being moved into the front)
-            return
         timeout = self.rt.policies.get().limits.header_timeout
         self.timer = asyncio.get_running_loop().call_later(timeout, self._head_timeout, timeout)
 
@@ -340,26 +337,29 @@ class FrontProtocol(_Pipe):
         end = self.buffer.find(b"\r\n\r\n")
         if end < 0:
             return
-        assert self.transport is not None
-        if self.timer is not None:
-            self.timer.cancel()  # header_timeout bounds the head; connect_timeout bounds the rest
-            self.timer = None
-        self.transport.pause_reading()
         head = bytes(self.buffer[: end + 4])
         del self.buffer[: end + 4]
-        self.task = asyncio.get_running_loop().create_task(self._connect(head))
+        self._start_tunnel(self._admit_and_open(head))
 
-    async def _connect(self, head: bytes) -> None:
+    def _start_tunnel(self, opening: Coroutine[Any, Any, None]) -> None:
+        """Admit and open the tunnel whose request was read (CONNECT or SOCKS5): reading paused
+        until it is open, header_timeout over (connect_timeout bounds the rest), a bug refuses."""
+        assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.transport.pause_reading()
+        self.task = asyncio.get_running_loop().create_task(self._fail_closed(opening))
+
+    async def _fail_closed(self, opening: Coroutine[Any, Any, None]) -> None:
         try:
-            await self._admit_and_open(head)
+            await opening
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
             self._refuse(self.rt.internal_error("front", exc))
 
     async def _admit_and_open(self, head: bytes) -> None:
-        state = self.state
-        assert state is not None
         try:
             connect = read_connect(head)
         except WireError as exc:
@@ -373,6 +373,13 @@ class FrontProtocol(_Pipe):
             method="CONNECT",
             credentials=connect.authorization,
         )
+        await self._open_tunnel(ask)
+
+    async def _open_tunnel(self, ask: Ask) -> None:
+        """Admit a tunnel (CONNECT or SOCKS5) and open it: relayed here, or handed to mitmproxy to
+        inspect. Only the answers differ between the protocols (_established, _answer_refusal)."""
+        state = self.state
+        assert state is not None
         admitted = await self.rt.admit(state, ask)
         if isinstance(admitted, Refusal):
             self._refuse(admitted)
@@ -391,8 +398,8 @@ class FrontProtocol(_Pipe):
             upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
             return
         self.coalesce = COALESCE
-        self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        upstream.attach(self)  # after the 200: a server's first bytes follow it
+        self._established(upstream)
+        upstream.attach(self)  # after the answer: a server's first bytes follow it
         self.stage = "sni"
         self.hello = TunnelStart(admitted.host)
         self.transport.resume_reading()
@@ -432,8 +439,23 @@ class FrontProtocol(_Pipe):
                 refusal.reason, refusal.detail, state.host, state.port, refusal.rule, refusal.retry_after
             )
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(render(refusal))
+            self._answer_refusal(refusal)
             self.transport.close()
+
+    def _established(self, upstream: _Pipe) -> None:
+        """Tell the client its tunnel is open (`upstream`: the side towards the server, or mitmproxy)."""
+        assert self.transport is not None
+        self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+
+    def _answer_refusal(self, refusal: Refusal) -> None:
+        """Tell the client it is refused, in its protocol (it is closed after)."""
+        assert self.transport is not None
+        self.transport.write(render(refusal))
+
+    def _answer_handed_off_refusal(self, answer: bytes) -> None:
+        """mitmproxy refused a tunnel handed to it (its connect failed): its answer, as it is."""
+        assert self.transport is not None
+        self.transport.write(answer)
 
     def _refuse_unreadable(self, refusal: Refusal) -> None:
         """A CONNECT head refused before any decision: recorded, as every unreadable head is."""
@@ -441,18 +463,13 @@ class FrontProtocol(_Pipe):
         self._refuse(refusal)
 
     # -- inspection: the embedded mitmproxy --------------------------------------------------------
-    def _hand_off(self, admitted: Admitted | None) -> None:
-        """Relay this client to the embedded mitmproxy: a tunnel the pipeline admitted for
-        inspection (mitmproxy's addons decide each request inside it), or a SOCKS5
-        client whose requests mitmproxy reads."""
+    def _hand_off(self, admitted: Admitted) -> None:
+        """Relay a tunnel the pipeline admitted for inspection (CONNECT or SOCKS5) to the embedded
+        mitmproxy, whose addons decide each request inside it."""
         assert self.transport is not None and self.state is not None
         self.transport.pause_reading()
-        if admitted is not None:
-            target = join_host_port(admitted.host, admitted.port)
-            pending = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
-        else:
-            pending = bytes(self.buffer)
-            self.buffer = bytearray()
+        target = join_host_port(admitted.host, admitted.port)
+        pending = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
         if self.timer is not None:
             self.timer.cancel()
         self.stage = "handoff"
@@ -462,35 +479,30 @@ class FrontProtocol(_Pipe):
     async def _open_mitmproxy(self, handoff: Handoff, pending: bytes) -> None:
         loop = asyncio.get_running_loop()
         inner = _Pipe(self.tunnel, upstream=True)
-        admitted = handoff.tunnel
-        answered: asyncio.Future[bytes] | None = None
-        if admitted is not None:
-            answered = inner.answer = loop.create_future()  # mitmproxy's answer to the CONNECT
+        answered = inner.answer = loop.create_future()  # mitmproxy's answer to the CONNECT
         try:
-            address = await self.front.mitmproxy_address(self.kind)
+            address = await self.front.mitmproxy_address("http")
             sock = await self._handed_off_socket(address, handoff)
             await loop.create_connection(lambda: inner, sock=sock)
             assert inner.transport is not None
             inner.transport.write(pending)
-            if answered is not None:
-                answer = await answered
+            answer = await answered
         except Exception as exc:  # noqa: BLE001 - the client is closed, never let through
             logger.error("egressd could not hand a connection to mitmproxy: %r", exc)
             if self.transport is not None:
-                if self.kind == "http" and not self.transport.is_closing():
-                    self.transport.write(render(Refusal("internal_error", f"proxy engine: {exc}")))
+                if not self.transport.is_closing():
+                    self._answer_refusal(Refusal("internal_error", f"proxy engine: {exc}"))
                 self.transport.close()
             if inner.transport is not None:
                 inner.transport.close()
             return
         assert self.transport is not None
-        if answered is not None and not answer.startswith(b"HTTP/1.1 200"):
-            self.transport.write(answer)  # egressd's refusal, rendered by the addon (connect failed)
+        if not answer.startswith(b"HTTP/1.1 200"):
+            self._answer_handed_off_refusal(answer)  # rendered by the addon (connect failed)
             self.transport.close()
             inner.transport.close()
             return
-        if answered is not None:
-            self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        self._established(inner)
         inner.attach(self)
         pending = bytes(self.buffer)
         self.buffer = bytearray()
@@ -536,6 +548,11 @@ class FrontProtocol(_Pipe):
         client.start()
 
 
+def _check_kind(kind: str) -> None:
+    if kind not in ("http", "socks"):
+        raise ValueError(f"unknown listener kind {kind!r}")
+
+
 class FastFront:
     """egressd's listeners: the HTTP proxy port (CONNECT and absolute-form HTTP) and SOCKS5."""
 
@@ -547,20 +564,30 @@ class FastFront:
         self.clients: set[FrontProtocol] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
+    def _protocol(self, kind: str, implicit: ProxyCredentials | None = None) -> FrontProtocol:
+        """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5)."""
+        if kind == "socks":
+            from egressd.front.socks import SocksProtocol  # it imports this module
+
+            return SocksProtocol(self, implicit)
+        return FrontProtocol(self, kind, implicit=implicit)
+
     async def start(self, host: str, port: int, kind: str = "http") -> tuple[str, int]:
-        """Listen for `kind` clients: "http" (the proxy port) or "socks" (relayed to mitmproxy)."""
+        """Listen for `kind` clients: "http" (the proxy port) or "socks" (SOCKS5)."""
+        _check_kind(kind)
         loop = asyncio.get_running_loop()
         if self._sweeper is None:
             self._sweeper = loop.create_task(self._sweep_idle())
-        server = await loop.create_server(lambda: FrontProtocol(self, kind), host, port, backlog=4096)
+        server = await loop.create_server(lambda: self._protocol(kind), host, port, backlog=4096)
         self.servers.append(server)
         address = server.sockets[0].getsockname()
         return address[0], address[1]
 
     async def serve(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
         """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket)."""
+        _check_kind(kind)
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: FrontProtocol(self, kind, implicit=implicit), sock=sock)
+        server = await loop.create_server(lambda: self._protocol(kind, implicit), sock=sock)
         self.servers.append(server)
 
     async def _sweep_idle(self) -> None:
