@@ -110,8 +110,7 @@ class TunnelGuard(NextLayer):
     def _intercept(self, context: Any) -> bool:
         """Only tunnels the pipeline admitted for inspection are handed to mitmproxy."""
         handoff = self.gate.find(context.client)
-        tunnel = handoff.tunnel if handoff is not None else None
-        return self.rt.inspection and tunnel is not None and tunnel.inspect
+        return self.rt.inspection and handoff is not None and handoff.tunnel.inspect
 
     def _refuse(self, nextlayer: layer.NextLayer, problem: str, reason: str = "sni_mismatch") -> None:
         context = nextlayer.context
