@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from egressd.admission.credentials import Presented
 from egressd.admission.pipeline import Ask
-from egressd.front.server import FrontProtocol, _Pipe
+from egressd.front.relay import Pipe
+from egressd.front.tunnel import FrontProtocol, Listeners
 from egressd.refusal import POLICY_REASONS, Refusal
 from egressd.wire.socks5 import (
     NO_AUTH,
@@ -32,7 +33,6 @@ from egressd.wire.socks5 import (
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.front.server import FastFront
 
 # the reply for a refusal that is not the policy's (RFC 1928 has no code for a limit or a bug: 0x01)
 _REPLIES = {
@@ -54,7 +54,7 @@ def reply_code(reason: str) -> Reply:
 class SocksProtocol(FrontProtocol):
     """One SOCKS5 client of egressd's front."""
 
-    def __init__(self, front: FastFront, implicit: ProxyCredentials | None = None) -> None:
+    def __init__(self, front: Listeners, implicit: ProxyCredentials | None = None) -> None:
         super().__init__(front, "socks", implicit=implicit)
         # NO AUTH where the listener grants credentials, or where none are required at all
         self.parser = Socks5Server(allow_no_auth=implicit is not None or not front.rt.require_auth)
@@ -112,7 +112,7 @@ class SocksProtocol(FrontProtocol):
             self.transport.close()
 
     # -- answers ------------------------------------------------------------------------------------
-    def _established(self, upstream: _Pipe) -> None:
+    def _established(self, upstream: Pipe) -> None:
         assert self.transport is not None
         bound = upstream.transport.get_extra_info("sockname") if upstream.transport is not None else None
         bound = (str(bound[0]), int(bound[1])) if isinstance(bound, tuple) and len(bound) >= 2 else None
