@@ -19,6 +19,7 @@ __all__ = [
     "deny_rules",
     "denied_below",
     "mode_of",
+    "origins_dropped",
     "policy_findings",
     "restricted_finding",
 ]
@@ -96,6 +97,14 @@ def denied_below(rule: HostRule, denies: list[Rule]) -> tuple[bool, bool]:
         elif inside:
             some = True
     return whole, some
+
+
+def origins_dropped(policy: Policy, why: str) -> list[Finding]:
+    """Private exact origins the target cannot keep (scheme and port together): left out."""
+    return [
+        Finding(f"private.origins[{i}]", str(o), "dropped", why, (f"private.origins: {o}",))
+        for i, o in enumerate(policy.private.origins)
+    ]
 
 
 def policy_findings(policy: Policy, target: str, *, central: bool = True) -> list[Finding]:
