@@ -11,6 +11,7 @@ sit on addresses local to the test namespace; a refused target must reach none o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -57,6 +58,12 @@ EXTRA_NAMES = {
     "pathy.test": ALLOWED_V4,
     "cidr.test": "192.0.2.1",
     "cidrdenied.test": "192.0.2.200",
+    # allowed names resolving where the address guard refuses: never connected to, by either
+    "meta.allowed.test": "169.254.169.254",
+    "loop.allowed.test": "127.0.0.1",
+    "loop6.allowed.test": "::1",
+    "private.allowed.test": "10.1.2.3",
+    "mixed.allowed.test": "192.0.2.1",  # private, but licensed by the 192.0.2.0/24 rule: both admit it
 }
 EXTRA_HOSTS = [*EXTRA_NAMES, "192.0.2.1", "192.0.2.200"]
 
@@ -87,7 +94,7 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: flo
     raise RuntimeError(f"squid did not listen within {timeout}s: {log.read_text()[-3000:]}")
 
 
-def squid_conf(directory: Path, include: Path, port: int) -> str:
+def squid_conf(directory: Path, include: Path, port: int, squid_dns: str) -> str:
     """Test scaffolding around the exported include file: loopback port, no cache, files in tmp."""
     return "\n".join(
         [
@@ -97,7 +104,7 @@ def squid_conf(directory: Path, include: Path, port: int) -> str:
             "access_log none",
             "cache deny all",
             "shutdown_lifetime 0 seconds",
-            f"dns_nameservers {SQUID_DNS}",
+            f"dns_nameservers {squid_dns}",
             f"hosts_file {directory}/hosts",
             "negative_dns_ttl 1 second",
             "dns_timeout 2 seconds",  # a name the test DNS server cannot read gets no answer
@@ -125,10 +132,16 @@ class Lab:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    tmp = tmp_path_factory.mktemp("squid")
+    with open_lab(tmp_path_factory.mktemp("squid"), _policy_text(), SQUID_DNS) as opened:
+        yield opened
+
+
+@contextlib.contextmanager
+def open_lab(tmp: Path, policy_text: str, squid_dns: str) -> Iterator[Lab]:
+    """Export the policy, start squid on it and `egressd run` with it, with the corpus's servers."""
     os.chmod(tmp, 0o777)  # squid drops to its own user for logs and the pid file
     policy_file = tmp / "policy.yaml"
-    policy_file.write_text(_policy_text())
+    policy_file.write_text(policy_text)
     report_file = tmp / "report.json"
     out = subprocess.run(
         [
@@ -153,13 +166,13 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     (tmp / "hosts").write_text("")
     port = free_port("127.0.0.1")
     conf = tmp / "squid.conf"
-    conf.write_text(squid_conf(tmp, include, port))
+    conf.write_text(squid_conf(tmp, include, port, squid_dns))
     parsed = subprocess.run(
         ["squid", "-k", "parse", "-f", str(conf)], capture_output=True, text=True, timeout=60
     )
     assert parsed.returncode == 0, parsed.stderr
     assert "WARNING" not in parsed.stderr.replace("WARNING: HTTP requires", ""), parsed.stderr
-    with DnsServer(SQUID_DNS, 53) as dns, DnsServer() as dns2, ServerSet(SERVER_HOSTS) as servers:
+    with DnsServer(squid_dns, 53) as dns, DnsServer() as dns2, ServerSet(SERVER_HOSTS) as servers:
         for server in (dns, dns2):
             for name, address in {**DNS_NAMES, **EXTRA_NAMES}.items():
                 server.add(name, address)
@@ -296,3 +309,37 @@ def test_path_rule_is_dropped_not_widened(lab: Lab) -> None:
     rule = decide(ok, Client(), load_policy(lab.policy_file)).rule
     assert rule == "allow: pathy.test"
     assert any(rule in f["decides"] for f in lab.report["findings"])  # type: ignore[union-attr]
+
+
+def test_host_header_naming_another_host(lab: Lab) -> None:
+    """An allowed target with a Host header naming another host: egressd refuses it (host_mismatch);
+    squid forwards it with the Host header rewritten to the decided target. Either way no upstream
+    gets a request naming a host nobody decided."""
+    url = f"http://allowed.test:{lab.port}/spell"
+    mine = lab.egressd.get(url, host=f"evil.test:{lab.port}")
+    assert mine is not None and mine.reason == "host_mismatch"
+    theirs = lab.squid.get(url, host=f"evil.test:{lab.port}")
+    assert theirs is not None
+    if theirs.status == 200:
+        assert json.loads(theirs.body)["headers"]["host"] == f"allowed.test:{lab.port}"
+
+
+LOOPBACK_POLICY = """\
+version: 1
+mode: enforce
+allow: [allowed.test, 198.51.100.1]  # the address licenses the name (a documentation range)
+loopback: {allow: true}
+"""
+
+
+def test_loopback_is_refused_centrally(tmp_path: Path) -> None:
+    """egressd admits loopback (the child's own machine); the exported squid refuses it — a central
+    proxy's loopback is not the child's — and the report predicts exactly that (`loopback.allow`)."""
+    with open_lab(tmp_path, LOOPBACK_POLICY, "127.0.0.54") as opened:
+        for host in ("127.0.0.1", "localhost", "[::1]", "127.1"):
+            for front in ("get", "connect"):
+                mine = _via(opened.egressd, front, host, opened.port)
+                assert mine is not None and mine.startswith("http-"), (host, front)
+                assert _via(opened.squid, front, host, opened.port) is None, (host, front)
+                assert _predicted(opened, host, front), (host, front)
+        assert _via(opened.squid, "connect", "allowed.test", opened.port) == f"http-{ALLOWED_V4}"
