@@ -47,7 +47,7 @@ RICH = {
 def _policies() -> list[tuple[str, Policy]]:
     out = [(p.name, load_policy(p)) for p in POLICIES]
     out.append(("rich", parse_policy(RICH, "rich")))
-    for mode in ("ask", "allow", "off"):
+    for mode in ("ask", "learn", "allow", "off"):
         out.append((f"rich-{mode}", parse_policy({**RICH, "mode": mode, "deny": ["10.9.0.0/16"]}, mode)))
     out.append(("ports", parse_policy({**RICH, "ports": [80, 443]}, "ports")))
     return out

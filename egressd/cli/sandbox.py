@@ -198,6 +198,7 @@ def sandbox_command(
     transform = narrow.LoopbackConfinement(loopback_ports, then=narrowing)
     with open_session(options, announce_reloads=options.trace, transform=transform) as session:
         creds = session.credentials(narrowing.profile if narrowing else None)
+        session.record_child(creds, command)
         if probe is not None:
             try:
                 probe.wait()
