@@ -147,21 +147,27 @@ PLANT_IN_EGRESSD = """
     attempt("new_module", lambda: open(os.path.join(root, "egressd", "planted.py"), "w").close())
     attempt("rename_root", lambda: os.rename(root, root + ".moved"))
     attempt("rename_package", lambda: os.rename(os.path.join(root, "egressd"), os.path.join(root, "x")))
-    # the first SOCKS5 connection makes egressd import its SOCKS addon
-    with socket.create_connection(("127.0.0.1", socks_port), timeout=10) as s:
+    # the first SOCKS5 connection makes egressd import its SOCKS addon and start mitmproxy: many
+    # seconds on a busy machine (the copy of egressd in the working directory has no bytecode)
+    with socket.create_connection(("127.0.0.1", socks_port), timeout=60) as s:
         s.sendall(b"\\x05\\x01\\x00")
         s.recv(2)
     print(json.dumps(tried))
 """
 
 
+@pytest.mark.timeout(240)
 def test_egressd_code_in_the_working_directory_is_read_only(tmp_path: Path, work: Path) -> None:
     root = _egressd_copy_in(work)
     marker = tmp_path / "ran-outside"
     env = sandbox_env(work)
     env["PYTHONPATH"] = str(root)  # egressd runs from the copy in the working directory
     result = egressd_sandbox(
-        [], [*python_inside(ATTEMPT + PLANT_IN_EGRESSD), str(root), str(marker), "1080"], cwd=work, env=env
+        [],
+        [*python_inside(ATTEMPT + PLANT_IN_EGRESSD), str(root), str(marker), "1080"],
+        cwd=work,
+        env=env,
+        timeout=150,
     )
     assert result.returncode == 0, result.stderr
     tried = json.loads(result.stdout)
@@ -188,13 +194,16 @@ PLANT_BYTECODE = """
         with open(target, "wb") as f:
             f.write(data)
     attempt("plant", plant)
-    with socket.create_connection(("127.0.0.1", 1080), timeout=10) as s:  # egressd starts mitmproxy
+    # egressd starts mitmproxy, compiling it from source (its bytecode cache is read-only here):
+    # tens of seconds on a busy machine
+    with socket.create_connection(("127.0.0.1", 1080), timeout=60) as s:
         s.sendall(b"\\x05\\x01\\x00")
         s.recv(2)
     print(json.dumps(tried))
 """
 
 
+@pytest.mark.timeout(240)
 def test_a_bytecode_cache_prefix_in_the_working_directory_is_read_only(tmp_path: Path, work: Path) -> None:
     """PYTHONPYCACHEPREFIX: egressd loads the bytecode of a module it imports late (its addons,
     mitmproxy) from there, not from beside the read-only source."""
@@ -207,6 +216,7 @@ def test_a_bytecode_cache_prefix_in_the_working_directory_is_read_only(tmp_path:
         [*python_inside(ATTEMPT + PLANT_BYTECODE), str(work / ".pycache"), str(source), str(marker)],
         cwd=work,
         env=env,
+        timeout=150,
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"plant": "Read-only file system"}
