@@ -13,6 +13,7 @@ closed with their bytes, refusals no decision made, notices); the audit log and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -28,12 +29,13 @@ from egressd.admission import resolve as resolution
 from egressd.admission.credentials import CredentialStore, Presented, ProxyCredentials, authenticate
 from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
 from egressd.admission.events import Closed, Decided, EventBus, Notice, Stage
+from egressd.admission.grants import GrantStore
 from egressd.admission.http_rules import request_refusal
 from egressd.admission.limits import Limits
 from egressd.admission.pinning import ConnectFailure, Pin, connect_protocol
 from egressd.admission.redirects import RedirectMemory
 from egressd.admission.state import ConnState, PolicyHolder
-from egressd.policy import Decision, IPAddress
+from egressd.policy import AddressClass, Decision, IPAddress, classify
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -100,6 +102,7 @@ class Pipeline:
         audit: AuditLog | None = None,
         require_auth: bool = True,
         approver: Approver | None = None,
+        grants: GrantStore | None = None,
     ) -> None:
         self.policies = policies
         self.credentials = credentials or CredentialStore()
@@ -107,6 +110,7 @@ class Pipeline:
         self.decider = Decider(policies)
         self.limits = Limits(policies)
         self.approver = approver
+        self.grants = grants if grants is not None else GrantStore()
         self.redirects = RedirectMemory()
         self.events = EventBus()
         if audit is not None:
@@ -175,6 +179,9 @@ class Pipeline:
         )
         if decision.target is not None:
             conn.host, conn.port = decision.target.host.text, decision.target.port
+        # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
+        if self.grants and (decision.ask or decision.reason == "not_allowlisted"):
+            decision = self._granted(conn, ask, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
             decision = await approvals.answer(self.approver, decision, conn)
@@ -193,6 +200,51 @@ class Pipeline:
             return refusal
         conn.tunnel = True  # what the tunnel carries was authenticated by its set-up
         return admitted
+
+    def _granted(self, conn: ConnState, ask: Ask, decision: Decision) -> Decision:
+        """The decision a grant makes of a `not_allowlisted` or `ask` one, or the same decision.
+
+        The grant answers only the mode's question: the decision is asked again as `mode: ask`
+        would see it, so ports and profiles still refuse; a non-global IP literal is never granted
+        (the private-address guard), and a granted name resolves under the guard (private_ok off).
+        """
+        candidate = decision
+        if not decision.ask:
+            candidate = self.decider.decide(
+                ask.host,
+                ask.port,
+                conn.profile,
+                scheme=ask.scheme,
+                method=ask.method,
+                path=ask.path,
+                mode="ask",
+            )
+        target = candidate.target
+        if not candidate.ask or target is None:
+            return decision
+        if target.host.ip is not None and classify(target.host.ip) is not AddressClass.GLOBAL:
+            return decision
+        host, port = target.host.text, target.port
+        if ask.stage == "inner" and conn.granted == (host, port):
+            rule, inspect = "grant (this tunnel's)", False
+        else:
+            taken = self.grants.take(ask.stage, host, port, ask.scheme, ask.path)
+            if taken is None:
+                return decision
+            grant, inspect = taken
+            rule = f"grant {grant.id}: {grant.spec}"
+            if ask.stage in ("connect", "socks") and not inspect:
+                conn.granted = (host, port)  # the requests inside, if inspected, are the tunnel's
+        return dataclasses.replace(
+            candidate,
+            allowed=True,
+            ask=False,
+            reason="granted",
+            rule=rule,
+            detail=f"{host}:{port} is admitted by the user's {rule}",
+            private_ok=False,
+            needs_inspection=candidate.needs_inspection or inspect,
+        )
 
     async def pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
         """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""
