@@ -36,7 +36,7 @@ def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
     returncode = EXIT_CANNOT_RUN
-    with open_session(options, announce_reloads=options.trace) as session:
+    with open_session(options, announce_reloads=options.trace, command=command) as session:
         env = with_git_ssh(session.child_env(), session.policy)
         returncode = process.run_child(command, env, catcher=catcher)
     process.exit_like(returncode, fast=True)
