@@ -266,12 +266,7 @@ class ProxySession:
             events=proxy.pipeline.events,
             info=self.info,
         )
-        try:
-            server.start(sock)
-        except RuntimeError as exc:
-            sock.close()
-            self._say(f"control API off: {exc}")
-            return
+        server.start(sock)
         self._control, self.control_path = server, path
 
     def info(self) -> dict[str, Any]:
