@@ -125,16 +125,17 @@ class AskBroker:
         self._pending: dict[str, PendingAsk] = {}
         self._by_key: dict[tuple[str, str, int], PendingAsk] = {}
         self._denied: set[tuple[str, int]] = set()
-        self._listeners: dict[int, tuple[Listener, bool]] = {}
+        self._listeners: dict[int, tuple[Listener, bool | Callable[[], bool]]] = {}
         self._tokens = itertools.count(1)
         self._last_poll: float | None = None
         self._prefix = secrets.token_hex(2)
         self._ids = itertools.count(1)
 
     # -- who can answer --------------------------------------------------------------------------
-    def attach(self, listener: Listener, *, approver: bool) -> Callable[[], None]:
+    def attach(self, listener: Listener, *, approver: bool | Callable[[], bool]) -> Callable[[], None]:
         """Hear every ask and its end; `approver`: this listener can answer (a prompt, a UI, a
-        client following the asks). Returns the function that detaches it."""
+        client following the asks), or a function saying whether it can now (the terminal, only
+        while egressd is in its foreground). Returns the function that detaches it."""
         token = next(self._tokens)
         with self._lock:
             self._listeners[token] = (listener, approver)
@@ -150,7 +151,9 @@ class AskBroker:
         self._last_poll = time.monotonic()
 
     def can_answer(self) -> bool:
-        if self.approve_all or any(approver for _, approver in self._listeners.values()):
+        with self._lock:
+            approvers = [approver for _, approver in self._listeners.values()]
+        if self.approve_all or any(a() if callable(a) else a for a in approvers):
             return True
         last = self._last_poll
         return last is not None and time.monotonic() - last < self.poll_grace

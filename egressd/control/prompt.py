@@ -52,8 +52,16 @@ class TtyPrompter:
             return None
         return cls(broker, fd)
 
+    def foreground(self) -> bool:
+        """egressd's process group owns the terminal now. A background egressd (`egressd run &`)
+        must neither read it (SIGTTIN would stop the proxy) nor count as someone who can answer."""
+        try:
+            return os.tcgetpgrp(self.fd) == os.getpgrp()
+        except OSError:
+            return False
+
     def start(self) -> TtyPrompter:
-        self._detach = self.broker.attach(self._heard, approver=True)
+        self._detach = self.broker.attach(self._heard, approver=self.foreground)
         self._thread.start()
         return self
 
@@ -86,7 +94,9 @@ class TtyPrompter:
                 info = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if not self._over(str(info["id"])):
+            while not self._stop.is_set() and not self._over(str(info["id"])) and not self.foreground():
+                self._stop.wait(0.2)  # in the background: the control API answers, or egressd comes back
+            if not self._stop.is_set() and not self._over(str(info["id"])):
                 self._prompt(info)
 
     def _prompt(self, info: dict[str, Any]) -> None:
@@ -97,7 +107,7 @@ class TtyPrompter:
                 self._say("egressd:   (answered elsewhere or expired)\n")
                 return
             ready, _, _ = select.select([self.fd], [], [], 0.2)
-            if not ready:
+            if not ready or not self.foreground():
                 continue
             try:
                 line = os.read(self.fd, 1024).decode("utf-8", "replace").strip()
