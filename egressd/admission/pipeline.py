@@ -180,11 +180,14 @@ class Pipeline:
         if decision.target is not None:
             conn.host, conn.port = decision.target.host.text, decision.target.port
         # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
-        if self.grants and (decision.ask or decision.reason == "not_allowlisted"):
+        if (self.grants or conn.granted) and (decision.ask or decision.reason == "not_allowlisted"):
             decision = self._granted(conn, ask, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
             decision = await approvals.answer(self.approver, decision, conn)
+            if decision.allowed and tunnel and decision.target is not None:
+                # approved for this connection: its requests, if inspected, are not asked again
+                conn.granted = (decision.target.host.text, decision.target.port)
         # 5. the request rules, and the choice to inspect
         refusal, inspect = self._judge(conn, ask, decision)
         if refusal is not None or ask.stage in ("request", "inner"):
@@ -226,7 +229,7 @@ class Pipeline:
             return decision
         host, port = target.host.text, target.port
         if ask.stage == "inner" and conn.granted == (host, port):
-            rule, inspect = "grant (this tunnel's)", False
+            rule, inspect = "this tunnel's grant or approval", False
         else:
             taken = self.grants.take(ask.stage, host, port, ask.scheme, ask.path)
             if taken is None:
