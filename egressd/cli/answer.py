@@ -15,7 +15,14 @@ def _answer(pid: int | None, ask_id: str, kind: str) -> None:
     click.echo(line)
 
 
-@click.command("approve", short_help="Approve a pending ask (once, for this run, or always).")
+@click.command(
+    "approve",
+    epilog="""\b
+Example:
+  egressd approve a1b2c3             # once
+  egressd approve a1b2c3 --always    # and add host:port to the policy file""",
+    short_help="Approve a pending ask (once, for this run, or always).",
+)
 @pid_option
 @click.argument("ask_id", metavar="ID")
 @click.option(
@@ -29,7 +36,14 @@ def approve_command(pid: int | None, ask_id: str, kind: str) -> None:
     _answer(pid, ask_id, kind)
 
 
-@click.command("deny", short_help="Deny a pending ask (once, or always).")
+@click.command(
+    "deny",
+    epilog="""\b
+Example:
+  egressd deny a1b2c3
+  egressd deny a1b2c3 --always      # and add host:port to the deny list""",
+    short_help="Deny a pending ask (once, or always).",
+)
 @pid_option
 @click.argument("ask_id", metavar="ID")
 @click.option(

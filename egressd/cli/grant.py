@@ -10,7 +10,7 @@ from egressd.cli.instances import call, pid_option, select
 
 @click.command(
     "grant",
-    short_help="Admit exactly one request or connection the policy refuses (within a TTL).",
+    short_help="Admit one request or connection the policy refuses, within a TTL.",
     epilog="""\b
 Example:
   egressd grant pypi.org --once                       # the next connection to pypi.org:443 or :80

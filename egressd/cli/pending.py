@@ -19,7 +19,14 @@ def ask_line(ask: dict) -> str:
     return f"{ask['id']}  {what}  (client {client}, {waiting} waiting, {ask['expires_in']:g}s left)"
 
 
-@click.command("pending", short_help="List the asks waiting for an answer (mode: ask).")
+@click.command(
+    "pending",
+    epilog="""\b
+Example:
+  egressd pending
+  egressd pending --follow --json   # a script that answers asks reads this""",
+    short_help="List the asks waiting for an answer (mode: ask).",
+)
 @pid_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per ask, one per line.")
 @click.option(

@@ -11,7 +11,14 @@ from egressd.cli.options import fail
 from egressd.control.client import ControlClient, ControlError, find_instances
 
 
-@click.command("ps", short_help="List the running egressd instances (pid, command, policy, mode, counts).")
+@click.command(
+    "ps",
+    epilog="""\b
+Example:
+  egressd ps
+  egressd ps --json | jq .counts""",
+    short_help="List the running egressd instances: pid, mode, counts, policy, command.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per instance, one per line.")
 def ps_command(as_json: bool) -> None:
     """List the running egressd instances of this user: pid, command, policy, mode and counts

@@ -28,7 +28,14 @@ def _line(item: dict) -> str | None:
     return None
 
 
-@click.command("watch", short_help="Show the decisions of a running egressd live.")
+@click.command(
+    "watch",
+    epilog="""\b
+Example:
+  egressd watch
+  egressd watch --json --pid 4242""",
+    short_help="Show the decisions of a running egressd live.",
+)
 @pid_option
 @click.option("--json", "as_json", is_flag=True, help="Every event as one JSON object per line.")
 def watch_command(pid: int | None, as_json: bool) -> None:
