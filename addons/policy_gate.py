@@ -20,7 +20,6 @@ from typing import Any
 from mitmproxy import connection, http
 from mitmproxy.proxy import server_hooks
 
-from egressd.admission.http_rules import hop_by_hop_names
 from egressd.admission.pinning import current_pin
 from egressd.admission.pipeline import Admitted, Ask, Pipeline
 from egressd.admission.state import ConnState
@@ -28,6 +27,7 @@ from egressd.inspect import response_limit
 from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
+from egressd.wire.http_fields import hop_by_hop_names
 
 logger = logging.getLogger(__name__)
 

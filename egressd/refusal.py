@@ -28,7 +28,7 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "upstream_tls_error": (502, "tls_certificate_error"),
 }
 # policy refusals about the address itself get the IP-specific error type
-_ADDRESS_REASONS = {"forbidden_address", "resolved_forbidden", "self"}
+_ADDRESS_REASONS = {"forbidden_address", "private_address", "resolved_forbidden", "self"}
 
 # reasons that are policy decisions: retrying will not help, an edit of the policy would
 POLICY_REASONS = frozenset(
@@ -36,6 +36,7 @@ POLICY_REASONS = frozenset(
         "self",
         "mode_off",
         "forbidden_address",
+        "private_address",
         "denylist",
         "loopback_disabled",
         "loopback_port",

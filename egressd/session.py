@@ -318,6 +318,14 @@ class ProxySession:
     def ca_bundle(self) -> str | None:
         return getattr(self.proxy, "ca_bundle", None)
 
+    def record_child(self, creds: ProxyCredentials, command: Sequence[str]) -> None:
+        """An audit record naming the program a child runs under these credentials, so a reader
+        (`egressd policy suggest`) can say which command needed a host. Only the program's name:
+        arguments carry tokens (URLs with credentials, headers), and the audit must not."""
+        if self.audit is not None and command:
+            program = os.path.basename(command[0])
+            self.audit.event("child", client=creds.username, profile=creds.profile, program=program)
+
     def child_env(
         self, base: Mapping[str, str] | None = None, creds: ProxyCredentials | None = None
     ) -> dict[str, str]:

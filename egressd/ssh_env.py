@@ -18,11 +18,11 @@ SSH_PORT = 22
 
 
 def ssh_may_be_allowed(policy: Policy) -> bool:
-    """True when some SSH connection could be allowed: mode allow/ask, or an allow rule for port 22
+    """True when some SSH connection could be allowed: mode allow/learn/ask, or an allow rule for port 22
     or for any port (never in mode off)."""
     if policy.mode == "off":
         return False
-    if policy.mode in ("allow", "ask"):
+    if policy.mode in ("allow", "learn", "ask"):
         return True
     return any(rule.port is None or rule.port == SSH_PORT for rule in policy.allow.rules)
 

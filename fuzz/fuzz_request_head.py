@@ -1,15 +1,13 @@
-"""Fuzz request-head parsing as the proxy does it: mitmproxy's HTTP/1 reader, then egressd's checks.
+"""Fuzz request-head parsing as the proxy does it: egressd's HTTP/1 reader, then its decision.
 
-The input is the bytes a client sends. They go through what `egressd run` does with them, in
-process and without sockets: h11's line splitting (mitmproxy's receive buffer), mitmproxy's
-``http1.read_request_head`` and framing checks, the regular-mode Host fallback for origin-form
-requests, then the policy gate (`Gatekeeper.decide`) and the Host-header check of
-addons/policy_gate.py. Properties:
-- nothing raises but the ValueError mitmproxy answers with 400;
+The input is the bytes a client sends to egressd's HTTP port. They go through what the front does
+with a plain-HTTP request, in process and without sockets: `egressd.wire.http1.ClientSide` (the
+strict raw-head guard, then h11), the decision (`egressd.admission.decide.Decider`) and the Host
+check of the request rules. Properties:
+- nothing raises but the WireError egressd answers with 400;
 - an allowed request names the allowed host (the policy: ``allowed.test`` and 198.51.100.1), and
   the same host as the C library reads it (inet_aton) — never another;
-- when the Host header passed egressd's check, mitmproxy's own authority reader (what builds the
-  upstream request) reads the same host from it.
+- a Host header that passed egressd's check names the same host and port as the target.
 
     .venv/bin/python fuzz/fuzz_request_head.py -max_total_time=600    # a long run
 """
@@ -22,64 +20,43 @@ from ipaddress import IPv4Address
 from _common import instrumented, main
 
 with instrumented():
-    from h11._receivebuffer import ReceiveBuffer
-    from mitmproxy.net.http import http1, url
-    from mitmproxy.proxy.layers.http import HTTPMode, validate_request
-
-    from egressd.admission.gate import Gatekeeper, PolicyHolder
+    from egressd.admission.decide import Decider
     from egressd.admission.http_rules import host_header_mismatch
+    from egressd.admission.state import PolicyHolder
     from egressd.policy import TargetError, canonical_host, parse_policy
+    from egressd.wire.http1 import ClientSide, RequestHead, WireError
     from tests.support import reference as ref
 
 POLICY = parse_policy(
     {"version": 1, "allow": ["allowed.test", "198.51.100.1"], "loopback": {"allow": False}}, "fuzz"
 )
-GATE = Gatekeeper(PolicyHolder(POLICY))
+DECIDER = Decider(PolicyHolder(POLICY))
 ALLOWED_IP = IPv4Address("198.51.100.1")
 
 
-def _read(data: bytes):  # type: ignore[no-untyped-def]
-    """The request mitmproxy would build from these bytes, or None where it answers 400 / waits."""
-    buffer = ReceiveBuffer()
-    buffer += data
-    lines = buffer.maybe_extract_lines()
-    if not lines:
-        return None
+def _read(data: bytes) -> RequestHead | None:
+    """The request head egressd's front reads from these bytes, or None where it answers 400 / waits."""
     try:
-        request = http1.read_request_head([bytes(line) for line in lines])
-        http1.expected_http_body_size(request)
-    except ValueError:
+        events = ClientSide().receive(data)
+    except WireError:
         return None
-    if validate_request(HTTPMode.regular, request, True) is not None:
-        return None
-    if request.method != "CONNECT" and not request.host:
-        try:
-            host, port = url.parse_authority(request.host_header or "", check=True)
-        except ValueError:
-            return None
-        request.data.host, request.data.port, request.scheme = host, port or 80, "http"
-    return request
+    heads = [e for e in events if isinstance(e, RequestHead)]
+    return heads[0] if heads else None
 
 
 def test_one_input(data: bytes) -> None:
     request = _read(data)
     if request is None:
         return
-    connect = request.method == "CONNECT"
-    decision = GATE.decide(
-        request.host,
-        request.port,
-        None,
-        scheme="connect" if connect else request.scheme,
-        method="CONNECT" if connect else request.method,
-        path=None if connect else request.path,
+    decision = DECIDER.decide(
+        request.host, request.port, None, scheme=request.scheme, method=request.method, path=request.path
     )
     assert decision.reason != "internal_error", decision.detail
     if not decision.allowed:
         return
     target = decision.target
     assert target is not None
-    if not connect and host_header_mismatch(request.headers.get_all("host"), target) is not None:
+    if host_header_mismatch(request.values("host"), target) is not None:
         return  # refused with 400 host_mismatch
     if target.host.ip is not None:
         assert ref.folded(target.host.ip) == ALLOWED_IP, (data, target)
@@ -92,20 +69,15 @@ def test_one_input(data: bytes) -> None:
             pass
         else:
             assert target.host.ip == libc, (request.host, libc, target)
-    header = request.headers.get("host")
-    if header is not None and header.strip(" \t") != header.strip():
-        # Known, reported: egressd's Host check strips control characters str.strip() calls
-        # whitespace (\x1c-\x1f, \x85) that go upstream; see test_bypass_requests.py
-        # test_target_vs_host_header[host-control-char-*]. Skipped so the fuzzer looks further.
-        return
-    if not connect and header is not None:
-        host, port = url.parse_authority(header, check=True)  # egressd accepted it: so must mitmproxy
+    for header in request.values("host"):
+        value = header.strip(" \t")
+        host, _, port = value.rpartition(":") if value.count(":") == 1 or "]:" in value else (value, "", "")
         try:
             assert canonical_host(host) == target.host, (header, target)
         except TargetError as exc:
             raise AssertionError(f"Host header {header!r} accepted by egressd, unreadable: {exc}") from None
-        if port is not None:
-            assert port == target.port, (header, target)
+        if port:
+            assert int(port) == target.port, (header, target)
 
 
 if __name__ == "__main__":

@@ -123,9 +123,13 @@ HOST_CASES = [
         403,
         "forbidden_address",
     ),
-    ("origin-form-host-evil", "/", ["evil.test:{P}"], 403, "not_allowlisted"),
-    ("origin-form-host-loopback", "/", ["0x7f.1:{P}"], 403, "loopback_disabled"),
-    ("origin-form-host-metadata", "/", ["[::ffff:a9fe:a9fe]"], 403, "forbidden_address"),
+    # a proxy request names its target in absolute form: origin-form is refused before any decision
+    ("origin-form-host-evil", "/", ["evil.test:{P}"], 400, "bad_request"),
+    ("origin-form-host-allowed", "/", ["allowed.test:{P}"], 400, "bad_request"),
+    ("origin-form-host-loopback", "/", ["0x7f.1:{P}"], 400, "bad_request"),
+    ("origin-form-host-metadata", "/", ["[::ffff:a9fe:a9fe]"], 400, "bad_request"),
+    ("asterisk-form", "*", ["allowed.test:{P}"], 400, "bad_request"),
+    ("authority-form", "allowed.test:{P}", ["allowed.test:{P}"], 400, "bad_request"),
     ("origin-form-no-host", "/", [], 400, "bad_request"),
     ("target-with-userinfo", "http://allowed.test@evil.test:{P}/", ["evil.test:{P}"], 400, "bad_request"),
     ("scheme-ftp", "ftp://allowed.test:{P}/", ["allowed.test:{P}"], 400, "bad_request"),
@@ -208,7 +212,7 @@ def test_connect_malformed_authority(env: Env, authority: str, expected: tuple[t
         assert (response.status, response.reason) in expected, response.raw_head[:300]
 
 
-REFUSED_AS = {403: "not_allowlisted", 407: "proxy_auth_required"}
+REFUSED_AS = {400: "bad_request", 403: "not_allowlisted", 407: "proxy_auth_required"}
 
 
 def test_pipelined_requests_are_each_decided(env: Env) -> None:
@@ -220,7 +224,7 @@ def test_pipelined_requests_are_each_decided(env: Env) -> None:
             b"GET http://evil.test:{P}/ HTTP/1.1\r\nHost: evil.test:{P}\r\n{AUTH}Connection: close\r\n\r\n",
             403,
         ),
-        (b"GET / HTTP/1.1\r\nHost: evil.test:{P}\r\n{AUTH}Connection: close\r\n\r\n", 403),
+        (b"GET / HTTP/1.1\r\nHost: evil.test:{P}\r\n{AUTH}Connection: close\r\n\r\n", 400),
         # without credentials of its own: the first request's do not carry over (on any path)
         (b"GET http://evil.test:{P}/ HTTP/1.1\r\nHost: evil.test:{P}\r\nConnection: close\r\n\r\n", 407),
     ):
@@ -302,16 +306,15 @@ def test_smuggling_and_malformed_heads_get_400(env: Env, raw: bytes) -> None:
         assert_refused(response, 400, "bad_request")
 
 
-def test_raw_bytes_in_the_path_are_decided(env: Env) -> None:
-    """A non-UTF-8 byte in an origin-form path is decided like any path (found by the request-head
-    fuzzer: it was a 500 internal_error); mitmproxy refuses it in an absolute-form target (400)."""
+def test_raw_bytes_in_the_path_are_refused(env: Env) -> None:
+    """A non-UTF-8 byte in a request line is refused (400) and audited, in origin-form (never a
+    proxy request) and in absolute-form (found by the request-head fuzzer: it was a 500)."""
     origin_form = b"GET /raw\x89\xff HTTP/1.1\r\nHost: allowed.test:{P}\r\n{AUTH}\r\n"
     absolute_form = (
         b"GET http://allowed.test:{P}/raw\x89\xff HTTP/1.1\r\nHost: allowed.test:{P}\r\n{AUTH}\r\n"
     )
-    with guarded(env, allowed_requests=1):
-        response = env.client.exchange(env.fill(origin_form))
-        assert response is not None and response.status == 200, response and response.raw_head
+    with guarded(env):
+        assert_refused(env.client.exchange(env.fill(origin_form)), 400, "bad_request")
         assert_refused(env.client.exchange(env.fill(absolute_form)), 400, "bad_request")
 
 

@@ -265,7 +265,7 @@ def test_every_request_on_a_kept_alive_connection_needs_credentials(
     run = EgressdRun(["--policy", str(write_policy(tmp_path, "version: 1\nmode: enforce\n"))]).start()
     try:
         url = _url(server, "/second")
-        for unusual in ("", "Transfer-Encoding: chunked"):  # the lean path, and mitmproxy's
+        for unusual in ("", "Transfer-Encoding: chunked"):  # a Content-Length body, and a chunked one
             client = RawClient(run)
             assert client.get(_url(server, "/first")).startswith(b"HTTP/1.1 200 ")
             lines = [f"POST {url} HTTP/1.1", f"Host: 127.0.0.1:{server.port}"]

@@ -224,7 +224,7 @@ rules = st.one_of(
 )
 specs = st.builds(
     ref.Spec,
-    mode=st.sampled_from(["enforce", "enforce", "allow"]),
+    mode=st.sampled_from(["enforce", "enforce", "allow", "learn"]),
     allow=st.lists(rules, max_size=6).map(tuple),
     deny=st.lists(rules, max_size=3).map(tuple),
     loopback_allow=st.booleans(),

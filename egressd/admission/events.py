@@ -41,6 +41,7 @@ class Decided:
     resolved: tuple[str, ...] = ()
     connected: str | None = None
     attempts: tuple[str, ...] | None = None
+    would_be: str | None = None  # mode: learn: the reason enforce would have refused with
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,7 @@
 
 Applied by the admission pipeline to every plain-HTTP request and every request inside an inspected
 tunnel (the Host header names the decided host, the Connection header names no framing header,
-upgrades only where the policy allows WebSockets), and the hop-by-hop names every HTTP path strips.
-Pure; no mitmproxy import.
+upgrades only where the policy allows WebSockets). Pure; no mitmproxy import.
 """
 
 from __future__ import annotations
@@ -11,11 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from egressd.policy import TargetError, canonical_host, join_host_port
+from egressd.policy import TargetError, canonical_host
 from egressd.refusal import Refusal
-
-# hop-by-hop headers (RFC 9110 7.6.1) and proxy headers never forwarded upstream
-HOP_BY_HOP = ("proxy-authorization", "proxy-connection", "keep-alive", "te", "trailer", "proxy-authenticate")
+from egressd.wire.http_fields import connection_problem
 
 
 def host_header_mismatch(values: Sequence[str], target: Any) -> str | None:
@@ -47,39 +44,6 @@ def host_header_mismatch(values: Sequence[str], target: Any) -> str | None:
     if port_part is not None and (not port_part.isdigit() or int(port_part) != target.port):
         return f"Host header port {port_part!r} differs from the request's port {target.port}"
     return None
-
-
-def hop_by_hop_names(connection: str, *, keep_upgrade: bool) -> list[str]:
-    """The lower-case header names never forwarded upstream: the fixed hop-by-hop set plus those
-    the Connection header lists (but not the close/keep-alive tokens themselves)."""
-    names = list(HOP_BY_HOP)
-    for token in connection.split(","):
-        name = token.strip().lower()
-        if not name or name in ("close", "keep-alive") or (keep_upgrade and name == "upgrade"):
-            continue
-        names.append(name)
-    return names
-
-
-# end-to-end headers a Connection header must not name: stripped as hop-by-hop while the body is
-# still forwarded, the upstream would frame (or address) the request otherwise than it was decided,
-# and read the body as a request nobody decided (request smuggling)
-FRAMING = frozenset({"content-length", "transfer-encoding", "host"})
-
-
-def connection_problem(connection: str) -> str | None:
-    """Why a request whose Connection header names a framing header is refused (400), or None."""
-    named = sorted(FRAMING.intersection(hop_by_hop_names(connection, keep_upgrade=True)))
-    if not named:
-        return None
-    return f"the Connection header names {', '.join(named)}, which frames the request: not hop-by-hop"
-
-
-def hostport(host: str, port: int, default_port: int = 80) -> str:
-    """The Host header mitmproxy writes for a canonical host (no port when it is the default)."""
-    if port == default_port:
-        return f"[{host}]" if ":" in host else host
-    return join_host_port(host, port)
 
 
 def request_refusal(target: Any, headers: Sequence[tuple[str, str]], *, websocket: bool) -> Refusal | None:

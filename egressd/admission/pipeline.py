@@ -190,7 +190,9 @@ class Pipeline:
                 conn.granted = (decision.target.host.text, decision.target.port)
         # 5. the request rules, and the choice to inspect
         refusal, inspect = self._judge(conn, ask, decision)
-        if refusal is not None or ask.stage in ("request", "inner"):
+        # a tunnel allowed by mode: learn is recorded as such at once (with the reason enforce would
+        # give), so the audit keeps it even when no upstream connection follows
+        if refusal is not None or ask.stage in ("request", "inner") or decision.would_be is not None:
             self._decided(conn, ask, decision, refusal)
         if refusal is not None:
             return refusal
@@ -334,6 +336,7 @@ class Pipeline:
             reason=refusal.reason if refusal else decision.reason,
             rule=decision.rule,
             detail=refusal.detail if refusal else decision.detail,
+            would_be=None if refusal else decision.would_be,
         )
 
     def connection_record(self, conn: ConnState, admitted: Admitted, failure: tuple[str, str] | None) -> None:
@@ -353,6 +356,7 @@ class Pipeline:
             resolved=tuple(str(a) for a in admitted.resolved),
             connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
             attempts=tuple(pin.attempts) if pin is not None else (),
+            would_be=decision.would_be if failure is None else None,
         )
 
     def refused_early(
@@ -364,11 +368,25 @@ class Pipeline:
         detail: str,
         *,
         stage: Stage,
+        method: str | None = None,
+        scheme: str | None = None,
+        path: str | None = None,
     ) -> None:
         """A refusal no decision made: a tunnel closed after its first bytes (SNI, stage "tls"), a
-        request head no parser may read (stage "request")."""
+        request head no parser may read (stage "request"; its method, scheme and path when its
+        request line could be read)."""
         self._emit(
-            conn, stage=stage, host=host, port=port, allowed=False, reason=reason, rule=None, detail=detail
+            conn,
+            stage=stage,
+            method=method,
+            scheme=scheme,
+            host=host,
+            port=port,
+            path=path,
+            allowed=False,
+            reason=reason,
+            rule=None,
+            detail=detail,
         )
         logger.info("refused (%s) %s:%s: %s", stage, host if host is not None else "?", port or "?", detail)
 

@@ -37,6 +37,8 @@ def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
     catcher = process.child_signal_catcher().install()
     returncode = EXIT_CANNOT_RUN
     with open_session(options, announce_reloads=options.trace, command=command) as session:
-        env = with_git_ssh(session.child_env(), session.policy)
+        creds = session.credentials()
+        session.record_child(creds, command)
+        env = with_git_ssh(session.child_env(creds=creds), session.policy)
         returncode = process.run_child(command, env, catcher=catcher)
     process.exit_like(returncode, fast=True)

@@ -98,3 +98,47 @@ def policy_path(name: str) -> None:
         click.echo(str(builtin_policy_path(name)))
     except PolicyError as exc:
         fail(str(exc))
+
+
+@policy_group.command(
+    "suggest",
+    epilog="""\b
+Which records count: decisions with reason learned (mode: learn), not_allowlisted, no_approver
+and ask_* (except ask_refused/ask_denied: a person said no). One rule per host and port; a host
+seen on two ports gets two rules.
+
+\b
+Folding: names are grouped by registrable domain (public suffix + one label, from the Public
+Suffix List bundled with the publicsuffixlist package; nothing is downloaded). Two or more names
+strictly below a parent P fold into the rule P only when P is strictly below the registrable
+domain: x.api.example.com + y.api.example.com -> api.example.com; a.example.com + b.example.com
+stay two rules; a.github.io + b.github.io are never joined (github.io is a public suffix).
+A name below another suggested name is merged into it (a rule matches its subdomains).
+
+\b
+Example:
+  egressd exec --mode learn --audit audit.jsonl -- npm install
+  egressd policy suggest audit.jsonl > learned.yaml
+  egressd policy suggest audit.jsonl --policy policy.yaml   # only what policy.yaml lacks
+
+\b
+Exit status: 0 printed, 2 bad input (missing file, a line that is not JSON, an empty audit).""",
+)
+@click.argument("audits", nargs=-1, required=True, metavar="AUDIT.jsonl...")
+@click.option("--policy", "base_file", metavar="BASE", help="Suggest only what BASE does not already allow.")
+def policy_suggest(audits: tuple[str, ...], base_file: str | None) -> None:
+    """Print a minimal policy (YAML with comments) that would have allowed what the audit learned."""
+    from egressd.session import resolve_policy_path
+    from egressd.suggest import SuggestError, suggest
+
+    base = None
+    if base_file is not None:
+        try:
+            base = load_policy(resolve_policy_path(base_file))
+        except PolicyError as exc:
+            fail(" ".join(str(exc).split()))
+    try:
+        text = suggest(audits, base, base_file)
+    except SuggestError as exc:
+        fail(str(exc))
+    click.echo(text, nl=False)

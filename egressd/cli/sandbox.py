@@ -200,6 +200,7 @@ def sandbox_command(
         options, announce_reloads=options.trace, transform=transform, command=command
     ) as session:
         creds = session.credentials(narrowing.profile if narrowing else None)
+        session.record_child(creds, command)
         if probe is not None:
             try:
                 probe.wait()

@@ -4,7 +4,8 @@ A CONNECT's head is read here and admitted through the admission pipeline (the f
 its steps itself). An admitted tunnel is relayed by two small flow-controlled asyncio protocols after
 the TLS SNI check, nothing recorded; a tunnel the pipeline marks for inspection is handed to the
 embedded mitmproxy, already admitted, and its addons decide each request inside it through the same
-pipeline. Absolute-form HTTP requests go to `egressd.front.plain_http`.
+pipeline. Absolute-form HTTP requests are served by `egressd.front.plain_http` (h11), never by
+mitmproxy; an allowed WebSocket becomes the same relay after its 101.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from egressd.admission.pipeline import Admitted, Ask
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.policy import join_host_port
 from egressd.refusal import Refusal
+from egressd.wire.http1 import WireError, read_connect
 from egressd.wire.http_head import head_problem, leading_empty_lines
 from egressd.wire.sni import WAIT, TunnelStart
 
@@ -329,7 +331,7 @@ class FrontProtocol(_Pipe):
     def _on_head_bytes(self) -> None:
         del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
         if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
-            self._serve_plain()  # plain HTTP: egressd.front.plain_http
+            self._serve_plain()  # plain HTTP: served by egressd.front.plain_http, never by mitmproxy
             return
         problem = head_problem(bytes(self.buffer))
         if problem is not None:
@@ -358,12 +360,19 @@ class FrontProtocol(_Pipe):
     async def _admit_and_open(self, head: bytes) -> None:
         state = self.state
         assert state is not None
-        parsed = _parse_connect(head)
-        if isinstance(parsed, Refusal):
-            self._refuse_unreadable(parsed)
+        try:
+            connect = read_connect(head)
+        except WireError as exc:
+            self._refuse_unreadable(Refusal("bad_request", exc.detail))
             return
-        (host, port), credentials = parsed
-        ask = Ask("connect", host, port, scheme="connect", method="CONNECT", credentials=credentials)
+        ask = Ask(
+            "connect",
+            connect.host,
+            connect.port,
+            scheme="connect",
+            method="CONNECT",
+            credentials=connect.authorization,
+        )
         admitted = await self.rt.admit(state, ask)
         if isinstance(admitted, Refusal):
             self._refuse(admitted)
@@ -434,7 +443,7 @@ class FrontProtocol(_Pipe):
     # -- inspection: the embedded mitmproxy --------------------------------------------------------
     def _hand_off(self, admitted: Admitted | None) -> None:
         """Relay this client to the embedded mitmproxy: a tunnel the pipeline admitted for
-        inspection (mitmproxy's addons decide each request inside it), or a plain-HTTP or SOCKS5
+        inspection (mitmproxy's addons decide each request inside it), or a SOCKS5
         client whose requests mitmproxy reads."""
         assert self.transport is not None and self.state is not None
         self.transport.pause_reading()
@@ -514,7 +523,7 @@ class FrontProtocol(_Pipe):
 
     # -- plain HTTP (egressd.front.plain_http) -------------------------------------------------------
     def _serve_plain(self) -> None:
-        """Give the client to the plain-HTTP path; it returns unusual requests via _plain_hand_off."""
+        """Give the client to the plain-HTTP path (egressd.front.plain_http): it serves every request."""
         from egressd.front.plain_http import PlainClient  # it imports this module
 
         assert self.transport is not None
@@ -525,43 +534,6 @@ class FrontProtocol(_Pipe):
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()
-
-    def _plain_hand_off(self, pending: bytes) -> None:
-        """Back from the plain-HTTP path at a request boundary: mitmproxy reads from here."""
-        assert self.transport is not None
-        self.transport.set_protocol(self)
-        self.buffer = bytearray(pending)
-        self._hand_off(None)
-
-
-def _parse_connect(head: bytes) -> tuple[tuple[str, int], str | None] | Refusal:
-    """The authority and the Proxy-Authorization value of a CONNECT head (strict). Field values may
-    hold non-ASCII bytes (obs-text, as mitmproxy reads them): bad credentials are a 407 either way."""
-    lines = head.decode("latin-1")[:-4].split("\r\n")
-    if not lines[0].isascii():
-        return Refusal("bad_request", f"non-ASCII bytes in the CONNECT request line {ascii(lines[0][:200])}")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or parts[0] != "CONNECT" or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
-        return Refusal("bad_request", f"malformed CONNECT request line {lines[0][:200]!r}")
-    authority = parts[1]
-    host, sep, port_text = authority.rpartition(":")
-    if not sep or not port_text.isdigit() or not host:
-        return Refusal("bad_request", f"CONNECT needs host:port, got {authority[:200]!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    port = int(port_text)
-    if not 0 < port < 65536:
-        return Refusal("bad_request", f"port {port} out of range")
-    credentials = None
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if not colon or name != name.strip() or not name or any(c in line for c in "\0\n\r"):
-            return Refusal("bad_request", "malformed header line in the CONNECT request")
-        if name.lower() == "proxy-authorization":
-            if credentials is not None:
-                return Refusal("bad_request", "more than one Proxy-Authorization header")
-            credentials = value.strip()
-    return (host, port), credentials
 
 
 class FastFront:

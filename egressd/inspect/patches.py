@@ -11,7 +11,9 @@ private part that the tests cover for exactly this version.
    connection no hook pinned.
 2. Error responses mitmproxy generates itself (a malformed request, a failed upstream) get egressd's
    refusal format (`egressd.inspect.error_pages`): `_http1.make_error_response` is replaced.
-3. The request-head guard inside inspected tunnels: mitmproxy reads request heads with h11's line
+3. The request-head guard inside inspected tunnels (plain HTTP never reaches mitmproxy: egressd's
+   front reads it, egressd.wire.http1; this guard is only for requests inside TLS tunnels that
+   mitmproxy inspects, which only it reads): mitmproxy reads request heads with h11's line
    splitter, which accepts bare LF, and has no size limit on a head (its own FIXME). The raw bytes
    are checked first (`egressd.wire.http_head`) and refused 400/431 in egressd's format, so a head
    two parsers could read differently is never decided one way and forwarded another. A head

@@ -109,6 +109,8 @@ class AuditLog:
             attempts = fields.pop("attempts")
             if attempts is not None:  # the connection records: the addresses tried
                 fields["attempts"] = list(attempts) or None
+            if fields.get("would_be") is None:  # only mode: learn's allows carry it
+                fields.pop("would_be", None)
             self.decision(**fields)
         elif isinstance(event, Closed):
             self.closed(**dataclasses.asdict(event))

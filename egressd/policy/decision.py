@@ -55,6 +55,8 @@ class Decision:
     addresses: tuple[IPAddress, ...] = ()
     profile: str | None = None
     self_addresses: tuple[tuple[IPAddress, int], ...] = field(default=(), repr=False)
+    # mode: learn: the reason enforce would have refused with (the audit records it; suggest reads it)
+    would_be: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class _Allow:
     private_ok: bool = False
     needs_inspection: bool = False
     ask: bool = False
+    would_be: str | None = None
 
 
 def _as_ip(value: object) -> IPAddress:
@@ -177,6 +180,7 @@ def _new_decision(
     addresses: tuple[IPAddress, ...] = (),
     profile: str | None = None,
     self_addresses: tuple[tuple[IPAddress, int], ...] = (),
+    would_be: str | None = None,
 ) -> Decision:
     """``Decision(...)``, field for field, without the frozen dataclass ``__init__``.
 
@@ -199,6 +203,7 @@ def _new_decision(
             "addresses": addresses,
             "profile": profile,
             "self_addresses": self_addresses,
+            "would_be": would_be,
         },
     )
     return decision
@@ -333,7 +338,18 @@ def _finish(
         addresses,
         client.profile,
         self_addresses if needs_resolution else (),
+        outcome.would_be,
     )
+
+
+def _guarded_literal(request: _Request, policy: Policy) -> bool:
+    """An IP literal a name could not resolve to without a licence: non-global, and no private.allow.
+
+    Always-refused literals left at step 4 and loopback ones at step 6; this is the rest (RFC 1918,
+    CGNAT, ULA, documentation and other special-purpose ranges, in every spelling describe() knows).
+    """
+    klass = request.klass
+    return klass is not None and klass[0] is not AddressClass.GLOBAL and not policy.private.allow
 
 
 def _origin_matches(request: _Request, policy: Policy) -> str | None:
@@ -479,9 +495,25 @@ def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Dec
         )
         return _finish(request, client, policy, outcome, deny_pending, own)
 
-    # 10. By mode.
+    # 10. By mode. The address guard holds in every mode that would not refuse anyway: a private,
+    # CGNAT, ULA, documentation or other non-global literal needs private.allow, an explicit IP/CIDR
+    # rule (step 8) or a private origin (step 9), exactly as a NAME resolving there does.
+    if policy.mode != "enforce" and _guarded_literal(request, policy):
+        assert request.klass is not None
+        detail = (
+            f"{request.text} is a {request.klass[1]} address: in every mode (here mode: {policy.mode}) it "
+            f"needs private.allow, an explicit IP/CIDR allow rule or a private origin in {policy.source}."
+        )
+        return _refuse(request, "private_address", "private.allow: false", detail, client)
     if policy.mode == "allow":
         outcome = _Allow("mode_allow", "mode: allow", f"{where} is allowed by mode: allow")
+        return _finish(request, client, policy, outcome, deny_pending, own)
+    if policy.mode == "learn":
+        detail = (
+            f"{where} is allowed by mode: learn; enforce would refuse it (not_allowlisted): "
+            f"it is not in the allowlist of {policy.source}"
+        )
+        outcome = _Allow("learned", "mode: learn", detail, would_be="not_allowlisted")
         return _finish(request, client, policy, outcome, deny_pending, own)
     if policy.mode == "ask":
         outcome = _Allow("ask", "mode: ask", f"{where} is not in the allowlist: ask an approver", ask=True)
@@ -614,4 +646,5 @@ def resolution_refusal(decision: Decision, verdicts: Sequence[AddressVerdict]) -
         needs_inspection=False,
         private_ok=False,
         addresses=(),
+        would_be=None,  # refused now: nothing was learned
     )

@@ -25,7 +25,7 @@ __all__ = [
     "default_policy",
 ]
 
-Mode = Literal["enforce", "ask", "allow", "off"]
+Mode = Literal["enforce", "ask", "learn", "allow", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
 DEFAULT_BUILTIN_METHODS: tuple[str, ...] = ("GET", "HEAD")
 

@@ -57,3 +57,38 @@ def _line_problem(head: bytes, *, complete: bool) -> tuple[int, str] | None:
         if line[:1] in (b" ", b"\t"):
             return 400, "obsolete line folding (obs-fold) in the request head"
     return None
+
+
+_ENDS = (b"\r\n\r\n", b"\n\n", b"\n\r\n")  # where a head may end (all but the first are refused)
+
+
+class HeadScanner:
+    """head_problem, incrementally: fed the growing buffer of one head, it looks at each new byte a
+    bounded number of times (a head sent one byte per read must not cost its length squared), and
+    runs the full check once, on the complete head."""
+
+    def __init__(self) -> None:
+        self.start = 0  # where the head's first line begins, after empty lines (RFC 9112 2.2)
+        self.searched = 0  # bytes before this were looked at already
+
+    def scan(self, data: bytes | bytearray) -> tuple[int, str] | tuple[int, int] | None:
+        """(status, why) to refuse; (0, end) when data[start:end] is a complete, clean head (end
+        after its empty line); None while more bytes are needed."""
+        while data.startswith(b"\r\n", self.start):
+            self.start += 2
+        if self.start > MAX_HEAD:
+            return 400, "too many empty lines before the request line"
+        since = max(self.start, self.searched - 3)
+        ends = [i + len(end) for end in _ENDS if (i := data.find(end, since)) >= 0]
+        if ends:
+            end = min(ends)
+            return head_problem(bytes(data[self.start : end])) or (0, end)
+        new = bytes(data[max(self.start, self.searched - 1) :])  # a byte of context for CR LF
+        self.searched = len(data)
+        if len(data) - self.start > MAX_HEAD:
+            return 431, f"request head longer than {MAX_HEAD} bytes"
+        if _BARE_LF.search(new, 1 if self.searched - len(new) > self.start else 0):
+            return 400, "bare LF line ending in the request head"
+        if _CTL.search(new):
+            return 400, "control character in the request head"
+        return None

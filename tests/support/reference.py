@@ -216,7 +216,10 @@ def may_allow_ip(spec: Spec, ip: Address, port: int) -> bool:
         return False
     if klass is Klass.LOOPBACK:
         return _loopback_ok(spec, port)
-    if not (spec.mode == "allow" or any(r.matches_ip(ip, port) for r in spec.allow)):
+    # DESIGN.md step 10: allow and learn admit any literal, but a non-global one only with
+    # private.allow (the guard that holds in every mode) unless a rule names it
+    by_mode = spec.mode in ("allow", "learn") and (klass is Klass.GLOBAL or spec.private_allow)
+    if not (by_mode or any(r.matches_ip(ip, port) for r in spec.allow)):
         return False
     return not spec.ports or port in spec.ports
 
@@ -227,7 +230,7 @@ def may_allow_name(spec: Spec, name: str, port: int) -> bool:
         return False
     if _is_loopback_name(name):
         return _loopback_ok(spec, port) and not _is_self(spec, None, port)
-    if not (spec.mode == "allow" or any(r.matches_name(name, port) for r in spec.allow)):
+    if not (spec.mode in ("allow", "learn") or any(r.matches_name(name, port) for r in spec.allow)):
         return False
     return not spec.ports or port in spec.ports
 

@@ -214,6 +214,7 @@ def test_fast_decision_is_field_for_field_a_decision() -> None:
         "addresses": (ip("10.0.0.1"),),
         "profile": "p",
         "self_addresses": ((ip("127.0.0.1"), 8080),),
+        "would_be": "not_allowlisted",
     }
     assert list(values) == [f.name for f in fields(Decision)]
     assert not hasattr(Decision, "__post_init__")  # which the fast constructor would skip
