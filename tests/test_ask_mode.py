@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
 from tests.support.control import Follower, ask_policy, cli, cli_json, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun
-from tests.support.upstreams import EchoHTTPServer
+from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
 from tests.test_exec_integration import parse_http
 
 
@@ -253,3 +254,31 @@ def test_a_tunnel_waits_unconnected_until_approved(
         assert cli("approve", ask["id"]).returncode == 0
         assert finish(curl)[0] == 200
         assert up.connections == 1
+
+
+def test_an_approved_inspected_tunnel_is_not_asked_again_for_its_requests(
+    tmp_path: Path, dns: DnsServer, ca: trustme.CA, ca_file: Path
+) -> None:
+    """Approved once = this connection: inside an inspected tunnel its requests go on unasked."""
+    policy = ask_policy(tmp_path)
+    policy.write_text(policy.read_text() + "inspect:\n  - up.test\n")
+    dns.add("up.test", "127.0.0.1")
+    with EchoHTTPSServer("127.0.0.1", ca=ca, hostnames=["up.test"]) as tls:
+        options = ["--upstream-ca", str(ca_file)]
+        with run_ask(policy, dns, *options) as run, Follower() as follower:
+            wait_for(attached, what="the follower to attach")
+            base = f"https://up.test:{tls.port}"
+            curl = subprocess.Popen(
+                ["curl", "-sS", "--max-time", "40", f"{base}/one", f"{base}/two"],
+                env=run.child_env(),
+                stdout=subprocess.PIPE,
+            )
+            ask = follower.next_ask()
+            assert (ask["method"], tls.connections) == ("CONNECT", 0)
+            assert cli("approve", ask["id"]).returncode == 0
+            out, _ = curl.communicate(timeout=60)
+            assert [json.loads(line)["path"] for line in out.decode().replace("}{", "}\n{").splitlines()] == [
+                "/one",
+                "/two",
+            ]
+            assert len(follower.asks()) == 1

@@ -17,11 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
 from tests.support.control import ask_policy, cli, cli_json, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec
-from tests.support.upstreams import EchoHTTPServer
+from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
 from tests.test_ask_mode import finish, start_curl
 
 
@@ -263,3 +264,21 @@ def test_grant_errors_are_clear(tmp_path: Path, dns: DnsServer) -> None:
         bad = cli("grant", "http://user@x.test/", "--once")
         assert bad.returncode == 1 and "userinfo" in bad.stderr
         assert cli("grant", "x.test").returncode == 2  # --once is required
+
+
+def test_an_https_url_grant_admits_that_path_only_through_inspection(
+    tmp_path: Path, dns: DnsServer, ca: trustme.CA, ca_file: Path
+) -> None:
+    """A CONNECT shows no path: the tunnel is inspected and the request inside uses the grant."""
+    policy = ask_policy(tmp_path, mode="enforce")
+    policy.write_text(policy.read_text() + "inspect:\n  - inspected.test\n")  # inspection on
+    dns.add("up.test", "127.0.0.1")
+    with EchoHTTPSServer("127.0.0.1", ca=ca, hostnames=["up.test"]) as tls:
+        options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--no-prompt"]
+        with EgressdRun([*options, "--upstream-ca", str(ca_file)]) as run:
+            base = f"https://up.test:{tls.port}"
+            assert cli("grant", f"{base}/a", "--once").returncode == 0
+            assert finish(start_curl(run, f"{base}/b")) == (403, "not_allowlisted")  # inside the tunnel
+            assert finish(start_curl(run, f"{base}/a")) == (200, None)
+            assert finish(start_curl(run, f"{base}/a")) == (403, "not_allowlisted")  # used: the CONNECT
+            assert [r["path"] for r in tls.requests] == ["/a"]
