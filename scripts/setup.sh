@@ -26,6 +26,7 @@ APT_PACKAGES=(
   wrk
   libc6-dev
   squid  # tests: the exported squid.conf, loaded and served by Debian's squid
+  chromium  # tests: the dashboard in a real headless browser (Playwright drives /usr/bin/chromium)
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }

@@ -14,6 +14,7 @@ from egressd import __version__
 from egressd.cli.answer import approve_command, deny_command
 from egressd.cli.ca import ca_group
 from egressd.cli.check import check_command
+from egressd.cli.dashboard import dashboard_command
 from egressd.cli.exec import exec_command
 from egressd.cli.grant import grant_command
 from egressd.cli.options import CONTEXT
@@ -80,6 +81,7 @@ for _command in (
     deny_command,
     grant_command,
     watch_command,
+    dashboard_command,
 ):
     cli.add_command(_command)
 

@@ -21,7 +21,7 @@ from aiohttp import web
 from egressd.admission.asks import AskBroker, AskError
 from egressd.admission.events import Event, EventBus
 from egressd.admission.grants import GrantError, GrantStore
-from egressd.control.server import KEEPALIVE, QUEUE_LINES, event_json
+from egressd.control.server import KEEPALIVE, QUEUE_LINES, PolicyEditor, event_json
 
 
 class Handlers:
@@ -32,12 +32,16 @@ class Handlers:
         events: EventBus,
         info: Callable[[], dict[str, Any]],
         stop: asyncio.Event,
+        policy: Callable[[], dict[str, Any]] | None = None,
+        edit_policy: PolicyEditor | None = None,
     ) -> None:
         self.broker = broker
         self.grants = grants
         self.events = events
         self.info = info
         self._stop = stop
+        self.policy = policy
+        self.edit_policy = edit_policy
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._same_user])
@@ -50,6 +54,8 @@ class Handlers:
                 web.post("/v1/grants", self._grant),
                 web.delete("/v1/grants/{id}", self._revoke),
                 web.get("/v1/events", self._events),
+                web.get("/v1/policy", self._policy),
+                web.post("/v1/policy/rules", self._edit_rule),
             ]
         )
         return app
@@ -128,6 +134,32 @@ class Handlers:
         if not self.grants.revoke(request.match_info["id"]):
             return _error(404, f"no grant {request.match_info['id']!r}")
         return web.json_response({"revoked": request.match_info["id"]})
+
+    async def _policy(self, request: web.Request) -> web.Response:
+        if self.policy is None:
+            return _error(404, "this egressd shows no policy")
+        return web.json_response(await asyncio.to_thread(self.policy))
+
+    async def _edit_rule(self, request: web.Request) -> web.Response:
+        """Add or remove one allow/deny rule of the policy file (validated, written atomically, the
+        reload applying it), like a hand edit of the file."""
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        op, which, rule = body.get("op", "add"), body.get("list"), body.get("rule")
+        if op not in ("add", "remove") or not isinstance(which, str) or not isinstance(rule, str):
+            return _error(400, 'expected {"op": "add|remove", "list": "allow|deny", "rule": "..."}')
+        if self.edit_policy is None:
+            return _error(409, "no policy file to edit (egressd runs without --policy FILE)")
+        from egressd.policy_edit import PolicyEditError
+
+        try:
+            done = await asyncio.to_thread(self.edit_policy, op, which, rule)
+        except PolicyEditError as exc:
+            return _error(400, str(exc))
+        return web.json_response(
+            {"done": done, "policy": await asyncio.to_thread(self.policy) if self.policy else None}
+        )
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_LINES)
