@@ -305,3 +305,63 @@ def test_the_sandboxed_child_cannot_reach_the_dashboard(served: Served, tmp_path
         pytest.skip(f"the sandbox cannot start here: {result.stderr[-300:]}")
     assert "unreachable" in result.stdout, (result.stdout, result.stderr)
     assert "reached\n" not in result.stdout
+
+
+def test_egressd_dashboard_attaches_to_a_running_instance(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """`egressd dashboard` (no --dashboard on the instance): the same page, served by the command,
+    answering through the instance's control API; Allow for this run admits later requests too."""
+    from tests.support.egressd_cli import EGRESSD
+
+    assert subprocess.run([*EGRESSD, "dashboard"], capture_output=True, timeout=30).returncode == 2  # none
+    options = ["--policy", str(ask_policy(tmp_path)), "--nameserver", dns.nameserver, "--no-prompt"]
+    with EgressdRun(options) as run:
+        dash = subprocess.Popen(
+            [*EGRESSD, "dashboard"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            assert dash.stderr is not None
+            line = dash.stderr.readline()
+            found = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/\?token=\S+)", line)
+            assert found, line
+            with playwright_sync.sync_playwright() as pw:
+                browser = pw.chromium.launch(
+                    executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--no-proxy-server"]
+                )
+                try:
+                    page = browser.new_page()
+                    page.goto(found.group(1))
+                    page.wait_for_selector("#status.live", timeout=10_000)
+                    wait_for(approver_attached, what="the page to count as an approver")
+                    curl = start_curl(run, f"http://up.test:{up.port}/first")
+                    page.locator("#asks li.ask button[data-answer=run]").click(timeout=10_000)
+                    assert finish(curl)[0] == 200
+                    assert finish(start_curl(run, f"http://up.test:{up.port}/second"))[0] == 200
+                    page.wait_for_selector(
+                        "#grants code:text-is('up.test:" + str(up.port) + "')", timeout=10_000
+                    )
+                finally:
+                    browser.close()
+        finally:
+            dash.terminate()
+            dash.wait(timeout=10)
+        assert dash.stdout is not None and dash.stdout.read() == ""  # nothing on stdout
+
+
+def test_without_an_open_page_the_dashboard_is_no_approver(served: Served, up: EchoHTTPServer) -> None:
+    """An unattended dashboard never makes a child wait: asks are refused at once."""
+    assert finish(start_curl(served.run, f"http://up.test:{up.port}/")) == (403, "no_approver")
+
+
+def test_a_state_change_must_be_json(served: Served, page: Any) -> None:
+    cookie = served.login()
+    csrf = page.get_attribute("meta[name=egressd-csrf]", "content")
+    headers = {
+        "Host": f"127.0.0.1:{served.port}",
+        "Cookie": cookie,
+        "Origin": f"http://127.0.0.1:{served.port}",
+        "X-CSRF-Token": csrf,
+        "Content-Type": "text/plain",
+    }
+    assert served.request("POST", "/api/grants", headers=headers, body='{"target": "x.test"}')[0] == 415
