@@ -198,7 +198,13 @@ def _grants(served: Served) -> list[dict[str, Any]]:
 # -- the guards, over plain HTTP ---------------------------------------------------------------------
 def test_a_wrong_host_header_is_refused(served: Served) -> None:
     cookie = served.login()
-    for host in ("evil.test", f"evil.test:{served.port}", "127.0.0.1", f"127.0.0.2:{served.port}", ""):
+    port = served.port
+    spellings = (
+        "evil.test", f"evil.test:{port}", "127.0.0.1", f"127.0.0.2:{port}", "",
+        f"127.0.0.1.:{port}", f"127.1:{port}", f"0x7f.0.0.1:{port}", f"[::ffff:127.0.0.1]:{port}",
+        f"localhost.:{port}", f"127.0.0.1:0{port}", f"127.0.0.1:{port}@evil.test", f"evil.localhost:{port}",
+    )  # fmt: skip
+    for host in spellings:
         status, _, _ = served.request("GET", "/api/state", headers={"Host": host, "Cookie": cookie})
         assert status == 421, host
         status, _, _ = served.request("GET", f"/?token={served.token}", headers={"Host": host})
@@ -365,3 +371,16 @@ def test_a_state_change_must_be_json(served: Served, page: Any) -> None:
         "Content-Type": "text/plain",
     }
     assert served.request("POST", "/api/grants", headers=headers, body='{"target": "x.test"}')[0] == 415
+
+
+def test_always_clicked_in_the_page_writes_the_policy_file(
+    served: Served, page: Any, up: EchoHTTPServer
+) -> None:
+    wait_for(approver_attached, what="the open page to count as an approver")
+    curl = start_curl(served.run, f"http://up.test:{up.port}/always")
+    page.locator("#asks li.ask button[data-answer=always]").click(timeout=10_000)
+    assert finish(curl)[0] == 200
+    text = served.policy.read_text()
+    assert f"up.test:{up.port}" in text and "# the human loop under test" in text
+    page.wait_for_selector(f"#allow code:text-is('up.test:{up.port}')", timeout=10_000)
+    assert csp_violations(page) == []

@@ -78,7 +78,7 @@ class Routes:
             if not dash.token_ok(request.query.get("token")):
                 return _deny(403, "wrong token")
             # set the cookie and leave the URL with the token at once (history, Referer)
-            response = web.HTTPSeeOther("/")
+            response = web.Response(status=303, headers={"Location": "/"})
             response.set_cookie(COOKIE, dash.token, httponly=True, samesite="Strict", path="/")
             response.headers.update(SECURITY_HEADERS)
             return response
