@@ -384,3 +384,12 @@ def test_always_clicked_in_the_page_writes_the_policy_file(
     assert f"up.test:{up.port}" in text and "# the human loop under test" in text
     page.wait_for_selector(f"#allow code:text-is('up.test:{up.port}')", timeout=10_000)
     assert csp_violations(page) == []
+
+
+def test_a_closed_page_stops_counting_as_an_approver(served: Served, page: Any, up: EchoHTTPServer) -> None:
+    """The page's reads of the state never count as polling: once it is closed, asks are refused
+    at once again (not after the control API's 30 s poll grace)."""
+    wait_for(approver_attached, what="the open page to count as an approver")
+    page.close()
+    wait_for(lambda: not approver_attached(), timeout=15, what="the closed page to stop counting")
+    assert finish(start_curl(served.run, f"http://up.test:{up.port}/")) == (403, "no_approver")

@@ -78,7 +78,8 @@ class Handlers:
         return web.json_response(self.info())
 
     async def _asks(self, request: web.Request) -> web.StreamResponse:
-        self.broker.polled()
+        if request.query.get("peek") not in ("1", "true"):
+            self.broker.polled()  # a reader of the list is taken to answer; a peek (the dashboard) is not
         if request.query.get("follow") not in ("1", "true"):
             return web.json_response({"asks": [self.broker.describe(p) for p in self.broker.pending()]})
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_LINES)

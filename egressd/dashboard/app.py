@@ -127,7 +127,10 @@ class Routes:
     async def state(self, request: web.Request) -> web.Response:
         try:
             info, asks, grants, policy = await asyncio.gather(
-                self._get("/v1/info"), self._get("/v1/asks"), self._get("/v1/grants"), self._get("/v1/policy")
+                self._get("/v1/info"),
+                self._get("/v1/asks?peek=1"),
+                self._get("/v1/grants"),
+                self._get("/v1/policy"),
             )
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             return web.json_response({"error": f"cannot reach egressd: {exc}"}, status=502)
@@ -157,11 +160,16 @@ class Routes:
         async def pump(path: str, source: str) -> None:
             try:
                 async with self.session().get(path, timeout=aiohttp.ClientTimeout(total=None)) as upstream:
-                    async for raw in upstream.content:
-                        with contextlib.suppress(ValueError):
-                            item = json.loads(raw)
-                            if isinstance(item, dict) and item.get("event") != "keepalive":
-                                offer({**item, "source": source})
+                    try:
+                        async for raw in upstream.content:
+                            with contextlib.suppress(ValueError):
+                                item = json.loads(raw)
+                                if isinstance(item, dict) and item.get("event") != "keepalive":
+                                    offer({**item, "source": source})
+                    finally:
+                        # close, not release: a connection kept for reuse would leave the control
+                        # API believing this page still follows the asks
+                        upstream.close()
             except (aiohttp.ClientError, OSError):
                 pass
             offer({"event": "gone", "source": source})
@@ -172,7 +180,7 @@ class Routes:
         await response.prepare(request)
         pumps = [
             asyncio.ensure_future(pump("/v1/events", "events")),
-            asyncio.ensure_future(pump("/v1/asks?follow=1", "asks")),
+            asyncio.ensure_future(pump("/v1/asks?follow=1&peek=1", "asks")),
         ]
         stopping = asyncio.ensure_future(self._stop.wait())
         try:

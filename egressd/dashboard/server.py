@@ -49,7 +49,7 @@ SECURITY_HEADERS = {
 }
 STATIC = {"app.js": "text/javascript", "style.css": "text/css"}
 SAFE_METHODS = ("GET", "HEAD")
-SSE_KEEPALIVE = 15.0
+SSE_KEEPALIVE = 2.0  # a page that went away is noticed by then (a browser may not close at once)
 
 
 class Dashboard:
@@ -116,7 +116,11 @@ class Dashboard:
         self._stop = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         app = make_app(self, self._stop)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
+        # handler_cancellation: a page that goes away ends its event stream at once, and with it the
+        # asks it followed (so it stops counting as an approver within the control API's keepalive)
+        runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, shutdown_timeout=1, handler_cancellation=True
+        )
         await runner.setup()
         await web.SockSite(runner, self._sock).start()
         self._ready.set()
