@@ -11,6 +11,7 @@ import importlib.metadata
 import click
 
 from egressd import __version__
+from egressd.cli.acp import acp_command
 from egressd.cli.ca import ca_group
 from egressd.cli.check import check_command
 from egressd.cli.exec import exec_command
@@ -69,6 +70,7 @@ for _command in (
     remote_agent,
     policy_group,
     ca_group,
+    acp_command,
 ):
     cli.add_command(_command)
 
