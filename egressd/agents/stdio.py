@@ -40,15 +40,17 @@ class StdioRelay:
         sys.stdout = sys.stderr
         self._threads: list[threading.Thread] = []
 
-    def start(self, from_client: Handler, from_child: Handler) -> None:
-        """Start relaying; the child must be started after (or it may miss nothing: pipes buffer)."""
+    def start(self, from_client: Handler, from_child: Handler, *, strict: bool = True) -> None:
+        """Start relaying (before the child starts or after: the pipes hold what it writes).
+
+        strict: the child's lines are judged (see jsonrpc.pump); an MCP server's are only annotated."""
 
         def upstream() -> None:
             pump(self.client_in, self.to_child, from_client, strict=False, name=f"{self.name} client")
             self.to_child.close()  # the client is gone: the child reads EOF
 
         def downstream() -> None:
-            pump(self.from_child, self.client, from_child, strict=True, name=self.name, warn=self.warn)
+            pump(self.from_child, self.client, from_child, strict=strict, name=self.name, warn=self.warn)
 
         for target, label in ((upstream, "in"), (downstream, "out")):
             thread = threading.Thread(target=target, name=f"egressd-{self.name}-{label}", daemon=True)

@@ -1,6 +1,6 @@
-"""Join a running proxy session to an ACP relay: the environments, the decision, the refusals.
+"""Join a running proxy session to an ACP or MCP relay: the environments, the decision, the refusals.
 
-Kept out of the CLI so `exec` and `sandbox` runs of `egressd acp` wire the bridge the same way.
+Kept out of the CLI so `exec` and `sandbox` runs wire the bridges the same way.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from egressd.agents.acp import AcpBridge
+from egressd.agents.mcp_run import McpBridge
 from egressd.agents.stdio import StdioRelay
 from egressd.child_env import child_environment
 from egressd.policy import Decision
@@ -73,3 +74,18 @@ def acp_relay(
         relay.finish()
         pipeline.events.unsubscribe(bridge.observe)
         bridge.close()
+
+
+@contextlib.contextmanager
+def mcp_relay(session: ProxySession, relay: StdioRelay) -> Iterator[McpBridge]:
+    """Relay MCP between egressd's stdin/stdout and the server while the block runs it."""
+    assert session.proxy is not None
+    events = session.proxy.pipeline.events
+    bridge = McpBridge()
+    events.subscribe(bridge.observe)
+    relay.start(bridge.from_client, bridge.from_server, strict=False)
+    try:
+        yield bridge
+    finally:
+        relay.finish()
+        events.unsubscribe(bridge.observe)

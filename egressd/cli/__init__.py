@@ -15,6 +15,7 @@ from egressd.cli.acp import acp_command
 from egressd.cli.ca import ca_group
 from egressd.cli.check import check_command
 from egressd.cli.exec import exec_command
+from egressd.cli.mcp import mcp_group
 from egressd.cli.options import CONTEXT
 from egressd.cli.policy import policy_group
 from egressd.cli.run import run_command
@@ -71,6 +72,7 @@ for _command in (
     policy_group,
     ca_group,
     acp_command,
+    mcp_group,
 ):
     cli.add_command(_command)
 
