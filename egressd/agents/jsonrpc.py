@@ -154,16 +154,16 @@ def pump(
                 skipping = newline < 0
                 continue
             buffer += piece
-            if newline >= 0:
-                line, buffer = bytes(buffer), bytearray()
-                emit(line)
-            elif len(buffer) > max_line:
+            if len(buffer) > max_line:  # never parsed: dropped (strict) or passed on raw
                 if strict:
                     if warn is not None:
                         warn(f"{name}: dropped a message longer than {max_line} bytes")
                 else:
                     sink.write(bytes(buffer))
                 buffer = bytearray()
-                skipping = True
+                skipping = newline < 0
+            elif newline >= 0:
+                line, buffer = bytes(buffer), bytearray()
+                emit(line)
     if buffer and not skipping:
         emit(bytes(buffer))
