@@ -240,3 +240,26 @@ async def test_stdio_passes_byte_for_byte_and_big_messages(
         session_id = await _session(conn, [])
         await _prompt(conn, session_id, "write 3000000")
         assert any(len(text) == 3_000_000 for _, text in client.updates)
+
+
+async def test_sandboxed_agent_mcp_server_uses_the_sandbox_bridge(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer, work: Path
+) -> None:
+    """--sandbox: the agent and the MCP servers it starts are inside; their proxy is the sandbox's
+    loopback bridge, and the refusal still reaches the client."""
+    from tests.test_sandbox_integration import sandbox_env
+
+    client = EditorClient()
+    servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER[1:], env=[])]
+    command = _egressd_acp(_policy(tmp_path, up), dns, tmp_path / "audit.jsonl", "--sandbox")
+    async with spawn_agent_process(
+        client, command[0], *command[1:], cwd=work, env=sandbox_env(work), transport_kwargs=STDERR
+    ) as (conn, proc):
+        session_id = await _session(conn, servers)
+        await _prompt(conn, session_id, "servers")
+        assert "@127.0.0.1:3128" in client.texts()  # the bridge inside the sandbox
+        await _prompt(conn, session_id, f"fetch http://up.test:{up.port}/inside\nfetch http://refused.test/x")
+        texts = client.texts()
+        assert f"fetch http://up.test:{up.port}/inside -> isError=False" in texts
+        assert "fetch http://refused.test/x -> isError=True" in texts
+        assert await _until(lambda: "not_allowlisted" in client.texts())
