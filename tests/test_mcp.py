@@ -138,6 +138,11 @@ def test_wrap_unwrap_formats(
     assert config.read_text() == text  # byte for byte
     mcp("unwrap", str(config))
     assert config.read_text() == text
+    # a config that is a symlink (dotfiles) stays one
+    link = tmp_path / "link.json"
+    link.symlink_to(config)
+    mcp("wrap", str(link), "--policy", str(policy))
+    assert link.is_symlink() and config.read_text() == once
 
 
 def test_wrap_refuses_without_touching(tmp_path: Path, upstream: EchoHTTPServer) -> None:

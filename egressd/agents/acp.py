@@ -226,15 +226,21 @@ class AcpBridge:
         items = value if isinstance(value, list) else [value]
         changed = False
         after: list[bytes] = []
-        for item in items:
+        for item in list(items):
             if not isinstance(item, dict):
                 continue
-            if item.get("method") == "terminal/create" and isinstance(item.get("params"), dict):
-                params = item["params"]
-                params["env"] = merge_env_list(params.get("env"), self.terminal_env())
+            if item.get("method") == "terminal/create":
                 changed = True
+                if isinstance(item.get("params"), dict):
+                    params = item["params"]
+                    params["env"] = merge_env_list(params.get("env"), self.terminal_env())
+                else:  # no params egressd can add to: a client must not run it as it is
+                    self.warn("dropped a terminal/create without params")
+                    items.remove(item)
             elif "method" not in item and "id" in item:
                 after += self._notices_after(item)
+        if changed and not items:
+            return b"".join(after)
         out = encode(value, message.terminator) if changed or message.ambiguous else line
         return out + b"".join(after)
 

@@ -239,7 +239,8 @@ def save(path: Path, old_text: str, new_text: str) -> bool:
     if new_text == old_text:
         return False
     write_atomically_new(backup_path(path), old_text, like=path)
-    write_atomically(path, new_text)
+    # a config that is a symlink (dotfiles) stays one: the file it leads to is replaced
+    write_atomically(path.resolve(), new_text)
     return True
 
 

@@ -90,6 +90,10 @@ def test_terminal_create_gets_egressd_env_in_every_spelling() -> None:
     batch = (b'[{"jsonrpc":"2.0","id":1,"method":"terminal/create","params":{"command":"sh"}}]') + b"\n"
     (messages,) = _from_agent(bridge, batch)
     assert _terminal_env(messages[0]) == OURS
+    for odd in (b'{"id":1,"method":"terminal/create","params":["sh"]}\n', b'{"method":"terminal/create"}\n'):
+        assert bridge.from_agent(odd, parse(odd)) == b""
+    odd_batch = b'[{"id":1,"method":"terminal/create"},{"id":2,"method":"x"}]\n'
+    assert json.loads(bridge.from_agent(odd_batch, parse(odd_batch))) == [{"id": 2, "method": "x"}]
 
 
 def test_duplicate_keys_are_reencoded_so_the_client_reads_what_egressd_judged() -> None:
