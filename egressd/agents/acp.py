@@ -12,6 +12,7 @@ byte (egressd.agents.jsonrpc).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # requests whose params carry `mcpServers` (new and load are stable; fork and resume unstable)
 MCP_SESSION_METHODS = frozenset({"session/new", "session/load", "session/fork", "session/resume"})
+NOTICES_PER_TURN = 20  # refusal notices per prompt; a child refused everywhere must not flood the editor
+QUEUED = 1000  # refusals waiting for the notifier (beyond: dropped, the audit has them)
 CONTROLLED = frozenset(
     name.lower() for name in (*PROXY_VARS, *NO_PROXY_VARS, *CA_BUNDLE_VARS, SOCKS_VAR, "NODE_USE_ENV_PROXY")
 )
@@ -128,7 +131,7 @@ class AcpBridge:
         self._prefix = f"egressd-{secrets.token_hex(6)}-"
         self.current_session: object = None  # where refusal notices go: the last prompted session
         self._told: set[tuple[object, str, int | None, str]] = set()
-        self._refusals: queue.SimpleQueue[Decided | None] = queue.SimpleQueue()
+        self._refusals: queue.Queue[Decided | None] = queue.Queue(QUEUED)
         self._notifier = threading.Thread(
             target=self._notify_refusals, name="egressd-acp-notices", daemon=True
         )
@@ -258,7 +261,8 @@ class AcpBridge:
     def observe(self, event: Event) -> None:
         """Pipeline observer (runs on the proxy's thread: only queues)."""
         if isinstance(event, Decided) and not event.allowed:
-            self._refusals.put(event)
+            with contextlib.suppress(queue.Full):
+                self._refusals.put_nowait(event)
 
     def close(self) -> None:
         self._refusals.put(None)
@@ -272,9 +276,14 @@ class AcpBridge:
             with self._lock:
                 session = self.current_session
                 key = (session, event.host or "", event.port, event.reason)
-                if session is None or key in self._told:
+                if session is None or key in self._told or len(self._told) > NOTICES_PER_TURN:
                     continue
                 self._told.add(key)
+                last = len(self._told) > NOTICES_PER_TURN
+            if last:
+                text = "egressd: more refusals in this turn are not shown here; the audit has every one."
+                self.to_client.write(encode(_update(session, text)))
+                continue
             refusal = Refusal(event.reason, event.detail, event.host or "", event.port, event.rule)
             what = refusal.target
             if event.method and event.path:

@@ -278,3 +278,25 @@ def test_mcp_bridge_annotates_only_failed_tool_calls() -> None:
     failed = b'{"jsonrpc":"2.0","id":3,"result":{"isError":true,"content":[{"type":"text","text":"403"}]}}\n'
     out = json.loads(bridge.from_server(failed, parse(failed)))
     assert "not_allowlisted" in out["result"]["content"][-1]["text"]
+
+
+def test_refusal_notices_are_bounded_per_turn() -> None:
+    """A child refused everywhere must not flood the editor: NOTICES_PER_TURN, then one line."""
+    from egressd.admission.events import Decided
+    from egressd.agents.acp import NOTICES_PER_TURN
+
+    sink = _Collect()
+    bridge = _bridge(sink)  # type: ignore[arg-type]
+    prompt = b'{"jsonrpc":"2.0","id":1,"method":"session/prompt","params":{"sessionId":"s1","prompt":[]}}\n'
+    bridge.from_client(prompt, parse(prompt))
+    for i in range(100):
+        bridge.observe(Decided(None, "egressd", None, "connect", f"h{i}.test", 443, False, "x", None, "d"))
+    for _ in range(500):
+        if len(sink.data.splitlines()) > NOTICES_PER_TURN:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.2)
+    lines = [json.loads(line) for line in sink.data.splitlines()]
+    assert len(lines) == NOTICES_PER_TURN + 1
+    assert "not shown" in lines[-1]["params"]["update"]["content"]["text"]
+    bridge.close()
