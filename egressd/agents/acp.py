@@ -166,9 +166,8 @@ class AcpBridge:
         if not isinstance(params, dict):
             return False
         if method == "session/prompt":
-            with self._lock:
-                if params.get("sessionId") != self.current_session:
-                    self._told.clear()
+            with self._lock:  # a new turn: its refusals are told afresh
+                self._told.clear()
                 self.current_session = params.get("sessionId")
             return False
         if method in MCP_SESSION_METHODS and isinstance(params.get("mcpServers"), list):
