@@ -1,11 +1,10 @@
 """mitmproxy addon: the connections egressd's front handed over, and every request inside them.
 
-mitmproxy serves only connections the front registered (egressd.inspect.handoffs): a tunnel the
-admission pipeline already admitted for inspection, whose CONNECT must name what was admitted, or
-(until the front serves every plain-HTTP request itself) a plain-HTTP client. Each request is
-admitted by the same pipeline (`Pipeline.admit`, stage "inner" inside a tunnel); every upstream
-connection goes to the addresses the pipeline pinned, never resolved here (the connect hook in
-egressd.admission.pinning refuses anything else).
+mitmproxy serves only connections the front registered (egressd.inspect.handoffs): tunnels the
+admission pipeline already admitted and pinned for inspection, whose CONNECT must name what was
+admitted. Each request inside is admitted by the same pipeline (`Pipeline.admit`, stage "inner"),
+and every upstream connection goes to the tunnel's pin, never resolved here (the connect hook in
+egressd.inspect.patches refuses anything else).
 """
 
 from __future__ import annotations
@@ -92,10 +91,9 @@ class PolicyGate:
     # -- CONNECT: already admitted by the front ------------------------------------------------
     @fail_closed
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        handoff = self.handoff(flow.client_conn)
-        admitted = handoff.tunnel
+        admitted = self.handoff(flow.client_conn).tunnel
         request = flow.request
-        if admitted is None or (request.host, request.port) != (admitted.host, admitted.port):
+        if (request.host, request.port) != (admitted.host, admitted.port):
             why = "a CONNECT that was not the one admitted"
             self._refuse(flow, Refusal("bad_request", why, request.host, request.port))
 
@@ -107,8 +105,8 @@ class PolicyGate:
         )
         host, port = flow.request.host, flow.request.port
         reason, detail = failure or ("connect_error", flow.server_conn.error or "connection failed")
-        admitted = self._clients.get(flow.client_conn.id)
-        rule = admitted.tunnel.decision.rule if admitted is not None and admitted.tunnel else None
+        handoff = self._clients.get(flow.client_conn.id)
+        rule = handoff.tunnel.decision.rule if handoff is not None else None
         flow.response = refusal_response(Refusal(reason, detail, host, port, rule))
         flow.metadata[_REFUSED] = True
 
@@ -118,21 +116,15 @@ class PolicyGate:
         handoff = self.handoff(flow.client_conn)
         request = flow.request
         tunnel = handoff.tunnel
-        if tunnel is not None:
-            # inside the admitted tunnel: its target, whatever the request says (the request rules
-            # refuse a Host header that names another)
-            host, port, scheme, credentials = tunnel.host, tunnel.port, request.scheme, None
-        else:
-            host, port, scheme = request.host, request.port, request.scheme
-            credentials = request.headers.get("proxy-authorization")
+        # inside the admitted tunnel: its target, whatever the request says (the request rules
+        # refuse a Host header that names another)
         ask = Ask(
-            "inner" if tunnel is not None else "request",
-            host,
-            port,
-            scheme=scheme,
+            "inner",
+            tunnel.host,
+            tunnel.port,
+            scheme=request.scheme,
             method=request.method,
             path=request.path,
-            credentials=credentials,
             headers=list(request.headers.items(multi=True)),
         )
         admitted = await self.rt.admit(handoff.conn, ask)
@@ -140,8 +132,6 @@ class PolicyGate:
             self._refuse(flow, admitted)
             return
         request.host = admitted.host
-        if tunnel is None:
-            handoff.requests[(admitted.host, admitted.port)] = admitted
         _strip_hop_by_hop(request.headers, keep_upgrade=_is_upgrade(request))
         self._strip_credentials_after_redirect(flow, handoff.conn)
 
@@ -192,31 +182,24 @@ class PolicyGate:
 
     # -- every upstream connection: to the pinned addresses only --------------------------------
     @fail_closed
-    async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+    def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         current_pin.set(None)
         handoff = self.handoff(data.client)
         address = data.server.address
         if address is None:
             data.server.error = failure_message("invalid_target", "no destination")
             return
-        admitted = handoff.tunnel or handoff.requests.get((address[0], address[1]))
-        if admitted is None or (address[0], address[1]) != (admitted.host, admitted.port):
+        admitted = handoff.tunnel
+        if (address[0], address[1]) != (admitted.host, admitted.port) or admitted.pin is None:
             where = f"{address[0]}:{address[1]}"
             data.server.error = failure_message("internal_error", f"{where} was not admitted")
             return
-        # each connection its own attempts; a request's addresses are resolved on its first one
-        connection = Admitted(admitted.decision, admitted.inspect, admitted.pin, admitted.resolved)
-        if connection.pin is None:
-            if (limited := self.rt.limits.connections()) is not None:
-                data.server.error = failure_message(limited.reason, limited.detail)
-                return
-            refusal = await self.rt.pin(handoff.conn, connection)
-            if refusal is not None:
-                data.server.error = failure_message(refusal.reason, refusal.detail)
-                return
-            admitted.pin, admitted.resolved = connection.pin, connection.resolved
-        assert connection.pin is not None
-        connection.pin = dataclasses.replace(connection.pin, connected=None, attempts=[], failure=None)
+        if (limited := self.rt.limits.connections()) is not None:  # a reconnect inside the tunnel
+            data.server.error = failure_message(limited.reason, limited.detail)
+            return
+        # each connection to the tunnel's pin keeps its own attempts
+        pin = dataclasses.replace(admitted.pin, connected=None, attempts=[], failure=None)
+        connection = Admitted(admitted.decision, admitted.inspect, pin, admitted.resolved)
         data.server.address = (connection.pin.host, connection.pin.port)
         handoff.connections[data.server.id] = connection
         current_pin.set(connection.pin)

@@ -22,21 +22,11 @@ from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode
-from mitmproxy.proxy.mode_servers import Socks5Instance
 
 from egressd.admission.pipeline import Pipeline
-from egressd.refusal import POLICY_REASONS, parse_failure
 from egressd.wire.sni import WAIT, TunnelStart
 
 logger = logging.getLogger(__name__)
-
-SOCKS5_REPLY = {
-    "policy": 0x02,  # connection not allowed by ruleset
-    "dns_error": 0x04,  # host unreachable
-    "dns_timeout": 0x04,
-    "connect_refused": 0x05,  # connection refused
-    "connect_timeout": 0x06,  # TTL expired: the closest code for "timed out"
-}
 
 
 class RefuseTunnel(layer.Layer):
@@ -53,38 +43,6 @@ class RefuseTunnel(layer.Layer):
         yield from ()
 
 
-class EgressSocks5Proxy(modes.Socks5Proxy):
-    """mitmproxy's SOCKS5 layer with reply codes that say why a connect failed."""
-
-    def state_connect(self) -> layer.CommandGenerator[None]:
-        gen = super().state_connect()
-        try:
-            command = next(gen)
-            while True:
-                if (
-                    isinstance(command, commands.SendData)
-                    and command.connection == self.context.client
-                    and command.data[:2] == b"\x05\x04"
-                ):
-                    command = commands.SendData(command.connection, self._reply(command.data))
-                result = yield command
-                command = gen.send(result)
-        except StopIteration:
-            return
-
-    def _reply(self, data: bytes) -> bytes:
-        failure = parse_failure(self.context.server.error or "")
-        if failure is None:
-            return data
-        reason = failure[0]
-        code = SOCKS5_REPLY["policy"] if reason in POLICY_REASONS else SOCKS5_REPLY.get(reason, 0x01)
-        return bytes([0x05, code]) + data[2:]
-
-
-def _install_socks5_layer() -> None:
-    Socks5Instance.make_top_layer = lambda self, context: EgressSocks5Proxy(context)  # type: ignore[method-assign]
-
-
 class TunnelGuard(NextLayer):
     """mitmproxy's next-layer addon, with egressd's rules for everything inside a tunnel."""
 
@@ -96,7 +54,6 @@ class TunnelGuard(NextLayer):
         self.gate = gate
         # the SNI check of each tunnel whose layer is not chosen yet (gone with its NextLayer)
         self._starts: weakref.WeakKeyDictionary[layer.NextLayer, _Start] = weakref.WeakKeyDictionary()
-        _install_socks5_layer()
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         context = nextlayer.context
@@ -153,8 +110,7 @@ class TunnelGuard(NextLayer):
     def _intercept(self, context: Any) -> bool:
         """Only tunnels the pipeline admitted for inspection are handed to mitmproxy."""
         handoff = self.gate.find(context.client)
-        tunnel = handoff.tunnel if handoff is not None else None
-        return self.rt.inspection and tunnel is not None and tunnel.inspect
+        return self.rt.inspection and handoff is not None and handoff.tunnel.inspect
 
     def _refuse(self, nextlayer: layer.NextLayer, problem: str, reason: str = "sni_mismatch") -> None:
         context = nextlayer.context

@@ -165,13 +165,13 @@ class EgressProxy:
             self.pipeline.decider.add_self_address(*self.socks_address)
 
     async def _mitmproxy_address(self, kind: str) -> tuple[str, int]:
-        """The internal address of mitmproxy's HTTP or SOCKS5 listener, starting mitmproxy once.
+        """The internal address of mitmproxy's listener of `kind` ("http"), starting mitmproxy once.
 
         Lazy because importing mitmproxy's proxy core costs ~0.3 s of CPU: a wrapped command that
         only opens tunnels (or none, like `egressd exec -- true`) never pays it.
         """
         if self._mitm_started is None:
-            self._mitm_started = asyncio.ensure_future(self._start_mitmproxy(self.listen[0], 0, 0))
+            self._mitm_started = asyncio.ensure_future(self._start_mitmproxy(self.listen[0], 0))
         started = self._mitm_started
         try:
             await asyncio.shield(started)
@@ -184,8 +184,9 @@ class EgressProxy:
             raise EngineError(f"mitmproxy has no {kind} listener")
         return address
 
-    async def _start_mitmproxy(self, host: str, http_port: int, socks_port: int | None) -> None:
-        """Import, patch and start mitmproxy; its listeners are on (host, port), 0 = a free port."""
+    async def _start_mitmproxy(self, host: str, http_port: int) -> None:
+        """Import, patch and start mitmproxy; it listens on (host, http_port), 0 = a free port, for
+        the connections egressd's front hands it (SOCKS5 is the front's own, as CONNECT is)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 
@@ -220,11 +221,8 @@ class EgressProxy:
             # confdir first: TlsConfig loads (or creates) its CA as soon as it is added
             opts.update(confdir=str(self._confdir), ssl_verify_upstream_trusted_ca=str(self._upstream_roots))
             master.addons.add(tlsconfig.TlsConfig())
-        modes = [f"regular@{join_host_port(host, http_port or _free_port(host))}"]
-        if socks_port is not None:
-            modes.append(f"socks5@{join_host_port(host, socks_port or _free_port(host))}")
         opts.update(
-            mode=modes,
+            mode=[f"regular@{join_host_port(host, http_port)}"],
             connection_strategy="eager",
             tcp_timeout=int(self.policy.limits.idle_timeout),
             stream_large_bodies="256k",
@@ -269,8 +267,7 @@ class EgressProxy:
             addr = instance.listen_addrs[0]
             address = (addr[0], addr[1])
             self.pipeline.decider.add_self_address(address[0], address[1])
-            kind = "socks" if instance.mode.type_name == "socks5" else "http"
-            self._mitm_addresses[kind] = address
+            self._mitm_addresses["http"] = address
 
     def serve_socket(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
         """Accept clients of `kind` ("http" or "socks") on a listening socket made elsewhere, as on
@@ -374,11 +371,3 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError):
             logger.debug("could not raise RLIMIT_NOFILE from %s", soft)
-
-
-def _free_port(host: str) -> int:
-    """mitmproxy refuses two modes on port 0 of one host: pick the ports here."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])

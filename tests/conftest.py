@@ -178,17 +178,36 @@ def tcp_echo() -> Iterator[TcpEchoServer]:
 @pytest.fixture
 def echo_engine(tcp_echo: TcpEchoServer) -> Iterator[EgressProxy]:
     """An in-process engine (lean paths on) whose policy allows only the TCP echo server."""
+    host, port = tcp_echo.address
+    yield from _engine({"allow": [f"{host}:{port}"]})
+
+
+def _engine(rules: dict[str, list[str]]) -> Iterator[EgressProxy]:
+    """An in-process engine with these policy rules (mode enforce), stopped after the test."""
     from egressd.policy import parse_policy
     from egressd.proxy import EgressProxy
 
-    host, port = tcp_echo.address
-    policy = parse_policy({"version": 1, "mode": "enforce", "allow": [f"{host}:{port}"]}, "test")
-    engine = EgressProxy(policy)
+    engine = EgressProxy(parse_policy({"version": 1, "mode": "enforce", **rules}, "test"))
     engine.start()
     try:
         yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture
+def inspected_echo(tcp_echo: TcpEchoServer) -> Iterator[TcpEchoServer]:
+    """A second raw TCP echo server on tcp_echo's address, which inspecting_engine inspects."""
+    with TcpEchoServer(tcp_echo.address[0], name="tcp-echo-inspected") as server:
+        yield server
+
+
+@pytest.fixture
+def inspecting_engine(tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer) -> Iterator[EgressProxy]:
+    """An in-process engine that allows both echo servers and inspects inspected_echo: a tunnel to
+    it is handed to the embedded mitmproxy (the one thing that starts it), one to tcp_echo is not."""
+    lean, inspected = (f"{h}:{p}" for h, p in (tcp_echo.address, inspected_echo.address))
+    yield from _engine({"allow": [lean, inspected], "inspect": [inspected]})
 
 
 @pytest.fixture

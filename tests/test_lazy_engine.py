@@ -31,38 +31,48 @@ def _auth(proxy: EgressProxy) -> str:
     return base64.b64encode(f"{creds.username}:{creds.token}".encode()).decode()
 
 
-def test_a_tunnel_does_not_start_mitmproxy_a_socks5_client_does(
-    echo_engine: EgressProxy, tcp_echo: TcpEchoServer
+def _connect(proxy: EgressProxy, server: TcpEchoServer) -> socket.socket:
+    """A CONNECT to server sent (its answer not read yet)."""
+    host, port = server.address
+    sock = socket.create_connection(proxy.http_address, timeout=10)
+    sock.sendall(
+        f"CONNECT {host}:{port} HTTP/1.1\r\nProxy-Authorization: Basic {_auth(proxy)}\r\n\r\n".encode()
+    )
+    return sock
+
+
+def test_a_tunnel_or_socks5_does_not_start_mitmproxy_a_tunnel_to_inspect_does(
+    inspecting_engine: EgressProxy, tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer
 ) -> None:
-    host, port = tcp_echo.address
-    with socket.create_connection(echo_engine.http_address, timeout=10) as sock:
-        head = f"CONNECT {host}:{port} HTTP/1.1\r\nProxy-Authorization: Basic {_auth(echo_engine)}\r\n\r\n"
-        sock.sendall(head.encode())
+    engine = inspecting_engine
+    with _connect(engine, tcp_echo) as sock:
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         sock.sendall(b"ping")
         assert sock.recv(4) == b"ping"
-    assert echo_engine._master is None, "a lean-path tunnel started mitmproxy"
+    assert engine._master is None, "a lean-path tunnel started mitmproxy"
 
-    assert echo_engine.socks_address is not None
-    with socket.create_connection(echo_engine.socks_address, timeout=10) as sock:
-        sock.sendall(b"\x05\x01\x02")  # offered: user/password; sent before mitmproxy is up
+    assert engine.socks_address is not None
+    with socket.create_connection(engine.socks_address, timeout=10) as sock:
+        sock.sendall(b"\x05\x01\x02")  # SOCKS5 is the front's own
         assert sock.recv(2) == b"\x05\x02"
-    assert echo_engine._master is not None
-    # the second SOCKS5 client finds mitmproxy running
-    with socket.create_connection(echo_engine.socks_address, timeout=10) as sock:
-        sock.sendall(b"\x05\x01\x02")
-        assert sock.recv(2) == b"\x05\x02"
+    assert engine._master is None, "a SOCKS5 client started mitmproxy"
+
+    with _connect(engine, inspected_echo) as sock:  # sent before mitmproxy is up
+        assert sock.recv(12) == b"HTTP/1.1 200"
+    assert engine._master is not None
+    # the second tunnel to inspect finds mitmproxy running
+    with _connect(engine, inspected_echo) as sock:
+        assert sock.recv(12) == b"HTTP/1.1 200"
 
 
-def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(echo_engine: EgressProxy) -> None:
-    assert echo_engine.socks_address is not None
+def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(
+    inspecting_engine: EgressProxy, inspected_echo: TcpEchoServer
+) -> None:
     for _ in range(5):
-        with socket.create_connection(echo_engine.socks_address, timeout=10) as sock:
-            sock.sendall(b"\x05\x01\x02")  # and gone before mitmproxy answers
-    with socket.create_connection(echo_engine.socks_address, timeout=10) as sock:
-        sock.sendall(b"\x05\x01\x02")
-        assert sock.recv(2) == b"\x05\x02"
-    front = echo_engine._front
+        _connect(inspecting_engine, inspected_echo).close()  # and gone before mitmproxy answers
+    with _connect(inspecting_engine, inspected_echo) as sock:
+        assert sock.recv(12) == b"HTTP/1.1 200"
+    front = inspecting_engine._front
     assert front is not None
     deadline = time.monotonic() + 5
     while len(front.clients) > 0 and time.monotonic() < deadline:
@@ -71,7 +81,7 @@ def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(echo_engin
 
 
 def test_a_failed_mitmproxy_start_is_tried_again(
-    tcp_echo: TcpEchoServer, monkeypatch: pytest.MonkeyPatch
+    tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import egressd.proxy as engine_proxy
 
@@ -85,17 +95,17 @@ def test_a_failed_mitmproxy_start_is_tried_again(
         real()
 
     monkeypatch.setattr(engine_proxy, "_import_mitmproxy", fail_once)
-    policy = parse_policy({"version": 1, "mode": "enforce", "allow": []}, "test")
+    inspected = "{}:{}".format(*inspected_echo.address)
+    policy = parse_policy(
+        {"version": 1, "mode": "enforce", "allow": [inspected], "inspect": [inspected]}, "test"
+    )
     engine = EgressProxy(policy)
     engine.start()
     try:
-        assert engine.socks_address is not None
-        with socket.create_connection(engine.socks_address, timeout=10) as sock:
-            sock.sendall(b"\x05\x01\x02")
-            assert sock.recv(2) == b""  # closed: nothing let through
-        with socket.create_connection(engine.socks_address, timeout=10) as sock:
-            sock.sendall(b"\x05\x01\x02")
-            assert sock.recv(2) == b"\x05\x02"
+        with _connect(engine, inspected_echo) as sock:
+            assert sock.recv(12) == b"HTTP/1.1 500"  # internal_error, closed: nothing let through
+        with _connect(engine, inspected_echo) as sock:
+            assert sock.recv(12) == b"HTTP/1.1 200"
         assert len(calls) == 2
     finally:
         engine.stop()

@@ -21,6 +21,7 @@ import pytest
 
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, write_policy
+from tests.support.netns import UPSTREAM_V4
 from tests.support.npm_registry import NpmRegistry
 from tests.support.upstreams import EchoHTTPServer
 from tests.test_exec_integration import assert_refusal, parse_http
@@ -139,7 +140,7 @@ ATTEMPT = """
 
 PLANT_IN_EGRESSD = """
     import json, os, socket, struct, sys
-    root, marker, socks_port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    root, marker = sys.argv[1], sys.argv[2]
     def append():
         with open(os.path.join(root, "egressd", "addons", "tunnel_guard.py"), "a") as f:
             f.write(f"\\nopen({marker!r}, 'w').write('ran outside')\\n")
@@ -147,12 +148,23 @@ PLANT_IN_EGRESSD = """
     attempt("new_module", lambda: open(os.path.join(root, "egressd", "planted.py"), "w").close())
     attempt("rename_root", lambda: os.rename(root, root + ".moved"))
     attempt("rename_package", lambda: os.rename(os.path.join(root, "egressd"), os.path.join(root, "x")))
-    # the first SOCKS5 connection makes egressd import its SOCKS addon
-    with socket.create_connection(("127.0.0.1", socks_port), timeout=10) as s:
-        s.sendall(b"\\x05\\x01\\x00")
-        s.recv(2)
-    print(json.dumps(tried))
 """
+
+# The child opens a tunnel the policy inspects (INSPECTING): egressd starts mitmproxy and imports its
+# addons only then, after the child had its chance to plant code.
+TARGET = f"{UPSTREAM_V4[0]}:9"  # nothing listens there: mitmproxy starts all the same
+INSPECTING = f"version: 1\nallow: ['{TARGET}']\ninspect: ['{TARGET}']\n"
+START_MITMPROXY = """
+    import base64
+    from urllib.parse import urlsplit
+    proxy = urlsplit(os.environ["HTTP_PROXY"])
+    secret = base64.b64encode(f"{proxy.username}:{proxy.password}".encode()).decode()
+    head = f"CONNECT TARGET HTTP/1.1\\r\\nProxy-Authorization: Basic {secret}\\r\\n\\r\\n"
+    with socket.create_connection((proxy.hostname, proxy.port), timeout=10) as s:
+        s.sendall(head.encode())
+        sys.stderr.write(f"answer {s.recv(12)!r}\\n")
+    print(json.dumps(tried))
+""".replace("TARGET", TARGET)
 
 
 def test_egressd_code_in_the_working_directory_is_read_only(tmp_path: Path, work: Path) -> None:
@@ -160,8 +172,12 @@ def test_egressd_code_in_the_working_directory_is_read_only(tmp_path: Path, work
     marker = tmp_path / "ran-outside"
     env = sandbox_env(work)
     env["PYTHONPATH"] = str(root)  # egressd runs from the copy in the working directory
+    policy = write_policy(tmp_path, INSPECTING)
     result = egressd_sandbox(
-        [], [*python_inside(ATTEMPT + PLANT_IN_EGRESSD), str(root), str(marker), "1080"], cwd=work, env=env
+        ["--policy", str(policy)],
+        [*python_inside(ATTEMPT + PLANT_IN_EGRESSD + START_MITMPROXY), str(root), str(marker)],
+        cwd=work,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     tried = json.loads(result.stdout)
@@ -188,10 +204,6 @@ PLANT_BYTECODE = """
         with open(target, "wb") as f:
             f.write(data)
     attempt("plant", plant)
-    with socket.create_connection(("127.0.0.1", 1080), timeout=10) as s:  # egressd starts mitmproxy
-        s.sendall(b"\\x05\\x01\\x00")
-        s.recv(2)
-    print(json.dumps(tried))
 """
 
 
@@ -202,9 +214,15 @@ def test_a_bytecode_cache_prefix_in_the_working_directory_is_read_only(tmp_path:
     source = importlib.util.find_spec("egressd.addons.tunnel_guard").origin  # type: ignore[union-attr]
     env = sandbox_env(work)
     env["PYTHONPYCACHEPREFIX"] = str(work / ".pycache")
+    policy = write_policy(tmp_path, INSPECTING)
     result = egressd_sandbox(
-        [],
-        [*python_inside(ATTEMPT + PLANT_BYTECODE), str(work / ".pycache"), str(source), str(marker)],
+        ["--policy", str(policy)],
+        [
+            *python_inside(ATTEMPT + PLANT_BYTECODE + START_MITMPROXY),
+            str(work / ".pycache"),
+            str(source),
+            str(marker),
+        ],
         cwd=work,
         env=env,
     )

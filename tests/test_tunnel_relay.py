@@ -21,7 +21,8 @@ import pytest
 import uvloop
 
 from egressd.admission.credentials import ProxyCredentials
-from egressd.front import server as fastpath
+from egressd.front import relay
+from egressd.front.server import FastFront
 from egressd.proxy import EgressProxy
 from tests.support.upstreams import TcpEchoServer
 
@@ -98,23 +99,18 @@ def test_a_streamed_tunnel_keeps_every_byte_in_order_and_stays_interactive(
 
 
 def test_only_lean_tunnels_coalesce_not_the_hand_off_to_mitmproxy(
-    echo_engine: EgressProxy, tcp_echo: TcpEchoServer
+    inspecting_engine: EgressProxy, tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer
 ) -> None:
     """On the hand-off the far side is the embedded mitmproxy on this same loop: no ticks there."""
-    front = echo_engine._front
-    assert front is not None and echo_engine.socks_address is not None
-    with (
-        _tunnel(echo_engine, tcp_echo) as lean,
-        socket.create_connection(echo_engine.socks_address, timeout=30) as handed_off,
-    ):
+    front = inspecting_engine._front
+    assert front is not None
+    with _tunnel(inspecting_engine, tcp_echo) as lean, _tunnel(inspecting_engine, inspected_echo):
         _ping_pong(lean, 1)
-        handed_off.sendall(b"\x05\x01\x02")  # SOCKS5: relayed to mitmproxy
-        assert handed_off.recv(2) == b"\x05\x02"
         pairs = [(client, client.peer) for client in front.clients]
         assert len(pairs) == 2 and all(peer is not None for _, peer in pairs)
-        by_kind = {client.kind: (client, peer) for client, peer in pairs}
-        assert by_kind["http"][0].coalesce and by_kind["http"][1].coalesce  # type: ignore[union-attr]
-        assert not by_kind["socks"][0].coalesce and not by_kind["socks"][1].coalesce  # type: ignore[union-attr]
+        by_path = {client.server_id is not None: (client, peer) for client, peer in pairs}
+        assert by_path[True][0].coalesce and by_path[True][1].coalesce  # type: ignore[union-attr]
+        assert not by_path[False][0].coalesce and not by_path[False][1].coalesce  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("uvloop_on", ["1", "0"])
@@ -147,7 +143,7 @@ def test_lean_path_sockets_have_nagle_off(
         engine.stop()
 
 
-def _buffered(front: fastpath.FastFront) -> int:
+def _buffered(front: FastFront) -> int:
     """The most bytes any relay transport of the front holds in its write buffer right now."""
     most = 0
     for client in list(front.clients):
@@ -192,7 +188,7 @@ def test_a_side_that_does_not_read_stops_the_relay_from_reading(
         assert stalled_since is not None, f"the client never stalled after {total >> 20} MiB"
         # kernel socket buffers on four hops and the relay's two write buffers: tens of MiB, not more
         assert total < 160 << 20, f"{total >> 20} MiB went in while nothing came out"
-        assert most <= fastpath.HIGH_WATER + 2 * 256 * 1024, f"a relay buffered {most} bytes"
+        assert most <= relay.HIGH_WATER + 2 * 256 * 1024, f"a relay buffered {most} bytes"
         sock.setblocking(True)
         received = hashlib.sha256()
         _read_exactly(sock, total, received)
@@ -212,9 +208,9 @@ class _Front:
         self.finished.set()
 
 
-def _lean_pipes(tunnel: fastpath.Tunnel) -> tuple[fastpath._Pipe, fastpath._Pipe]:
+def _lean_pipes(tunnel: relay.Tunnel) -> tuple[relay.Pipe, relay.Pipe]:
     """The two sides of a lean tunnel (client, upstream), as FrontProtocol sets them up."""
-    return fastpath._Pipe(tunnel, False, coalesce=True), fastpath._Pipe(tunnel, True, coalesce=True)
+    return relay.Pipe(tunnel, False, coalesce=True), relay.Pipe(tunnel, True, coalesce=True)
 
 
 async def _recv_for(
@@ -234,7 +230,7 @@ async def _recv_for(
 async def _coalescing_on_real_sockets() -> None:
     loop = asyncio.get_running_loop()
     front = _Front()
-    tunnel = fastpath.Tunnel(front)  # type: ignore[arg-type]
+    tunnel = relay.Tunnel(front)  # type: ignore[arg-type]
     a_pipe, b_pipe = _lean_pipes(tunnel)
     a, a_far = socket.socketpair()
     b, b_far = socket.socketpair()
@@ -267,7 +263,7 @@ async def _coalescing_on_real_sockets() -> None:
     # back-pressure wins over the tick: b's buffer is full, so a must not read when its tick ends
     while a_pipe.coalescing is not None:
         await asyncio.sleep(0.05)
-    fastpath.COALESCE_PAUSE = 0.1  # short ticks from here: many of them end while a is held
+    relay.COALESCE_PAUSE = 0.1  # short ticks from here: many of them end while a is held
     b_transport.set_write_buffer_limits(high=64 * 1024)
     pushed = bytearray()
     while not a_pipe.held:  # medium chunks, one per tick: the read that fills b starts a tick too
@@ -308,9 +304,9 @@ def test_coalescing_pauses_only_after_forwarding_and_never_overrides_back_pressu
     monkeypatch: pytest.MonkeyPatch, loop: str
 ) -> None:
     # a wide window and a long tick make each state observable on a busy machine
-    monkeypatch.setattr(fastpath, "COALESCE", True)
-    monkeypatch.setattr(fastpath, "COALESCE_WINDOW", 30.0)
-    monkeypatch.setattr(fastpath, "COALESCE_PAUSE", 1.5)
+    monkeypatch.setattr(relay, "COALESCE", True)
+    monkeypatch.setattr(relay, "COALESCE_WINDOW", 30.0)
+    monkeypatch.setattr(relay, "COALESCE_PAUSE", 1.5)
     LOOPS[loop](_coalescing_on_real_sockets())
 
 
@@ -319,16 +315,16 @@ def test_coalescing_pauses_only_after_forwarding_and_never_overrides_back_pressu
 def test_without_coalescing_every_chunk_is_read_at_once(
     monkeypatch: pytest.MonkeyPatch, setting: str, loop: str
 ) -> None:
-    monkeypatch.setattr(fastpath, "COALESCE_WINDOW", 30.0)
+    monkeypatch.setattr(relay, "COALESCE_WINDOW", 30.0)
     if setting == "EGRESSD_COALESCE=0":
-        monkeypatch.setattr(fastpath, "COALESCE", False)
+        monkeypatch.setattr(relay, "COALESCE", False)
     else:  # any burst is "fast" against 1 byte/s: the relay is busy, a tick would starve the far side
-        monkeypatch.setattr(fastpath, "COALESCE", True)
-        monkeypatch.setattr(fastpath, "COALESCE_RATE", 1.0)
+        monkeypatch.setattr(relay, "COALESCE", True)
+        monkeypatch.setattr(relay, "COALESCE_RATE", 1.0)
 
     async def check() -> None:
         loop = asyncio.get_running_loop()
-        tunnel = fastpath.Tunnel(_Front())  # type: ignore[arg-type]
+        tunnel = relay.Tunnel(_Front())  # type: ignore[arg-type]
         a_pipe, b_pipe = _lean_pipes(tunnel)
         a, a_far = socket.socketpair()
         b, b_far = socket.socketpair()

@@ -190,13 +190,18 @@ class Pipeline:
             return Admitted(decision)  # resolved when a connection is opened for it (connect)
         # 6. resolve, filter, pin: a tunnel's answer (200, SOCKS5 reply) waits for its addresses
         admitted = Admitted(decision, inspect)
-        refusal = await self.pin(conn, admitted)
+        refusal = await self._pin(conn, admitted)
         if refusal is not None:
             return refusal
         conn.tunnel = True  # what the tunnel carries was authenticated by its set-up
         return admitted
 
-    async def pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
+    def authenticate(self, conn: ConnState, presented: Presented) -> bool:
+        """The credentials step alone, for a protocol that answers it before its request arrives
+        (SOCKS5's RFC 1929 sub-negotiation); admit() runs it again on the same credentials."""
+        return authenticate(self.credentials, conn, presented, require_auth=self.require_auth)
+
+    async def _pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
         """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""
         pinned = await resolution.pin(admitted.decision, self.policies.get())
         admitted.decision, admitted.pin, admitted.resolved = pinned.decision, pinned.pin, pinned.resolved
@@ -238,7 +243,7 @@ class Pipeline:
         limited = self.limits.connections()
         if limited is not None:
             return limited
-        if admitted.pin is None and (refusal := await self.pin(conn, admitted)) is not None:
+        if admitted.pin is None and (refusal := await self._pin(conn, admitted)) is not None:
             return refusal
         pin = admitted.pin
         assert pin is not None

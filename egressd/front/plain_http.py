@@ -8,7 +8,7 @@ serves its requests in order (pipelined ones wait, unparsed, until the answer be
 the request body streams up while the response streams down, each side paused at HIGH_WATER so a
 huge upload through a slow upstream (or the reverse) is never buffered. Upstream connections are
 kept per canonical target for the next request of the same client connection; an allowed WebSocket
-upgrade becomes a byte relay (egressd.front.server's relay) after the upstream's 101.
+upgrade becomes a byte relay (egressd.front.relay) after the upstream's 101.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from egressd.admission.pipeline import Admitted, Ask
-from egressd.front.server import HIGH_WATER, _Pipe
+from egressd.front.relay import HIGH_WATER, Pipe, Tunnel
 from egressd.refusal import Refusal
 from egressd.wire.http1 import (
     Body,
@@ -40,7 +40,6 @@ from egressd.wire.http_fields import hostport
 if TYPE_CHECKING:
     from egressd.admission.pipeline import Pipeline
     from egressd.admission.state import ConnState
-    from egressd.front.server import FrontProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -170,10 +169,26 @@ class Upstream(_Writable, asyncio.Protocol):
             self.transport.close()
 
 
+class Owner(Protocol):
+    """The client connection whose requests this path serves (egressd.front.tunnel.FrontProtocol):
+    it took the connection first, and takes it back as a relay after an upgrade."""
+
+    rt: Pipeline
+    state: ConnState | None
+    transport: asyncio.Transport | None
+    tunnel: Tunnel
+    server_id: str | None
+    stage: str
+
+    def finish(self) -> None: ...
+
+    def _refuse(self, refusal: Refusal) -> None: ...
+
+
 class PlainClient(_Writable, asyncio.Protocol):
     """The child's connection after its first plain-HTTP request head: serves its requests in order."""
 
-    def __init__(self, front: FrontProtocol, pending: bytes) -> None:
+    def __init__(self, front: Owner, pending: bytes) -> None:
         _Writable.__init__(self)
         assert front.state is not None and front.transport is not None
         self.front = front
@@ -496,20 +511,20 @@ class PlainClient(_Writable, asyncio.Protocol):
         return "closed"
 
     def _become_relay(self, upstream: Upstream, rest: bytes) -> None:
-        """After the upstream's 101: both connections become one byte relay (server.py's)."""
+        """After the upstream's 101: both connections become one byte relay (egressd.front.relay)."""
         assert upstream.transport is not None
         self.flush()
         self.phase = "relay"
         if self.timer is not None:
             self.timer.cancel()
         front = self.front
-        pipe = _Pipe(front.tunnel, upstream=True)
+        pipe = Pipe(front.tunnel, upstream=True)
         upstream.transport.set_protocol(pipe)
         pipe.connection_made(upstream.transport)
         front.server_id = upstream.server_id
         front.stage = "relay"
-        self.transport.set_protocol(front)
-        pipe.attach(front)
+        self.transport.set_protocol(cast(Pipe, front))
+        pipe.attach(cast(Pipe, front))
         early = self.wire.trailing()
         if early:
             upstream.transport.write(early)

@@ -17,10 +17,7 @@ from egressd.admission.state import ConnState
 @dataclass
 class Handoff:
     conn: ConnState
-    # the admitted tunnel to inspect; None for a plain-HTTP client whose requests mitmproxy reads
-    tunnel: Admitted | None
-    # a plain-HTTP client's admitted requests, by canonical (host, port): what its connections may use
-    requests: dict[tuple[str, int], Admitted] = field(default_factory=dict)
+    tunnel: Admitted  # admitted for inspection, and pinned
     # the upstream connections mitmproxy opened for it, by mitmproxy's server id
     connections: dict[str, Admitted] = field(default_factory=dict)
 

@@ -1,0 +1,228 @@
+"""Moving bytes of an admitted connection: two flow-controlled asyncio protocols, one per side.
+
+Nothing here parses client input or decides anything: the front admitted the connection through
+the pipeline before a relay is attached. Also the rendering of a refusal as an HTTP response, which
+every front writes the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from typing import TYPE_CHECKING, Protocol, cast
+
+from egressd.refusal import Refusal
+
+if TYPE_CHECKING:
+    from egressd.admission.state import ConnState
+
+HIGH_WATER = 1 << 20
+# Read coalescing for streaming tunnels. A relay that reads each packet as it arrives (a TLS sender
+# writes one 16 KiB record per send) wakes up, and wakes the far side, once per packet: on a busy
+# machine those wake-ups, not the copying, are what a tunnel costs its endpoints. When a side keeps
+# reading medium chunks (a burst: reads of COALESCE_MIN or more, less than COALESCE_WINDOW apart)
+# it is streaming, and after forwarding what it read it stops reading for one timer tick, so the
+# next read takes everything that arrived meanwhile. Bytes already read are never held back. No
+# pause after a read of COALESCE_MAX or more (the relay is behind: it reads on), nor when the burst
+# comes faster than COALESCE_RATE (the relay is busy moving bytes, not waiting for them: a tick
+# would only starve the far side). EGRESSD_COALESCE=0 turns this off.
+COALESCE = os.environ.get("EGRESSD_COALESCE", "1") != "0"
+COALESCE_MIN = 16 * 1024
+COALESCE_MAX = 128 * 1024
+COALESCE_WINDOW = 0.002  # s
+COALESCE_RATE = float(1 << 30)  # bytes/s
+COALESCE_PAUSE = 0.001  # s: one tick of uvloop's millisecond timers
+
+
+def render(refusal: Refusal) -> bytes:
+    """A refusal as a complete HTTP/1.1 response (Connection: close)."""
+    body = refusal.body().encode()
+    reason = {
+        400: "Bad Request",
+        403: "Forbidden",
+        407: "Proxy Authentication Required",
+        408: "Request Timeout",
+        429: "Too Many Requests",
+        500: "Internal Server Error",
+        502: "Bad Gateway",
+        504: "Gateway Timeout",
+    }.get(refusal.status, "Error")
+    lines = [f"HTTP/1.1 {refusal.status} {reason}"]
+    lines += [f"{name}: {value}" for name, value in refusal.headers()]
+    lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class RelayOwner(Protocol):
+    """The client connection a relay belongs to: whose bytes it counts, told when both sides end."""
+
+    state: ConnState | None
+
+    def finish(self) -> None: ...
+
+
+class Pipe(asyncio.Protocol):
+    """One side of a relay: what it reads goes to the peer; back-pressure both ways."""
+
+    def __init__(self, tunnel: Tunnel, upstream: bool, coalesce: bool = False) -> None:
+        self.tunnel = tunnel
+        self.upstream = upstream
+        # only a lean tunnel's two sides: on the hand-off to the embedded mitmproxy the far side is
+        # this very event loop, and a tick would only delay its own work
+        self.coalesce = coalesce and COALESCE
+        self.transport: asyncio.Transport | None = None
+        self.peer: Pipe | None = None
+        self.held = False  # the peer's write buffer is full: not reading until it drains
+        self.last_bulk = -1.0  # when this side last read COALESCE_MIN bytes or more
+        self.burst_start = 0.0  # when the current burst of such reads began
+        self.burst_bytes = 0  # read in it after its first read
+        self.coalescing: asyncio.TimerHandle | None = None
+        # what arrived before the peer was attached (a server that speaks first may answer the
+        # connect before the CONNECT's 200 is written): handed over by attach()
+        self.early = bytearray()
+        # the embedded mitmproxy's answer to a hand-off's CONNECT: read here, not relayed
+        self.answer: asyncio.Future[bytes] | None = None
+        self.answer_buffer = bytearray()
+
+    def attach(self, peer: Pipe) -> None:
+        """Pair this side with its peer and pass on what this side read before."""
+        self.peer, peer.peer = peer, self
+        if self.early and peer.transport is not None and not peer.transport.is_closing():
+            peer.transport.write(bytes(self.early))
+        self.early = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but speak the same interface
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        if self.answer is not None:
+            data = self._read_answer(data)
+            if not data:
+                return
+        n = len(data)
+        now = time.monotonic()
+        self.tunnel.count(self.upstream, n, now)
+        peer = self.peer
+        if peer is None:
+            self.early += data
+        elif peer.transport is not None and not peer.transport.is_closing():
+            peer.transport.write(data)
+        if n >= COALESCE_MIN and self.coalesce:
+            if now - self.last_bulk >= COALESCE_WINDOW:
+                self.burst_start, self.burst_bytes = now, 0  # a new burst
+            else:
+                self.burst_bytes += n
+            self.last_bulk = now
+            elapsed = now - self.burst_start
+            if (
+                self.burst_bytes
+                and n < COALESCE_MAX
+                and self.burst_bytes < COALESCE_RATE * elapsed
+                and self.coalescing is None
+                and self.transport is not None
+            ):
+                self.transport.pause_reading()
+                self.coalescing = asyncio.get_running_loop().call_later(COALESCE_PAUSE, self._read_on)
+
+    def _read_answer(self, data: bytes) -> bytes:
+        """Collect one complete response (head and Content-Length body); the rest is returned."""
+        assert self.answer is not None
+        self.answer_buffer += data
+        buffer = self.answer_buffer
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > 65536:
+                self._settle_answer(ConnectionError("no response head from the inspection engine"))
+            return b""
+        length = 0
+        for line in bytes(buffer[:end]).split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length" and value.strip().isdigit():
+                length = int(value.strip())
+        total = end + 4 + length
+        if len(buffer) < total:
+            return b""
+        answer, rest = bytes(buffer[:total]), bytes(buffer[total:])
+        self.answer_buffer = bytearray()
+        self._settle_answer(answer)
+        return rest
+
+    def _settle_answer(self, outcome: bytes | BaseException) -> None:
+        future, self.answer = self.answer, None
+        if future is None or future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def _read_on(self) -> None:
+        self.coalescing = None
+        if not self.held and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        if self.peer is not None:
+            self.peer.eof_received_from_peer()
+        # a half-open tunnel is not kept: once both sides said EOF, or now if the peer cannot
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.answer is not None:
+            self._settle_answer(ConnectionError("the inspection engine closed the connection"))
+        if self.coalescing is not None:
+            self.coalescing.cancel()
+            self.coalescing = None
+        peer = self.peer
+        if peer is not None and peer.transport is not None:
+            peer.transport.close()
+        self.tunnel.closed()
+
+    def eof_received_from_peer(self) -> None:
+        if self.transport is not None and self.transport.can_write_eof():
+            with contextlib.suppress(OSError):
+                self.transport.write_eof()
+
+    def pause_writing(self) -> None:
+        peer = self.peer
+        if peer is not None:
+            peer.held = True
+            if peer.transport is not None:
+                peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        peer = self.peer
+        if peer is not None:
+            peer.held = False
+            if peer.coalescing is None and peer.transport is not None:
+                peer.transport.resume_reading()  # else its coalescing tick resumes it
+
+
+class Tunnel:
+    """Counts bytes for the closed record, and writes it once when the last side goes."""
+
+    def __init__(self, front: RelayOwner) -> None:
+        self.front = front
+        self.open_sides = 2
+        self.last_active = time.monotonic()
+
+    def count(self, upstream: bool, n: int, now: float) -> None:
+        self.last_active = now
+        state = self.front.state
+        if state is None:
+            return
+        if upstream:
+            state.bytes_down += n
+        else:
+            state.bytes_up += n
+
+    def closed(self) -> None:
+        self.open_sides -= 1
+        if self.open_sides == 0:
+            self.front.finish()
+
+

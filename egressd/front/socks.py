@@ -1,0 +1,137 @@
+"""SOCKS5 on egressd's front: the handshake read by egressd.wire.socks5, every CONNECT admitted by
+the admission pipeline exactly as an HTTP CONNECT is.
+
+A SOCKS5 client is a FrontProtocol whose request head is a SOCKS5 handshake. Its credentials are
+answered in the RFC 1929 sub-negotiation by the pipeline's credentials step; its request becomes an
+Ask of stage "socks" for FrontProtocol._open_tunnel — admission (credentials, limits, decision,
+approver, inspection choice, resolution, pinning), the connect, the TLS SNI check of the client's
+first bytes, the relay or the hand-off to mitmproxy for inspection, the records. Only the answers
+differ: SOCKS5 reply codes instead of HTTP statuses.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from egressd.admission.credentials import Presented
+from egressd.admission.pipeline import Ask
+from egressd.front.relay import Pipe
+from egressd.front.tunnel import FrontProtocol, Listeners
+from egressd.refusal import POLICY_REASONS, Refusal
+from egressd.wire.socks5 import (
+    NO_AUTH,
+    Credentials,
+    Greeting,
+    Reply,
+    Request,
+    Socks5Error,
+    Socks5Server,
+    TunnelData,
+    auth_reply,
+    reply,
+)
+
+if TYPE_CHECKING:
+    from egressd.admission.credentials import ProxyCredentials
+
+# the reply for a refusal that is not the policy's (RFC 1928 has no code for a limit or a bug: 0x01)
+_REPLIES = {
+    "dns_error": Reply.HOST_UNREACHABLE,
+    "dns_timeout": Reply.HOST_UNREACHABLE,
+    "connect_refused": Reply.CONNECTION_REFUSED,
+    "connect_timeout": Reply.TTL_EXPIRED,  # the closest code for "timed out"
+}
+
+
+def reply_code(reason: str) -> Reply:
+    """The SOCKS5 reply for a refusal's reason code: "not allowed by ruleset" for every policy
+    refusal, "host unreachable" for DNS, "refused" and "TTL expired" for the connect, else general."""
+    if reason in POLICY_REASONS:
+        return Reply.NOT_ALLOWED
+    return _REPLIES.get(reason, Reply.GENERAL_FAILURE)
+
+
+class SocksProtocol(FrontProtocol):
+    """One SOCKS5 client of egressd's front."""
+
+    def __init__(self, front: Listeners, implicit: ProxyCredentials | None = None) -> None:
+        super().__init__(front, "socks", implicit=implicit)
+        # NO AUTH where the listener grants credentials, or where none are required at all
+        self.parser = Socks5Server(allow_no_auth=implicit is not None or not front.rt.require_auth)
+        self.presented: Presented = None  # the user and password the client sent, if it did
+
+    # -- the handshake (stage "head": header_timeout bounds it) -----------------------------------
+    def _on_head_bytes(self) -> None:
+        if self.parser.done:
+            return  # tunnel bytes arriving while the request is admitted: kept in the buffer
+        data, self.buffer = bytes(self.buffer), bytearray()
+        try:
+            events = self.parser.feed(data)
+        except Socks5Error as exc:
+            self._refuse_handshake(exc)
+            return
+        assert self.transport is not None and self.state is not None
+        for event in events:
+            if isinstance(event, Greeting):
+                self.transport.write(event.reply)
+                if event.method == NO_AUTH and not self.rt.authenticate(self.state, None):
+                    self.transport.close()  # the listener's credentials were revoked
+                    return
+            elif isinstance(event, Credentials):
+                if not self._authenticate(event):
+                    self.transport.write(auth_reply(False))
+                    self.transport.close()  # RFC 1929: a failure status, then the server closes
+                    return
+                self.transport.write(auth_reply(True))
+            elif isinstance(event, Request):
+                self._on_request(event)
+            elif isinstance(event, TunnelData):
+                self.buffer += event.data  # the tunnel's first bytes: relayed after the SNI check
+
+    def _authenticate(self, credentials: Credentials) -> bool:
+        """The pipeline's credentials step; bytes that are not UTF-8 are wrong credentials (never
+        "none presented", which a credential-free listener would accept)."""
+        if credentials.username is None or credentials.password is None:
+            return False
+        assert self.state is not None
+        self.presented = (credentials.username, credentials.password)
+        return self.rt.authenticate(self.state, self.presented)
+
+    def _on_request(self, request: Request) -> None:
+        ask = Ask("socks", request.host, request.port, scheme="socks5", credentials=self.presented)
+        self._start_tunnel(self._open_tunnel(ask))
+
+    def _refuse_handshake(self, error: Socks5Error) -> None:
+        """A handshake egressd does not serve: its reply, then close. Recorded, unless it only lacks
+        credentials (a CONNECT without them is answered 407 and not recorded either)."""
+        if error.reason != "proxy_auth_required":
+            self.rt.refused_early(self.state, None, None, error.reason, str(error), stage="socks")
+        if self.transport is not None and not self.transport.is_closing():
+            if error.reply:
+                self.transport.write(error.reply)
+            self.transport.close()
+
+    # -- answers ------------------------------------------------------------------------------------
+    def _established(self, upstream: Pipe) -> None:
+        assert self.transport is not None
+        bound = upstream.transport.get_extra_info("sockname") if upstream.transport is not None else None
+        bound = (str(bound[0]), int(bound[1])) if isinstance(bound, tuple) and len(bound) >= 2 else None
+        self.transport.write(reply(Reply.SUCCEEDED, bound))
+
+    def _answer_refusal(self, refusal: Refusal) -> None:
+        assert self.transport is not None
+        self.transport.write(reply(reply_code(refusal.reason)))
+
+    def _answer_handed_off_refusal(self, answer: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(reply(reply_code(_egressd_reason(answer))))
+
+
+def _egressd_reason(answer: bytes) -> str:
+    """The X-Egressd-Reason of an HTTP refusal egressd rendered ("" when it has none)."""
+    head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1")
+    for line in head.split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "x-egressd-reason":
+            return value.strip()
+    return ""

@@ -1,0 +1,356 @@
+"""A client connection to egressd's HTTP port: its CONNECT read, admitted through the pipeline,
+answered and relayed; absolute-form HTTP is given to `egressd.front.plain_http`.
+
+The tunnel is relayed (`egressd.front.relay`) after the TLS SNI check of the client's first bytes;
+a tunnel the pipeline marks for inspection is handed to the embedded mitmproxy, already admitted
+and pinned, from a local address registered in `egressd.inspect.handoffs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+from egressd.admission.pipeline import Admitted, Ask
+from egressd.front.plain_http import PlainClient
+from egressd.front.relay import COALESCE, Pipe, Tunnel, render
+from egressd.inspect.handoffs import Handoff, Handoffs
+from egressd.policy import join_host_port
+from egressd.refusal import Refusal
+from egressd.wire.http1 import WireError, read_connect
+from egressd.wire.http_head import head_problem, leading_empty_lines
+from egressd.wire.sni import WAIT, TunnelStart
+
+if TYPE_CHECKING:
+    from egressd.admission.credentials import ProxyCredentials
+    from egressd.admission.pipeline import Pipeline
+    from egressd.admission.state import ConnState
+
+logger = logging.getLogger(__name__)
+
+# where the embedded mitmproxy listens for the tunnels handed to it (started on first use)
+MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
+
+
+class Listeners(Protocol):
+    """What a client connection needs of the listeners that accepted it."""
+
+    rt: Pipeline
+    handoffs: Handoffs
+    mitmproxy_address: MitmproxyAddress
+    clients: set[FrontProtocol]
+
+
+class FrontProtocol(Pipe):
+    """The client side: reads the request head, then becomes one side of a relay."""
+
+    def __init__(
+        self, front: Listeners, kind: str = "http", implicit: ProxyCredentials | None = None
+    ) -> None:
+        super().__init__(Tunnel(self), upstream=False)
+        self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
+        self.handed_off_as: str | None = None  # this client's address as the embedded mitmproxy sees it
+        self.front = front
+        self.kind = kind
+        self.rt = front.rt
+        self.buffer = bytearray()
+        self.stage = "head"
+        self.state: ConnState | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.server_id: str | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.hello: TunnelStart | None = None  # the SNI check of the tunnel's first bytes
+        self.finished = False
+        self.eof_pending = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.rt.draining:
+            transport.close()
+            return
+        self.front.clients.add(self)
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        self.state = self.rt.open_conn(f"{peer[0]}:{peer[1]}", self.implicit)
+        timeout = self.rt.policies.get().limits.header_timeout
+        self.timer = asyncio.get_running_loop().call_later(timeout, self._head_timeout, timeout)
+
+    def _head_timeout(self, timeout: float) -> None:
+        if self.stage == "head" and self.transport is not None:
+            if self.state is not None:
+                self.rt.header_timeout(self.state, timeout)
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.stage == "relay":
+            super().data_received(data)
+            return
+        self.buffer += data
+        if self.stage == "sni":
+            self._on_hello_bytes(data)
+            return
+        if self.stage == "handoff":
+            # kept until mitmproxy is connected (uvloop may start reading after connection_made
+            # even when it paused reading, so pausing alone does not hold the bytes back)
+            assert self.transport is not None
+            self.transport.pause_reading()
+            return
+        if self.stage == "head":
+            self._on_head_bytes()
+
+    def eof_received(self) -> bool:
+        if self.stage == "relay":
+            return super().eof_received()
+        if self.stage == "handoff":
+            self.eof_pending = True  # passed on once mitmproxy is connected
+            return True
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        if self.stage == "relay":
+            super().connection_lost(exc)
+        else:
+            if self.peer is not None and self.peer.transport is not None:
+                self.peer.transport.close()
+            self.finish()
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.front.clients.discard(self)
+        if self.handed_off_as is not None:
+            self.front.handoffs.remove(self.handed_off_as)
+        if self.server_id is not None:
+            self.rt.disconnected(self.server_id)
+        if self.state is not None:
+            self.rt.close_conn(self.state)
+
+    # -- the request head --------------------------------------------------------------------------
+    def _on_head_bytes(self) -> None:
+        del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
+        if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
+            self._serve_plain()  # plain HTTP: served by egressd.front.plain_http, never by mitmproxy
+            return
+        problem = head_problem(bytes(self.buffer))
+        if problem is not None:
+            self._refuse_unreadable(Refusal("bad_request", problem[1]))
+            return
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = bytes(self.buffer[: end + 4])
+        del self.buffer[: end + 4]
+        self._start_tunnel(self._admit_and_open(head))
+
+    def _start_tunnel(self, opening: Coroutine[Any, Any, None]) -> None:
+        """Admit and open the tunnel whose request was read (CONNECT or SOCKS5): reading paused
+        until it is open, header_timeout over (connect_timeout bounds the rest), a bug refuses."""
+        assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.transport.pause_reading()
+        self.task = asyncio.get_running_loop().create_task(self._fail_closed(opening))
+
+    async def _fail_closed(self, opening: Coroutine[Any, Any, None]) -> None:
+        try:
+            await opening
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fail closed
+            self._refuse(self.rt.internal_error("front", exc))
+
+    async def _admit_and_open(self, head: bytes) -> None:
+        try:
+            connect = read_connect(head)
+        except WireError as exc:
+            self._refuse_unreadable(Refusal("bad_request", exc.detail))
+            return
+        ask = Ask(
+            "connect",
+            connect.host,
+            connect.port,
+            scheme="connect",
+            method="CONNECT",
+            credentials=connect.authorization,
+        )
+        await self._open_tunnel(ask)
+
+    async def _open_tunnel(self, ask: Ask) -> None:
+        """Admit a tunnel (CONNECT or SOCKS5) and open it: relayed here, or handed to mitmproxy to
+        inspect. Only the answers differ between the protocols (_established, _answer_refusal)."""
+        state = self.state
+        assert state is not None
+        admitted = await self.rt.admit(state, ask)
+        if isinstance(admitted, Refusal):
+            self._refuse(admitted)
+            return
+        if admitted.inspect:
+            self._hand_off(admitted)
+            return
+        upstream = Pipe(self.tunnel, upstream=True, coalesce=True)
+        server_id = f"{state.conn_id}-up"
+        refusal = await self.rt.connect(state, admitted, upstream, server_id)
+        if refusal is not None:
+            self._refuse(refusal)
+            return
+        self.server_id = server_id
+        if self.transport is None or self.transport.is_closing():
+            upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
+            return
+        self.coalesce = COALESCE
+        self._established(upstream)
+        upstream.attach(self)  # after the answer: a server's first bytes follow it
+        self.stage = "sni"
+        self.hello = TunnelStart(admitted.host)
+        self.transport.resume_reading()
+        if self.buffer:
+            self._on_hello_bytes(bytes(self.buffer))
+
+    # -- the TLS SNI check -------------------------------------------------------------------------
+    def _on_hello_bytes(self, data: bytes) -> None:
+        """The SNI check on the bytes just read (the buffer holds all read so far, to relay)."""
+        assert self.hello is not None
+        verdict = self.hello.feed(data)
+        if verdict is WAIT:
+            return
+        if verdict is not None:
+            self._close_tunnel(str(verdict))
+            return
+        self.stage = "relay"
+        if self.timer is not None:
+            self.timer.cancel()
+        data, self.buffer = bytes(self.buffer), bytearray()
+        super().data_received(data)
+
+    def _close_tunnel(self, problem: str) -> None:
+        state = self.state
+        host, port = (state.host, state.port) if state else (None, None)
+        self.rt.refused_early(state, host, port, "sni_mismatch", problem, stage="tls")
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.close()
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- answers -----------------------------------------------------------------------------------
+    def _refuse(self, refusal: Refusal) -> None:
+        state = self.state
+        if refusal.host == "" and state is not None and state.host:
+            refusal = Refusal(
+                refusal.reason, refusal.detail, state.host, state.port, refusal.rule, refusal.retry_after
+            )
+        if self.transport is not None and not self.transport.is_closing():
+            self._answer_refusal(refusal)
+            self.transport.close()
+
+    def _established(self, upstream: Pipe) -> None:
+        """Tell the client its tunnel is open (`upstream`: the side towards the server, or mitmproxy)."""
+        assert self.transport is not None
+        self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+
+    def _answer_refusal(self, refusal: Refusal) -> None:
+        """Tell the client it is refused, in its protocol (it is closed after)."""
+        assert self.transport is not None
+        self.transport.write(render(refusal))
+
+    def _answer_handed_off_refusal(self, answer: bytes) -> None:
+        """mitmproxy refused a tunnel handed to it (its connect failed): its answer, as it is."""
+        assert self.transport is not None
+        self.transport.write(answer)
+
+    def _refuse_unreadable(self, refusal: Refusal) -> None:
+        """A CONNECT head refused before any decision: recorded, as every unreadable head is."""
+        self.rt.refused_early(self.state, None, None, refusal.reason, refusal.detail, stage="request")
+        self._refuse(refusal)
+
+    # -- inspection: the embedded mitmproxy --------------------------------------------------------
+    def _hand_off(self, admitted: Admitted) -> None:
+        """Relay a tunnel the pipeline admitted for inspection (CONNECT or SOCKS5) to the embedded
+        mitmproxy, whose addons decide each request inside it."""
+        assert self.transport is not None and self.state is not None
+        self.transport.pause_reading()
+        target = join_host_port(admitted.host, admitted.port)
+        pending = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
+        if self.timer is not None:
+            self.timer.cancel()
+        self.stage = "handoff"
+        handoff = Handoff(self.state, admitted)
+        self.task = asyncio.get_running_loop().create_task(self._open_mitmproxy(handoff, pending))
+
+    async def _open_mitmproxy(self, handoff: Handoff, pending: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        inner = Pipe(self.tunnel, upstream=True)
+        answered = inner.answer = loop.create_future()  # mitmproxy's answer to the CONNECT
+        try:
+            address = await self.front.mitmproxy_address("http")
+            sock = await self._handed_off_socket(address, handoff)
+            await loop.create_connection(lambda: inner, sock=sock)
+            assert inner.transport is not None
+            inner.transport.write(pending)
+            answer = await answered
+        except Exception as exc:  # noqa: BLE001 - the client is closed, never let through
+            logger.error("egressd could not hand a connection to mitmproxy: %r", exc)
+            if self.transport is not None:
+                if not self.transport.is_closing():
+                    self._answer_refusal(Refusal("internal_error", f"proxy engine: {exc}"))
+                self.transport.close()
+            if inner.transport is not None:
+                inner.transport.close()
+            return
+        assert self.transport is not None
+        if not answer.startswith(b"HTTP/1.1 200"):
+            self._answer_handed_off_refusal(answer)  # rendered by the addon (connect failed)
+            self.transport.close()
+            inner.transport.close()
+            return
+        self._established(inner)
+        inner.attach(self)
+        pending = bytes(self.buffer)
+        self.buffer = bytearray()
+        self.stage = "relay"
+        if pending:
+            inner.transport.write(pending)
+        if self.eof_pending:
+            inner.eof_received_from_peer()
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+        else:
+            inner.transport.close()
+
+    async def _handed_off_socket(self, address: tuple[str, int], handoff: Handoff) -> socket.socket:
+        """A connection to mitmproxy from a local address registered first (inspect.handoffs):
+        mitmproxy serves only connections it finds there."""
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.bind((address[0], 0))
+            local = sock.getsockname()
+            self.handed_off_as = f"{local[0]}:{local[1]}"
+            self.front.handoffs.add(self.handed_off_as, handoff)
+            await asyncio.get_running_loop().sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    # -- plain HTTP (egressd.front.plain_http) -------------------------------------------------------
+    def _serve_plain(self) -> None:
+        """Give the client to the plain-HTTP path (egressd.front.plain_http): it serves every request."""
+        assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()  # the plain path keeps header_timeout and idle_timeout itself
+        self.stage = "plain"
+        client = PlainClient(self, bytes(self.buffer))
+        self.buffer = bytearray()
+        self.transport.set_protocol(client)
+        client.start()
+
+
