@@ -19,6 +19,7 @@ import logging
 import queue
 import secrets
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,9 +128,12 @@ class AcpBridge:
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}  # client request id (JSON) -> notices after its answer
         self._asks: dict[str, _Ask] = {}  # egressd's own request id -> the waiting ask
+        self._by_key: dict[str, str] = {}  # the ask broker's id -> egressd's request id
+        self._retired: deque[str] = deque(maxlen=256)  # requests no longer waited for
         self._ids = itertools.count(1)
         self._prefix = f"egressd-{secrets.token_hex(6)}-"
-        self.current_session: object = None  # where refusal notices go: the last prompted session
+        # where refusal notices and asks go: the last prompted session (before one: the first created)
+        self.current_session: object = None
         self._told: set[tuple[object, str, int | None, str]] = set()
         self._refusals: queue.Queue[Decided | None] = queue.Queue(QUEUED)
         self._notifier = threading.Thread(
@@ -159,9 +163,11 @@ class AcpBridge:
         if method is None and isinstance(value.get("id"), str) and value["id"].startswith(self._prefix):
             with self._lock:
                 ask = self._asks.pop(value["id"], None)
+                late = value["id"] in self._retired  # answered after egressd stopped waiting
             if ask is not None:
                 ask.option = _selected_option(value)
                 ask.done.set()
+            if ask is not None or late:
                 return None
         if not isinstance(params, dict):
             return False
@@ -172,7 +178,7 @@ class AcpBridge:
             return False
         if method in MCP_SESSION_METHODS and isinstance(params.get("mcpServers"), list):
             notices = self._rewrite_servers(params)
-            if notices and "id" in value:
+            if "id" in value:  # its answer names the session (notices go there, asks too)
                 with self._lock:
                     key = json.dumps(value["id"])
                     self._pending[key] = _Pending(str(method), params.get("sessionId"), notices)
@@ -254,6 +260,9 @@ class AcpBridge:
         session = response["result"].get("sessionId", pending.session_id)
         if session is None:
             return []
+        with self._lock:
+            if self.current_session is None:
+                self.current_session = session
         return [encode(_update(session, text)) for text in pending.notices]
 
     # -- what egressd refused, told to the user ----------------------------------------------------
@@ -290,15 +299,18 @@ class AcpBridge:
             self.to_client.write(encode(_update(session, refusal_text(refusal, what))))
 
     # -- mode: ask -> session/request_permission --------------------------------------------------
-    def request_permission(self, what: str, timeout: float) -> str | None:
+    def request_permission(self, what: str, timeout: float, key: str = "") -> str | None:
         """Ask the user in the editor; the option chosen (allow_once, allow_always, reject_once,
-        reject_always), or None (cancelled, no session, no answer within `timeout`)."""
+        reject_always), or None (cancelled, no session, no answer within `timeout`, withdrawn
+        with `withdraw(key)`)."""
         with self._lock:
             session = self.current_session
             if session is None:
                 return None
             request_id = f"{self._prefix}{next(self._ids)}"
             ask = self._asks[request_id] = _Ask()
+            if key:
+                self._by_key[key] = request_id
         request = {
             "jsonrpc": "2.0",
             "id": request_id,
@@ -325,7 +337,17 @@ class AcpBridge:
         ask.done.wait(timeout)
         with self._lock:
             self._asks.pop(request_id, None)
+            self._by_key.pop(key, None)
+            self._retired.append(request_id)
         return ask.option
+
+    def withdraw(self, key: str) -> None:
+        """The question was answered elsewhere, expired or withdrawn: stop waiting for the editor
+        (its late answer is swallowed, never passed to the agent)."""
+        with self._lock:
+            ask = self._asks.get(self._by_key.get(key, ""))
+        if ask is not None:
+            ask.done.set()
 
 
 def _selected_option(response: dict[str, Any]) -> str | None:

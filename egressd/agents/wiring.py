@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from egressd.agents import acp_asks
 from egressd.agents.acp import AcpBridge
 from egressd.agents.mcp_run import McpBridge
 from egressd.agents.stdio import StdioRelay
@@ -67,10 +68,14 @@ def acp_relay(
         warn=warn,
     )
     pipeline.events.subscribe(bridge.observe)
+    broker = getattr(session, "broker", None)  # mode: ask's broker, when this egressd has one
+    detach = acp_asks.attach(broker, bridge, warn) if broker is not None else None
     relay.start(bridge.from_client, bridge.from_agent)
     try:
         yield bridge
     finally:
+        if detach is not None:
+            detach()
         relay.finish()
         pipeline.events.unsubscribe(bridge.observe)
         bridge.close()

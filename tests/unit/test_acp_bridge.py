@@ -300,3 +300,79 @@ def test_refusal_notices_are_bounded_per_turn() -> None:
     assert len(lines) == NOTICES_PER_TURN + 1
     assert "not shown" in lines[-1]["params"]["update"]["content"]["text"]
     bridge.close()
+
+
+class _FakeBroker:
+    """The interface of egressd.admission.asks.AskBroker that the ACP bridge uses."""
+
+    def __init__(self) -> None:
+        self.listener: Any = None
+        self.approver: Any = None
+        self.answers: list[tuple[str, str]] = []
+        self.answered = threading.Event()
+
+    def attach(self, listener: Any, *, approver: Any) -> Any:
+        self.listener, self.approver = listener, approver
+        return lambda: None
+
+    def answer(self, ask_id: str, kind: str, *, by: str = "api") -> dict[str, object]:
+        self.answers.append((ask_id, kind))
+        self.answered.set()
+        return {}
+
+
+def _wait_for(predicate: Any, timeout: float = 10) -> bool:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        threading.Event().wait(0.01)
+    return predicate()
+
+
+def test_asks_become_permission_requests_and_the_option_is_the_answer() -> None:
+    from egressd.agents import acp_asks
+
+    sink = _Collect()
+    bridge = _bridge(sink)  # type: ignore[arg-type]
+    broker = _FakeBroker()
+    acp_asks.attach(broker, bridge, lambda _m: None)  # type: ignore[arg-type]
+    assert not broker.approver()  # no session yet: the editor cannot be asked
+    prompt = b'{"jsonrpc":"2.0","id":1,"method":"session/prompt","params":{"sessionId":"s1","prompt":[]}}\n'
+    bridge.from_client(prompt, parse(prompt))
+    assert broker.approver()
+    cases = [
+        ("allow_once", ["once", "run", "always", "deny", "deny-always"], "once"),
+        ("allow_always", ["once", "run", "always", "deny", "deny-always"], "always"),
+        ("allow_always", ["once", "run", "deny"], "run"),  # no policy file to write
+        ("reject_once", ["once", "run", "deny"], "deny"),
+        ("reject_always", ["once", "run", "always", "deny", "deny-always"], "deny-always"),
+    ]
+    for number, (option, answers, expected) in enumerate(cases):
+        sink.data = b""
+        broker.answered.clear()
+        ask = {"id": f"a{number}", "host": "evil.test", "port": 443, "answers": answers, "expires_in": 30}
+        broker.listener("ask", {**ask, "command": ["agent"], "client": "egressd"})
+        assert _wait_for(lambda: sink.data)
+        request = json.loads(sink.data)
+        assert "evil.test:443" in request["params"]["toolCall"]["title"]
+        reply = {"jsonrpc": "2.0", "id": request["id"], "result": {"outcome": {"outcome": "selected"}}}
+        reply["result"]["outcome"]["optionId"] = option
+        line = json.dumps(reply).encode() + b"\n"
+        assert bridge.from_client(line, parse(line)) == b""
+        assert broker.answered.wait(10)
+        assert broker.answers[-1] == (f"a{number}", expected)
+    # answered elsewhere: the editor's question is withdrawn, its late answer swallowed, no answer
+    sink.data = b""
+    count = len(broker.answers)
+    broker.listener(
+        "ask", {"id": "late", "host": "x.test", "port": 80, "answers": ["once"], "expires_in": 30}
+    )
+    assert _wait_for(lambda: sink.data)
+    request = json.loads(sink.data)
+    broker.listener("answered", {"id": "late"})
+    threading.Event().wait(0.3)
+    reply = {"jsonrpc": "2.0", "id": request["id"], "result": {"outcome": {"outcome": "cancelled"}}}
+    line = json.dumps(reply).encode() + b"\n"
+    assert bridge.from_client(line, parse(line)) == b""
+    assert len(broker.answers) == count
+    bridge.close()
