@@ -263,3 +263,33 @@ async def test_sandboxed_agent_mcp_server_uses_the_sandbox_bridge(
         assert f"fetch http://up.test:{up.port}/inside -> isError=False" in texts
         assert "fetch http://refused.test/x -> isError=True" in texts
         assert await _until(lambda: "not_allowlisted" in client.texts())
+
+
+async def test_mode_ask_is_answered_in_the_editor(tmp_path: Path, dns: DnsServer, up: EchoHTTPServer) -> None:
+    """mode: ask: the agent's MCP server asks for a host; the editor's permission answer decides it,
+    and allow_always writes the policy file as `egressd approve --always` does."""
+    pytest.importorskip("egressd.admission.asks", reason="the ask broker is not merged yet")
+    dns.add("other.test", up.host)
+    dns.add("third.test", up.host)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"version: 1\nmode: ask\nallow: [{up.host}/32]\n")
+    client = EditorClient()
+    servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER[1:], env=[])]
+    command = _egressd_acp(policy, dns, tmp_path / "audit.jsonl")
+    async with spawn_agent_process(client, command[0], *command[1:], transport_kwargs=STDERR) as (conn, proc):
+        session_id = await _session(conn, servers)
+        client.answer = "allow_once"
+        await _prompt(conn, session_id, f"fetch http://up.test:{up.port}/asked")
+        assert f"fetch http://up.test:{up.port}/asked -> isError=False" in client.texts()
+        assert client.permissions and client.permissions[-1][0] == session_id
+        assert "up.test" in client.permissions[-1][1].title
+
+        client.answer = "reject_once"
+        await _prompt(conn, session_id, f"fetch http://other.test:{up.port}/no")
+        assert f"fetch http://other.test:{up.port}/no -> isError=True" in client.texts()
+        assert await _until(lambda: "ask_refused" in client.texts())
+
+        client.answer = "allow_always"
+        await _prompt(conn, session_id, f"fetch http://third.test:{up.port}/always")
+        assert f"fetch http://third.test:{up.port}/always -> isError=False" in client.texts()
+        assert f"third.test:{up.port}" in policy.read_text()
