@@ -20,7 +20,14 @@ from egressd.policy import PolicyError
 from egressd.session import ProxySession, SessionOptions, base_policy, resolve_policy_path
 
 
-@click.group("mcp")
+@click.group(
+    "mcp",
+    epilog="""\b
+Example:
+  egressd mcp wrap ~/.config/Claude/claude_desktop_config.json --policy mcp.yaml
+  egressd mcp unwrap ~/.config/Claude/claude_desktop_config.json
+  egressd mcp run --profile fetch --policy mcp.yaml -- uvx mcp-server-fetch""",
+)
 def mcp_group() -> None:
     """MCP stdio servers under egressd: rewrite a client's config, or run one server."""
 
@@ -44,6 +51,7 @@ def _load(config: str) -> tuple[Path, dict[str, Any], str, str]:
 
 @mcp_group.command(
     "wrap",
+    short_help="Run each stdio server of an MCP client's config under egressd, one profile each.",
     epilog="""\b
 Example:
   egressd mcp wrap ~/.config/Claude/claude_desktop_config.json --policy ~/.config/egressd/mcp.yaml
@@ -92,7 +100,11 @@ def wrap_command(config: str, policy_file: str, sandbox: bool, servers: tuple[st
     say(f"{path}: wrapped {what}" + ("" if changed else " (already wrapped; unchanged)"))
 
 
-@mcp_group.command("unwrap", epilog="\b\nExample:\n  egressd mcp unwrap .mcp.json")
+@mcp_group.command(
+    "unwrap",
+    short_help="Restore a config `egressd mcp wrap` rewrote.",
+    epilog="\b\nExample:\n  egressd mcp unwrap .mcp.json",
+)
 @click.argument("config", metavar="CONFIG")
 @click.option("--server", "servers", multiple=True, metavar="NAME", help="Only this server (repeatable).")
 def unwrap_command(config: str, servers: tuple[str, ...]) -> None:
@@ -111,6 +123,7 @@ def unwrap_command(config: str, servers: tuple[str, ...]) -> None:
 @mcp_group.command(
     "run",
     context_settings={"allow_interspersed_args": False},
+    short_help="Run one MCP stdio server under egressd; failed tool calls say what it refused.",
     epilog="""\b
 Example (what `egressd mcp wrap` writes into a client's config):
   egressd mcp run --profile fetch --policy mcp.yaml -- uvx mcp-server-fetch""",
