@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal, get_args
 
+from .entries import PolicyError, parse_nameserver, parse_rule_list
 from .hosts import Host, IPAddress
 from .rules import RuleSet
 
@@ -159,8 +160,6 @@ class Policy:
         nameservers: Sequence[str] = (),
     ) -> Policy:
         """Policy plus command-line additions; a bad entry raises PolicyError naming the option."""
-        from .loader import PolicyError, parse_nameserver, parse_rule_list
-
         extra_allow = parse_rule_list(list(allow), self.source, "--allow")
         extra_deny = parse_rule_list(list(deny), self.source, "--deny")
         if mode is not None and mode not in MODES:
