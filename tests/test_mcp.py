@@ -289,3 +289,30 @@ def test_mcp_run_passes_stdio_byte_for_byte(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == payload
+
+
+async def test_wrap_sandbox_one_server(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, work: Path
+) -> None:
+    """wrap --sandbox --server fetch: only that server is wrapped, and it runs confined; the
+    allowed fetch works through the sandbox's bridge and the refused one carries egressd's reason."""
+    from tests.test_sandbox_integration import sandbox_env
+
+    dns.add("up.test", upstream.host)
+    config = tmp_path / ".mcp.json"
+    everything = {"command": "node", "args": [str(EVERYTHING), "stdio"]}
+    fetch = {"command": FETCH[0], "args": FETCH[1:], "env": {"KEEP": "1"}}
+    config.write_text(json.dumps({"mcpServers": {"fetch": fetch, "everything": everything}}, indent=2) + "\n")
+    policy = write_policy(tmp_path, upstream, nameserver=dns.nameserver)
+    mcp("wrap", str(config), "--policy", str(policy), "--sandbox", "--server", "fetch")
+    servers = json.loads(config.read_text())["mcpServers"]
+    assert servers["everything"] == everything
+    assert "--sandbox" in servers["fetch"]["args"] and servers["fetch"]["env"] == {"KEEP": "1"}
+    env = {**sandbox_env(work), **servers["fetch"]["env"]}
+    params = StdioServerParameters(
+        command=servers["fetch"]["command"], args=servers["fetch"]["args"], env=env, cwd=work
+    )
+    is_error, text = await _call(params, "fetch", {"url": f"http://up.test:{upstream.port}/confined"})
+    assert not is_error and "/confined" in text, text
+    is_error, text = await _call(params, "fetch", {"url": "http://refused.test/x"})
+    assert is_error and "not_allowlisted" in text, text
