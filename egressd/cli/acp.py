@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import click
@@ -47,4 +48,6 @@ def acp_command(options: SessionOptions, sandboxed: bool, command: tuple[str, ..
     ) -> contextlib.AbstractContextManager[object]:
         return acp_relay(session, StdioRelay("acp", say), creds, sandboxed=inside, warn=say)
 
-    run_relayed(options, sandboxed, command, sandbox, relay)
+    # the editor is where the user answers asks: egressd's own terminal prompt would write into
+    # the editor's terminal (a terminal editor) and compete with it for the keyboard
+    run_relayed(dataclasses.replace(options, prompt=False), sandboxed, command, sandbox, relay)

@@ -57,7 +57,7 @@ def run_relayed(
     if used:
         fail(f"{', '.join(used)}: sandbox options need --sandbox")
     returncode = EXIT_CANNOT_RUN
-    with open_session(options, announce_reloads=options.trace) as session:
+    with open_session(options, announce_reloads=options.trace, command=command) as session:
         creds = session.credentials()
         session.record_child(creds, command)
         env = with_git_ssh(session.child_env(creds=creds), session.policy)

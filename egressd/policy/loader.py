@@ -59,6 +59,7 @@ _TOP_KEYS = (
     "resolver",
     "profiles",
     "websocket",
+    "ask_timeout",
 )
 _HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -311,6 +312,7 @@ def parse_policy(data: object, source: str) -> Policy:
         resolver=ResolverConfig(nameservers=nameservers),
         profiles={name: _parse_profile(name, value, reader) for name, value in (profiles or {}).items()},
         websocket=reader.bool(top.get("websocket"), "websocket", True),
+        ask_timeout=reader.positive(top.get("ask_timeout"), "ask_timeout", 60),
         source=source,
     )
 

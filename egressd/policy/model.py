@@ -130,6 +130,7 @@ class Policy:
     resolver: ResolverConfig
     profiles: Mapping[str, Profile]
     websocket: bool = True
+    ask_timeout: float = 60  # mode: ask waits this long for an answer, then refuses (ask_timeout)
     source: str = field(default="<builtin>", compare=False)
 
     def __post_init__(self) -> None:
