@@ -268,7 +268,6 @@ async def test_sandboxed_agent_mcp_server_uses_the_sandbox_bridge(
 async def test_mode_ask_is_answered_in_the_editor(tmp_path: Path, dns: DnsServer, up: EchoHTTPServer) -> None:
     """mode: ask: the agent's MCP server asks for a host; the editor's permission answer decides it,
     and allow_always writes the policy file as `egressd approve --always` does."""
-    pytest.importorskip("egressd.admission.asks", reason="the ask broker is not merged yet")
     dns.add("other.test", up.host)
     dns.add("third.test", up.host)
     policy = tmp_path / "policy.yaml"
