@@ -19,11 +19,12 @@ import contextlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from egressd.files import replace_atomically
 
 SERVER_KEYS = ("mcpServers", "servers")
 BACKUP_SUFFIX = ".egressd-backup"
@@ -211,24 +212,6 @@ def backup_path(path: Path) -> Path:
     return path.with_name(path.name + BACKUP_SUFFIX)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace `path` by `text` in one rename (a client reading it sees the old or the new file),
-    keeping its permissions."""
-    mode = path.stat().st_mode & 0o7777
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, mode)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-
-
 def same(document: dict[str, Any], text: str) -> bool:
     """`document` says what `text` says, in the same key order (then the file is left as it is)."""
     return json.dumps(document) == json.dumps(json.loads(text))
@@ -240,7 +223,7 @@ def save(path: Path, old_text: str, new_text: str) -> bool:
         return False
     write_atomically_new(backup_path(path), old_text, like=path)
     # a config that is a symlink (dotfiles) stays one: the file it leads to is replaced
-    write_atomically(path.resolve(), new_text)
+    replace_atomically(path.resolve(), new_text)
     return True
 
 
@@ -249,7 +232,7 @@ def write_atomically_new(path: Path, text: str, *, like: Path) -> None:
     if not path.exists():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, like.stat().st_mode & 0o666)
         os.close(fd)
-    write_atomically(path, text)
+    replace_atomically(path, text)
 
 
 def restored_text(path: Path, document: dict[str, Any], rendered: str) -> str:
