@@ -8,14 +8,13 @@ like any edit — never reads half a file. The policy package stays pure; this i
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
+from egressd.files import replace_atomically
 from egressd.policy import PolicyError, load_policy
 from egressd.policy.entries import parse_rule_list
 
@@ -127,20 +126,11 @@ def _edit_json(text: str, which: str, rule: str, remove: bool) -> tuple[str, boo
 
 def _replace(path: Path, text: str) -> None:
     """Write beside the file, check the result loads as a policy, then rename over the file."""
-    mode = path.stat().st_mode & 0o7777
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+
+    def loads(temp: str) -> None:
         try:
-            load_policy(tmp, env={})
+            load_policy(temp, env={})
         except PolicyError as exc:
             raise PolicyEditError(f"the edited policy would not load: {exc}") from exc
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+
+    replace_atomically(path, text, check=loads)
