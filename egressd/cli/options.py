@@ -219,7 +219,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def dashboard_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--dashboard (exec, run): also serve the web dashboard; sets `options.dashboard`."""
+    """--dashboard (exec, run, sandbox): also serve the web dashboard; sets `options.dashboard`."""
 
     @functools.wraps(func)
     def with_dashboard(*args: Any, dashboard: bool, options: SessionOptions, **kwargs: Any) -> Any:

@@ -15,7 +15,7 @@ import click
 
 from egressd import process
 from egressd.admission.state import ProxyCredentials
-from egressd.cli.options import fail, open_session, say, session_options
+from egressd.cli.options import dashboard_option, fail, open_session, say, session_options
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
 from egressd.sandbox import narrow, preflight
@@ -57,6 +57,7 @@ proxy; nothing else gets out. 127.0.0.1/localhost through the proxy is the HOST'
 on the ports the policy names only. See docs/sandbox.md.""",
 )
 @session_options
+@dashboard_option
 @click.option("--rw", multiple=True, metavar="PATH", help="Also writable in the sandbox (repeatable).")
 @click.option(
     "--ro",
