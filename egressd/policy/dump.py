@@ -68,4 +68,5 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "resolver": {"nameservers": [server(ip, port) for ip, port in policy.resolver.nameservers]},
         "profiles": profiles,
         "websocket": policy.websocket,
+        "refusal_pages": policy.refusal_pages,
     }

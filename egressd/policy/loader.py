@@ -19,6 +19,7 @@ import yaml
 from .hosts import Host, TargetError, canonical_host
 from .model import (
     MODES,
+    REFUSAL_PAGES,
     BuiltinAllowance,
     Credentials,
     Limits,
@@ -28,6 +29,7 @@ from .model import (
     Policy,
     PrivatePolicy,
     Profile,
+    RefusalPages,
     ResolverConfig,
 )
 from .paths import normalise_path
@@ -60,6 +62,7 @@ _TOP_KEYS = (
     "resolver",
     "profiles",
     "websocket",
+    "refusal_pages",
 )
 _HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -292,6 +295,9 @@ def parse_policy(data: object, source: str) -> Policy:
     mode = top.get("mode", "enforce")
     if mode not in MODES:
         raise reader.fail("mode", f"must be one of {', '.join(MODES)}", mode)
+    refusal_pages = top.get("refusal_pages", "status")
+    if refusal_pages not in REFUSAL_PAGES:
+        raise reader.fail("refusal_pages", f"must be one of {', '.join(REFUSAL_PAGES)}", refusal_pages)
 
     loopback = reader.mapping(top.get("loopback"), "loopback", ("allow", "ports"))
     private = reader.mapping(top.get("private"), "private", ("allow", "origins"))
@@ -376,6 +382,7 @@ def parse_policy(data: object, source: str) -> Policy:
         resolver=ResolverConfig(nameservers=nameservers),
         profiles={name: _parse_profile(name, value, reader) for name, value in (profiles or {}).items()},
         websocket=reader.bool(top.get("websocket"), "websocket", True),
+        refusal_pages=cast(RefusalPages, refusal_pages),
         source=source,
     )
 

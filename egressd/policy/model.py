@@ -27,6 +27,8 @@ __all__ = [
 
 Mode = Literal["enforce", "ask", "learn", "allow", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
+RefusalPages = Literal["status", "tls"]
+REFUSAL_PAGES: tuple[str, ...] = get_args(RefusalPages)
 DEFAULT_BUILTIN_METHODS: tuple[str, ...] = ("GET", "HEAD")
 
 
@@ -129,6 +131,10 @@ class Policy:
     resolver: ResolverConfig
     profiles: Mapping[str, Profile]
     websocket: bool = True
+    # how a refused HTTPS CONNECT is answered: "status" (a 403 on the CONNECT, the default) or
+    # "tls" (200, then the 403 inside TLS with egressd's certificate for the host, so clients that
+    # show nothing of a refused CONNECT print the reason; needs inspection: the child trusts the CA)
+    refusal_pages: RefusalPages = "status"
     source: str = field(default="<builtin>", compare=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +143,12 @@ class Policy:
 
     def __hash__(self) -> int:
         return hash((self.version, self.mode, self.allow, self.deny, self.ports))
+
+    @property
+    def needs_ca(self) -> bool:
+        """egressd's CA is needed (and its bundle given to the child): for inspection, or to answer
+        refused HTTPS inside TLS (`refusal_pages: tls`)."""
+        return self.needs_inspection or self.refusal_pages == "tls"
 
     @property
     def needs_inspection(self) -> bool:
