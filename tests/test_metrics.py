@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from tests.support.dns_server import DnsServer
-from tests.support.egressd_cli import EGRESSD, egressd_exec, write_policy
+from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec, write_policy
 from tests.support.upstreams import EchoHTTPServer
 
 CHILD = textwrap.dedent(
@@ -236,3 +236,16 @@ def test_metrics_endpoint_is_refused_to_the_child(tmp_path: Path, running: list[
     assert run.proc.wait(60) == 0, run.stderr
     assert out.read_text() == "self"
     assert os.path.exists(out)
+
+
+def test_run_serves_metrics_and_summarises_refusals_when_stopped() -> None:
+    """`egressd run --metrics`: scraped while it serves; the refusal summary when it stops."""
+    with EgressdRun(["--metrics", "127.0.0.1:0"]) as run:
+        assert run.wait_for_stderr("metrics on http"), run.stderr
+        url = run.stderr.split("metrics on ", 1)[1].split()[0]
+        refused = requests.get("http://refused.test/", proxies={"http": run.proxy_url}, timeout=10)
+        assert refused.status_code == 403 and refused.reason == "Forbidden by egressd: not_allowlisted"
+        text = requests.get(url, timeout=10, proxies={"http": ""}).text
+        assert sample(text, "egressd_decisions_total", stage="request", reason="not_allowlisted") == 1
+        assert run.stop() == 0
+    assert "egressd: refused 1 host: refused.test (not_allowlisted)" in run.stderr

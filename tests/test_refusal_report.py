@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import egressd_exec, write_policy
-from tests.support.upstreams import EchoHTTPServer
+from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
 
 PHRASE = "Forbidden by egressd: not_allowlisted"
 
@@ -58,6 +58,23 @@ def test_reason_phrase_of_other_refusals(dns: DnsServer) -> None:
         ["curl", "-sv", "--max-time", "20", "http://missing.test/"],
     )
     assert b"< HTTP/1.1 502 Bad Gateway by egressd: dns_error" in curl.stderr, curl.stderr
+
+
+def test_reason_phrase_inside_an_inspected_tunnel(
+    tmp_path: Path, dns: DnsServer, upstream_tls: EchoHTTPSServer, ca_file: Path
+) -> None:
+    """A request mitmproxy's addon refuses (a path no built-in allowance admits) says why too."""
+    dns.add("up.test", upstream_tls.host)
+    policy = write_policy(
+        tmp_path, "version: 1\nallow: [198.51.100.0/24]\nbuiltin:\n  - {host: up.test, paths: [/ok/]}\n"
+    )
+    options = ["-q", "--policy", str(policy), "--nameserver", dns.nameserver, "--upstream-ca", str(ca_file)]
+    url = f"https://up.test:{upstream_tls.port}"
+    curl = egressd_exec(options, ["curl", "-sv", "--max-time", "20", f"{url}/ok/x", f"{url}/other"])
+    text = curl.stderr.decode()
+    assert "< HTTP/1.1 200" in text, text  # /ok/ inside the inspected tunnel
+    assert "< HTTP/1.1 403 Forbidden by egressd: builtin_path" in text, text
+    assert "issuer: CN=egressd inspection CA" in text
 
 
 CHILD = """
@@ -120,3 +137,21 @@ def test_trace_keeps_only_the_summary(tmp_path: Path) -> None:
     assert "egressd: DENY" in text
     assert "egressd: refused a.example:443" not in text
     assert text.splitlines()[-1].startswith("egressd: refused 1 host: a.example (not_allowlisted)")
+
+
+def test_sandbox_reports_refusals_and_serves_metrics(tmp_path: Path, work: Path) -> None:
+    """`egressd sandbox` has the same report, and --metrics (refused off loopback) too."""
+    from tests.test_sandbox_integration import egressd_sandbox
+
+    command = ["curl", "-s", "-o", "/dev/null", "--max-time", "20", "https://a.example/"]
+    result = egressd_sandbox([], command, cwd=work)
+    lines = result.stderr.decode().splitlines()
+    assert "egressd: refused a.example:443 (not_allowlisted) - allow with: --allow a.example" in lines
+    assert lines[-1].startswith("egressd: refused 1 host: a.example"), lines
+    assert b"refused" not in egressd_sandbox(["--quiet"], command, cwd=work).stderr
+    marker = work / "ran"
+    refused = egressd_sandbox(["--metrics", "198.51.100.1:0"], ["touch", str(marker)], cwd=work)
+    assert refused.returncode == 2 and b"not a loopback address" in refused.stderr
+    assert not marker.exists()
+    served = egressd_sandbox(["--metrics", "127.0.0.1:0"], ["true"], cwd=work)
+    assert served.returncode == 0 and b"egressd: metrics on http://127.0.0.1:" in served.stderr
