@@ -7,8 +7,14 @@ prometheus_client's global one: two proxies in one process (tests, `egressd ssh`
 
 No label is unbounded: no host, client or path label; `reason` is a fixed set (anything else is
 counted as "other"), `stage`, `mode`, `decision`, `direction` and `outcome` are fixed by the code.
-Label children are bound once per combination and kept, so an event costs a tuple, one dict
-lookup and the child's increment. docs/metrics.md lists every name and label.
+docs/metrics.md lists every name and label.
+
+Cheap on the hot path (every decision and closed connection): those counters are plain integers,
+one cell per label combination made once and kept, turned into Prometheus samples only when
+someone scrapes (`_Hot.collect`) — no label dict, no lock, no prometheus_client call per event.
+They are written on the proxy's event-loop thread only (the fronts and the embedded mitmproxy share
+it). Rare events (DNS lookups, asks, reloads from the watcher's thread, notices) use
+prometheus_client's own metrics with pre-bound children.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from egressd.admission.events import Asked, Closed, Decided, Event, Notice, Resolved
+from egressd.policy.model import MODES
 from egressd.refusal import FAILURE_REASONS, POLICY_REASONS
 
 if TYPE_CHECKING:
@@ -40,6 +47,7 @@ ALLOW_REASONS = frozenset(
 ASK_REASONS = frozenset({"ask_refused", "ask_timeout", "no_approver"})
 REASONS = ALLOW_REASONS | ASK_REASONS | POLICY_REASONS | FAILURE_REASONS
 STAGES = frozenset({"connect", "socks", "request", "inner", "connection", "tls"})
+MODE_NAMES = frozenset(MODES)
 NOTICES = frozenset({"header_timeout", "internal_error", "credentials_stripped", "response_cut"})
 OTHER = "other"
 
@@ -62,26 +70,6 @@ class Metrics:
             mode = lambda: policies.get().mode  # noqa: E731 - read per decision, changes on reload
         self._mode = mode or (lambda: "enforce")
         r = self.registry
-        self.decisions = Counter(
-            "egressd_decisions",
-            "Decisions of the admission pipeline, by stage, mode, verdict and reason code.",
-            ("stage", "mode", "decision", "reason"),
-            registry=r,
-        )
-        self.connections = Counter(
-            "egressd_connections",
-            "Connections: inbound = client connections to egressd that named a target (counted when "
-            "they close), outbound = upstream connections egressd opened.",
-            ("direction",),
-            registry=r,
-        )
-        self.bytes = Counter(
-            "egressd_bytes",
-            "Bytes relayed, up = child to upstream, down = upstream to child (counted when the "
-            "client connection closes).",
-            ("direction",),
-            registry=r,
-        )
         self.dns = Histogram(
             "egressd_dns_lookup_seconds",
             "How long a connection waited for its DNS answer (A and AAAA), by outcome.",
@@ -102,16 +90,15 @@ class Metrics:
         self.notices = Counter(
             "egressd_notices", "Other events of the pipeline, by kind.", ("kind",), registry=r
         )
+        # the hot counters: [count] cells by label values, read by _Hot at scrape time
+        self.decided: dict[tuple[str, str, bool, str], list[int]] = {}
+        self.inbound = 0  # client connections closed (that named a target)
+        self.outbound = 0  # upstream connections opened
+        self.bytes_up = 0
+        self.bytes_down = 0
+        r.register(_Hot(self))
         if pipeline is not None:
             r.register(_Live(pipeline))
-        # pre-bound children: the hot path never builds a label dict
-        self._decided: dict[tuple[str, str, bool, str], Any] = {}
-        self._inbound = self.connections.labels("inbound")
-        self._outbound = self.connections.labels("outbound")
-        self._up = self.bytes.labels("up")
-        self._down = self.bytes.labels("down")
-        for direction in ("inbound", "outbound"):
-            self.connections.labels(direction)
         self._reload_ok = self.reloads.labels("ok")
         self._reload_failed = self.reloads.labels("failed")
         self._dns: dict[str, Any] = {o: self.dns.labels(o) for o in ("ok", "dns_error", "dns_timeout")}
@@ -123,11 +110,17 @@ class Metrics:
         """Count one event (called on the proxy's loop thread; never blocks)."""
         kind = type(event)
         if kind is Decided:
-            self._decision(event)  # type: ignore[arg-type]
+            key = (event.stage, self._mode(), event.allowed, event.reason)  # type: ignore[union-attr]
+            cell = self.decided.get(key)
+            if cell is None:
+                cell = self._cell(key)
+            cell[0] += 1
+            if event.allowed and event.stage == "connection":  # type: ignore[union-attr]
+                self.outbound += 1
         elif kind is Closed:
-            self._inbound.inc()
-            self._up.inc(event.bytes_up)  # type: ignore[union-attr]
-            self._down.inc(event.bytes_down)  # type: ignore[union-attr]
+            self.inbound += 1
+            self.bytes_up += event.bytes_up  # type: ignore[union-attr]
+            self.bytes_down += event.bytes_down  # type: ignore[union-attr]
         elif kind is Resolved:
             child = self._dns.get(event.outcome) or self.dns.labels(OTHER)  # type: ignore[union-attr]
             child.observe(event.seconds)  # type: ignore[union-attr]
@@ -136,19 +129,15 @@ class Metrics:
         elif kind is Notice:
             self._notice(event)  # type: ignore[arg-type]
 
-    def _decision(self, event: Decided) -> None:
-        key = (event.stage, self._mode(), event.allowed, event.reason)
-        child = self._decided.get(key)
-        if child is None:
-            stage, mode, allowed, reason = key
-            child = self.decisions.labels(
-                _bounded(stage, STAGES), mode, "allow" if allowed else "deny", _bounded(reason, REASONS)
-            )
-            if len(self._decided) < 10000:  # bounded even if a reason code were not
-                self._decided[key] = child
-        child.inc()
-        if event.stage == "connection" and event.allowed:
-            self._outbound.inc()
+    def _cell(self, key: tuple[str, str, bool, str]) -> list[int]:
+        """The cell of a label combination seen first now; values outside the fixed sets share
+        the "other" cell, so the table stays bounded whatever a reason code says."""
+        stage, mode, allowed, reason = key
+        bounded = (_bounded(stage, STAGES), _bounded(mode, MODE_NAMES), allowed, _bounded(reason, REASONS))
+        cell = self.decided.get(bounded)
+        if cell is None:
+            cell = self.decided[bounded] = [0]
+        return cell  # an unbounded key is never stored: its lookups miss and land here again
 
     def _ask(self, event: Asked) -> None:
         child = self._asks.get(event.outcome)
@@ -173,6 +162,47 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (what GET /metrics answers)."""
         return generate_latest(self.registry)
+
+
+class _Hot(Collector):
+    """The hot counters (decisions, connections, bytes) as Prometheus samples, at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily
+
+        m = self.metrics
+        decisions = CounterMetricFamily(
+            "egressd_decisions",
+            "Decisions of the admission pipeline, by stage, mode, verdict and reason code.",
+            labels=("stage", "mode", "decision", "reason"),
+        )
+        for (stage, mode, allowed, reason), cell in sorted(list(m.decided.items())):
+            decisions.add_metric((stage, mode, "allow" if allowed else "deny", reason), cell[0])
+        yield decisions
+        connections = CounterMetricFamily(
+            "egressd_connections",
+            "Connections: inbound = client connections to egressd that named a target (counted when "
+            "they close), outbound = upstream connections egressd opened.",
+            labels=("direction",),
+        )
+        connections.add_metric(("inbound",), m.inbound)
+        connections.add_metric(("outbound",), m.outbound)
+        yield connections
+        relayed = CounterMetricFamily(
+            "egressd_bytes",
+            "Bytes relayed, up = child to upstream, down = upstream to child (counted when the "
+            "client connection closes).",
+            labels=("direction",),
+        )
+        relayed.add_metric(("up",), m.bytes_up)
+        relayed.add_metric(("down",), m.bytes_down)
+        yield relayed
 
 
 class _Live(Collector):
