@@ -1,6 +1,10 @@
 """A/B of one `egressd run` option: egressd's CPU per tunnel (CONNECT + GET + close), A and B interleaved.
 
     .venv/bin/python -m bench.ab --b-args "--metrics 127.0.0.1:0" --tunnels 3000 --concurrency 10 --rounds 12
+    .venv/bin/python -m bench.ab --a-egressd ~/.cache/egressd-bench/egressd-<commit>/venv/bin/egressd
+
+The second compares this tree's egressd with another build (an earlier commit's, as bench/before.py
+prepares it), both with their defaults.
 
 Why: on a shared machine the full bench's figures move ±30% between runs, far more than an
 observer costs. This runs the two settings in turns (A B B A A B ...), counts the proxy's own CPU
@@ -63,10 +67,12 @@ async def tunnels(proxy_port: int, auth: str, up: int, count: int, concurrency: 
     await asyncio.gather(*(one() for _ in range(count)))
 
 
-async def measure(extra: list[str], up: int, count: int, concurrency: int) -> tuple[float, float]:
+async def measure(
+    egressd: str, extra: list[str], up: int, count: int, concurrency: int
+) -> tuple[float, float]:
     """(CPU µs per tunnel, tunnels/s) of one fresh `egressd run` with `extra` options."""
     proc = subprocess.Popen(
-        [EGRESSD, "run", "--quiet", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [egressd, "run", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     try:
         exports: dict[str, str] = {}
@@ -93,13 +99,15 @@ async def main(args: argparse.Namespace) -> None:
     server = await upstream()
     up = server.sockets[0].getsockname()[1]
     settings = {"A": shlex.split(args.a_args), "B": shlex.split(args.b_args)}
+    binaries = {"A": args.a_egressd, "B": EGRESSD}
     results: dict[str, list[tuple[float, float]]] = {"A": [], "B": []}
     for round_ in range(args.rounds):
         order = ("A", "B") if round_ % 2 == 0 else ("B", "A")
         for name in order:
-            results[name].append(await measure(settings[name], up, args.tunnels, args.concurrency))
+            measured = await measure(binaries[name], settings[name], up, args.tunnels, args.concurrency)
+            results[name].append(measured)
             cpu, rate = results[name][-1]
-            options = shlex.join(settings[name]) or "(none)"
+            options = shlex.join([binaries[name], *settings[name]])
             print(f"{name} {options}: {cpu:.0f} CPU µs/tunnel, {rate:.0f} tunnels/s")
     medians = {
         name: (statistics.median(c for c, _ in runs), statistics.median(r for _, r in runs))
@@ -115,7 +123,8 @@ async def main(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--a-args", default="", help="options of egressd run for A (default: none)")
-    p.add_argument("--b-args", required=True, help='egressd run options for B: "--metrics 127.0.0.1:0"')
+    p.add_argument("--b-args", default="", help='egressd run options for B: "--metrics 127.0.0.1:0"')
+    p.add_argument("--a-egressd", default=EGRESSD, help="the egressd of A (default: this tree's, as B's)")
     p.add_argument("--tunnels", type=int, default=3000, help="tunnels per measurement (after 300 of warm-up)")
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--rounds", type=int, default=12, help="measurements of each of A and B")

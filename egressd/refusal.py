@@ -50,6 +50,8 @@ POLICY_REASONS = frozenset(
         "invalid_target",
         "ask",
         "no_approver",
+        "ask_refused",
+        "ask_timeout",
         "needs_inspection",
         "sni_mismatch",
         "not_http",

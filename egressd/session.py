@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from egressd.child_env import child_environment, proxy_exports
 from egressd.observe.audit import AuditLog
@@ -27,8 +28,11 @@ from egressd.policy import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
+    from egressd.admission.asks import AskBroker
     from egressd.admission.credentials import ProxyCredentials
     from egressd.admission.events import Event
+    from egressd.control.prompt import TtyPrompter
+    from egressd.control.server import ControlServer, Counts
     from egressd.observe.metrics import Metrics, MetricsServer
     from egressd.observe.refusals import RefusalReport
     from egressd.proxy import EgressProxy
@@ -96,6 +100,9 @@ class SessionOptions:
     config_dir: Path | None = None  # egressd's config dir (the CA); None = EGRESSD_HOME or ~/.config
     metrics: tuple[str, int] | None = None  # --metrics HOST:PORT (checked by the CLI)
     report: bool = False  # the refusal lines and summary on stderr (the CLI's default; --quiet: off)
+    approve_all: bool = False  # --approve-all: every ask approved at once (explicit only, loud)
+    prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
+    control: bool = True  # serve the control API on the user's Unix socket
 
 
 class ProxySession:
@@ -108,8 +115,12 @@ class ProxySession:
         say: Callable[[str], None],
         announce_reloads: bool = False,
         transform: Callable[[Policy], Policy] | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.options = options
+        # what `egressd ps` and the ask prompt show: the child's command, or egressd's own
+        self.command = tuple(command) if command else ("egressd", *sys.argv[1:])
+        self.started = time.time()
         self._say = say
         self._announce = announce_reloads
         # a command may narrow every policy it loads (the sandbox's --only); applied after overrides
@@ -120,6 +131,11 @@ class ProxySession:
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.report: RefusalReport | None = None
+        self.broker: AskBroker | None = None
+        self._control: ControlServer | None = None
+        self._prompter: TtyPrompter | None = None
+        self._counts: Counts | None = None
+        self.control_path: Path | None = None
         self.policy = self._load()
 
     # -- policy ----------------------------------------------------------------------------------
@@ -190,6 +206,7 @@ class ProxySession:
             config_dir=self.options.config_dir,
             upstream_ca=self.options.upstream_ca,
         )
+        self._start_approvals(self.proxy)
         self._observe(self.proxy.pipeline.events.subscribe)
         try:
             self.proxy.start()
@@ -200,11 +217,13 @@ class ProxySession:
             self._serve_metrics(*self.options.metrics)
         if self.watcher is not None:
             self.watcher.start()
+        self._start_control(self.proxy)
         return self
 
     def _observe(self, subscribe: Callable[[Callable[[Event], None]], None]) -> None:
         """The observers the options ask for, subscribed before the first connection."""
-        if self.options.metrics is not None:
+        if self.options.metrics is not None or self.options.control:
+            # the control API serves them too (GET /metrics), so they count from the start
             from egressd.observe.metrics import Metrics
 
             assert self.proxy is not None
@@ -233,6 +252,107 @@ class ProxySession:
             loopback = "127.0.0.1" if bound_host == "0.0.0.0" else "::1"
             self.proxy.pipeline.decider.add_self_address(loopback, bound_port)
         self._say(f"metrics on {self.metrics_server.url}")
+
+    # -- ask mode, grants and the control API ------------------------------------------------------
+    def _start_approvals(self, proxy: EgressProxy) -> None:
+        """The ask broker is the pipeline's approver; the terminal prompt one of its approvers."""
+        from egressd.admission.asks import AskBroker
+
+        pipeline = proxy.pipeline
+        self.broker = AskBroker(
+            pipeline.grants,
+            timeout=lambda: pipeline.policies.get().ask_timeout,
+            command=self.command,
+            write_rule=self._write_rule if self._writable_policy() else None,
+            approve_all=self.options.approve_all,
+            events=pipeline.events,
+        )
+        pipeline.approver = self.broker
+        if self.options.approve_all:
+            self._say(
+                "WARNING: --approve-all: every ask is approved without asking anyone; the child may "
+                "reach any host the policy would have asked about"
+            )
+        if self.options.prompt and not self.options.approve_all:
+            from egressd.control.prompt import TtyPrompter
+
+            self._prompter = TtyPrompter.open(self.broker)
+            if self._prompter is not None:
+                self._prompter.start()
+
+    def _writable_policy(self) -> bool:
+        """An ask answered "always" writes the user's policy file, never a built-in preset."""
+        return self.watcher is not None and Path(str(self.options.policy_file)).is_file()
+
+    def _write_rule(self, which: str, rule: str) -> str:
+        from egressd.policy_edit import add_rule
+
+        assert self.watcher is not None
+        done = add_rule(self.watcher.path, which, rule)
+        self.watcher.trigger()  # the reload applies it like any edit (and reports a failure)
+        return done
+
+    def _start_control(self, proxy: EgressProxy) -> None:
+        """The control API on the user's socket; egressd runs without it (and says so) when the
+        run directory is not safe to use."""
+        if not self.options.control:
+            return
+        from egressd.control import paths
+        from egressd.control.server import ControlServer, Counts
+
+        assert self.broker is not None
+        try:
+            directory = paths.ensure_run_dir(paths.run_dir())
+            path = paths.socket_path(directory)
+            sock = paths.listen(path)
+        except (paths.RunDirError, OSError) as exc:
+            self._say(f"control API off: {exc}")
+            return
+        self._counts = Counts()
+        proxy.pipeline.events.subscribe(self._counts.observe)
+        server = ControlServer(
+            path,
+            broker=self.broker,
+            grants=proxy.pipeline.grants,
+            events=proxy.pipeline.events,
+            info=self.info,
+            metrics=self.metrics.render if self.metrics is not None else None,
+        )
+        server.start(sock)
+        self._control, self.control_path = server, path
+
+    def info(self) -> dict[str, Any]:
+        """What `egressd ps` shows of this instance."""
+        from egressd import __version__
+
+        policy = self.policy
+        counts = self._counts
+        broker = self.broker
+        pipeline = self.proxy.pipeline if self.proxy is not None else None
+        return {
+            "pid": os.getpid(),
+            "command": list(self.command),
+            "policy": policy.source,
+            "policy_writable": self._writable_policy(),
+            "mode": policy.mode,
+            "ask_timeout": policy.ask_timeout,
+            "started": self.started,
+            "version": __version__,
+            "socket": str(self.control_path) if self.control_path else None,
+            "counts": {
+                "decisions": counts.decisions if counts else 0,
+                "allowed": counts.allowed if counts else 0,
+                "refused": counts.refused if counts else 0,
+                "pending": len(broker.pending()) if broker else 0,
+                "grants": len(pipeline.grants.list()) if pipeline else 0,
+                "connections": pipeline.active() if pipeline else 0,
+            },
+            "approvers": {
+                "terminal": self._prompter is not None,
+                "approve_all": self.options.approve_all,
+                "can_answer": broker.can_answer() if broker else False,
+            },
+        }
 
     def credentials(self, profile: str | None = None) -> ProxyCredentials:
         assert self.proxy is not None, "start() first"
@@ -274,6 +394,12 @@ class ProxySession:
             self.proxy.drain(timeout)
 
     def close(self) -> None:
+        if self._control is not None:
+            self._control.stop()
+            self._control = None
+        if self._prompter is not None:
+            self._prompter.stop()
+            self._prompter = None
         if self.watcher is not None:
             self.watcher.stop()
         if self.proxy is not None:

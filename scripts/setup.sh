@@ -25,6 +25,7 @@ APT_PACKAGES=(
   openssh-server:sshd
   wrk
   libc6-dev
+  squid  # tests: the exported squid.conf, loaded and served by Debian's squid
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }

@@ -8,11 +8,12 @@ a packet off this machine. Support code is imported as ``tests.support.*``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from tests.support import netns  # noqa: E402
 if TYPE_CHECKING:
     from egressd.proxy import EgressProxy
 from tests.support.dns_server import DnsServer  # noqa: E402
+from tests.support.loops import DEFAULT_LOOP, LOOP_FACTORIES  # noqa: E402
 from tests.support.npm_registry import NpmRegistry  # noqa: E402
 from tests.support.upstreams import (  # noqa: E402
     EchoHTTPServer,
@@ -76,6 +78,17 @@ def pytest_configure(config: pytest.Config) -> None:
         ) from exc
     for var in _PROXY_VARS:
         os.environ.pop(var, None)
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """pytest-asyncio's hook: each loop egressd runs on for a test marked ON_EVERY_LOOP
+    (tests/support/loops.py), else asyncio's."""
+    marker = item.get_closest_marker("asyncio")
+    if marker is not None and marker.kwargs.get("loop_factories"):
+        return LOOP_FACTORIES
+    return DEFAULT_LOOP
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

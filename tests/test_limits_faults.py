@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.support.attempts import gave_up_after
+from tests.support.attempts import gave_up_after, wait_until
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import TEST_POLICY, EgressdRun, egressd_exec, write_policy
 from tests.support.upstreams import EchoHTTPServer, StallingPort, TcpEchoServer
@@ -28,6 +28,14 @@ def proxy_socket(run: EgressdRun) -> tuple[socket.socket, str]:
     auth = base64.b64encode(f"{url.username}:{url.password}".encode()).decode()
     assert url.hostname is not None and url.port is not None
     return socket.create_connection((url.hostname, url.port), timeout=10), auth
+
+
+def _listening(run: EgressdRun) -> bool:
+    """egressd still accepts connections on its proxy port (a bare connect, no request)."""
+    url = urlsplit(run.proxy_url)
+    assert url.hostname is not None and url.port is not None
+    with socket.socket() as sock:
+        return sock.connect_ex((url.hostname, url.port)) == 0
 
 
 def open_tunnel(run: EgressdRun, target: str) -> tuple[socket.socket, bytes]:
@@ -87,7 +95,8 @@ def test_max_connections_answers_429_then_recovers(
 
 
 def test_requests_per_second_per_child(policy_with: object, dns: DnsServer, upstream: EchoHTTPServer) -> None:
-    policy = policy_with("limits: {requests_per_second: 1, burst: 2}\n")  # type: ignore[operator]
+    # one token every 5 s: the requests below come well within that even on a busy machine
+    policy = policy_with("limits: {requests_per_second: 0.2, burst: 2}\n")  # type: ignore[operator]
     dns.add("up.test", upstream.host)
     url = f"http://up.test:{upstream.port}/"
     with EgressdRun(["--policy", str(policy), "--nameserver", dns.nameserver]) as run:
@@ -97,9 +106,9 @@ def test_requests_per_second_per_child(policy_with: object, dns: DnsServer, upst
         limited = curl(env, url)
         headers = assert_refusal(limited, 429, "rate_limited", "connection_limit_reached")
         assert int(parse_http(limited.stdout)[1]["retry-after"]) >= 1
-        time.sleep(2.2)
-        assert parse_http(curl(env, url).stdout)[0] == 200
         assert "requests per second" in headers["proxy-status"]
+        # a refused request takes no token: the bucket refills and the child is served again
+        wait_until(lambda: parse_http(curl(env, url).stdout)[0] == 200, "a request after the refill", 30, 1)
 
 
 # -- timeouts ----------------------------------------------------------------------------------
@@ -300,9 +309,10 @@ def test_sigterm_refuses_new_connections_while_draining(
         slow = subprocess.Popen(
             ["curl", "-sS", "-i", f"http://up.test:{upstream.port}/slow?s=2"], env=env, stdout=subprocess.PIPE
         )
-        time.sleep(0.5)
+        # the slow request is in flight (it reached the upstream) before egressd is told to stop
+        wait_until(lambda: upstream.requests, "the slow request at the upstream")
         run.signal(signal.SIGTERM)
-        time.sleep(0.5)
+        wait_until(lambda: not _listening(run), "egressd closing its listener on SIGTERM")
         late = curl(env, f"http://up.test:{upstream.port}/late")
         assert late.returncode != 0  # refused: the listener is gone
         out, _ = slow.communicate(timeout=30)

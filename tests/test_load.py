@@ -53,18 +53,20 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _settle(pid: int, baseline: int, slack: int, timeout: float = 20) -> int:
+async def _settle(pid: int, baseline: int, slack: int, timeout: float = 20) -> int:
     deadline = time.monotonic() + timeout
     fds = _proc_fds(pid)
     while fds > baseline + slack and time.monotonic() < deadline:
-        time.sleep(0.2)
+        await asyncio.sleep(0.2)
         fds = _proc_fds(pid)
     return fds
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_concurrent_and_sequential_tunnels_without_leaks(tmp_path: Path, tcp_echo: TcpEchoServer) -> None:
+async def test_concurrent_and_sequential_tunnels_without_leaks(
+    tmp_path: Path, tcp_echo: TcpEchoServer
+) -> None:
     _raise_fd_limit()
     # an IP literal (allowed by the policy's CIDR): this measures the proxy, not the test's DNS server
     policy = write_policy(tmp_path, TEST_POLICY)
@@ -74,34 +76,25 @@ def test_concurrent_and_sequential_tunnels_without_leaks(tmp_path: Path, tcp_ech
         pid = run.proc.pid
         proxy = run.proxy_url
 
-        async def warm_up() -> None:
-            for _ in range(50):
-                await tunnel_round_trip(proxy, target, b"warm")
-
-        asyncio.run(warm_up())
-        fds_before = _settle(pid, _proc_fds(pid), 0, timeout=2)
+        for _ in range(50):  # warm up
+            await tunnel_round_trip(proxy, target, b"warm")
+        fds_before = await _settle(pid, _proc_fds(pid), 0, timeout=2)
         rss_before = _rss_kib(pid)
 
-        async def concurrent(count: int) -> None:
-            payloads = [os.urandom(4096 + i) for i in range(count)]
-            digests = await asyncio.gather(*(tunnel_round_trip(proxy, target, p) for p in payloads))
-            assert digests == [hashlib.sha256(p).digest() for p in payloads]
-
         t0 = time.monotonic()
-        asyncio.run(concurrent(1000))
+        payloads = [os.urandom(4096 + i) for i in range(1000)]
+        digests = await asyncio.gather(*(tunnel_round_trip(proxy, target, p) for p in payloads))
+        assert digests == [hashlib.sha256(p).digest() for p in payloads]
         print(f"1,000 concurrent tunnels: {time.monotonic() - t0:.1f} s")
+
         t0 = time.monotonic()
-
-        async def sequential(count: int) -> None:
-            payload = os.urandom(512)
-            digest = hashlib.sha256(payload).digest()
-            for _ in range(count):
-                assert await tunnel_round_trip(proxy, target, payload) == digest
-
-        asyncio.run(sequential(10_000))
+        payload = os.urandom(512)
+        digest = hashlib.sha256(payload).digest()
+        for _ in range(10_000):
+            assert await tunnel_round_trip(proxy, target, payload) == digest
         print(f"10,000 sequential tunnels: {time.monotonic() - t0:.1f} s")
 
-        fds_after = _settle(pid, fds_before, 4)
+        fds_after = await _settle(pid, fds_before, 4)
         assert fds_after <= fds_before + 4, f"file descriptors: {fds_before} before, {fds_after} after"
         growth_mib = (_rss_kib(pid) - rss_before) / 1024
         assert growth_mib < 64, f"RSS grew by {growth_mib:.0f} MiB over 11,000 tunnels"

@@ -249,3 +249,33 @@ def test_run_serves_metrics_and_summarises_refusals_when_stopped() -> None:
         assert sample(text, "egressd_decisions_total", stage="request", reason="not_allowlisted") == 1
         assert run.stop() == 0
     assert "egressd: refused 1 host: refused.test (not_allowlisted)" in run.stderr
+
+
+def test_control_api_serves_the_same_metrics() -> None:
+    """GET /metrics on the control socket (curl --unix-socket): the registry --metrics serves."""
+    from egressd.control.client import find_instances
+
+    with EgressdRun(["--metrics", "127.0.0.1:0", "--no-prompt"]) as run:
+        assert run.wait_for_stderr("metrics on http"), run.stderr
+        url = run.stderr.split("metrics on ", 1)[1].split()[0]
+        for _ in range(2):
+            requests.get("http://refused.test/", proxies={"http": run.proxy_url}, timeout=10)
+        [instance] = [i for i in until_found(find_instances) if i.pid == run.proc.pid]
+        answer = subprocess.run(
+            ["curl", "-sS", "-i", "--unix-socket", str(instance.path), "http://egressd/metrics"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        head, _, text = answer.stdout.partition("\n\n")  # text=True: CRLF read as LF
+        assert head.startswith("HTTP/1.1 200") and "Content-Type: text/plain; version=" in head, answer.stdout
+        refused = {"stage": "request", "reason": "not_allowlisted"}
+        assert sample(text, "egressd_decisions_total", **refused) == 2, text
+        tcp = requests.get(url, timeout=10, proxies={"http": ""}).text
+        assert sample(tcp, "egressd_decisions_total", **refused) == 2
+
+
+def until_found(find: Callable[[], tuple[Path, list]]) -> list:
+    found: list = []
+    until(lambda: bool(found.extend(find()[1]) or found))
+    return found

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.attempts import wait_until
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, TEST_POLICY, EgressdRun, egressd_exec, write_policy
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer, TcpEchoServer
@@ -91,7 +92,8 @@ def test_sigterm_drains_in_flight_tunnel(tmp_path: Path, dns: DnsServer, upstrea
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        time.sleep(0.5)
+        # the request is in flight (it reached the upstream) before egressd is told to stop
+        wait_until(lambda: upstream.requests, "the slow request at the upstream")
         run.signal(signal.SIGTERM)
         out, _ = slow.communicate(timeout=30)
         assert parse_http(out)[0] == 200  # the in-flight request finished

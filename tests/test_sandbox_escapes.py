@@ -160,13 +160,16 @@ START_MITMPROXY = """
     proxy = urlsplit(os.environ["HTTP_PROXY"])
     secret = base64.b64encode(f"{proxy.username}:{proxy.password}".encode()).decode()
     head = f"CONNECT TARGET HTTP/1.1\\r\\nProxy-Authorization: Basic {secret}\\r\\n\\r\\n"
-    with socket.create_connection((proxy.hostname, proxy.port), timeout=10) as s:
+    # egressd then starts mitmproxy, compiling it from source where its bytecode cache is read-only:
+    # tens of seconds on a busy machine
+    with socket.create_connection((proxy.hostname, proxy.port), timeout=60) as s:
         s.sendall(head.encode())
         sys.stderr.write(f"answer {s.recv(12)!r}\\n")
     print(json.dumps(tried))
 """.replace("TARGET", TARGET)
 
 
+@pytest.mark.timeout(240)
 def test_egressd_code_in_the_working_directory_is_read_only(tmp_path: Path, work: Path) -> None:
     root = _egressd_copy_in(work)
     marker = tmp_path / "ran-outside"
@@ -178,6 +181,7 @@ def test_egressd_code_in_the_working_directory_is_read_only(tmp_path: Path, work
         [*python_inside(ATTEMPT + PLANT_IN_EGRESSD + START_MITMPROXY), str(root), str(marker)],
         cwd=work,
         env=env,
+        timeout=150,
     )
     assert result.returncode == 0, result.stderr
     tried = json.loads(result.stdout)
@@ -207,6 +211,7 @@ PLANT_BYTECODE = """
 """
 
 
+@pytest.mark.timeout(240)
 def test_a_bytecode_cache_prefix_in_the_working_directory_is_read_only(tmp_path: Path, work: Path) -> None:
     """PYTHONPYCACHEPREFIX: egressd loads the bytecode of a module it imports late (its addons,
     mitmproxy) from there, not from beside the read-only source."""
@@ -225,6 +230,7 @@ def test_a_bytecode_cache_prefix_in_the_working_directory_is_read_only(tmp_path:
         ],
         cwd=work,
         env=env,
+        timeout=150,
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"plant": "Read-only file system"}

@@ -18,12 +18,12 @@ import threading
 import time
 
 import pytest
-import uvloop
 
 from egressd.admission.credentials import ProxyCredentials
 from egressd.front import relay
 from egressd.front.server import FastFront
 from egressd.proxy import EgressProxy
+from tests.support.loops import ON_EVERY_LOOP
 from tests.support.upstreams import TcpEchoServer
 
 RECORD = 16 * 1024 + 21  # a TLS record with its header and tag: the chunk a TLS sender writes
@@ -296,24 +296,21 @@ async def _coalescing_on_real_sockets() -> None:
         s.close()
 
 
-LOOPS = {"uvloop": uvloop.run, "asyncio": asyncio.run}  # egressd runs on either (EGRESSD_UVLOOP=0)
-
-
-@pytest.mark.parametrize("loop", LOOPS)
-def test_coalescing_pauses_only_after_forwarding_and_never_overrides_back_pressure(
-    monkeypatch: pytest.MonkeyPatch, loop: str
+@ON_EVERY_LOOP
+async def test_coalescing_pauses_only_after_forwarding_and_never_overrides_back_pressure(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # a wide window and a long tick make each state observable on a busy machine
     monkeypatch.setattr(relay, "COALESCE", True)
     monkeypatch.setattr(relay, "COALESCE_WINDOW", 30.0)
     monkeypatch.setattr(relay, "COALESCE_PAUSE", 1.5)
-    LOOPS[loop](_coalescing_on_real_sockets())
+    await _coalescing_on_real_sockets()
 
 
-@pytest.mark.parametrize("loop", LOOPS)
+@ON_EVERY_LOOP
 @pytest.mark.parametrize("setting", ["EGRESSD_COALESCE=0", "burst faster than COALESCE_RATE"])
-def test_without_coalescing_every_chunk_is_read_at_once(
-    monkeypatch: pytest.MonkeyPatch, setting: str, loop: str
+async def test_without_coalescing_every_chunk_is_read_at_once(
+    monkeypatch: pytest.MonkeyPatch, setting: str
 ) -> None:
     monkeypatch.setattr(relay, "COALESCE_WINDOW", 30.0)
     if setting == "EGRESSD_COALESCE=0":
@@ -322,25 +319,22 @@ def test_without_coalescing_every_chunk_is_read_at_once(
         monkeypatch.setattr(relay, "COALESCE", True)
         monkeypatch.setattr(relay, "COALESCE_RATE", 1.0)
 
-    async def check() -> None:
-        loop = asyncio.get_running_loop()
-        tunnel = relay.Tunnel(_Front())  # type: ignore[arg-type]
-        a_pipe, b_pipe = _lean_pipes(tunnel)
-        a, a_far = socket.socketpair()
-        b, b_far = socket.socketpair()
-        b_far.setblocking(False)
-        await loop.connect_accepted_socket(lambda: a_pipe, a)
-        await loop.connect_accepted_socket(lambda: b_pipe, b)
-        a_pipe.peer, b_pipe.peer = b_pipe, a_pipe
-        for _ in range(5):
-            data = os.urandom(20_000)
-            a_far.send(data)
-            assert await _recv_for(loop, b_far, 5, len(data)) == data
-            assert a_pipe.coalescing is None and a_pipe.transport is not None
-            assert a_pipe.transport.is_reading()
-        for s in (a_far, b_far):
-            s.close()
-        assert a_pipe.transport is not None
-        a_pipe.transport.close()
-
-    LOOPS[loop](check())
+    loop = asyncio.get_running_loop()
+    tunnel = relay.Tunnel(_Front())  # type: ignore[arg-type]
+    a_pipe, b_pipe = _lean_pipes(tunnel)
+    a, a_far = socket.socketpair()
+    b, b_far = socket.socketpair()
+    b_far.setblocking(False)
+    await loop.connect_accepted_socket(lambda: a_pipe, a)
+    await loop.connect_accepted_socket(lambda: b_pipe, b)
+    a_pipe.peer, b_pipe.peer = b_pipe, a_pipe
+    for _ in range(5):
+        data = os.urandom(20_000)
+        a_far.send(data)
+        assert await _recv_for(loop, b_far, 5, len(data)) == data
+        assert a_pipe.coalescing is None and a_pipe.transport is not None
+        assert a_pipe.transport.is_reading()
+    for s in (a_far, b_far):
+        s.close()
+    assert a_pipe.transport is not None
+    a_pipe.transport.close()

@@ -1,13 +1,17 @@
 """The approver step: a decision that reaches `mode: ask` waits here for an answer.
 
-An approver is anything with `async ask(decision, client) -> bool`; egressd asks at most one.
-Without one, nobody can answer and the ask is refused at once (`no_approver`).
+An approver is anything with `async ask(decision, client) -> bool | Answer`; egressd asks at most
+one (the ask broker, `admission/asks.py`, which fans a question out to the control API, the
+terminal prompt and the dashboard). Without one, nobody can answer and the ask is refused at once
+(`no_approver`). An `Answer` carries its own refusal reason (`no_approver`, `ask_timeout`,
+`ask_refused`) so every approver's refusals read the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 from egressd.admission.state import ConnState
@@ -16,25 +20,46 @@ from egressd.policy import Decision
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What an approver answered: approved, or refused with a reason code and a detail."""
+
+    approved: bool
+    reason: str = "approved"
+    detail: str = ""
+    rule: str = "mode: ask (approved)"
+
+
+NO_APPROVER = Answer(
+    False, "no_approver", "mode is 'ask' and no approver is connected to answer", "mode: ask"
+)
+
+
 class Approver(Protocol):
-    async def ask(self, decision: Decision, client: ConnState) -> bool: ...
+    async def ask(self, decision: Decision, client: ConnState) -> bool | Answer: ...
 
 
 async def answer(approver: Approver | None, decision: Decision, client: ConnState) -> Decision:
-    """The decision after asking: approved (allowed) or refused (`no_approver`, `ask_refused`)."""
+    """The decision after asking: approved (allowed) or refused (`no_approver`, `ask_timeout`,
+    `ask_refused`)."""
     if approver is None:
-        return _refused(decision, "no_approver", "mode is 'ask' and no approver is connected to answer")
+        return _refused(decision, NO_APPROVER)
     try:
-        approved = bool(await approver.ask(decision, client))
+        got = await approver.ask(decision, client)
     except Exception:  # noqa: BLE001 - an approver that fails refuses
         logger.exception("approver failed")
-        approved = False
-    if not approved:
-        return _refused(decision, "ask_refused", "the approver refused")
+        got = False
+    if not isinstance(got, Answer):
+        got = Answer(True) if got else Answer(False, "ask_refused", "the approver refused", "mode: ask")
+    if not got.approved:
+        return _refused(decision, got)
+    detail = got.detail or decision.detail
     return dataclasses.replace(
-        decision, allowed=True, ask=False, reason="approved", rule="mode: ask (approved)"
+        decision, allowed=True, ask=False, reason=got.reason, rule=got.rule, detail=detail
     )
 
 
-def _refused(decision: Decision, reason: str, detail: str) -> Decision:
-    return Decision(allowed=False, reason=reason, rule="mode: ask", target=decision.target, detail=detail)
+def _refused(decision: Decision, got: Answer) -> Decision:
+    return Decision(
+        allowed=False, reason=got.reason, rule=got.rule, target=decision.target, detail=got.detail
+    )

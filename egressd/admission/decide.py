@@ -3,12 +3,13 @@ it, never raising — an unparseable target or a bug refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 
 from egressd.admission import faults
 from egressd.admission.state import PolicyHolder
-from egressd.policy import Client, Decision, IPAddress, decide, make_target
+from egressd.policy import Client, Decision, IPAddress, Mode, decide, make_target
 from egressd.refusal import Refusal
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,12 @@ class Decider:
         scheme: str | None = None,
         method: str | None = None,
         path: str | None = None,
+        mode: Mode | None = None,
     ) -> Decision:
+        """`mode`: decide as if the policy had this mode (a grant asks what `ask` would answer)."""
         policy = self.policies.get()
+        if mode is not None and mode != policy.mode:
+            policy = dataclasses.replace(policy, mode=mode)
         try:
             target = make_target(host, port, scheme=scheme, path=path, method=method)
         except ValueError as e:

@@ -13,6 +13,7 @@ closed with their bytes, refusals no decision made, notices); the audit log and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -28,12 +29,13 @@ from egressd.admission import resolve as resolution
 from egressd.admission.credentials import CredentialStore, Presented, ProxyCredentials, authenticate
 from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
 from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Resolved, Stage
+from egressd.admission.grants import GrantStore
 from egressd.admission.http_rules import request_refusal
 from egressd.admission.limits import Limits
 from egressd.admission.pinning import ConnectFailure, Pin, connect_protocol
 from egressd.admission.redirects import RedirectMemory
 from egressd.admission.state import ConnState, PolicyHolder
-from egressd.policy import Decision, IPAddress
+from egressd.policy import AddressClass, Decision, IPAddress, classify
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -100,6 +102,7 @@ class Pipeline:
         audit: AuditLog | None = None,
         require_auth: bool = True,
         approver: Approver | None = None,
+        grants: GrantStore | None = None,
     ) -> None:
         self.policies = policies
         self.credentials = credentials or CredentialStore()
@@ -107,6 +110,7 @@ class Pipeline:
         self.decider = Decider(policies)
         self.limits = Limits(policies)
         self.approver = approver
+        self.grants = grants if grants is not None else GrantStore()
         self.redirects = RedirectMemory()
         self.events = EventBus()
         if audit is not None:
@@ -180,12 +184,18 @@ class Pipeline:
         )
         if decision.target is not None:
             conn.host, conn.port = decision.target.host.text, decision.target.port
+        # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
+        if (self.grants or conn.granted) and (decision.ask or decision.reason == "not_allowlisted"):
+            decision = self._granted(conn, ask, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
             asked = time.monotonic()
             decision = await approvals.answer(self.approver, decision, conn)
             if self.events.observed:
                 self.events.emit(Asked(time.monotonic() - asked, decision.reason))
+            if decision.allowed and tunnel and decision.target is not None:
+                # approved for this connection: its requests, if inspected, are not asked again
+                conn.granted = (decision.target.host.text, decision.target.port)
         # 5. the request rules, and the choice to inspect
         refusal, inspect = self._judge(conn, ask, decision)
         # a tunnel allowed by mode: learn is recorded as such at once (with the reason enforce would
@@ -203,6 +213,51 @@ class Pipeline:
             return refusal
         conn.tunnel = True  # what the tunnel carries was authenticated by its set-up
         return admitted
+
+    def _granted(self, conn: ConnState, ask: Ask, decision: Decision) -> Decision:
+        """The decision a grant makes of a `not_allowlisted` or `ask` one, or the same decision.
+
+        The grant answers only the mode's question: the decision is asked again as `mode: ask`
+        would see it, so ports and profiles still refuse; a non-global IP literal is never granted
+        (the private-address guard), and a granted name resolves under the guard (private_ok off).
+        """
+        candidate = decision
+        if not decision.ask:
+            candidate = self.decider.decide(
+                ask.host,
+                ask.port,
+                conn.profile,
+                scheme=ask.scheme,
+                method=ask.method,
+                path=ask.path,
+                mode="ask",
+            )
+        target = candidate.target
+        if not candidate.ask or target is None:
+            return decision
+        if target.host.ip is not None and classify(target.host.ip) is not AddressClass.GLOBAL:
+            return decision
+        host, port = target.host.text, target.port
+        if ask.stage == "inner" and conn.granted == (host, port):
+            rule, inspect = "this tunnel's grant or approval", False
+        else:
+            taken = self.grants.take(ask.stage, host, port, ask.scheme, ask.path)
+            if taken is None:
+                return decision
+            grant, inspect = taken
+            rule = f"grant {grant.id}: {grant.spec}"
+            if ask.stage in ("connect", "socks") and not inspect:
+                conn.granted = (host, port)  # the requests inside, if inspected, are the tunnel's
+        return dataclasses.replace(
+            candidate,
+            allowed=True,
+            ask=False,
+            reason="granted",
+            rule=rule,
+            detail=f"{host}:{port} is admitted by the user's {rule}",
+            private_ok=False,
+            needs_inspection=candidate.needs_inspection or inspect,
+        )
 
     def authenticate(self, conn: ConnState, presented: Presented) -> bool:
         """The credentials step alone, for a protocol that answers it before its request arrives

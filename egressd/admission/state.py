@@ -59,6 +59,7 @@ class ConnState:
     # credentials the listener grants: only the child can reach it (the sandbox's credential-free
     # port); a request without Proxy-Authorization counts as the child's, a wrong one is refused
     implicit: ProxyCredentials | None = None
+    granted: tuple[str, int] | None = None  # a tunnel a grant or an approval admitted: (host, port)
 
     @property
     def profile(self) -> str | None:

@@ -11,14 +11,19 @@ import importlib.metadata
 import click
 
 from egressd import __version__
+from egressd.cli.answer import approve_command, deny_command
 from egressd.cli.ca import ca_group
 from egressd.cli.check import check_command
 from egressd.cli.exec import exec_command
+from egressd.cli.grant import grant_command
 from egressd.cli.options import CONTEXT
+from egressd.cli.pending import pending_command
 from egressd.cli.policy import policy_group
+from egressd.cli.ps import ps_command
 from egressd.cli.run import run_command
 from egressd.cli.sandbox import sandbox_command
 from egressd.cli.ssh import remote_agent, ssh_command
+from egressd.cli.watch import watch_command
 
 
 def _mitmproxy_version() -> str:
@@ -69,6 +74,12 @@ for _command in (
     remote_agent,
     policy_group,
     ca_group,
+    ps_command,
+    pending_command,
+    approve_command,
+    deny_command,
+    grant_command,
+    watch_command,
 ):
     cli.add_command(_command)
 

@@ -36,7 +36,7 @@ def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
     returncode = EXIT_CANNOT_RUN
-    with open_session(options, announce_reloads=options.trace) as session:
+    with open_session(options, announce_reloads=options.trace, command=command) as session:
         creds = session.credentials()
         session.record_child(creds, command)
         env = with_git_ssh(session.child_env(creds=creds), session.policy)

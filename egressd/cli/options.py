@@ -138,6 +138,23 @@ def inspection_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return _with_options(func, options)
 
 
+def approval_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--approve-all/--no-prompt: who answers the asks of `mode: ask`."""
+    options = [
+        click.option(
+            "--approve-all",
+            is_flag=True,
+            help="Approve every ask at once, asking nobody (explicit only; egressd warns on stderr).",
+        ),
+        click.option(
+            "--no-prompt",
+            is_flag=True,
+            help="Never ask on the terminal (/dev/tty); asks go to the control API only.",
+        ),
+    ]
+    return _with_options(func, options)
+
+
 def cli_overrides(
     allow: Sequence[str],
     deny: Sequence[str],
@@ -168,18 +185,20 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
         trace=params.pop("trace"),
         inspect=not params.pop("no_inspect"),
         upstream_ca=tuple(params.pop("upstream_ca")),
+        approve_all=params.pop("approve_all"),
+        prompt=not params.pop("no_prompt"),
     )
 
 
 def session_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """@policy_options, @proxy_options and @inspection_options, handed to the command as one
-    SessionOptions argument named `options` (every command that runs a proxy for a child)."""
+    """@policy_options, @proxy_options, @inspection_options and @approval_options, handed to the
+    command as one SessionOptions argument named `options` (every command that runs a proxy)."""
 
     @functools.wraps(func)
     def with_options(*args: Any, **kwargs: Any) -> Any:
         return func(*args, options=_pop_session_options(kwargs), **kwargs)
 
-    return policy_options(proxy_options(inspection_options(with_options)))
+    return policy_options(proxy_options(inspection_options(approval_options(with_options))))
 
 
 @contextlib.contextmanager

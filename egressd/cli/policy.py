@@ -26,7 +26,8 @@ from egressd.cli.options import cli_overrides, effective_policy, fail
 Example:
   egressd policy validate policy.yaml policies/*.yaml
   egressd policy show --allow api.github.com
-  egressd policy path npm""",
+  egressd policy path npm
+  egressd policy export --to squid --policy policy.yaml""",
 )
 def policy_group() -> None:
     """Validate, show and locate policies."""
@@ -98,6 +99,40 @@ def policy_path(name: str) -> None:
         click.echo(str(builtin_policy_path(name)))
     except PolicyError as exc:
         fail(str(exc))
+
+
+EXPORT_TARGETS = ("squid", "smokescreen", "cilium", "istio", "envoy")
+
+
+@policy_group.command(
+    "export",
+    epilog="""\b
+Example:
+  egressd policy export --to squid --policy policy.yaml > /etc/squid/conf.d/egressd.conf
+  egressd policy export --to cilium --policy npm --report-json report.json""",
+)
+@click.option("--to", "target", type=click.Choice(EXPORT_TARGETS), required=True, help="The engine.")
+@click.option("--policy", "policy_file", metavar="FILE", help="Policy file or preset (default: built-in).")
+@click.option("--report-json", metavar="FILE", help="Also write the report as JSON to FILE.")
+def policy_export(target: str, policy_file: str | None, report_json: str | None) -> None:
+    """Print the policy as TARGET's configuration; on stderr, every rule it cannot say exactly.
+
+    Faithful or narrower, never wider: such rules are dropped, narrowed or refused (exit 3)."""
+    from egressd.export import ExportRefused, export_policy
+
+    policy = effective_policy(policy_file, cli_overrides((), (), None, (), None))
+    try:
+        result = export_policy(policy, target)
+    except ExportRefused as exc:
+        for finding in exc.findings:
+            click.echo(f"egressd: export: {finding.line()}", err=True)
+        fail(str(exc), 3)
+    if report_json:
+        with open(report_json, "w", encoding="utf-8") as out:
+            out.write(result.report_json())
+    for line in result.report_lines():
+        click.echo(f"egressd: export: {line}", err=True)
+    click.echo(result.text, nl=False)
 
 
 @policy_group.command(

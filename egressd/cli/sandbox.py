@@ -196,7 +196,9 @@ def sandbox_command(
     narrowing = narrow.Narrowing(only_rules, options.overrides.profile) if only_rules else None
     outcome = Outcome(EXIT_CANNOT_RUN, started=False)
     transform = narrow.LoopbackConfinement(loopback_ports, then=narrowing)
-    with open_session(options, announce_reloads=options.trace, transform=transform) as session:
+    with open_session(
+        options, announce_reloads=options.trace, transform=transform, command=command
+    ) as session:
         creds = session.credentials(narrowing.profile if narrowing else None)
         session.record_child(creds, command)
         if probe is not None:

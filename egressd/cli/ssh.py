@@ -147,7 +147,9 @@ def ssh_command(
         def transform(policy: Policy) -> Policy:
             return relay_policy(policy, client_loopback=client_loopback)
 
-        with open_session(options, announce_reloads=options.trace, transform=transform) as session:
+        with open_session(
+            options, announce_reloads=options.trace, transform=transform, command=command
+        ) as session:
             returncode = run_over_ssh(lambda c: Relay(session, c, say), connection(), command, catcher, say)
         process.exit_like(returncode)
 

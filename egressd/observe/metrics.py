@@ -48,7 +48,19 @@ ASK_REASONS = frozenset({"ask_refused", "ask_timeout", "no_approver"})
 REASONS = ALLOW_REASONS | ASK_REASONS | POLICY_REASONS | FAILURE_REASONS
 STAGES = frozenset({"connect", "socks", "request", "inner", "connection", "tls"})
 MODE_NAMES = frozenset(MODES)
-NOTICES = frozenset({"header_timeout", "internal_error", "credentials_stripped", "response_cut"})
+NOTICES = frozenset(
+    {
+        "header_timeout",
+        "internal_error",
+        "credentials_stripped",
+        "response_cut",
+        # the ask broker's (egressd.admission.asks): a question asked, answered, expired, withdrawn
+        "ask",
+        "ask_answered",
+        "ask_expired",
+        "ask_withdrawn",
+    }
+)
 OTHER = "other"
 
 DNS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

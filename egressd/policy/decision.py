@@ -29,7 +29,8 @@ from .rules import HostRule, RuleSet
 __all__ = ["AddressVerdict", "Client", "Decision", "decide", "filter_addresses", "resolution_refusal"]
 
 LOCALHOST_ADDRESS = ipaddress.IPv4Address("127.0.0.1")
-_Own = tuple[tuple[IPAddress, int], ...]  # egressd's own listening addresses, canonical
+# egressd's own listening addresses as the caller gave them; canonicalised where they are compared
+_Own = tuple[tuple[IPAddress, int], ...]
 
 
 @dataclass(frozen=True)
@@ -259,9 +260,11 @@ def _self_match(
     if not self_addresses:
         return None
     host_ip = canonical_ip(request.host.ip) if request.host.ip is not None else None
-    for ip, port in self_addresses:
+    for raw_ip, raw_port in self_addresses:
+        port = int(raw_port)
         if port != request.port:
             continue
+        ip = _as_ip(raw_ip)
         if host_ip is not None and host_ip == ip:
             return ip, port
         if request.loopback and (ip.is_loopback or ip.is_unspecified):
@@ -522,23 +525,6 @@ def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Dec
     return _refuse(request, "not_allowlisted", "mode: enforce", detail, client)
 
 
-_own_cache: tuple[tuple[object, ...], _Own] = ((), ())
-
-
-def _own(self_addresses: Collection[tuple[IPAddress, int]]) -> _Own:
-    global _own_cache
-    if type(self_addresses) is tuple:
-        if not self_addresses:
-            return ()  # the usual case, without a generator
-        seen, own = _own_cache
-        if seen is self_addresses:  # the proxy passes one tuple until its addresses change
-            return own
-    own = tuple((_as_ip(ip), int(port)) for ip, port in self_addresses)
-    if type(self_addresses) is tuple:
-        _own_cache = (self_addresses, own)  # type: ignore[assignment]  # the reference keeps it alive
-    return own
-
-
 def decide(
     target: Target | str,
     client: Client,
@@ -548,7 +534,8 @@ def decide(
 ) -> Decision:
     """Decide one connection or request. Never raises: failures become ``internal_error`` refusals."""
     try:
-        return _decide(target, client if client is not None else Client(), policy, _own(self_addresses))
+        own = self_addresses if type(self_addresses) is tuple else tuple(self_addresses)
+        return _decide(target, client if client is not None else Client(), policy, own)
     except Exception as exc:  # the decision must always be an answer, and a refusal when unsure
         return Decision(
             allowed=False,
@@ -587,11 +574,10 @@ def _verdict(decision: Decision, policy: Policy, ip: IPAddress, port: int) -> tu
         return klass, False, f"{why}: a name may not resolve to a {klass.value} address"
     if klass is AddressClass.LOOPBACK:
         canonical = canonical_ip(ip)
-        if any(
-            own_port == port and (own == canonical or own.is_unspecified or own.is_loopback)
-            for own, own_port in decision.self_addresses
-        ):
-            return klass, False, "egressd's own listening address"
+        for raw, own_port in decision.self_addresses:
+            own = _as_ip(raw)
+            if int(own_port) == port and (own == canonical or own.is_unspecified or own.is_loopback):
+                return klass, False, "egressd's own listening address"
         if not policy.loopback.allow:
             return klass, False, "loopback (loopback.allow is false)"
         if not policy.loopback.admits_port(port):

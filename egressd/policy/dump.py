@@ -69,4 +69,5 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "profiles": profiles,
         "websocket": policy.websocket,
         "refusal_pages": policy.refusal_pages,
+        "ask_timeout": policy.ask_timeout,
     }

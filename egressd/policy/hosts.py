@@ -73,15 +73,7 @@ class Host:
     def text(self) -> str:
         """The canonical spelling (IPv6 without brackets)."""
         ip = self.ip
-        if ip is None:
-            return self.name or ""
-        # str(ip) costs microseconds and a tunnel asks several times: kept with the very ip object
-        cached = self.__dict__.get("_text")
-        if cached is not None and cached[0] is ip:
-            return cached[1]
-        text = str(ip)
-        self.__dict__["_text"] = (ip, text)
-        return text
+        return (self.name or "") if ip is None else str(ip)
 
     @property
     def is_ip(self) -> bool:

@@ -6,7 +6,6 @@ because a policy that is silently read differently from how it was written is wo
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import re
@@ -16,6 +15,7 @@ from typing import Any, cast
 
 import yaml
 
+from .entries import _NO_ENTRY, PolicyError, parse_nameserver, parse_rule_list
 from .hosts import Host, TargetError, canonical_host
 from .model import (
     MODES,
@@ -33,7 +33,7 @@ from .model import (
     ResolverConfig,
 )
 from .paths import normalise_path
-from .rules import HostRule, RuleError, RuleSet, parse_rule
+from .rules import RuleError, RuleSet, parse_rule
 
 __all__ = [
     "PolicyError",
@@ -46,7 +46,6 @@ __all__ = [
     "parse_rule_list",
 ]
 
-_NO_ENTRY = object()
 _TOP_KEYS = (
     "version",
     "mode",
@@ -63,35 +62,12 @@ _TOP_KEYS = (
     "profiles",
     "websocket",
     "refusal_pages",
+    "ask_timeout",
 )
 _HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _POLICY_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _ORIGIN_PORTS = {"http": 80, "https": 443}
-
-
-class PolicyError(ValueError):
-    """A policy that cannot be loaded; ``str()`` reads ``file: key: 'entry': message``."""
-
-    def __init__(self, file: str, key: str | None, entry: object = _NO_ENTRY, message: str = "") -> None:
-        self.file = file
-        self.key = key
-        self.has_entry = entry is not _NO_ENTRY
-        self.entry: object | None = entry if self.has_entry else None
-        self.message = message
-        super().__init__(self._text())
-
-    def _text(self) -> str:
-        parts = [self.file]
-        if self.key:
-            parts.append(self.key)
-        if self.has_entry:
-            parts.append(repr(self.entry))
-        parts.append(self.message)
-        return ": ".join(parts)
-
-    def __str__(self) -> str:
-        return self._text()
 
 
 class _Reader:
@@ -169,46 +145,6 @@ def _type_name(value: object) -> str:
 
 def _join(key: str | None, name: str) -> str:
     return f"{key}.{name}" if key else name
-
-
-def parse_rule_list(entries: list[object], source: str, key: str) -> tuple[HostRule, ...]:
-    """Parse host rules, naming ``key[i]`` and the entry on error."""
-    out: list[HostRule] = []
-    for index, entry in enumerate(entries):
-        try:
-            out.append(parse_rule(cast(Any, entry)))
-        except RuleError as exc:
-            raise PolicyError(source, f"{key}[{index}]", entry, str(exc)) from None
-    return tuple(out)
-
-
-def parse_nameserver(entry: object, source: str, key: str) -> tuple[str, int]:
-    """``IP``, ``IP:PORT``, ``[v6]:PORT`` or bare IPv6 → (IP text, port); names are refused."""
-    if not isinstance(entry, str) or not entry:
-        raise PolicyError(source, key, entry, "nameserver must be a string 'IP' or 'IP:PORT'")
-    text, port = entry, 53
-    if entry.startswith("["):
-        end = entry.find("]")
-        rest = entry[end + 1 :] if end > 0 else "x"
-        if rest and not rest.startswith(":"):
-            raise PolicyError(source, key, entry, "expected [IPv6]:PORT")
-        text = entry[1:end]
-        if rest:
-            port = _nameserver_port(rest[1:], source, key, entry)
-    elif entry.count(":") == 1:
-        text, port_text = entry.split(":")
-        port = _nameserver_port(port_text, source, key, entry)
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        raise PolicyError(source, key, entry, "nameserver must be an IP address (not a name)") from None
-    return str(address), port
-
-
-def _nameserver_port(text: str, source: str, key: str, entry: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise PolicyError(source, key, entry, "port out of range 1-65535")
-    return int(text)
 
 
 def _parse_origin(entry: object, reader: _Reader, key: str) -> Origin:
@@ -383,6 +319,7 @@ def parse_policy(data: object, source: str) -> Policy:
         profiles={name: _parse_profile(name, value, reader) for name, value in (profiles or {}).items()},
         websocket=reader.bool(top.get("websocket"), "websocket", True),
         refusal_pages=cast(RefusalPages, refusal_pages),
+        ask_timeout=reader.positive(top.get("ask_timeout"), "ask_timeout", 60),
         source=source,
     )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal, get_args
 
+from .entries import PolicyError, parse_nameserver, parse_rule_list
 from .hosts import Host, IPAddress
 from .rules import RuleSet
 
@@ -135,6 +136,7 @@ class Policy:
     # "tls" (200, then the 403 inside TLS with egressd's certificate for the host, so clients that
     # show nothing of a refused CONNECT print the reason; needs inspection: the child trusts the CA)
     refusal_pages: RefusalPages = "status"
+    ask_timeout: float = 60  # mode: ask waits this long for an answer, then refuses (ask_timeout)
     source: str = field(default="<builtin>", compare=False)
 
     def __post_init__(self) -> None:
@@ -171,8 +173,6 @@ class Policy:
         nameservers: Sequence[str] = (),
     ) -> Policy:
         """Policy plus command-line additions; a bad entry raises PolicyError naming the option."""
-        from .loader import PolicyError, parse_nameserver, parse_rule_list
-
         extra_allow = parse_rule_list(list(allow), self.source, "--allow")
         extra_deny = parse_rule_list(list(deny), self.source, "--deny")
         if mode is not None and mode not in MODES:

@@ -133,6 +133,18 @@ def egressd_home(options: SessionOptions) -> str:
     return os.path.realpath(home)
 
 
+def control_run_dir() -> str | None:
+    """The control API's run directory ($XDG_RUNTIME_DIR/egressd when egressd's home does not
+    hold it), created (0700) now so it is hidden before egressd's socket appears in it: a child that
+    reached the socket could approve its own asks and grant itself targets."""
+    from egressd.control import paths
+
+    try:
+        return os.path.realpath(paths.ensure_run_dir(paths.run_dir()))
+    except paths.RunDirError:
+        return None  # egressd will not serve there either
+
+
 def plan_layout(
     options: SessionOptions,
     *,
@@ -164,6 +176,9 @@ def plan_layout(
     if options.audit_path is not None:
         guarded.setdefault(options.audit_path, "the audit log egressd writes")
     own = [egressd_home(options)]
+    run_dir = control_run_dir()
+    if run_dir is not None and not any(within(run_dir, top) for top in own):
+        own.append(run_dir)
     credentials = [*credential_paths(home, environ), *_checked("--hide", hide)]
     shown = _checked("--show", show)
     for path in shown:

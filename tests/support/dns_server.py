@@ -72,9 +72,9 @@ class DnsServer:
     empty answer. Names match case-insensitively, with or without the trailing dot.
     """
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
-        self.port = 0
+        self.port = port  # 0: an ephemeral port (a fixed one for clients that only ask port 53: squid)
         self.queries: list[tuple[str, str]] = []
         #: Same as ``queries`` plus the transport: (qname, rdtype, "udp" | "tcp").
         self.query_log: list[tuple[str, str, str]] = []
@@ -170,9 +170,9 @@ class DnsServer:
     def start(self) -> Self:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         last_error: OSError | None = None
-        for _attempt in range(50):
+        for _attempt in range(50 if not self.port else 1):
             udp = socket.socket(family, socket.SOCK_DGRAM)
-            udp.bind((self.host, 0))
+            udp.bind((self.host, self.port))
             port = udp.getsockname()[1]
             tcp = socket.socket(family, socket.SOCK_STREAM)
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -390,3 +390,11 @@ def test_default_preset_equals_default_policy() -> None:
 def test_presets_decide(preset: str, target: str, allowed: bool) -> None:
     policy = load_policy(builtin_policy_path(preset))
     assert decide(target, Client(), policy).allowed is allowed
+
+
+def test_ask_timeout(tmp_path: Path) -> None:
+    assert parse_policy({"version": 1}, "t").ask_timeout == 60
+    assert parse_policy({"version": 1, "ask_timeout": 2.5}, "t").ask_timeout == 2.5
+    for bad in (0, -1, "60", True, float("inf")):
+        with pytest.raises(PolicyError, match="ask_timeout"):
+            parse_policy({"version": 1, "ask_timeout": bad}, "t")

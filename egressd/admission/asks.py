@@ -1,0 +1,312 @@
+"""Ask mode's approver: the registry of pending asks that every human interface answers through.
+
+The pipeline awaits `AskBroker.ask` between the decision and resolution, so nothing is resolved,
+connected or sent upstream while a question waits. Identical concurrent asks (same client, host and
+port) are ONE pending question; one answer releases every request waiting on it. A question
+waits at most the policy's `ask_timeout`, then every waiter is refused (`ask_timeout`).
+
+Interfaces attach as listeners (`attach`): the control API's followers, the terminal prompt, a
+dashboard. Any thread may `answer`; the waiting requests are released on the proxy's loop. Who
+"can answer" is decided here once: `--approve-all`, an attached approver (the /dev/tty prompt, a
+client following the asks, the dashboard), or a client that listed the pending asks within the
+last `poll_grace` seconds. With none, an ask is refused at once (`no_approver`): a request must not
+hang for a minute when nobody will ever see the question.
+
+Answers: `once` (the waiting requests only), `run` (an exact host:port grant until egressd exits),
+`always` (an allow rule written to the policy file; the reload applies it, a run grant bridges the
+moment until it does), `deny` (the waiting requests), `deny-always` (a deny rule written to the
+file, and refused for the rest of this run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from egressd.admission.approver import NO_APPROVER, Answer
+from egressd.admission.events import EventBus, Notice
+from egressd.admission.grants import GrantStore
+from egressd.admission.state import ConnState
+from egressd.policy import Decision
+
+logger = logging.getLogger(__name__)
+
+ANSWERS = ("once", "run", "always", "deny", "deny-always")
+POLL_GRACE = 30.0  # a client that listed the pending asks this recently counts as an approver
+
+Listener = Callable[[str, dict[str, object]], None]  # (kind, ask as JSON); must not block
+RuleWriter = Callable[[str, str], str]  # (list: "allow"/"deny", rule) -> what was written where
+
+
+class AskError(Exception):
+    """An answer that cannot be applied; `status` is the HTTP status the control API answers."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class PendingAsk:
+    """One question: a target a client wants, with every request waiting for the answer."""
+
+    id: str
+    key: tuple[str, str, int]
+    host: str
+    port: int
+    scheme: str | None
+    method: str | None
+    path: str | None
+    client: str | None
+    profile: str | None
+    conn: str
+    timeout: float
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Answer]
+    created: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.monotonic)
+    waiters: int = 1
+
+    @property
+    def rule(self) -> str:
+        """The policy rule an `always` answer writes: this host and port."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def to_json(self, command: Sequence[str] = (), always: bool = True) -> dict[str, object]:
+        left = max(0.0, self.timeout - (time.monotonic() - self.started))
+        return {
+            "id": self.id,
+            "host": self.host,
+            "port": self.port,
+            "scheme": self.scheme,
+            "method": self.method,
+            "path": self.path,
+            "client": self.client,
+            "profile": self.profile,
+            "conn": self.conn,
+            "command": list(command),
+            "waiting": self.waiters,
+            "created": self.created,
+            "expires_in": round(left, 1),
+            "answers": [a for a in ANSWERS if always or "always" not in a],
+        }
+
+
+class AskBroker:
+    """The one approver of an egressd: pending asks, their answers, and who is listening."""
+
+    def __init__(
+        self,
+        grants: GrantStore,
+        *,
+        timeout: Callable[[], float],
+        command: Sequence[str] = (),
+        write_rule: RuleWriter | None = None,
+        approve_all: bool = False,
+        events: EventBus | None = None,
+        poll_grace: float = POLL_GRACE,
+    ) -> None:
+        self.grants = grants
+        self.timeout = timeout
+        self.command = tuple(command)
+        self.write_rule = write_rule
+        self.approve_all = approve_all
+        self.events = events
+        self.poll_grace = poll_grace
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._pending: dict[str, PendingAsk] = {}
+        self._by_key: dict[tuple[str, str, int], PendingAsk] = {}
+        self._denied: set[tuple[str, int]] = set()
+        self._listeners: dict[int, tuple[Listener, bool | Callable[[], bool]]] = {}
+        self._tokens = itertools.count(1)
+        self._last_poll: float | None = None
+        self._prefix = secrets.token_hex(2)
+        self._ids = itertools.count(1)
+
+    # -- who can answer --------------------------------------------------------------------------
+    def attach(self, listener: Listener, *, approver: bool | Callable[[], bool]) -> Callable[[], None]:
+        """Hear every ask and its end; `approver`: this listener can answer (a prompt, a UI, a
+        client following the asks), or a function saying whether it can now (the terminal, only
+        while egressd is in its foreground). Returns the function that detaches it."""
+        token = next(self._tokens)
+        with self._lock:
+            self._listeners[token] = (listener, approver)
+
+        def detach() -> None:
+            with self._lock:
+                self._listeners.pop(token, None)
+
+        return detach
+
+    def polled(self) -> None:
+        """A client listed the pending asks: it is taken to be answering for `poll_grace` s."""
+        self._last_poll = time.monotonic()
+
+    def can_answer(self) -> bool:
+        with self._lock:
+            approvers = [approver for _, approver in self._listeners.values()]
+        if self.approve_all or any(a() if callable(a) else a for a in approvers):
+            return True
+        last = self._last_poll
+        return last is not None and time.monotonic() - last < self.poll_grace
+
+    # -- the approver the pipeline awaits ----------------------------------------------------------
+    async def ask(self, decision: Decision, client: ConnState) -> Answer:
+        target = decision.target
+        if target is None:
+            return Answer(False, "ask_refused", "nothing to ask about", "mode: ask")
+        host, port = target.host.text, target.port
+        if self.approve_all:
+            return Answer(True, "approved", f"{host}:{port} approved by --approve-all", "--approve-all")
+        if (host, port) in self._denied:
+            detail = f"{host}:{port} was denied for this run"
+            return Answer(False, "ask_refused", detail, "mode: ask (denied always)")
+        if not self.can_answer():
+            return NO_APPROVER
+        key = (client.client_key, host, port)
+        with self._lock:
+            pending = self._by_key.get(key)
+            if pending is not None and not pending.future.done():
+                pending.waiters += 1
+                created = False
+            else:
+                pending = self._new(key, decision, client)
+                created = True
+        if created:
+            self._notify("ask", pending)
+        try:
+            return await asyncio.shield(pending.future)
+        except asyncio.CancelledError:
+            self._withdraw(pending)
+            raise
+
+    def _new(self, key: tuple[str, str, int], decision: Decision, client: ConnState) -> PendingAsk:
+        """A new pending ask (under the lock), with its timeout on the proxy's loop."""
+        target = decision.target
+        assert target is not None
+        loop = asyncio.get_running_loop()
+        timeout = float(self.timeout())
+        pending = PendingAsk(
+            id=f"a{self._prefix}{next(self._ids)}",
+            key=key,
+            host=target.host.text,
+            port=target.port,
+            scheme=target.scheme,
+            method=target.method,
+            path=target.path,
+            client=client.client_name,
+            profile=client.profile,
+            conn=client.conn_id,
+            timeout=timeout,
+            loop=loop,
+            future=loop.create_future(),
+        )
+        self._pending[pending.id] = pending
+        self._by_key[key] = pending
+        loop.call_later(timeout, self._expire, pending.id)
+        return pending
+
+    def _expire(self, ask_id: str) -> None:
+        pending = self._pop(ask_id)
+        if pending is None:
+            return
+        detail = f"nobody answered within ask_timeout ({pending.timeout:g}s)"
+        _settle(pending.future, Answer(False, "ask_timeout", detail, "mode: ask (ask_timeout)"))
+        self._notify("expired", pending)
+
+    def _withdraw(self, pending: PendingAsk) -> None:
+        """A waiting request went away; the question goes with the last one."""
+        with self._lock:
+            pending.waiters -= 1
+            gone = pending.waiters <= 0 and self._pending.get(pending.id) is pending
+        if gone and self._pop(pending.id) is not None:
+            self._notify("withdrawn", pending)
+
+    def _pop(self, ask_id: str) -> PendingAsk | None:
+        with self._lock:
+            pending = self._pending.pop(ask_id, None)
+            if pending is not None and self._by_key.get(pending.key) is pending:
+                del self._by_key[pending.key]
+            return pending
+
+    # -- answers -----------------------------------------------------------------------------------
+    def pending(self) -> list[PendingAsk]:
+        with self._lock:
+            return list(self._pending.values())
+
+    def describe(self, pending: PendingAsk) -> dict[str, object]:
+        return pending.to_json(self.command, always=self.write_rule is not None)
+
+    def answer(self, ask_id: str, kind: str, *, by: str = "api") -> dict[str, object]:
+        """Answer a pending ask from any thread; AskError (404, 400, 409) when it cannot be."""
+        if kind not in ANSWERS:
+            raise AskError(400, f"unknown answer {kind!r} (one of: {', '.join(ANSWERS)})")
+        with self._lock:
+            pending = self._pending.get(ask_id)
+        if pending is None:
+            raise AskError(404, f"no pending ask {ask_id!r} (answered, expired or withdrawn)")
+        written = None
+        if kind in ("always", "deny-always"):
+            written = self._write(pending, "allow" if kind == "always" else "deny")
+        if self._pop(ask_id) is None:
+            raise AskError(404, f"ask {ask_id!r} was answered or expired meanwhile")
+        target = f"{pending.host}:{pending.port}"
+        if kind == "run" or kind == "always":
+            self.grants.add_run(pending.host, pending.port)
+        if kind == "deny-always":
+            self._denied.add((pending.host, pending.port))
+        if kind in ("once", "run", "always"):
+            how = {"once": "once", "run": "for this run", "always": "always"}[kind]
+            detail, rule = f"{target} approved {how} by {by}", f"mode: ask (approved {how})"
+            result = Answer(True, "approved", detail, rule)
+        else:
+            how = "once" if kind == "deny" else "always"
+            detail, rule = f"{target} denied {how} by {by}", f"mode: ask (denied {how})"
+            result = Answer(False, "ask_refused", detail, rule)
+        pending.loop.call_soon_threadsafe(_settle, pending.future, result)
+        self._notify("answered", pending, answer=kind, by=by)
+        reply: dict[str, object] = {"id": ask_id, "answer": kind, "released": pending.waiters}
+        if written is not None:
+            reply["written"] = written
+        return reply
+
+    def _write(self, pending: PendingAsk, which: str) -> str:
+        if self.write_rule is None:
+            raise AskError(409, "no policy file to write to (egressd runs without --policy FILE); answer run")
+        with self._write_lock:
+            try:
+                return self.write_rule(which, pending.rule)
+            except Exception as exc:  # noqa: BLE001 - reported to whoever answered
+                raise AskError(409, f"could not write the policy file: {exc}") from exc
+
+    # -- listeners -----------------------------------------------------------------------------------
+    def _notify(self, kind: str, pending: PendingAsk, **extra: object) -> None:
+        info = {**self.describe(pending), **extra}
+        with self._lock:
+            listeners = [listener for listener, _ in self._listeners.values()]
+        for listener in listeners:
+            try:
+                listener(kind, info)
+            except Exception:  # noqa: BLE001 - a listener never changes an answer
+                logger.exception("egressd: an ask listener failed")
+        if self.events is not None:
+            # the audit records asks too: the query redacted, as in its decision records
+            fields = {k: v for k, v in info.items() if k not in ("command", "answers", "expires_in")}
+            path = fields.get("path")
+            if isinstance(path, str) and "?" in path:
+                fields["path"] = path.partition("?")[0] + "?<redacted>"
+            self.events.emit(Notice(f"ask_{kind}" if kind != "ask" else "ask", fields))
+
+
+def _settle(future: asyncio.Future[Answer], answer: Answer) -> None:
+    with contextlib.suppress(asyncio.InvalidStateError):
+        if not future.done():
+            future.set_result(answer)

@@ -1,0 +1,54 @@
+"""`egressd watch`: the decisions of a running egressd as they happen."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from egressd.cli.instances import pid_option, select
+from egressd.control.client import ControlError
+
+
+def _line(item: dict) -> str | None:
+    event = item.get("event")
+    if event == "decision":
+        if item.get("stage") == "connection" and item.get("allowed"):
+            return None  # the decision line said it already
+        verdict = "allow" if item.get("allowed") else "DENY "
+        where = f"{item.get('host')}:{item.get('port')}"
+        request = f" {item['method']} {item['path']}" if item.get("path") else ""
+        rule = item.get("rule") or "-"
+        return f"{verdict} {item.get('stage'):<10} {where}{request}  {item.get('reason')}  ({rule})"
+    if event == "ask":
+        ask_id = item.get("id")
+        return f"ASK   {ask_id} {item.get('host')}:{item.get('port')}  (egressd approve {ask_id})"
+    if event == "dropped":
+        return f"... {item.get('count')} events dropped (this reader was too slow)"
+    return None
+
+
+@click.command(
+    "watch",
+    epilog="""\b
+Example:
+  egressd watch
+  egressd watch --json --pid 4242""",
+    short_help="Show the decisions of a running egressd live.",
+)
+@pid_option
+@click.option("--json", "as_json", is_flag=True, help="Every event as one JSON object per line.")
+def watch_command(pid: int | None, as_json: bool) -> None:
+    """Show every decision of a running egressd as it happens (and its asks), until interrupted."""
+    client = select(pid)
+    try:
+        for item in client.stream("/v1/events"):
+            if item.get("event") == "keepalive":
+                continue
+            line = json.dumps(item) if as_json else _line(item)
+            if line is not None:
+                click.echo(line)
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,232 @@
+"""The control API's endpoints (aiohttp), imported on the server's thread only.
+
+Asks are answered through the AskBroker and grants added to the GrantStore, both thread-safe;
+live streams are newline-delimited JSON fed through bounded queues (a slow reader loses lines and is
+told how many; it never slows the proxy). Every peer must be this user (SO_PEERCRED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from egressd.admission.asks import AskBroker, AskError
+from egressd.admission.events import Event, EventBus
+from egressd.admission.grants import GrantError, GrantStore
+from egressd.control.server import KEEPALIVE, QUEUE_LINES, event_json
+
+
+class Handlers:
+    def __init__(
+        self,
+        broker: AskBroker,
+        grants: GrantStore,
+        events: EventBus,
+        info: Callable[[], dict[str, Any]],
+        stop: asyncio.Event,
+        metrics: Callable[[], bytes] | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.broker = broker
+        self.grants = grants
+        self.events = events
+        self.info = info
+        self._stop = stop
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._same_user])
+        app.add_routes(
+            [
+                web.get("/v1/info", self._info),
+                web.get("/v1/asks", self._asks),
+                web.post("/v1/asks/{id}", self._answer),
+                web.get("/v1/grants", self._grants),
+                web.post("/v1/grants", self._grant),
+                web.delete("/v1/grants/{id}", self._revoke),
+                web.get("/v1/events", self._events),
+                web.get("/metrics", self._metrics),
+            ]
+        )
+        return app
+
+    # -- the peer --------------------------------------------------------------------------------
+    @web.middleware
+    async def _same_user(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Only this user's processes: the directory and the socket mode say so, the peer's
+        credentials prove it (a socket passed to another process by mistake stays useless)."""
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        uid = _peer_uid(sock)
+        if uid is None or uid != os.geteuid():
+            return _error(403, "the control API serves its own user only")
+        return await handler(request)
+
+    # -- endpoints -------------------------------------------------------------------------------
+    async def _info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.info())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """The Prometheus text format, the same registry as --metrics serves (docs/metrics.md)."""
+        if self.metrics is None:
+            return _error(404, "metrics are off")
+        from egressd.observe.metrics import CONTENT_TYPE
+
+        body = await asyncio.to_thread(self.metrics)  # a scrape reads the pipeline: off this loop
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def _asks(self, request: web.Request) -> web.StreamResponse:
+        self.broker.polled()
+        if request.query.get("follow") not in ("1", "true"):
+            return web.json_response({"asks": [self.broker.describe(p) for p in self.broker.pending()]})
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_LINES)
+        loop = asyncio.get_running_loop()
+
+        def listener(kind: str, info: dict[str, object]) -> None:
+            loop.call_soon_threadsafe(_offer, queue, {**info, "event": kind})
+
+        # attached before the current list is read: an ask made in between is heard twice, never lost
+        detach = self.broker.attach(listener, approver=True)
+        try:
+            initial = [{**self.broker.describe(p), "event": "ask"} for p in self.broker.pending()]
+            return await self._stream(request, queue, initial)
+        finally:
+            detach()
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        kind = body.get("answer")
+        by = body.get("by") if isinstance(body.get("by"), str) else "the control API"
+        if not isinstance(kind, str):
+            return _error(400, 'expected {"answer": "once|run|always|deny|deny-always"}')
+        try:
+            reply = await asyncio.to_thread(self.broker.answer, request.match_info["id"], kind, by=by)
+        except AskError as exc:
+            return _error(exc.status, str(exc))
+        return web.json_response(reply)
+
+    async def _grants(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        return web.json_response({"grants": [g.to_json(now) for g in self.grants.list()]})
+
+    async def _grant(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        target, ttl, once = body.get("target"), body.get("ttl", 300), body.get("once", True)
+        if not isinstance(target, str):
+            return _error(400, 'expected {"target": "HOST[:PORT] or URL", "ttl": SECONDS, "once": true}')
+        if once is not True:
+            return _error(400, "only one-shot grants (once: true) are made here; answer an ask with run")
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+            return _error(400, "ttl must be a number of seconds")
+        try:
+            grant = self.grants.add(target, once=True, ttl=float(ttl))
+        except GrantError as exc:
+            return _error(400, str(exc))
+        return web.json_response(grant.to_json(), status=201)
+
+    async def _revoke(self, request: web.Request) -> web.Response:
+        if not self.grants.revoke(request.match_info["id"]):
+            return _error(404, f"no grant {request.match_info['id']!r}")
+        return web.json_response({"revoked": request.match_info["id"]})
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_LINES)
+        loop = asyncio.get_running_loop()
+
+        def observer(event: Event) -> None:
+            loop.call_soon_threadsafe(_offer_event, queue, event)
+
+        self.events.subscribe(observer)
+        try:
+            return await self._stream(request, queue, [])
+        finally:
+            self.events.unsubscribe(observer)
+
+    async def _stream(
+        self, request: web.Request, queue: asyncio.Queue[dict[str, Any]], initial: list[dict[str, Any]]
+    ) -> web.StreamResponse:
+        """Newline-delimited JSON until the client goes away or egressd stops."""
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            for item in initial:
+                await response.write(_line(item))
+            while not self._stop.is_set():
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait(
+                    {getter, stopping}, timeout=KEEPALIVE, return_when="FIRST_COMPLETED"
+                )
+                if getter not in done:
+                    getter.cancel()
+                    if stopping in done:
+                        break
+                    await response.write(_line({"event": "keepalive"}))
+                    continue
+                item = getter.result()
+                dropped = getattr(queue, "dropped", 0)
+                if dropped:
+                    queue.dropped = 0  # type: ignore[attr-defined]
+                    await response.write(_line({"event": "dropped", "count": dropped}))
+                await response.write(_line(item))
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            stopping.cancel()
+        return response
+
+
+def _offer(queue: asyncio.Queue[dict[str, Any]], item: dict[str, Any]) -> None:
+    try:
+        queue.put_nowait(item)
+    except asyncio.QueueFull:
+        queue.dropped = getattr(queue, "dropped", 0) + 1  # type: ignore[attr-defined]
+
+
+def _offer_event(queue: asyncio.Queue[dict[str, Any]], event: Event) -> None:
+    """On the control loop: the event is turned into JSON here, not on the proxy's thread."""
+    _offer(queue, event_json(event))
+
+
+def _line(item: dict[str, Any]) -> bytes:
+    return (json.dumps(item, default=str, separators=(",", ":")) + "\n").encode()
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        return _error(400, "the body must be a JSON object")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    return body
+
+
+def _peer_uid(sock: socket.socket | None) -> int | None:
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    peercred = getattr(socket, "SO_PEERCRED", None)
+    if peercred is not None:
+        raw = sock.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i"))
+        return struct.unpack("3i", raw)[1]
+    try:  # macOS, BSD
+        uid, _gid = os.getpeereid(sock.fileno())  # type: ignore[attr-defined]
+        return int(uid)
+    except (AttributeError, OSError):
+        return None

@@ -1,0 +1,139 @@
+"""The control API server: HTTP + JSON on the user's Unix socket, in its own thread and loop.
+
+Its own thread, so the proxy's loop pays nothing for it: the endpoints (`app.py`) read the
+pipeline's state, answer asks through the AskBroker and add grants to the GrantStore, both
+thread-safe. Every connection's peer must be this user (SO_PEERCRED), on top of the 0700 directory
+and the 0600 socket. Endpoints: docs/control-api.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from egressd.admission.asks import AskBroker
+from egressd.admission.events import Asked, Closed, Decided, Event, EventBus, Resolved
+from egressd.admission.grants import GrantStore
+
+logger = logging.getLogger(__name__)
+
+QUEUE_LINES = 1000  # per stream reader: beyond it, lines are dropped and counted
+KEEPALIVE = 5.0  # a follower that went away is noticed (and stops counting as an approver) by then
+
+
+class Counts:
+    """Decisions seen on the bus (for `ps`): a few integer additions on the proxy's thread."""
+
+    def __init__(self) -> None:
+        self.decisions = self.allowed = self.refused = 0
+
+    def observe(self, event: Event) -> None:
+        if isinstance(event, Decided) and event.stage != "connection":
+            self.decisions += 1
+            if event.allowed:
+                self.allowed += 1
+            else:
+                self.refused += 1
+
+
+def event_json(event: Event) -> dict[str, Any]:
+    """One event as a JSON object; the query of a path redacted as in the audit."""
+    if isinstance(event, Decided):
+        fields = dataclasses.asdict(event)
+        fields["event"] = "decision"
+    elif isinstance(event, Closed):
+        fields = dataclasses.asdict(event)
+        fields["event"] = "closed"
+    elif isinstance(event, Resolved | Asked):  # the metrics' latencies: {seconds, outcome}
+        fields = dataclasses.asdict(event)
+        fields["event"] = "dns_lookup" if isinstance(event, Resolved) else "ask_wait"
+    else:
+        fields = {**event.fields, "event": event.kind}
+    path = fields.get("path")
+    if isinstance(path, str) and "?" in path:
+        fields["path"] = path.split("?", 1)[0] + "?<redacted>"
+    fields["time"] = round(time.time(), 3)
+    return fields
+
+
+class ControlServer:
+    """Serve the control API for one session on `path` until stop()."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        broker: AskBroker,
+        grants: GrantStore,
+        events: EventBus,
+        info: Callable[[], dict[str, Any]],
+        metrics: Callable[[], bytes] | None = None,
+    ) -> None:
+        self.path = path
+        self.metrics = metrics  # GET /metrics: the Prometheus text (egressd.observe.metrics)
+        self.broker = broker
+        self.grants = grants
+        self.events = events
+        self.info = info
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self, sock: socket.socket) -> None:
+        """Serve on an already listening socket (paths.listen). Returns at once: aiohttp is imported
+        on the server's thread (~0.25 s of CPU a child's start must not wait for); a client that
+        comes meanwhile waits in the socket's backlog."""
+        self._sock = sock
+        self._thread = threading.Thread(target=self._main, name="egressd-control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()  # a server still importing aiohttp stops as soon as it is done
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and self._thread is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+            self._thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        if self._sock is not None:
+            self._sock.close()
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException:  # noqa: BLE001 - the proxy runs on without its control API
+            logger.exception("egressd: the control API failed")
+
+    async def _serve(self) -> None:
+        from aiohttp import web  # here, not at import: see start()
+
+        from egressd.control.app import Handlers
+
+        self._stop = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        if self._stopping.is_set():
+            return
+
+        app = Handlers(self.broker, self.grants, self.events, self.info, self._stop, self.metrics).app()
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
+        await runner.setup()
+        assert self._sock is not None
+        site = web.SockSite(runner, self._sock)
+        await site.start()
+        try:
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()

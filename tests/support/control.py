@@ -1,0 +1,107 @@
+"""Helpers for the control-API and ask-mode tests: the policy, the CLI, a scripted approver.
+
+Why: ask mode is proved through the real commands — `egressd run`/`exec`, a real client, a real
+upstream on 127.0.0.1 — and the approver is the real CLI (`egressd pending --follow`, `egressd
+approve`), the way a script or another UI would drive it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.support.egressd_cli import EGRESSD
+
+ASK_POLICY = """\
+version: 1
+# the human loop under test: a comment the "always" answers must keep
+mode: ask
+ask_timeout: {timeout}
+allow:
+  - allowed.test   # listed up front
+deny:
+  - denied.test
+private:
+  allow: true   # the test upstream listens on 127.0.0.1
+"""
+
+
+def ask_policy(directory: Path, *, timeout: float = 30, mode: str = "ask", private: bool = True) -> Path:
+    text = ASK_POLICY.format(timeout=timeout).replace("mode: ask", f"mode: {mode}")
+    if not private:
+        text = text.replace("allow: true   # the test", "allow: false   # the test")
+    path = directory / "policy.yaml"
+    path.write_text(text)
+    return path
+
+
+def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """One control command (`ps`, `pending`, `approve`, ...) as a user types it."""
+    return subprocess.run([*EGRESSD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def cli_json(*args: str) -> Any:
+    result = cli(*args)
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 20, what: str = "condition") -> Any:
+    """Poll `check` until it answers something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class Follower:
+    """`egressd pending --follow --json` in the background: an attached approver whose asks
+    the test reads (and answers with `egressd approve`/`deny`)."""
+
+    def __init__(self, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [*EGRESSD, "pending", "--follow", "--json", *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._lock:
+                self.events.append(json.loads(line))
+
+    def asks(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [e for e in self.events if e.get("event") == "ask"]
+
+    def next_ask(self, seen: int = 0, timeout: float = 20) -> dict[str, Any]:
+        return wait_for(lambda: self.asks()[seen] if len(self.asks()) > seen else None, timeout, "an ask")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
