@@ -399,5 +399,3 @@ class FrontProtocol(Pipe):
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()
-
-
