@@ -69,6 +69,12 @@ _STRIP_LOWER: frozenset[str] = frozenset(
 )
 
 
+def stripped_variable(name: str) -> bool:
+    """An inherited variable a child never gets: a proxy setting egressd replaces or an EGRESSD_*
+    variable (egressd's own configuration and secrets)."""
+    return name.lower() in _STRIP_LOWER or name.upper().startswith("EGRESSD_")
+
+
 def child_environment(
     base: Mapping[str, str],
     proxy_url: str,
@@ -83,11 +89,7 @@ def child_environment(
     proxy variables are set to `proxy_url`. CA-bundle variables are set only when `ca_bundle`
     is given (TLS inspection on); otherwise inherited values are left alone.
     """
-    env = {
-        key: value
-        for key, value in base.items()
-        if key.lower() not in _STRIP_LOWER and not key.upper().startswith("EGRESSD_")
-    }
+    env = {key: value for key, value in base.items() if not stripped_variable(key)}
     for key in PROXY_VARS:
         env[key] = proxy_url
     for key in NO_PROXY_VARS:

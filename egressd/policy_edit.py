@@ -1,4 +1,4 @@
-"""Add one rule to a policy file for an ask answered "always" / "deny always".
+"""Add or remove one rule of a policy file: an ask answered "always" / "deny always", the dashboard.
 
 The file is the user's: its comments, key order, quoting and indentation are kept (ruamel.yaml
 round-trip), the new text must load as a valid policy before it replaces the old one, and the
@@ -8,15 +8,15 @@ like any edit — never reads half a file. The policy package stays pure; this i
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
+from egressd.files import replace_atomically
 from egressd.policy import PolicyError, load_policy
+from egressd.policy.entries import parse_rule_list
 
 LISTS = ("allow", "deny")
 
@@ -25,27 +25,55 @@ class PolicyEditError(Exception):
     """The rule could not be added; the file is unchanged."""
 
 
+def validate_rule(which: str, rule: object) -> str:
+    """The rule as text if it is one a policy list may hold; PolicyEditError saying why not (a UI
+    refuses it before the file is touched)."""
+    if which not in LISTS:
+        raise PolicyEditError(f"the list must be one of {', '.join(LISTS)}, not {which!r}")
+    if not isinstance(rule, str) or not rule.strip():
+        raise PolicyEditError("the rule must be a non-empty string")
+    rule = rule.strip()
+    try:
+        parse_rule_list([rule], "<rule>", which)
+    except PolicyError as exc:
+        raise PolicyEditError(f"not a valid {which} rule: {exc}") from None
+    return rule
+
+
 def add_rule(path: str | os.PathLike[str], which: str, rule: str) -> str:
     """Append `rule` to the `which` list ("allow" or "deny") of the policy file; return a line
     saying what was done. A rule already there is left alone."""
-    if which not in LISTS:
-        raise PolicyEditError(f"cannot add to {which!r}")
+    return edit_rule(path, which, rule, remove=False)
+
+
+def remove_rule(path: str | os.PathLike[str], which: str, rule: str) -> str:
+    """Remove `rule` (as written) from the `which` list of the policy file; PolicyEditError when
+    it is not there."""
+    return edit_rule(path, which, rule, remove=True)
+
+
+def edit_rule(path: str | os.PathLike[str], which: str, rule: str, *, remove: bool) -> str:
+    """Add or remove one rule, checked first (validate_rule), the result checked to load as a
+    policy, the file replaced atomically; the line saying what was done."""
+    rule = validate_rule(which, rule)
     real = Path(os.path.realpath(path))
     try:
         text = real.read_text(encoding="utf-8")
     except OSError as exc:
         raise PolicyEditError(f"{path}: {exc.strerror or exc}") from exc
     if real.suffix.lower() == ".json":
-        new_text, added = _add_json(text, which, rule)
+        new_text, changed = _edit_json(text, which, rule, remove)
     else:
-        new_text, added = _add_yaml(text, which, rule)
-    if not added:
+        new_text, changed = _edit_yaml(text, which, rule, remove)
+    if not changed:
+        if remove:
+            raise PolicyEditError(f"{rule} is not in {which} of {real}")
         return f"{rule} already in {which} of {real}"
     _replace(real, new_text)
-    return f"added {rule} to {which} in {real}"
+    return f"{'removed' if remove else 'added'} {rule} {'from' if remove else 'to'} {which} in {real}"
 
 
-def _add_yaml(text: str, which: str, rule: str) -> tuple[str, bool]:
+def _edit_yaml(text: str, which: str, rule: str, remove: bool) -> tuple[str, bool]:
     from ruamel.yaml import YAML
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
@@ -60,7 +88,11 @@ def _add_yaml(text: str, which: str, rule: str) -> tuple[str, bool]:
     if not isinstance(data, dict):
         raise PolicyEditError("the policy file is not a mapping")
     entries = data.get(which)
-    if entries is None:
+    if remove:
+        if not isinstance(entries, list) or rule not in entries:
+            return text, False
+        entries.remove(rule)
+    elif entries is None:
         data[which] = CommentedSeq([rule])
     elif not isinstance(entries, list):
         raise PolicyEditError(f"{which} is not a list")
@@ -73,10 +105,16 @@ def _add_yaml(text: str, which: str, rule: str) -> tuple[str, bool]:
     return out.getvalue(), True
 
 
-def _add_json(text: str, which: str, rule: str) -> tuple[str, bool]:
+def _edit_json(text: str, which: str, rule: str, remove: bool) -> tuple[str, bool]:
     data = json.loads(text)
     if not isinstance(data, dict):
         raise PolicyEditError("the policy file is not a mapping")
+    if remove:
+        current = data.get(which)
+        if not isinstance(current, list) or rule not in current:
+            return text, False
+        current.remove(rule)
+        return json.dumps(data, indent=2) + "\n", True
     entries = data.setdefault(which, [])
     if not isinstance(entries, list):
         raise PolicyEditError(f"{which} is not a list")
@@ -88,20 +126,11 @@ def _add_json(text: str, which: str, rule: str) -> tuple[str, bool]:
 
 def _replace(path: Path, text: str) -> None:
     """Write beside the file, check the result loads as a policy, then rename over the file."""
-    mode = path.stat().st_mode & 0o7777
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+
+    def loads(temp: str) -> None:
         try:
-            load_policy(tmp, env={})
+            load_policy(temp, env={})
         except PolicyError as exc:
             raise PolicyEditError(f"the edited policy would not load: {exc}") from exc
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+
+    replace_atomically(path, text, check=loads)

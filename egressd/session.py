@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from egressd.admission.events import Event
     from egressd.control.prompt import TtyPrompter
     from egressd.control.server import ControlServer, Counts
+    from egressd.dashboard.server import Dashboard
     from egressd.observe.metrics import Metrics, MetricsServer
     from egressd.observe.refusals import RefusalReport
     from egressd.proxy import EgressProxy
@@ -103,6 +104,7 @@ class SessionOptions:
     approve_all: bool = False  # --approve-all: every ask approved at once (explicit only, loud)
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
     control: bool = True  # serve the control API on the user's Unix socket
+    dashboard: bool = False  # --dashboard: serve the web dashboard on loopback (needs the control API)
 
 
 class ProxySession:
@@ -133,6 +135,7 @@ class ProxySession:
         self.report: RefusalReport | None = None
         self.broker: AskBroker | None = None
         self._control: ControlServer | None = None
+        self._dashboard: Dashboard | None = None
         self._prompter: TtyPrompter | None = None
         self._counts: Counts | None = None
         self.control_path: Path | None = None
@@ -218,6 +221,7 @@ class ProxySession:
         if self.watcher is not None:
             self.watcher.start()
         self._start_control(self.proxy)
+        self._start_dashboard()
         return self
 
     def _observe(self, subscribe: Callable[[Callable[[Event], None]], None]) -> None:
@@ -292,6 +296,48 @@ class ProxySession:
         self.watcher.trigger()  # the reload applies it like any edit (and reports a failure)
         return done
 
+    def _edit_policy(self, op: str, which: str, rule: str) -> str:
+        """The dashboard's add/remove of an allow/deny rule: the same file edit as an "always"
+        answer (validated, atomic), serialised with it, then applied by the reload."""
+        from egressd.policy_edit import edit_rule
+
+        assert self.watcher is not None and self.broker is not None
+        with self.broker.write_lock:
+            done = edit_rule(self.watcher.path, which, rule, remove=op == "remove")
+        self.watcher.trigger()  # the reload applies it like any edit (and reports a failure)
+        return done
+
+    def policy_info(self) -> dict[str, Any]:
+        """The effective policy (overrides applied) and the file's own allow/deny lists, which are
+        the rules the dashboard can remove."""
+        from egressd.policy.dump import policy_to_data
+
+        own: dict[str, list[Any]] = {"allow": [], "deny": []}
+        if self._writable_policy() and self.watcher is not None:
+            raw = load_policy_data(self.watcher.path)
+            for which in ("allow", "deny"):
+                entries = raw.get(which) if isinstance(raw, dict) else None
+                own[which] = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
+        return {
+            "source": self.policy.source,
+            "writable": self._writable_policy(),
+            "effective": policy_to_data(self.policy),
+            "file": own,
+        }
+
+    def _start_dashboard(self) -> None:
+        """--dashboard: the web page over this instance's own control API; its URL (with the
+        token) goes to stderr only — never stdout, never the child's environment."""
+        if not self.options.dashboard:
+            return
+        if self.control_path is None:
+            self._say("dashboard off: it needs the control API")
+            return
+        from egressd.dashboard.server import Dashboard
+
+        self._dashboard = Dashboard(self.control_path)
+        self._say(f"dashboard: {self._dashboard.start()}")
+
     def _start_control(self, proxy: EgressProxy) -> None:
         """The control API on the user's socket; egressd runs without it (and says so) when the
         run directory is not safe to use."""
@@ -317,6 +363,8 @@ class ProxySession:
             events=proxy.pipeline.events,
             info=self.info,
             metrics=self.metrics.render if self.metrics is not None else None,
+            policy=self.policy_info,
+            edit_policy=self._edit_policy if self._writable_policy() else None,
         )
         server.start(sock)
         self._control, self.control_path = server, path
@@ -347,6 +395,7 @@ class ProxySession:
                 "grants": len(pipeline.grants.list()) if pipeline else 0,
                 "connections": pipeline.active() if pipeline else 0,
             },
+            "clients": counts.clients() if counts else {},
             "approvers": {
                 "terminal": self._prompter is not None,
                 "approve_all": self.options.approve_all,
@@ -394,6 +443,9 @@ class ProxySession:
             self.proxy.drain(timeout)
 
     def close(self) -> None:
+        if self._dashboard is not None:
+            self._dashboard.stop()
+            self._dashboard = None
         if self._control is not None:
             self._control.stop()
             self._control = None
@@ -418,3 +470,15 @@ class ProxySession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def load_policy_data(path: str | os.PathLike[str]) -> Any:
+    """The policy file as plain data (YAML or JSON; None when unreadable), for listing the rules it
+    holds itself — the reload reports a broken file, this only shows less."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return yaml.safe_load(handle)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None

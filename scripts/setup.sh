@@ -26,6 +26,7 @@ APT_PACKAGES=(
   wrk
   libc6-dev
   squid  # tests: the exported squid.conf, loaded and served by Debian's squid
+  chromium  # tests: the dashboard in a real headless browser (Playwright drives /usr/bin/chromium)
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }
@@ -99,5 +100,20 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
     exit 1
   fi
   printf '%s\n' "$want" >"$stamp"
+fi
+# tests/test_mcp.py: a real npm MCP server. Installed here, not by the tests: they run in a network
+# namespace with no way to the registry.
+MCP_NPM="$REPO/.cache/mcp-npm"
+MCP_EVERYTHING="@modelcontextprotocol/server-everything@2026.8.31"
+if [[ ! -x "$MCP_NPM/node_modules/.bin/mcp-server-everything" ]] \
+  || [[ "$(cat "$MCP_NPM/.installed" 2>/dev/null)" != "$MCP_EVERYTHING" ]]; then
+  log "installing $MCP_EVERYTHING into $MCP_NPM"
+  mkdir -p "$MCP_NPM"
+  if ! (cd "$MCP_NPM" && npm install --no-audit --no-fund --silent --no-save "$MCP_EVERYTHING" >npm-install.log 2>&1); then
+    cat "$MCP_NPM/npm-install.log" >&2
+    log "ERROR: npm install $MCP_EVERYTHING failed (log: $MCP_NPM/npm-install.log)"
+    exit 1
+  fi
+  printf '%s\n' "$MCP_EVERYTHING" >"$MCP_NPM/.installed"
 fi
 log "ok ($("$VENV/bin/python" -V))"

@@ -282,3 +282,40 @@ def test_an_https_url_grant_admits_that_path_only_through_inspection(
             assert finish(start_curl(run, f"{base}/a")) == (200, None)
             assert finish(start_curl(run, f"{base}/a")) == (403, "not_allowlisted")  # used: the CONNECT
             assert [r["path"] for r in tls.requests] == ["/a"]
+
+
+def test_policy_endpoints_show_and_edit_the_file_and_count_per_child(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """GET /v1/policy and POST /v1/policy/rules (the dashboard's policy panel): invalid entries are
+    refused with a message and the file left alone; a valid one is written (comments kept) and
+    applied by the reload; `clients` counts per child."""
+    from egressd.control.client import ControlClient, ControlError, find_instances
+
+    with enforce_run(tmp_path, dns) as run:
+        [found] = find_instances()[1]
+        client = ControlClient(found.path)
+        policy = client.call("GET", "/v1/policy")
+        assert policy["writable"] and "denied.test" in policy["effective"]["deny"]
+        assert policy["file"]["allow"] == ["allowed.test"]
+        before = (tmp_path / "policy.yaml").read_text()
+        for bad in (
+            {"op": "add", "list": "allow", "rule": "a b"},
+            {"op": "add", "list": "ports", "rule": "x"},
+        ):
+            with pytest.raises(ControlError) as caught:
+                client.call("POST", "/v1/policy/rules", bad)
+            assert caught.value.status == 400 and str(caught.value)
+        with pytest.raises(ControlError, match="not in deny"):
+            client.call("POST", "/v1/policy/rules", {"op": "remove", "list": "deny", "rule": "nope.test"})
+        assert (tmp_path / "policy.yaml").read_text() == before
+        assert finish(start_curl(run, f"http://up.test:{up.port}/"))[1] == "not_allowlisted"
+        done = client.call("POST", "/v1/policy/rules", {"op": "add", "list": "allow", "rule": "up.test"})
+        assert "added up.test to allow" in done["done"]
+        assert "# the human loop under test" in (tmp_path / "policy.yaml").read_text()
+        wait_for(lambda: finish(start_curl(run, f"http://up.test:{up.port}/"))[0] == 200, what="the reload")
+        clients = client.call("GET", "/v1/info")["clients"]
+        assert sum(c["refused"] for c in clients.values()) >= 1
+        assert sum(c["allowed"] for c in clients.values()) >= 1
+        client.call("POST", "/v1/policy/rules", {"op": "remove", "list": "allow", "rule": "up.test"})
+        assert "up.test" not in (tmp_path / "policy.yaml").read_text()

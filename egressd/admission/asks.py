@@ -121,7 +121,7 @@ class AskBroker:
         self.events = events
         self.poll_grace = poll_grace
         self._lock = threading.Lock()
-        self._write_lock = threading.Lock()
+        self.write_lock = threading.Lock()
         self._pending: dict[str, PendingAsk] = {}
         self._by_key: dict[tuple[str, str, int], PendingAsk] = {}
         self._denied: set[tuple[str, int]] = set()
@@ -281,7 +281,7 @@ class AskBroker:
     def _write(self, pending: PendingAsk, which: str) -> str:
         if self.write_rule is None:
             raise AskError(409, "no policy file to write to (egressd runs without --policy FILE); answer run")
-        with self._write_lock:
+        with self.write_lock:
             try:
                 return self.write_rule(which, pending.rule)
             except Exception as exc:  # noqa: BLE001 - reported to whoever answered

@@ -11,11 +11,14 @@ import importlib.metadata
 import click
 
 from egressd import __version__
+from egressd.cli.acp import acp_command
 from egressd.cli.answer import approve_command, deny_command
 from egressd.cli.ca import ca_group
 from egressd.cli.check import check_command
+from egressd.cli.dashboard import dashboard_command
 from egressd.cli.exec import exec_command
 from egressd.cli.grant import grant_command
+from egressd.cli.mcp import mcp_group
 from egressd.cli.options import CONTEXT
 from egressd.cli.pending import pending_command
 from egressd.cli.policy import policy_group
@@ -74,12 +77,15 @@ for _command in (
     remote_agent,
     policy_group,
     ca_group,
+    acp_command,
+    mcp_group,
     ps_command,
     pending_command,
     approve_command,
     deny_command,
     grant_command,
     watch_command,
+    dashboard_command,
 ):
     cli.add_command(_command)
 

@@ -13,7 +13,7 @@ from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
     pass
-from egressd.cli.options import open_session, session_options
+from egressd.cli.options import dashboard_option, open_session, session_options
 
 
 @click.command(
@@ -26,6 +26,7 @@ Example:
   egressd exec --policy agent.yaml --audit audit.jsonl -- my-mcp-server --stdio""",
 )
 @session_options
+@dashboard_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
 def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
     """Run CMD with all its traffic going through egressd.

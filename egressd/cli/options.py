@@ -8,6 +8,7 @@ exit 2 without running anything.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import ipaddress
 import sys
@@ -260,3 +261,17 @@ def parse_listen(text: str) -> tuple[str, int]:
             param_hint="--listen",
         )
     return str(address), port
+
+
+def dashboard_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--dashboard (exec, run): also serve the web dashboard; sets `options.dashboard`."""
+
+    @functools.wraps(func)
+    def with_dashboard(*args: Any, dashboard: bool, options: SessionOptions, **kwargs: Any) -> Any:
+        return func(*args, options=dataclasses.replace(options, dashboard=dashboard), **kwargs)
+
+    return click.option(
+        "--dashboard",
+        is_flag=True,
+        help="Serve the live dashboard on a loopback port; its URL (with a secret token) goes to stderr.",
+    )(with_dashboard)

@@ -17,7 +17,7 @@ from egressd.session import ProxySession, SessionOptions
 
 if TYPE_CHECKING:
     from egressd.proxy import EgressProxy
-from egressd.cli.options import open_session, say, session_options
+from egressd.cli.options import dashboard_option, open_session, say, session_options
 
 DRAIN_TIMEOUT = 10.0
 
@@ -33,6 +33,7 @@ Example:
   kill %1          # drain: in-flight connections get 10 s, then egressd exits""",
 )
 @session_options
+@dashboard_option
 def run_command(options: SessionOptions) -> None:
     """Run the proxy until SIGTERM/SIGINT; print the `export` lines a child needs.
 

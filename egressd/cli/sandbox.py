@@ -5,13 +5,16 @@ Thin: parse, check the platform, call egressd.sandbox, exit like the child.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 import click
 
 from egressd import process
+from egressd.admission.state import ProxyCredentials
 from egressd.cli.options import fail, open_session, say, session_options
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
@@ -19,7 +22,7 @@ from egressd.sandbox import narrow, preflight
 from egressd.sandbox.layout import option_links, pinned_options, plan_layout
 from egressd.sandbox.mounts import MountError
 from egressd.sandbox.run import Outcome, run_bwrap, run_seatbelt
-from egressd.session import SessionOptions
+from egressd.session import ProxySession, SessionOptions
 
 # What --env-clear keeps: what a program needs to find itself and print text.
 KEPT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "TZ")
@@ -129,8 +132,29 @@ on the ports the policy names only. See docs/sandbox.md.""",
     help="The bubblewrap binary (default: $EGRESSD_BWRAP, else bwrap on PATH). Linux only.",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
-def sandbox_command(
+def sandbox_command(options: SessionOptions, command: tuple[str, ...], **params: Any) -> None:
+    """Run CMD confined: its only way out is egressd's proxy, decided by the policy.
+
+    Same options, stdio, signals and exit status as `exec`. --only and --profile narrow the
+    policy (a host must pass both); --allow and --deny edit the policy, as in `exec`. Without
+    bubblewrap (Linux) or Seatbelt (macOS) it stops with what to install; it never runs CMD
+    unconfined.
+    """
+    # Before any thread starts: the proxy thread must inherit the blocked signal mask.
+    catcher = process.child_signal_catcher().install()
+    run_sandboxed(options, command, catcher, **params)
+
+
+# What a command wrapping the sandboxed child (`egressd acp --sandbox`) does around it: entered with
+# the started session and the child's credentials just before the child starts, left after it ended.
+Around = Callable[[ProxySession, ProxyCredentials], contextlib.AbstractContextManager[object]]
+
+
+def run_sandboxed(
     options: SessionOptions,
+    command: tuple[str, ...],
+    catcher: process.SignalCatcher,
+    *,
     rw: tuple[str, ...],
     ro: tuple[str, ...],
     hide: tuple[str, ...],
@@ -143,17 +167,9 @@ def sandbox_command(
     only: tuple[str, ...],
     capture_direct: bool,
     bwrap_path: str | None,
-    command: tuple[str, ...],
-) -> None:
-    """Run CMD confined: its only way out is egressd's proxy, decided by the policy.
-
-    Same options, stdio, signals and exit status as `exec`. --only and --profile narrow the
-    policy (a host must pass both); --allow and --deny edit the policy, as in `exec`. Without
-    bubblewrap (Linux) or Seatbelt (macOS) it stops with what to install; it never runs CMD
-    unconfined.
-    """
-    # Before any thread starts: the proxy thread must inherit the blocked signal mask.
-    catcher = process.child_signal_catcher().install()
+    around: Around | None = None,
+) -> NoReturn:
+    """Everything `egressd sandbox` does after parsing; exits like the child."""
     if pass_env and not env_clear:
         fail("--pass-env works with --env-clear (without it the child gets egressd's whole environment)")
     try:
@@ -206,23 +222,30 @@ def sandbox_command(
                 probe.wait()
             except preflight.SandboxUnavailable as exc:
                 fail(str(exc))
-        if bwrap:
-            outcome = run_bwrap(
-                session,
-                creds,
-                command,
-                layout,
-                env_base=env_base,
-                bwrap=bwrap,
-                disable_userns=disable_userns,
-                catcher=catcher,
-                capture_direct=capture_direct,
-                warn=say,
-            )
-        else:
-            outcome = run_seatbelt(
-                session, creds, command, layout, env_base=env_base, sandbox_exec=sandbox_exec, catcher=catcher
-            )
+        with around(session, creds) if around is not None else contextlib.nullcontext():
+            if bwrap:
+                outcome = run_bwrap(
+                    session,
+                    creds,
+                    command,
+                    layout,
+                    env_base=env_base,
+                    bwrap=bwrap,
+                    disable_userns=disable_userns,
+                    catcher=catcher,
+                    capture_direct=capture_direct,
+                    warn=say,
+                )
+            else:
+                outcome = run_seatbelt(
+                    session,
+                    creds,
+                    command,
+                    layout,
+                    env_base=env_base,
+                    sandbox_exec=sandbox_exec,
+                    catcher=catcher,
+                )
     if outcome.error:
         say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
         sys.exit(2)

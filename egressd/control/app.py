@@ -21,7 +21,7 @@ from aiohttp import web
 from egressd.admission.asks import AskBroker, AskError
 from egressd.admission.events import Event, EventBus
 from egressd.admission.grants import GrantError, GrantStore
-from egressd.control.server import KEEPALIVE, QUEUE_LINES, event_json
+from egressd.control.server import KEEPALIVE, QUEUE_LINES, PolicyEditor, event_json
 
 
 class Handlers:
@@ -32,6 +32,8 @@ class Handlers:
         events: EventBus,
         info: Callable[[], dict[str, Any]],
         stop: asyncio.Event,
+        policy: Callable[[], dict[str, Any]] | None = None,
+        edit_policy: PolicyEditor | None = None,
         metrics: Callable[[], bytes] | None = None,
     ) -> None:
         self.metrics = metrics
@@ -40,6 +42,8 @@ class Handlers:
         self.events = events
         self.info = info
         self._stop = stop
+        self.policy = policy
+        self.edit_policy = edit_policy
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._same_user])
@@ -52,6 +56,8 @@ class Handlers:
                 web.post("/v1/grants", self._grant),
                 web.delete("/v1/grants/{id}", self._revoke),
                 web.get("/v1/events", self._events),
+                web.get("/v1/policy", self._policy),
+                web.post("/v1/policy/rules", self._edit_rule),
                 web.get("/metrics", self._metrics),
             ]
         )
@@ -84,7 +90,8 @@ class Handlers:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def _asks(self, request: web.Request) -> web.StreamResponse:
-        self.broker.polled()
+        if request.query.get("peek") not in ("1", "true"):
+            self.broker.polled()  # a reader of the list is taken to answer; a peek (the dashboard) is not
         if request.query.get("follow") not in ("1", "true"):
             return web.json_response({"asks": [self.broker.describe(p) for p in self.broker.pending()]})
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_LINES)
@@ -140,6 +147,32 @@ class Handlers:
         if not self.grants.revoke(request.match_info["id"]):
             return _error(404, f"no grant {request.match_info['id']!r}")
         return web.json_response({"revoked": request.match_info["id"]})
+
+    async def _policy(self, request: web.Request) -> web.Response:
+        if self.policy is None:
+            return _error(404, "this egressd shows no policy")
+        return web.json_response(await asyncio.to_thread(self.policy))
+
+    async def _edit_rule(self, request: web.Request) -> web.Response:
+        """Add or remove one allow/deny rule of the policy file (validated, written atomically, the
+        reload applying it), like a hand edit of the file."""
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        op, which, rule = body.get("op", "add"), body.get("list"), body.get("rule")
+        if op not in ("add", "remove") or not isinstance(which, str) or not isinstance(rule, str):
+            return _error(400, 'expected {"op": "add|remove", "list": "allow|deny", "rule": "..."}')
+        if self.edit_policy is None:
+            return _error(409, "no policy file to edit (egressd runs without --policy FILE)")
+        from egressd.policy_edit import PolicyEditError
+
+        try:
+            done = await asyncio.to_thread(self.edit_policy, op, which, rule)
+        except PolicyEditError as exc:
+            return _error(400, str(exc))
+        return web.json_response(
+            {"done": done, "policy": await asyncio.to_thread(self.policy) if self.policy else None}
+        )
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_LINES)

@@ -26,23 +26,42 @@ from egressd.admission.grants import GrantStore
 
 logger = logging.getLogger(__name__)
 
+PolicyEditor = Callable[[str, str, str], str]  # (op "add"/"remove", list, rule) -> what was done
+
 QUEUE_LINES = 1000  # per stream reader: beyond it, lines are dropped and counted
 KEEPALIVE = 5.0  # a follower that went away is noticed (and stops counting as an approver) by then
 
 
+MAX_CLIENTS = 256  # per-child counters kept; beyond it the rest are counted under "other"
+
+
 class Counts:
-    """Decisions seen on the bus (for `ps`): a few integer additions on the proxy's thread."""
+    """Decisions seen on the bus (for `ps` and the dashboard's per-child counters): a few integer
+    additions on the proxy's thread. Children are a handful per egressd; the table is bounded all
+    the same, so a child minting names cannot grow it."""
 
     def __init__(self) -> None:
         self.decisions = self.allowed = self.refused = 0
+        self.by_client: dict[str, list[int]] = {}  # client -> [allowed, refused]
 
     def observe(self, event: Event) -> None:
         if isinstance(event, Decided) and event.stage != "connection":
             self.decisions += 1
+            name = event.client or "-"
+            row = self.by_client.get(name)
+            if row is None:
+                if len(self.by_client) >= MAX_CLIENTS:
+                    name = "other"
+                row = self.by_client.setdefault(name, [0, 0])
             if event.allowed:
                 self.allowed += 1
+                row[0] += 1
             else:
                 self.refused += 1
+                row[1] += 1
+
+    def clients(self) -> dict[str, dict[str, int]]:
+        return {name: {"allowed": a, "refused": r} for name, (a, r) in list(self.by_client.items())}
 
 
 def event_json(event: Event) -> dict[str, Any]:
@@ -76,9 +95,13 @@ class ControlServer:
         grants: GrantStore,
         events: EventBus,
         info: Callable[[], dict[str, Any]],
+        policy: Callable[[], dict[str, Any]] | None = None,
+        edit_policy: PolicyEditor | None = None,
         metrics: Callable[[], bytes] | None = None,
     ) -> None:
         self.path = path
+        self.policy = policy
+        self.edit_policy = edit_policy
         self.metrics = metrics  # GET /metrics: the Prometheus text (egressd.observe.metrics)
         self.broker = broker
         self.grants = grants
@@ -127,7 +150,16 @@ class ControlServer:
         if self._stopping.is_set():
             return
 
-        app = Handlers(self.broker, self.grants, self.events, self.info, self._stop, self.metrics).app()
+        app = Handlers(
+            self.broker,
+            self.grants,
+            self.events,
+            self.info,
+            self._stop,
+            self.policy,
+            self.edit_policy,
+            self.metrics,
+        ).app()
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
         await runner.setup()
         assert self._sock is not None

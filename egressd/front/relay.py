@@ -214,5 +214,3 @@ class Tunnel:
         self.open_sides -= 1
         if self.open_sides == 0:
             self.front.finish()
-
-

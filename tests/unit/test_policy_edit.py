@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from egressd.policy import load_policy
-from egressd.policy_edit import PolicyEditError, add_rule
+from egressd.policy_edit import PolicyEditError, add_rule, remove_rule, validate_rule
 
 YAML = """\
 version: 1
@@ -56,7 +56,42 @@ def test_json_stays_json(tmp_path: Path) -> None:
 def test_a_rule_that_would_not_load_leaves_the_file_alone(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(YAML)
-    with pytest.raises(PolicyEditError, match="would not load"):
+    with pytest.raises(PolicyEditError, match="not a valid allow rule"):  # refused before the write
         add_rule(path, "allow", "bad host//")
     assert path.read_text() == YAML
     assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("which", "rule"),
+    [
+        ("allow", ""),
+        ("allow", "  "),
+        ("allow", "a b.test"),
+        ("deny", "x.test:99999"),
+        ("ports", "a.test"),
+        ("allow", 7),
+        ("allow", "http://a.test/\n"),
+    ],
+)
+def test_invalid_entries_are_refused_with_a_message(which: str, rule: object) -> None:
+    """The dashboard's add: what a hand edit of the file would reject is refused up front."""
+    with pytest.raises(PolicyEditError) as caught:
+        validate_rule(which, rule)
+    assert str(caught.value)
+
+
+def test_remove_keeps_the_rest_of_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(YAML)
+    assert "removed a.test from allow" in remove_rule(path, "allow", "a.test")
+    assert path.read_text() == YAML.replace("  - a.test   # the first\n", "")
+    with pytest.raises(PolicyEditError, match="not in allow"):
+        remove_rule(path, "allow", "a.test")
+    with pytest.raises(PolicyEditError, match="not in deny"):
+        remove_rule(path, "deny", "b.test")
+    assert [r.text for r in load_policy(path, env={}).allow.rules] == ["b.test"]
+    json_path = tmp_path / "p.json"
+    json_path.write_text(json.dumps({"version": 1, "allow": ["x.test", "y.test"]}))
+    remove_rule(json_path, "allow", "x.test")
+    assert json.loads(json_path.read_text())["allow"] == ["y.test"]

@@ -1,0 +1,96 @@
+"""Join a running proxy session to an ACP or MCP relay: the environments, the decision, the refusals.
+
+Kept out of the CLI so `exec` and `sandbox` runs wire the bridges the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from egressd.agents import acp_asks
+from egressd.agents.acp import AcpBridge
+from egressd.agents.mcp_run import McpBridge
+from egressd.agents.stdio import StdioRelay
+from egressd.child_env import child_environment
+from egressd.policy import Decision
+
+if TYPE_CHECKING:
+    from egressd.admission.state import ProxyCredentials
+    from egressd.session import ProxySession
+
+
+def inside_sandbox_env(session: ProxySession, creds: ProxyCredentials) -> dict[str, str]:
+    """The proxy variables a process started inside egressd's sandbox needs (its loopback bridge)."""
+    from egressd.sandbox import BRIDGE_HOST, BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT
+
+    assert session.proxy is not None
+    socks = (
+        creds.proxy_url(BRIDGE_HOST, BRIDGE_SOCKS_PORT, "socks5h") if session.proxy.socks_address else None
+    )
+    return child_environment(
+        {}, creds.proxy_url(BRIDGE_HOST, BRIDGE_HTTP_PORT), socks, ca_bundle=session.ca_bundle
+    )
+
+
+@contextlib.contextmanager
+def acp_relay(
+    session: ProxySession,
+    relay: StdioRelay,
+    creds: ProxyCredentials,
+    *,
+    sandboxed: bool,
+    warn: Callable[[str], None],
+) -> Iterator[AcpBridge]:
+    """Relay ACP between egressd's stdin/stdout and the child while the block runs the child."""
+    assert session.proxy is not None
+    pipeline = session.proxy.pipeline
+
+    def server_env(profile: str | None) -> dict[str, str]:
+        server_creds = session.credentials(profile if profile is not None else creds.profile)
+        return inside_sandbox_env(session, server_creds) if sandboxed else session.exports(server_creds)
+
+    def terminal_env() -> dict[str, str]:
+        # the client runs terminals on this machine, outside any sandbox: the host-side proxy
+        return session.exports(session.credentials(creds.profile))
+
+    def decide(host: str, port: int, profile: str | None, scheme: str, path: str) -> Decision:
+        return pipeline.decider.decide(host, port, profile, scheme=scheme, path=path)
+
+    bridge = AcpBridge(
+        relay.client,
+        server_env=server_env,
+        terminal_env=terminal_env,
+        decide=decide,
+        agent_profile=creds.profile,
+        profiles=lambda: frozenset(session.policy.profiles),
+        warn=warn,
+    )
+    pipeline.events.subscribe(bridge.observe)
+    broker = getattr(session, "broker", None)  # mode: ask's broker, when this egressd has one
+    detach = acp_asks.attach(broker, bridge, warn) if broker is not None else None
+    relay.start(bridge.from_client, bridge.from_agent)
+    try:
+        yield bridge
+    finally:
+        if detach is not None:
+            detach()
+        relay.finish()
+        pipeline.events.unsubscribe(bridge.observe)
+        bridge.close()
+
+
+@contextlib.contextmanager
+def mcp_relay(session: ProxySession, relay: StdioRelay) -> Iterator[McpBridge]:
+    """Relay MCP between egressd's stdin/stdout and the server while the block runs it."""
+    assert session.proxy is not None
+    events = session.proxy.pipeline.events
+    bridge = McpBridge()
+    events.subscribe(bridge.observe)
+    relay.start(bridge.from_client, bridge.from_server, strict=False)
+    try:
+        yield bridge
+    finally:
+        relay.finish()
+        events.unsubscribe(bridge.observe)

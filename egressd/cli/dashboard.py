@@ -1,0 +1,44 @@
+"""`egressd dashboard`: the live web dashboard of a running egressd (attaches like `pending`)."""
+
+from __future__ import annotations
+
+import click
+
+from egressd.cli.instances import call, pid_option, select
+from egressd.cli.options import say
+
+
+@click.command(
+    "dashboard",
+    epilog="""\b
+Example:
+  egressd dashboard            # prints the URL (with its secret token) on stderr
+  egressd dashboard --open     # and opens it in the browser""",
+    short_help="Serve the live web dashboard of a running egressd on loopback.",
+)
+@pid_option
+@click.option("--open", "open_browser", is_flag=True, help="Open the URL in the default browser.")
+def dashboard_command(pid: int | None, open_browser: bool) -> None:
+    """Serve a web page on a free loopback port showing the decisions of a running egressd as they
+    happen, its pending asks (with their answers), grants, policy and per-child counters. The URL
+    carries a random token and is printed on stderr only; stop with Ctrl-C. While a page is open,
+    asks wait for its answer."""
+    from egressd.dashboard.server import Dashboard
+
+    client = select(pid)
+    call(client, "GET", "/v1/info")  # fail now, with the reason, if it does not answer
+    dashboard = Dashboard(client.path)
+    url = dashboard.start()
+    say(f"dashboard: {url}")
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(url)
+    try:
+        while client.path.exists() and dashboard.alive():
+            dashboard.wait_for(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        dashboard.stop()
+    say("dashboard stopped")

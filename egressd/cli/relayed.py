@@ -1,0 +1,66 @@
+"""What `egressd acp` and `egressd mcp run` share: run a child like `exec` (or `sandbox` with
+--sandbox), with a JSON-RPC relay of egressd's in its stdio for the whole run."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import click
+
+from egressd import process
+from egressd.admission.state import ProxyCredentials
+from egressd.cli.options import fail, open_session
+from egressd.cli.sandbox import run_sandboxed, sandbox_command
+from egressd.exits import EXIT_CANNOT_RUN
+from egressd.session import ProxySession, SessionOptions
+from egressd.ssh_env import with_git_ssh
+
+# (session, the child's credentials, sandboxed) -> the relay, entered while the child runs
+RelayFactory = Callable[[ProxySession, ProxyCredentials, bool], contextlib.AbstractContextManager[object]]
+
+SANDBOX_FLAG = click.option(
+    "--sandbox",
+    "sandboxed",
+    is_flag=True,
+    help="Run the child in egressd's sandbox (see `egressd sandbox`; its options apply).",
+)
+
+
+def with_sandbox_options(command: click.Command) -> click.Command:
+    """Give `command` the options `egressd sandbox` has beyond `exec`'s, before its CMD argument."""
+    names = {param.name for param in command.params}
+    extra = [p for p in sandbox_command.params if p.name not in names and p.name != "command"]
+    command.params[-1:-1] = extra
+    return command
+
+
+def run_relayed(
+    options: SessionOptions,
+    sandboxed: bool,
+    command: tuple[str, ...],
+    sandbox: dict[str, Any],
+    relay: RelayFactory,
+) -> NoReturn:
+    """Run `command` under the session with `relay` in its stdio; exit like the child."""
+    # Before any thread starts: the proxy thread must inherit the blocked signal mask.
+    catcher = process.child_signal_catcher().install()
+    if sandboxed:
+        run_sandboxed(options, command, catcher, around=lambda s, c: relay(s, c, True), **sandbox)
+    ctx = click.get_current_context()
+    used = [
+        f"--{name.replace('_', '-')}"
+        for name in sandbox
+        if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
+    ]
+    if used:
+        fail(f"{', '.join(used)}: sandbox options need --sandbox")
+    returncode = EXIT_CANNOT_RUN
+    with open_session(options, announce_reloads=options.trace, command=command) as session:
+        creds = session.credentials()
+        session.record_child(creds, command)
+        env = with_git_ssh(session.child_env(creds=creds), session.policy)
+        with relay(session, creds, False):
+            returncode = process.run_child(command, env, catcher=catcher)
+    process.exit_like(returncode, fast=True)

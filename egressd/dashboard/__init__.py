@@ -1,0 +1,1 @@
+"""The live dashboard: a loopback web page over one egressd's control API (docs/dashboard.md)."""

@@ -1,0 +1,218 @@
+// egressd dashboard. Everything shown comes from the child's traffic (host names, paths), so the
+// page only ever sets textContent, never HTML; the CSP forbids inline script anyway.
+"use strict";
+
+const csrf = document.querySelector('meta[name="egressd-csrf"]').content;
+const MAX_ROWS = 200;
+const $ = (id) => document.getElementById(id);
+
+function el(tag, text, cls) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
+
+function message(text, error) {
+  const node = $("message");
+  node.textContent = text || "";
+  node.className = error ? "message error" : "message";
+}
+
+async function post(path, body) {
+  const response = await fetch(path, {
+    method: "POST",
+    headers: { "Content-Type": "application/json", "X-CSRF-Token": csrf },
+    body: JSON.stringify(body || {}),
+    credentials: "same-origin",
+  });
+  let data = {};
+  try { data = await response.json(); } catch (e) { data = {}; }
+  if (!response.ok) throw new Error(data.error || ("HTTP " + response.status));
+  return data;
+}
+
+function target(item) {
+  const host = item.host && item.host.includes(":") ? "[" + item.host + "]" : item.host;
+  let text = (host || "?") + (item.port ? ":" + item.port : "");
+  if (item.method && item.path) text += "  " + item.method + " " + item.path;
+  return text;
+}
+
+// -- state ------------------------------------------------------------------------------------------
+let refreshing = null;
+let again = false;
+
+async function refresh() {
+  if (refreshing) { again = true; return refreshing; }
+  refreshing = (async () => {
+    try {
+      const response = await fetch("/api/state", { credentials: "same-origin" });
+      if (response.ok) render(await response.json());
+    } finally {
+      refreshing = null;
+      if (again) { again = false; refresh(); }
+    }
+  })();
+  return refreshing;
+}
+
+function render(state) {
+  const info = state.info || {};
+  $("instance").textContent = "pid " + info.pid + " · mode " + info.mode + " · " + (info.command || []).join(" ");
+  renderAsks(state.asks || []);
+  renderClients(info);
+  renderGrants(state.grants || []);
+  renderPolicy(state.policy);
+}
+
+function renderAsks(asks) {
+  const list = $("asks");
+  list.replaceChildren();
+  $("ask-count").textContent = asks.length;
+  $("no-asks").hidden = asks.length > 0;
+  for (const ask of asks) {
+    const item = el("li", null, "ask");
+    item.dataset.id = ask.id;
+    item.appendChild(el("span", target(ask), "target"));
+    item.appendChild(el("span", "client " + (ask.client || "-") + ", " + ask.waiting + " waiting", "muted"));
+    const buttons = [["once", "Allow once", "allow"], ["run", "Allow for this run", "allow"]];
+    if ((ask.answers || []).includes("always")) buttons.push(["always", "Always", "allow"]);
+    buttons.push(["deny", "Deny", "deny"]);
+    for (const [answer, label, cls] of buttons) {
+      const button = el("button", label, cls);
+      button.dataset.answer = answer;
+      button.addEventListener("click", async () => {
+        button.disabled = true;
+        try {
+          const done = await post("/api/asks/" + encodeURIComponent(ask.id), { answer });
+          message(ask.host + ":" + ask.port + ": " + answer + " (" + done.released + " released)");
+        } catch (e) {
+          message(e.message, true);
+        }
+        refresh();
+      });
+      item.appendChild(button);
+    }
+    list.appendChild(item);
+  }
+}
+
+function renderClients(info) {
+  const body = $("clients").tBodies[0];
+  body.replaceChildren();
+  for (const [name, counts] of Object.entries(info.clients || {})) {
+    const row = el("tr");
+    row.append(el("td", name), el("td", counts.allowed), el("td", counts.refused));
+    body.appendChild(row);
+  }
+  const c = info.counts || {};
+  $("totals").textContent = "decisions " + (c.decisions || 0) + " · allowed " + (c.allowed || 0) +
+    " · refused " + (c.refused || 0) + " · open connections " + (c.connections || 0);
+}
+
+function renderGrants(grants) {
+  const list = $("grants");
+  list.replaceChildren();
+  for (const grant of grants) {
+    const item = el("li");
+    item.appendChild(el("code", grant.target));
+    item.appendChild(el("span", (grant.once ? "once" : "this run") +
+      (grant.expires_in != null ? ", " + Math.round(grant.expires_in) + "s left" : ""), "muted"));
+    const button = el("button", "Revoke", "deny");
+    button.addEventListener("click", async () => {
+      try { await post("/api/grants/" + encodeURIComponent(grant.id) + "/revoke"); message("revoked " + grant.target); }
+      catch (e) { message(e.message, true); }
+      refresh();
+    });
+    item.appendChild(button);
+    list.appendChild(item);
+  }
+}
+
+function renderPolicy(policy) {
+  if (!policy) return;
+  $("policy-source").textContent = policy.source + (policy.writable ? "" : " (read-only)");
+  $("rule-form").hidden = !policy.writable;
+  const own = policy.file || {};
+  for (const which of ["allow", "deny"]) {
+    const list = $(which);
+    list.replaceChildren();
+    const rules = (policy.effective || {})[which] || [];
+    for (const rule of rules) {
+      const text = typeof rule === "string" ? rule : JSON.stringify(rule);
+      const item = el("li");
+      item.appendChild(el("code", text));
+      if (policy.writable && (own[which] || []).includes(text)) {
+        const button = el("button", "Remove", "deny");
+        button.addEventListener("click", async () => {
+          try { const done = await post("/api/policy/rules", { op: "remove", list: which, rule: text }); message(done.done); }
+          catch (e) { message(e.message, true); }
+          setTimeout(refresh, 300);
+        });
+        item.appendChild(button);
+      } else if (!(own[which] || []).includes(text)) {
+        item.appendChild(el("span", "(not in the file)", "muted"));
+      }
+      list.appendChild(item);
+    }
+  }
+}
+
+// -- live decisions ---------------------------------------------------------------------------------
+function addDecision(event) {
+  const body = $("decisions").tBodies[0];
+  const row = el("tr", null, event.allowed ? "allowed" : "refused");
+  const time = new Date((event.time || Date.now() / 1000) * 1000).toLocaleTimeString();
+  row.append(
+    el("td", time), el("td", event.client || "-"), el("td", event.stage), el("td", target(event)),
+    el("td", event.allowed ? "allowed" : "refused", "verdict"), el("td", event.reason), el("td", event.rule || ""),
+  );
+  row.dataset.host = event.host || "";
+  row.dataset.reason = event.reason || "";
+  body.insertBefore(row, body.firstChild);
+  while (body.rows.length > MAX_ROWS) body.deleteRow(body.rows.length - 1);
+}
+
+let counting = null;
+function connect() {
+  const source = new EventSource("/api/stream");
+  source.onopen = () => { $("status").textContent = "live"; $("status").className = "status live"; refresh(); };
+  source.onerror = () => { $("status").textContent = "reconnecting…"; $("status").className = "status down"; };
+  source.onmessage = (message) => {
+    let event;
+    try { event = JSON.parse(message.data); } catch (e) { return; }
+    if (event.source === "asks") { refresh(); return; }
+    if (event.event === "decision" && event.stage !== "connection") {
+      addDecision(event);
+      if (!counting) counting = setTimeout(() => { counting = null; refresh(); }, 500);
+    } else if (event.event === "gone") {
+      $("status").textContent = "egressd stopped"; $("status").className = "status down";
+    }
+  };
+}
+
+// -- forms --------------------------------------------------------------------------------------------
+$("grant-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  const targetText = $("grant-target").value.trim();
+  try {
+    const grant = await post("/api/grants", { target: targetText, ttl: Number($("grant-ttl").value) || 300 });
+    message("granted once: " + grant.target);
+    $("grant-target").value = "";
+  } catch (err) { message(err.message, true); }
+  refresh();
+});
+
+$("rule-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  try {
+    const done = await post("/api/policy/rules", { op: "add", list: $("rule-list").value, rule: $("rule-text").value });
+    message(done.done);
+    $("rule-text").value = "";
+  } catch (err) { message(err.message, true); }
+  setTimeout(refresh, 300);
+});
+
+refresh();
+connect();

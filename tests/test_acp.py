@@ -1,0 +1,294 @@
+"""`egressd acp` with the real agent-client-protocol SDK on both sides and a real MCP server.
+
+A client (the SDK's ClientSideConnection, as an editor would use it) starts `egressd acp -- python
+tests/support/acp_agent.py`; the agent starts `mcp-server-fetch` (PyPI) from `session/new` with an
+explicit env that names a dead proxy, asks the client to run a terminal with such an env too, and
+fetches an allowed and a refused URL. Everything the agent's MCP server and the client-run terminal
+do must go through this egressd, and the refusals must reach the client with their reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+acp = pytest.importorskip("acp")
+pytest.importorskip("mcp_server_fetch")
+
+from acp import PROTOCOL_VERSION, RequestError, spawn_agent_process, text_block  # noqa: E402
+from acp.schema import (  # noqa: E402
+    AllowedOutcome,
+    ClientCapabilities,
+    CreateTerminalResponse,
+    EnvVariable,
+    HttpMcpServer,
+    McpServerStdio,
+    ReleaseTerminalResponse,
+    RequestPermissionResponse,
+    TerminalOutputResponse,
+    WaitForTerminalExitResponse,
+)
+
+from tests.support.dns_server import DnsServer  # noqa: E402
+from tests.support.egressd_cli import EGRESSD  # noqa: E402
+from tests.support.upstreams import EchoHTTPServer  # noqa: E402
+
+AGENT = str(Path(__file__).parent / "support" / "acp_agent.py")
+FETCH_SERVER = [sys.executable, "-m", "mcp_server_fetch", "--ignore-robots-txt", "--allow-private-ips"]
+FETCH_SERVER += ["--user-agent", "egressd-test"]
+STDERR: dict[str, Any] = {"stderr": None}  # egressd's and the agent's stderr: the test log
+
+
+class EditorClient:
+    """What an editor does for an agent: shows updates, runs terminals, answers permissions."""
+
+    def __init__(self) -> None:
+        self.updates: list[tuple[str, str]] = []
+        self.terminals: dict[str, tuple[asyncio.subprocess.Process, asyncio.Task[bytes]]] = {}
+        self.terminal_envs: list[dict[str, str]] = []
+        self.permissions: list[Any] = []
+        self.answer = "allow_once"
+
+    def on_connect(self, conn: Any) -> None:
+        pass
+
+    async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
+        content = getattr(update, "content", None)
+        text = getattr(content, "text", None)
+        if isinstance(text, str):
+            self.updates.append((session_id, text))
+
+    async def request_permission(
+        self, session_id: str, tool_call: Any, options: list[Any], **kwargs: Any
+    ) -> Any:
+        self.permissions.append((session_id, tool_call, options))
+        return RequestPermissionResponse(outcome=AllowedOutcome(outcome="selected", option_id=self.answer))
+
+    async def create_terminal(
+        self,
+        session_id: str,
+        command: str,
+        args: list[str] | None = None,
+        env: list[Any] | None = None,
+        **kw: Any,
+    ) -> CreateTerminalResponse:
+        given = {item.name: item.value for item in env or []}
+        self.terminal_envs.append(given)
+        proc = await asyncio.create_subprocess_exec(
+            command,
+            *(args or []),
+            env={**os.environ, **given},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        assert proc.stdout is not None
+        terminal_id = f"t{len(self.terminals) + 1}"
+        self.terminals[terminal_id] = (proc, asyncio.create_task(proc.stdout.read()))
+        return CreateTerminalResponse(terminal_id=terminal_id)
+
+    async def wait_for_terminal_exit(self, session_id: str, terminal_id: str, **kw: Any) -> Any:
+        proc, _ = self.terminals[terminal_id]
+        return WaitForTerminalExitResponse(exit_code=await asyncio.wait_for(proc.wait(), 60))
+
+    async def terminal_output(self, session_id: str, terminal_id: str, **kw: Any) -> Any:
+        _, output = self.terminals[terminal_id]
+        text = (await asyncio.wait_for(output, 60)).decode("utf-8", "replace")
+        return TerminalOutputResponse(output=text, truncated=False)
+
+    async def release_terminal(self, session_id: str, terminal_id: str, **kw: Any) -> Any:
+        return ReleaseTerminalResponse()
+
+    async def kill_terminal(self, session_id: str, terminal_id: str, **kw: Any) -> Any:
+        self.terminals[terminal_id][0].kill()
+
+    async def write_text_file(self, *args: Any, **kw: Any) -> Any:
+        raise RequestError.method_not_found("fs/write_text_file")
+
+    async def read_text_file(self, *args: Any, **kw: Any) -> Any:
+        raise RequestError.method_not_found("fs/read_text_file")
+
+    def texts(self) -> str:
+        return "\n".join(text for _, text in self.updates)
+
+
+@pytest.fixture
+def up(dns: DnsServer, upstream: EchoHTTPServer) -> EchoHTTPServer:
+    dns.add("up.test", upstream.host)
+    return upstream
+
+
+def _policy(tmp_path: Path, upstream: EchoHTTPServer, extra: str = "") -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(f"version: 1\nmode: enforce\nallow: [up.test, {upstream.host}/32]\n{extra}")
+    return path
+
+
+def _egressd_acp(policy: Path, dns: DnsServer, audit: Path, *extra: str) -> list[str]:
+    return [
+        *EGRESSD,
+        "acp",
+        "--policy",
+        str(policy),
+        "--nameserver",
+        dns.nameserver,
+        "--audit",
+        str(audit),
+        *extra,
+        "--",
+        sys.executable,
+        AGENT,
+    ]
+
+
+async def _session(conn: Any, servers: list[Any]) -> str:
+    await asyncio.wait_for(
+        conn.initialize(
+            protocol_version=PROTOCOL_VERSION, client_capabilities=ClientCapabilities(terminal=True)
+        ),
+        30,
+    )
+    created = await asyncio.wait_for(conn.new_session(cwd=os.getcwd(), mcp_servers=servers), 30)
+    return created.session_id
+
+
+async def _prompt(conn: Any, session_id: str, text: str, timeout: float = 90) -> None:
+    await asyncio.wait_for(conn.prompt(session_id=session_id, prompt=[text_block(text)]), timeout)
+
+
+async def _until(predicate: Any, timeout: float = 10) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
+
+
+async def test_agent_mcp_server_terminal_and_remote_servers_stay_under_egressd(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    audit = tmp_path / "audit.jsonl"
+    client = EditorClient()
+    allowed = f"http://up.test:{up.port}/allowed-page"
+    servers = [
+        # an explicit env naming a dead proxy: without egressd's merge the server would use it
+        McpServerStdio(
+            name="fetch",
+            command=FETCH_SERVER[0],
+            args=FETCH_SERVER[1:],
+            env=[
+                EnvVariable(name="HTTP_PROXY", value="http://127.0.0.1:9"),
+                EnvVariable(name="NO_PROXY", value="*"),
+            ],
+        ),
+        HttpMcpServer(type="http", name="remote-refused", url="http://refused-mcp.test/mcp", headers=[]),
+        HttpMcpServer(type="http", name="remote-allowed", url=f"http://up.test:{up.port}/mcp", headers=[]),
+    ]
+    command = _egressd_acp(_policy(tmp_path, up), dns, audit)
+    async with spawn_agent_process(client, command[0], *command[1:], transport_kwargs=STDERR) as (conn, proc):
+        session_id = await _session(conn, servers)
+        # the refused http MCP server was removed, and the user is told why, in this session
+        assert await _until(lambda: any("remote-refused" in t for _, t in client.updates))
+        notice = next(t for s, t in client.updates if "remote-refused" in t)
+        assert "not_allowlisted" in notice and "removed" in notice
+        assert client.updates[0][0] == session_id
+
+        await _prompt(conn, session_id, "servers")
+        listing = client.texts()
+        assert "remote-allowed type=http" in listing and "remote-refused type=" not in listing
+        stdio_line = next(line for line in listing.splitlines() if line.startswith("fetch type="))
+        assert "127.0.0.1:9" not in stdio_line and "@127.0.0.1:" in stdio_line  # egressd's, with credentials
+
+        await _prompt(conn, session_id, f"fetch {allowed}\nfetch http://refused.test/secret")
+        texts = client.texts()
+        assert f"fetch {allowed} -> isError=False" in texts
+        assert "/allowed-page" in texts  # the echo server's answer came back through the tool
+        assert "fetch http://refused.test/secret -> isError=True" in texts
+        assert "403" in texts  # the tool's own error: the proxy's status
+        # egressd's reason for the refusal reaches the client, in the session
+        assert await _until(lambda: "refused.test" in client.texts() and "not_allowlisted" in client.texts())
+        reason = next(t for _, t in client.updates if t.startswith("egressd refused") and "refused.test" in t)
+        assert "not_allowlisted" in reason and "egressd exec --allow refused.test" in reason
+
+        await _prompt(conn, session_id, "terminal curl -sS -i http://refused.test/from-terminal")
+        env = client.terminal_envs[-1]
+        assert env["HTTP_PROXY"].startswith("http://egressd:") and env["NO_PROXY"] == ""
+        terminal = next(t for _, t in client.updates if t.startswith("terminal exit="))
+        assert "X-Egressd-Reason: not_allowlisted" in terminal
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    decided = [(r.get("host"), r.get("decision")) for r in records if r.get("host")]
+    assert ("up.test", "allow") in decided  # the allowed fetch went through egressd
+    assert ("refused.test", "deny") in decided
+
+
+async def test_stdio_passes_byte_for_byte_and_big_messages(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """A 3 MB agent message arrives whole; unknown and malformed client lines pass untouched."""
+    audit = tmp_path / "audit.jsonl"
+    client = EditorClient()
+    command = _egressd_acp(_policy(tmp_path, up), dns, audit)
+    async with spawn_agent_process(
+        client, command[0], *command[1:], transport_kwargs={**STDERR, "limit": 50 * 1024 * 1024}
+    ) as (conn, proc):
+        session_id = await _session(conn, [])
+        await _prompt(conn, session_id, "write 3000000")
+        assert any(len(text) == 3_000_000 for _, text in client.updates)
+
+
+async def test_sandboxed_agent_mcp_server_uses_the_sandbox_bridge(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer, work: Path
+) -> None:
+    """--sandbox: the agent and the MCP servers it starts are inside; their proxy is the sandbox's
+    loopback bridge, and the refusal still reaches the client."""
+    from tests.test_sandbox_integration import sandbox_env
+
+    client = EditorClient()
+    servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER[1:], env=[])]
+    command = _egressd_acp(_policy(tmp_path, up), dns, tmp_path / "audit.jsonl", "--sandbox")
+    async with spawn_agent_process(
+        client, command[0], *command[1:], cwd=work, env=sandbox_env(work), transport_kwargs=STDERR
+    ) as (conn, proc):
+        session_id = await _session(conn, servers)
+        await _prompt(conn, session_id, "servers")
+        assert "@127.0.0.1:3128" in client.texts()  # the bridge inside the sandbox
+        await _prompt(conn, session_id, f"fetch http://up.test:{up.port}/inside\nfetch http://refused.test/x")
+        texts = client.texts()
+        assert f"fetch http://up.test:{up.port}/inside -> isError=False" in texts
+        assert "fetch http://refused.test/x -> isError=True" in texts
+        assert await _until(lambda: "not_allowlisted" in client.texts())
+
+
+async def test_mode_ask_is_answered_in_the_editor(tmp_path: Path, dns: DnsServer, up: EchoHTTPServer) -> None:
+    """mode: ask: the agent's MCP server asks for a host; the editor's permission answer decides it,
+    and allow_always writes the policy file as `egressd approve --always` does."""
+    dns.add("other.test", up.host)
+    dns.add("third.test", up.host)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"version: 1\nmode: ask\nallow: [{up.host}/32]\n")
+    client = EditorClient()
+    servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER[1:], env=[])]
+    command = _egressd_acp(policy, dns, tmp_path / "audit.jsonl")
+    async with spawn_agent_process(client, command[0], *command[1:], transport_kwargs=STDERR) as (conn, proc):
+        session_id = await _session(conn, servers)
+        client.answer = "allow_once"
+        await _prompt(conn, session_id, f"fetch http://up.test:{up.port}/asked")
+        assert f"fetch http://up.test:{up.port}/asked -> isError=False" in client.texts()
+        assert client.permissions and client.permissions[-1][0] == session_id
+        assert "up.test" in client.permissions[-1][1].title
+
+        client.answer = "reject_once"
+        await _prompt(conn, session_id, f"fetch http://other.test:{up.port}/no")
+        assert f"fetch http://other.test:{up.port}/no -> isError=True" in client.texts()
+        assert await _until(lambda: "ask_refused" in client.texts())
+
+        client.answer = "allow_always"
+        await _prompt(conn, session_id, f"fetch http://third.test:{up.port}/always")
+        assert f"fetch http://third.test:{up.port}/always -> isError=False" in client.texts()
+        assert f"third.test:{up.port}" in policy.read_text()
