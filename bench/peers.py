@@ -377,6 +377,9 @@ def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
 
 # --egressd-env KEY=VALUE: extra environment for every egressd the bench starts (A/B runs)
 EGRESSD_EXTRA_ENV: dict[str, str] = {}
+# --egressd-args "ARGS": extra options for the `egressd run` under test (not egressd-before, whose
+# older command line may not know them), e.g. "--metrics 127.0.0.1:0" for an A/B run
+EGRESSD_EXTRA_ARGS: list[str] = []
 
 
 def _egressd_env(work: Path) -> dict[str, str]:
@@ -455,6 +458,9 @@ inspect: {inspect}
             return ["--upstream-ca", str(self.upstream_ca)]
         return []
 
+    def extra_args(self) -> list[str]:
+        return list(EGRESSD_EXTRA_ARGS)
+
     def check_intercept(self) -> Path:
         """The CA egressd intercepts with, or NotAvailable (`egressd ca path` does not work yet)."""
         try:
@@ -483,7 +489,7 @@ inspect: {inspect}
         policy = self.work / "policy.yaml"
         policy.write_text(self.policy_text())
         argv = [self.egressd, "run", "--policy", str(policy), "--listen", f"127.0.0.1:{port}"]
-        argv += self.upstream_args()
+        argv += self.upstream_args() + self.extra_args()
         extra = "".join(f"{k}={shlex.quote(v)} " for k, v in EGRESSD_EXTRA_ENV.items())
         self.config_text = extra + shlex.join(argv) + "\n# policy.yaml\n" + self.policy_text()
         self.source_state = self.source()
@@ -535,6 +541,9 @@ class EgressdBeforePeer(EgressdPeer):
         self.description = f"egressd run at commit {before.short} (the same argv and policy as egressd)"
         if before.bin is not None:
             self.bin = before.bin
+
+    def extra_args(self) -> list[str]:
+        return []  # --egressd-args are for the egressd under test only
 
     def source(self) -> str:
         front = ", native C front built" if self.before.native else ""

@@ -24,6 +24,7 @@ elif str(_REPO) not in sys.path:
 import argparse  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
+import shlex  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
@@ -85,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="extra environment for every egressd started, egressd-before's too (e.g. EGRESSD_UVLOOP=0)",
+    )
+    p.add_argument(
+        "--egressd-args",
+        default="",
+        metavar="ARGS",
+        help="extra options for the `egressd run` under test (not egressd-before), shell-split, "
+        "e.g. --egressd-args='--metrics 127.0.0.1:0' to compare with metrics on",
     )
     p.add_argument(
         "--profile",
@@ -171,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench: --egressd-env wants KEY=VALUE, not {item!r}", file=sys.stderr)
             return 2
         peers.EGRESSD_EXTRA_ENV[key] = value
+    peers.EGRESSD_EXTRA_ARGS[:] = shlex.split(args.egressd_args)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     t_start = time.monotonic()
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
@@ -273,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["peers"] = ctx.peer_configs
     meta["egressd_sources"] = ctx.egressd_sources
     meta["egressd_env"] = dict(peers.EGRESSD_EXTRA_ENV)
+    meta["egressd_args"] = list(peers.EGRESSD_EXTRA_ARGS)
     if ctx.profile_dir is not None and ctx.profile_dir.exists():
         for raw in sorted(ctx.profile_dir.glob("*.txt")):
             if not raw.name.endswith(".summary.txt"):

@@ -36,6 +36,15 @@ CA_BUNDLE_VARS: tuple[str, ...] = (
     "NIX_SSL_CERT_FILE",
 )
 
+# Not set: PIP_RETRIES=0 / UV_HTTP_RETRIES=0. pip (5 retries) and uv (3) retry a refused CONNECT
+# as if the network failed, with back-off, though a policy refusal never succeeds. Setting them
+# would also end the retries of hosts the policy allows, whose failures may well be transient (a
+# reset, a 503 from an index), and egressd cannot tell an installer from a shell that runs one:
+# not safe as a default. The user sets them (README, "pip and uv retry refusals"); an inherited
+# value passes through. The refusal report on stderr names the host at the first refusal anyway,
+# and with `refusal_pages: tls` pip gets a 403 response, which it does not retry.
+INSTALLER_RETRY_VARS: tuple[str, ...] = ("PIP_RETRIES", "UV_HTTP_RETRIES")
+
 # The SOCKS5 URL (with the same credentials) for clients that want SOCKS explicitly. Set after
 # inherited EGRESSD_* variables are stripped, so it is always this child's own.
 SOCKS_VAR = "EGRESSD_SOCKS_PROXY"

@@ -112,7 +112,7 @@ class EgressProxy:
 
     def _prepare_inspection(self) -> None:
         """CA and trust files, created on first need: only when the policy would intercept."""
-        if not self.inspect_allowed or not self.policy.needs_inspection:
+        if not self.inspect_allowed or not self.policy.needs_ca:
             return
         from egressd import ca
 
@@ -157,7 +157,12 @@ class EgressProxy:
         """The lean path listens on the public ports; mitmproxy starts when first needed."""
         from egressd.front.server import FastFront
 
-        self._front = FastFront(self.pipeline, self._mitmproxy_address, self.handoffs)
+        refusal_context = None
+        if self.pipeline.inspection:  # refusal_pages: tls needs the CA the child trusts
+            from egressd.inspect.refusal_certs import RefusalCerts
+
+            refusal_context = RefusalCerts(self._confdir).context
+        self._front = FastFront(self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context)
         self.http_address = await self._front.start(host, port)
         self.pipeline.decider.add_self_address(*self.http_address)
         if self.socks:

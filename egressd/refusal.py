@@ -27,6 +27,8 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "response_too_large": (502, "http_response_body_size"),
     "upstream_tls_error": (502, "tls_certificate_error"),
 }
+FAILURE_REASONS = frozenset(_FAILURES)
+
 # policy refusals about the address itself get the IP-specific error type
 _ADDRESS_REASONS = {"forbidden_address", "private_address", "resolved_forbidden", "self"}
 
@@ -56,6 +58,19 @@ POLICY_REASONS = frozenset(
         "websocket",
     }
 )
+
+# the standard phrase of each status a refusal can have (RFC 9110)
+_PHRASES = {
+    400: "Bad Request",
+    403: "Forbidden",
+    407: "Proxy Authentication Required",
+    408: "Request Timeout",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
 
 EGRESSD_HEADERS = ("x-egressd-reason", "x-egressd-rule", "proxy-status")
 
@@ -97,6 +112,13 @@ class Refusal:
             return self.host
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+    def phrase(self, status: int | None = None) -> str:
+        """The status line's reason phrase, carrying the reason code (`Forbidden by egressd:
+        not_allowlisted`): many clients print only the status line of a refused CONNECT (RFC 9112
+        lets the phrase be any text), so this is how the reason reaches the user without a body."""
+        status = status or self.status
+        return f"{_PHRASES.get(status, 'Error')} by egressd: {_header_safe(self.reason)}"
 
     def headers(self) -> list[tuple[str, str]]:
         details = _quote(f"{self.reason}: {self.detail}" if self.detail else self.reason)

@@ -30,9 +30,12 @@ if TYPE_CHECKING:
 
     from egressd.admission.asks import AskBroker
     from egressd.admission.credentials import ProxyCredentials
+    from egressd.admission.events import Event
     from egressd.control.prompt import TtyPrompter
     from egressd.control.server import ControlServer, Counts
     from egressd.dashboard.server import Dashboard
+    from egressd.observe.metrics import Metrics, MetricsServer
+    from egressd.observe.refusals import RefusalReport
     from egressd.proxy import EgressProxy
     from egressd.reload import PolicyWatcher
 
@@ -96,6 +99,8 @@ class SessionOptions:
     inspect: bool = True  # TLS inspection where a rule needs it; --no-inspect turns it off
     upstream_ca: tuple[str, ...] = ()
     config_dir: Path | None = None  # egressd's config dir (the CA); None = EGRESSD_HOME or ~/.config
+    metrics: tuple[str, int] | None = None  # --metrics HOST:PORT (checked by the CLI)
+    report: bool = False  # the refusal lines and summary on stderr (the CLI's default; --quiet: off)
     approve_all: bool = False  # --approve-all: every ask approved at once (explicit only, loud)
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
     control: bool = True  # serve the control API on the user's Unix socket
@@ -125,6 +130,9 @@ class ProxySession:
         self.proxy: EgressProxy | None = None
         self.watcher: PolicyWatcher | None = None
         self.audit: AuditLog | None = None
+        self.metrics: Metrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.report: RefusalReport | None = None
         self.broker: AskBroker | None = None
         self._control: ControlServer | None = None
         self._dashboard: Dashboard | None = None
@@ -159,15 +167,22 @@ class ProxySession:
         self.policy = policy
         if self.proxy is not None:
             self.proxy.set_policy(policy)
-        if self.audit is not None:
-            self.audit.event("reload", source=policy.source, mode=policy.mode)
+        self._notice("reload", source=policy.source, mode=policy.mode)
         if self._announce:
             self._say(f"policy reloaded from {policy.source} (mode: {policy.mode})")
 
     def _on_error(self, message: str) -> None:
-        if self.audit is not None:
-            self.audit.event("reload_failed", error=message)
+        self._notice("reload_failed", error=message)
         self._say(f"reload failed: {' '.join(message.split())}; keeping the last good policy")
+
+    def _notice(self, kind: str, **fields: object) -> None:
+        """A reload is an event like the pipeline's: the audit and metrics observe it on its bus."""
+        from egressd.admission.events import Notice
+
+        if self.proxy is not None:
+            self.proxy.pipeline.events.emit(Notice(kind, fields))
+        elif self.audit is not None:
+            self.audit.event(kind, **fields)
 
     def reload_now(self) -> bool:
         """SIGHUP: reload the file now; False when there is no file to reload."""
@@ -195,16 +210,52 @@ class ProxySession:
             upstream_ca=self.options.upstream_ca,
         )
         self._start_approvals(self.proxy)
+        self._observe(self.proxy.pipeline.events.subscribe)
         try:
             self.proxy.start()
         except EngineError as exc:
             self.close()
             raise SessionError(f"cannot start the proxy: {exc}") from exc
+        if self.options.metrics is not None:
+            self._serve_metrics(*self.options.metrics)
         if self.watcher is not None:
             self.watcher.start()
         self._start_control(self.proxy)
         self._start_dashboard()
         return self
+
+    def _observe(self, subscribe: Callable[[Callable[[Event], None]], None]) -> None:
+        """The observers the options ask for, subscribed before the first connection."""
+        if self.options.metrics is not None or self.options.control:
+            # the control API serves them too (GET /metrics), so they count from the start
+            from egressd.observe.metrics import Metrics
+
+            assert self.proxy is not None
+            self.metrics = Metrics(self.proxy.pipeline)
+            subscribe(self.metrics.observe)
+        if self.options.report:
+            from egressd.observe.refusals import RefusalReport
+
+            # with --trace every decision has its line already: only the summary is added
+            self.report = RefusalReport(sys.stderr, lines=not self.options.trace)
+            subscribe(self.report.observe)
+
+    def _serve_metrics(self, host: str, port: int) -> None:
+        from egressd.observe.metrics import MetricsServer
+
+        assert self.metrics is not None and self.proxy is not None
+        try:
+            self.metrics_server = MetricsServer(self.metrics, host, port)
+        except OSError as exc:
+            self.close()
+            raise SessionError(f"--metrics {host}:{port}: {exc.strerror or exc}") from exc
+        # the child must not reach it through the proxy either (it is egressd's, like its ports)
+        bound_host, bound_port = self.metrics_server.address
+        self.proxy.pipeline.decider.add_self_address(bound_host, bound_port)
+        if bound_host in ("0.0.0.0", "::"):
+            loopback = "127.0.0.1" if bound_host == "0.0.0.0" else "::1"
+            self.proxy.pipeline.decider.add_self_address(loopback, bound_port)
+        self._say(f"metrics on {self.metrics_server.url}")
 
     # -- ask mode, grants and the control API ------------------------------------------------------
     def _start_approvals(self, proxy: EgressProxy) -> None:
@@ -311,6 +362,7 @@ class ProxySession:
             grants=proxy.pipeline.grants,
             events=proxy.pipeline.events,
             info=self.info,
+            metrics=self.metrics.render if self.metrics is not None else None,
             policy=self.policy_info,
             edit_policy=self._edit_policy if self._writable_policy() else None,
         )
@@ -404,6 +456,12 @@ class ProxySession:
             self.watcher.stop()
         if self.proxy is not None:
             self.proxy.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+        if self.report is not None:
+            self.report.print_summary()  # the child has exited (or `run` was stopped)
+            self.report = None
         if self.audit is not None:
             self.audit.close()
 

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from egressd.child_env import CA_BUNDLE_VARS, PROXY_VARS, SOCKS_VAR, child_environment, proxy_exports
+from egressd.child_env import (
+    CA_BUNDLE_VARS,
+    INSTALLER_RETRY_VARS,
+    PROXY_VARS,
+    SOCKS_VAR,
+    child_environment,
+    proxy_exports,
+)
 
 URL = "http://egressd:tok@127.0.0.1:4242"
 SOCKS = "socks5h://egressd:tok@127.0.0.1:4343"
@@ -72,3 +79,12 @@ def test_base_is_not_modified_and_result_is_a_new_dict() -> None:
 def test_proxy_exports_are_only_egressd_variables() -> None:
     exports = proxy_exports(URL, SOCKS)
     assert set(exports) == {*PROXY_VARS, "NO_PROXY", "no_proxy", "NODE_USE_ENV_PROXY", SOCKS_VAR}
+
+
+def test_installer_retries_are_the_users_choice() -> None:
+    """PIP_RETRIES/UV_HTTP_RETRIES are never set by egressd (they would end the retries of allowed
+    hosts too); the user's own value passes through."""
+    env = child_environment({"PATH": "/usr/bin"}, URL, None, ca_bundle="/x/ca-bundle.pem")
+    assert not any(key in env for key in INSTALLER_RETRY_VARS)
+    env = child_environment({"PIP_RETRIES": "0", "UV_HTTP_RETRIES": "0"}, URL, None)
+    assert env["PIP_RETRIES"] == "0" and env["UV_HTTP_RETRIES"] == "0"

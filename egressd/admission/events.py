@@ -2,9 +2,9 @@
 
 Fronts never write audit records or traces themselves: the pipeline emits one event per step that
 matters (a decision, a connection opened, a connection closed with its bytes, a refusal no decision
-made, a notice such as credentials stripped), and every observer — the audit log, the trace, later
-metrics and a dashboard — subscribes to the bus. A failing observer is logged, never propagated: it
-must not change what was decided.
+made, a notice such as credentials stripped), and every observer — the audit log, the trace, the
+metrics, the refusal report, later a dashboard — subscribes to the bus. A failing observer is
+logged, never propagated: it must not change what was decided.
 """
 
 from __future__ import annotations
@@ -66,7 +66,26 @@ class Notice:
     fields: Mapping[str, object] = field(default_factory=dict)
 
 
-Event = Decided | Closed | Notice
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """One DNS lookup of the resolve step ended (metrics' latency histogram): how long the
+    connection waited for its addresses, and how it ended (ok, dns_error, dns_timeout). Not an
+    audit record: the connection's decision record already names what was resolved."""
+
+    seconds: float
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """A decision that reached `mode: ask` was answered: how long it waited for the approver and
+    the outcome (approved, ask_refused, no_approver, ask_timeout)."""
+
+    seconds: float
+    outcome: str
+
+
+Event = Decided | Closed | Notice | Resolved | Asked
 Observer = Callable[[Event], None]
 
 

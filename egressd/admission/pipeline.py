@@ -28,7 +28,7 @@ from egressd.admission import faults
 from egressd.admission import resolve as resolution
 from egressd.admission.credentials import CredentialStore, Presented, ProxyCredentials, authenticate
 from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
-from egressd.admission.events import Closed, Decided, EventBus, Notice, Stage
+from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Resolved, Stage
 from egressd.admission.grants import GrantStore
 from egressd.admission.http_rules import request_refusal
 from egressd.admission.limits import Limits
@@ -150,6 +150,11 @@ class Pipeline:
     def active(self) -> int:
         return len(self._conns.open)
 
+    def open_connections(self) -> list[ConnState]:
+        """A snapshot of the client connections open now (metrics read it when scraped)."""
+        with self._conns.lock:
+            return list(self._conns.open.values())
+
     # -- admission ---------------------------------------------------------------------------------
     async def admit(self, conn: ConnState, ask: Ask) -> Admitted | Refusal:
         """The steps, in order; never raises (a bug refuses with internal_error)."""
@@ -184,7 +189,10 @@ class Pipeline:
             decision = self._granted(conn, ask, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
+            asked = time.monotonic()
             decision = await approvals.answer(self.approver, decision, conn)
+            if self.events.observed:
+                self.events.emit(Asked(time.monotonic() - asked, decision.reason))
             if decision.allowed and tunnel and decision.target is not None:
                 # approved for this connection: its requests, if inspected, are not asked again
                 conn.granted = (decision.target.host.text, decision.target.port)
@@ -259,6 +267,8 @@ class Pipeline:
     async def _pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
         """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""
         pinned = await resolution.pin(admitted.decision, self.policies.get())
+        if pinned.lookup is not None and self.events.observed:
+            self.events.emit(Resolved(*pinned.lookup))
         admitted.decision, admitted.pin, admitted.resolved = pinned.decision, pinned.pin, pinned.resolved
         if pinned.refusal is not None:
             self.connection_record(conn, admitted, (pinned.refusal.reason, pinned.refusal.detail))

@@ -7,6 +7,7 @@ is the Pin: the only addresses this connection will ever try. Nothing is resolve
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from egressd.admission.decide import refusal_for
@@ -24,23 +25,30 @@ class Pinned:
     pin: Pin | None
     refusal: Refusal | None
     resolved: tuple[IPAddress, ...]
+    # the DNS lookup this pin waited for, if any: (seconds, ok | dns_error | dns_timeout)
+    lookup: tuple[float, str] | None = None
 
 
 async def pin(decision: Decision, policy: Policy) -> Pinned:
     target = decision.target
     assert decision.allowed and target is not None
+    lookup: tuple[float, str] | None = None
     if decision.needs_resolution:
         assert target.host.name is not None
+        started = time.monotonic()
         try:
             addresses = await resolve(
                 target.host.name, policy.resolver.nameservers, policy.limits.dns_timeout
             )
         except ResolveError as e:
-            return Pinned(decision, None, Refusal(e.reason, e.detail, target.host.text, target.port), ())
+            lookup = (time.monotonic() - started, e.reason)
+            refusal = Refusal(e.reason, e.detail, target.host.text, target.port)
+            return Pinned(decision, None, refusal, (), lookup)
+        lookup = (time.monotonic() - started, "ok")
         kept, verdicts = filter_addresses(decision, addresses, policy)
         if not kept:
             refused = resolution_refusal(decision, verdicts)
-            return Pinned(refused, None, refusal_for(refused), tuple(addresses))
+            return Pinned(refused, None, refusal_for(refused), tuple(addresses), lookup)
         resolved = tuple(addresses)
     else:
         kept = list(decision.addresses)
@@ -60,4 +68,4 @@ async def pin(decision: Decision, policy: Policy) -> Pinned:
         addresses=tuple(kept),
         connect_timeout=policy.limits.connect_timeout,
     )
-    return Pinned(decision, found, None, resolved)
+    return Pinned(decision, found, None, resolved, lookup)

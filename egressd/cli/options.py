@@ -92,6 +92,24 @@ def proxy_options(func: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--trace", is_flag=True, help="One human line per decision on stderr."),
         click.option(
+            "--quiet",
+            "-q",
+            is_flag=True,
+            help="No line per refused host on stderr, and no summary of them when the child exits.",
+        ),
+        click.option(
+            "--metrics",
+            "metrics",
+            metavar="HOST:PORT",
+            help="Serve Prometheus metrics at http://HOST:PORT/metrics (loopback; port 0 = any free "
+            "port, printed on stderr). See docs/metrics.md.",
+        ),
+        click.option(
+            "--metrics-any",
+            is_flag=True,
+            help="Allow --metrics on a non-loopback address (other machines can then read them).",
+        ),
+        click.option(
             "--listen",
             default="127.0.0.1:0",
             show_default=True,
@@ -152,7 +170,15 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
     """Take what the three option groups parsed out of a command's parameters, as one value."""
     names = ("allow", "deny", "mode", "nameservers", "profile")
     overrides = cli_overrides(*(params.pop(name) for name in names))
+    metrics_text, metrics_any = params.pop("metrics"), params.pop("metrics_any")
+    metrics = None
+    if metrics_text is not None:
+        metrics = parse_metrics_address(metrics_text, any_address=metrics_any)
+    elif metrics_any:
+        raise click.BadParameter("--metrics-any needs --metrics HOST:PORT", param_hint="--metrics-any")
     return SessionOptions(
+        metrics=metrics,
+        report=not params.pop("quiet"),
         policy_file=params.pop("policy_file"),
         overrides=overrides,
         listen=parse_listen(params.pop("listen")),
@@ -190,24 +216,43 @@ def open_session(options: SessionOptions, **kwargs: Any) -> Iterator[ProxySessio
         session.close()
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """`HOST:PORT`, `[::1]:PORT` or `PORT`; the host must be loopback (children are local)."""
+def _host_port(text: str, option: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """`HOST:PORT`, `[IPv6]:PORT` or `PORT` (127.0.0.1); HOST an IP address or `localhost`."""
     host, port_text = "127.0.0.1", text
     if text.startswith("["):
         end = text.find("]")
         if end < 0 or text[end + 1 : end + 2] != ":":
-            raise click.BadParameter(f"{text!r}: expected [IPv6]:PORT", param_hint="--listen")
+            raise click.BadParameter(f"{text!r}: expected [IPv6]:PORT", param_hint=option)
         host, port_text = text[1:end], text[end + 2 :]
     elif ":" in text:
         host, _, port_text = text.rpartition(":")
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise click.BadParameter(f"{text!r}: port must be 0-65535", param_hint="--listen")
+        raise click.BadParameter(f"{text!r}: port must be 0-65535", param_hint=option)
     if host == "localhost":
         host = "127.0.0.1"
     try:
-        address = ipaddress.ip_address(host)
+        return ipaddress.ip_address(host), int(port_text)
     except ValueError:
-        raise click.BadParameter(f"{text!r}: host must be an IP address", param_hint="--listen") from None
+        raise click.BadParameter(f"{text!r}: host must be an IP address", param_hint=option) from None
+
+
+def parse_metrics_address(text: str, *, any_address: bool = False) -> tuple[str, int]:
+    """--metrics: loopback unless --metrics-any. Metrics name no host, but they show what a child
+    does and when: other machines read them only when the user says so."""
+    address, port = _host_port(text, "--metrics")
+    if not address.is_loopback and not any_address:
+        raise click.BadParameter(
+            f"{text!r} is not a loopback address: egressd serves metrics on loopback only "
+            "(127.0.0.0/8 or ::1) unless --metrics-any is given, so other machines cannot watch "
+            "what the child does",
+            param_hint="--metrics",
+        )
+    return str(address), port
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`HOST:PORT`, `[::1]:PORT` or `PORT`; the host must be loopback (children are local)."""
+    address, port = _host_port(text, "--listen")
     if not address.is_loopback:
         raise click.BadParameter(
             f"{text!r}: egressd listens on loopback only (127.0.0.0/8 or ::1). Its proxy is for "
@@ -215,7 +260,7 @@ def parse_listen(text: str) -> tuple[str, int]:
             "network use your allowlist.",
             param_hint="--listen",
         )
-    return str(address), int(port_text)
+    return str(address), port
 
 
 def dashboard_option(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -34,7 +34,9 @@ class Handlers:
         stop: asyncio.Event,
         policy: Callable[[], dict[str, Any]] | None = None,
         edit_policy: PolicyEditor | None = None,
+        metrics: Callable[[], bytes] | None = None,
     ) -> None:
+        self.metrics = metrics
         self.broker = broker
         self.grants = grants
         self.events = events
@@ -56,6 +58,7 @@ class Handlers:
                 web.get("/v1/events", self._events),
                 web.get("/v1/policy", self._policy),
                 web.post("/v1/policy/rules", self._edit_rule),
+                web.get("/metrics", self._metrics),
             ]
         )
         return app
@@ -76,6 +79,15 @@ class Handlers:
     # -- endpoints -------------------------------------------------------------------------------
     async def _info(self, request: web.Request) -> web.Response:
         return web.json_response(self.info())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """The Prometheus text format, the same registry as --metrics serves (docs/metrics.md)."""
+        if self.metrics is None:
+            return _error(404, "metrics are off")
+        from egressd.observe.metrics import CONTENT_TYPE
+
+        body = await asyncio.to_thread(self.metrics)  # a scrape reads the pipeline: off this loop
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def _asks(self, request: web.Request) -> web.StreamResponse:
         if request.query.get("peek") not in ("1", "true"):

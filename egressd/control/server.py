@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from egressd.admission.asks import AskBroker
-from egressd.admission.events import Closed, Decided, Event, EventBus
+from egressd.admission.events import Asked, Closed, Decided, Event, EventBus, Resolved
 from egressd.admission.grants import GrantStore
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,9 @@ def event_json(event: Event) -> dict[str, Any]:
     elif isinstance(event, Closed):
         fields = dataclasses.asdict(event)
         fields["event"] = "closed"
+    elif isinstance(event, Resolved | Asked):  # the metrics' latencies: {seconds, outcome}
+        fields = dataclasses.asdict(event)
+        fields["event"] = "dns_lookup" if isinstance(event, Resolved) else "ask_wait"
     else:
         fields = {**event.fields, "event": event.kind}
     path = fields.get("path")
@@ -94,10 +97,12 @@ class ControlServer:
         info: Callable[[], dict[str, Any]],
         policy: Callable[[], dict[str, Any]] | None = None,
         edit_policy: PolicyEditor | None = None,
+        metrics: Callable[[], bytes] | None = None,
     ) -> None:
         self.path = path
         self.policy = policy
         self.edit_policy = edit_policy
+        self.metrics = metrics  # GET /metrics: the Prometheus text (egressd.observe.metrics)
         self.broker = broker
         self.grants = grants
         self.events = events
@@ -146,7 +151,14 @@ class ControlServer:
             return
 
         app = Handlers(
-            self.broker, self.grants, self.events, self.info, self._stop, self.policy, self.edit_policy
+            self.broker,
+            self.grants,
+            self.events,
+            self.info,
+            self._stop,
+            self.policy,
+            self.edit_policy,
+            self.metrics,
         ).app()
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
         await runner.setup()

@@ -39,17 +39,7 @@ COALESCE_PAUSE = 0.001  # s: one tick of uvloop's millisecond timers
 def render(refusal: Refusal) -> bytes:
     """A refusal as a complete HTTP/1.1 response (Connection: close)."""
     body = refusal.body().encode()
-    reason = {
-        400: "Bad Request",
-        403: "Forbidden",
-        407: "Proxy Authentication Required",
-        408: "Request Timeout",
-        429: "Too Many Requests",
-        500: "Internal Server Error",
-        502: "Bad Gateway",
-        504: "Gateway Timeout",
-    }.get(refusal.status, "Error")
-    lines = [f"HTTP/1.1 {refusal.status} {reason}"]
+    lines = [f"HTTP/1.1 {refusal.status} {refusal.phrase()}"]
     lines += [f"{name}: {value}" for name, value in refusal.headers()]
     lines.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from egressd.front.socks import SocksProtocol
-from egressd.front.tunnel import FrontProtocol, MitmproxyAddress
+from egressd.front.tunnel import FrontProtocol, MitmproxyAddress, RefusalContext
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
@@ -29,10 +29,17 @@ def _check_kind(kind: str) -> None:
 class FastFront:
     """egressd's listeners: the HTTP proxy port (CONNECT and absolute-form HTTP) and SOCKS5."""
 
-    def __init__(self, pipeline: Pipeline, mitmproxy_address: MitmproxyAddress, handoffs: Handoffs) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        mitmproxy_address: MitmproxyAddress,
+        handoffs: Handoffs,
+        refusal_context: RefusalContext | None = None,
+    ) -> None:
         self.rt = pipeline
         self.mitmproxy_address = mitmproxy_address
         self.handoffs = handoffs
+        self.refusal_context = refusal_context  # refusal_pages: tls (None: inspection is off)
         self.servers: list[asyncio.Server] = []
         self.clients: set[FrontProtocol] = set()
         self._sweeper: asyncio.Task[None] | None = None

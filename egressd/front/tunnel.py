@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from egressd.admission.pipeline import Admitted, Ask
 from egressd.front.plain_http import PlainClient
+from egressd.front.refusal_page import RefusalPage, wants_page
 from egressd.front.relay import COALESCE, Pipe, Tunnel, render
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.policy import join_host_port
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 # where the embedded mitmproxy listens for the tunnels handed to it (started on first use)
 MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
+# the TLS server context egressd answers a refused host's HTTPS with (refusal_pages: tls)
+RefusalContext = Callable[[str], Awaitable[ssl.SSLContext]]
 
 
 class Listeners(Protocol):
@@ -41,6 +45,7 @@ class Listeners(Protocol):
     rt: Pipeline
     handoffs: Handoffs
     mitmproxy_address: MitmproxyAddress
+    refusal_context: RefusalContext | None
     clients: set[FrontProtocol]
 
 
@@ -190,7 +195,10 @@ class FrontProtocol(Pipe):
         assert state is not None
         admitted = await self.rt.admit(state, ask)
         if isinstance(admitted, Refusal):
-            self._refuse(admitted)
+            if self._page_inside_tls(admitted, ask):
+                await self._refuse_inside_tls(admitted)
+            else:
+                self._refuse(admitted)
             return
         if admitted.inspect:
             self._hand_off(admitted)
@@ -264,6 +272,45 @@ class FrontProtocol(Pipe):
         """mitmproxy refused a tunnel handed to it (its connect failed): its answer, as it is."""
         assert self.transport is not None
         self.transport.write(answer)
+
+    def _page_inside_tls(self, refusal: Refusal, ask: Ask) -> bool:
+        """refusal_pages: tls, with inspection on (the child trusts egressd's CA), for a refused
+        HTTPS CONNECT whose client sent nothing after its head yet."""
+        return (
+            self.front.refusal_context is not None
+            and self.rt.inspection
+            and not self.buffer
+            and bool(refusal.host)
+            and self.rt.policies.get().refusal_pages == "tls"
+            and wants_page(refusal, ask.stage, ask.port)
+        )
+
+    async def _refuse_inside_tls(self, refusal: Refusal) -> None:
+        """200, then TLS as the refused host, then the refusal as the answer to the first request
+        (egressd.front.refusal_page). Nothing is resolved or connected: the pipeline refused."""
+        transport = self.transport
+        assert transport is not None and self.front.refusal_context is not None
+        try:
+            context = await self.front.refusal_context(refusal.host)
+        except Exception as exc:  # noqa: BLE001 - the plain refusal still tells the client
+            logger.error("egressd could not make a TLS refusal page for %s: %r", refusal.host, exc)
+            self._refuse(refusal)
+            return
+        if transport.is_closing():
+            return
+        timeout = self.rt.policies.get().limits.header_timeout
+        self.stage = "page"
+        transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        page = RefusalPage(self, refusal, timeout)
+        try:
+            tls = await asyncio.wait_for(
+                asyncio.get_running_loop().start_tls(transport, page, context, server_side=True), timeout
+            )
+        except Exception:  # noqa: BLE001 - not TLS, an untrusted CA, a timeout: the client is closed
+            transport.close()
+            self.finish()
+            return
+        page.attach(tls)
 
     def _refuse_unreadable(self, refusal: Refusal) -> None:
         """A CONNECT head refused before any decision: recorded, as every unreadable head is."""

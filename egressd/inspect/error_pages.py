@@ -44,7 +44,9 @@ def refusal_from_error(status_code: int, message: str) -> tuple[int, Refusal]:
 def refusal_response(refusal: Refusal, status: int | None = None) -> http.Response:
     """The mitmproxy response for a refusal (HTTP/1.1, Connection: close)."""
     headers = http.Headers([(k.encode(), v.encode()) for k, v in refusal.headers()])
-    return http.Response.make(status or refusal.status, refusal.body().encode(), headers)
+    response = http.Response.make(status or refusal.status, refusal.body().encode(), headers)
+    response.reason = refusal.phrase(response.status_code)  # the reason code on the status line
+    return response
 
 
 def make_error_response(status_code: int, message: str = "") -> bytes:

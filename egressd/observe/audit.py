@@ -100,7 +100,7 @@ class AuditLog:
     # -- the pipeline's events ------------------------------------------------------------------
     def observe(self, event: Event) -> None:
         """One audit line for each event of the admission pipeline (subscribed to its bus)."""
-        from egressd.admission.events import Closed, Decided
+        from egressd.admission.events import Closed, Decided, Notice
 
         if isinstance(event, Decided):
             fields = dataclasses.asdict(event)
@@ -114,8 +114,9 @@ class AuditLog:
             self.decision(**fields)
         elif isinstance(event, Closed):
             self.closed(**dataclasses.asdict(event))
-        else:
+        elif isinstance(event, Notice):
             self.event(event.kind, **event.fields)
+        # Resolved (a lookup's latency) is for metrics: the decision record names the addresses
 
     # -- records -------------------------------------------------------------------------------
     def decision(self, **fields: Any) -> dict[str, Any]:

@@ -68,5 +68,6 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "resolver": {"nameservers": [server(ip, port) for ip, port in policy.resolver.nameservers]},
         "profiles": profiles,
         "websocket": policy.websocket,
+        "refusal_pages": policy.refusal_pages,
         "ask_timeout": policy.ask_timeout,
     }

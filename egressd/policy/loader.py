@@ -19,6 +19,7 @@ from .entries import _NO_ENTRY, PolicyError, parse_nameserver, parse_rule_list
 from .hosts import Host, TargetError, canonical_host
 from .model import (
     MODES,
+    REFUSAL_PAGES,
     BuiltinAllowance,
     Credentials,
     Limits,
@@ -28,6 +29,7 @@ from .model import (
     Policy,
     PrivatePolicy,
     Profile,
+    RefusalPages,
     ResolverConfig,
 )
 from .paths import normalise_path
@@ -59,6 +61,7 @@ _TOP_KEYS = (
     "resolver",
     "profiles",
     "websocket",
+    "refusal_pages",
     "ask_timeout",
 )
 _HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -228,6 +231,9 @@ def parse_policy(data: object, source: str) -> Policy:
     mode = top.get("mode", "enforce")
     if mode not in MODES:
         raise reader.fail("mode", f"must be one of {', '.join(MODES)}", mode)
+    refusal_pages = top.get("refusal_pages", "status")
+    if refusal_pages not in REFUSAL_PAGES:
+        raise reader.fail("refusal_pages", f"must be one of {', '.join(REFUSAL_PAGES)}", refusal_pages)
 
     loopback = reader.mapping(top.get("loopback"), "loopback", ("allow", "ports"))
     private = reader.mapping(top.get("private"), "private", ("allow", "origins"))
@@ -312,6 +318,7 @@ def parse_policy(data: object, source: str) -> Policy:
         resolver=ResolverConfig(nameservers=nameservers),
         profiles={name: _parse_profile(name, value, reader) for name, value in (profiles or {}).items()},
         websocket=reader.bool(top.get("websocket"), "websocket", True),
+        refusal_pages=cast(RefusalPages, refusal_pages),
         ask_timeout=reader.positive(top.get("ask_timeout"), "ask_timeout", 60),
         source=source,
     )

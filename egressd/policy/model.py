@@ -28,6 +28,8 @@ __all__ = [
 
 Mode = Literal["enforce", "ask", "learn", "allow", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
+RefusalPages = Literal["status", "tls"]
+REFUSAL_PAGES: tuple[str, ...] = get_args(RefusalPages)
 DEFAULT_BUILTIN_METHODS: tuple[str, ...] = ("GET", "HEAD")
 
 
@@ -130,6 +132,10 @@ class Policy:
     resolver: ResolverConfig
     profiles: Mapping[str, Profile]
     websocket: bool = True
+    # how a refused HTTPS CONNECT is answered: "status" (a 403 on the CONNECT, the default) or
+    # "tls" (200, then the 403 inside TLS with egressd's certificate for the host, so clients that
+    # show nothing of a refused CONNECT print the reason; needs inspection: the child trusts the CA)
+    refusal_pages: RefusalPages = "status"
     ask_timeout: float = 60  # mode: ask waits this long for an answer, then refuses (ask_timeout)
     source: str = field(default="<builtin>", compare=False)
 
@@ -139,6 +145,12 @@ class Policy:
 
     def __hash__(self) -> int:
         return hash((self.version, self.mode, self.allow, self.deny, self.ports))
+
+    @property
+    def needs_ca(self) -> bool:
+        """egressd's CA is needed (and its bundle given to the child): for inspection, or to answer
+        refused HTTPS inside TLS (`refusal_pages: tls`)."""
+        return self.needs_inspection or self.refusal_pages == "tls"
 
     @property
     def needs_inspection(self) -> bool:

@@ -187,6 +187,7 @@ def test_json_accepted(tmp_path: Path) -> None:
         ("version: 1\nprofiles: [ci]\n", "profiles", ["ci"], "mapping"),
         ("version: 1\nprofiles: {'bad name': {}}\n", "profiles", "bad name", "profile names"),
         ("version: 1\nwebsocket: maybe\n", "websocket", "maybe", "true or false"),
+        ("version: 1\nrefusal_pages: html\n", "refusal_pages", "html", "one of status, tls"),
     ],
 )
 def test_errors_name_file_key_entry(
@@ -202,6 +203,14 @@ def test_errors_name_file_key_entry(
         assert error.entry == entry
     assert fragment.lower() in str(error).lower()
     assert str(error).startswith(f"{path}: {key}")
+
+
+def test_refusal_pages(tmp_path: Path) -> None:
+    """Default: the 403 on the CONNECT. `tls` needs egressd's CA even with no rule to inspect."""
+    assert load_policy(write(tmp_path, "version: 1\n")).refusal_pages == "status"
+    assert not load_policy(write(tmp_path, "version: 1\n")).needs_ca
+    policy = load_policy(write(tmp_path, "version: 1\nrefusal_pages: tls\n"))
+    assert policy.refusal_pages == "tls" and policy.needs_ca and not policy.needs_inspection
 
 
 def test_error_message_format() -> None:

@@ -1,0 +1,148 @@
+"""A/B of one `egressd run` option: egressd's CPU per tunnel (CONNECT + GET + close), A and B interleaved.
+
+    .venv/bin/python -m bench.ab --b-args "--metrics 127.0.0.1:0" --tunnels 3000 --concurrency 10 --rounds 12
+    .venv/bin/python -m bench.ab --a-egressd ~/.cache/egressd-bench/egressd-<commit>/venv/bin/egressd
+
+The second compares this tree's egressd with another build (an earlier commit's, as bench/before.py
+prepares it), both with their defaults.
+
+Why: on a shared machine the full bench's figures move ±30% between runs, far more than an
+observer costs. This runs the two settings in turns (A B B A A B ...), counts the proxy's own CPU
+time (/proc/PID/stat, every thread) per tunnel after a warm-up, and prints the medians and their
+ratio, so drift in the machine's load falls on both sides alike. The client and the upstream are
+one asyncio process here; run it as root in a namespace or on an idle machine for tighter figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import os
+import shlex
+import statistics
+import subprocess
+import time
+import urllib.parse
+from pathlib import Path
+
+EGRESSD = str(Path(__file__).resolve().parent.parent / ".venv" / "bin" / "egressd")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of the process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def upstream() -> asyncio.Server:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0, backlog=4096)
+
+
+async def tunnels(proxy_port: int, auth: str, up: int, count: int, concurrency: int) -> None:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with gate:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
+            target = f"127.0.0.1:{up}"
+            head = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {auth}\r\n"
+            writer.write(head.encode() + b"\r\n")
+            answer = await reader.readuntil(b"\r\n\r\n")
+            if not answer.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"tunnel refused: {answer[:80]!r}")
+            writer.write(b"GET / HTTP/1.1\r\nHost: up\r\n\r\n")
+            await reader.read()
+            writer.close()
+
+    await asyncio.gather(*(one() for _ in range(count)))
+
+
+async def settled(pid: int, quiet: float = 0.01, window: float = 0.5, limit: float = 15.0) -> None:
+    """Wait until the proxy is idle (under `quiet` CPU seconds in `window`): work a build does in
+    the background once at start (the control API's thread imports aiohttp, ~0.25 s of CPU) must
+    not be counted as the cost of the tunnels measured next."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        await asyncio.sleep(window)
+        if cpu_seconds(pid) - before < quiet:
+            return
+
+
+async def measure(
+    egressd: str, extra: list[str], up: int, count: int, concurrency: int
+) -> tuple[float, float]:
+    """(CPU µs per tunnel, tunnels/s) of one fresh `egressd run` with `extra` options."""
+    proc = subprocess.Popen(
+        [egressd, "run", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        exports: dict[str, str] = {}
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            words = shlex.split(line, comments=True)
+            if len(words) == 2 and words[0] == "export":
+                key, _, value = words[1].partition("=")
+                exports[key] = value
+        url = urllib.parse.urlsplit(exports["HTTP_PROXY"])
+        auth = base64.b64encode(f"{url.username}:{url.password}".encode()).decode()
+        assert url.port is not None
+        await tunnels(url.port, auth, up, min(300, count), concurrency)  # warm-up
+        await settled(proc.pid)
+        cpu, started = cpu_seconds(proc.pid), time.monotonic()
+        await tunnels(url.port, auth, up, count, concurrency)
+        cpu, elapsed = cpu_seconds(proc.pid) - cpu, time.monotonic() - started
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    return cpu / count * 1e6, count / elapsed
+
+
+async def main(args: argparse.Namespace) -> None:
+    server = await upstream()
+    up = server.sockets[0].getsockname()[1]
+    settings = {"A": shlex.split(args.a_args), "B": shlex.split(args.b_args)}
+    binaries = {"A": args.a_egressd, "B": EGRESSD}
+    results: dict[str, list[tuple[float, float]]] = {"A": [], "B": []}
+    for round_ in range(args.rounds):
+        order = ("A", "B") if round_ % 2 == 0 else ("B", "A")
+        for name in order:
+            measured = await measure(binaries[name], settings[name], up, args.tunnels, args.concurrency)
+            results[name].append(measured)
+            cpu, rate = results[name][-1]
+            options = shlex.join([binaries[name], *settings[name]])
+            print(f"{name} {options}: {cpu:.0f} CPU µs/tunnel, {rate:.0f} tunnels/s")
+    medians = {
+        name: (statistics.median(c for c, _ in runs), statistics.median(r for _, r in runs))
+        for name, runs in results.items()
+    }
+    for name, (cpu, rate) in medians.items():
+        print(f"median {name}: {cpu:.1f} CPU µs/tunnel, {rate:.0f} tunnels/s ({len(results[name])} runs)")
+    (cpu_a, rate_a), (cpu_b, rate_b) = medians["A"], medians["B"]
+    print(f"B / A: CPU per tunnel {cpu_b / cpu_a:.3f}, tunnels/s {rate_b / rate_a:.3f}")
+    server.close()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--a-args", default="", help="options of egressd run for A (default: none)")
+    p.add_argument("--b-args", default="", help='egressd run options for B: "--metrics 127.0.0.1:0"')
+    p.add_argument("--a-egressd", default=EGRESSD, help="the egressd of A (default: this tree's, as B's)")
+    p.add_argument("--tunnels", type=int, default=3000, help="tunnels per measurement (after 300 of warm-up)")
+    p.add_argument("--concurrency", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=12, help="measurements of each of A and B")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))

@@ -1,0 +1,86 @@
+"""Certificates for answering a refused HTTPS CONNECT inside TLS (`refusal_pages: tls`).
+
+A client that shows nothing of a refused CONNECT (most do: "403" at best) prints what an HTTPS
+server answers. With `refusal_pages: tls` and inspection on (the child trusts egressd's CA through
+the bundle egressd put in its environment), egressd's front answers the CONNECT 200 and then speaks
+TLS itself, as the refused host, to answer each request with the refusal. mitmproxy's CertStore
+mints the host's certificate from egressd's CA, as it does for inspected hosts; nothing here, nor
+in the front's page (egressd.front.refusal_page), ever connects upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import ssl
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from egressd.ca import KEY_SIZE, MITMPROXY_BASENAME
+
+MAX_CACHED = 256  # hosts whose context is kept (a child trying many names mints again, bounded)
+
+
+class RefusalCerts:
+    """One TLS server context per refused host name, minted on first need and kept (bounded)."""
+
+    def __init__(self, confdir: Path) -> None:
+        self.confdir = confdir
+        self._store: Any = None  # mitmproxy.certs.CertStore, loaded on first need (not at start)
+        self._lock = threading.Lock()
+        self._contexts: dict[str, ssl.SSLContext] = {}
+
+    async def context(self, host: str) -> ssl.SSLContext:
+        """The server context for `host`: minted in a worker thread (RSA signing, file reads)."""
+        found = self._contexts.get(host)
+        if found is not None:
+            return found
+        return await asyncio.get_running_loop().run_in_executor(None, self._mint, host)
+
+    def _mint(self, host: str) -> ssl.SSLContext:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+        from mitmproxy.certs import CertStore
+
+        with self._lock:
+            found = self._contexts.get(host)
+            if found is not None:
+                return found
+            if self._store is None:
+                self._store = CertStore.from_store(self.confdir, MITMPROXY_BASENAME, KEY_SIZE)
+            try:
+                san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
+            except ValueError:
+                san = x509.DNSName(host)
+            entry = self._store.get_cert(host, [san])
+            key = entry.privatekey.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.TraditionalOpenSSL,
+                serialization.NoEncryption(),
+            )
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.set_alpn_protocols(["http/1.1"])  # the page is HTTP/1.1: never offer h2
+            _load_chain(context, entry.cert.to_pem() + key)
+            if len(self._contexts) >= MAX_CACHED:
+                self._contexts.clear()
+            self._contexts[host] = context
+            return context
+
+
+def _load_chain(context: ssl.SSLContext, pem: bytes) -> None:
+    """ssl loads a certificate and key from a file only: a private one, gone once loaded."""
+    directory = tempfile.mkdtemp(prefix="egressd-page-")  # 0700
+    path = os.path.join(directory, "leaf.pem")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as file:
+            file.write(pem)
+        context.load_cert_chain(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(directory)

@@ -1,0 +1,112 @@
+"""What the user reads when a child is refused: one stderr line per refused host, and a summary.
+
+Most clients show a refused HTTPS CONNECT as "403" or less (curl, pip, git, npm, Go): the reason in
+the body never reaches the person or the model. So egressd says it itself, on stderr (never stdout:
+MCP and ACP children speak JSON-RPC there): one line the first time a host is refused for a reason,
+and when the child exits one summary naming every refused host and the `--allow` flags that would
+admit them. `--quiet` turns both off. An observer of the pipeline's events like the audit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TextIO
+
+from egressd.admission.events import Decided, Event
+
+# refusals a person lifts with --allow HOST (the others need another edit, or none can help)
+LIFTABLE = frozenset({"not_allowlisted", "no_approver", "ask_refused", "ask_timeout"})
+MAX_HOSTS = 1000  # remembered per run: a child trying a million names does not grow egressd
+SUMMARY_HOSTS = 20  # named in the summary; the rest are counted
+
+
+def _printable(text: str) -> str:
+    """A hostile host name must not drive the user's terminal."""
+    return text if text.isprintable() else "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
+def allow_flag(host: str, port: int | None) -> str:
+    """The --allow rule that admits this target: the host, with the port unless 80/443."""
+    where = f"[{host}]" if ":" in host else host
+    return where if port in (None, 80, 443) else f"{where}:{port}"
+
+
+class RefusalReport:
+    """Deduplicated refusal lines (per host and reason) and the summary at exit."""
+
+    def __init__(self, stream: TextIO, *, lines: bool = True) -> None:
+        self._stream = stream
+        self._lines = lines  # off when --trace already prints every decision
+        self._lock = threading.Lock()
+        # host -> {reason: port}, in the order first seen
+        self._refused: dict[str, dict[str, int | None]] = {}
+        self._dropped = 0
+
+    def observe(self, event: Event) -> None:
+        """A refused decision naming a host: remembered, and told the first time."""
+        if type(event) is not Decided or event.allowed or not event.host:  # type: ignore[union-attr]
+            return
+        assert isinstance(event, Decided)
+        host, reason = event.host, event.reason
+        assert host is not None
+        with self._lock:
+            reasons = self._refused.get(host)
+            if reasons is None:
+                if len(self._refused) >= MAX_HOSTS:
+                    self._dropped += 1
+                    return
+                reasons = self._refused[host] = {}
+            elif reason in reasons:
+                return
+            reasons[reason] = event.port
+        if self._lines:
+            self._write(self.line(host, event.port, reason, event.detail))
+
+    @staticmethod
+    def line(host: str, port: int | None, reason: str, detail: str) -> str:
+        """`egressd: refused a.example:443 (not_allowlisted) - allow with: --allow a.example`."""
+        where = f"[{host}]" if ":" in host else host
+        if port is not None:
+            where += f":{port}"
+        text = f"egressd: refused {where} ({reason})"
+        if reason in LIFTABLE:
+            text += f" - allow with: --allow {allow_flag(host, port)}"
+        elif detail:
+            text += f" - {detail}"
+        return _printable(text)
+
+    def summary(self) -> str | None:
+        """`egressd: refused 3 hosts: a.example (not_allowlisted), ... allow with: --allow a.example`,
+        or None when nothing was refused."""
+        with self._lock:
+            refused = {host: dict(reasons) for host, reasons in self._refused.items()}
+            dropped = self._dropped
+        if not refused:
+            return None
+        count = len(refused)
+        named = [f"{host} ({', '.join(reasons)})" for host, reasons in list(refused.items())[:SUMMARY_HOSTS]]
+        more = count - len(named)
+        text = f"egressd: refused {count} host{'s' if count != 1 else ''}: " + ", ".join(named)
+        if more:
+            text += f" and {more} more"
+        if dropped:
+            text += f" (and {dropped} refusals of hosts not remembered)"
+        flags: list[str] = []
+        for host, reasons in refused.items():
+            for reason, port in reasons.items():
+                if reason in LIFTABLE and (flag := allow_flag(host, port)) not in flags:
+                    flags.append(flag)
+        if flags:
+            text += " - allow with: " + " ".join(f"--allow {flag}" for flag in flags)
+        return _printable(text)
+
+    def print_summary(self) -> None:
+        text = self.summary()
+        if text is not None:
+            self._write(text)
+
+    def _write(self, line: str) -> None:
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            self._stream.write(line + "\n")
+            self._stream.flush()

@@ -1,0 +1,281 @@
+"""`egressd exec --metrics`: Prometheus metrics scraped with a real HTTP client after real traffic.
+
+Why: metrics are only worth having if they move as the traffic does, carry no unbounded label (no
+host), and are not served to other machines by accident. The child below makes real requests
+through egressd (allowed, refused, an open tunnel), then waits while this test scrapes the
+endpoint egressd printed; the policy file is edited to count a reload.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.support.dns_server import DnsServer
+from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec, write_policy
+from tests.support.upstreams import EchoHTTPServer
+
+CHILD = textwrap.dedent(
+    """
+    import os, socket, sys, time, urllib.parse
+    import requests
+    up, ready, done = sys.argv[1], sys.argv[2], sys.argv[3]
+    for _ in range(3):
+        assert requests.get(f"http://up.test:{up}/ok", timeout=20).status_code == 200
+    for host in ("nope.test", "nope.test", "other-nope.test"):
+        assert requests.get(f"http://{host}/", timeout=20).status_code == 403
+    # one tunnel held open while the test scrapes
+    proxy = urllib.parse.urlsplit(os.environ["HTTP_PROXY"])
+    import base64
+    auth = base64.b64encode(f"{proxy.username}:{proxy.password}".encode()).decode()
+    tunnel = socket.create_connection((proxy.hostname, proxy.port), timeout=20)
+    tunnel.sendall(
+        f"CONNECT up.test:{up} HTTP/1.1\\r\\nHost: up.test:{up}\\r\\n"
+        f"Proxy-Authorization: Basic {auth}\\r\\n\\r\\n".encode()
+    )
+    assert tunnel.recv(100).startswith(b"HTTP/1.1 200"), "tunnel refused"
+    open(ready, "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    """
+)
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in the Prometheus text format (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)", line)
+        if not match or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(3) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(4))
+    return 0.0
+
+
+def until(check: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+class Running:
+    """`egressd exec --metrics 127.0.0.1:0 ...` in the background; `url` is what it printed."""
+
+    def __init__(self, options: list[str], command: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [*EGRESSD, "exec", *options, "--", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        assert until(lambda: any("metrics on http" in line for line in self.lines), 30), self.stderr
+        line = next(line for line in self.lines if "metrics on http" in line)
+        self.url = line.split("metrics on ", 1)[1].strip()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def scrape(self) -> str:
+        answer = requests.get(self.url, timeout=10, proxies={"http": "", "https": ""})
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].startswith("text/plain")
+        return answer.text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def running() -> Iterator[list[Running]]:
+    started: list[Running] = []
+    yield started
+    for run in started:
+        run.stop()
+
+
+def test_metrics_move_with_real_traffic(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, running: list[Running]
+) -> None:
+    dns.add("up.test", upstream.host)
+    policy = write_policy(tmp_path)
+    ready, done = tmp_path / "ready", tmp_path / "done"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    run = Running(
+        ["--policy", str(policy), "--nameserver", dns.nameserver, "--metrics", "127.0.0.1:0"],
+        [sys.executable, str(script), str(upstream.port), str(ready), str(done)],
+    )
+    running.append(run)
+    assert until(ready.exists, 60), run.stderr
+    text = run.scrape()
+    decisions = "egressd_decisions_total"
+    assert sample(text, decisions, stage="request", decision="allow", reason="allowlist") == 3, text
+    assert sample(text, decisions, stage="request", mode="enforce", reason="not_allowlisted") == 3
+    # an allowed tunnel is recorded with its upstream connection (stage "connection"), like the pool's
+    assert sample(text, decisions, stage="connection", decision="allow", reason="allowlist") >= 2
+    assert sample(text, "egressd_tunnels_active") == 1
+    # upstream connections: pooled plain HTTP (at least one) plus the tunnel's
+    assert sample(text, "egressd_connections_total", direction="outbound") >= 2
+    assert sample(text, "egressd_dns_lookup_seconds_count", outcome="ok") >= 2
+    assert sample(text, "egressd_dns_lookup_seconds_bucket", outcome="ok", le="+Inf") >= 2
+    # no host label anywhere: hosts are unbounded
+    assert "up.test" not in text and "nope.test" not in text and 'host="' not in text
+    # the closed client connections carried bytes both ways
+    assert until(lambda: sample(run.scrape(), "egressd_bytes_total", direction="down") > 0)
+    text = run.scrape()
+    assert sample(text, "egressd_bytes_total", direction="up") > 0
+    assert sample(text, "egressd_connections_total", direction="inbound") >= 1
+    # a reload, then a reload that fails
+    policy.write_text(policy.read_text() + "  - more.test\n")
+    assert until(lambda: sample(run.scrape(), "egressd_reloads_total", outcome="ok") == 1), run.stderr
+    policy.write_text("version: 1\nmode: nonsense\n")
+    assert until(lambda: sample(run.scrape(), "egressd_reloads_total", outcome="failed") == 1), run.stderr
+    done.touch()
+    assert run.proc.wait(30) == 0, run.stderr
+    assert upstream.connections >= 2
+
+
+def test_metrics_count_asks_and_refused_tunnels(
+    tmp_path: Path, dns: DnsServer, running: list[Running]
+) -> None:
+    """mode: ask with nobody to answer: the wait and its outcome (no_approver) are counted."""
+    done = tmp_path / "done"
+    script = (
+        "import subprocess, sys, os, time\n"
+        "r = subprocess.run(['curl', '-s', '-o', '/dev/null', '-w', '%{http_code}', "
+        "'https://asked.test/'], capture_output=True)\n"
+        f"open({str(tmp_path / 'ready')!r}, 'w').close()\n"
+        f"while not os.path.exists({str(done)!r}): time.sleep(0.05)\n"
+    )
+    run = Running(
+        ["--mode", "ask", "--nameserver", dns.nameserver, "--metrics", "127.0.0.1:0", "--quiet"],
+        [sys.executable, "-c", script],
+    )
+    running.append(run)
+    assert until((tmp_path / "ready").exists, 60), run.stderr
+    text = run.scrape()
+    assert sample(text, "egressd_ask_wait_seconds_count", outcome="no_approver") == 1, text
+    assert sample(text, "egressd_decisions_total", stage="connect", mode="ask", reason="no_approver") == 1
+    assert sample(text, "egressd_tunnels_active") == 0
+    done.touch()
+    assert run.proc.wait(30) == 0
+    assert "refused" not in run.stderr  # --quiet
+
+
+def test_metrics_refuse_a_non_loopback_address(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    for address in ("198.51.100.1:9100", "0.0.0.0:0", "[::]:0"):
+        result = egressd_exec(["--metrics", address], ["touch", str(marker)])
+        assert result.returncode == 2, result.stderr
+        assert b"not a loopback address" in result.stderr and b"--metrics-any" in result.stderr
+        assert not marker.exists()  # refused before anything ran
+    result = egressd_exec(["--metrics-any"], ["touch", str(marker)])
+    assert result.returncode == 2 and b"--metrics-any needs --metrics" in result.stderr
+
+
+def test_metrics_any_serves_on_every_address(tmp_path: Path, running: list[Running]) -> None:
+    done = tmp_path / "done"
+    run = Running(
+        ["--metrics", "0.0.0.0:0", "--metrics-any"],
+        [sys.executable, "-c", f"import os,time\nwhile not os.path.exists({str(done)!r}): time.sleep(0.05)"],
+    )
+    running.append(run)
+    port = run.url.rsplit(":", 1)[1].split("/")[0]
+    # reachable on an address other than loopback (the namespace's documentation-range address)
+    answer = requests.get(f"http://198.51.100.1:{port}/metrics", timeout=10, proxies={"http": ""})
+    assert answer.status_code == 200 and "egressd_decisions_total" in answer.text
+    done.touch()
+    assert run.proc.wait(30) == 0
+
+
+def test_metrics_endpoint_is_refused_to_the_child(tmp_path: Path, running: list[Running]) -> None:
+    """The child cannot read egressd's metrics through the proxy: the endpoint is egressd's own."""
+    out = tmp_path / "out"
+    script = (
+        "import os, sys, time, requests\n"
+        "url = open(sys.argv[1]).read() if os.path.exists(sys.argv[1]) else None\n"
+        "deadline = time.monotonic() + 30\n"
+        "while url is None and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "    url = open(sys.argv[1]).read() if os.path.exists(sys.argv[1]) else None\n"
+        "r = requests.get(url, timeout=10)\n"
+        "open(sys.argv[2], 'w').write(r.headers.get('x-egressd-reason', str(r.status_code)))\n"
+    )
+    url_file = tmp_path / "url"
+    run = Running(["--metrics", "127.0.0.1:0"], [sys.executable, "-c", script, str(url_file), str(out)])
+    running.append(run)
+    url_file.write_text(run.url)
+    assert run.proc.wait(60) == 0, run.stderr
+    assert out.read_text() == "self"
+    assert os.path.exists(out)
+
+
+def test_run_serves_metrics_and_summarises_refusals_when_stopped() -> None:
+    """`egressd run --metrics`: scraped while it serves; the refusal summary when it stops."""
+    with EgressdRun(["--metrics", "127.0.0.1:0"]) as run:
+        assert run.wait_for_stderr("metrics on http"), run.stderr
+        url = run.stderr.split("metrics on ", 1)[1].split()[0]
+        refused = requests.get("http://refused.test/", proxies={"http": run.proxy_url}, timeout=10)
+        assert refused.status_code == 403 and refused.reason == "Forbidden by egressd: not_allowlisted"
+        text = requests.get(url, timeout=10, proxies={"http": ""}).text
+        assert sample(text, "egressd_decisions_total", stage="request", reason="not_allowlisted") == 1
+        assert run.stop() == 0
+    assert "egressd: refused 1 host: refused.test (not_allowlisted)" in run.stderr
+
+
+def test_control_api_serves_the_same_metrics() -> None:
+    """GET /metrics on the control socket (curl --unix-socket): the registry --metrics serves."""
+    from egressd.control.client import find_instances
+
+    with EgressdRun(["--metrics", "127.0.0.1:0", "--no-prompt"]) as run:
+        assert run.wait_for_stderr("metrics on http"), run.stderr
+        url = run.stderr.split("metrics on ", 1)[1].split()[0]
+        for _ in range(2):
+            requests.get("http://refused.test/", proxies={"http": run.proxy_url}, timeout=10)
+        [instance] = [i for i in until_found(find_instances) if i.pid == run.proc.pid]
+        answer = subprocess.run(
+            ["curl", "-sS", "-i", "--unix-socket", str(instance.path), "http://egressd/metrics"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        head, _, text = answer.stdout.partition("\n\n")  # text=True: CRLF read as LF
+        assert head.startswith("HTTP/1.1 200") and "Content-Type: text/plain; version=" in head, answer.stdout
+        refused = {"stage": "request", "reason": "not_allowlisted"}
+        assert sample(text, "egressd_decisions_total", **refused) == 2, text
+        tcp = requests.get(url, timeout=10, proxies={"http": ""}).text
+        assert sample(tcp, "egressd_decisions_total", **refused) == 2
+
+
+def until_found(find: Callable[[], tuple[Path, list]]) -> list:
+    found: list = []
+    until(lambda: bool(found.extend(find()[1]) or found))
+    return found
