@@ -307,8 +307,6 @@ def test_the_sandboxed_child_cannot_reach_the_dashboard(served: Served, tmp_path
         text=True,
         timeout=120,
     )
-    if "bwrap" in result.stderr and result.returncode != 0 and "unreachable" not in result.stdout:
-        pytest.skip(f"the sandbox cannot start here: {result.stderr[-300:]}")
     assert "unreachable" in result.stdout, (result.stdout, result.stderr)
     assert "reached\n" not in result.stdout
 
