@@ -26,6 +26,9 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "draining": (503, "proxy_internal_error"),
     "response_too_large": (502, "http_response_body_size"),
     "upstream_tls_error": (502, "tls_certificate_error"),
+    # the parent proxy (upstream_proxy:) refused the CONNECT (403/407) or could not be reached
+    "upstream_proxy_refused": (502, "connection_refused"),
+    "upstream_proxy_unreachable": (502, "destination_unavailable"),
 }
 FAILURE_REASONS = frozenset(_FAILURES)
 

@@ -55,6 +55,7 @@ class Overrides:
     mode: str | None = None
     nameservers: tuple[str, ...] = ()
     profile: str | None = None
+    upstream_proxy: str | None = None  # --upstream-proxy URL: the parent proxy (its url only)
 
     def apply(self, policy: Policy) -> Policy:
         policy = policy.with_overrides(
@@ -62,6 +63,7 @@ class Overrides:
             deny=self.deny,
             mode=self.mode,  # type: ignore[arg-type]  # the CLI's click.Choice checked it
             nameservers=self.nameservers,
+            upstream_proxy=self.upstream_proxy,
         )
         if self.profile is not None and self.profile not in policy.profiles:
             known = ", ".join(sorted(policy.profiles)) or "none defined"
@@ -144,7 +146,12 @@ class ProxySession:
     # -- policy ----------------------------------------------------------------------------------
     def _apply(self, policy: Policy) -> Policy:
         policy = self.options.overrides.apply(policy)
-        return self._transform(policy) if self._transform else policy
+        policy = self._transform(policy) if self._transform else policy
+        if policy.upstream_proxy is not None:  # its credentials are read now: at start, on reload
+            from egressd.admission.upstream import with_credentials
+
+            policy = with_credentials(policy, os.environ)
+        return policy
 
     def _load(self) -> Policy:
         from egressd.reload import PolicyWatcher

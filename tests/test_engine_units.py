@@ -92,11 +92,10 @@ def test_credentials_fresh_and_checked() -> None:
 # -- pinned connect ----------------------------------------------------------------------------
 async def test_connect_pinned_tries_next_address() -> None:
     with EchoHTTPServer("198.51.100.7") as server:
-        attempts: list[str] = []
-        _, writer, connected = await pinning.connect_pinned(
-            (ip("198.51.100.8"), ip(server.host)), server.port, 2.0, attempts=attempts
-        )
+        pin = pinning.Pin("up.test", server.port, (ip("198.51.100.8"), ip(server.host)), 2.0)
+        _, writer, connected = await pinning.connect_pinned(pin)
         writer.close()
+        attempts = pin.attempts
         assert len(attempts) == 1 and "198.51.100.8" in attempts[0]
         assert connected == (server.host, server.port)
 
@@ -104,13 +103,15 @@ async def test_connect_pinned_tries_next_address() -> None:
 async def test_connect_pinned_reports_refused_and_timeout() -> None:
     with RefusingPort("198.51.100.6") as refusing, StallingPort("198.51.100.5") as stalling:
         with pytest.raises(pinning.ConnectFailure) as refused:
-            await pinning.connect_pinned((ip(refusing.address[0]),), refusing.address[1], 2.0)
+            await pinning.connect_pinned(
+                pinning.Pin("up.test", refusing.address[1], (ip(refusing.address[0]),), 2.0)
+            )
         assert refused.value.reason == "connect_refused"
         # six silent addresses at 0.5 s each would take 3 s: all of them together get 2x connect_timeout
         start = time.monotonic()
         addresses = (ip(stalling.address[0]),) * 6
         with pytest.raises(pinning.ConnectFailure) as timed_out:
-            await pinning.connect_pinned(addresses, stalling.address[1], 0.5)
+            await pinning.connect_pinned(pinning.Pin("up.test", stalling.address[1], addresses, 0.5))
         elapsed = time.monotonic() - start
         assert timed_out.value.reason == "connect_timeout"
         assert elapsed < 2 * 0.5 + 1.5, elapsed  # within 2x connect_timeout (with margin), not 6x

@@ -15,9 +15,7 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ from tests.support.corpus import ProxyClient, Response, ServerSet, tunnel_get
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun
 from tests.support.spellings import ALLOWED_V4, CASES, DNS_NAMES, POLICY, SERVER_HOSTS
+from tests.support.squid import base_conf, wait_port
 from tests.support.upstreams import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("squid") is None, reason="squid is not installed")
@@ -81,35 +80,15 @@ class Squid:
     directory: Path
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"squid exited {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"squid did not listen within {timeout}s: {log.read_text()[-3000:]}")
-
-
 def squid_conf(directory: Path, include: Path, port: int, squid_dns: str) -> str:
     """Test scaffolding around the exported include file: loopback port, no cache, files in tmp."""
     return "\n".join(
         [
-            f"http_port 127.0.0.1:{port}",
-            f"pid_filename {directory}/squid.pid",
-            f"cache_log {directory}/cache.log",
-            "access_log none",
-            "cache deny all",
-            "shutdown_lifetime 0 seconds",
+            *base_conf(directory, port),
             f"dns_nameservers {squid_dns}",
-            f"hosts_file {directory}/hosts",
             "negative_dns_ttl 1 second",
             "dns_timeout 2 seconds",  # a name the test DNS server cannot read gets no answer
             "dns_retransmit_interval 1 second",
-            "connect_timeout 5 seconds",
             f"include {include}",
             "",
         ]
@@ -180,7 +159,7 @@ def open_lab(tmp: Path, policy_text: str, squid_dns: str) -> Iterator[Lab]:
             ["squid", "-N", "-f", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         try:
-            _wait_port(port, proc, tmp / "cache.log")
+            wait_port(port, proc, tmp / "cache.log")
             with EgressdRun(["--policy", str(policy_file), "--nameserver", dns2.nameserver]) as run:
                 yield Lab(
                     policy_file,

@@ -42,6 +42,7 @@ class Decided:
     connected: str | None = None
     attempts: tuple[str, ...] | None = None
     would_be: str | None = None  # mode: learn: the reason enforce would have refused with
+    via: str | None = None  # stage "connection": the parent proxy (host:port) it went through
 
 
 @dataclass(frozen=True, slots=True)

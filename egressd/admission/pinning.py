@@ -3,6 +3,8 @@
 Each address is tried in order, each attempt bounded by connect_timeout, all within twice that.
 `current_pin` carries a pin to the connect of the embedded mitmproxy (egressd.inspect.patches),
 which refuses any connection without one: nothing is resolved or connected behind the policy's back.
+A pin whose connection goes through a parent proxy (`via`) is opened by the parent's dialer
+(egressd.admission.upstream) instead, here and nowhere else, for every front and mitmproxy alike.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from egressd.policy import IPAddress, join_host_port
+from egressd.admission.upstream import ParentFailure, dial
+from egressd.policy import IPAddress, UpstreamProxy, join_host_port
 from egressd.refusal import failure_message
 
 
@@ -30,6 +33,7 @@ class Pin:
     connected: tuple[str, int] | None = None
     attempts: list[str] = field(default_factory=list)
     failure: tuple[str, str] | None = None
+    via: UpstreamProxy | None = None  # the parent proxy this connection goes through, if any
 
 
 current_pin: contextvars.ContextVar[Pin | None] = contextvars.ContextVar("egressd_pin", default=None)
@@ -45,29 +49,38 @@ class ConnectFailure(OSError):
 
 
 async def connect_pinned(
-    addresses: tuple[IPAddress, ...],
-    port: int,
-    connect_timeout: float,
-    *,
-    local_addr: tuple[str, int] | None = None,
-    attempts: list[str] | None = None,
+    pin: Pin, *, local_addr: tuple[str, int] | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, tuple[str, int]]:
-    """Streams to the first address that accepts (see try_addresses)."""
+    """Streams to the first pinned address that accepts (see try_addresses), or through the pin's
+    parent proxy. Raises ConnectFailure."""
+    if pin.via is not None:
+        sock, connected = await _through_parent(pin, pin.via)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        return reader, writer, connected
 
     async def open_streams(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection(address, port, local_addr=local_addr)
+        return await asyncio.open_connection(address, pin.port, local_addr=local_addr)
 
     (reader, writer), connected = await try_addresses(
-        addresses, port, connect_timeout, open_streams, attempts
+        pin.addresses, pin.port, pin.connect_timeout, open_streams, pin.attempts
     )
     _no_delay(writer.get_extra_info("socket"))
     return reader, writer, connected
 
 
 async def connect_protocol(pin: Pin, protocol: asyncio.BaseProtocol) -> tuple[str, int]:
-    """Connect an asyncio protocol to the first pinned address that accepts (see try_addresses);
-    the connected address is recorded in the pin. Raises ConnectFailure."""
+    """Connect an asyncio protocol to the first pinned address that accepts (see try_addresses),
+    or through the pin's parent proxy; the connected address is recorded in the pin. Raises
+    ConnectFailure."""
     loop = asyncio.get_running_loop()
+    if pin.via is not None:
+        sock, pin.connected = await _through_parent(pin, pin.via)
+        try:
+            await loop.create_connection(lambda: protocol, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        return pin.connected
 
     async def open_one(address: str) -> asyncio.BaseTransport:
         transport, _ = await loop.create_connection(lambda: protocol, address, pin.port)
@@ -112,6 +125,15 @@ async def try_addresses[T](
     detail = "; ".join(log) or "no address to connect to"
     # one kind for all attempts names it; a mix is reported by the last attempt's kind
     raise ConnectFailure(kinds[-1] if kinds else "connect_error", detail)
+
+
+async def _through_parent(pin: Pin, parent: UpstreamProxy) -> tuple[socket.socket, tuple[str, int]]:
+    """The parent's tunnel to the pinned addresses (connect_by: address) or the canonical name."""
+    targets = (pin.host,) if parent.connect_by == "name" else tuple(str(a) for a in pin.addresses)
+    try:
+        return await dial(parent, targets, pin.port, pin.connect_timeout, pin.attempts)
+    except ParentFailure as e:
+        raise ConnectFailure(e.reason, e.detail) from None
 
 
 def _no_delay(sock: socket.socket | None) -> None:

@@ -372,6 +372,7 @@ class Pipeline:
             connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
             attempts=tuple(pin.attempts) if pin is not None else (),
             would_be=decision.would_be if failure is None else None,
+            via=pin.via.where if pin is not None and pin.via is not None else None,
         )
 
     def refused_early(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from egressd.admission.decide import refusal_for
 from egressd.admission.pinning import Pin
 from egressd.admission.resolver import ResolveError, resolve
+from egressd.admission.upstream import parent_for
 from egressd.policy import Decision, IPAddress, Policy, filter_addresses, resolution_refusal
 from egressd.refusal import Refusal
 
@@ -67,5 +68,6 @@ async def pin(decision: Decision, policy: Policy) -> Pinned:
         port=target.port,
         addresses=tuple(kept),
         connect_timeout=policy.limits.connect_timeout,
+        via=parent_for(policy, target),
     )
     return Pinned(decision, found, None, resolved, lookup)

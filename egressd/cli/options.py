@@ -110,6 +110,13 @@ def proxy_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Allow --metrics on a non-loopback address (other machines can then read them).",
         ),
         click.option(
+            "--upstream-proxy",
+            metavar="URL",
+            help="Send admitted connections through this parent proxy (http://HOST:PORT, HTTP "
+            "CONNECT); credentials 'user:password' from EGRESSD_UPSTREAM_PROXY_CREDENTIALS. "
+            "See docs/upstream-proxy.md.",
+        ),
+        click.option(
             "--listen",
             default="127.0.0.1:0",
             show_default=True,
@@ -170,6 +177,7 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
     """Take what the three option groups parsed out of a command's parameters, as one value."""
     names = ("allow", "deny", "mode", "nameservers", "profile")
     overrides = cli_overrides(*(params.pop(name) for name in names))
+    overrides = dataclasses.replace(overrides, upstream_proxy=params.pop("upstream_proxy"))
     metrics_text, metrics_any = params.pop("metrics"), params.pop("metrics_any")
     metrics = None
     if metrics_text is not None:

@@ -68,9 +68,7 @@ async def _pinned_open_connection(
         )
     current_pin.set(None)  # one pin, one connection
     try:
-        reader, writer, connected = await connect_pinned(
-            pin.addresses, pin.port, pin.connect_timeout, local_addr=local_addr, attempts=pin.attempts
-        )
+        reader, writer, connected = await connect_pinned(pin, local_addr=local_addr)
     except ConnectFailure as e:
         pin.failure = (e.reason, e.detail)
         raise

@@ -111,6 +111,8 @@ class AuditLog:
                 fields["attempts"] = list(attempts) or None
             if fields.get("would_be") is None:  # only mode: learn's allows carry it
                 fields.pop("would_be", None)
+            if fields.get("via") is None:  # only connections through a parent proxy carry it
+                fields.pop("via", None)
             self.decision(**fields)
         elif isinstance(event, Closed):
             self.closed(**dataclasses.asdict(event))
@@ -252,4 +254,6 @@ def _decision_line(record: dict[str, Any]) -> str:
         line += f" - {record['detail']}"
     if record.get("connected"):
         line += f" -> {record['connected']}"
+    if record.get("via"):
+        line += f" via {record['via']}"
     return _printable(line)

@@ -32,6 +32,7 @@ from .model import (
 )
 from .paths import normalise_path, path_matches
 from .rules import HostRule, RuleError, RuleSet, parse_rule
+from .upstream import UpstreamProxy
 
 __all__ = [
     "AddressClass",
@@ -56,6 +57,7 @@ __all__ = [
     "RuleSet",
     "Target",
     "TargetError",
+    "UpstreamProxy",
     "apply_env_mode",
     "builtin_policy_path",
     "canonical_host",

@@ -41,7 +41,7 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         entry["deny"] = _rules(prof.deny)
         entry["ports"] = list(prof.ports)
         profiles[name] = entry
-    return {
+    data: dict[str, Any] = {
         "version": policy.version,
         "mode": policy.mode,
         "allow": _rules(policy.allow),
@@ -71,3 +71,14 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "refusal_pages": policy.refusal_pages,
         "ask_timeout": policy.ask_timeout,
     }
+    parent = policy.upstream_proxy
+    if parent is not None:  # where its credentials are, never what they are
+        url_host = f"[{parent.host}]" if ":" in parent.host else parent.host
+        entry = {"url": f"http://{url_host}:{parent.port}", "direct": _rules(parent.direct)}
+        entry["connect_by"] = parent.connect_by
+        if parent.credentials_env is not None:
+            entry["credentials_env"] = parent.credentials_env
+        if parent.credentials_file is not None:
+            entry["credentials_file"] = parent.credentials_file
+        data["upstream_proxy"] = entry
+    return data

@@ -34,6 +34,7 @@ from .model import (
 )
 from .paths import normalise_path
 from .rules import RuleError, RuleSet, parse_rule
+from .upstream import parse_upstream_proxy
 
 __all__ = [
     "PolicyError",
@@ -63,6 +64,7 @@ _TOP_KEYS = (
     "websocket",
     "refusal_pages",
     "ask_timeout",
+    "upstream_proxy",
 )
 _HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -320,6 +322,7 @@ def parse_policy(data: object, source: str) -> Policy:
         websocket=reader.bool(top.get("websocket"), "websocket", True),
         refusal_pages=cast(RefusalPages, refusal_pages),
         ask_timeout=reader.positive(top.get("ask_timeout"), "ask_timeout", 60),
+        upstream_proxy=parse_upstream_proxy(top.get("upstream_proxy"), source),
         source=source,
     )
 

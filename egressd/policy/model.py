@@ -10,6 +10,7 @@ from typing import Literal, get_args
 from .entries import PolicyError, parse_nameserver, parse_rule_list
 from .hosts import Host, IPAddress
 from .rules import RuleSet
+from .upstream import UpstreamProxy, parse_proxy_url
 
 __all__ = [
     "MODES",
@@ -137,6 +138,8 @@ class Policy:
     # show nothing of a refused CONNECT print the reason; needs inspection: the child trusts the CA)
     refusal_pages: RefusalPages = "status"
     ask_timeout: float = 60  # mode: ask waits this long for an answer, then refuses (ask_timeout)
+    # the parent proxy admitted connections leave through (docs/upstream-proxy.md); None: direct
+    upstream_proxy: UpstreamProxy | None = None
     source: str = field(default="<builtin>", compare=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +174,7 @@ class Policy:
         deny: Sequence[str] = (),
         mode: Mode | None = None,
         nameservers: Sequence[str] = (),
+        upstream_proxy: str | None = None,
     ) -> Policy:
         """Policy plus command-line additions; a bad entry raises PolicyError naming the option."""
         extra_allow = parse_rule_list(list(allow), self.source, "--allow")
@@ -180,8 +184,13 @@ class Policy:
         servers = tuple(
             parse_nameserver(entry, self.source, f"--nameserver[{i}]") for i, entry in enumerate(nameservers)
         )
+        parent = self.upstream_proxy
+        if upstream_proxy is not None:  # the URL replaces the file's; its other settings stay
+            host, port = parse_proxy_url(upstream_proxy, self.source, "--upstream-proxy")
+            parent = replace(parent, host=host, port=port) if parent else UpstreamProxy(host, port)
         return replace(
             self,
+            upstream_proxy=parent,
             allow=RuleSet(self.allow.rules + extra_allow) if extra_allow else self.allow,
             deny=RuleSet(self.deny.rules + extra_deny) if extra_deny else self.deny,
             mode=mode if mode is not None else self.mode,
