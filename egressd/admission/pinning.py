@@ -55,7 +55,11 @@ async def connect_pinned(
     parent proxy. Raises ConnectFailure."""
     if pin.via is not None:
         sock, connected = await _through_parent(pin, pin.via)
-        reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            reader, writer = await asyncio.open_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         return reader, writer, connected
 
     async def open_streams(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

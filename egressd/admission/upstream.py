@@ -127,8 +127,10 @@ async def dial(
                 _handshake(sock, authority, parent.authorization),
                 timeout=max(0.1, min(connect_timeout, deadline - time.monotonic())),
             )
-        except (OSError, TimeoutError, ParentFailure) as exc:
+        except BaseException as exc:
             sock.close()
+            if not isinstance(exc, OSError | TimeoutError | ParentFailure):
+                raise  # cancelled (the client went away): the socket is closed all the same
             why = (
                 "no answer in time"
                 if isinstance(exc, TimeoutError)
