@@ -350,6 +350,13 @@ def docs_tables(metrics: Sequence[Metric], before: str = "egressd-before") -> li
         m = by.get(key)
         return fmt_ratio(m.ratio(target, ref)) if m is not None else "–"
 
+    def attach_ratio() -> str:
+        """`exec --attach -- true` over `exec -- true`, both egressd's."""
+        attach, alone = by.get("w7.attach"), by.get("w7.exec")
+        a = attach.median(EGRESSD) if attach is not None else None
+        b = alone.median(EGRESSD) if alone is not None else None
+        return fmt_ratio(a / b) if a is not None and b else "–"
+
     def joined(keys: Sequence[str], f: Callable[..., str], *args: str) -> str:
         return " / ".join(f(k, *args) for k in keys) if keys else "–"
 
@@ -419,6 +426,8 @@ def docs_tables(metrics: Sequence[Metric], before: str = "egressd-before") -> li
         f"| {count} idle tunnels | {med('w6.rss')} KiB RSS each, {med('w6.working')} % working | "
         f"{ratios('w6.rss')} | {mark('Idle tunnels')} ≤ 8 KiB, all working |",
         f"| `egressd exec -- true` | {med('w7.exec')} s | | | | | {mark('`egressd exec')} ≤ 0.3 s |",
+        f"| `egressd exec --attach -- true` (an `egressd run` running) | {med('w7.attach')} s = "
+        f"{attach_ratio()} of `exec -- true` | | | | | |",
         f"| decision, 100,000 rules | {decide_range} µs per call | | | | | {mark('Decision')} ≤ 10 µs |",
         f"| `npm ci`, local HTTPS registry | {med('w9.npm')} s = {rat('w9.npm', DIRECT)} direct | "
         f"{ratios('w9.npm')} | {mark('`npm ci`')} ≤ 1.05× direct |",

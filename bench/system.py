@@ -213,6 +213,20 @@ def pin_self(cpu: int) -> None:
     os.sched_setaffinity(0, {cpu})
 
 
+def wall(argv: Sequence[str], env: dict[str, str] | None = None) -> float:
+    """Seconds one run of argv takes, start to exit (its output discarded; a failure raises)."""
+    t0 = time.perf_counter()
+    subprocess.run(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        check=True,
+    )
+    return time.perf_counter() - t0
+
+
 def pinned(argv: Sequence[str], cpu: int | None) -> list[str]:
     """argv run on one core (taskset), or unchanged when pinning is off."""
     return ["taskset", "-c", str(cpu), *argv] if cpu is not None else list(argv)

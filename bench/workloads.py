@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen, npmjob, system
+from bench.attach import exec_attach
 from bench.before import Before
 from bench.certs import Certs, client_context
 from bench.config import Sizes
@@ -658,17 +659,7 @@ def _record_source(ctx: Context) -> None:
 
 
 # -- 7. egressd exec -- true ------------------------------------------------------------------------
-def _wall(argv: Sequence[str], env: dict[str, str] | None = None) -> float:
-    t0 = time.perf_counter()
-    subprocess.run(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        check=True,
-    )
-    return time.perf_counter() - t0
+_wall = system.wall
 
 
 def _wall_before(m: Metric, argv: list[str], env: dict[str, str], run: int) -> list[str] | None:
@@ -1116,7 +1107,11 @@ RUNNERS: dict[str, Callable[[Context], list[Metric]]] = {
     "http": http_gets,
     "intercept": intercepted_https,
     "idle": idle_tunnels,
-    "exec": exec_true,
+    # `exec --attach -- true` beside it (bench/attach.py)
+    "exec": lambda ctx: [
+        *exec_true(ctx),
+        *exec_attach(ctx.work, ctx.proxy_cpu, ctx.sizes.repeats, ctx.sizes.exec_runs),
+    ],
     "decision": decision,
     "job": real_job,
     "sandbox-throughput": sandbox_throughput,

@@ -7,6 +7,6 @@ import sys
 if sys.path and sys.path[0] in ("", os.getcwd()):
     del sys.path[0]
 
-from egressd.cli import main  # noqa: E402 - after the sys.path fix above
+from egressd.entry import main  # noqa: E402 - after the sys.path fix above
 
 main()

@@ -92,8 +92,8 @@ class EgressProxy:
             timeout = policy.limits.idle_timeout
             self._loop.call_soon_threadsafe(lambda: master.options.update(tcp_timeout=int(timeout)))
 
-    def issue_credentials(self, profile: str | None = None) -> ProxyCredentials:
-        return self.pipeline.credentials.issue(profile)
+    def issue_credentials(self, profile: str | None = None, label: str | None = None) -> ProxyCredentials:
+        return self.pipeline.credentials.issue(profile, label)
 
     def revoke(self, creds: ProxyCredentials) -> None:
         self.pipeline.credentials.revoke(creds)

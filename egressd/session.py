@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from egressd.admission.asks import AskBroker
     from egressd.admission.credentials import ProxyCredentials
     from egressd.admission.events import Event
+    from egressd.control.children import Children, Issuer
     from egressd.control.prompt import TtyPrompter
     from egressd.control.server import ControlServer, Counts
     from egressd.dashboard.server import Dashboard
@@ -140,6 +141,7 @@ class ProxySession:
         self._dashboard: Dashboard | None = None
         self._prompter: TtyPrompter | None = None
         self._counts: Counts | None = None
+        self.children: Children | None = None  # attached children (exec --attach), with the control API
         self.control_path: Path | None = None
         self.policy = self._load()
 
@@ -351,6 +353,7 @@ class ProxySession:
         if not self.options.control:
             return
         from egressd.control import paths
+        from egressd.control.children import Children
         from egressd.control.server import ControlServer, Counts
 
         assert self.broker is not None
@@ -363,6 +366,7 @@ class ProxySession:
             return
         self._counts = Counts()
         proxy.pipeline.events.subscribe(self._counts.observe)
+        self.children = Children(self._children_issuer())
         server = ControlServer(
             path,
             broker=self.broker,
@@ -372,6 +376,7 @@ class ProxySession:
             metrics=self.metrics.render if self.metrics is not None else None,
             policy=self.policy_info,
             edit_policy=self._edit_policy if self._writable_policy() else None,
+            children=self.children,
         )
         server.start(sock)
         self._control, self.control_path = server, path
@@ -403,6 +408,7 @@ class ProxySession:
                 "connections": pipeline.active() if pipeline else 0,
             },
             "clients": counts.clients() if counts else {},
+            "children": self.children.list() if self.children is not None else [],
             "approvers": {
                 "terminal": self._prompter is not None,
                 "approve_all": self.options.approve_all,
@@ -410,10 +416,31 @@ class ProxySession:
             },
         }
 
-    def credentials(self, profile: str | None = None) -> ProxyCredentials:
+    def credentials(self, profile: str | None = None, label: str | None = None) -> ProxyCredentials:
         assert self.proxy is not None, "start() first"
         return self.proxy.issue_credentials(
-            profile if profile is not None else self.options.overrides.profile
+            profile if profile is not None else self.options.overrides.profile, label
+        )
+
+    def _attach_credentials(self, profile: str | None, label: str) -> ProxyCredentials:
+        """An attached child's credentials: its own profile (one the policy defines), else this
+        session's."""
+        if profile is not None and profile not in self.policy.profiles:
+            known = ", ".join(sorted(self.policy.profiles)) or "none defined"
+            raise KeyError(f"no such profile {profile!r} in {self.policy.source} (known: {known})")
+        return self.credentials(profile, label)
+
+    def _children_issuer(self) -> Issuer:
+        from egressd.control.children import Issuer
+        from egressd.ssh_env import ssh_may_be_allowed
+
+        assert self.proxy is not None
+        return Issuer(
+            issue=self._attach_credentials,
+            revoke=self.proxy.revoke,
+            exports=self.exports,
+            ssh=lambda: ssh_may_be_allowed(self.policy),
+            record=self.record_child,
         )
 
     def proxy_urls(self, creds: ProxyCredentials) -> tuple[str, str | None]:
@@ -432,7 +459,7 @@ class ProxySession:
         arguments carry tokens (URLs with credentials, headers), and the audit must not."""
         if self.audit is not None and command:
             program = os.path.basename(command[0])
-            self.audit.event("child", client=creds.username, profile=creds.profile, program=program)
+            self.audit.event("child", client=creds.client, profile=creds.profile, program=program)
 
     def child_env(
         self, base: Mapping[str, str] | None = None, creds: ProxyCredentials | None = None
@@ -456,6 +483,8 @@ class ProxySession:
         if self._control is not None:
             self._control.stop()
             self._control = None
+        if self.children is not None:
+            self.children.close()
         if self._prompter is not None:
             self._prompter.stop()
             self._prompter = None

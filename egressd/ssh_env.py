@@ -12,7 +12,9 @@ import shlex
 import sys
 from collections.abc import Mapping
 
-from egressd.policy import Policy
+TYPE_CHECKING = False  # not typing's: `exec --attach` imports this module, and neither typing nor policy
+if TYPE_CHECKING:
+    from egressd.policy import Policy
 
 SSH_PORT = 22
 
@@ -39,9 +41,12 @@ def git_ssh_command(base: str | None = None, python: str | None = None) -> str:
 
 def with_git_ssh(env: Mapping[str, str], policy: Policy, python: str | None = None) -> dict[str, str]:
     """The child environment plus GIT_SSH_COMMAND when the policy may allow SSH."""
+    return add_git_ssh(env, python) if ssh_may_be_allowed(policy) else dict(env)
+
+
+def add_git_ssh(env: Mapping[str, str], python: str | None = None) -> dict[str, str]:
+    """The environment plus GIT_SSH_COMMAND through egressd (a user's own command kept)."""
     out = dict(env)
-    if not ssh_may_be_allowed(policy):
-        return out
     base = out.get("GIT_SSH_COMMAND") or (shlex.quote(out["GIT_SSH"]) if out.get("GIT_SSH") else None)
     out["GIT_SSH_COMMAND"] = git_ssh_command(base, python)
     return out

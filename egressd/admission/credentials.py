@@ -17,8 +17,8 @@ class CredentialStore:
         self._lock = threading.Lock()
         self._tokens: dict[str, ProxyCredentials] = {}
 
-    def issue(self, profile: str | None = None) -> ProxyCredentials:
-        creds = ProxyCredentials(profile or DEFAULT_USERNAME, secrets.token_urlsafe(24))
+    def issue(self, profile: str | None = None, label: str | None = None) -> ProxyCredentials:
+        creds = ProxyCredentials(profile or DEFAULT_USERNAME, secrets.token_urlsafe(24), label)
         with self._lock:
             self._tokens[creds.token] = creds
         return creds

@@ -18,6 +18,13 @@ class ProxyCredentials:
 
     username: str
     token: str
+    # an attached child's `program[pid]` (egressd exec --attach): who it is in the audit and `ps`
+    label: str | None = field(default=None, compare=False)
+
+    @property
+    def client(self) -> str:
+        """The name decisions are recorded under: the attached child's label, else the username."""
+        return self.label or self.username
 
     @property
     def profile(self) -> str | None:
@@ -67,7 +74,7 @@ class ConnState:
 
     @property
     def client_name(self) -> str | None:
-        return self.creds.username if self.creds else None
+        return self.creds.client if self.creds else None
 
     @property
     def client_key(self) -> str:

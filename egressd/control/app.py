@@ -21,6 +21,7 @@ from aiohttp import web
 from egressd.admission.asks import AskBroker, AskError
 from egressd.admission.events import Event, EventBus
 from egressd.admission.grants import GrantError, GrantStore
+from egressd.control.children import ChildError, Children
 from egressd.control.server import KEEPALIVE, QUEUE_LINES, PolicyEditor, event_json
 
 
@@ -35,7 +36,9 @@ class Handlers:
         policy: Callable[[], dict[str, Any]] | None = None,
         edit_policy: PolicyEditor | None = None,
         metrics: Callable[[], bytes] | None = None,
+        children: Children | None = None,
     ) -> None:
+        self.children = children
         self.metrics = metrics
         self.broker = broker
         self.grants = grants
@@ -59,6 +62,9 @@ class Handlers:
                 web.get("/v1/policy", self._policy),
                 web.post("/v1/policy/rules", self._edit_rule),
                 web.get("/metrics", self._metrics),
+                web.get("/v1/children", self._children),
+                web.post("/v1/children", self._attach),
+                web.delete("/v1/children/{id}", self._detach),
             ]
         )
         return app
@@ -88,6 +94,42 @@ class Handlers:
 
         body = await asyncio.to_thread(self.metrics)  # a scrape reads the pipeline: off this loop
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def _children(self, request: web.Request) -> web.Response:
+        if self.children is None:
+            return _error(404, "this egressd takes no attached children")
+        return web.json_response({"children": self.children.list()})
+
+    async def _attach(self, request: web.Request) -> web.Response:
+        """`egressd exec --attach`: fresh credentials for the peer process, revoked when it exits
+        (docs/control-api.md). The peer's pid comes from the socket (SO_PEERCRED), not the body."""
+        if self.children is None:
+            return _error(404, "this egressd takes no attached children")
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        command, profile = body.get("command", []), body.get("profile")
+        if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
+            return _error(400, 'expected {"command": ["program", ...], "profile": null}')
+        if profile is not None and not isinstance(profile, str):
+            return _error(400, "profile must be a string or null")
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        pid = _peer_pid(sock)
+        if pid is None:
+            pid = body.get("pid")
+            if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+                return _error(400, "this system does not say who the peer is: give its pid")
+        try:
+            child, answer = self.children.attach(pid, command, profile)
+            self.children.watch(child)
+        except ChildError as exc:
+            return _error(exc.status, str(exc))
+        return web.json_response(answer, status=201)
+
+    async def _detach(self, request: web.Request) -> web.Response:
+        if self.children is None or not self.children.detach(request.match_info["id"]):
+            return _error(404, f"no attached child {request.match_info['id']!r}")
+        return web.json_response({"detached": request.match_info["id"]})
 
     async def _asks(self, request: web.Request) -> web.StreamResponse:
         if request.query.get("peek") not in ("1", "true"):
@@ -249,6 +291,16 @@ async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
     if not isinstance(body, dict):
         return _error(400, "the body must be a JSON object")
     return body
+
+
+def _peer_pid(sock: socket.socket | None) -> int | None:
+    """The pid of the process at the other end (Linux SO_PEERCRED); None where it is not known."""
+    peercred = getattr(socket, "SO_PEERCRED", None)
+    if sock is None or sock.family != socket.AF_UNIX or peercred is None:
+        return None
+    raw = sock.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i"))
+    pid = struct.unpack("3i", raw)[0]
+    return pid if pid > 0 else None
 
 
 def _peer_uid(sock: socket.socket | None) -> int | None:

@@ -1,19 +1,26 @@
 """A small synchronous client of the control API (the CLI's `ps`, `pending`, `approve`, ...).
 
-http.client over the Unix socket: no event loop and no aiohttp import, so a command answers in the
-time Python takes to start.
+No event loop and no aiohttp import, so a command answers in the time Python takes to start. One
+request (`call`) is written and read on the Unix socket directly — `egressd exec --attach` makes one
+per child it starts, and http.client alone (email, ssl) costs more to import than the request
+takes; the streams (`stream`) use http.client.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from egressd.control import paths
+
+TYPE_CHECKING = False  # not typing's: `exec --attach` imports this module and not typing
+if TYPE_CHECKING:
+    import http.client
+    from typing import Any
+
+MAX_ANSWER = 16 * 1024 * 1024  # a control answer larger than this is not egressd's
 
 
 class ControlError(Exception):
@@ -24,20 +31,67 @@ class ControlError(Exception):
         self.status = status
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float | None) -> None:
-        super().__init__("egressd", timeout=timeout)
-        self.unix_path = path
+def _unix_connection(path: Path, timeout: float | None) -> http.client.HTTPConnection:
+    import http.client
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(str(self.unix_path))
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
+    class UnixConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = _connect(path, self.timeout)
+
+    return UnixConnection("egressd", timeout=timeout)
+
+
+def _connect(path: Path, timeout: float | None) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _exchange(path: Path, timeout: float, method: str, url: str, data: bytes | None) -> tuple[int, bytes]:
+    """One HTTP/1.1 request with `Connection: close`; (status, body) read up to the server's close."""
+    head = [f"{method} {url} HTTP/1.1", "Host: egressd", "Connection: close"]
+    if data is not None:
+        head += ["Content-Type: application/json", f"Content-Length: {len(data)}"]
+    sock = _connect(path, timeout)
+    try:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode("ascii") + (data or b""))
+        chunks, size = [], 0
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_ANSWER:
+                raise OSError(f"an answer over {MAX_ANSWER} bytes")
+    finally:
+        sock.close()
+    raw = b"".join(chunks)
+    header, sep, body = raw.partition(b"\r\n\r\n")
+    lines = header.decode("latin-1").split("\r\n")
+    status = lines[0].split(" ", 2)
+    if not sep or len(status) < 2 or not status[0].startswith("HTTP/1.") or not status[1].isdigit():
+        raise OSError("not an HTTP answer")
+    fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    if fields.get("transfer-encoding", "").lower() == "chunked":
+        body = _unchunk(body)
+    elif fields.get("content-length", "").isdigit():
+        body = body[: int(fields["content-length"])]
+    return int(status[1]), body
+
+
+def _unchunk(data: bytes) -> bytes:
+    out, rest = [], data
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";", 1)[0] or b"0", 16)
+        if size == 0:
+            break
+        out.append(rest[:size])
+        rest = rest[size + 2 :]
+    return b"".join(out)
 
 
 class ControlClient:
@@ -47,29 +101,24 @@ class ControlClient:
 
     def call(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
         """One request; the JSON answer, or ControlError with the server's message."""
-        conn = _UnixConnection(self.path, self.timeout)
+        data = json.dumps(body).encode() if body is not None else None
         try:
-            data = json.dumps(body).encode() if body is not None else None
-            headers = {"Content-Type": "application/json"} if data is not None else {}
-            conn.request(method, url, body=data, headers=headers)
-            response = conn.getresponse()
-            raw = response.read()
-        except OSError as exc:
-            raise ControlError(f"cannot reach egressd at {self.path}: {exc.strerror or exc}") from exc
-        finally:
-            conn.close()
+            status, raw = _exchange(self.path, self.timeout, method, url, data)
+        except (OSError, ValueError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            raise ControlError(f"cannot reach egressd at {self.path}: {why}") from exc
         try:
             answer = json.loads(raw) if raw else {}
         except ValueError as exc:
-            raise ControlError(f"egressd at {self.path} answered no JSON", response.status) from exc
-        if response.status >= 400:
+            raise ControlError(f"egressd at {self.path} answered no JSON", status) from exc
+        if status >= 400:
             message = answer.get("error") if isinstance(answer, dict) else None
-            raise ControlError(message or f"HTTP {response.status}", response.status)
+            raise ControlError(message or f"HTTP {status}", status)
         return answer
 
     def stream(self, url: str) -> Iterator[dict[str, Any]]:
         """The lines of a newline-delimited JSON stream, until egressd closes it."""
-        conn = _UnixConnection(self.path, None)
+        conn = _unix_connection(self.path, None)
         try:
             conn.request("GET", url)
             response = conn.getresponse()

@@ -15,7 +15,6 @@ import os
 import socket
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 SUFFIX = ".sock"
@@ -80,10 +79,15 @@ def listen(path: Path) -> socket.socket:
     return sock
 
 
-@dataclass(frozen=True)
 class Found:
-    pid: int
-    path: Path
+    """A live instance: its pid and control socket. (A plain class: `exec --attach` imports this
+    module, and dataclasses or typing would cost it more than the rest of its start.)"""
+
+    __slots__ = ("path", "pid")
+
+    def __init__(self, pid: int, path: Path) -> None:
+        self.pid = pid
+        self.path = path
 
 
 def instances(directory: Path) -> list[Found]:

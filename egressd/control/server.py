@@ -18,11 +18,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egressd.admission.asks import AskBroker
 from egressd.admission.events import Asked, Closed, Decided, Event, EventBus, Resolved
 from egressd.admission.grants import GrantStore
+
+if TYPE_CHECKING:
+    from egressd.control.children import Children
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +101,10 @@ class ControlServer:
         policy: Callable[[], dict[str, Any]] | None = None,
         edit_policy: PolicyEditor | None = None,
         metrics: Callable[[], bytes] | None = None,
+        children: Children | None = None,
     ) -> None:
         self.path = path
+        self.children = children  # POST /v1/children: exec --attach
         self.policy = policy
         self.edit_policy = edit_policy
         self.metrics = metrics  # GET /metrics: the Prometheus text (egressd.observe.metrics)
@@ -159,6 +164,7 @@ class ControlServer:
             self.policy,
             self.edit_policy,
             self.metrics,
+            self.children,
         ).app()
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
         await runner.setup()
