@@ -17,6 +17,8 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from egressd.process import alive
+
 SUFFIX = ".sock"
 
 
@@ -104,22 +106,12 @@ def instances(directory: Path) -> list[Found]:
             continue
         path = directory / name
         pid = int(stem)
-        if _alive(pid) and _listening(path):
+        if alive(pid) and _listening(path):
             found.append(Found(pid, path))
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     return sorted(found, key=lambda f: f.pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _listening(path: Path) -> bool:
