@@ -1,14 +1,15 @@
-"""What a shell says when a command cannot start (127, 126), and the signals egressd passes on.
+"""What a shell says when a command cannot start (127, 126), the signals egressd passes on, and
+whether a process is alive.
 
-Kept apart from process.py (which imports it) so the sandbox's launcher, which starts before every
-sandboxed command, imports only these few lines.
+Kept apart from process.py (which imports it) so the sandbox's launcher,
+which starts before every sandboxed command, and `egressd exec --attach`, which starts before every
+attached child, import only these few lines.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
 import sys
 
@@ -26,8 +27,21 @@ EXIT_NOT_FOUND = 127
 EXIT_CANNOT_RUN = 126
 
 
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (ours or another user's: EPERM means it does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def exec_failure(argv0: str, exc: OSError) -> int:
     """Report why the command could not start, like a shell would; return 127 or 126."""
+    import shutil  # here: the paths that never fail to start need not import it
+
     if exc.errno == errno.ENOENT:
         exists = os.path.exists(argv0) if "/" in argv0 else shutil.which(argv0) is not None
         if exists:

@@ -11,7 +11,6 @@ earlier.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import threading
@@ -19,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from egressd.exits import alive
 
 if TYPE_CHECKING:
     from egressd.admission.state import ProxyCredentials
@@ -133,13 +134,7 @@ class Children:
         with self._lock:
             if child.id not in self._children:
                 return
-        alive = True
-        with contextlib.suppress(PermissionError):
-            try:
-                os.kill(child.pid, 0)
-            except ProcessLookupError:
-                alive = False
-        if alive:
+        if alive(child.pid):
             loop.call_later(POLL, self._poll, loop, child)
         else:
             self.detach(child.id)

@@ -17,7 +17,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from egressd.process import alive
+from egressd.exits import alive  # not egressd.process: `exec --attach` imports this module
 
 SUFFIX = ".sock"
 

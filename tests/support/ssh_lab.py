@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Self
 
-from egressd.process import alive
+from egressd.exits import alive
 
 CLIENT_TO_REMOTE = "198.18.0.1"
 REMOTE = "198.18.0.2"
