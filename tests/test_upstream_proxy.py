@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,7 @@ import trustme
 
 from tests.support.attempts import wait_until
 from tests.support.dns_server import DnsServer
-from tests.support.egressd_cli import egressd_exec, write_policy
+from tests.support.egressd_cli import EgressdRun, egressd_exec, write_policy
 from tests.support.squid import base_conf, running_squid
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer, free_port
 from tests.test_exec_integration import parse_http
@@ -319,3 +322,55 @@ def test_command_line_parent_proxy(
     result = egressd_exec([*base, "--upstream-proxy", with_creds], ["true"], env=env)
     assert result.returncode == 2 and b"credentials do not belong in the URL" in result.stderr
     assert PASSWORD.encode() not in result.stderr
+
+
+def test_a_server_that_speaks_first_loses_no_byte_through_the_parent(
+    tmp_path: Path, parent: Parent, dns: DnsServer
+) -> None:
+    """SSH servers speak first: their banner may arrive with the parent's 200. egressd reads the
+    parent's answer head and nothing more, so the banner reaches the child whole. (The client's
+    stdin stays open: Squid closes a whole tunnel when the client half-closes it.)"""
+    banner = b"SSH-2.0-egressd-test-banner\r\n" + b"x" * 3000 + b"\r\n"
+    listener = socket.create_server(("198.51.100.8", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(banner)
+
+    threading.Thread(target=serve, daemon=True).start()
+    dns.add("up.test", "198.51.100.8")
+    policy = _policy(tmp_path, parent.url)
+    result = _exec(policy, dns, ["sh", "-c", f"sleep 3 | {sys.executable} -m egressd.connect up.test {port}"])
+    assert result.stdout == banner, result.stderr
+    parent.wait_for(f"CONNECT 198.51.100.8:{port}")
+
+
+def test_credentials_are_read_again_on_reload(
+    tmp_path: Path, parent: Parent, dns: DnsServer, upstream: EchoHTTPServer
+) -> None:
+    dns.add("up.test", upstream.host)
+    secret = tmp_path / "parent-auth"
+    secret.write_text(f"{USER}:wrong\n")
+    policy = _policy(tmp_path, parent.url)
+    text = policy.read_text().replace(f"credentials_env: {CREDS_ENV}", f"credentials_file: {secret}")
+    policy.write_text(text)
+    url = f"http://up.test:{upstream.port}/reloaded"
+    with EgressdRun(["--policy", str(policy), "--nameserver", dns.nameserver]) as run:
+        env = run.child_env()
+        first = subprocess.run(_curl(url), env=env, capture_output=True)
+        assert parse_http(first.stdout)[0] == 502
+        secret.write_text(f"{USER}:{PASSWORD}\n")
+        policy.write_text(text + "# edited\n")
+        assert run.wait_for_stderr("policy reloaded", timeout=20), run.stderr
+        second = subprocess.run(_curl(url), env=env, capture_output=True)
+        assert parse_http(second.stdout)[0] == 200, second.stdout[:300]
+        # a reload whose credentials cannot be read keeps the last good policy (and its credentials)
+        secret.unlink()
+        policy.write_text(text + "# edited again\n")
+        assert run.wait_for_stderr("reload failed", timeout=20), run.stderr
+        third = subprocess.run(_curl(url), env=env, capture_output=True)
+        assert parse_http(third.stdout)[0] == 200
+        assert PASSWORD not in run.stderr
