@@ -6,7 +6,7 @@ credentials (POST /v1/children), puts them in the environment like `exec` does, 
 itself with CMD (exec): the child's stdin, stdout, stderr, exit status and signals are its own,
 no egressd process stays behind, and the instance revokes the token when this pid exits.
 
-The start-up is the point, so this module imports the standard library and four small egressd
+The start-up is the point, so this module imports the standard library and five small egressd
 modules only — no click, no policy, no asyncio, no mitmproxy. `egressd/entry.py` sends a plain
 `exec --attach ...` command line here before the CLI is even imported; the `exec` command of the
 CLI calls `attach` too, for the command lines the quick parser leaves to click.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,21 @@ def test_options_of_a_proxy_of_its_own_are_refused(tmp_path: Path) -> None:
 )
 def test_the_quick_parser_takes_plain_attach_lines_only(argv: list[str], parsed: object) -> None:
     assert quick_parse(argv) == parsed
+
+
+def test_the_attach_path_imports_no_cli_policy_loop_or_engine(tmp_path: Path, dns: DnsServer) -> None:
+    """The start-up of every attached child is egressd's overhead: the modules it loads are the
+    standard library's few and egressd's small ones (what `python -X importtime` lists)."""
+    with _run(tmp_path, dns):
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "egressd", "exec", "--attach", "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 0, result.stderr[-2000:]
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "egressd.attach" in loaded
+    heavy = {"click", "asyncio", "typing", "dataclasses", "logging", "http.client", "yaml", "mitmproxy"}
+    heavy |= {"egressd.policy", "egressd.cli", "egressd.session", "egressd.process", "uvloop", "aiohttp"}
+    assert not heavy & loaded, sorted(heavy & loaded)
