@@ -457,7 +457,11 @@ def test_a_symlinked_credential_is_hidden_at_its_target(tmp_path, monkeypatch) -
     home.mkdir()
     (home / ".aws").symlink_to(vault)
     hidden = credential_paths(str(home), {})
-    assert hidden == (os.path.realpath(vault),)
+    from egressd.sandbox.shields import AUTHORITY_SOCKETS
+
+    # the host's own daemon sockets (a running dockerd's, say) are hidden by default too
+    sockets = tuple(os.path.realpath(s) for s in AUTHORITY_SOCKETS if os.path.exists(s))
+    assert hidden == (os.path.realpath(vault), *sockets)
     layout = Layout((), tuple(Cover(p, "tmpfs") for p in hidden), hidden, ())
     profile = seatbelt_profile(layout, [1], temp=[], home=str(home))
     target = os.path.join(hidden[0], "credentials")
