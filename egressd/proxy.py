@@ -98,6 +98,24 @@ class EgressProxy:
     def revoke(self, creds: ProxyCredentials) -> None:
         self.pipeline.credentials.revoke(creds)
 
+    def child_only_listener(self, creds: ProxyCredentials) -> tuple[str, int]:
+        """A loopback listener without credentials, admitting only the process tree of the child
+        that runs with `creds` (registered by `child_started`): for clients that cannot send proxy
+        credentials (Chromium's --proxy-server, the JVM)."""
+        loop = self._loop
+        if loop is None or self._front is None:
+            raise EngineError("the proxy is not running")
+        host = self.http_address[0]
+        future = asyncio.run_coroutine_threadsafe(self._front.start_child_only(host, creds), loop)
+        address = future.result(timeout=START_TIMEOUT)
+        self.pipeline.decider.add_self_address(*address)
+        return address
+
+    def child_started(self, creds: ProxyCredentials, pid: int) -> None:
+        """The child running with `creds` is pid: its tree is searched first for a connection's
+        owner, and only it may use its credential-free listener."""
+        self.pipeline.children[creds.token] = pid
+
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
         patches.check_version()

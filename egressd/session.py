@@ -434,6 +434,29 @@ class ProxySession:
         url, socks = self.proxy_urls(creds or self.credentials())
         return child_environment(os.environ if base is None else base, url, socks, ca_bundle=self.ca_bundle)
 
+    def child_only(self, env: dict[str, str], creds: ProxyCredentials, *, listener: bool) -> dict[str, str]:
+        """env plus what clients that cannot send proxy credentials need: with `listener`, a
+        credential-free loopback listener for this child's process tree alone (its URL in
+        EGRESSD_CHILD_PROXY, the JVM's proxy settings in JAVA_TOOL_OPTIONS); and under inspection
+        the JVM's trust store."""
+        from egressd.ca import java_truststore_path
+        from egressd.child_env import CHILD_PROXY_VAR, java_environment
+        from egressd.policy import join_host_port
+
+        assert self.proxy is not None
+        address = None
+        if listener:
+            address = self.proxy.child_only_listener(creds)
+            env[CHILD_PROXY_VAR] = f"http://{join_host_port(*address)}"
+        store = java_truststore_path(self.ca_bundle) if self.ca_bundle else None
+        truststore = str(store) if store is not None and store.is_file() else None
+        return java_environment(env, proxy=address, truststore=truststore)
+
+    def child_started(self, creds: ProxyCredentials, pid: int) -> None:
+        """The child running with creds is pid (its process tree is its connections' owner)."""
+        if self.proxy is not None:
+            self.proxy.child_started(creds, pid)
+
     def exports(self, creds: ProxyCredentials | None = None) -> dict[str, str]:
         url, socks = self.proxy_urls(creds or self.credentials())
         return proxy_exports(url, socks, ca_bundle=self.ca_bundle)

@@ -6,8 +6,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from egressd.policy import Policy, join_host_port
+
+if TYPE_CHECKING:
+    from egressd.admission.identity import Identity
 
 DEFAULT_USERNAME = "egressd"
 
@@ -60,6 +64,12 @@ class ConnState:
     # port); a request without Proxy-Authorization counts as the child's, a wrong one is refused
     implicit: ProxyCredentials | None = None
     granted: tuple[str, int] | None = None  # a tunnel a grant or an approval admitted: (host, port)
+    # the socket's two ends as (host, port): the client's, then egressd's (the owner lookup reads them)
+    ends: tuple[tuple[str, int], tuple[str, int]] | None = None
+    # the listener admits only the process tree of the child its implicit credentials were issued
+    # to (`egressd exec`'s credential-free listener): its pid is looked up when a request comes
+    tree_only: bool = False
+    identity: Identity | None = None  # who holds the client's socket, once looked up
 
     @property
     def profile(self) -> str | None:

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import click
 
 from egressd import process
+from egressd.admission import identity
+from egressd.cli.options import dashboard_option, open_session, session_options
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.session import SessionOptions
 from egressd.ssh_env import with_git_ssh
-
-if TYPE_CHECKING:
-    pass
-from egressd.cli.options import dashboard_option, open_session, session_options
 
 
 @click.command(
@@ -27,8 +23,16 @@ Example:
 )
 @session_options
 @dashboard_option
+@click.option(
+    "--no-credentials-listener",
+    "credentials_listener",
+    flag_value=False,
+    default=True,
+    help="No credential-free listener for the child's own processes (EGRESSD_CHILD_PROXY, the "
+    "JVM's JAVA_TOOL_OPTIONS): Chromium and Java then get 407. See docs/security.md.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
-def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
+def exec_command(options: SessionOptions, credentials_listener: bool, command: tuple[str, ...]) -> None:
     """Run CMD with all its traffic going through egressd.
 
     The child's stdin, stdout, stderr, exit status and signals pass through untouched; egressd
@@ -41,5 +45,8 @@ def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
         creds = session.credentials()
         session.record_child(creds, command)
         env = with_git_ssh(session.child_env(creds=creds), session.policy)
-        returncode = process.run_child(command, env, catcher=catcher)
+        env = session.child_only(env, creds, listener=credentials_listener and identity.SUPPORTED)
+        returncode = process.run_child(
+            command, env, catcher=catcher, started=lambda pid: session.child_started(creds, pid)
+        )
     process.exit_like(returncode, fast=True)
