@@ -222,7 +222,7 @@ def test_the_child_and_its_descendants_use_the_credential_free_listener(
     assert got[f"curl {up}"][0] == "200", show(result)
     assert got[f"curl {refused}"] == ["403", "not_allowlisted"], show(result)
     assert got[f"grandchild {up}"] == ["200", "-"], show(result)
-    assert [r["path"] for r in upstream.requests] == ["/free", "/free"]
+    assert [r["path"] for r in upstream.requests] == ["/free", "/free"]  # never /no
     allowed = [r for r in decisions(audit(log), "up.test") if r["stage"] == "request"]
     assert {os.path.basename(r["exe"]) for r in allowed} == {
         "curl",
@@ -406,7 +406,7 @@ def test_chromium_loads_an_allowed_page_and_shows_the_refusal(
     assert '"path": "/page"' in allowed or '"path":"/page"' in allowed, show(result)
     assert "egressd refused the connection to denied.test:" in denied, show(result)
     assert "reason: not_allowlisted" in denied
-    assert [r["path"] for r in upstream.requests] == ["/page"]
+    assert {r["path"] for r in upstream.requests} <= {"/page", "/favicon.ico"}  # never /no
 
 
 class WebSocketServer:
