@@ -54,10 +54,13 @@ class EgressProxy:
         inspect: bool = True,
         config_dir: Path | None = None,
         upstream_ca: Sequence[str] = (),
+        identify: bool = False,
     ) -> None:
         if nameservers:
             policy = policy.with_overrides(nameservers=[join_host_port(h, p) for h, p in nameservers])
-        self.pipeline = Pipeline(PolicyHolder(policy), audit=audit, require_auth=require_auth)
+        self.pipeline = Pipeline(
+            PolicyHolder(policy), audit=audit, require_auth=require_auth, identify=identify
+        )
         self.handoffs = Handoffs()  # the connections the front hands to mitmproxy
         self.listen = listen
         self.socks = socks

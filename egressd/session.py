@@ -105,6 +105,8 @@ class SessionOptions:
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
     control: bool = True  # serve the control API on the user's Unix socket
     dashboard: bool = False  # --dashboard: serve the web dashboard on loopback (needs the control API)
+    # --identify: look up every connection's program (pid, exe) for the audit; None: the command's default
+    identify: bool | None = None
 
 
 class ProxySession:
@@ -208,6 +210,7 @@ class ProxySession:
             inspect=self.options.inspect,
             config_dir=self.options.config_dir,
             upstream_ca=self.options.upstream_ca,
+            identify=bool(self.options.identify),
         )
         self._start_approvals(self.proxy)
         self._observe(self.proxy.pipeline.events.subscribe)

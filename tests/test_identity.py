@@ -139,7 +139,8 @@ sock = socket.create_connection((proxy.hostname, proxy.port))
 holder = subprocess.Popen(["sleep", "60"], pass_fds=[sock.fileno()])
 time.sleep(0.5)
 host = urllib.parse.urlsplit(url).netloc
-sock.sendall(f"GET {url} HTTP/1.1\\r\\nHost: {host}\\r\\nProxy-Authorization: Basic {auth}\\r\\n\\r\\n".encode())
+head = f"GET {url} HTTP/1.1\\r\\nHost: {host}\\r\\nProxy-Authorization: Basic {auth}\\r\\n"
+sock.sendall(head.encode() + b"\\r\\n")
 head = sock.recv(65536).split(b"\\r\\n\\r\\n")[0].decode()
 holder.kill()
 status = head.split()[1]
