@@ -12,27 +12,14 @@ from __future__ import annotations
 import ipaddress
 import logging
 import sys
-from dataclasses import dataclass
 
 from egressd.admission import peer as peers
-from egressd.admission.state import ConnState
+from egressd.admission.state import ConnState, Identity
 from egressd.policy import Program
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED = sys.platform.startswith("linux")
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """What the lookup found for one connection (every field None when nothing was found)."""
-
-    pid: int | None = None
-    exe: str | None = None
-    cmdline: tuple[str, ...] = ()
-    in_tree: bool = False  # held only by the child (the tree's root) or its descendants
-    program: Program | None = None
-    why: str = ""  # when pid is None: why the owner is unknown
 
 
 UNKNOWN = Identity(why="the connection's owner could not be determined")

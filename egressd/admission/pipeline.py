@@ -31,11 +31,11 @@ from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_
 from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Resolved, Stage
 from egressd.admission.grants import GrantStore
 from egressd.admission.http_rules import request_refusal
-from egressd.admission.identity import Identity, identify
+from egressd.admission.identity import identify
 from egressd.admission.limits import Limits
 from egressd.admission.pinning import ConnectFailure, Pin, connect_protocol
 from egressd.admission.redirects import RedirectMemory
-from egressd.admission.state import ConnState, PolicyHolder
+from egressd.admission.state import ConnState, Identity, PolicyHolder
 from egressd.policy import AddressClass, Decision, IPAddress, Program, classify
 from egressd.refusal import Refusal
 

@@ -6,12 +6,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from egressd.policy import Policy, join_host_port
-
-if TYPE_CHECKING:
-    from egressd.admission.identity import Identity
+from egressd.policy import Policy, Program, join_host_port
 
 DEFAULT_USERNAME = "egressd"
 
@@ -44,6 +40,18 @@ class PolicyHolder:
     def set(self, policy: Policy) -> None:
         with self._lock:
             self._policy = policy
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What the lookup found for one connection (every field None when nothing was found)."""
+
+    pid: int | None = None
+    exe: str | None = None
+    cmdline: tuple[str, ...] = ()
+    in_tree: bool = False  # held only by the child (the tree's root) or its descendants
+    program: Program | None = None
+    why: str = ""  # when pid is None: why the owner is unknown
 
 
 @dataclass
