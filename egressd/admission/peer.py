@@ -330,28 +330,11 @@ def _read_process(pid: int, dirfd: int) -> Holder | None:
     return Holder(pid, exe, cmdline, ppid, uid)
 
 
-def parent(pid: int, *, proc: str = PROC) -> int | None:
-    try:
-        with open(f"{proc}/{pid}/status", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("PPid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def in_tree(holder: Holder, root: int, *, proc: str = PROC) -> bool:
-    """holder is root or descends from it, walking PPid now (a live process's parent is live: a
-    process whose parent exited was re-parented and is no longer the child's)."""
-    pid, ppid = holder.pid, holder.ppid
-    for _ in range(_MAX_TREE):
-        if pid == root:
-            return True
-        if ppid is None or ppid <= 1:
-            return False
-        pid, ppid = ppid, parent(ppid, proc=proc)
-    return False
+def in_tree(holder: Holder, tree_pids: frozenset[int], root: int) -> bool:
+    """holder is root, or a descendant whose parent (read with it, through its own /proc directory)
+    is in the tree found a moment before: a pid reused meanwhile by a process outside the tree has a
+    parent outside it, and a process whose parent exited was re-parented out of the tree."""
+    return holder.pid == root or (holder.pid in tree_pids and holder.ppid in tree_pids)
 
 
 def lookup(
@@ -381,7 +364,8 @@ def lookup(
             found = _holder(pid, link, proc=proc)
             if found is not None:
                 holders.append(found)
-    marks = tuple(root is not None and in_tree(h, root, proc=proc) for h in holders)
+    tree_pids = frozenset(candidates)
+    marks = tuple(root is not None and in_tree(h, tree_pids, root) for h in holders)
     return Peer(row.inode, tuple(holders), marks)
 
 

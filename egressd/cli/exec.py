@@ -40,8 +40,9 @@ def exec_command(options: SessionOptions, credentials_listener: bool, command: t
     The child's stdin, stdout, stderr, exit status and signals pass through untouched; egressd
     writes nothing to stdout. With --policy FILE, edits to FILE apply to the running child.
     """
-    if options.identify is None:  # the child's tree narrows the owner lookup: ~0.3 ms a connection
-        options = dataclasses.replace(options, identify=identity.SUPPORTED)
+    if options.identify is None:  # ~0.3 ms a connection through the child's tree: where it is kept
+        recorded = bool(options.audit_path or options.trace or options.dashboard)
+        options = dataclasses.replace(options, identify=identity.SUPPORTED and recorded)
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
     returncode = EXIT_CANNOT_RUN

@@ -113,8 +113,8 @@ def proxy_options(func: Callable[..., Any]) -> Callable[..., Any]:
             "--identify/--no-identify",
             default=None,
             help="Record each connection's program (pid, exe) in the audit, watch and dashboard "
-            "(Linux; default: on for exec, off for run, where no child's process tree narrows the "
-            "search). Rules scoped by exe look it up either way. See docs/audit.md.",
+            "(Linux; default: on for exec with --audit, --trace or --dashboard, else off). Rules "
+            "scoped by exe look it up either way. See docs/audit.md.",
         ),
         click.option(
             "--listen",
