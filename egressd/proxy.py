@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import resource
@@ -109,6 +110,8 @@ class EgressProxy:
         if loop is None or self._front is None:
             raise EngineError("the proxy is not running")
         host = self.http_address[0]
+        if not ipaddress.ip_address(host).is_loopback:  # --listen 0.0.0.0: this one stays on loopback
+            host = "127.0.0.1"
         future = asyncio.run_coroutine_threadsafe(self._front.start_child_only(host, creds), loop)
         address = future.result(timeout=START_TIMEOUT)
         self.pipeline.decider.add_self_address(*address)

@@ -200,7 +200,7 @@ class Pipeline:
         if not authenticate(self.credentials, conn, ask.credentials, require_auth=self.require_auth):
             return self._auth_refusal(conn)
         # 1b. identity: who holds the socket, when a rule or the audit needs it (once per connection)
-        program = self._program(conn)
+        program = await self._program(conn)
         # 2. limits, before anything is decided: refused targets cost a child its rate too
         tunnel = ask.stage in ("connect", "socks")
         limited = self.limits.rate(conn) or (self.limits.connections() if tunnel else None)
@@ -294,11 +294,16 @@ class Pipeline:
             needs_inspection=candidate.needs_inspection or inspect,
         )
 
-    def _program(self, conn: ConnState) -> Program | None:
-        """The identity step: look the owner up when a rule or `identify` needs it."""
+    async def _program(self, conn: ConnState) -> Program | None:
+        """The identity step: look the owner up when a rule or `identify` needs it. Through the
+        child's tree it takes well under a millisecond; without one (`egressd run`) it may scan all
+        of /proc, in a worker thread so other connections are not held up."""
         if conn.identity is None and (self.identify or self.policies.get().needs_program):
             root = self.children.get(conn.creds.token) if conn.creds is not None else None
-            identify(conn, root)
+            if root is not None:
+                identify(conn, root)
+            else:
+                await asyncio.to_thread(identify, conn, None)
         return conn.identity.program if conn.identity is not None else None
 
     def _auth_refusal(self, conn: ConnState) -> Refusal:
