@@ -10,6 +10,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import socket
 import ssl
 import subprocess
@@ -303,6 +304,10 @@ def test_a_process_outside_the_childs_tree_gets_407(
             timeout=60,
         )
         assert outside.stdout == "407", outside
+        if os.geteuid() == 0 and shutil.which("setpriv"):  # another user's process (CI runs as root)
+            nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *outside.args]
+            other_user = subprocess.run(nobody, capture_output=True, text=True, timeout=60)
+            assert other_user.stdout == "407", other_user
     finally:
         go_file.touch()
         child.wait(timeout=60)
