@@ -103,6 +103,44 @@ def child_environment(
     return env
 
 
+JAVA_OPTIONS = "JAVA_TOOL_OPTIONS"
+# The proxy URL without credentials of `egressd exec`'s child-only listener, for clients that
+# cannot send proxy credentials: `chromium --proxy-server="$EGRESSD_CHILD_PROXY"`.
+CHILD_PROXY_VAR = "EGRESSD_CHILD_PROXY"
+
+
+def java_trust_options(inherited: str | None, store: str) -> str:
+    """JAVA_TOOL_OPTIONS with egressd's trust store: the JVM reads no CA-bundle variable, and a
+    JVM whose connections are captured meets egressd's CA on the hosts it inspects."""
+    ours = f"-Djavax.net.ssl.trustStore={store} -Djavax.net.ssl.trustStoreType=JKS"
+    return f"{inherited} {ours}" if inherited else ours
+
+
+def java_proxy_options(inherited: str | None, address: tuple[str, int]) -> str:
+    """JAVA_TOOL_OPTIONS with a credential-free proxy port for HTTP and HTTPS, and no host exempted
+    (the JVM's default skips localhost, which must be decided like any host). Appended after the
+    user's own options: the JVM applies them in order, so egressd's proxy settings win."""
+    host, port = address
+    ours = " ".join(
+        f"-D{scheme}.proxyHost={host} -D{scheme}.proxyPort={port}" for scheme in ("http", "https")
+    )
+    ours += " -Dhttp.nonProxyHosts="
+    return f"{inherited} {ours}" if inherited else ours
+
+
+def java_environment(
+    env: dict[str, str], *, proxy: tuple[str, int] | None = None, truststore: str | None = None
+) -> dict[str, str]:
+    """env with JAVA_TOOL_OPTIONS naming egressd's trust store (inspection on) and a credential-free
+    proxy port (the JVM sends no credentials on a CONNECT), merged into the user's own options.
+    A trust store path with whitespace cannot be said there (the JVM splits the variable at it)."""
+    if truststore is not None and not any(c.isspace() for c in truststore):
+        env[JAVA_OPTIONS] = java_trust_options(env.get(JAVA_OPTIONS), truststore)
+    if proxy is not None:
+        env[JAVA_OPTIONS] = java_proxy_options(env.get(JAVA_OPTIONS), proxy)
+    return env
+
+
 def proxy_exports(
     proxy_url: str, socks_url: str | None = None, *, ca_bundle: str | None = None
 ) -> dict[str, str]:

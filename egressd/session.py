@@ -105,6 +105,8 @@ class SessionOptions:
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
     control: bool = True  # serve the control API on the user's Unix socket
     dashboard: bool = False  # --dashboard: serve the web dashboard on loopback (needs the control API)
+    # --identify: look up every connection's program (pid, exe) for the audit; None: the command's default
+    identify: bool | None = None
 
 
 class ProxySession:
@@ -208,6 +210,7 @@ class ProxySession:
             inspect=self.options.inspect,
             config_dir=self.options.config_dir,
             upstream_ca=self.options.upstream_ca,
+            identify=bool(self.options.identify),
         )
         self._start_approvals(self.proxy)
         self._observe(self.proxy.pipeline.events.subscribe)
@@ -433,6 +436,29 @@ class ProxySession:
         """The environment of one child: fresh credentials unless given."""
         url, socks = self.proxy_urls(creds or self.credentials())
         return child_environment(os.environ if base is None else base, url, socks, ca_bundle=self.ca_bundle)
+
+    def child_only(self, env: dict[str, str], creds: ProxyCredentials, *, listener: bool) -> dict[str, str]:
+        """env plus what clients that cannot send proxy credentials need: with `listener`, a
+        credential-free loopback listener for this child's process tree alone (its URL in
+        EGRESSD_CHILD_PROXY, the JVM's proxy settings in JAVA_TOOL_OPTIONS); and under inspection
+        the JVM's trust store."""
+        from egressd.ca import java_truststore_path
+        from egressd.child_env import CHILD_PROXY_VAR, java_environment
+        from egressd.policy import join_host_port
+
+        assert self.proxy is not None
+        address = None
+        if listener:
+            address = self.proxy.child_only_listener(creds)
+            env[CHILD_PROXY_VAR] = f"http://{join_host_port(*address)}"
+        store = java_truststore_path(self.ca_bundle) if self.ca_bundle else None
+        truststore = str(store) if store is not None and store.is_file() else None
+        return java_environment(env, proxy=address, truststore=truststore)
+
+    def child_started(self, creds: ProxyCredentials, pid: int) -> None:
+        """The child running with creds is pid (its process tree is its connections' owner)."""
+        if self.proxy is not None:
+            self.proxy.child_started(creds, pid)
 
     def exports(self, creds: ProxyCredentials | None = None) -> dict[str, str]:
         url, socks = self.proxy_urls(creds or self.credentials())

@@ -31,11 +31,12 @@ from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_
 from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Resolved, Stage
 from egressd.admission.grants import GrantStore
 from egressd.admission.http_rules import request_refusal
+from egressd.admission.identity import identify
 from egressd.admission.limits import Limits
 from egressd.admission.pinning import ConnectFailure, Pin, connect_protocol
 from egressd.admission.redirects import RedirectMemory
-from egressd.admission.state import ConnState, PolicyHolder
-from egressd.policy import AddressClass, Decision, IPAddress, classify
+from egressd.admission.state import ConnState, Identity, PolicyHolder
+from egressd.policy import AddressClass, Decision, IPAddress, Program, classify
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class Pipeline:
         require_auth: bool = True,
         approver: Approver | None = None,
         grants: GrantStore | None = None,
+        identify: bool = False,
     ) -> None:
         self.policies = policies
         self.credentials = credentials or CredentialStore()
@@ -116,6 +118,10 @@ class Pipeline:
         if audit is not None:
             self.events.subscribe(audit.observe)
         self.inspection = False  # TLS inspection available (CA ready); off with --no-inspect
+        # look up every connection's program (pid, exe in the audit), not only where a rule needs it
+        self.identify = identify
+        # the pid of the child each token was issued to: its process tree is searched first
+        self.children: dict[str, int] = {}
         self.draining = False
         self._conns = Connections()
         # connection ids for the audit log: a random prefix per proxy and a counter
@@ -123,8 +129,24 @@ class Pipeline:
         self._ids = itertools.count(1)
 
     # -- client connections ------------------------------------------------------------------------
-    def open_conn(self, peer: str, implicit: ProxyCredentials | None = None) -> ConnState:
-        state = ConnState(conn_id=f"{self._id_prefix}{next(self._ids):06x}", peer=peer, implicit=implicit)
+    def open_conn(
+        self,
+        peer: str,
+        implicit: ProxyCredentials | None = None,
+        *,
+        ends: tuple[tuple[str, int], tuple[str, int]] | None = None,
+        tree_only: bool = False,
+    ) -> ConnState:
+        """A client connection accepted; `ends`: (client, server) addresses of its socket (for the
+        owner lookup); `tree_only`: the listener admits only the process tree of the child its
+        implicit credentials belong to."""
+        state = ConnState(
+            conn_id=f"{self._id_prefix}{next(self._ids):06x}",
+            peer=peer,
+            implicit=implicit,
+            ends=ends,
+            tree_only=tree_only,
+        )
         with self._conns.lock:
             self._conns.open[state.conn_id] = state
         return state
@@ -170,9 +192,15 @@ class Pipeline:
         faults.maybe_fail("hook")
         if ask.stage == "inner" and not conn.tunnel:
             return self.internal_error("admit", RuntimeError("a request inside a tunnel nobody admitted"))
-        # 1. credentials
+        # 1. credentials (the child-only listener's: the program holding the socket is the child's)
+        if conn.tree_only and ask.credentials is None and conn.implicit is not None:
+            root = self.children.get(conn.implicit.token)
+            if root is not None:  # not yet started: nobody is the child yet (407)
+                identify(conn, root, tree_only=True)
         if not authenticate(self.credentials, conn, ask.credentials, require_auth=self.require_auth):
-            return AUTH_REFUSAL
+            return self._auth_refusal(conn)
+        # 1b. identity: who holds the socket, when a rule or the audit needs it (once per connection)
+        program = await self._program(conn)
         # 2. limits, before anything is decided: refused targets cost a child its rate too
         tunnel = ask.stage in ("connect", "socks")
         limited = self.limits.rate(conn) or (self.limits.connections() if tunnel else None)
@@ -180,7 +208,13 @@ class Pipeline:
             return limited
         # 3. the decision; every later step uses its canonical target, never the client's spelling
         decision = self.decider.decide(
-            ask.host, ask.port, conn.profile, scheme=ask.scheme, method=ask.method, path=ask.path
+            ask.host,
+            ask.port,
+            conn.profile,
+            scheme=ask.scheme,
+            method=ask.method,
+            path=ask.path,
+            program=program,
         )
         if decision.target is not None:
             conn.host, conn.port = decision.target.host.text, decision.target.port
@@ -231,6 +265,7 @@ class Pipeline:
                 method=ask.method,
                 path=ask.path,
                 mode="ask",
+                program=conn.identity.program if conn.identity is not None else None,
             )
         target = candidate.target
         if not candidate.ask or target is None:
@@ -258,6 +293,29 @@ class Pipeline:
             private_ok=False,
             needs_inspection=candidate.needs_inspection or inspect,
         )
+
+    async def _program(self, conn: ConnState) -> Program | None:
+        """The identity step: look the owner up when a rule or `identify` needs it. Through the
+        child's tree it takes well under a millisecond; without one (`egressd run`) it may scan all
+        of /proc, in a worker thread so other connections are not held up."""
+        if conn.identity is None and (self.identify or self.policies.get().needs_program):
+            root = self.children.get(conn.creds.token) if conn.creds is not None else None
+            if root is not None:
+                identify(conn, root)
+            else:
+                await asyncio.to_thread(identify, conn, None)
+        return conn.identity.program if conn.identity is not None else None
+
+    def _auth_refusal(self, conn: ConnState) -> Refusal:
+        """407; on the child-only listener, with why the connection is not the child's."""
+        who = conn.identity
+        if not conn.tree_only or who is None or who.in_tree:
+            return AUTH_REFUSAL
+        detail = (
+            "this listener admits only the child egressd started and its descendants, without "
+            f"credentials; {who.why or 'the connection is held by another process'}"
+        )
+        return Refusal("proxy_auth_required", detail)
 
     def authenticate(self, conn: ConnState, presented: Presented) -> bool:
         """The credentials step alone, for a protocol that answers it before its request arrives
@@ -331,9 +389,12 @@ class Pipeline:
     # -- events ------------------------------------------------------------------------------------
     def _emit(self, conn: ConnState | None, **fields: Any) -> None:
         """A Decided event about this client connection."""
-        client = {"conn": None, "client": None, "profile": None}
+        client: dict[str, Any] = {"conn": None, "client": None, "profile": None}
         if conn is not None:
             client = {"conn": conn.conn_id, "client": conn.client_name, "profile": conn.profile}
+            who: Identity | None = conn.identity
+            if who is not None:
+                client.update(pid=who.pid, exe=who.exe)
         self.events.emit(Decided(**client, **fields))
 
     def _decided(self, conn: ConnState, ask: Ask, decision: Decision, refusal: Refusal | None) -> None:

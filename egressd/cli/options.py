@@ -110,6 +110,13 @@ def proxy_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Allow --metrics on a non-loopback address (other machines can then read them).",
         ),
         click.option(
+            "--identify/--no-identify",
+            default=None,
+            help="Record each connection's program (pid, exe) in the audit, watch and dashboard "
+            "(Linux; default: on for exec with --audit, --trace or --dashboard, else off). Rules "
+            "scoped by exe look it up either way. See docs/audit.md.",
+        ),
+        click.option(
             "--listen",
             default="127.0.0.1:0",
             show_default=True,
@@ -188,6 +195,7 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
         upstream_ca=tuple(params.pop("upstream_ca")),
         approve_all=params.pop("approve_all"),
         prompt=not params.pop("no_prompt"),
+        identify=params.pop("identify"),
     )
 
 

@@ -12,13 +12,15 @@ from .rules import HostRule, RuleSet
 
 
 def _rule(rule: HostRule) -> str | dict[str, Any]:
-    if not rule.paths and not rule.methods:
+    if not rule.paths and not rule.methods and not rule.exe:
         return rule.text
     entry: dict[str, Any] = {"host": rule.text}
     if rule.paths:
         entry["paths"] = list(rule.paths)
     if rule.methods:
         entry["methods"] = list(rule.methods)
+    if rule.exe:
+        entry["exe"] = list(rule.exe)
     return entry
 
 

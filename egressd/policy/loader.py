@@ -132,7 +132,15 @@ class _Reader:
         return value
 
     def rules(self, value: object, key: str) -> RuleSet:
-        return RuleSet(parse_rule_list(self.list(value, key), self.source, key))
+        rules = parse_rule_list(self.list(value, key), self.source, key)
+        if not key.endswith("allow"):
+            # `exe` narrows what an allow rule admits; a deny or inspect rule applies to every
+            # program (a deny that spared other programs would widen, which `exe` never does)
+            for index, rule in enumerate(rules):
+                if rule.exe:
+                    why = "exe is only for allow rules (a deny applies to every program)"
+                    raise self.fail(f"{key}[{index}]", why, rule.text)
+        return RuleSet(rules)
 
 
 def _type_name(value: object) -> str:

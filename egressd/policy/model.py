@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from types import MappingProxyType
 from typing import Literal, get_args
 
@@ -163,6 +164,12 @@ class Policy:
             rulesets += [profile.deny] if profile.allow is None else [profile.allow, profile.deny]
         restricted = any(rule.restricted for rules in rulesets for rule in rules.rules)
         return bool(len(self.inspect) or self.builtin or restricted)
+
+    @cached_property
+    def needs_program(self) -> bool:
+        """Some allow rule is scoped by `exe`: each connection's program must be looked up."""
+        rulesets = [self.allow] + [p.allow for p in self.profiles.values() if p.allow is not None]
+        return any(rule.exe for rules in rulesets for rule in rules.rules)
 
     def with_overrides(
         self,
