@@ -287,6 +287,12 @@ class ProxySession:
             if self._prompter is not None:
                 self._prompter.start()
 
+    def _identify_from_now_on(self) -> None:
+        """A watch stream attached: from now on every connection names its program (pid, exe),
+        a cost paid only once someone watches (docs/audit.md)."""
+        if self.proxy is not None:
+            self.proxy.pipeline.identify = True
+
     def _writable_policy(self) -> bool:
         """An ask answered "always" writes the user's policy file, never a built-in preset."""
         return self.watcher is not None and Path(str(self.options.policy_file)).is_file()
@@ -368,6 +374,7 @@ class ProxySession:
             metrics=self.metrics.render if self.metrics is not None else None,
             policy=self.policy_info,
             edit_policy=self._edit_policy if self._writable_policy() else None,
+            watched=self._identify_from_now_on,
         )
         server.start(sock)
         self._control, self.control_path = server, path
