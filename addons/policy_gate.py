@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from mitmproxy import connection, http
@@ -23,10 +23,12 @@ from egressd.admission.pinning import current_pin
 from egressd.admission.pipeline import Admitted, Ask, Pipeline
 from egressd.admission.state import ConnState
 from egressd.inspect import response_limit
+from egressd.inspect.connections import close_client
 from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
 from egressd.wire.http_fields import hop_by_hop_names
+from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream
 
 logger = logging.getLogger(__name__)
 
@@ -132,27 +134,26 @@ class PolicyGate:
             self._refuse(flow, admitted)
             return
         request.host = admitted.host
+        self._apply_changes(flow, admitted, handoff)
         _strip_hop_by_hop(request.headers, keep_upgrade=_is_upgrade(request))
-        self._strip_credentials_after_redirect(flow, handoff.conn)
 
-    def _strip_credentials_after_redirect(self, flow: http.HTTPFlow, conn: ConnState) -> None:
-        """The follow-up of a redirect to another origin carries none of the credential headers."""
-        origin = self.rt.redirects.take(conn.client_key, flow.request.url)
-        if origin is None:
-            return
-        names = self.rt.policies.get().credentials.strip_on_host_change
-        stripped = [name for name in names if name in flow.request.headers]
-        for name in stripped:
-            flow.request.headers.pop(name, None)
-        request = flow.request
-        self.rt.notice(
-            conn,
-            "credentials_stripped",
-            redirected_from=origin,
-            host=request.host,
-            port=request.port,
-            stripped=stripped,
-        )
+    def _apply_changes(self, flow: http.HTTPFlow, admitted: Admitted, handoff: Handoff) -> None:
+        """What the pipeline changed in the request: the credentials of a redirect's follow-up to
+        another origin dropped, a secret's value swapped in, the body scanned for placeholders."""
+        request, injection = flow.request, admitted.injection
+        for name in admitted.strip:
+            request.headers.pop(name, None)
+        if injection.headers is not None:
+            request.headers = http.Headers(
+                [
+                    (n.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape"))
+                    for n, v in injection.headers
+                ]
+            )
+        if injection.path is not None:
+            request.path = injection.path
+        if injection.body:
+            request.stream = _BodyScan(self.rt, handoff, flow, PlaceholderStream(injection.body))
 
     @fail_closed
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -239,6 +240,38 @@ class PolicyGate:
         flow.metadata[_REFUSED] = True
         flow.request.stream = False  # a refused request is answered, never streamed upstream
         flow.response = refusal_response(refusal)
+
+
+class _BodyScan:
+    """A request body streamed through the placeholder scan (mitmproxy's request.stream hook): a
+    find records the refusal and closes the client before any byte of the placeholder is sent."""
+
+    def __init__(self, rt: Pipeline, handoff: Handoff, flow: http.HTTPFlow, scan: PlaceholderStream) -> None:
+        self.rt, self.handoff, self.flow, self.scan = rt, handoff, flow, scan
+        self.refused = False
+
+    def __call__(self, chunk: bytes) -> Iterable[bytes]:
+        if self.refused:
+            return []
+        try:
+            return [self.scan.feed(chunk) if chunk else self.scan.end()]
+        except PlaceholderFound as found:
+            self.refused = True
+            request, tunnel = self.flow.request, self.handoff.tunnel
+            refusal = self.rt.secret_refusal(tunnel.host, tunnel.port, found.name)
+            self.rt.refused_early(
+                self.handoff.conn,
+                tunnel.host,
+                tunnel.port,
+                refusal.reason,
+                refusal.detail,
+                stage="inner",
+                method=request.method,
+                scheme=request.scheme,
+                path=request.path,
+            )
+            close_client(self.flow.client_conn.id)
+            return []
 
 
 def _is_upgrade(request: http.Request) -> bool:

@@ -13,7 +13,7 @@ from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
     pass
-from egressd.cli.options import dashboard_option, open_session, session_options
+from egressd.cli.options import dashboard_option, open_session, secret_options, session_options
 
 
 @click.command(
@@ -23,10 +23,13 @@ from egressd.cli.options import dashboard_option, open_session, session_options
 Example:
   egressd exec --allow registry.npmjs.org -- npm install
   egressd exec --policy npm --trace -- npm ci
-  egressd exec --policy agent.yaml --audit audit.jsonl -- my-mcp-server --stdio""",
+  egressd exec --policy agent.yaml --audit audit.jsonl -- my-mcp-server --stdio
+  egressd exec --allow api.example.com --secret api=API_KEY \\
+      --secret-host api=api.example.com -- my-agent""",
 )
 @session_options
 @dashboard_option
+@secret_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
 def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
     """Run CMD with all its traffic going through egressd.
