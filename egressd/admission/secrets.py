@@ -110,7 +110,7 @@ class SecretBook:
             if name is None:
                 for header, value in headers:
                     if (name := foreign.find(value) or foreign.find(header)) is not None:
-                        where = f"{header.lower()} header"
+                        where = f"{foreign.redact(header.lower())} header"
                         break
             if name is not None:
                 return refusal(name, where, host, port, state.specs.get(name))
