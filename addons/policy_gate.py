@@ -28,11 +28,12 @@ from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
 from egressd.wire.http_fields import hop_by_hop_names
-from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream
+from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
 
 logger = logging.getLogger(__name__)
 
 _REFUSED = "egressd_refused"
+_MASK = "egressd_mask"
 
 
 def _peer(client: connection.Client) -> str:
@@ -154,6 +155,8 @@ class PolicyGate:
             request.path = injection.path
         if injection.body:
             request.stream = _BodyScan(self.rt, handoff, flow, PlaceholderStream(injection.body))
+        if injection.values:
+            flow.metadata[_MASK] = ValueMask(injection.values)
 
     @fail_closed
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -169,6 +172,11 @@ class PolicyGate:
         limit = self.rt.policies.get().limits.max_response_bytes
         if limit is not None:
             response_limit.apply(flow, limit, self._on_response_cut(flow, conn, limit))
+        mask = flow.metadata.get(_MASK)
+        if mask is not None:  # a secret's value echoed back is masked (docs/secrets.md)
+            for name in {n for n, v in response.headers.items(multi=True) if mask.text(v) != v}:
+                response.headers.set_all(name, [mask.text(v) for v in response.headers.get_all(name)])
+            response.stream = _MaskedStream(response.stream, mask)
 
     def _on_response_cut(self, flow: http.HTTPFlow, conn: ConnState, limit: int) -> Callable[[int], None]:
         def cut(seen: int) -> None:
@@ -272,6 +280,24 @@ class _BodyScan:
             )
             close_client(self.flow.client_conn.id)
             return []
+
+
+class _MaskedStream:
+    """A response body streamed through the value mask, after whatever stream was set (the limit)."""
+
+    def __init__(self, inner: Any, mask: ValueMask) -> None:
+        self.inner = inner if callable(inner) else None
+        self.mask = mask
+
+    def __call__(self, chunk: bytes) -> Iterable[bytes]:
+        pieces: Any = self.inner(chunk) if self.inner is not None else [chunk]
+        if isinstance(pieces, bytes):
+            pieces = [pieces]
+        out = [self.mask.feed(piece) for piece in pieces if piece]
+        if not chunk:  # the end of the body: flush what the mask held back
+            out.append(self.mask.end())
+        data = b"".join(out)
+        return [data] if data else []
 
 
 def _is_upgrade(request: http.Request) -> bool:

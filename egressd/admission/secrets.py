@@ -41,7 +41,7 @@ class Injection:
     path: str | None = None
     body: Needles = field(default_factory=lambda: Needles({}))
     injected: tuple[str, ...] = ()
-    values: tuple[str, ...] = ()  # the values swapped in (for masking echoes in the response)
+    values: tuple[str, ...] = ()  # the values swapped in: masked where the response echoes them
 
 
 NO_INJECTION = Injection()
@@ -132,6 +132,9 @@ class SecretBook:
                 values.append(value)
         if not injected:
             return Injection(body=foreign)
+        # the response is read for echoes of the value (masked): ask for it unencoded
+        new_headers = [(n, v) for n, v in new_headers if n.lower() != "accept-encoding"]
+        new_headers.append(("Accept-Encoding", "identity"))
         return Injection(
             headers=tuple(new_headers) if new_headers != list(headers) else None,
             path=new_path if new_path != path else None,

@@ -37,7 +37,7 @@ from egressd.wire.http1 import (
     upstream_headers,
 )
 from egressd.wire.http_fields import hostport
-from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream
+from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
 
 if TYPE_CHECKING:
     from egressd.admission.pipeline import Pipeline
@@ -339,7 +339,8 @@ class PlainClient(_Writable, asyncio.Protocol):
             scan = PlaceholderStream(admitted.injection.body) if admitted.injection.body else None
             sending = asyncio.get_running_loop().create_task(self._send_body(upstream, head, scan))
         try:
-            outcome = await self._relay_response(upstream, head, key, url)
+            mask = ValueMask(admitted.injection.values)
+            outcome = await self._relay_response(upstream, head, key, url, mask)
         finally:
             if sending is not None and not sending.done():
                 sending.cancel()
@@ -387,8 +388,11 @@ class PlainClient(_Writable, asyncio.Protocol):
         upstream.inbox.fail(exc)
         upstream.close()
 
-    async def _relay_response(self, upstream: Upstream, request: RequestHead, key: Key, url: str) -> str:
-        """The upstream's answer to the child: "done", "closed" (both sides end) or "relay"."""
+    async def _relay_response(
+        self, upstream: Upstream, request: RequestHead, key: Key, url: str, mask: ValueMask
+    ) -> str:
+        """The upstream's answer to the child: "done", "closed" (both sides end) or "relay". With
+        `mask`, a secret's value the upstream echoes is masked in the head and the body."""
         started, seen = False, 0
         while True:
             if not upstream.inbox.events:
@@ -416,6 +420,8 @@ class PlainClient(_Writable, asyncio.Protocol):
                 if 300 <= event.status < 400 and (location := event.values("location")):
                     self.rt.redirects.remember(self.state.client_key, url, location[0])
                 started = True
+                if mask:
+                    event = dataclasses.replace(event, headers=[(n, mask.text(v)) for n, v in event.headers])
                 self.write(self.wire.response(event))
             elif isinstance(event, Body):
                 seen += len(event.data)
@@ -423,11 +429,15 @@ class PlainClient(_Writable, asyncio.Protocol):
                     self._audit_cut(key, request.path, seen)  # cut visibly: no last chunk
                     self.close()
                     return "closed"
-                self.write(self.wire.body(event.data))
+                data = mask.feed(event.data) if mask else event.data
+                if data:
+                    self.write(self.wire.body(data))
                 if len(self.out) > 16 or not self.writable.is_set():
                     self.flush()
                     await self.drain()
             elif isinstance(event, End):
+                if mask and (rest := mask.end()):
+                    self.write(self.wire.body(rest))
                 self.write(self.wire.end(event.trailers))
                 self.flush()
                 return "done"

@@ -148,3 +148,37 @@ class PlaceholderStream:
         if self.found is not None:
             raise PlaceholderFound(self.found)
         return rest
+
+
+class ValueMask:
+    """Mask the real values egressd put into a request wherever the response echoes them: each
+    occurrence becomes as many `*` (the length is kept, so Content-Length and chunk framing stay
+    right). Streamed like PlaceholderStream: `feed` holds back the last (longest value - 1) bytes so
+    a value split across chunks is still masked; `end` flushes. Literal occurrences only."""
+
+    def __init__(self, values: Iterable[str]) -> None:
+        self.values = sorted({v.encode("utf-8") for v in values if v}, key=len, reverse=True)
+        self.hold = max((len(v) for v in self.values), default=1) - 1
+        self._held = b""
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    def mask(self, data: bytes) -> bytes:
+        for value in self.values:
+            data = data.replace(value, b"*" * len(value))
+        return data
+
+    def text(self, value: str) -> str:
+        """A header value with the values masked."""
+        return self.mask(value.encode("utf-8", "surrogateescape")).decode("utf-8", "surrogateescape")
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.mask(self._held + bytes(chunk))
+        cut = max(0, len(data) - self.hold)
+        self._held = data[cut:]
+        return data[:cut]
+
+    def end(self) -> bytes:
+        rest, self._held = self._held, b""
+        return rest

@@ -21,7 +21,7 @@ from egressd.policy import PolicyError, canonical_host, parse_policy
 from egressd.policy.dump import policy_to_data
 from egressd.policy.secrets import secrets_from_options
 from egressd.refusal import Refusal
-from egressd.wire.placeholders import Needles, PlaceholderFound, PlaceholderStream, placeholder
+from egressd.wire.placeholders import Needles, PlaceholderFound, PlaceholderStream, ValueMask, placeholder
 
 TOKEN = "0123456789abcdef0f1e2d3c4b5a6978"
 PH = placeholder("api", TOKEN)
@@ -164,7 +164,13 @@ def test_the_listed_host_gets_the_value_where_the_entry_says() -> None:
         canonical_host("api.test"), 443, "/v1", [("Authorization", f"Bearer {ph}"), ("X-A", "b")]
     )
     assert not isinstance(done, Refusal)
-    assert done.headers == (("Authorization", "Bearer REAL-VALUE"), ("X-A", "b"))
+    # the response is asked for unencoded, so an echo of the value can be masked
+    assert done.headers == (
+        ("Authorization", "Bearer REAL-VALUE"),
+        ("X-A", "b"),
+        ("Accept-Encoding", "identity"),
+    )
+    assert done.values == ("REAL-VALUE",)
     assert done.injected == ("api",) and not done.body.tokens.get("api")
     assert done.body.tokens.get("q")  # the other secret's placeholder may not go in the body
     q = book.placeholder("q")
@@ -265,3 +271,23 @@ def test_command_line_secrets() -> None:
         parse_policy({"version": 1}, "p.yaml").with_overrides(secrets=[spec])
     with pytest.raises(PolicyError, match="no --secret of this name"):
         secrets_from_options([], ["api=api.test"])
+
+
+# -- masking echoes of a value in a response ---------------------------------------------------------------
+VALUE = "sk-REAL-0123456789"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from([b"x", b"\n", VALUE.encode(), VALUE.encode()[:5], b"sk-"]), max_size=30),
+    cuts=st.lists(st.integers(min_value=0, max_value=600), max_size=12),
+)
+def test_a_masked_response_keeps_its_length_and_never_holds_the_value(
+    parts: list[bytes], cuts: list[int]
+) -> None:
+    body = b"".join(parts)
+    mask = ValueMask([VALUE])
+    out = b"".join([mask.feed(chunk) for chunk in _split(body, cuts)] + [mask.end()])
+    assert len(out) == len(body)
+    assert VALUE.encode() not in out
+    assert out == body.replace(VALUE.encode(), b"*" * len(VALUE))

@@ -197,7 +197,7 @@ GOLDEN = r"""(version 1)
 
 
 def decide(profile: str, operation: str, path: str) -> str | None:
-    """"allow" or "deny": the last rule that names `operation` (or a wildcard of it) and has no
+    """ "allow" or "deny": the last rule that names `operation` (or a wildcard of it) and has no
     filter or a path filter matching `path`; rules with other filters (target, ip) never match."""
     decision = None
     for form in sbpl.read(profile):
