@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 _REFUSED = "egressd_refused"
 _MASK = "egressd_mask"
+_SCAN = "egressd_scan"
+_PATH = "egressd_child_path"
+# request bodies up to this size are read whole before going upstream (mitmproxy's own threshold,
+# stream_large_bodies in egressd.proxy): a placeholder in one is answered 403, nothing sent
+BUFFERED_BODY = 256 * 1024
 
 
 def _peer(client: connection.Client) -> str:
@@ -152,11 +157,32 @@ class PolicyGate:
                 ]
             )
         if injection.path is not None:
+            flow.metadata[_PATH] = request.path  # records name the path as the child sent it
             request.path = injection.path
         if injection.body:
-            request.stream = _BodyScan(self.rt, handoff, flow, PlaceholderStream(injection.body))
+            length = request.headers.get("content-length", "")
+            if (
+                length.isdigit()
+                and int(length) <= BUFFERED_BODY
+                and "transfer-encoding" not in request.headers
+            ):
+                flow.metadata[_SCAN] = injection.body  # read whole, scanned in request(): a clean 403
+            else:
+                request.stream = _BodyScan(self.rt, handoff, flow, PlaceholderStream(injection.body))
         if injection.values:
             flow.metadata[_MASK] = ValueMask(injection.values)
+
+    @fail_closed
+    def request(self, flow: http.HTTPFlow) -> None:
+        """A small body read whole (mitmproxy buffers what it does not stream): scanned for the
+        placeholders its host may not get before anything of the request goes upstream."""
+        needles = flow.metadata.pop(_SCAN, None)
+        if needles is None or flow.metadata.get(_REFUSED):
+            return
+        name = needles.find(flow.request.raw_content or b"")
+        if name is not None:
+            handoff = self.handoff(flow.client_conn)
+            self._refuse(flow, _secret_in_body(self.rt, handoff, flow, name))
 
     @fail_closed
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -181,7 +207,7 @@ class PolicyGate:
     def _on_response_cut(self, flow: http.HTTPFlow, conn: ConnState, limit: int) -> Callable[[int], None]:
         def cut(seen: int) -> None:
             request = flow.request
-            where = {"host": request.host, "port": request.port, "path": request.path}
+            where = {"host": request.host, "port": request.port, "path": _child_path(flow)}
             self.rt.notice(conn, "response_cut", **where, limit=limit, bytes=seen)
 
         return cut
@@ -265,21 +291,20 @@ class _BodyScan:
             return [self.scan.feed(chunk) if chunk else self.scan.end()]
         except PlaceholderFound as found:
             self.refused = True
-            request, tunnel = self.flow.request, self.handoff.tunnel
-            refusal = self.rt.secret_refusal(tunnel.host, tunnel.port, found.name)
-            self.rt.refused_early(
-                self.handoff.conn,
-                tunnel.host,
-                tunnel.port,
-                refusal.reason,
-                refusal.detail,
-                stage="inner",
-                method=request.method,
-                scheme=request.scheme,
-                path=request.path,
-            )
+            _secret_in_body(self.rt, self.handoff, self.flow, found.name)
             close_client(self.flow.client_conn.id)
             return []
+
+
+def _secret_in_body(rt: Pipeline, handoff: Handoff, flow: http.HTTPFlow, name: str) -> Refusal:
+    """A body carried a placeholder its host may not get: recorded; the refusal to answer with."""
+    request, tunnel = flow.request, handoff.tunnel
+    refusal = rt.secret_refusal(tunnel.host, tunnel.port, name)
+    where = {"method": request.method, "scheme": request.scheme, "path": _child_path(flow)}
+    rt.refused_early(
+        handoff.conn, tunnel.host, tunnel.port, refusal.reason, refusal.detail, stage="inner", **where
+    )
+    return refusal
 
 
 class _MaskedStream:
@@ -298,6 +323,11 @@ class _MaskedStream:
             out.append(self.mask.end())
         data = b"".join(out)
         return [data] if data else []
+
+
+def _child_path(flow: http.HTTPFlow) -> str:
+    """The request's path as the child sent it: never with a secret's value egressd put in."""
+    return str(flow.metadata.get(_PATH, flow.request.path))
 
 
 def _is_upgrade(request: http.Request) -> bool:

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,14 @@ API_ADDR = "198.51.100.44"
 OTHER_ADDR = "198.51.100.45"
 KEY = "sk-test-REAL-8c1f0e3a9b7d4e2f"
 KEY2 = "sk-test-ROTATED-51d2a7c9e0f3"
+QUERY_KEY = "q/key+with&odd=chars"
+QUERY_SECRET = """\
+  - name: qk
+    from: {env: REAL_QUERY_KEY}
+    hosts: [api.test]
+    query: key
+    env: QK
+"""
 NODE_CLIENT = Path(__file__).parent / "support" / "node_secret_client.js"
 
 
@@ -48,6 +57,9 @@ class KeyedApi(AppHTTPSServer):
         sent = request.headers.get("authorization", "")
         if sent != f"Bearer {self.key}":
             return Reply(401, b"wrong key\n")
+        if request.path.startswith("/query"):
+            wanted = "key=" + urllib.parse.quote(QUERY_KEY, safe="")
+            return Reply(200 if wanted in request.path else 403, b"query checked\n")
         if request.path.startswith("/echo"):  # an API that quotes the credential back
             return Reply(
                 200,
@@ -162,6 +174,8 @@ def pieces():
 call("api", "GET", api + "/v1/models", headers={"Authorization": f"Bearer {ph}"})
 call("api_no_key", "GET", api + "/v1/models")
 call("echo", "GET", api + "/echo", headers={"Authorization": f"Bearer {ph}"})
+bearer = {"Authorization": f"Bearer {ph}"}
+call("query_key", "GET", api + "/query?a=1&key=" + os.environ["QK"], headers=bearer)
 call("header", "GET", other + "/h", headers={"X-Anything": ph})
 call("header_upper", "GET", other + "/h", headers={"X-Anything": token.upper()})
 call("query", "GET", other + "/q?k=" + ph)
@@ -181,12 +195,12 @@ def test_requests_gets_the_key_only_where_it_may_go(
 ) -> None:
     key_file = tmp_path / "key"
     key_file.write_text(KEY + "\n")
-    policy = write_policy(tmp_path, policy_text(key_file))
+    policy = write_policy(tmp_path, policy_text(key_file) + QUERY_SECRET)
     audit = tmp_path / "audit.jsonl"
     proc = egressd_exec(
         exec_options(policy, dns, ca_file, audit),
         [sys.executable, "-c", REQUESTS_CLIENT, api.base_url, other.base_url],
-        env=child_env(tmp_path / "home"),
+        env=child_env(tmp_path / "home", {"REAL_QUERY_KEY": QUERY_KEY}),
         timeout=120,
     )
     assert proc.returncode == 0, show(proc)
@@ -204,7 +218,13 @@ def test_requests_gets_the_key_only_where_it_may_go(
     # the listed host got the key and answered 200; without the header nothing is injected
     assert out["api"]["status"] == 200, out
     assert out["api_no_key"]["status"] == 401, out
-    assert [r.headers.get("authorization") for r in api.requests] == [f"Bearer {KEY}", None, f"Bearer {KEY}"]
+    assert [r.headers.get("authorization") for r in api.requests] == [f"Bearer {KEY}", None] + [
+        f"Bearer {KEY}"
+    ] * 2
+    # the query secret (from egressd's environment): swapped into ?key=, its source never the child's
+    assert out["query_key"]["status"] == 200, out
+    assert out["environ"]["QK"].startswith("egressd-secret-qk-") and "REAL_QUERY_KEY" not in out["environ"]
+    assert QUERY_KEY not in out["proc_environ"] and QUERY_KEY not in out["parent_environ"]
     # an upstream that echoes the key: the child gets it masked, same length, in body and header
     masked = "Bearer " + "*" * len(KEY)
     assert out["echo"]["body"] == f"you sent {masked} (encoding identity)", out["echo"]
@@ -212,9 +232,13 @@ def test_requests_gets_the_key_only_where_it_may_go(
     # everywhere else: refused, and the placeholder never reached the other host
     for case in ("header", "header_upper", "query", "query_pct", "auth_other"):
         assert out[case]["status"] == 403 and out[case]["reason"] == "secret_exfiltration", (case, out)
-    for case in ("body", "body_chunked", "body_b64", "body_multipart"):
-        assert out[case].get("status") in (None, 403), (case, out)  # refused or cut mid-body
+    # a body with a Content-Length is read whole and refused before anything goes upstream; a
+    # chunked one streams and is cut before the placeholder (the client sees the connection end)
+    for case in ("body", "body_b64", "body_multipart"):
+        assert out[case]["status"] == 403 and out[case]["reason"] == "secret_exfiltration", (case, out)
+    assert out["body_chunked"] == {"error": "ProxyError"}, out
     assert out["clean"]["status"] == 200, out
+    assert "/clean" in other.paths and set(other.paths) <= {"/c", "/clean"}, other.paths  # /c: cut short
     seen = other.everything()
     assert token.encode() not in seen.lower() and KEY.encode() not in seen
     assert b"nothing to see" in seen
@@ -226,7 +250,7 @@ def test_requests_gets_the_key_only_where_it_may_go(
     # the value nowhere in what egressd wrote; the placeholder's random part not in the audit
     audit_text = audit.read_text()
     for text in (audit_text, proc.stderr.decode()):
-        assert KEY not in text
+        assert KEY not in text and urllib.parse.quote(QUERY_KEY, safe="") not in text
     assert token not in audit_text.lower()
 
 
@@ -293,7 +317,11 @@ def test_curl_and_node_through_the_command_line_secret(
         'printf "%s\\n" "$API_KEY"; '
         # egressd's own /proc environ (readable here: the tests run as root) has the value wiped
         "tr '\\0' '\\n' < /proc/$PPID/environ | grep '^API_KEY='; "
-        "tr '\\0' '\\n' < /proc/$$/environ | grep '^API_KEY='"
+        "tr '\\0' '\\n' < /proc/$$/environ | grep '^API_KEY='; "
+        # the same through SOCKS5 (its tunnels to a secret's host are inspected too)
+        'curl -sS -o /dev/null -w "%{http_code}\\n" -x "$EGRESSD_SOCKS_PROXY" '
+        '-H "Authorization: Bearer $API_KEY" "$1/socks"; '
+        'curl -sS -o /dev/null -w "%{http_code}\\n" -x "$EGRESSD_SOCKS_PROXY" -H "X-Key: $API_KEY" "$2/socks"'
     )
     proc = egressd_exec(
         options,
@@ -310,9 +338,10 @@ def test_curl_and_node_through_the_command_line_secret(
     assert lines[3].startswith("egressd-secret-api-") and KEY not in proc.stdout.decode()
     assert lines[4] == "API_KEY=" + "x" * len(KEY), show(proc)  # egressd's original environment
     assert lines[5] == f"API_KEY={lines[3]}", show(proc)  # the child's: the placeholder
-    assert [r.headers.get("authorization") for r in api.requests] == [f"Bearer {KEY}"] * 2
+    assert lines[6:] == ["200", "403"], show(proc)
+    assert [r.headers.get("authorization") for r in api.requests] == [f"Bearer {KEY}"] * 3
     assert other.requests == []
-    assert len(refused(audit_records(audit))) == 2
+    assert len(refused(audit_records(audit))) == 3
     assert KEY not in audit.read_text() and KEY not in proc.stderr.decode()
 
 
