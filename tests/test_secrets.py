@@ -475,3 +475,33 @@ def test_plain_http_goes_through_the_same_step(tmp_path: Path, dns: DnsServer, c
         assert "egressd-secret" not in seen and KEY not in seen
         assert {r["path"] for r in refused(audit_records(audit))} == {"/h", "/b"}
         assert KEY not in audit.read_text() and KEY not in proc.stderr.decode()
+
+
+def test_the_sandboxed_child_gets_the_placeholder_and_not_the_key_file(
+    tmp_path: Path, dns: DnsServer, ca_file: Path, api: KeyedApi, work: Path
+) -> None:
+    """`egressd sandbox`: the child's variable holds the placeholder, the call succeeds with the key
+    egressd read from a file the sandbox does not show the child."""
+    key_file = tmp_path / "secret-key"
+    key_file.write_text(KEY)
+    policy = write_policy(tmp_path, policy_text(key_file))
+    env = child_env(work / "home")
+    env["TMPDIR"] = str(work / ".t")
+    (work / ".t").mkdir()
+    script = (
+        'curl -sS -o /dev/null -w "%{http_code}\\n" -H "Authorization: Bearer $API_KEY" "$1/sandboxed"; '
+        'printf "%s\\n" "$API_KEY"; cat "$2" || echo unreadable'
+    )
+    proc = subprocess.run(
+        [*EGRESSD, "sandbox", *proxy_options(policy, dns, ca_file), "--", "sh", "-c", script, "sh"]
+        + [api.base_url, str(key_file)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, show(proc)
+    lines = proc.stdout.decode().splitlines()
+    assert lines[0] == "200" and lines[1].startswith("egressd-secret-api-"), show(proc)
+    assert lines[-1] == "unreadable" and KEY not in proc.stdout.decode(), show(proc)
+    assert api.requests[-1].headers["authorization"] == f"Bearer {KEY}"
