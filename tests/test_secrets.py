@@ -321,11 +321,14 @@ def test_curl_and_node_through_the_command_line_secret(
         # the same through SOCKS5 (its tunnels to a secret's host are inspected too)
         'curl -sS -o /dev/null -w "%{http_code}\\n" -x "$EGRESSD_SOCKS_PROXY" '
         '-H "Authorization: Bearer $API_KEY" "$1/socks"; '
-        'curl -sS -o /dev/null -w "%{http_code}\\n" -x "$EGRESSD_SOCKS_PROXY" -H "X-Key: $API_KEY" "$2/socks"'
+        'curl -sS -o /dev/null -w "%{http_code}\\n" -x "$EGRESSD_SOCKS_PROXY" '
+        '-H "X-Key: $API_KEY" "$2/socks"; '
+        # in the host name (other.test's rule matches its subdomains): refused before any lookup
+        'curl -sS -o /dev/null -w "%{http_connect}\\n" "https://$API_KEY.other.test:$4/dns" 2>/dev/null; true'
     )
     proc = egressd_exec(
         options,
-        ["sh", "-c", script, "sh", api.base_url, other.base_url, str(NODE_CLIENT)],
+        ["sh", "-c", script, "sh", api.base_url, other.base_url, str(NODE_CLIENT), str(other.port)],
         env=child_env(tmp_path / "home", {"API_KEY": KEY}),
         timeout=120,
     )
@@ -338,10 +341,12 @@ def test_curl_and_node_through_the_command_line_secret(
     assert lines[3].startswith("egressd-secret-api-") and KEY not in proc.stdout.decode()
     assert lines[4] == "API_KEY=" + "x" * len(KEY), show(proc)  # egressd's original environment
     assert lines[5] == f"API_KEY={lines[3]}", show(proc)  # the child's: the placeholder
-    assert lines[6:] == ["200", "403"], show(proc)
+    assert lines[6:] == ["200", "403", "403"], show(proc)
+    assert dns.count(f"{lines[3]}.other.test") == 0
     assert [r.headers.get("authorization") for r in api.requests] == [f"Bearer {KEY}"] * 3
     assert other.requests == []
-    assert len(refused(audit_records(audit))) == 3
+    assert len(refused(audit_records(audit))) == 4
+    assert lines[3].rsplit("-", 1)[1] not in audit.read_text()
     assert KEY not in audit.read_text() and KEY not in proc.stderr.decode()
 
 

@@ -191,6 +191,16 @@ class Pipeline:
         )
         if decision.target is not None:
             conn.host, conn.port = decision.target.host.text, decision.target.port
+        # 3a. a secret's placeholder in the host name (to leak it through DNS or a wildcard rule):
+        # refused before anyone is asked and before anything resolves it
+        target = decision.target
+        if self.secrets and target is not None and (name := self.secrets.needles.find(ask.host)) is not None:
+            refusal = secret_refusal(name, "host name", target.host, target.port, self.secrets.spec(name))
+            redact = self.secrets.needles.redact
+            refusal = dataclasses.replace(refusal, host=redact(refusal.host), detail=redact(refusal.detail))
+            conn.host = refusal.host  # the closed record names it too
+            self._decided(conn, ask, decision, refusal)
+            return refusal
         # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
         if (self.grants or conn.granted) and (decision.ask or decision.reason == "not_allowlisted"):
             decision = self._granted(conn, ask, decision)
@@ -398,7 +408,7 @@ class Pipeline:
             stage=ask.stage,
             method=ask.method,
             scheme=ask.scheme if request else None,
-            host=target.host.text if target else ask.host,
+            host=self._recorded_path(target.host.text if target else ask.host),
             port=target.port if target else ask.port,
             path=self._recorded_path(ask.path) if request else None,
             allowed=refusal is None,
@@ -409,7 +419,7 @@ class Pipeline:
         )
 
     def _recorded_path(self, path: str | None) -> str | None:
-        """A path as records show it: a placeholder's random part never kept (the name is)."""
+        """A path (or host) as records show it: a placeholder's random part never kept (the name is)."""
         if path is None or not self.secrets:
             return path
         return self.secrets.needles.redact(path)
