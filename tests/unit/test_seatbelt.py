@@ -641,6 +641,12 @@ class _FakeSession:
 
         self.policy = parse_policy({"version": 1, "allow": ["github.com:22"]}, "p.yaml")
 
+    def placeholders(self) -> dict[str, str]:
+        return {}  # no secrets in this policy
+
+    def hidden_variables(self) -> tuple[str, ...]:
+        return ()
+
 
 def _run_seatbelt(monkeypatch: pytest.MonkeyPatch, layout: Layout, seen: dict[str, object]):
     from egressd.admission.credentials import ProxyCredentials
