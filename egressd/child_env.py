@@ -6,7 +6,7 @@ the CLI stays thin. See DESIGN.md "Child environment".
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 # Variables holding the proxy URL. ALL_PROXY carries the HTTP URL too (curl, git and others
 # accept an http:// proxy there), so every client speaks the one protocol egressd decides best.
@@ -81,15 +81,19 @@ def child_environment(
     socks_url: str | None = None,
     *,
     ca_bundle: str | None = None,
+    placeholders: Mapping[str, str] | None = None,
+    hidden: Collection[str] = (),
 ) -> dict[str, str]:
     """Return the environment for a child whose traffic must go through egressd.
 
     `base` is the inherited environment (not modified). Inherited proxy settings and
     EGRESSD_* variables (egressd's own configuration and secrets) are removed first, then the
     proxy variables are set to `proxy_url`. CA-bundle variables are set only when `ca_bundle`
-    is given (TLS inspection on); otherwise inherited values are left alone.
+    is given (TLS inspection on); otherwise inherited values are left alone. `placeholders` are the
+    secrets' variables ({variable: placeholder}, never a value) and `hidden` the variables of
+    egressd's environment that hold their values: the child never gets those.
     """
-    env = {key: value for key, value in base.items() if not stripped_variable(key)}
+    env = {key: value for key, value in base.items() if not stripped_variable(key) and key not in hidden}
     for key in PROXY_VARS:
         env[key] = proxy_url
     for key in NO_PROXY_VARS:
@@ -100,6 +104,7 @@ def child_environment(
     if ca_bundle is not None:
         for key in CA_BUNDLE_VARS:
             env[key] = ca_bundle
+    env.update(placeholders or {})
     return env
 
 
@@ -142,7 +147,11 @@ def java_environment(
 
 
 def proxy_exports(
-    proxy_url: str, socks_url: str | None = None, *, ca_bundle: str | None = None
+    proxy_url: str,
+    socks_url: str | None = None,
+    *,
+    ca_bundle: str | None = None,
+    placeholders: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Only the variables egressd sets (for `egressd run`, which prints them as `export` lines)."""
-    return child_environment({}, proxy_url, socks_url, ca_bundle=ca_bundle)
+    return child_environment({}, proxy_url, socks_url, ca_bundle=ca_bundle, placeholders=placeholders)

@@ -57,6 +57,7 @@ POLICY_REASONS = frozenset(
         "sni_mismatch",
         "not_http",
         "websocket",
+        "secret_exfiltration",
     }
 )
 

@@ -24,6 +24,7 @@ from egressd.policy import (
     default_policy,
     load_policy,
 )
+from egressd.secret_values import EnvVault, SecretError, hidden_variables, not_dumpable, read_values
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from egressd.dashboard.server import Dashboard
     from egressd.observe.metrics import Metrics, MetricsServer
     from egressd.observe.refusals import RefusalReport
+    from egressd.policy.secrets import SecretSpec
     from egressd.proxy import EgressProxy
     from egressd.reload import PolicyWatcher
 
@@ -55,6 +57,7 @@ class Overrides:
     mode: str | None = None
     nameservers: tuple[str, ...] = ()
     profile: str | None = None
+    secrets: tuple[SecretSpec, ...] = ()  # exec --secret ...: where values come from, never values
 
     def apply(self, policy: Policy) -> Policy:
         policy = policy.with_overrides(
@@ -62,6 +65,7 @@ class Overrides:
             deny=self.deny,
             mode=self.mode,  # type: ignore[arg-type]  # the CLI's click.Choice checked it
             nameservers=self.nameservers,
+            secrets=self.secrets,
         )
         if self.profile is not None and self.profile not in policy.profiles:
             known = ", ".join(sorted(policy.profiles)) or "none defined"
@@ -141,12 +145,20 @@ class ProxySession:
         self._prompter: TtyPrompter | None = None
         self._counts: Counts | None = None
         self.control_path: Path | None = None
+        self._vault = EnvVault()
+        self._secret_values: dict[str, str] = {}  # read with the policy that names them
         self.policy = self._load()
 
     # -- policy ----------------------------------------------------------------------------------
     def _apply(self, policy: Policy) -> Policy:
         policy = self.options.overrides.apply(policy)
-        return self._transform(policy) if self._transform else policy
+        policy = self._transform(policy) if self._transform else policy
+        # the secrets' values are read with the policy: one that cannot be read fails the load
+        try:
+            self._secret_values = read_values(policy.secrets, self._vault)
+        except SecretError as exc:
+            raise PolicyError(policy.source, "secrets", message=str(exc)) from None
+        return policy
 
     def _load(self) -> Policy:
         from egressd.reload import PolicyWatcher
@@ -168,6 +180,7 @@ class ProxySession:
     def _on_change(self, policy: Policy) -> None:
         self.policy = policy
         if self.proxy is not None:
+            self.proxy.pipeline.secrets.update(policy.secrets, self._secret_values)
             self.proxy.set_policy(policy)
         self._notice("reload", source=policy.source, mode=policy.mode)
         if self._announce:
@@ -213,6 +226,9 @@ class ProxySession:
             identify=bool(self.options.identify),
         )
         self._start_approvals(self.proxy)
+        self.proxy.pipeline.secrets.update(self.policy.secrets, self._secret_values)
+        if self.policy.secrets:
+            not_dumpable()  # the child (same user) reads neither /proc/<egressd>/environ nor memory
         self._observe(self.proxy.pipeline.events.subscribe)
         try:
             self.proxy.start()
@@ -442,7 +458,14 @@ class ProxySession:
     ) -> dict[str, str]:
         """The environment of one child: fresh credentials unless given."""
         url, socks = self.proxy_urls(creds or self.credentials())
-        return child_environment(os.environ if base is None else base, url, socks, ca_bundle=self.ca_bundle)
+        return child_environment(
+            os.environ if base is None else base,
+            url,
+            socks,
+            ca_bundle=self.ca_bundle,
+            placeholders=self.placeholders(),
+            hidden=self.hidden_variables(),
+        )
 
     def child_only(self, env: dict[str, str], creds: ProxyCredentials, *, listener: bool) -> dict[str, str]:
         """env plus what clients that cannot send proxy credentials need: with `listener`, a
@@ -469,7 +492,15 @@ class ProxySession:
 
     def exports(self, creds: ProxyCredentials | None = None) -> dict[str, str]:
         url, socks = self.proxy_urls(creds or self.credentials())
-        return proxy_exports(url, socks, ca_bundle=self.ca_bundle)
+        return proxy_exports(url, socks, ca_bundle=self.ca_bundle, placeholders=self.placeholders())
+
+    def placeholders(self) -> dict[str, str]:
+        """The secrets' child variables: {variable: placeholder} (never a value)."""
+        return self.proxy.pipeline.secrets.child_variables() if self.proxy is not None else {}
+
+    def hidden_variables(self) -> tuple[str, ...]:
+        """egressd's own variables that hold secret values: never given to a child."""
+        return hidden_variables(self.policy.secrets, self._vault)
 
     def drain(self, timeout: float) -> None:
         if self.proxy is not None:

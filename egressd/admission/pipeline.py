@@ -35,8 +35,19 @@ from egressd.admission.identity import identify
 from egressd.admission.limits import Limits
 from egressd.admission.pinning import ConnectFailure, Pin, connect_protocol
 from egressd.admission.redirects import RedirectMemory
+from egressd.admission.secrets import NO_INJECTION, Injection, SecretBook
+from egressd.admission.secrets import refusal as secret_refusal
 from egressd.admission.state import ConnState, Identity, PolicyHolder
-from egressd.policy import AddressClass, Decision, IPAddress, Program, classify
+from egressd.policy import (
+    AddressClass,
+    Decision,
+    IPAddress,
+    Program,
+    Target,
+    canonical_host,
+    classify,
+    join_host_port,
+)
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -74,6 +85,10 @@ class Admitted:
     inspect: bool = False
     pin: Pin | None = None  # None for "inner" requests
     resolved: tuple[IPAddress, ...] = ()
+    # an HTTP request's: the headers the front drops (a redirect to another origin) and what the
+    # secrets step changes (egressd.admission.secrets)
+    strip: frozenset[str] = frozenset()
+    injection: Injection = NO_INJECTION
 
     @property
     def host(self) -> str:
@@ -114,6 +129,7 @@ class Pipeline:
         self.approver = approver
         self.grants = grants if grants is not None else GrantStore()
         self.redirects = RedirectMemory()
+        self.secrets = SecretBook()
         self.events = EventBus()
         if audit is not None:
             self.events.subscribe(audit.observe)
@@ -218,6 +234,16 @@ class Pipeline:
         )
         if decision.target is not None:
             conn.host, conn.port = decision.target.host.text, decision.target.port
+        # 3a. a secret's placeholder in the host name (to leak it through DNS or a wildcard rule):
+        # refused before anyone is asked and before anything resolves it
+        target = decision.target
+        if self.secrets and target is not None and (name := self.secrets.needles.find(ask.host)) is not None:
+            refusal = secret_refusal(name, "host name", target.host, target.port, self.secrets.spec(name))
+            redact = self.secrets.needles.redact
+            refusal = dataclasses.replace(refusal, host=redact(refusal.host), detail=redact(refusal.detail))
+            conn.host = refusal.host  # the closed record names it too
+            self._decided(conn, ask, decision, refusal)
+            return refusal
         # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
         if (self.grants or conn.granted) and (decision.ask or decision.reason == "not_allowlisted"):
             decision = self._granted(conn, ask, decision)
@@ -230,8 +256,15 @@ class Pipeline:
             if decision.allowed and tunnel and decision.target is not None:
                 # approved for this connection: its requests, if inspected, are not asked again
                 conn.granted = (decision.target.host.text, decision.target.port)
-        # 5. the request rules, and the choice to inspect
+        # 5. the request rules, and the choice to inspect; then the secrets step (requests only)
         refusal, inspect = self._judge(conn, ask, decision)
+        changes: tuple[frozenset[str], Injection] | None = None
+        if refusal is None and not tunnel and decision.target is not None:
+            changes_or_refusal = self._request_changes(conn, ask, decision.target)
+            if isinstance(changes_or_refusal, Refusal):
+                refusal = changes_or_refusal
+            else:
+                changes = changes_or_refusal
         # a tunnel allowed by mode: learn is recorded as such at once (with the reason enforce would
         # give), so the audit keeps it even when no upstream connection follows
         if refusal is not None or ask.stage in ("request", "inner") or decision.would_be is not None:
@@ -239,7 +272,9 @@ class Pipeline:
         if refusal is not None:
             return refusal
         if not tunnel:
-            return Admitted(decision)  # resolved when a connection is opened for it (connect)
+            # resolved when a connection is opened for it (connect)
+            strip, injection = changes if changes is not None else (frozenset(), NO_INJECTION)
+            return Admitted(decision, strip=strip, injection=injection)
         # 6. resolve, filter, pin: a tunnel's answer (200, SOCKS5 reply) waits for its addresses
         admitted = Admitted(decision, inspect)
         refusal = await self._pin(conn, admitted)
@@ -332,6 +367,36 @@ class Pipeline:
             self.connection_record(conn, admitted, (pinned.refusal.reason, pinned.refusal.detail))
         return pinned.refusal
 
+    def _request_changes(
+        self, conn: ConnState, ask: Ask, target: Target
+    ) -> Refusal | tuple[frozenset[str], Injection]:
+        """What egressd changes in an allowed HTTP request, the same for plain HTTP and inside a
+        tunnel: the credential headers of a redirect's follow-up to another origin (dropped before
+        anything else looks at them), then the secrets step (refusal or injection)."""
+        host, port = target.host, target.port
+        path = ask.path or "/"
+        url = f"{ask.scheme or 'http'}://{join_host_port(host.text, port)}{path}"
+        strip: frozenset[str] = frozenset()
+        origin = self.redirects.take(conn.client_key, url)
+        if origin is not None:
+            names = (*self.policies.get().credentials.strip_on_host_change, *self.secrets.header_names())
+            strip = frozenset(name.lower() for name in names)
+            present = {n.lower() for n, _ in ask.headers or ()}
+            stripped = [n for n in dict.fromkeys(names) if n in present and n != "proxy-authorization"]
+            self.notice(
+                conn,
+                "credentials_stripped",
+                redirected_from=origin,
+                host=host.text,
+                port=port,
+                stripped=stripped,
+            )
+        headers = [(n, v) for n, v in ask.headers or () if n.lower() not in strip]
+        judged = self.secrets.judge(host, port, path, headers)
+        if isinstance(judged, Refusal):
+            return judged
+        return strip, judged
+
     def _judge(self, conn: ConnState, ask: Ask, decision: Decision) -> tuple[Refusal | None, bool]:
         """(refusal, inspect) for a decision: refused ones, the request rules, inspection."""
         if not decision.allowed or decision.target is None:
@@ -342,6 +407,12 @@ class Pipeline:
             policy = self.policies.get()
             return request_refusal(decision.target, ask.headers or (), websocket=policy.websocket), False
         inspect = self.wants_inspection(decision, conn)
+        target = decision.target
+        if not inspect and self.secrets and self.secrets.listed(target.host, target.port):
+            # a secret's host unseen would get the placeholder, never the value: refused instead
+            refusal = needs_inspection_refusal(decision)
+            why = "a secret goes to this host, which needs TLS inspection (egressd puts it in the request)"
+            return dataclasses.replace(refusal, detail=why), False
         if decision.needs_inspection and not inspect:
             return needs_inspection_refusal(decision), False
         return None, inspect
@@ -353,6 +424,8 @@ class Pipeline:
         if not self.inspection or target is None:
             return False
         if decision.needs_inspection or self.policies.get().inspect.match(target.host, target.port):
+            return True
+        if self.secrets and self.secrets.listed(target.host, target.port):
             return True
         return self.redirects.expects(conn.client_key, "https", target.host.text, target.port)
 
@@ -405,15 +478,26 @@ class Pipeline:
             stage=ask.stage,
             method=ask.method,
             scheme=ask.scheme if request else None,
-            host=target.host.text if target else ask.host,
+            host=self._recorded_path(target.host.text if target else ask.host),
             port=target.port if target else ask.port,
-            path=ask.path if request else None,
+            path=self._recorded_path(ask.path) if request else None,
             allowed=refusal is None,
             reason=refusal.reason if refusal else decision.reason,
             rule=decision.rule,
             detail=refusal.detail if refusal else decision.detail,
             would_be=None if refusal else decision.would_be,
         )
+
+    def _recorded_path(self, path: str | None) -> str | None:
+        """A path (or host) as records show it: a placeholder's random part never kept (the name is)."""
+        if path is None or not self.secrets:
+            return path
+        return self.secrets.needles.redact(path)
+
+    def secret_refusal(self, host: str, port: int, name: str) -> Refusal:
+        """The refusal of a request whose BODY carried a placeholder its host may not get (found by
+        the front's streaming scan, which records it with refused_early)."""
+        return secret_refusal(name, "request body", canonical_host(host), port, self.secrets.spec(name))
 
     def connection_record(self, conn: ConnState, admitted: Admitted, failure: tuple[str, str] | None) -> None:
         """The decision record of one upstream connection, with resolved and connected addresses."""
@@ -458,7 +542,7 @@ class Pipeline:
             scheme=scheme,
             host=host,
             port=port,
-            path=path,
+            path=self._recorded_path(path),
             allowed=False,
             reason=reason,
             rule=None,

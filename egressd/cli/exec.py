@@ -8,7 +8,7 @@ import click
 
 from egressd import process
 from egressd.admission import identity
-from egressd.cli.options import dashboard_option, open_session, session_options
+from egressd.cli.options import dashboard_option, open_session, secret_options, session_options
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.session import SessionOptions
 from egressd.ssh_env import with_git_ssh
@@ -21,10 +21,13 @@ from egressd.ssh_env import with_git_ssh
 Example:
   egressd exec --allow registry.npmjs.org -- npm install
   egressd exec --policy npm --trace -- npm ci
-  egressd exec --policy agent.yaml --audit audit.jsonl -- my-mcp-server --stdio""",
+  egressd exec --policy agent.yaml --audit audit.jsonl -- my-mcp-server --stdio
+  egressd exec --allow api.example.com --secret api=API_KEY \\
+      --secret-host api=api.example.com -- my-agent""",
 )
 @session_options
 @dashboard_option
+@secret_options
 @click.option(
     "--no-credentials-listener",
     "credentials_listener",

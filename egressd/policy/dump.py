@@ -9,6 +9,7 @@ from typing import Any
 
 from .model import Policy
 from .rules import HostRule, RuleSet
+from .secrets import secret_to_data
 
 
 def _rule(rule: HostRule) -> str | dict[str, Any]:
@@ -72,4 +73,5 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "websocket": policy.websocket,
         "refusal_pages": policy.refusal_pages,
         "ask_timeout": policy.ask_timeout,
+        "secrets": [secret_to_data(spec) for spec in policy.secrets],
     }

@@ -96,7 +96,14 @@ def sandbox_env(
         target = base.get(name, "").removeprefix("unix://")
         if target and any(within(os.path.realpath(target), top) for top in hidden):
             del base[name]
-    env = child_environment(base, creds.proxy_url(*http), socks_url, ca_bundle=session.ca_bundle)
+    env = child_environment(
+        base,
+        creds.proxy_url(*http),
+        socks_url,
+        ca_bundle=session.ca_bundle,
+        placeholders=session.placeholders(),
+        hidden=session.hidden_variables(),
+    )
     store = java_truststore_path(session.ca_bundle) if session.ca_bundle else None
     # the JVM sends no Basic credentials on a CONNECT: the open port
     env = java_environment(

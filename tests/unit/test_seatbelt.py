@@ -197,7 +197,7 @@ GOLDEN = r"""(version 1)
 
 
 def decide(profile: str, operation: str, path: str) -> str | None:
-    """"allow" or "deny": the last rule that names `operation` (or a wildcard of it) and has no
+    """ "allow" or "deny": the last rule that names `operation` (or a wildcard of it) and has no
     filter or a path filter matching `path`; rules with other filters (target, ip) never match."""
     decision = None
     for form in sbpl.read(profile):
@@ -644,6 +644,12 @@ class _FakeSession:
         from egressd.policy import parse_policy
 
         self.policy = parse_policy({"version": 1, "allow": ["github.com:22"]}, "p.yaml")
+
+    def placeholders(self) -> dict[str, str]:
+        return {}  # no secrets in this policy
+
+    def hidden_variables(self) -> tuple[str, ...]:
+        return ()
 
 
 def _run_seatbelt(monkeypatch: pytest.MonkeyPatch, layout: Layout, seen: dict[str, object]):
