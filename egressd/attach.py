@@ -87,13 +87,14 @@ def instance(pid: int | None) -> ControlClient:
 
 
 def child_env(answer: dict[str, object], base: dict[str, str]) -> dict[str, str]:
-    """The environment `exec` would give the child: inherited proxy settings and EGRESSD_*
-    variables removed, the instance's variables (proxy URLs with this child's token, CA bundle)
-    set, GIT_SSH_COMMAND through egressd when its policy may allow SSH."""
-    exports = answer.get("env")
-    if not isinstance(exports, dict):
+    """The environment `exec` would give the child: inherited proxy settings, EGRESSD_* variables
+    and the variables the instance reads secret values from removed, the instance's variables
+    (proxy URLs with this child's token, CA bundle, secrets' placeholders) set, GIT_SSH_COMMAND
+    through egressd when its policy may allow SSH."""
+    exports, hidden = answer.get("env"), answer.get("hidden", [])
+    if not isinstance(exports, dict) or not isinstance(hidden, list):
         raise AttachError("the running egressd answered no environment")
-    env = {key: value for key, value in base.items() if not stripped_variable(key)}
+    env = {key: value for key, value in base.items() if not stripped_variable(key) and key not in hidden}
     env.update({str(k): str(v) for k, v in exports.items()})
     return add_git_ssh(env) if answer.get("ssh") else env
 

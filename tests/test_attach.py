@@ -212,3 +212,28 @@ def test_the_attach_path_imports_no_cli_policy_loop_or_engine(tmp_path: Path, dn
     heavy = {"click", "asyncio", "typing", "dataclasses", "logging", "http.client", "yaml", "mitmproxy"}
     heavy |= {"egressd.policy", "egressd.cli", "egressd.session", "egressd.process", "uvloop", "aiohttp"}
     assert not heavy & loaded, sorted(heavy & loaded)
+
+
+def test_an_attached_child_gets_the_secrets_placeholders_never_their_values(
+    tmp_path: Path, dns: DnsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The instance's secrets apply to attached children as to its own: the placeholder in the
+    child's variable, and the variable the value is read from removed from the attaching
+    environment too (the caller's shell may hold it as well)."""
+    text = POLICY.replace("allow: [up.test, 198.51.100.0/24]", "allow: [api.test, 198.51.100.0/24]") + (
+        "secrets:\n"
+        "  - name: api\n"
+        "    from: {env: REAL_API_KEY}\n"
+        "    hosts: [api.test]\n"
+        "    env: CHILD_API_KEY\n"
+    )
+    value = "sk-real-value-never-shown"
+    monkeypatch.setenv("REAL_API_KEY", value)  # egressd run's own environment
+    with _run(tmp_path, dns, text=text):
+        env = {**os.environ, "REAL_API_KEY": value, "CHILD_API_KEY": value}
+        result = attach("--", "env", env=env)
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split("=", 1) for line in result.stdout.decode().splitlines() if "=" in line)
+    assert lines["CHILD_API_KEY"].startswith("egressd-secret-api-")
+    assert "REAL_API_KEY" not in lines
+    assert value.encode() not in result.stdout

@@ -43,6 +43,8 @@ class Decided:
     attempts: tuple[str, ...] | None = None
     would_be: str | None = None  # mode: learn: the reason enforce would have refused with
     via: str | None = None  # stage "connection": the parent proxy (host:port) it went through
+    pid: int | None = None  # the program holding the client's connection, when it was looked up
+    exe: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

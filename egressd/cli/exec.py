@@ -7,7 +7,8 @@ import dataclasses
 import click
 
 from egressd import process
-from egressd.cli.options import dashboard_option, fail, open_session, session_options
+from egressd.admission import identity
+from egressd.cli.options import dashboard_option, fail, open_session, secret_options, session_options
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.session import SessionOptions
 from egressd.ssh_env import with_git_ssh
@@ -20,10 +21,21 @@ from egressd.ssh_env import with_git_ssh
 Example:
   egressd exec --allow registry.npmjs.org -- npm install
   egressd exec --policy npm --trace -- npm ci
-  egressd exec --policy agent.yaml --audit audit.jsonl -- my-mcp-server --stdio""",
+  egressd exec --policy agent.yaml --audit audit.jsonl -- my-mcp-server --stdio
+  egressd exec --allow api.example.com --secret api=API_KEY \\
+      --secret-host api=api.example.com -- my-agent""",
 )
 @session_options
 @dashboard_option
+@secret_options
+@click.option(
+    "--no-credentials-listener",
+    "credentials_listener",
+    flag_value=False,
+    default=True,
+    help="No credential-free listener for the child's own processes (EGRESSD_CHILD_PROXY, the "
+    "JVM's JAVA_TOOL_OPTIONS): Chromium and Java then get 407. See docs/security.md.",
+)
 @click.option(
     "--attach",
     is_flag=True,
@@ -34,14 +46,23 @@ Example:
     "--pid", type=int, metavar="PID", help="With --attach: the egressd to attach to (when several run)."
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
-def exec_command(options: SessionOptions, attach: bool, pid: int | None, command: tuple[str, ...]) -> None:
+def exec_command(
+    options: SessionOptions,
+    credentials_listener: bool,
+    attach: bool,
+    pid: int | None,
+    command: tuple[str, ...],
+) -> None:
     """Run CMD with all its traffic going through egressd.
 
     The child's stdin, stdout, stderr, exit status and signals pass through untouched; egressd
     writes nothing to stdout. With --policy FILE, edits to FILE apply to the running child.
     """
     if attach or pid is not None:
-        _attach(options, attach, pid, command)
+        _attach(options, attach, pid, command, listener=credentials_listener)
+    if options.identify is None:  # ~0.3 ms a connection through the child's tree: where it is kept
+        recorded = bool(options.audit_path or options.trace or options.dashboard)
+        options = dataclasses.replace(options, identify=identity.SUPPORTED and recorded)
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
     returncode = EXIT_CANNOT_RUN
@@ -49,11 +70,16 @@ def exec_command(options: SessionOptions, attach: bool, pid: int | None, command
         creds = session.credentials()
         session.record_child(creds, command)
         env = with_git_ssh(session.child_env(creds=creds), session.policy)
-        returncode = process.run_child(command, env, catcher=catcher)
+        env = session.child_only(env, creds, listener=credentials_listener and identity.SUPPORTED)
+        returncode = process.run_child(
+            command, env, catcher=catcher, started=lambda pid: session.child_started(creds, pid)
+        )
     process.exit_like(returncode, fast=True)
 
 
-def _attach(options: SessionOptions, attach: bool, pid: int | None, command: tuple[str, ...]) -> None:
+def _attach(
+    options: SessionOptions, attach: bool, pid: int | None, command: tuple[str, ...], *, listener: bool
+) -> None:
     """--attach: the running instance's policy, listener and audit apply; options that would set up
     a proxy of this command's own are refused rather than silently ignored."""
     from egressd import attach as attaching
@@ -62,6 +88,6 @@ def _attach(options: SessionOptions, attach: bool, pid: int | None, command: tup
         fail("--pid needs --attach")
     profile = options.overrides.profile
     alone = dataclasses.replace(options, overrides=dataclasses.replace(options.overrides, profile=None))
-    if alone.dashboard or alone != SessionOptions(report=alone.report):
+    if not listener or alone.dashboard or alone != SessionOptions(report=alone.report):
         fail("--attach takes only --pid and --profile: the running egressd's policy and options apply")
     attaching.attach(pid, profile, command)

@@ -37,9 +37,11 @@ class Handlers:
         edit_policy: PolicyEditor | None = None,
         metrics: Callable[[], bytes] | None = None,
         children: Children | None = None,
+        watched: Callable[[], None] | None = None,
     ) -> None:
         self.children = children
         self.metrics = metrics
+        self.watched = watched  # a watch stream attached: decisions should name their program
         self.broker = broker
         self.grants = grants
         self.events = events
@@ -224,6 +226,8 @@ class Handlers:
             loop.call_soon_threadsafe(_offer_event, queue, event)
 
         self.events.subscribe(observer)
+        if self.watched is not None:
+            self.watched()
         try:
             return await self._stream(request, queue, [])
         finally:

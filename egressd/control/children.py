@@ -62,6 +62,8 @@ class Issuer:
     exports: Callable[[ProxyCredentials], dict[str, str]]
     ssh: Callable[[], bool]  # the policy may allow SSH: GIT_SSH_COMMAND through egressd
     record: Callable[[ProxyCredentials, Sequence[str]], None]  # the audit's "child" line
+    hidden: Callable[[], Sequence[str]]  # egressd's variables holding secret values: never the child's
+    started: Callable[[ProxyCredentials, int], None]  # the child's pid: its process tree owns its connections
 
 
 class Children:
@@ -88,7 +90,13 @@ class Children:
         with self._lock:
             self._children[child_id] = child
         self.issuer.record(creds, command)
-        answer = {**child.to_json(), "env": self.issuer.exports(creds), "ssh": self.issuer.ssh()}
+        self.issuer.started(creds, pid)
+        answer = {
+            **child.to_json(),
+            "env": self.issuer.exports(creds),
+            "hidden": list(self.issuer.hidden()),
+            "ssh": self.issuer.ssh(),
+        }
         return child, answer
 
     def detach(self, child_id: str) -> bool:

@@ -102,9 +102,11 @@ class ControlServer:
         edit_policy: PolicyEditor | None = None,
         metrics: Callable[[], bytes] | None = None,
         children: Children | None = None,
+        watched: Callable[[], None] | None = None,
     ) -> None:
         self.path = path
         self.children = children  # POST /v1/children: exec --attach
+        self.watched = watched
         self.policy = policy
         self.edit_policy = edit_policy
         self.metrics = metrics  # GET /metrics: the Prometheus text (egressd.observe.metrics)
@@ -165,6 +167,7 @@ class ControlServer:
             self.edit_policy,
             self.metrics,
             self.children,
+            self.watched,
         ).app()
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
         await runner.setup()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from types import MappingProxyType
 from typing import Literal, get_args
 
 from .entries import PolicyError, parse_nameserver, parse_rule_list
 from .hosts import Host, IPAddress
 from .rules import RuleSet
+from .secrets import SecretSpec, check_secret_hosts, check_unique
 from .upstream import UpstreamProxy, parse_proxy_url
 
 __all__ = [
@@ -140,6 +142,8 @@ class Policy:
     ask_timeout: float = 60  # mode: ask waits this long for an answer, then refuses (ask_timeout)
     # the parent proxy admitted connections leave through (docs/upstream-proxy.md); None: direct
     upstream_proxy: UpstreamProxy | None = None
+    # credentials egressd swaps in for the child's placeholders (egressd.policy.secrets); never values
+    secrets: tuple[SecretSpec, ...] = ()
     source: str = field(default="<builtin>", compare=False)
 
     def __post_init__(self) -> None:
@@ -165,7 +169,13 @@ class Policy:
         for profile in self.profiles.values():
             rulesets += [profile.deny] if profile.allow is None else [profile.allow, profile.deny]
         restricted = any(rule.restricted for rules in rulesets for rule in rules.rules)
-        return bool(len(self.inspect) or self.builtin or restricted)
+        return bool(len(self.inspect) or self.builtin or restricted or self.secrets)
+
+    @cached_property
+    def needs_program(self) -> bool:
+        """Some allow rule is scoped by `exe`: each connection's program must be looked up."""
+        rulesets = [self.allow] + [p.allow for p in self.profiles.values() if p.allow is not None]
+        return any(rule.exe for rules in rulesets for rule in rules.rules)
 
     def with_overrides(
         self,
@@ -175,6 +185,7 @@ class Policy:
         mode: Mode | None = None,
         nameservers: Sequence[str] = (),
         upstream_proxy: str | None = None,
+        secrets: Sequence[SecretSpec] = (),
     ) -> Policy:
         """Policy plus command-line additions; a bad entry raises PolicyError naming the option."""
         extra_allow = parse_rule_list(list(allow), self.source, "--allow")
@@ -188,13 +199,22 @@ class Policy:
         if upstream_proxy is not None:  # the URL replaces the file's; its other settings stay
             host, port = parse_proxy_url(upstream_proxy, self.source, "--upstream-proxy")
             parent = replace(parent, host=host, port=port) if parent else UpstreamProxy(host, port)
+        allow_rules = RuleSet(self.allow.rules + extra_allow) if extra_allow else self.allow
+        deny_rules = RuleSet(self.deny.rules + extra_deny) if extra_deny else self.deny
+        all_secrets = self.secrets
+        if secrets:
+            all_secrets = check_unique((*self.secrets, *secrets), self.source, "--secret")
+        if all_secrets and (secrets or extra_deny):
+            # a command-line deny or secret is checked like the file's: secrets go to allowed hosts only
+            check_secret_hosts(all_secrets, allow_rules, deny_rules, self.source, "secrets")
         return replace(
             self,
             upstream_proxy=parent,
-            allow=RuleSet(self.allow.rules + extra_allow) if extra_allow else self.allow,
-            deny=RuleSet(self.deny.rules + extra_deny) if extra_deny else self.deny,
+            allow=allow_rules,
+            deny=deny_rules,
             mode=mode if mode is not None else self.mode,
             resolver=ResolverConfig(servers) if servers else self.resolver,
+            secrets=all_secrets,
         )
 
 
