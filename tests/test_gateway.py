@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import netns
 from tests.support.attempts import wait_until
 from tests.support.corpus import ProxyClient, tunnel_get
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, GatewayRun, write_policy
-from tests.support.upstreams import EchoHTTPServer, free_port
+from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer, free_port
 from tests.test_exec_integration import parse_http
 
 GATEWAY_POLICY = """\
@@ -332,3 +333,48 @@ def test_basic_credentials_spellings_are_checked_exactly(
             "Basic",
         ):
             assert status(value) == 407, value
+
+
+def _listening(pid: int) -> set[str]:
+    """The TCP addresses process `pid` listens on (ss, in the test's network namespace)."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[3] for line in out.splitlines() if f"pid={pid}," in line}
+
+
+def test_gateway_on_an_interface_inspects_and_keeps_its_internals_on_loopback(
+    tmp_path: Path, dns: DnsServer, upstream_tls: EchoHTTPSServer, ca_file: Path, egressd_home: Path
+) -> None:
+    """A gateway on a non-loopback address (one of the test namespace's own): a host admitted for
+    some paths only is inspected for its client, the client's name is on the inner decisions, and
+    the embedded mitmproxy it starts for that listens on loopback, never on the gateway's address."""
+    dns.add("up.test", upstream_tls.host)
+    tokens = tmp_path / "tokens.json"
+    token = add_token(tokens, "agent1")
+    policy = write_policy(
+        tmp_path,
+        "version: 1\nallow:\n  - 198.51.100.0/24\n  - {host: up.test, paths: [/pkg/], methods: [GET]}\n",
+    )
+    audit = tmp_path / "audit.jsonl"
+    address = netns.UPSTREAM_V4[8]
+    options = ["--gateway", "--listen", f"{address}:{free_port(address)}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver, "--upstream-ca", str(ca_file)]
+    options += ["--audit", str(audit)]
+    with GatewayRun(options) as run:
+        assert run.address[0] == address
+        assert run.proc is not None
+        proxy = run.url_for("agent1", token)
+        cacert = ("--cacert", str(egressd_home / "public" / "egressd-ca-cert.pem"))
+        base = f"https://up.test:{upstream_tls.port}"
+        assert curl(proxy, f"{base}/pkg/a", *cacert)[0] == 200
+        status, headers, _ = curl(proxy, f"{base}/admin", *cacert)
+        assert status == 403 and headers.get("x-egressd-reason") in ("builtin_path", "not_allowlisted"), (
+            headers
+        )
+        # the requests inside the inspected tunnel: the decisions that name a path
+        inner = [r for r in audit_records(audit) if r.get("event") == "decision" and r.get("path")]
+        assert {r.get("path") for r in inner} == {"/pkg/a", "/admin"}, inner
+        assert all(r.get("client") == "agent1" for r in inner), inner
+        listening = _listening(run.proc.pid)
+        assert f"{address}:{run.address[1]}" in listening, listening
+        others = listening - {f"{address}:{run.address[1]}"}
+        assert others and all(a.startswith("127.0.0.1:") for a in others), listening
