@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,14 @@ def audit_records(path: Path) -> list[dict[str, object]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def upstream() -> Iterator[EchoHTTPServer]:
+    """The upstream of these tests, on an address of the namespace that is not one of its interface
+    addresses: a gateway counts those (198.51.100.1, the conftest's upstream) as its own host."""
+    with EchoHTTPServer(netns.UPSTREAM_V4[4], name="gateway-upstream") as server:
+        yield server
 
 
 @pytest.fixture
@@ -259,20 +268,21 @@ def test_gateway_source_networks(
         assert curl(run.url_for("pinned", pinned), url)[0] == 407
 
 
-def test_gateway_refuses_its_host_loopback_unless_named(
-    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer
-) -> None:
-    """The gateway host's loopback is not its clients': only ports `loopback.ports` names."""
-    loopback_server = EchoHTTPServer("127.0.0.1")
+@pytest.mark.parametrize("own_address", ["127.0.0.1", netns.UPSTREAM_V4[0]], ids=["loopback", "interface"])
+def test_gateway_refuses_its_own_host_unless_named(tmp_path: Path, own_address: str) -> None:
+    """The gateway host's loopback and interface addresses are not its clients': only the ports
+    `loopback.ports` names."""
+    loopback_server = EchoHTTPServer(own_address)
     with loopback_server:
         tokens = tmp_path / "tokens.json"
         token = add_token(tokens, "agent1")
-        policy = write_policy(tmp_path, "version: 1\nmode: enforce\nallow: []\n")
+        policy = write_policy(tmp_path, f"version: 1\nmode: enforce\nallow: [{own_address}]\n")
         base = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
         with GatewayRun([*base, "--policy", str(policy)]) as run:
             status, headers, _ = curl(run.url_for("agent1", token), loopback_server.url)
             assert status == 403 and headers.get("x-egressd-reason") == "loopback_port"
-            policy.write_text(f"version: 1\nmode: enforce\nloopback:\n  ports: [{loopback_server.port}]\n")
+            named = f"loopback:\n  ports: [{loopback_server.port}]\n"
+            policy.write_text(f"version: 1\nmode: enforce\nallow: [{own_address}]\n{named}")
             wait_until(
                 lambda: curl(run.url_for("agent1", token), loopback_server.url)[0] == 200,
                 "the named loopback port admitted",
