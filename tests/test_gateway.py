@@ -146,6 +146,10 @@ def test_non_loopback_listen_needs_gateway(tmp_path: Path) -> None:
         [*EGRESSD, "run", "--tokens", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=60
     )
     assert stray.returncode == 2 and "only with --gateway" in stray.stderr
+    profile = subprocess.run(
+        [*EGRESSD, "run", "--gateway", "--profile", "narrow"], capture_output=True, text=True, timeout=60
+    )
+    assert profile.returncode == 2 and "token add NAME --profile" in profile.stderr
 
 
 def test_gateway_names_each_client_and_refuses_the_rest(
@@ -224,6 +228,8 @@ def test_gateway_names_each_client_and_refuses_the_rest(
         assert records[0]["host"] == "other.test" and records[0]["profile"] == "narrow", records
         assert any(r.get("client") == "agent1" and r.get("decision") == "allow" for r in audit_records(audit))
         assert token not in audit.read_text() and narrow not in audit.read_text()
+        # the client's credentials never reach the upstream
+        assert upstream.requests and all("proxy-authorization" not in r["headers"] for r in upstream.requests)
         # metrics: decisions per client name (the token file's names only)
         metrics_url = re.search(r"metrics on (\S+)", run.stderr)
         assert metrics_url is not None, run.stderr
