@@ -242,8 +242,13 @@ def test_gateway_names_each_client_and_refuses_the_rest(
         # a token added while it runs works, a removed one stops, without a restart
         late = add_token(tokens, "late")
         wait_until(lambda: curl(run.url_for("late", late), url)[0] == 200, "the new token admitted")
-        assert token_cli("remove", "agent1", tokens=tokens).returncode == 0
-        wait_until(lambda: curl(proxy, url)[0] == 407, "the removed token refused")
+        with client(run, "agent1", token).connect(f"up.test:{upstream.port}") as (answer, held):
+            assert answer is not None and answer.status == 200
+            assert token_cli("remove", "agent1", tokens=tokens).returncode == 0
+            wait_until(lambda: curl(proxy, url)[0] == 407, "the removed token refused")
+            # and the tunnel it had open is closed, not left until idle_timeout
+            held.settimeout(20)
+            assert held.recv(1) == b""
         # a policy edit applies without a restart
         policy.write_text(GATEWAY_POLICY.replace("  - up.test\n", "", 1))
         wait_until(lambda: curl(run.url_for("late", late), url)[0] == 403, "the policy edit applied")
