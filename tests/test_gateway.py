@@ -399,3 +399,26 @@ def test_gateway_on_an_interface_inspects_and_keeps_its_internals_on_loopback(
         assert f"{address}:{run.address[1]}" in listening, listening
         others = listening - {f"{address}:{run.address[1]}"}
         assert others and all(a.startswith("127.0.0.1:") for a in others), listening
+
+
+def test_gateway_on_every_address_refuses_itself(
+    gateway_env: dict[str, Path], upstream: EchoHTTPServer, dns: DnsServer
+) -> None:
+    """`--listen 0.0.0.0:PORT` (what a container runs): clients reach it on any of the host's
+    addresses, and no client reaches the gateway itself through it, on any of them."""
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    token = add_token(tokens, "agent1")
+    port = free_port()
+    options = ["--gateway", "--listen", f"0.0.0.0:{port}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver]
+    with GatewayRun(options) as run:
+        own = netns.UPSTREAM_V4[0]  # an interface address of the namespace: the gateway's own
+        for host in ("127.0.0.1", own):
+            with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=10) as health:
+                assert health.status == 200
+            proxy = f"http://agent1:{token}@{host}:{port}"
+            assert curl(proxy, f"http://up.test:{upstream.port}/")[0] == 200
+            for target in (f"127.0.0.1:{port}", f"{own}:{port}", f"0.0.0.0:{port}"):
+                with client(run, "agent1", token).connect(target) as (answer, _sock):
+                    assert answer is not None and answer.status == 403, (host, target)
+                    assert answer.reason in ("self", "loopback_port", "forbidden_address"), answer.reason
