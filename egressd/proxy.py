@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from egressd.admission.credentials import ProxyCredentials
+from egressd.admission.credentials import CredentialStore, ProxyCredentials
 from egressd.admission.pipeline import Pipeline
 from egressd.admission.state import PolicyHolder
 from egressd.inspect import patches
@@ -54,13 +54,23 @@ class EgressProxy:
         inspect: bool = True,
         config_dir: Path | None = None,
         upstream_ca: Sequence[str] = (),
+        socks_listen: tuple[str, int] | None = None,
+        credentials: CredentialStore | None = None,
+        health: bool = False,
     ) -> None:
+        """`socks_listen`: where SOCKS5 listens (default: the HTTP port's host, any free port);
+        `credentials`: who may connect (default: the children this proxy issues credentials to);
+        `health`: answer `GET /healthz` on the HTTP port without credentials (the gateway's)."""
         if nameservers:
             policy = policy.with_overrides(nameservers=[join_host_port(h, p) for h, p in nameservers])
-        self.pipeline = Pipeline(PolicyHolder(policy), audit=audit, require_auth=require_auth)
+        self.pipeline = Pipeline(
+            PolicyHolder(policy), credentials=credentials, audit=audit, require_auth=require_auth
+        )
         self.handoffs = Handoffs()  # the connections the front hands to mitmproxy
         self.listen = listen
         self.socks = socks
+        self.socks_listen = socks_listen
+        self.health = health
         self.http_address: tuple[str, int] = ("", 0)
         self.socks_address: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
@@ -162,11 +172,14 @@ class EgressProxy:
             from egressd.inspect.refusal_certs import RefusalCerts
 
             refusal_context = RefusalCerts(self._confdir).context
-        self._front = FastFront(self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context)
+        self._front = FastFront(
+            self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context, health=self.health
+        )
         self.http_address = await self._front.start(host, port)
         self.pipeline.decider.add_self_address(*self.http_address)
         if self.socks:
-            self.socks_address = await self._front.start(host, 0, kind="socks")
+            socks_host, socks_port = self.socks_listen or (host, 0)
+            self.socks_address = await self._front.start(socks_host, socks_port, kind="socks")
             self.pipeline.decider.add_self_address(*self.socks_address)
 
     async def _mitmproxy_address(self, kind: str) -> tuple[str, int]:

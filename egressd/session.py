@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from egressd.admission.asks import AskBroker
     from egressd.admission.credentials import ProxyCredentials
     from egressd.admission.events import Event
+    from egressd.admission.tokens import GatewayCredentials, TokenTable
     from egressd.control.prompt import TtyPrompter
     from egressd.control.server import ControlServer, Counts
     from egressd.dashboard.server import Dashboard
@@ -89,6 +90,23 @@ def base_policy(policy_file: str | None) -> Policy:
 
 
 @dataclass(frozen=True)
+class GatewayOptions:
+    """`egressd run --gateway`: clients on other machines, named by the tokens in `tokens`."""
+
+    tokens: Path
+    allow_from: tuple[str, ...] = ()  # source networks (CIDR) every client must come from
+    socks_listen: tuple[str, int] | None = None  # SOCKS5 listener (none without it)
+
+
+def gateway_policy(policy: Policy) -> Policy:
+    """A gateway's clients are other machines: the gateway host's own loopback is reachable only on
+    the ports the policy names in `loopback.ports` (none when it names none), never all of it."""
+    from dataclasses import replace
+
+    return replace(policy, loopback=replace(policy.loopback, named_ports_only=True))
+
+
+@dataclass(frozen=True)
 class SessionOptions:
     policy_file: str | None = None
     overrides: Overrides = Overrides()
@@ -105,6 +123,7 @@ class SessionOptions:
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
     control: bool = True  # serve the control API on the user's Unix socket
     dashboard: bool = False  # --dashboard: serve the web dashboard on loopback (needs the control API)
+    gateway: GatewayOptions | None = None  # run --gateway: token-named clients, any listen address
 
 
 class ProxySession:
@@ -139,11 +158,17 @@ class ProxySession:
         self._prompter: TtyPrompter | None = None
         self._counts: Counts | None = None
         self.control_path: Path | None = None
+        self.gateway: GatewayCredentials | None = None
+        self._tokens_watcher: PolicyWatcher | None = None
         self.policy = self._load()
+        if options.gateway is not None:
+            self._load_gateway(options.gateway)
 
     # -- policy ----------------------------------------------------------------------------------
     def _apply(self, policy: Policy) -> Policy:
         policy = self.options.overrides.apply(policy)
+        if self.options.gateway is not None:
+            policy = gateway_policy(policy)
         return self._transform(policy) if self._transform else policy
 
     def _load(self) -> Policy:
@@ -162,6 +187,40 @@ class ProxySession:
             return self.watcher.load()
         except PolicyError as exc:
             raise SessionError(str(exc)) from exc
+
+    # -- the gateway's clients ---------------------------------------------------------------------
+    def _load_gateway(self, gateway: GatewayOptions) -> None:
+        """The token file (created empty when missing) and the gateway-wide source networks; the
+        file is watched like the policy, so `gateway token add/remove` applies without a restart."""
+        from egressd.admission.tokens import GatewayCredentials, TokenFileError, parse_network
+        from egressd.gateway_tokens import ensure_file, load_table
+        from egressd.reload import PolicyWatcher
+
+        try:
+            nets = [parse_network(text, "--allow-from") for text in gateway.allow_from]
+            ensure_file(gateway.tokens)
+            self._tokens_watcher = PolicyWatcher(
+                gateway.tokens, self._on_tokens, self._on_tokens_error, loader=load_table
+            )
+            table = self._tokens_watcher.load()
+        except (TokenFileError, OSError) as exc:
+            raise SessionError(f"--tokens: {exc}") from exc
+        self.gateway = GatewayCredentials(table, nets)
+
+    def _on_tokens(self, table: TokenTable) -> None:
+        assert self.gateway is not None
+        self.gateway.set_table(table)
+        self._notice(
+            "tokens_reload",
+            source=str(self._tokens_watcher.path if self._tokens_watcher else ""),
+            clients=len(table.entries),
+        )
+        if self._announce:
+            self._say(f"gateway tokens reloaded ({len(table.entries)} clients)")
+
+    def _on_tokens_error(self, message: str) -> None:
+        self._notice("tokens_reload_failed", error=message)
+        self._say(f"token file reload failed: {' '.join(message.split())}; keeping the last good one")
 
     def _on_change(self, policy: Policy) -> None:
         self.policy = policy
@@ -186,8 +245,10 @@ class ProxySession:
 
     def reload_now(self) -> bool:
         """SIGHUP: reload the file now; False when there is no file to reload."""
+        if self._tokens_watcher is not None:
+            self._tokens_watcher.trigger()
         if self.watcher is None:
-            return False
+            return self._tokens_watcher is not None
         self.watcher.trigger()
         return True
 
@@ -199,10 +260,14 @@ class ProxySession:
             self.audit = AuditLog(self.options.audit_path, trace=sys.stderr if self.options.trace else None)
         except OSError as exc:
             raise SessionError(f"--audit {self.options.audit_path}: {exc.strerror or exc}") from exc
+        gateway = self.options.gateway
         self.proxy = EgressProxy(
             self.policy,
             listen=self.options.listen,
-            socks=self.options.socks,
+            socks=self.options.socks if gateway is None else gateway.socks_listen is not None,
+            socks_listen=gateway.socks_listen if gateway is not None else None,
+            credentials=self.gateway,
+            health=gateway is not None,
             # no audit file and no trace: the proxy skips building records it would throw away
             audit=self.audit if self.audit.enabled else None,
             inspect=self.options.inspect,
@@ -220,6 +285,8 @@ class ProxySession:
             self._serve_metrics(*self.options.metrics)
         if self.watcher is not None:
             self.watcher.start()
+        if self._tokens_watcher is not None:
+            self._tokens_watcher.start()
         self._start_control(self.proxy)
         self._start_dashboard()
         return self
@@ -231,7 +298,9 @@ class ProxySession:
             from egressd.observe.metrics import Metrics
 
             assert self.proxy is not None
-            self.metrics = Metrics(self.proxy.pipeline)
+            self.metrics = Metrics(
+                self.proxy.pipeline, clients=self.gateway.names if self.gateway is not None else None
+            )
             subscribe(self.metrics.observe)
         if self.options.report:
             from egressd.observe.refusals import RefusalReport
@@ -454,6 +523,8 @@ class ProxySession:
             self._prompter = None
         if self.watcher is not None:
             self.watcher.stop()
+        if self._tokens_watcher is not None:
+            self._tokens_watcher.stop()
         if self.proxy is not None:
             self.proxy.stop()
         if self.metrics_server is not None:

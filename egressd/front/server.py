@@ -35,8 +35,11 @@ class FastFront:
         mitmproxy_address: MitmproxyAddress,
         handoffs: Handoffs,
         refusal_context: RefusalContext | None = None,
+        *,
+        health: bool = False,
     ) -> None:
         self.rt = pipeline
+        self.health = health  # GET /healthz answered on the HTTP port, no credentials (the gateway)
         self.mitmproxy_address = mitmproxy_address
         self.handoffs = handoffs
         self.refusal_context = refusal_context  # refusal_pages: tls (None: inspection is off)
