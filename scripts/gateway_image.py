@@ -54,7 +54,7 @@ MMDEBSTRAP_OPTIONS = [
     "--dpkgopt=path-exclude=/usr/share/man/*",
     "--dpkgopt=path-exclude=/usr/share/locale/*",
     "--dpkgopt=path-exclude=/usr/share/info/*",
-    "--aptopt=Acquire::Retries \"3\"",
+    '--aptopt=Acquire::Retries "3"',
 ]
 BASE_REPO = "egressd-base"
 BASE_LOCAL = f"{BASE_REPO}:local"  # what docker-compose.yml builds FROM
@@ -118,7 +118,9 @@ def ensure_dockerd(deadline_s: float = 60.0) -> subprocess.Popen[bytes] | None:
         raise BuildError("no dockerd: install docker.io (bash scripts/setup.sh)")
     log(f"starting dockerd (log: {DOCKERD_LOG})")
     out = open(DOCKERD_LOG, "ab")  # noqa: SIM115 - handed to the daemon
-    proc = subprocess.Popen([dockerd], stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [dockerd], stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True
+    )
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if docker_ready():
@@ -136,7 +138,9 @@ def image_label(ref: str) -> str | None:
     """The recipe label of a local image; None when the image does not exist."""
     proc = subprocess.run(
         ["docker", "image", "inspect", "--format", "{{json .Config.Labels}}", ref],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode != 0:
         return None
@@ -167,9 +171,21 @@ def ensure_base(offline: bool) -> str:
     with tempfile.TemporaryDirectory(prefix="egressd-base-") as tmp:
         rootfs = Path(tmp) / "rootfs.tar"
         log(f"base {ref}: mmdebstrap {SUITE} ({', '.join(PACKAGES)}) from {MIRROR}")
-        run(["mmdebstrap", *MMDEBSTRAP_OPTIONS, f"--include={','.join(PACKAGES)}", SUITE, str(rootfs), MIRROR])
-        run(["docker", "import", "--change", f"LABEL {LABEL}={ref.split(':')[1]}",
-             "--change", 'CMD ["/bin/bash"]', str(rootfs), ref])
+        run(
+            ["mmdebstrap", *MMDEBSTRAP_OPTIONS, f"--include={','.join(PACKAGES)}", SUITE, str(rootfs), MIRROR]
+        )
+        run(
+            [
+                "docker",
+                "import",
+                "--change",
+                f"LABEL {LABEL}={ref.split(':')[1]}",
+                "--change",
+                'CMD ["/bin/bash"]',
+                str(rootfs),
+                ref,
+            ]
+        )
     run(["docker", "tag", ref, BASE_LOCAL])
     log(f"base {ref}: built in {time.monotonic() - started:.0f}s")
     return ref
@@ -185,7 +201,10 @@ def _constraints() -> str:
     """The versions installed in .venv (what the tests run here), so the image runs the same ones."""
     python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
     out = run([python, "-m", "pip", "freeze", "--exclude-editable", "--disable-pip-version-check"]).stdout
-    return "\n".join(line for line in out.splitlines() if "==" in line and not line.startswith("egressd==")) + "\n"
+    return (
+        "\n".join(line for line in out.splitlines() if "==" in line and not line.startswith("egressd=="))
+        + "\n"
+    )
 
 
 def wheels_dir() -> tuple[Path, str]:
@@ -208,28 +227,69 @@ def ensure_wheels(offline: bool) -> Path:
     (partial / "constraints.txt").write_text(constraints)
     machine = platform.machine()
     platforms = [f"manylinux_2_{minor}_{machine}" for minor in (17, 28, 34)] + [
-        f"manylinux2014_{machine}", f"manylinux1_{machine}", f"manylinux_2_5_{machine}"]
+        f"manylinux2014_{machine}",
+        f"manylinux1_{machine}",
+        f"manylinux_2_5_{machine}",
+    ]
     python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
-    cmd = [python, "-m", "pip", "download", "--disable-pip-version-check", "-q", "--dest", str(partial),
-           "--only-binary=:all:", "--python-version", PYTHON, "--implementation", "cp",
-           "--abi", f"cp{PYTHON.replace('.', '')}", "--abi", "abi3", "--abi", "none",
-           *[arg for p in platforms for arg in ("--platform", p)], "--platform", "any",
-           "-c", str(partial / "constraints.txt"),
-           *_dependencies(), "setuptools>=68", "wheel"]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "-q",
+        "--dest",
+        str(partial),
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON,
+        "--implementation",
+        "cp",
+        "--abi",
+        f"cp{PYTHON.replace('.', '')}",
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+        *[arg for p in platforms for arg in ("--platform", p)],
+        "--platform",
+        "any",
+        "-c",
+        str(partial / "constraints.txt"),
+        *_dependencies(),
+        "setuptools>=68",
+        "wheel",
+    ]
     log(f"wheels {target.name}: pip download for CPython {PYTHON} ({machine})")
     run(cmd)
     (partial / ".complete").write_text("")
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
-    log(f"wheels {target.name}: {len(list(target.glob('*.whl')))} wheels in {time.monotonic() - started:.0f}s")
+    log(
+        f"wheels {target.name}: {len(list(target.glob('*.whl')))} wheels in {time.monotonic() - started:.0f}s"
+    )
     return target
 
 
 # -- the images ----------------------------------------------------------------------------------
 def _build(ref: str, context: Path, recipe: str, base: str) -> None:
     env = dict(os.environ, DOCKER_BUILDKIT="0")  # the classic builder: Debian's engine has no buildx
-    run(["docker", "build", "-q", "--label", f"{LABEL}={recipe}", "--build-arg", f"BASE_IMAGE={base}",
-         "-t", ref, str(context)], env=env)
+    run(
+        [
+            "docker",
+            "build",
+            "-q",
+            "--label",
+            f"{LABEL}={recipe}",
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            "-t",
+            ref,
+            str(context),
+        ],
+        env=env,
+    )
 
 
 def ensure_egressd_image(base: str, wheels: Path) -> str:
@@ -238,15 +298,24 @@ def ensure_egressd_image(base: str, wheels: Path) -> str:
     The wheelhouse stays there (ignored by git), so `docker-compose build` works afterwards too.
     """
     context = DOCKER_DIR / "egressd"
-    recipe = digest(base, wheels.name, tree_digest([REPO / p for p in SOURCE_PARTS], REPO),
-                    tree_digest([context / "Dockerfile"], REPO))
+    recipe = digest(
+        base,
+        wheels.name,
+        tree_digest([REPO / p for p in SOURCE_PARTS], REPO),
+        tree_digest([context / "Dockerfile"], REPO),
+    )
     if image_label(EGRESSD_IMAGE) == recipe:
         log(f"{EGRESSD_IMAGE} ({recipe}): cached")
         return recipe
     started = time.monotonic()
     out = context / "wheels"
     shutil.rmtree(out, ignore_errors=True)
-    out.mkdir()
+    deps, own = out / "deps", out / "egressd"
+    deps.mkdir(parents=True)
+    own.mkdir()
+    for whl in wheels.glob("*.whl"):
+        shutil.copy2(whl, deps / whl.name)
+    (deps / "requirements.txt").write_text("\n".join(_dependencies()) + "\n")
     python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
     with tempfile.TemporaryDirectory(prefix="egressd-src-") as src:
         for part in SOURCE_PARTS:
@@ -255,10 +324,23 @@ def ensure_egressd_image(base: str, wheels: Path) -> str:
             else:
                 shutil.copy2(REPO / part, Path(src) / part)
         # egressd's own wheel, offline: build isolation takes setuptools and wheel from the wheelhouse
-        run([python, "-m", "pip", "wheel", "--disable-pip-version-check", "-q", "--no-deps", "--no-index",
-             "--find-links", str(wheels), "--wheel-dir", str(out), src])
-    for whl in wheels.glob("*.whl"):
-        shutil.copy2(whl, out / whl.name)
+        run(
+            [
+                python,
+                "-m",
+                "pip",
+                "wheel",
+                "--disable-pip-version-check",
+                "-q",
+                "--no-deps",
+                "--no-index",
+                "--find-links",
+                str(wheels),
+                "--wheel-dir",
+                str(own),
+                src,
+            ]
+        )
     _build(EGRESSD_IMAGE, context, recipe, base)
     log(f"{EGRESSD_IMAGE} ({recipe}): built in {time.monotonic() - started:.0f}s")
     return recipe
