@@ -7,19 +7,18 @@ a wheelhouse built on this machine (`pip install --no-index`), so the `docker bu
 touches the network. Debian trixie, not bookworm: egressd needs Python >= 3.12 (mitmproxy 12.3.1)
 and bookworm ships 3.11, trixie 3.13 — a Debian-packaged interpreter beats copying a host build.
 
-Every step is cached by a hash of its recipe, so a second run does nothing:
+Every step is cached by a hash of its recipe, so a second run does nothing (docs/compose.md):
 
   base      `egressd-base:<hash>`: the suite, the package list and the mmdebstrap options (network:
-            Debian mirror; about 3-4 minutes cold).
+            the Debian mirror).
   wheels    `.cache/gateway-wheels/<hash>/`: egressd's dependencies for the image's Python, pinned to
-            the versions installed in .venv (network: PyPI; about 1-2 minutes cold).
-  images    `egressd:local` and `egressd-agent:local`, labelled with the hash of everything copied
-            into them (egressd's source, the wheelhouse, the Dockerfiles). Offline: egressd's own
-            wheel is built from the source here with the setuptools of the wheelhouse.
+            the versions installed in .venv (network: PyPI).
+  images    `egressd:local` and `egressd-agent:local`, labelled with the hash of what goes into them
+            (egressd's source, the wheelhouse, the Dockerfiles). Offline: egressd's own wheel is built
+            from the source here with the setuptools of the wheelhouse.
 
 Usage:
-  python3 scripts/gateway_image.py            # all of it (what `docker-compose up` needs)
-  python3 scripts/gateway_image.py prefetch   # only the steps that need the network (scripts/setup.sh)
+  python3 scripts/gateway_image.py            # all of it (scripts/setup.sh runs this)
   python3 scripts/gateway_image.py --offline  # fail instead of downloading (the tests)
 """
 
@@ -58,8 +57,10 @@ MMDEBSTRAP_OPTIONS = [
 ]
 BASE_REPO = "egressd-base"
 BASE_LOCAL = f"{BASE_REPO}:local"  # what docker-compose.yml builds FROM
-EGRESSD_IMAGE = "egressd:local"
-AGENT_IMAGE = "egressd-agent:local"
+# Each image is tagged with its recipe hash (what the tests run: checkouts building side by side
+# never run each other's) and as `local` (what docker-compose.yml runs by default).
+EGRESSD_REPO = "egressd"
+AGENT_REPO = "egressd-agent"
 LABEL = "org.egressd.recipe"
 # What egressd's wheel is built from (copied to a scratch directory: the checkout stays untouched).
 SOURCE_PARTS = ["pyproject.toml", "README.md", "egressd", "addons"]
@@ -123,10 +124,8 @@ def ensure_dockerd(deadline_s: float = 60.0) -> subprocess.Popen[bytes] | None:
     )
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if docker_ready():
-            return proc
-        if proc.poll() is not None:
-            break
+        if docker_ready():  # ours, or one started at the same moment by someone else (ours then exits)
+            return proc if proc.poll() is None else None
         time.sleep(0.5)
     tail = DOCKERD_LOG.read_text(errors="replace")[-2000:] if DOCKERD_LOG.exists() else ""
     if proc.poll() is None:
@@ -134,22 +133,9 @@ def ensure_dockerd(deadline_s: float = 60.0) -> subprocess.Popen[bytes] | None:
     raise BuildError(f"dockerd did not answer within {deadline_s:g}s; its log ends:\n{tail}")
 
 
-def image_label(ref: str) -> str | None:
-    """The recipe label of a local image; None when the image does not exist."""
-    proc = subprocess.run(
-        ["docker", "image", "inspect", "--format", "{{json .Config.Labels}}", ref],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        return None
-    labels = json.loads(proc.stdout.strip() or "null") or {}
-    return labels.get(LABEL, "")
-
-
 def image_exists(ref: str) -> bool:
-    return image_label(ref) is not None
+    done = subprocess.run(["docker", "image", "inspect", ref], capture_output=True, check=False)
+    return done.returncode == 0
 
 
 # -- base: Debian packages -> docker import ------------------------------------------------------
@@ -274,6 +260,7 @@ def ensure_wheels(offline: bool) -> Path:
 
 # -- the images ----------------------------------------------------------------------------------
 def _build(ref: str, context: Path, recipe: str, base: str) -> None:
+    """docker build with the recipe label; the version it replaces (now untagged) is removed."""
     env = dict(os.environ, DOCKER_BUILDKIT="0")  # the classic builder: Debian's engine has no buildx
     run(
         [
@@ -290,6 +277,7 @@ def _build(ref: str, context: Path, recipe: str, base: str) -> None:
         ],
         env=env,
     )
+    run(["docker", "image", "prune", "--force", "--filter", f"label={LABEL}"])
 
 
 def ensure_egressd_image(base: str, wheels: Path) -> str:
@@ -304,9 +292,11 @@ def ensure_egressd_image(base: str, wheels: Path) -> str:
         tree_digest([REPO / p for p in SOURCE_PARTS], REPO),
         tree_digest([context / "Dockerfile"], REPO),
     )
-    if image_label(EGRESSD_IMAGE) == recipe:
-        log(f"{EGRESSD_IMAGE} ({recipe}): cached")
-        return recipe
+    ref = f"{EGRESSD_REPO}:{recipe}"
+    if image_exists(ref):
+        log(f"{ref}: cached")
+        run(["docker", "tag", ref, f"{EGRESSD_REPO}:local"])
+        return ref
     started = time.monotonic()
     out = context / "wheels"
     shutil.rmtree(out, ignore_errors=True)
@@ -341,45 +331,43 @@ def ensure_egressd_image(base: str, wheels: Path) -> str:
                 src,
             ]
         )
-    _build(EGRESSD_IMAGE, context, recipe, base)
-    log(f"{EGRESSD_IMAGE} ({recipe}): built in {time.monotonic() - started:.0f}s")
-    return recipe
+    _build(ref, context, recipe, base)
+    run(["docker", "tag", ref, f"{EGRESSD_REPO}:local"])
+    log(f"{ref}: built in {time.monotonic() - started:.0f}s")
+    return ref
 
 
 def ensure_agent_image(base: str) -> str:
     context = DOCKER_DIR / "agent"
     recipe = digest(base, tree_digest([context], REPO))
-    if image_label(AGENT_IMAGE) == recipe:
-        log(f"{AGENT_IMAGE} ({recipe}): cached")
-        return recipe
-    started = time.monotonic()
-    _build(AGENT_IMAGE, context, recipe, base)
-    log(f"{AGENT_IMAGE} ({recipe}): built in {time.monotonic() - started:.0f}s")
-    return recipe
+    ref = f"{AGENT_REPO}:{recipe}"
+    if not image_exists(ref):
+        started = time.monotonic()
+        _build(ref, context, recipe, base)
+        log(f"{ref}: built in {time.monotonic() - started:.0f}s")
+    else:
+        log(f"{ref}: cached")
+    run(["docker", "tag", ref, f"{AGENT_REPO}:local"])
+    return ref
 
 
-def build(offline: bool = False, prefetch_only: bool = False) -> dict[str, str]:
+def build(offline: bool = False) -> dict[str, str]:
     """Every step, cached; returns the image references (base, egressd, agent)."""
     started = time.monotonic()
     ensure_dockerd()
     base = ensure_base(offline)
     wheels = ensure_wheels(offline)
-    refs = {"base": base}
-    if not prefetch_only:
-        ensure_egressd_image(base, wheels)
-        ensure_agent_image(base)
-        refs |= {"egressd": EGRESSD_IMAGE, "agent": AGENT_IMAGE}
+    refs = {"base": base, "egressd": ensure_egressd_image(base, wheels), "agent": ensure_agent_image(base)}
     log(f"done in {time.monotonic() - started:.0f}s")
     return refs
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", nargs="?", choices=["all", "prefetch"], default="all")
     parser.add_argument("--offline", action="store_true", help="never download: fail when a cache is missing")
     args = parser.parse_args(argv)
     try:
-        refs = build(offline=args.offline, prefetch_only=args.step == "prefetch")
+        refs = build(offline=args.offline)
     except BuildError as exc:
         log(f"ERROR: {exc}")
         return 1

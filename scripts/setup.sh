@@ -119,10 +119,11 @@ if [[ ! -x "$MCP_NPM/node_modules/.bin/mcp-server-everything" ]] \
   fi
   printf '%s\n' "$MCP_EVERYTHING" >"$MCP_NPM/.installed"
 fi
-# The compose gateway's tests: the parts that need the network (a Debian base image made by mmdebstrap,
-# the wheels of egressd's dependencies), cached by recipe hash; the tests build the images offline.
-if ! "$VENV/bin/python" scripts/gateway_image.py prefetch >/dev/null; then
-  log "ERROR: the gateway's base image or wheelhouse could not be built (scripts/gateway_image.py)"
+# The compose gateway (docker-compose.yml) and its tests: the images, built here from Debian packages
+# and a local wheelhouse (no registry), cached by recipe hash (seconds when nothing changed). The tests
+# rebuild egressd's image offline when its source changed.
+if ! "$VENV/bin/python" scripts/gateway_image.py >/dev/null; then
+  log "ERROR: the gateway's images could not be built (scripts/gateway_image.py)"
   exit 1
 fi
 log "ok ($("$VENV/bin/python" -V))"

@@ -22,6 +22,7 @@ from tests.support.attempts import wait_until
 from tests.support.docker_lab import ComposeProject, build_images, start_engine, stop_engine
 
 pytestmark = pytest.mark.timeout(900)
+ENTRYPOINT = "/usr/local/bin/agent-entrypoint"  # docker/agent/entrypoint.sh: the proxy settings
 
 # The upstream container's address is private (a compose network): its names are admitted as exact
 # private origins, which also license the private address they resolve to.
@@ -46,7 +47,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeProject]:
     try:
         refs, seconds = build_images()
         print(f"gateway images ready in {seconds:.0f}s: {refs}")
-        project = ComposeProject(tmp_path_factory.mktemp("compose"), refs["base"], POLICY)
+        project = ComposeProject(tmp_path_factory.mktemp("compose"), refs, POLICY)
         try:
             project.up()
         except Exception:
@@ -60,9 +61,13 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeProject]:
             stop_engine(engine)
 
 
-def agent_curl(lab: ComposeProject, *args: str, service: str = "agent") -> tuple[int, dict[str, str], str]:
-    """curl in a one-off container of `service` (its entrypoint sets the proxy); status, headers, body."""
-    done = lab.run(service, ["curl", "-sS", "-i", "--max-time", "20", *args])
+def agent_curl(
+    lab: ComposeProject, *args: str, service: str = "agent", one_off: bool = False
+) -> tuple[int, dict[str, str], str]:
+    """curl in the running `service` container through its entrypoint (which sets the proxy), or in a
+    one-off container as the README does (`docker-compose run --rm`); status, headers, body."""
+    argv = ["curl", "-sS", "-i", "--max-time", "20", *args]
+    done = lab.run(service, argv) if one_off else lab.exec(service, [ENTRYPOINT, *argv])
     assert done.returncode == 0, f"curl failed ({done.returncode}): {done.stderr[-2000:]}"
     return parse_response(done.stdout)
 
@@ -119,7 +124,8 @@ def test_agent_reaches_an_allowed_upstream_through_the_gateway(lab: ComposeProje
 
 
 def test_a_refused_host_gets_403_with_the_reason(lab: ComposeProject) -> None:
-    status, headers, body = agent_curl(lab, "http://refused.example/")
+    # the README's command: docker-compose run --rm agent curl -sS http://refused.example/
+    status, headers, body = agent_curl(lab, "http://refused.example/", one_off=True)
     assert status == 403
     assert headers["x-egressd-reason"] == "not_allowlisted"
     assert "refused.example" in body and "not_allowlisted" in body
@@ -151,9 +157,8 @@ def test_the_policy_and_the_ca_are_read_only_in_the_gateway(lab: ComposeProject)
 def test_the_agent_has_no_way_out_but_the_gateway(lab: ComposeProject) -> None:
     upstream_ip = lab.container_ip("upstream", "egress")
     assert upstream_ip
-    done = lab.run(
-        "agent", ["curl", "-sS", "--noproxy", "*", "--max-time", "5", f"http://{upstream_ip}:8080/direct"]
-    )
+    direct = ["curl", "-sS", "--noproxy", "*", "--max-time", "5", f"http://{upstream_ip}:8080/direct"]
+    done = lab.exec("agent", [ENTRYPOINT, *direct])
     assert done.returncode != 0, done.stdout  # 7 (no route / refused) or 28 (dropped): never an answer
     assert not [r for r in upstream_requests(lab) if r["path"] == "/direct"]
 

@@ -78,7 +78,7 @@ def build_images(timeout: float = 600.0) -> tuple[dict[str, str], float]:
 class ComposeProject:
     """docker-compose.yml + tests/compose.test.yml under a project name of its own."""
 
-    def __init__(self, workdir: Path, base_image: str, policy: str) -> None:
+    def __init__(self, workdir: Path, images: dict[str, str], policy: str) -> None:
         self.name = f"egressdtest{uuid.uuid4().hex[:10]}"
         self.policy_dir = workdir / "policy"
         self.ca_dir = workdir / "ca"
@@ -91,7 +91,9 @@ class ComposeProject:
             **os.environ,
             "EGRESSD_POLICY_DIR": str(self.policy_dir),
             "EGRESSD_CA_DIR": str(self.ca_dir),
-            "EGRESSD_BASE_IMAGE": base_image,
+            "EGRESSD_BASE_IMAGE": images["base"],
+            "EGRESSD_IMAGE": images["egressd"],  # this checkout's, by recipe hash
+            "EGRESSD_AGENT_IMAGE": images["agent"],
             "EGRESSD_METRICS": "127.0.0.1:",  # "127.0.0.1::9090": any free host port, never a clash
             "LAB_DIR": str(self.lab_dir),
             "COMPOSE_PROJECT_NAME": self.name,
