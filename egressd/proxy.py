@@ -189,7 +189,9 @@ class EgressProxy:
         only opens tunnels (or none, like `egressd exec -- true`) never pays it.
         """
         if self._mitm_started is None:
-            self._mitm_started = asyncio.ensure_future(self._start_mitmproxy(self.listen[0], 0))
+            self._mitm_started = asyncio.ensure_future(
+                self._start_mitmproxy(_internal_host(self.listen[0]), 0)
+            )
         started = self._mitm_started
         try:
             await asyncio.shield(started)
@@ -336,6 +338,18 @@ class EgressProxy:
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
+
+
+def _internal_host(listen_host: str) -> str:
+    """Where egressd's internal listener (the embedded mitmproxy) binds: the listen address when it
+    is loopback, else loopback (a gateway on 0.0.0.0 or an interface): only the front reaches it."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(listen_host).is_loopback
+    except ValueError:
+        loopback = False
+    return listen_host if loopback else "127.0.0.1"
 
 
 def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:

@@ -99,11 +99,17 @@ class GatewayOptions:
 
 
 def gateway_policy(policy: Policy) -> Policy:
-    """A gateway's clients are other machines: the gateway host's own loopback is reachable only on
-    the ports the policy names in `loopback.ports` (none when it names none), never all of it."""
+    """A gateway's clients are other machines: the gateway host's own services — its loopback and
+    its interface addresses (a container's own IP) — are reachable only on the ports the policy
+    names in `loopback.ports` (none when it names none), never all of them. Computed at each load,
+    so the addresses are current."""
     from dataclasses import replace
 
-    return replace(policy, loopback=replace(policy.loopback, named_ports_only=True))
+    from egressd.remote.interfaces import local_addresses
+
+    own = frozenset(ip for ip in local_addresses() if not ip.is_loopback)
+    loopback = replace(policy.loopback, named_ports_only=True, addresses=policy.loopback.addresses | own)
+    return replace(policy, loopback=loopback)
 
 
 @dataclass(frozen=True)

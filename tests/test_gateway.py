@@ -15,15 +15,17 @@ import socket
 import stat
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support import netns
 from tests.support.attempts import wait_until
 from tests.support.corpus import ProxyClient, tunnel_get
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, GatewayRun, write_policy
-from tests.support.upstreams import EchoHTTPServer, free_port
+from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer, free_port
 from tests.test_exec_integration import parse_http
 
 GATEWAY_POLICY = """\
@@ -74,6 +76,14 @@ def audit_records(path: Path) -> list[dict[str, object]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def upstream() -> Iterator[EchoHTTPServer]:
+    """The upstream of these tests, on an address of the namespace that is not one of its interface
+    addresses: a gateway counts those (198.51.100.1, the conftest's upstream) as its own host."""
+    with EchoHTTPServer(netns.UPSTREAM_V4[4], name="gateway-upstream") as server:
+        yield server
 
 
 @pytest.fixture
@@ -258,20 +268,21 @@ def test_gateway_source_networks(
         assert curl(run.url_for("pinned", pinned), url)[0] == 407
 
 
-def test_gateway_refuses_its_host_loopback_unless_named(
-    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer
-) -> None:
-    """The gateway host's loopback is not its clients': only ports `loopback.ports` names."""
-    loopback_server = EchoHTTPServer("127.0.0.1")
+@pytest.mark.parametrize("own_address", ["127.0.0.1", netns.UPSTREAM_V4[0]], ids=["loopback", "interface"])
+def test_gateway_refuses_its_own_host_unless_named(tmp_path: Path, own_address: str) -> None:
+    """The gateway host's loopback and interface addresses are not its clients': only the ports
+    `loopback.ports` names."""
+    loopback_server = EchoHTTPServer(own_address)
     with loopback_server:
         tokens = tmp_path / "tokens.json"
         token = add_token(tokens, "agent1")
-        policy = write_policy(tmp_path, "version: 1\nmode: enforce\nallow: []\n")
+        policy = write_policy(tmp_path, f"version: 1\nmode: enforce\nallow: [{own_address}]\n")
         base = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
         with GatewayRun([*base, "--policy", str(policy)]) as run:
             status, headers, _ = curl(run.url_for("agent1", token), loopback_server.url)
             assert status == 403 and headers.get("x-egressd-reason") == "loopback_port"
-            policy.write_text(f"version: 1\nmode: enforce\nloopback:\n  ports: [{loopback_server.port}]\n")
+            named = f"loopback:\n  ports: [{loopback_server.port}]\n"
+            policy.write_text(f"version: 1\nmode: enforce\nallow: [{own_address}]\n{named}")
             wait_until(
                 lambda: curl(run.url_for("agent1", token), loopback_server.url)[0] == 200,
                 "the named loopback port admitted",
@@ -332,3 +343,48 @@ def test_basic_credentials_spellings_are_checked_exactly(
             "Basic",
         ):
             assert status(value) == 407, value
+
+
+def _listening(pid: int) -> set[str]:
+    """The TCP addresses process `pid` listens on (ss, in the test's network namespace)."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[3] for line in out.splitlines() if f"pid={pid}," in line}
+
+
+def test_gateway_on_an_interface_inspects_and_keeps_its_internals_on_loopback(
+    tmp_path: Path, dns: DnsServer, upstream_tls: EchoHTTPSServer, ca_file: Path, egressd_home: Path
+) -> None:
+    """A gateway on a non-loopback address (one of the test namespace's own): a host admitted for
+    some paths only is inspected for its client, the client's name is on the inner decisions, and
+    the embedded mitmproxy it starts for that listens on loopback, never on the gateway's address."""
+    dns.add("up.test", upstream_tls.host)
+    tokens = tmp_path / "tokens.json"
+    token = add_token(tokens, "agent1")
+    policy = write_policy(
+        tmp_path,
+        "version: 1\nallow:\n  - 198.51.100.0/24\n  - {host: up.test, paths: [/pkg/], methods: [GET]}\n",
+    )
+    audit = tmp_path / "audit.jsonl"
+    address = netns.UPSTREAM_V4[8]
+    options = ["--gateway", "--listen", f"{address}:{free_port(address)}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver, "--upstream-ca", str(ca_file)]
+    options += ["--audit", str(audit)]
+    with GatewayRun(options) as run:
+        assert run.address[0] == address
+        assert run.proc is not None
+        proxy = run.url_for("agent1", token)
+        cacert = ("--cacert", str(egressd_home / "public" / "egressd-ca-cert.pem"))
+        base = f"https://up.test:{upstream_tls.port}"
+        assert curl(proxy, f"{base}/pkg/a", *cacert)[0] == 200
+        status, headers, _ = curl(proxy, f"{base}/admin", *cacert)
+        assert status == 403 and headers.get("x-egressd-reason") in ("builtin_path", "not_allowlisted"), (
+            headers
+        )
+        # the requests inside the inspected tunnel: the decisions that name a path
+        inner = [r for r in audit_records(audit) if r.get("event") == "decision" and r.get("path")]
+        assert {r.get("path") for r in inner} == {"/pkg/a", "/admin"}, inner
+        assert all(r.get("client") == "agent1" for r in inner), inner
+        listening = _listening(run.proc.pid)
+        assert f"{address}:{run.address[1]}" in listening, listening
+        others = listening - {f"{address}:{run.address[1]}"}
+        assert others and all(a.startswith("127.0.0.1:") for a in others), listening

@@ -26,12 +26,24 @@ def _path(tokens_file: str | None) -> Path:
     return Path(tokens_file) if tokens_file else default_tokens_path()
 
 
-@click.group("gateway", context_settings=CONTEXT, short_help="Manage the clients of `egressd run --gateway`.")
+_EXAMPLE = """\b
+Example:
+  egressd gateway token add agent1 --profile ci > agent1.token
+  egressd gateway token list
+  egressd gateway token remove agent1"""
+
+
+@click.group(
+    "gateway",
+    context_settings=CONTEXT,
+    short_help="Manage the clients of `egressd run --gateway`.",
+    epilog=_EXAMPLE,
+)
 def gateway_group() -> None:
     """The clients of `egressd run --gateway` (docs/gateway.md)."""
 
 
-@gateway_group.group("token", context_settings=CONTEXT)
+@gateway_group.group("token", context_settings=CONTEXT, epilog=_EXAMPLE)
 def token_group() -> None:
     """Per-client tokens: the proxy URL of client NAME is http://NAME:TOKEN@GATEWAY:PORT."""
 
@@ -64,7 +76,7 @@ def token_add(name: str, profile: str | None, sources: tuple[str, ...], tokens_f
     say(f"client {name} added to {path} (the token above is not stored; keep it)")
 
 
-@token_group.command("list")
+@token_group.command("list", epilog=_EXAMPLE)
 @_TOKENS
 def token_list(tokens_file: str | None) -> None:
     """The clients: name, profile, source networks, when added (never a token)."""
@@ -80,7 +92,7 @@ def token_list(tokens_file: str | None) -> None:
         click.echo(f"{entry.name}\tprofile={entry.profile or '-'}\tfrom={sources}\tadded={created}")
 
 
-@token_group.command("remove")
+@token_group.command("remove", epilog=_EXAMPLE)
 @click.argument("name")
 @_TOKENS
 def token_remove(name: str, tokens_file: str | None) -> None:
