@@ -152,6 +152,7 @@ def test_the_policy_and_the_ca_are_read_only_in_the_gateway(lab: ComposeProject)
         done = lab.exec("egressd", ["touch", path])
         assert done.returncode != 0 and "Read-only file system" in done.stderr, (path, done.stderr)
     assert "cannot set up egressd's CA" not in lab.logs("egressd")
+    assert lab.health("egressd") == "healthy"  # the health check: GET /healthz on the proxy port
 
 
 def test_the_agent_has_no_way_out_but_the_gateway(lab: ComposeProject) -> None:

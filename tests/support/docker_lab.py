@@ -160,6 +160,15 @@ class ComposeProject:
         )
         return done.stdout.strip()
 
+    def health(self, service: str) -> str:
+        """The engine's view of the service's health check: starting, healthy or unhealthy."""
+        cid = self.compose("ps", "-q", service).stdout.strip()
+        fmt = "{{.State.Health.Status}}"
+        done = subprocess.run(
+            ["docker", "inspect", "--format", fmt, cid], capture_output=True, text=True, check=True
+        )
+        return done.stdout.strip()
+
     def leftovers(self) -> dict[str, list[str]]:
         """Everything of this project the engine still has: containers (running or not), networks, volumes."""
         label = f"label=com.docker.compose.project={self.name}"
