@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
 from tests.support.attempts import wait_until
 from tests.support.docker_lab import ComposeProject, build_images, start_engine, stop_engine
@@ -37,17 +38,23 @@ inspect:
 private:
   origins:
     - http://up.test:8080
+    - https://up.test:8443
 """
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeProject]:
+def lab(tmp_path_factory: pytest.TempPathFactory, ca: trustme.CA) -> Iterator[ComposeProject]:
     engine = start_engine()
     project: ComposeProject | None = None
     try:
         refs, seconds = build_images()
         print(f"gateway images ready in {seconds:.0f}s: {refs}")
-        project = ComposeProject(tmp_path_factory.mktemp("compose"), refs, POLICY)
+        cert = ca.issue_cert("up.test")
+        lab_files = {
+            "server.pem": b"".join(blob.bytes() for blob in (*cert.cert_chain_pems, cert.private_key_pem)),
+            "ca.pem": ca.cert_pem.bytes(),
+        }
+        project = ComposeProject(tmp_path_factory.mktemp("compose"), refs, POLICY, lab_files)
         try:
             project.up()
         except Exception:
@@ -66,7 +73,7 @@ def agent_curl(
 ) -> tuple[int, dict[str, str], str]:
     """curl in the running `service` container through its entrypoint (which sets the proxy), or in a
     one-off container as the README does (`docker-compose run --rm`); status, headers, body."""
-    argv = ["curl", "-sS", "-i", "--max-time", "20", *args]
+    argv = ["curl", "-sS", "-i", "--suppress-connect-headers", "--max-time", "20", *args]
     done = lab.run(service, argv) if one_off else lab.exec(service, [ENTRYPOINT, *argv])
     assert done.returncode == 0, f"curl failed ({done.returncode}): {done.stderr[-2000:]}"
     return parse_response(done.stdout)
@@ -101,7 +108,12 @@ def test_agent_reaches_an_allowed_upstream_through_the_gateway(lab: ComposeProje
     assert body.strip() == "upstream ok host=up.test:8080 path=/hello"
     # the upstream saw the gateway (on the egress network), never the agent
     egressd_ip = lab.container_ip("egressd", "egress")
-    assert {"peer": egressd_ip, "host": "up.test:8080", "path": "/hello"} in upstream_requests(lab)
+    assert {
+        "peer": egressd_ip,
+        "host": "up.test:8080",
+        "path": "/hello",
+        "scheme": "http",
+    } in upstream_requests(lab)
     # the decision carries the client's name, in the audit and in the metrics
     records = wait_until(
         lambda: [
@@ -142,6 +154,15 @@ def test_a_refused_host_gets_403_with_the_reason(lab: ComposeProject) -> None:
     status, headers, body = agent_curl(lab, "http://denied.test:8080/")
     assert status == 403
     assert headers["x-egressd-reason"] == "denylist", headers
+
+
+def test_agent_reaches_an_allowed_https_upstream_through_a_tunnel(lab: ComposeProject) -> None:
+    """HTTPS through CONNECT, not inspected: the agent verifies the upstream's own certificate."""
+    status, _headers, body = agent_curl(lab, "--cacert", "/lab/ca.pem", "https://up.test:8443/tls")
+    assert status == 200, body
+    assert body.strip() == "upstream ok host=up.test:8443 path=/tls"
+    egressd_ip = lab.container_ip("egressd", "egress")
+    assert [r for r in upstream_requests(lab) if r["path"] == "/tls" and r["peer"] == egressd_ip]
 
 
 def test_the_policy_and_the_ca_are_read_only_in_the_gateway(lab: ComposeProject) -> None:

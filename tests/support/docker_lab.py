@@ -78,7 +78,9 @@ def build_images(timeout: float = 600.0) -> tuple[dict[str, str], float]:
 class ComposeProject:
     """docker-compose.yml + tests/compose.test.yml under a project name of its own."""
 
-    def __init__(self, workdir: Path, images: dict[str, str], policy: str) -> None:
+    def __init__(
+        self, workdir: Path, images: dict[str, str], policy: str, lab_files: dict[str, bytes] | None = None
+    ) -> None:
         self.name = f"egressdtest{uuid.uuid4().hex[:10]}"
         self.policy_dir = workdir / "policy"
         self.ca_dir = workdir / "ca"
@@ -86,6 +88,8 @@ class ComposeProject:
         for d in (self.policy_dir, self.lab_dir):
             d.mkdir(parents=True)
         (self.lab_dir / UPSTREAM_SCRIPT.name).write_bytes(UPSTREAM_SCRIPT.read_bytes())
+        for name, data in (lab_files or {}).items():  # mounted read-only at /lab in the test services
+            (self.lab_dir / name).write_bytes(data)
         self.write_policy(policy)
         self.env = {
             **os.environ,
