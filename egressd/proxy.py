@@ -134,6 +134,15 @@ class EgressProxy:
         owner, and only it may use its credential-free listener."""
         self.pipeline.children[creds.token] = pid
 
+    def close_revoked(self) -> None:
+        """Close the client connections whose credentials are no longer valid (the gateway's token
+        file lost or replaced their token); from any thread."""
+        loop, front, store = self._loop, self._front, self.pipeline.credentials
+        if loop is None or front is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(front.close_clients, lambda creds: not store.valid(creds))
+
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
         patches.check_version()

@@ -230,6 +230,8 @@ class ProxySession:
     def _on_tokens(self, table: TokenTable) -> None:
         assert self.gateway is not None
         self.gateway.set_table(table)
+        if self.proxy is not None:
+            self.proxy.close_revoked()  # a removed client's open tunnels end now, not when idle
         self._notice(
             "tokens_reload",
             source=str(self._tokens_watcher.path if self._tokens_watcher else ""),

@@ -146,6 +146,10 @@ def test_non_loopback_listen_needs_gateway(tmp_path: Path) -> None:
         [*EGRESSD, "run", "--tokens", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=60
     )
     assert stray.returncode == 2 and "only with --gateway" in stray.stderr
+    profile = subprocess.run(
+        [*EGRESSD, "run", "--gateway", "--profile", "narrow"], capture_output=True, text=True, timeout=60
+    )
+    assert profile.returncode == 2 and "token add NAME --profile" in profile.stderr
 
 
 def test_gateway_names_each_client_and_refuses_the_rest(
@@ -224,6 +228,8 @@ def test_gateway_names_each_client_and_refuses_the_rest(
         assert records[0]["host"] == "other.test" and records[0]["profile"] == "narrow", records
         assert any(r.get("client") == "agent1" and r.get("decision") == "allow" for r in audit_records(audit))
         assert token not in audit.read_text() and narrow not in audit.read_text()
+        # the client's credentials never reach the upstream
+        assert upstream.requests and all("proxy-authorization" not in r["headers"] for r in upstream.requests)
         # metrics: decisions per client name (the token file's names only)
         metrics_url = re.search(r"metrics on (\S+)", run.stderr)
         assert metrics_url is not None, run.stderr
@@ -236,8 +242,13 @@ def test_gateway_names_each_client_and_refuses_the_rest(
         # a token added while it runs works, a removed one stops, without a restart
         late = add_token(tokens, "late")
         wait_until(lambda: curl(run.url_for("late", late), url)[0] == 200, "the new token admitted")
-        assert token_cli("remove", "agent1", tokens=tokens).returncode == 0
-        wait_until(lambda: curl(proxy, url)[0] == 407, "the removed token refused")
+        with client(run, "agent1", token).connect(f"up.test:{upstream.port}") as (answer, held):
+            assert answer is not None and answer.status == 200
+            assert token_cli("remove", "agent1", tokens=tokens).returncode == 0
+            wait_until(lambda: curl(proxy, url)[0] == 407, "the removed token refused")
+            # and the tunnel it had open is closed, not left until idle_timeout
+            held.settimeout(20)
+            assert held.recv(1) == b""
         # a policy edit applies without a restart
         policy.write_text(GATEWAY_POLICY.replace("  - up.test\n", "", 1))
         wait_until(lambda: curl(run.url_for("late", late), url)[0] == 403, "the policy edit applied")
@@ -388,3 +399,26 @@ def test_gateway_on_an_interface_inspects_and_keeps_its_internals_on_loopback(
         assert f"{address}:{run.address[1]}" in listening, listening
         others = listening - {f"{address}:{run.address[1]}"}
         assert others and all(a.startswith("127.0.0.1:") for a in others), listening
+
+
+def test_gateway_on_every_address_refuses_itself(
+    gateway_env: dict[str, Path], upstream: EchoHTTPServer, dns: DnsServer
+) -> None:
+    """`--listen 0.0.0.0:PORT` (what a container runs): clients reach it on any of the host's
+    addresses, and no client reaches the gateway itself through it, on any of them."""
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    token = add_token(tokens, "agent1")
+    port = free_port()
+    options = ["--gateway", "--listen", f"0.0.0.0:{port}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver]
+    with GatewayRun(options) as run:
+        own = netns.UPSTREAM_V4[0]  # an interface address of the namespace: the gateway's own
+        for host in ("127.0.0.1", own):
+            with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=10) as health:
+                assert health.status == 200
+            proxy = f"http://agent1:{token}@{host}:{port}"
+            assert curl(proxy, f"http://up.test:{upstream.port}/")[0] == 200
+            for target in (f"127.0.0.1:{port}", f"{own}:{port}", f"0.0.0.0:{port}"):
+                with client(run, "agent1", token).connect(target) as (answer, _sock):
+                    assert answer is not None and answer.status == 403, (host, target)
+                    assert answer.reason in ("self", "loopback_port", "forbidden_address"), answer.reason

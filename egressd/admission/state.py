@@ -17,8 +17,8 @@ class ProxyCredentials:
     """What a child puts in its proxy URL; the username names its profile.
 
     A gateway client (`egressd run --gateway`) is named by its username and carries the profile of
-    its token entry; its `token` is then only its key for limits (`gateway:NAME`), never the secret,
-    which egressd keeps hashed."""
+    its token entry; its `token` is then only its key for limits and revocation
+    (`gateway:NAME:HASH-PREFIX`), never the secret, which egressd keeps hashed."""
 
     username: str
     token: str

@@ -49,6 +49,12 @@ class TokenEntry:
     sources: tuple[Network, ...] = ()
     created: float | None = None
 
+    @property
+    def key(self) -> str:
+        """Who this entry's connections are, for limits and revocation: its name and which token
+        (a prefix of the salted hash, useless to an attacker), never the token."""
+        return f"gateway:{self.name}:{self.digest.hex()[:16]}"
+
     def matches(self, token: bytes) -> bool:
         return hmac.compare_digest(_digest(self.salt, token), self.digest)
 
@@ -224,9 +230,9 @@ class GatewayCredentials(CredentialStore):
             return None
         if entry.sources and not _within(address, entry.sources):
             return None
-        return ProxyCredentials(
-            entry.name, f"gateway:{entry.name}", gateway=True, gateway_profile=entry.profile
-        )
+        return ProxyCredentials(entry.name, entry.key, gateway=True, gateway_profile=entry.profile)
 
     def valid(self, creds: ProxyCredentials) -> bool:
-        return creds.gateway and creds.username in self._table.entries
+        """Still in the token file with the same token (a removed or replaced one is not)."""
+        entry = self._table.entries.get(creds.username)
+        return creds.gateway and entry is not None and entry.key == creds.token

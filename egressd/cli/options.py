@@ -192,6 +192,11 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
     elif metrics_any:
         raise click.BadParameter("--metrics-any needs --metrics HOST:PORT", param_hint="--metrics-any")
     gateway = _pop_gateway_options(params)
+    if gateway is not None and overrides.profile is not None:
+        raise click.UsageError(
+            "--profile with --gateway: each client's profile is its token's "
+            "(`egressd gateway token add NAME --profile P`)"
+        )
     return SessionOptions(
         gateway=gateway,
         metrics=metrics,

@@ -44,8 +44,10 @@ def run_command(options: SessionOptions) -> None:
     """Run the proxy until SIGTERM/SIGINT; print the `export` lines a child needs.
 
     stdout gets only the export lines (then is closed, so `$(...)` and pipes see EOF); status
-    goes to stderr. The policy file is reloaded when it changes and on SIGHUP; a file that fails
-    to load is reported and the last good policy stays in force.
+    goes to stderr. With --gateway it serves other machines instead, each client with its own
+    token (`egressd gateway token add`), and prints nothing on stdout. The policy file is
+    reloaded when it changes and on SIGHUP; a file that fails to load is reported and the last
+    good policy stays in force.
     """
     stops = (signal.SIGINT, signal.SIGTERM)
     catcher = process.SignalCatcher((*stops, signal.SIGHUP)).install()

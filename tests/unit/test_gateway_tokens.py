@@ -147,6 +147,12 @@ def test_a_swapped_table_applies_to_the_next_check() -> None:
     assert ci is not None and creds.valid(ci)
     creds.set_table(creds.table.without("ci"))
     assert not creds.valid(ci) and creds.check("ci", TOKEN + "c") is None
+    # a replaced token: the same name, another token: the old one's connections are not valid
+    agent = creds.check("pinned", TOKEN + "p", "10.1.0.1:1")
+    assert agent is not None and creds.valid(agent)
+    creds.set_table(creds.table.with_entry(make_entry("pinned", "new-token", sources=["10.1.0.0/16"])))
+    assert not creds.valid(agent) and creds.check("pinned", TOKEN + "p", "10.1.0.1:1") is None
+    assert creds.check("pinned", "new-token", "10.1.0.1:1") is not None
 
 
 @pytest.mark.parametrize(
