@@ -157,8 +157,13 @@ class ComposeProject:
         return self.compose("logs", "--no-color", service, check=False).stdout
 
     def container_ip(self, service: str, network: str) -> str:
+        return self.inspect(
+            service, f'{{{{(index .NetworkSettings.Networks "{self.name}_{network}").IPAddress}}}}'
+        )
+
+    def inspect(self, service: str, fmt: str) -> str:
+        """`docker inspect --format FMT` of the service's container."""
         cid = self.compose("ps", "-q", service).stdout.strip()
-        fmt = f'{{{{(index .NetworkSettings.Networks "{self.name}_{network}").IPAddress}}}}'
         done = subprocess.run(
             ["docker", "inspect", "--format", fmt, cid], capture_output=True, text=True, check=True
         )
@@ -166,12 +171,7 @@ class ComposeProject:
 
     def health(self, service: str) -> str:
         """The engine's view of the service's health check: starting, healthy or unhealthy."""
-        cid = self.compose("ps", "-q", service).stdout.strip()
-        fmt = "{{.State.Health.Status}}"
-        done = subprocess.run(
-            ["docker", "inspect", "--format", fmt, cid], capture_output=True, text=True, check=True
-        )
-        return done.stdout.strip()
+        return self.inspect(service, "{{.State.Health.Status}}")
 
     def leftovers(self) -> dict[str, list[str]]:
         """Everything of this project the engine still has: containers (running or not), networks, volumes."""
