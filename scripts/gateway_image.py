@@ -267,6 +267,7 @@ def _build(ref: str, context: Path, recipe: str, base: str) -> None:
             "docker",
             "build",
             "-q",
+            "--force-rm",  # a failed step leaves no container behind
             "--label",
             f"{LABEL}={recipe}",
             "--build-arg",
