@@ -114,6 +114,15 @@ class EgressProxy:
     def revoke(self, creds: ProxyCredentials) -> None:
         self.pipeline.credentials.revoke(creds)
 
+    def close_revoked(self) -> None:
+        """Close the client connections whose credentials are no longer valid (the gateway's token
+        file lost or replaced their token); from any thread."""
+        loop, front, store = self._loop, self._front, self.pipeline.credentials
+        if loop is None or front is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(front.close_clients, lambda creds: not store.valid(creds))
+
     def child_only_listener(self, creds: ProxyCredentials) -> tuple[str, int]:
         """A loopback listener without credentials, admitting only the process tree of the child
         that runs with `creds` (registered by `child_started`): for clients that cannot send proxy
@@ -133,15 +142,6 @@ class EgressProxy:
         """The child running with `creds` is pid: its tree is searched first for a connection's
         owner, and only it may use its credential-free listener."""
         self.pipeline.children[creds.token] = pid
-
-    def close_revoked(self) -> None:
-        """Close the client connections whose credentials are no longer valid (the gateway's token
-        file lost or replaced their token); from any thread."""
-        loop, front, store = self._loop, self._front, self.pipeline.credentials
-        if loop is None or front is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(front.close_clients, lambda creds: not store.valid(creds))
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
