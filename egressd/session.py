@@ -55,8 +55,16 @@ class Overrides:
     mode: str | None = None
     nameservers: tuple[str, ...] = ()
     profile: str | None = None
+    # more --policy files or presets, merged with the first (deny wins; docs/providers.md),
+    # read again at every reload so an edit of any of them is never half applied
+    policies: tuple[str, ...] = ()
 
     def apply(self, policy: Policy) -> Policy:
+        if self.policies:
+            from egressd.policy.merge import merge_policies
+
+            more = [load_policy(resolve_policy_path(p), env=os.environ) for p in self.policies]
+            policy = merge_policies([policy, *more])
         policy = policy.with_overrides(
             allow=self.allow,
             deny=self.deny,
@@ -105,6 +113,7 @@ class SessionOptions:
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
     control: bool = True  # serve the control API on the user's Unix socket
     dashboard: bool = False  # --dashboard: serve the web dashboard on loopback (needs the control API)
+    passthrough: bool = False  # --passthrough / EGRESSD_PASSTHROUGH=1: the child runs without egressd
 
 
 class ProxySession:
@@ -158,6 +167,7 @@ class ProxySession:
                 self._on_error,
                 env=os.environ,
                 transform=self._apply,
+                also=[resolve_policy_path(p) for p in self.options.overrides.policies],
             )
             return self.watcher.load()
         except PolicyError as exc:

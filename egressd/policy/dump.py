@@ -41,7 +41,7 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         entry["deny"] = _rules(prof.deny)
         entry["ports"] = list(prof.ports)
         profiles[name] = entry
-    return {
+    data: dict[str, Any] = {
         "version": policy.version,
         "mode": policy.mode,
         "allow": _rules(policy.allow),
@@ -71,3 +71,19 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "refusal_pages": policy.refusal_pages,
         "ask_timeout": policy.ask_timeout,
     }
+    if policy.preset is not None:
+        preset = policy.preset
+        data["preset"] = {"name": preset.name, "version": preset.version}
+        data["preset"].update({k: v for k, v in (("summary", preset.summary), ("sends", preset.sends)) if v})
+    if policy.providers:
+        data["providers"] = [
+            {
+                "name": ack.name,
+                "version": ack.version,
+                "acknowledged": ack.acknowledged,
+                "hosts": list(ack.hosts),
+                "added": list(ack.added),
+            }
+            for ack in policy.providers
+        ]
+    return data
