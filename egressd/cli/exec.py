@@ -14,6 +14,7 @@ from egressd.ssh_env import with_git_ssh
 if TYPE_CHECKING:
     pass
 from egressd.cli.options import dashboard_option, open_session, session_options
+from egressd.cli.passthrough import passthrough_option, run_unwrapped
 
 
 @click.command(
@@ -27,6 +28,7 @@ Example:
 )
 @session_options
 @dashboard_option
+@passthrough_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
 def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
     """Run CMD with all its traffic going through egressd.
@@ -36,6 +38,8 @@ def exec_command(options: SessionOptions, command: tuple[str, ...]) -> None:
     """
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
+    if options.passthrough:
+        run_unwrapped(options, command, catcher)
     returncode = EXIT_CANNOT_RUN
     with open_session(options, announce_reloads=options.trace, command=command) as session:
         creds = session.credentials()
