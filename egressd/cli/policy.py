@@ -183,3 +183,36 @@ def policy_suggest(audits: tuple[str, ...], base_file: str | None) -> None:
     except SuggestError as exc:
         fail(str(exc))
     click.echo(text, nl=False)
+
+
+IMPORT_FORMATS = ("allowlist-json", "srt", "smokescreen")
+
+
+@policy_group.command(
+    "import",
+    epilog="""\b
+Example:
+  egressd policy import --from srt ~/.srt-settings.json > agent.yaml
+  egressd policy import --from smokescreen acl.yaml --role my-service > service.yaml
+  egressd policy import --from allowlist-json network_allowlist.json > policy.yaml""",
+)
+@click.option("--from", "fmt", type=click.Choice(IMPORT_FORMATS), required=True, help="The input's format.")
+@click.option("--role", metavar="NAME", help="smokescreen: the role (services[].name, or default).")
+@click.argument("file", type=click.Path(dir_okay=False))
+def policy_import(fmt: str, role: str | None, file: str) -> None:
+    """Print FILE (another tool's allowlist) as an egressd policy; on stderr, what it could not say
+    exactly. Never wider: what has no egressd counterpart is narrowed or left out."""
+    from egressd.importers import ImportError_, import_policy
+
+    try:
+        with open(file, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"{file}: {getattr(exc, 'strerror', None) or exc}")
+    try:
+        result = import_policy(text, fmt, source=file, role=role)
+    except ImportError_ as exc:
+        fail(f"{file}: {exc}")
+    for finding in result.findings:
+        click.echo(f"egressd: import: {finding.line()}", err=True)
+    click.echo(result.text(), nl=False)
