@@ -41,8 +41,14 @@ def decode(line: bytes) -> dict[str, Any]:
     return message
 
 
+# what the decision never reads (acknowledgements, a preset's description): not pushed, so a remote
+# egressd that predates these keys still loads the policy
+_NOT_PUSHED = ("preset", "providers")
+
+
 def policy_message(policy: Policy, seq: int) -> dict[str, Any]:
-    return {"type": "policy", "seq": seq, "source": policy.source, "policy": policy_to_data(policy)}
+    data = {k: v for k, v in policy_to_data(policy).items() if k not in _NOT_PUSHED}
+    return {"type": "policy", "seq": seq, "source": policy.source, "policy": data}
 
 
 def read_policy(message: dict[str, Any]) -> Policy:
