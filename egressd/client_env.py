@@ -22,8 +22,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 NODE_WARNING_FLAG = "--disable-warning=UNDICI-EHPA"
+_WGETRC_MAX = 1 << 20
 _NODE_VERSION = re.compile(r"v(\d+)\.(\d+)\.(\d+)")
-_versions: dict[tuple[str, int, int], tuple[int, int, int] | None] = {}
+_versions: dict[tuple[str, int, int, str], tuple[int, int, int] | None] = {}
 
 
 def node_supports_disable_warning(version: tuple[int, int, int] | None) -> bool:
@@ -34,23 +35,31 @@ def node_supports_disable_warning(version: tuple[int, int, int] | None) -> bool:
     return major >= 22 or (major == 21 and minor >= 3) or (major == 20 and minor >= 11)
 
 
-def node_version(path: str | None) -> tuple[int, int, int] | None:
-    """The version of the `node` the child's PATH finds (cached by binary, size and mtime); None
-    when there is none or it does not answer `--version` plainly within a few seconds."""
+def node_version(env: Mapping[str, str]) -> tuple[int, int, int] | None:
+    """The version of the `node` the child's PATH finds, asked with the child's environment (version
+    managers' shims need it) and cached by binary, size, mtime and directory (a shim may pick another
+    version elsewhere); None when there is none or it does not answer `--version` plainly."""
+    path = env.get("PATH")
     found = shutil.which("node", path=path) if path else None
     if found is None:
         return None
     try:
         info = os.stat(found)
+        key = (os.path.realpath(found), info.st_size, info.st_mtime_ns, os.getcwd())
     except OSError:
         return None
-    key = (os.path.realpath(found), info.st_size, info.st_mtime_ns)
     if key not in _versions:
         version = None
+        probe_env = {k: v for k, v in env.items() if k != "NODE_OPTIONS"}
         try:
-            env = {"PATH": path or "", "NODE_OPTIONS": ""}
-            done = subprocess.run(
-                [found, "--version"], env=env, capture_output=True, text=True, timeout=5, check=False
+            done = subprocess.run(  # never the child's stdin: it may be an editor's JSON-RPC stream
+                [found, "--version"],
+                env=probe_env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=False,
             )
             match = _NODE_VERSION.fullmatch(done.stdout.strip())
             if done.returncode == 0 and match:
@@ -77,7 +86,9 @@ def _user_wgetrc(base: Mapping[str, str]) -> str:
     path = Path(given) if given else (Path(home) / ".wgetrc" if home else None)
     if path is None:
         return ""
-    try:
+    try:  # a regular file of sane size only: never block on a FIFO or read a device
+        if not path.is_file() or path.stat().st_size > _WGETRC_MAX:
+            return ""
         return path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
@@ -111,7 +122,7 @@ def write_wgetrc(base: Mapping[str, str], ca_bundle: str) -> str | None:
 def client_fixes(base: Mapping[str, str], env: Mapping[str, str], ca_bundle: str | None) -> dict[str, str]:
     """The variables to add to a child's `env` (built from `base`) for node and wget."""
     extra: dict[str, str] = {}
-    options = node_options(env.get("NODE_OPTIONS"), node_version(env.get("PATH")))
+    options = node_options(env.get("NODE_OPTIONS"), node_version(env))
     if options is not None:
         extra["NODE_OPTIONS"] = options
     if ca_bundle is not None:
