@@ -59,3 +59,29 @@ def test_bad_preset_names_the_key() -> None:
         parse_policy({"preset": {"name": "Bad Name", "version": 1}}, "p.yaml")
     with pytest.raises(PolicyError, match="preset.version"):
         parse_policy({"preset": {"name": "ok"}}, "p.yaml")
+
+
+def test_every_preset_describes_itself_and_comments_each_host() -> None:
+    from egressd.policy import load_policy
+    from egressd.policy.loader import builtin_policy_names, builtin_policy_path
+
+    names = set(builtin_policy_names())
+    expected = (
+        "anthropic openai gemini mistral groq openrouter ollama huggingface github gitlab npm pypi crates go"
+    )
+    assert {*expected.split(), "dockerhub", "default"} <= names
+    for name in names - {"default"}:
+        path = builtin_policy_path(name)
+        policy = load_policy(path)
+        assert policy.preset is not None and policy.preset.name == name, path
+        assert policy.preset.version >= 1 and policy.preset.sends and policy.preset.summary, path
+        lines = path.read_text().splitlines()
+        start = lines.index("allow:")
+        for index, line in enumerate(lines[start + 1 :], start + 1):
+            if not line.startswith("  - "):
+                if not line.startswith(" "):
+                    break
+                continue
+            above = next(text for text in reversed(lines[:index]) if not text.startswith("  - "))
+            commented = "#" in line or above.lstrip().startswith("#")  # its own, or its group's
+            assert commented, f"{path}:{index + 1}: {line.strip()} has no comment"
