@@ -96,12 +96,26 @@ def _take_out(data: MutableMapping[str, Any], name: str) -> list[str]:
     return removed
 
 
+def user_file(path: str | os.PathLike[str]) -> None:
+    """The file to edit is the user's: never a shipped preset, nor a preset's bare name with no such
+    file (which `--policy NAME` reads as the preset, not as the file this would create)."""
+    text = os.fspath(path)
+    real = os.path.realpath(text)
+    for name in builtin_policy_names():
+        preset = builtin_policy_path(name)
+        if real == os.path.realpath(preset):
+            raise ProviderError(f"{text} is egressd's {name} preset: acknowledge into your own policy file")
+        if text == name and not os.path.exists(text):
+            raise ProviderError(f"{text!r} names the {name} preset: give your policy file's path (./{text})")
+
+
 def acknowledge(
     path: str | os.PathLike[str], chosen: Provider, today: datetime.date | None = None
 ) -> list[str]:
     """Write the provider's hosts into `allow` and its acknowledgement into `providers:` (an
     earlier acknowledgement of it is replaced); the rules added. A missing file is created from the
     default policy."""
+    user_file(path)
     added: list[str] = []
     day = (today or datetime.date.today()).isoformat()
 
@@ -139,6 +153,7 @@ def acknowledge(
 
 def withdraw(path: str | os.PathLike[str], name: str) -> list[str]:
     """Remove the acknowledgement of `name` and the rules only it needed; the rules removed."""
+    user_file(path)
     removed: list[str] = []
     found = False
 

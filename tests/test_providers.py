@@ -220,3 +220,21 @@ def test_a_running_egressd_applies_the_acknowledgement(tmp_path: Path) -> None:
                 after = client.exchange(connect + client.auth_header + b"\r\n")
                 reason = after.reason if after is not None else None
             assert reason == "resolved_forbidden", run.stderr
+
+
+def test_a_preset_is_never_the_file_written(tmp_path: Path) -> None:
+    preset = subprocess.run(
+        [*EGRESSD, "policy", "path", "npm"], capture_output=True, text=True
+    ).stdout.strip()
+    before = Path(preset).read_text()
+    done = egressd("provider", "add", "anthropic", "--policy", preset, "--yes")
+    assert done.returncode == 2 and "npm preset" in done.stderr
+    assert Path(preset).read_text() == before
+    bare = subprocess.run(
+        [*EGRESSD, "provider", "add", "anthropic", "--policy", "npm", "--yes"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert bare.returncode == 2 and "./npm" in bare.stderr and not (tmp_path / "npm").exists()

@@ -11,7 +11,15 @@ from typing import TextIO
 import click
 
 from egressd.cli.options import fail
-from egressd.providers import Provider, ProviderError, acknowledge, acknowledged, provider, providers
+from egressd.providers import (
+    Provider,
+    ProviderError,
+    acknowledge,
+    acknowledged,
+    provider,
+    providers,
+    user_file,
+)
 
 
 @click.group(
@@ -135,6 +143,7 @@ def provider_add(name: str, policy_file: str, yes: bool) -> None:
     acknowledgement (provider, hosts, day, preset version). A running egressd reloads FILE."""
     try:
         item = provider(name)
+        user_file(policy_file)  # before asking: a preset is never the file written
         acknowledged_now = _loads_or_missing(policy_file)
     except ProviderError as exc:
         fail(str(exc))
