@@ -35,8 +35,10 @@ class Handlers:
         policy: Callable[[], dict[str, Any]] | None = None,
         edit_policy: PolicyEditor | None = None,
         metrics: Callable[[], bytes] | None = None,
+        watched: Callable[[], None] | None = None,
     ) -> None:
         self.metrics = metrics
+        self.watched = watched  # a watch stream attached: decisions should name their program
         self.broker = broker
         self.grants = grants
         self.events = events
@@ -182,6 +184,8 @@ class Handlers:
             loop.call_soon_threadsafe(_offer_event, queue, event)
 
         self.events.subscribe(observer)
+        if self.watched is not None:
+            self.watched()
         try:
             return await self._stream(request, queue, [])
         finally:

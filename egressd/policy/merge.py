@@ -31,6 +31,7 @@ from .model import (
     ResolverConfig,
 )
 from .rules import HostRule, RuleSet
+from .secrets import SecretSpec, check_secret_hosts, check_unique
 
 __all__ = ["merge_policies"]
 
@@ -171,6 +172,18 @@ def _profiles(policies: Sequence[Policy]) -> dict[str, Profile]:
     }
 
 
+def _secrets(
+    policies: Sequence[Policy], allow: RuleSet, deny: RuleSet, source: str
+) -> tuple[SecretSpec, ...]:
+    """Every policy's secrets (one name, one variable each), by name; each still goes only to hosts
+    the merged policy allows and denies none of (another policy's deny refuses the merge)."""
+    specs = sorted(_unique(spec for p in policies for spec in p.secrets), key=lambda spec: spec.name)
+    merged = check_unique(specs, source)
+    if merged:
+        check_secret_hosts(merged, allow, deny, source)
+    return merged
+
+
 def merge_policies(policies: Sequence[Policy]) -> Policy:
     """One policy deciding as the list does: admitted where one admits, refused where one denies."""
     if not policies:
@@ -184,11 +197,14 @@ def merge_policies(policies: Sequence[Policy]) -> Policy:
     mode = next(m for m in _STRICTNESS if any(p.mode == m for p in voters))
     pages: RefusalPages = "tls" if all(p.refusal_pages == "tls" for p in policies) else "status"
     strip = _unique(h for p in policies for h in p.credentials.strip_on_host_change)
+    allow = _union_rules(_fold_ports(p.allow, p.ports) for p in policies)
+    deny = _union_rules(p.deny.rules for p in policies)
+    source = " + ".join(p.source for p in policies)
     return Policy(
         version=1,
         mode=mode,
-        allow=_union_rules(_fold_ports(p.allow, p.ports) for p in policies),
-        deny=_union_rules(p.deny.rules for p in policies),
+        allow=allow,
+        deny=deny,
         loopback=_loopback(policies),
         private=PrivatePolicy(
             allow=all(p.private.allow for p in policies),
@@ -205,5 +221,6 @@ def merge_policies(policies: Sequence[Policy]) -> Policy:
         refusal_pages=pages,
         ask_timeout=min(p.ask_timeout for p in policies),
         providers=tuple(sorted(set(a for p in policies for a in p.providers), key=repr)),
-        source=" + ".join(p.source for p in policies),
+        secrets=_secrets(policies, allow, deny, source),
+        source=source,
     )

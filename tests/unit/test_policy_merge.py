@@ -154,3 +154,16 @@ def test_conflicting_nameservers_and_port_bound_builtins_are_refused() -> None:
     with pytest.raises(PolicyError, match="b.yaml: builtin"):
         merge_policies([built, parse_policy({}, "open.yaml")])
     assert merge_policies([built, parse_policy({"ports": [443]}, "same.yaml")]).builtin == built.builtin
+
+
+def test_secrets_are_kept_and_still_go_only_to_allowed_hosts() -> None:
+    secret = {"name": "api", "from": {"env": "API_KEY"}, "hosts": ["api.a.test"], "env": "API_KEY"}
+    mine = parse_policy({"allow": ["api.a.test"], "secrets": [secret]}, "mine.yaml")
+    merged = merge_policies([parse_policy({"allow": ["b.test"], "ports": [443]}, "b.yaml"), mine])
+    assert [s.name for s in merged.secrets] == ["api"]
+    assert merge_policies([mine, mine]).secrets == mine.secrets  # the same file twice
+    with pytest.raises(PolicyError, match="denied by the policy"):
+        merge_policies([mine, parse_policy({"deny": ["api.a.test"]}, "deny.yaml")])
+    other = {**secret, "name": "other"}  # another name, the same child variable
+    with pytest.raises(PolicyError, match="two secrets give the child this variable"):
+        merge_policies([mine, parse_policy({"allow": ["api.a.test"], "secrets": [other]}, "o.yaml")])
