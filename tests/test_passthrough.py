@@ -91,3 +91,39 @@ def test_an_unknown_passthrough_value_is_an_error_not_a_guess() -> None:
     done = run(["exec"], clean_env(EGRESSD_PASSTHROUGH="maybe"))
     assert done.returncode == 2 and done.stdout == ""
     assert "EGRESSD_PASSTHROUGH='maybe'" in done.stderr
+
+
+def test_passthrough_never_hands_the_child_a_secrets_real_value(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "version: 1\nallow: [api.a.test, api.b.test]\nsecrets:\n"
+        "  - {name: filed, from: {env: FILED_KEY}, hosts: [api.b.test], env: FILED_KEY}\n"
+    )
+    env = clean_env(CLI_KEY="real-cli-value", FILED_KEY="real-file-value", OTHER="kept")
+    names = "('CLI_KEY', 'FILED_KEY', 'OTHER')"
+    probe = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names}}}))"
+    done = subprocess.run(
+        [
+            *EGRESSD,
+            "exec",
+            "--passthrough",
+            "--policy",
+            str(policy),
+            "--secret",
+            "cli=CLI_KEY",
+            "--secret-host",
+            "cli=api.a.test",
+            "--",
+            sys.executable,
+            "-c",
+            probe,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"CLI_KEY": None, "FILED_KEY": None, "OTHER": "kept"}
+    assert "CLI_KEY, FILED_KEY" in done.stderr

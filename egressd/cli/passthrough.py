@@ -9,6 +9,7 @@ audit record when --audit is given.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -53,6 +54,18 @@ def passthrough_option(func: Callable[..., Any]) -> Callable[..., Any]:
     )(with_passthrough)
 
 
+def _secret_variables(options: SessionOptions) -> set[str]:
+    """The variables the secrets read their values from: the command line's, and the policy's when
+    it loads (a policy that does not load hides the command line's only: passthrough needs none)."""
+    from egressd.policy import PolicyError
+    from egressd.session import base_policy
+
+    specs = list(options.overrides.secrets)
+    with contextlib.suppress(PolicyError, OSError):
+        specs += list(options.overrides.apply(base_policy(options.policy_file)).secrets)
+    return {spec.source.env for spec in specs if spec.source.kind == "env" and spec.source.env}
+
+
 def run_unwrapped(
     options: SessionOptions, command: Sequence[str], catcher: process.SignalCatcher
 ) -> NoReturn:
@@ -70,6 +83,14 @@ def run_unwrapped(
             audit.event("passthrough", program=program, cause=cause)
     except OSError as exc:
         fail(f"--audit {options.audit_path}: {exc.strerror or exc}")
-    # as egressd got it, less egressd's own configuration; the user's own proxy settings stay
-    env = {key: value for key, value in os.environ.items() if not key.upper().startswith("EGRESSD_")}
+    # as egressd got it, less egressd's own configuration and the variables holding the secrets'
+    # values (a child meant to get placeholders never gets the real key, egressd or not)
+    hidden = _secret_variables(options)
+    if hidden:
+        say(f"passthrough: the secrets' variables are not given to {program}: {', '.join(sorted(hidden))}")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.upper().startswith("EGRESSD_") and key not in hidden
+    }
     process.exit_like(process.run_child(list(command), env, catcher=catcher), fast=True)
