@@ -17,6 +17,7 @@ from egressd.cli.ca import ca_group
 from egressd.cli.check import check_command
 from egressd.cli.dashboard import dashboard_command
 from egressd.cli.exec import exec_command
+from egressd.cli.gateway import gateway_group
 from egressd.cli.grant import grant_command
 from egressd.cli.mcp import mcp_group
 from egressd.cli.options import CONTEXT
@@ -88,6 +89,7 @@ for _command in (
     grant_command,
     watch_command,
     dashboard_command,
+    gateway_group,
 ):
     cli.add_command(_command)
 
