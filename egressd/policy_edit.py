@@ -22,6 +22,8 @@ from egressd.policy.entries import parse_rule_list
 
 LISTS = ("allow", "deny")
 
+PolicyEditor = Callable[[str, str, str], str]  # (op "add"/"remove", list, rule) -> what was done
+
 
 class PolicyEditError(Exception):
     """The rule could not be added; the file is unchanged."""
