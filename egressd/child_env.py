@@ -1,7 +1,8 @@
 """The environment a child runs with: every client library it may use is pointed at egressd.
 
-Pure function of the inherited environment and the proxy address, so it is easy to test and
-the CLI stays thin. See DESIGN.md "Child environment".
+A function of the inherited environment and the proxy address, so it is easy to test and the CLI
+stays thin; the fixes for clients that need to be looked at first (node's version, the user's
+wgetrc) are in client_env.py. See DESIGN.md "Child environment".
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def child_environment(
     if ca_bundle is not None:
         for key in CA_BUNDLE_VARS:
             env[key] = ca_bundle
+    from egressd.client_env import client_fixes
+
+    env.update(client_fixes(base, env, ca_bundle))
     env.update(placeholders or {})
     return env
 

@@ -17,7 +17,10 @@ from pathlib import Path
 def replace_atomically(path: Path, text: str, *, check: Callable[[str], None] | None = None) -> None:
     """Replace `path` by `text` with one rename; `check(temporary path)` may refuse by raising,
     and then `path` is unchanged."""
-    mode = path.stat().st_mode & 0o7777
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o644  # a new file (`egressd provider add` creating a policy)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:

@@ -12,8 +12,9 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
+from typing import Any
 
 from egressd.files import replace_atomically
 from egressd.policy import PolicyError, load_policy
@@ -60,25 +61,66 @@ def edit_rule(path: str | os.PathLike[str], which: str, rule: str, *, remove: bo
     policy, the file replaced atomically; the line saying what was done."""
     rule = validate_rule(which, rule)
     real = Path(os.path.realpath(path))
-    try:
-        text = real.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PolicyEditError(f"{path}: {exc.strerror or exc}") from exc
-    if real.suffix.lower() == ".json":
-        new_text, changed = _edit_json(text, which, rule, remove)
-    else:
-        new_text, changed = _edit_yaml(text, which, rule, remove)
-    if not changed:
+
+    def change(data: MutableMapping[str, Any]) -> bool:
+        entries = data.get(which)
+        if remove:
+            if not isinstance(entries, list) or rule not in entries:
+                return False
+            entries.remove(rule)
+        elif entries is None:
+            data[which] = [rule]
+        elif not isinstance(entries, list):
+            raise PolicyEditError(f"{which} is not a list")
+        elif rule in entries:
+            return False
+        else:
+            entries.append(rule)
+        return True
+
+    if not edit_document(real, change):
         if remove:
             raise PolicyEditError(f"{rule} is not in {which} of {real}")
         return f"{rule} already in {which} of {real}"
-    _replace(real, new_text)
     return f"{'removed' if remove else 'added'} {rule} {'from' if remove else 'to'} {which} in {real}"
 
 
-def _edit_yaml(text: str, which: str, rule: str, remove: bool) -> tuple[str, bool]:
+def edit_document(
+    path: str | os.PathLike[str],
+    change: Callable[[MutableMapping[str, Any]], bool],
+    *,
+    create: str | None = None,
+) -> bool:
+    """Apply `change` to the policy file's top-level mapping (its lists are plain lists to the
+    callable; YAML keeps its comments, order and quoting), check the result loads, and replace the
+    file atomically. False when `change` changed nothing (the file is untouched). A file that does
+    not load now is refused untouched; a missing file starts from `create` when given."""
+    real = Path(os.path.realpath(path))
+    try:
+        text = real.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if create is None:
+            raise PolicyEditError(f"{path}: no such file") from None
+        text = create
+    except OSError as exc:
+        raise PolicyEditError(f"{path}: {exc.strerror or exc}") from exc
+    else:
+        try:
+            load_policy(real, env={})
+        except PolicyError as exc:
+            raise PolicyEditError(f"the policy does not load, so it was not edited: {exc}") from exc
+    if real.suffix.lower() == ".json":
+        new_text, changed = _edit_json(text, change)
+    else:
+        new_text, changed = _edit_yaml(text, change)
+    if changed:
+        _replace(real, new_text)
+    return changed
+
+
+def _edit_yaml(text: str, change: Callable[[MutableMapping[str, Any]], bool]) -> tuple[str, bool]:
     from ruamel.yaml import YAML
-    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+    from ruamel.yaml.comments import CommentedMap
 
     yaml = YAML()  # round-trip: comments, order and quoting survive
     yaml.preserve_quotes = True
@@ -90,40 +132,19 @@ def _edit_yaml(text: str, which: str, rule: str, remove: bool) -> tuple[str, boo
         data = CommentedMap()
     if not isinstance(data, dict):
         raise PolicyEditError("the policy file is not a mapping")
-    entries = data.get(which)
-    if remove:
-        if not isinstance(entries, list) or rule not in entries:
-            return text, False
-        entries.remove(rule)
-    elif entries is None:
-        data[which] = CommentedSeq([rule])
-    elif not isinstance(entries, list):
-        raise PolicyEditError(f"{which} is not a list")
-    elif rule in entries:
+    if not change(data):
         return text, False
-    else:
-        entries.append(rule)
     out = io.StringIO()
     yaml.dump(data, out)
     return out.getvalue(), True
 
 
-def _edit_json(text: str, which: str, rule: str, remove: bool) -> tuple[str, bool]:
+def _edit_json(text: str, change: Callable[[MutableMapping[str, Any]], bool]) -> tuple[str, bool]:
     data = json.loads(text)
     if not isinstance(data, dict):
         raise PolicyEditError("the policy file is not a mapping")
-    if remove:
-        current = data.get(which)
-        if not isinstance(current, list) or rule not in current:
-            return text, False
-        current.remove(rule)
-        return json.dumps(data, indent=2) + "\n", True
-    entries = data.setdefault(which, [])
-    if not isinstance(entries, list):
-        raise PolicyEditError(f"{which} is not a list")
-    if rule in entries:
+    if not change(data):
         return text, False
-    entries.append(rule)
     return json.dumps(data, indent=2) + "\n", True
 
 

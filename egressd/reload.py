@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,11 @@ class PolicyWatcher:
         interval: float = 0.5,
         env: Mapping[str, str] | None = None,
         transform: Callable[[Policy], Policy] | None = None,
+        also: Sequence[str | os.PathLike[str]] = (),
         loader: Callable[[Path], Any] | None = None,
     ) -> None:
         self.path = Path(path)
+        self.also = tuple(Path(p) for p in also)  # more files `transform` reads (merged policies)
         self.on_change = on_change
         self.on_error = on_error
         self.interval = interval
@@ -135,8 +137,10 @@ class PolicyWatcher:
 
     def _snapshot(self) -> tuple[Signature, bytes]:
         st = os.stat(self.path)
-        digest = hashlib.sha256(self.path.read_bytes()).digest()
-        return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev), digest
+        digest = hashlib.sha256(self.path.read_bytes())
+        for other in self.also:  # a change in any merged file is a change of the policy
+            digest.update(hashlib.sha256(other.read_bytes()).digest())
+        return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev), digest.digest()
 
     def _report(self, message: str, force: bool) -> None:
         if message == self._last_error and not force:

@@ -59,10 +59,18 @@ class Overrides:
     mode: str | None = None
     nameservers: tuple[str, ...] = ()
     profile: str | None = None
-    upstream_proxy: str | None = None  # --upstream-proxy URL: the parent proxy (its url only)
+    # more --policy files or presets, merged with the first (deny wins; docs/providers.md),
+    # read again at every reload so an edit of any of them is never half applied
+    policies: tuple[str, ...] = ()
     secrets: tuple[SecretSpec, ...] = ()  # exec --secret ...: where values come from, never values
+    upstream_proxy: str | None = None  # --upstream-proxy URL: the parent proxy (its url only)
 
     def apply(self, policy: Policy) -> Policy:
+        if self.policies:
+            from egressd.policy.merge import merge_policies
+
+            more = [load_policy(resolve_policy_path(p), env=os.environ) for p in self.policies]
+            policy = merge_policies([policy, *more])
         policy = policy.with_overrides(
             allow=self.allow,
             deny=self.deny,
@@ -136,6 +144,7 @@ class SessionOptions:
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
     control: bool = True  # serve the control API on the user's Unix socket
     dashboard: bool = False  # --dashboard: serve the web dashboard on loopback (needs the control API)
+    passthrough: bool = False  # --passthrough / EGRESSD_PASSTHROUGH=1: the child runs without egressd
     gateway: GatewayOptions | None = None  # run --gateway: token-named clients, any listen address
     # --identify: look up every connection's program (pid, exe) for the audit; None: the command's default
     identify: bool | None = None
@@ -211,6 +220,7 @@ class ProxySession:
                 self._on_error,
                 env=os.environ,
                 transform=self._apply,
+                also=[resolve_policy_path(p) for p in self.options.overrides.policies],
             )
             return self.watcher.load()
         except PolicyError as exc:

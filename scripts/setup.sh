@@ -12,6 +12,7 @@ VENV="$REPO/.venv"
 # e.g. npm ships inside NodeSource's nodejs and Debian's npm package would conflict with it).
 APT_PACKAGES=(
   curl
+  wget:wget  # tests: wget through an inspected tunnel (it reads a wgetrc, not SSL_CERT_FILE)
   nodejs:node
   npm:npm
   git

@@ -23,6 +23,7 @@ from egressd.cli.mcp import mcp_group
 from egressd.cli.options import CONTEXT
 from egressd.cli.pending import pending_command
 from egressd.cli.policy import policy_group
+from egressd.cli.provider import provider_group
 from egressd.cli.ps import ps_command
 from egressd.cli.run import run_command
 from egressd.cli.sandbox import sandbox_command
@@ -77,6 +78,7 @@ for _command in (
     ssh_command,
     remote_agent,
     policy_group,
+    provider_group,
     ca_group,
     acp_command,
     mcp_group,

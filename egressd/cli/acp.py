@@ -12,6 +12,7 @@ from egressd.admission.state import ProxyCredentials
 from egressd.agents.stdio import StdioRelay
 from egressd.agents.wiring import acp_relay
 from egressd.cli.options import say, secret_options, session_options
+from egressd.cli.passthrough import passthrough_option
 from egressd.cli.relayed import SANDBOX_FLAG, run_relayed, with_sandbox_options
 from egressd.session import ProxySession, SessionOptions
 
@@ -36,6 +37,7 @@ See docs/acp.md.""",
 @session_options
 @secret_options
 @SANDBOX_FLAG
+@passthrough_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- AGENT [ARGS]...")
 def acp_command(options: SessionOptions, sandboxed: bool, command: tuple[str, ...], **sandbox: Any) -> None:
     """Run AGENT (an ACP agent on stdio) under egressd, for the editor that started egressd.

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import click
 
-from egressd.cli.options import cli_overrides, effective_policy, fail, policy_options
+from egressd.cli.options import cli_overrides, effective_policy, fail, first_policy, policy_options
 from egressd.policy import (
     Client,
     Decision,
@@ -47,7 +47,7 @@ Exit status: 0 allowed, 1 refused, 2 bad input.""",
 )
 @click.argument("target")
 def check_command(
-    policy_file: str | None,
+    policy_file: tuple[str, ...],
     allow: tuple[str, ...],
     deny: tuple[str, ...],
     mode: str | None,
@@ -63,7 +63,8 @@ def check_command(
     Prints allow/deny, the reason code, the rule and the detail. Without --resolve no network
     request at all is made: a name the policy allows is reported as needing resolution.
     """
-    policy = effective_policy(policy_file, cli_overrides(allow, deny, mode, nameservers, profile))
+    overrides = cli_overrides(allow, deny, mode, nameservers, profile, policy_file)
+    policy = effective_policy(first_policy(policy_file), overrides)
     try:
         parsed = parse_target(target, default_port=443)
     except (TargetError, ValueError) as exc:

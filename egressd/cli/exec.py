@@ -9,6 +9,7 @@ import click
 from egressd import process
 from egressd.admission import identity
 from egressd.cli.options import dashboard_option, fail, open_session, secret_options, session_options
+from egressd.cli.passthrough import passthrough_option, run_unwrapped
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.session import SessionOptions
 from egressd.ssh_env import with_git_ssh
@@ -27,6 +28,7 @@ Example:
 )
 @session_options
 @dashboard_option
+@passthrough_option
 @secret_options
 @click.option(
     "--no-credentials-listener",
@@ -65,6 +67,8 @@ def exec_command(
         options = dataclasses.replace(options, identify=identity.SUPPORTED and recorded)
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
+    if options.passthrough:
+        run_unwrapped(options, command, catcher)
     returncode = EXIT_CANNOT_RUN
     with open_session(options, announce_reloads=options.trace, command=command) as session:
         creds = session.credentials()
@@ -87,7 +91,9 @@ def _attach(
     if not attach:
         fail("--pid needs --attach")
     profile = options.overrides.profile
-    alone = dataclasses.replace(options, overrides=dataclasses.replace(options.overrides, profile=None))
+    overrides = dataclasses.replace(options.overrides, profile=None)
+    # passthrough (EGRESSD_PASSTHROUGH=1) is not an attach's: it runs CMD under the running egressd
+    alone = dataclasses.replace(options, overrides=overrides, passthrough=False)
     if not listener or alone.dashboard or alone != SessionOptions(report=alone.report):
         fail("--attach takes only --pid and --profile: the running egressd's policy and options apply")
     attaching.attach(pid, profile, command)

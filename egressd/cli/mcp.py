@@ -15,6 +15,7 @@ from egressd.agents import mcp_config
 from egressd.agents.stdio import StdioRelay
 from egressd.agents.wiring import mcp_relay
 from egressd.cli.options import fail, say, secret_options, session_options
+from egressd.cli.passthrough import passthrough_option
 from egressd.cli.relayed import SANDBOX_FLAG, run_relayed, with_sandbox_options
 from egressd.policy import PolicyError
 from egressd.session import ProxySession, SessionOptions, base_policy, resolve_policy_path
@@ -131,6 +132,7 @@ Example (what `egressd mcp wrap` writes into a client's config):
 @session_options
 @secret_options
 @SANDBOX_FLAG
+@passthrough_option
 @click.option(mcp_config.NO_ARGS_KEY, "no_args_key", is_flag=True, hidden=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- SERVER [ARGS]...")
 def run_command(

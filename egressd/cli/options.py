@@ -71,9 +71,11 @@ def policy_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--policy",
             "policy_file",
+            multiple=True,
             metavar="FILE",
-            help="Policy file (YAML/JSON) or a built-in preset name (default, npm, pypi, github). "
-            "Default: the built-in default policy (loopback only).",
+            help="Policy file (YAML/JSON) or a built-in preset name (npm, github, anthropic, ...: "
+            "`egressd provider list`). Repeatable: the policies are merged, deny wins "
+            "(docs/providers.md). Default: the built-in default policy (loopback only).",
         ),
         click.option("--allow", multiple=True, metavar="RULE", help="Add an allow rule (repeatable)."),
         click.option("--deny", multiple=True, metavar="RULE", help="Add a deny rule (repeatable)."),
@@ -184,14 +186,22 @@ def cli_overrides(
     mode: str | None,
     nameservers: Sequence[str],
     profile: str | None,
+    policies: Sequence[str] = (),
 ) -> Overrides:
-    return Overrides(tuple(allow), tuple(deny), mode, tuple(nameservers), profile)
+    """The command line's additions; `policies` are the --policy values after the first."""
+    return Overrides(tuple(allow), tuple(deny), mode, tuple(nameservers), profile, tuple(policies[1:]))
+
+
+def first_policy(policies: Sequence[str]) -> str | None:
+    """The first --policy: the file egressd watches and edits (asks answered "always")."""
+    return policies[0] if policies else None
 
 
 def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
     """Take what the three option groups parsed out of a command's parameters, as one value."""
     names = ("allow", "deny", "mode", "nameservers", "profile")
-    overrides = cli_overrides(*(params.pop(name) for name in names))
+    policies = params.pop("policy_file")
+    overrides = cli_overrides(*(params.pop(name) for name in names), policies)
     overrides = dataclasses.replace(overrides, upstream_proxy=params.pop("upstream_proxy"))
     metrics_text, metrics_any = params.pop("metrics"), params.pop("metrics_any")
     metrics = None
@@ -209,7 +219,7 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
         gateway=gateway,
         metrics=metrics,
         report=not params.pop("quiet"),
-        policy_file=params.pop("policy_file"),
+        policy_file=first_policy(policies),
         overrides=overrides,
         listen=parse_listen(params.pop("listen"), gateway=gateway is not None),
         audit_path=params.pop("audit_path"),

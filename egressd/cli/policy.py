@@ -17,7 +17,7 @@ from egressd.policy.model import MODES
 
 if TYPE_CHECKING:
     pass
-from egressd.cli.options import cli_overrides, effective_policy, fail
+from egressd.cli.options import cli_overrides, effective_policy, fail, first_policy
 
 
 @click.group(
@@ -65,22 +65,22 @@ Example:
   egressd policy show
   egressd policy show policy.yaml --allow example.com --mode ask""",
 )
-@click.argument("file", required=False)
+@click.argument("files", nargs=-1, metavar="[FILE|PRESET]...")
 @click.option("--allow", multiple=True, metavar="RULE", help="Add an allow rule (repeatable).")
 @click.option("--deny", multiple=True, metavar="RULE", help="Add a deny rule (repeatable).")
 @click.option("--mode", type=click.Choice(MODES), help="Override the mode.")
 @click.option("--nameserver", "nameservers", multiple=True, metavar="IP[:PORT]", help="DNS server override.")
 def policy_show(
-    file: str | None,
+    files: tuple[str, ...],
     allow: tuple[str, ...],
     deny: tuple[str, ...],
     mode: str | None,
     nameservers: tuple[str, ...],
 ) -> None:
-    """Print the effective policy (FILE or the built-in default, plus overrides) as YAML."""
+    """Print the effective policy (the FILEs merged, or the built-in default, plus overrides) as YAML."""
     import yaml
 
-    policy = effective_policy(file, cli_overrides(allow, deny, mode, nameservers, None))
+    policy = effective_policy(first_policy(files), cli_overrides(allow, deny, mode, nameservers, None, files))
     click.echo(f"# effective policy from {policy.source}")
     click.echo(yaml.safe_dump(policy_to_data(policy), sort_keys=False, allow_unicode=True), nl=False)
 
@@ -112,15 +112,21 @@ Example:
   egressd policy export --to cilium --policy npm --report-json report.json""",
 )
 @click.option("--to", "target", type=click.Choice(EXPORT_TARGETS), required=True, help="The engine.")
-@click.option("--policy", "policy_file", metavar="FILE", help="Policy file or preset (default: built-in).")
+@click.option(
+    "--policy",
+    "policy_file",
+    multiple=True,
+    metavar="FILE",
+    help="Policy file or preset (default: built-in); repeatable, merged (deny wins).",
+)
 @click.option("--report-json", metavar="FILE", help="Also write the report as JSON to FILE.")
-def policy_export(target: str, policy_file: str | None, report_json: str | None) -> None:
+def policy_export(target: str, policy_file: tuple[str, ...], report_json: str | None) -> None:
     """Print the policy as TARGET's configuration; on stderr, every rule it cannot say exactly.
 
     Faithful or narrower, never wider: such rules are dropped, narrowed or refused (exit 3)."""
     from egressd.export import ExportRefused, export_policy
 
-    policy = effective_policy(policy_file, cli_overrides((), (), None, (), None))
+    policy = effective_policy(first_policy(policy_file), cli_overrides((), (), None, (), None, policy_file))
     try:
         result = export_policy(policy, target)
     except ExportRefused as exc:
@@ -177,3 +183,36 @@ def policy_suggest(audits: tuple[str, ...], base_file: str | None) -> None:
     except SuggestError as exc:
         fail(str(exc))
     click.echo(text, nl=False)
+
+
+IMPORT_FORMATS = ("allowlist-json", "srt", "smokescreen")
+
+
+@policy_group.command(
+    "import",
+    epilog="""\b
+Example:
+  egressd policy import --from srt ~/.srt-settings.json > agent.yaml
+  egressd policy import --from smokescreen acl.yaml --role my-service > service.yaml
+  egressd policy import --from allowlist-json network_allowlist.json > policy.yaml""",
+)
+@click.option("--from", "fmt", type=click.Choice(IMPORT_FORMATS), required=True, help="The input's format.")
+@click.option("--role", metavar="NAME", help="smokescreen: the role (services[].name, or default).")
+@click.argument("file", type=click.Path(dir_okay=False))
+def policy_import(fmt: str, role: str | None, file: str) -> None:
+    """Print FILE (another tool's allowlist) as an egressd policy; on stderr, what it could not say
+    exactly. Never wider: what has no egressd counterpart is narrowed or left out."""
+    from egressd.importers import ImportError_, import_policy
+
+    try:
+        with open(file, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"{file}: {getattr(exc, 'strerror', None) or exc}")
+    try:
+        result = import_policy(text, fmt, source=file, role=role)
+    except ImportError_ as exc:
+        fail(f"{file}: {exc}")
+    for finding in result.findings:
+        click.echo(f"egressd: import: {finding.line()}", err=True)
+    click.echo(result.text(), nl=False)

@@ -12,6 +12,7 @@ import click
 from egressd import process
 from egressd.admission.state import ProxyCredentials
 from egressd.cli.options import fail, open_session
+from egressd.cli.passthrough import run_unwrapped
 from egressd.cli.sandbox import run_sandboxed, sandbox_command
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.session import ProxySession, SessionOptions
@@ -48,6 +49,8 @@ def run_relayed(
     """Run `command` under the session with `relay` in its stdio; exit like the child."""
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
+    if options.passthrough:
+        run_unwrapped(options, command, catcher)
     if sandboxed:
         run_sandboxed(options, command, catcher, around=lambda s, c: relay(s, c, True), **sandbox)
     ctx = click.get_current_context()

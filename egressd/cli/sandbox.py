@@ -16,6 +16,7 @@ import click
 from egressd import process
 from egressd.admission.state import ProxyCredentials
 from egressd.cli.options import dashboard_option, fail, open_session, say, secret_options, session_options
+from egressd.cli.passthrough import passthrough_option, run_unwrapped
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
 from egressd.sandbox import narrow, preflight
@@ -58,6 +59,7 @@ on the ports the policy names only. See docs/sandbox.md.""",
 )
 @session_options
 @dashboard_option
+@passthrough_option
 @secret_options
 @click.option("--rw", multiple=True, metavar="PATH", help="Also writable in the sandbox (repeatable).")
 @click.option(
@@ -144,6 +146,8 @@ def sandbox_command(options: SessionOptions, command: tuple[str, ...], **params:
     """
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
+    if options.passthrough:
+        run_unwrapped(options, command, catcher)
     run_sandboxed(options, command, catcher, **params)
 
 

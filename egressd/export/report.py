@@ -15,8 +15,9 @@ __all__ = ["Action", "Export", "ExportRefused", "Finding"]
 
 # narrowed: the rule is kept but matches less; dropped: the rule is left out (its hosts are refused);
 # denied: an allowance became a refusal (mode ask, loopback); refused: no output could be made that is
-# not wider; unsupported: a feature with no counterpart that does not widen anything (learn, audit).
-Action = Literal["narrowed", "dropped", "denied", "refused", "unsupported"]
+# not wider; unsupported: a feature with no counterpart that does not widen anything (learn, audit);
+# normalised (imports): the same host in egressd's spelling (IDNA, case, trailing dot).
+Action = Literal["narrowed", "dropped", "denied", "refused", "unsupported", "normalised"]
 
 
 @dataclass(frozen=True)

@@ -85,4 +85,19 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         if parent.credentials_file is not None:
             entry["credentials_file"] = parent.credentials_file
         data["upstream_proxy"] = entry
+    if policy.preset is not None:
+        preset = policy.preset
+        data["preset"] = {"name": preset.name, "version": preset.version}
+        data["preset"].update({k: v for k, v in (("summary", preset.summary), ("sends", preset.sends)) if v})
+    if policy.providers:
+        data["providers"] = [
+            {
+                "name": ack.name,
+                "version": ack.version,
+                "acknowledged": ack.acknowledged,
+                "hosts": list(ack.hosts),
+                "added": list(ack.added),
+            }
+            for ack in policy.providers
+        ]
     return data

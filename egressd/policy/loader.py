@@ -27,8 +27,10 @@ from .model import (
     Mode,
     Origin,
     Policy,
+    PresetInfo,
     PrivatePolicy,
     Profile,
+    ProviderAck,
     RefusalPages,
     ResolverConfig,
 )
@@ -66,6 +68,8 @@ _TOP_KEYS = (
     "refusal_pages",
     "ask_timeout",
     "upstream_proxy",
+    "preset",
+    "providers",
     "secrets",
 )
 _HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -230,6 +234,65 @@ def _parse_profile(name: object, value: object, reader: _Reader) -> Profile:
     )
 
 
+def _text(value: object, reader: _Reader, key: str, *, required: bool = True) -> str:
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or (required and not value.strip()):
+        raise reader.fail(key, "must be a non-empty string" if required else "must be a string", value)
+    return value
+
+
+def _version(value: object, reader: _Reader, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise reader.fail(key, "must be a positive integer", value)
+    return value
+
+
+def _parse_preset(value: object, reader: _Reader) -> PresetInfo | None:
+    if value is None:
+        return None
+    data = reader.mapping(value, "preset", ("name", "version", "summary", "sends"))
+    name = _text(data.get("name"), reader, "preset.name")
+    if not _POLICY_NAME.fullmatch(name):
+        raise reader.fail("preset.name", "preset names are lower-case letters, digits, '_', '-'", name)
+    return PresetInfo(
+        name=name,
+        version=_version(data.get("version"), reader, "preset.version"),
+        summary=_text(data.get("summary"), reader, "preset.summary", required=False),
+        sends=_text(data.get("sends"), reader, "preset.sends", required=False),
+    )
+
+
+def _host_texts(value: object, reader: _Reader, key: str) -> tuple[str, ...]:
+    items = reader.list(value, key)
+    parse_rule_list(items, reader.source, key)  # each must be a host rule
+    return tuple(dict.fromkeys(_text(item, reader, f"{key}[{i}]") for i, item in enumerate(items)))
+
+
+def _parse_providers(value: object, reader: _Reader) -> tuple[ProviderAck, ...]:
+    acks: list[ProviderAck] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(reader.list(value, "providers")):
+        key = f"providers[{index}]"
+        data = reader.mapping(entry, key, ("name", "version", "acknowledged", "hosts", "added"))
+        name = _text(data.get("name"), reader, f"{key}.name")
+        if name in seen:
+            raise reader.fail(f"{key}.name", "this provider is acknowledged twice", name)
+        seen.add(name)
+        day = data.get("acknowledged")
+        day_text = day.isoformat() if hasattr(day, "isoformat") else day
+        acks.append(
+            ProviderAck(
+                name=name,
+                version=_version(data.get("version"), reader, f"{key}.version"),
+                acknowledged=_text(day_text, reader, f"{key}.acknowledged"),
+                hosts=_host_texts(data.get("hosts"), reader, f"{key}.hosts"),
+                added=_host_texts(data.get("added"), reader, f"{key}.added"),
+            )
+        )
+    return tuple(acks)
+
+
 def parse_policy(data: object, source: str) -> Policy:
     """Validate a decoded policy document and build the Policy."""
     reader = _Reader(source)
@@ -337,6 +400,8 @@ def parse_policy(data: object, source: str) -> Policy:
         refusal_pages=cast(RefusalPages, refusal_pages),
         ask_timeout=reader.positive(top.get("ask_timeout"), "ask_timeout", 60),
         upstream_proxy=parse_upstream_proxy(top.get("upstream_proxy"), source),
+        preset=_parse_preset(top.get("preset"), reader),
+        providers=_parse_providers(top.get("providers"), reader),
         secrets=secrets,
         source=source,
     )

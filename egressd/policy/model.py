@@ -24,7 +24,9 @@ __all__ = [
     "Origin",
     "Policy",
     "PrivatePolicy",
+    "PresetInfo",
     "Profile",
+    "ProviderAck",
     "ResolverConfig",
     "default_policy",
 ]
@@ -115,6 +117,29 @@ class Profile:
     ports: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class PresetInfo:
+    """What a shipped provider preset says about itself (`preset:`); the decision never reads it."""
+
+    name: str
+    version: int
+    summary: str = ""
+    sends: str = ""  # what data goes to these hosts, shown before `egressd provider add` asks
+
+
+@dataclass(frozen=True)
+class ProviderAck:
+    """A provider the user acknowledged (`providers:`, written by `egressd provider add`): its hosts,
+    the day, the preset version, and which rules the add wrote to `allow` (what remove may take out).
+    The decision never reads it: the hosts decide as the allow rules they are."""
+
+    name: str
+    version: int
+    acknowledged: str
+    hosts: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+
+
 def _freeze_profiles(profiles: Mapping[str, Profile]) -> Mapping[str, Profile]:
     return MappingProxyType(dict(profiles))
 
@@ -142,6 +167,8 @@ class Policy:
     ask_timeout: float = 60  # mode: ask waits this long for an answer, then refuses (ask_timeout)
     # the parent proxy admitted connections leave through (docs/upstream-proxy.md); None: direct
     upstream_proxy: UpstreamProxy | None = None
+    preset: PresetInfo | None = None  # a shipped provider preset describes itself (docs/providers.md)
+    providers: tuple[ProviderAck, ...] = ()  # acknowledged providers (egressd provider add)
     # credentials egressd swaps in for the child's placeholders (egressd.policy.secrets); never values
     secrets: tuple[SecretSpec, ...] = ()
     source: str = field(default="<builtin>", compare=False)

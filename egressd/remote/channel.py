@@ -41,11 +41,16 @@ def decode(line: bytes) -> dict[str, Any]:
     return message
 
 
+# not pushed: secrets (their values never travel) and what the decision never reads (acknowledgements,
+# a preset's description), so a remote egressd that predates those keys still loads the policy
+_NOT_PUSHED = ("preset", "providers", "secrets")
+
+
 def policy_message(policy: Policy, seq: int) -> dict[str, Any]:
     """The policy as the remote agent gets it: without `secrets:` (their values come from this
-    machine's environment, files or commands, and never travel; the client warns once)."""
-    data = policy_to_data(policy)
-    data.pop("secrets", None)
+    machine's environment, files or commands, and never travel; the client warns once), nor what
+    the decision never reads (`preset:`, `providers:`)."""
+    data = {k: v for k, v in policy_to_data(policy).items() if k not in _NOT_PUSHED}
     return {"type": "policy", "seq": seq, "source": policy.source, "policy": data}
 
 

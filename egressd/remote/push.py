@@ -50,6 +50,7 @@ class LocalPolicy:
                 self.on_error,
                 env=os.environ,
                 transform=self.overrides.apply,
+                also=[resolve_policy_path(p) for p in self.overrides.policies],
             )
             return self.watcher.load()
         except PolicyError as exc:

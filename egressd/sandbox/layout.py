@@ -86,8 +86,8 @@ def option_links(options: SessionOptions) -> tuple[tuple[str, str, str], ...]:
     """(option, as given, symlink) for the symlinks the policy and audit paths go through: taken
     before pinned_options resolves them, for plan_layout to check against the writable mounts."""
     found = []
-    if options.policy_file is not None:
-        given = str(resolve_policy_path(options.policy_file))
+    for policy in _policy_values(options):
+        given = str(resolve_policy_path(policy))
         found += [("--policy", given, link) for link in followed_links(given)]
     if options.audit_path is not None:
         found += [("--audit", options.audit_path, link) for link in followed_links(options.audit_path)]
@@ -113,17 +113,30 @@ def _unshadowed_preset(value: str) -> None:
     )
 
 
+def _policy_values(options: SessionOptions) -> list[str]:
+    """Every --policy given: the first (watched, edited) and the ones merged with it."""
+    first = [options.policy_file] if options.policy_file is not None else []
+    return first + list(options.overrides.policies)
+
+
+def _pinned_policy(value: str) -> str:
+    _unshadowed_preset(value)
+    return os.path.realpath(resolve_policy_path(value))
+
+
 def pinned_options(options: SessionOptions) -> SessionOptions:
     """The policy and audit paths resolved once: egressd reads and writes exactly the files the
     sandbox protects, never through a symlink the child could point elsewhere."""
     policy = options.policy_file
     if policy is not None:
-        _unshadowed_preset(policy)
-        policy = os.path.realpath(resolve_policy_path(policy))
+        policy = _pinned_policy(policy)
+    overrides = replace(
+        options.overrides, policies=tuple(_pinned_policy(p) for p in options.overrides.policies)
+    )
     audit = options.audit_path
     if audit is not None:
         audit = os.path.realpath(audit)
-    return replace(options, policy_file=policy, audit_path=audit)
+    return replace(options, policy_file=policy, audit_path=audit, overrides=overrides)
 
 
 def egressd_home(options: SessionOptions) -> str:
@@ -171,8 +184,8 @@ def plan_layout(
     _check_links([os.path.realpath(workdir), *(m.path for m in mounts if m.writable)], links)
     _check_single_links(mounts, options)
     guarded = egressd_code()
-    if options.policy_file is not None:
-        guarded.setdefault(options.policy_file, "the policy egressd reads")
+    for policy in _policy_values(options):
+        guarded.setdefault(policy, "the policy egressd reads")
     if options.audit_path is not None:
         guarded.setdefault(options.audit_path, "the audit log egressd writes")
     own = [egressd_home(options)]
@@ -220,7 +233,8 @@ def _check_single_links(mounts: Sequence[Mount], options: SessionOptions) -> Non
             with contextlib.suppress(OSError):
                 writable_devices.add(os.stat(mount.path).st_dev)
     code = egressd_code()
-    for option, path in (("--policy", options.policy_file), ("--audit", options.audit_path)):
+    checked = [("--policy", p) for p in _policy_values(options)] + [("--audit", options.audit_path)]
+    for option, path in checked:
         if path is None or any(within(path, top) for top in code):
             continue  # a preset: egressd's package (installers such as uv hard-link it from a cache)
         try:

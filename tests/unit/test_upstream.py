@@ -131,3 +131,16 @@ def test_a_url_with_userinfo_never_loads(secret: str) -> None:
     with pytest.raises(PolicyError) as error:
         policy({"url": f"http://user:{secret}@proxy.example:3128"})
     assert "<redacted>" in str(error.value)
+
+
+def test_merged_policies_keep_their_one_parent() -> None:
+    from egressd.policy.merge import merge_policies
+
+    mine = policy({"url": "http://p.example:1", "direct": ["intranet.example"]}, allow=["a.example"])
+    preset = parse_policy({"version": 1, "allow": ["b.example"]}, "preset.yaml")
+    merged = merge_policies([mine, preset])  # type: ignore[list-item]
+    assert merged.upstream_proxy == mine.upstream_proxy  # type: ignore[attr-defined]
+    assert merge_policies([preset, mine]).upstream_proxy == mine.upstream_proxy  # type: ignore[list-item,attr-defined]
+    other = policy({"url": "http://q.example:1"})
+    with pytest.raises(PolicyError, match="different parent proxies"):
+        merge_policies([mine, other])  # type: ignore[list-item]
