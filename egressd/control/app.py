@@ -84,10 +84,10 @@ class Handlers:
         """The Prometheus text format, the same registry as --metrics serves (docs/metrics.md)."""
         if self.metrics is None:
             return _error(404, "metrics are off")
-        from egressd.observe.metrics import CONTENT_TYPE
+        from egressd.observe.metrics import content_type
 
         body = await asyncio.to_thread(self.metrics)  # a scrape reads the pipeline: off this loop
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=body, headers={"Content-Type": content_type()})
 
     async def _asks(self, request: web.Request) -> web.StreamResponse:
         if request.query.get("peek") not in ("1", "true"):
