@@ -331,10 +331,12 @@ class Pipeline:
     # -- events ------------------------------------------------------------------------------------
     def _emit(self, conn: ConnState | None, **fields: Any) -> None:
         """A Decided event about this client connection."""
-        client = {"conn": None, "client": None, "profile": None}
-        if conn is not None:
-            client = {"conn": conn.conn_id, "client": conn.client_name, "profile": conn.profile}
-        self.events.emit(Decided(**client, **fields))
+        if conn is None:
+            self.events.emit(Decided(None, None, None, **fields))
+        else:
+            creds = conn.creds  # conn.client_name and conn.profile, read once
+            client, profile = (creds.username, creds.profile) if creds is not None else (None, None)
+            self.events.emit(Decided(conn.conn_id, client, profile, **fields))
 
     def _decided(self, conn: ConnState, ask: Ask, decision: Decision, refusal: Refusal | None) -> None:
         target = decision.target
