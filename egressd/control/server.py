@@ -116,6 +116,7 @@ class ControlServer:
         # a pipe whose write end stop() closes: it wakes the thread still waiting for a first client
         self._wake_r: int | None = None
         self._wake_w: int | None = None
+        self._first = threading.Event()  # a first client came: the thread imports aiohttp and serves
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self, sock: socket.socket) -> None:
@@ -133,6 +134,8 @@ class ControlServer:
         if self._wake_w is not None:
             os.close(self._wake_w)  # a server still waiting for its first client stops now
             self._wake_w = None
+            if self._thread is not None and not self._first.is_set():
+                self._thread.join(timeout=5)  # out of select() before its socket is closed below
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None and self._thread is not None and self._thread.is_alive():
             with contextlib.suppress(RuntimeError):
@@ -150,7 +153,10 @@ class ControlServer:
             ready, _, _ = select.select([self._sock, self._wake_r], [], [])
         finally:
             os.close(self._wake_r)
-        return self._sock in ready and not self._stopping.is_set()
+        if self._sock not in ready or self._stopping.is_set():
+            return False
+        self._first.set()
+        return True
 
     def _main(self) -> None:
         try:
