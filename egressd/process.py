@@ -112,6 +112,17 @@ class SignalCatcher:
         self._pending.append(signo)
 
 
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (ours or another user's: EPERM means it does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def child_signal_catcher() -> SignalCatcher:
     """The catcher `run_child` needs: the forwarded signals plus SIGCHLD (to wake on exit)."""
     return SignalCatcher((*FORWARDED_SIGNALS, signal.SIGCHLD))

@@ -282,3 +282,42 @@ def test_an_approved_inspected_tunnel_is_not_asked_again_for_its_requests(
                 "/two",
             ]
             assert len(follower.asks()) == 1
+
+
+def test_every_ask_outcome_is_counted_in_the_metrics(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """An approved, a denied and an expired ask each land in egressd_ask_wait_seconds by outcome
+    (read from the control socket's GET /metrics, as a monitoring agent would)."""
+    with run_ask(ask_policy(tmp_path), dns) as run, Follower() as follower:
+        wait_for(attached, what="the follower to attach")
+        approved = start_curl(run, f"http://up.test:{up.port}/")
+        assert cli("approve", follower.next_ask()["id"]).returncode == 0
+        assert finish(approved)[0] == 200
+        denied = start_curl(run, f"http://other.test:{up.port}/")
+        assert cli("deny", follower.next_ask(seen=1)["id"]).returncode == 0
+        assert finish(denied) == (403, "ask_refused")
+        text = _scrape(run)
+        assert _asks(text, "approved") == 1 and _asks(text, "ask_refused") == 1, text
+        assert _asks(text, "ask_timeout") == 0 and _asks(text, "no_approver") == 0
+    with run_ask(ask_policy(tmp_path, timeout=1.5), dns) as run, Follower():
+        wait_for(attached, what="the follower to attach")
+        assert finish(start_curl(run, f"http://up.test:{up.port}/")) == (403, "ask_timeout")
+        text = _scrape(run)
+        assert _asks(text, "ask_timeout") == 1 and _asks(text, "approved") == 0, text
+    assert up.connections == 1
+
+
+def _scrape(run: EgressdRun) -> str:
+    """GET /metrics on this instance's control socket."""
+    from egressd.control.client import find_instances
+
+    [instance] = [i for i in find_instances()[1] if i.pid == run.proc.pid]
+    command = ["curl", "-sS", "--fail", "--unix-socket", str(instance.path), "http://egressd/metrics"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=20, check=True).stdout
+
+
+def _asks(text: str, outcome: str) -> float:
+    from tests.test_metrics import sample
+
+    return sample(text, "egressd_ask_wait_seconds_count", outcome=outcome)

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from egressd.process import alive
+
 SUFFIX = ".sock"
 
 
@@ -100,22 +102,12 @@ def instances(directory: Path) -> list[Found]:
             continue
         path = directory / name
         pid = int(stem)
-        if _alive(pid) and _listening(path):
+        if alive(pid) and _listening(path):
             found.append(Found(pid, path))
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     return sorted(found, key=lambda f: f.pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _listening(path: Path) -> bool:

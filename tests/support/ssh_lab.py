@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Self
 
+from egressd.process import alive
+
 CLIENT_TO_REMOTE = "198.18.0.1"
 REMOTE = "198.18.0.2"
 CLIENT_TO_INTERNET = "198.18.0.5"
@@ -94,16 +96,6 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def netns_pids(name: str) -> list[int]:
     proc = _run("ip", "netns", "pids", name, check=False)
     return [int(p) for p in proc.stdout.split() if p.isdigit()]
@@ -128,7 +120,7 @@ def remove_stale() -> None:
         return
     for entry in NETNS_DIR.iterdir():
         parts = entry.name.removeprefix(PREFIX).split("-")
-        if entry.name.startswith(PREFIX) and parts[0].isdigit() and not _alive(int(parts[0])):
+        if entry.name.startswith(PREFIX) and parts[0].isdigit() and not alive(int(parts[0])):
             _delete_netns(entry.name)
 
 
