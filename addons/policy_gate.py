@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from mitmproxy import connection, http
@@ -23,14 +23,22 @@ from egressd.admission.pinning import current_pin
 from egressd.admission.pipeline import Admitted, Ask, Pipeline
 from egressd.admission.state import ConnState
 from egressd.inspect import response_limit
+from egressd.inspect.connections import close_client
 from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
 from egressd.wire.http_fields import hop_by_hop_names
+from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
 
 logger = logging.getLogger(__name__)
 
 _REFUSED = "egressd_refused"
+_MASK = "egressd_mask"
+_SCAN = "egressd_scan"
+_PATH = "egressd_child_path"
+# request bodies up to this size are read whole before going upstream (mitmproxy's own threshold,
+# stream_large_bodies in egressd.proxy): a placeholder in one is answered 403, nothing sent
+BUFFERED_BODY = 256 * 1024
 
 
 def _peer(client: connection.Client) -> str:
@@ -132,27 +140,49 @@ class PolicyGate:
             self._refuse(flow, admitted)
             return
         request.host = admitted.host
+        self._apply_changes(flow, admitted, handoff)
         _strip_hop_by_hop(request.headers, keep_upgrade=_is_upgrade(request))
-        self._strip_credentials_after_redirect(flow, handoff.conn)
 
-    def _strip_credentials_after_redirect(self, flow: http.HTTPFlow, conn: ConnState) -> None:
-        """The follow-up of a redirect to another origin carries none of the credential headers."""
-        origin = self.rt.redirects.take(conn.client_key, flow.request.url)
-        if origin is None:
+    def _apply_changes(self, flow: http.HTTPFlow, admitted: Admitted, handoff: Handoff) -> None:
+        """What the pipeline changed in the request: the credentials of a redirect's follow-up to
+        another origin dropped, a secret's value swapped in, the body scanned for placeholders."""
+        request, injection = flow.request, admitted.injection
+        for name in admitted.strip:
+            request.headers.pop(name, None)
+        if injection.headers is not None:
+            request.headers = http.Headers(
+                [
+                    (n.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape"))
+                    for n, v in injection.headers
+                ]
+            )
+        if injection.path is not None:
+            flow.metadata[_PATH] = request.path  # records name the path as the child sent it
+            request.path = injection.path
+        if injection.body:
+            length = request.headers.get("content-length", "")
+            if (
+                length.isdigit()
+                and int(length) <= BUFFERED_BODY
+                and "transfer-encoding" not in request.headers
+            ):
+                flow.metadata[_SCAN] = injection.body  # read whole, scanned in request(): a clean 403
+            else:
+                request.stream = _BodyScan(self.rt, handoff, flow, PlaceholderStream(injection.body))
+        if injection.values:
+            flow.metadata[_MASK] = ValueMask(injection.values)
+
+    @fail_closed
+    def request(self, flow: http.HTTPFlow) -> None:
+        """A small body read whole (mitmproxy buffers what it does not stream): scanned for the
+        placeholders its host may not get before anything of the request goes upstream."""
+        needles = flow.metadata.pop(_SCAN, None)
+        if needles is None or flow.metadata.get(_REFUSED):
             return
-        names = self.rt.policies.get().credentials.strip_on_host_change
-        stripped = [name for name in names if name in flow.request.headers]
-        for name in stripped:
-            flow.request.headers.pop(name, None)
-        request = flow.request
-        self.rt.notice(
-            conn,
-            "credentials_stripped",
-            redirected_from=origin,
-            host=request.host,
-            port=request.port,
-            stripped=stripped,
-        )
+        name = needles.find(flow.request.raw_content or b"")
+        if name is not None:
+            handoff = self.handoff(flow.client_conn)
+            self._refuse(flow, _secret_in_body(self.rt, handoff, flow, name))
 
     @fail_closed
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -168,11 +198,16 @@ class PolicyGate:
         limit = self.rt.policies.get().limits.max_response_bytes
         if limit is not None:
             response_limit.apply(flow, limit, self._on_response_cut(flow, conn, limit))
+        mask = flow.metadata.get(_MASK)
+        if mask is not None:  # a secret's value echoed back is masked (docs/secrets.md)
+            for name in {n for n, v in response.headers.items(multi=True) if mask.text(v) != v}:
+                response.headers.set_all(name, [mask.text(v) for v in response.headers.get_all(name)])
+            response.stream = _MaskedStream(response.stream, mask)
 
     def _on_response_cut(self, flow: http.HTTPFlow, conn: ConnState, limit: int) -> Callable[[int], None]:
         def cut(seen: int) -> None:
             request = flow.request
-            where = {"host": request.host, "port": request.port, "path": request.path}
+            where = {"host": request.host, "port": request.port, "path": _child_path(flow)}
             self.rt.notice(conn, "response_cut", **where, limit=limit, bytes=seen)
 
         return cut
@@ -239,6 +274,60 @@ class PolicyGate:
         flow.metadata[_REFUSED] = True
         flow.request.stream = False  # a refused request is answered, never streamed upstream
         flow.response = refusal_response(refusal)
+
+
+class _BodyScan:
+    """A request body streamed through the placeholder scan (mitmproxy's request.stream hook): a
+    find records the refusal and closes the client before any byte of the placeholder is sent."""
+
+    def __init__(self, rt: Pipeline, handoff: Handoff, flow: http.HTTPFlow, scan: PlaceholderStream) -> None:
+        self.rt, self.handoff, self.flow, self.scan = rt, handoff, flow, scan
+        self.refused = False
+
+    def __call__(self, chunk: bytes) -> Iterable[bytes]:
+        if self.refused:
+            return []
+        try:
+            return [self.scan.feed(chunk) if chunk else self.scan.end()]
+        except PlaceholderFound as found:
+            self.refused = True
+            _secret_in_body(self.rt, self.handoff, self.flow, found.name)
+            close_client(self.flow.client_conn.id)
+            return []
+
+
+def _secret_in_body(rt: Pipeline, handoff: Handoff, flow: http.HTTPFlow, name: str) -> Refusal:
+    """A body carried a placeholder its host may not get: recorded; the refusal to answer with."""
+    request, tunnel = flow.request, handoff.tunnel
+    refusal = rt.secret_refusal(tunnel.host, tunnel.port, name)
+    where = {"method": request.method, "scheme": request.scheme, "path": _child_path(flow)}
+    rt.refused_early(
+        handoff.conn, tunnel.host, tunnel.port, refusal.reason, refusal.detail, stage="inner", **where
+    )
+    return refusal
+
+
+class _MaskedStream:
+    """A response body streamed through the value mask, after whatever stream was set (the limit)."""
+
+    def __init__(self, inner: Any, mask: ValueMask) -> None:
+        self.inner = inner if callable(inner) else None
+        self.mask = mask
+
+    def __call__(self, chunk: bytes) -> Iterable[bytes]:
+        pieces: Any = self.inner(chunk) if self.inner is not None else [chunk]
+        if isinstance(pieces, bytes):
+            pieces = [pieces]
+        out = [self.mask.feed(piece) for piece in pieces if piece]
+        if not chunk:  # the end of the body: flush what the mask held back
+            out.append(self.mask.end())
+        data = b"".join(out)
+        return [data] if data else []
+
+
+def _child_path(flow: http.HTTPFlow) -> str:
+    """The request's path as the child sent it: never with a secret's value egressd put in."""
+    return str(flow.metadata.get(_PATH, flow.request.path))
 
 
 def _is_upgrade(request: http.Request) -> bool:

@@ -6,7 +6,7 @@ the CLI stays thin. See DESIGN.md "Child environment".
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 # Variables holding the proxy URL. ALL_PROXY carries the HTTP URL too (curl, git and others
 # accept an http:// proxy there), so every client speaks the one protocol egressd decides best.
@@ -81,15 +81,19 @@ def child_environment(
     socks_url: str | None = None,
     *,
     ca_bundle: str | None = None,
+    placeholders: Mapping[str, str] | None = None,
+    hidden: Collection[str] = (),
 ) -> dict[str, str]:
     """Return the environment for a child whose traffic must go through egressd.
 
     `base` is the inherited environment (not modified). Inherited proxy settings and
     EGRESSD_* variables (egressd's own configuration and secrets) are removed first, then the
     proxy variables are set to `proxy_url`. CA-bundle variables are set only when `ca_bundle`
-    is given (TLS inspection on); otherwise inherited values are left alone.
+    is given (TLS inspection on); otherwise inherited values are left alone. `placeholders` are the
+    secrets' variables ({variable: placeholder}, never a value) and `hidden` the variables of
+    egressd's environment that hold their values: the child never gets those.
     """
-    env = {key: value for key, value in base.items() if not stripped_variable(key)}
+    env = {key: value for key, value in base.items() if not stripped_variable(key) and key not in hidden}
     for key in PROXY_VARS:
         env[key] = proxy_url
     for key in NO_PROXY_VARS:
@@ -100,11 +104,54 @@ def child_environment(
     if ca_bundle is not None:
         for key in CA_BUNDLE_VARS:
             env[key] = ca_bundle
+    env.update(placeholders or {})
+    return env
+
+
+JAVA_OPTIONS = "JAVA_TOOL_OPTIONS"
+# The proxy URL without credentials of `egressd exec`'s child-only listener, for clients that
+# cannot send proxy credentials: `chromium --proxy-server="$EGRESSD_CHILD_PROXY"`.
+CHILD_PROXY_VAR = "EGRESSD_CHILD_PROXY"
+
+
+def java_trust_options(inherited: str | None, store: str) -> str:
+    """JAVA_TOOL_OPTIONS with egressd's trust store: the JVM reads no CA-bundle variable, and a
+    JVM whose connections are captured meets egressd's CA on the hosts it inspects."""
+    ours = f"-Djavax.net.ssl.trustStore={store} -Djavax.net.ssl.trustStoreType=JKS"
+    return f"{inherited} {ours}" if inherited else ours
+
+
+def java_proxy_options(inherited: str | None, address: tuple[str, int]) -> str:
+    """JAVA_TOOL_OPTIONS with a credential-free proxy port for HTTP and HTTPS, and no host exempted
+    (the JVM's default skips localhost, which must be decided like any host). Appended after the
+    user's own options: the JVM applies them in order, so egressd's proxy settings win."""
+    host, port = address
+    ours = " ".join(
+        f"-D{scheme}.proxyHost={host} -D{scheme}.proxyPort={port}" for scheme in ("http", "https")
+    )
+    ours += " -Dhttp.nonProxyHosts="
+    return f"{inherited} {ours}" if inherited else ours
+
+
+def java_environment(
+    env: dict[str, str], *, proxy: tuple[str, int] | None = None, truststore: str | None = None
+) -> dict[str, str]:
+    """env with JAVA_TOOL_OPTIONS naming egressd's trust store (inspection on) and a credential-free
+    proxy port (the JVM sends no credentials on a CONNECT), merged into the user's own options.
+    A trust store path with whitespace cannot be said there (the JVM splits the variable at it)."""
+    if truststore is not None and not any(c.isspace() for c in truststore):
+        env[JAVA_OPTIONS] = java_trust_options(env.get(JAVA_OPTIONS), truststore)
+    if proxy is not None:
+        env[JAVA_OPTIONS] = java_proxy_options(env.get(JAVA_OPTIONS), proxy)
     return env
 
 
 def proxy_exports(
-    proxy_url: str, socks_url: str | None = None, *, ca_bundle: str | None = None
+    proxy_url: str,
+    socks_url: str | None = None,
+    *,
+    ca_bundle: str | None = None,
+    placeholders: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Only the variables egressd sets (for `egressd run`, which prints them as `export` lines)."""
-    return child_environment({}, proxy_url, socks_url, ca_bundle=ca_bundle)
+    return child_environment({}, proxy_url, socks_url, ca_bundle=ca_bundle, placeholders=placeholders)

@@ -25,7 +25,7 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -151,6 +151,7 @@ def run_child(
     *,
     catcher: SignalCatcher | None = None,
     poll: float = 0.5,
+    started: Callable[[int], None] | None = None,
 ) -> int:
     """Run argv to completion, forwarding signals; return a subprocess-style returncode.
 
@@ -168,6 +169,8 @@ def run_child(
             pid = spawn(argv, env, catcher)
         except OSError as exc:
             return exec_failure(argv[0], exc)
+        if started is not None:
+            started(pid)  # e.g. the pipeline learns whose tree the child's connections come from
         return _wait_forwarding(pid, catcher, poll)
     finally:
         if own:

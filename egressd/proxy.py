@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import resource
@@ -54,10 +55,13 @@ class EgressProxy:
         inspect: bool = True,
         config_dir: Path | None = None,
         upstream_ca: Sequence[str] = (),
+        identify: bool = False,
     ) -> None:
         if nameservers:
             policy = policy.with_overrides(nameservers=[join_host_port(h, p) for h, p in nameservers])
-        self.pipeline = Pipeline(PolicyHolder(policy), audit=audit, require_auth=require_auth)
+        self.pipeline = Pipeline(
+            PolicyHolder(policy), audit=audit, require_auth=require_auth, identify=identify
+        )
         self.handoffs = Handoffs()  # the connections the front hands to mitmproxy
         self.listen = listen
         self.socks = socks
@@ -97,6 +101,26 @@ class EgressProxy:
 
     def revoke(self, creds: ProxyCredentials) -> None:
         self.pipeline.credentials.revoke(creds)
+
+    def child_only_listener(self, creds: ProxyCredentials) -> tuple[str, int]:
+        """A loopback listener without credentials, admitting only the process tree of the child
+        that runs with `creds` (registered by `child_started`): for clients that cannot send proxy
+        credentials (Chromium's --proxy-server, the JVM)."""
+        loop = self._loop
+        if loop is None or self._front is None:
+            raise EngineError("the proxy is not running")
+        host = self.http_address[0]
+        if not ipaddress.ip_address(host).is_loopback:  # --listen 0.0.0.0: this one stays on loopback
+            host = "127.0.0.1"
+        future = asyncio.run_coroutine_threadsafe(self._front.start_child_only(host, creds), loop)
+        address = future.result(timeout=START_TIMEOUT)
+        self.pipeline.decider.add_self_address(*address)
+        return address
+
+    def child_started(self, creds: ProxyCredentials, pid: int) -> None:
+        """The child running with `creds` is pid: its tree is searched first for a connection's
+        owner, and only it may use its credential-free listener."""
+        self.pipeline.children[creds.token] = pid
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:

@@ -46,6 +46,7 @@ POLICY_REASONS = frozenset(
         "not_allowlisted",
         "port",
         "profile",
+        "exe_not_allowed",
         "resolved_forbidden",
         "invalid_target",
         "ask",
@@ -56,6 +57,7 @@ POLICY_REASONS = frozenset(
         "sni_mismatch",
         "not_http",
         "websocket",
+        "secret_exfiltration",
     }
 )
 
@@ -169,6 +171,8 @@ class Refusal:
             return f"add the path to the built-in allowance for {self.host} in the policy (builtin: paths)"
         if self.reason == "needs_inspection":
             return "run without --no-inspect (this host is admitted only for some paths)"
+        if self.reason == "exe_not_allowed":
+            return f"add this program to the exe list of the allow rule '{self.rule or self.host}'"
         return f"egressd exec --allow {rule} -- <command>   (or add '{rule}' to the policy's allow list)"
 
 

@@ -24,6 +24,7 @@ from egressd.policy import (
     default_policy,
     load_policy,
 )
+from egressd.secret_values import EnvVault, SecretError, hidden_variables, not_dumpable, read_values
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from egressd.dashboard.server import Dashboard
     from egressd.observe.metrics import Metrics, MetricsServer
     from egressd.observe.refusals import RefusalReport
+    from egressd.policy.secrets import SecretSpec
     from egressd.proxy import EgressProxy
     from egressd.reload import PolicyWatcher
 
@@ -55,6 +57,7 @@ class Overrides:
     mode: str | None = None
     nameservers: tuple[str, ...] = ()
     profile: str | None = None
+    secrets: tuple[SecretSpec, ...] = ()  # exec --secret ...: where values come from, never values
 
     def apply(self, policy: Policy) -> Policy:
         policy = policy.with_overrides(
@@ -62,6 +65,7 @@ class Overrides:
             deny=self.deny,
             mode=self.mode,  # type: ignore[arg-type]  # the CLI's click.Choice checked it
             nameservers=self.nameservers,
+            secrets=self.secrets,
         )
         if self.profile is not None and self.profile not in policy.profiles:
             known = ", ".join(sorted(policy.profiles)) or "none defined"
@@ -105,6 +109,8 @@ class SessionOptions:
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
     control: bool = True  # serve the control API on the user's Unix socket
     dashboard: bool = False  # --dashboard: serve the web dashboard on loopback (needs the control API)
+    # --identify: look up every connection's program (pid, exe) for the audit; None: the command's default
+    identify: bool | None = None
 
 
 class ProxySession:
@@ -139,12 +145,20 @@ class ProxySession:
         self._prompter: TtyPrompter | None = None
         self._counts: Counts | None = None
         self.control_path: Path | None = None
+        self._vault = EnvVault()
+        self._secret_values: dict[str, str] = {}  # read with the policy that names them
         self.policy = self._load()
 
     # -- policy ----------------------------------------------------------------------------------
     def _apply(self, policy: Policy) -> Policy:
         policy = self.options.overrides.apply(policy)
-        return self._transform(policy) if self._transform else policy
+        policy = self._transform(policy) if self._transform else policy
+        # the secrets' values are read with the policy: one that cannot be read fails the load
+        try:
+            self._secret_values = read_values(policy.secrets, self._vault)
+        except SecretError as exc:
+            raise PolicyError(policy.source, "secrets", message=str(exc)) from None
+        return policy
 
     def _load(self) -> Policy:
         from egressd.reload import PolicyWatcher
@@ -166,6 +180,7 @@ class ProxySession:
     def _on_change(self, policy: Policy) -> None:
         self.policy = policy
         if self.proxy is not None:
+            self.proxy.pipeline.secrets.update(policy.secrets, self._secret_values)
             self.proxy.set_policy(policy)
         self._notice("reload", source=policy.source, mode=policy.mode)
         if self._announce:
@@ -208,8 +223,12 @@ class ProxySession:
             inspect=self.options.inspect,
             config_dir=self.options.config_dir,
             upstream_ca=self.options.upstream_ca,
+            identify=bool(self.options.identify),
         )
         self._start_approvals(self.proxy)
+        self.proxy.pipeline.secrets.update(self.policy.secrets, self._secret_values)
+        if self.policy.secrets:
+            not_dumpable()  # the child (same user) reads neither /proc/<egressd>/environ nor memory
         self._observe(self.proxy.pipeline.events.subscribe)
         try:
             self.proxy.start()
@@ -283,6 +302,12 @@ class ProxySession:
             self._prompter = TtyPrompter.open(self.broker)
             if self._prompter is not None:
                 self._prompter.start()
+
+    def _identify_from_now_on(self) -> None:
+        """A watch stream attached: from now on every connection names its program (pid, exe),
+        a cost paid only once someone watches (docs/audit.md)."""
+        if self.proxy is not None:
+            self.proxy.pipeline.identify = True
 
     def _writable_policy(self) -> bool:
         """An ask answered "always" writes the user's policy file, never a built-in preset."""
@@ -365,6 +390,7 @@ class ProxySession:
             metrics=self.metrics.render if self.metrics is not None else None,
             policy=self.policy_info,
             edit_policy=self._edit_policy if self._writable_policy() else None,
+            watched=self._identify_from_now_on,
         )
         server.start(sock)
         self._control, self.control_path = server, path
@@ -432,11 +458,49 @@ class ProxySession:
     ) -> dict[str, str]:
         """The environment of one child: fresh credentials unless given."""
         url, socks = self.proxy_urls(creds or self.credentials())
-        return child_environment(os.environ if base is None else base, url, socks, ca_bundle=self.ca_bundle)
+        return child_environment(
+            os.environ if base is None else base,
+            url,
+            socks,
+            ca_bundle=self.ca_bundle,
+            placeholders=self.placeholders(),
+            hidden=self.hidden_variables(),
+        )
+
+    def child_only(self, env: dict[str, str], creds: ProxyCredentials, *, listener: bool) -> dict[str, str]:
+        """env plus what clients that cannot send proxy credentials need: with `listener`, a
+        credential-free loopback listener for this child's process tree alone (its URL in
+        EGRESSD_CHILD_PROXY, the JVM's proxy settings in JAVA_TOOL_OPTIONS); and under inspection
+        the JVM's trust store."""
+        from egressd.ca import java_truststore_path
+        from egressd.child_env import CHILD_PROXY_VAR, java_environment
+        from egressd.policy import join_host_port
+
+        assert self.proxy is not None
+        address = None
+        if listener:
+            address = self.proxy.child_only_listener(creds)
+            env[CHILD_PROXY_VAR] = f"http://{join_host_port(*address)}"
+        store = java_truststore_path(self.ca_bundle) if self.ca_bundle else None
+        truststore = str(store) if store is not None and store.is_file() else None
+        return java_environment(env, proxy=address, truststore=truststore)
+
+    def child_started(self, creds: ProxyCredentials, pid: int) -> None:
+        """The child running with creds is pid (its process tree is its connections' owner)."""
+        if self.proxy is not None:
+            self.proxy.child_started(creds, pid)
 
     def exports(self, creds: ProxyCredentials | None = None) -> dict[str, str]:
         url, socks = self.proxy_urls(creds or self.credentials())
-        return proxy_exports(url, socks, ca_bundle=self.ca_bundle)
+        return proxy_exports(url, socks, ca_bundle=self.ca_bundle, placeholders=self.placeholders())
+
+    def placeholders(self) -> dict[str, str]:
+        """The secrets' child variables: {variable: placeholder} (never a value)."""
+        return self.proxy.pipeline.secrets.child_variables() if self.proxy is not None else {}
+
+    def hidden_variables(self) -> tuple[str, ...]:
+        """egressd's own variables that hold secret values: never given to a child."""
+        return hidden_variables(self.policy.secrets, self._vault)
 
     def drain(self, timeout: float) -> None:
         if self.proxy is not None:

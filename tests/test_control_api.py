@@ -198,6 +198,8 @@ def test_watch_streams_live_decisions(tmp_path: Path, dns: DnsServer, up: EchoHT
             wait_for(seen, what="the refusal on the watch stream")
             event = next(e for e in lines if e.get("host") == "up.test")
             assert event["event"] == "decision" and event["path"] == "/watched?<redacted>"
+            # a watcher sees which program asked, though nothing else turned the lookup on
+            assert os.path.basename(event["exe"]) == "curl" and isinstance(event["pid"], int), event
         finally:
             watch.terminate()
             watch.wait(10)

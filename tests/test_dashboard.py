@@ -83,7 +83,7 @@ class Served:
 def served(tmp_path: Path, dns: DnsServer, up: EchoHTTPServer) -> Iterator[Served]:
     policy = ask_policy(tmp_path)
     options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--no-prompt", "--dashboard"]
-    with EgressdRun(options) as run:
+    with EgressdRun([*options, "--identify"]) as run:  # each decision names its program
         assert run.wait_for_stderr("dashboard: http://", timeout=15), run.stderr
         yield Served(run, policy)
 
@@ -154,6 +154,8 @@ def test_a_decision_shows_in_the_page_within_a_second(served: Served, page: Any,
     while rows.count() == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert rows.count() >= 1, "the decision did not show within a second of the response"
+    # the program that made the request (--identify): curl, with its pid
+    assert re.fullmatch(r"/usr/bin/curl \(pid \d+\)", rows.first.locator("td").nth(7).inner_text())
     # the per-child counters follow
     page.wait_for_selector("#clients tbody tr", timeout=5_000)  # (a string eval: the CSP forbids it)
     assert csp_violations(page) == []

@@ -76,6 +76,9 @@ def authenticate(
     if conn.tunnel:
         return conn.creds is not None or not require_auth
     if presented is None and conn.implicit is not None:
+        if conn.tree_only and (conn.identity is None or not conn.identity.in_tree):
+            conn.creds = None  # the child-only listener: held by someone outside the child's tree
+            return False
         conn.creds = conn.implicit
         return store.valid(conn.implicit)
     if presented is None:

@@ -9,7 +9,7 @@ import logging
 
 from egressd.admission import faults
 from egressd.admission.state import PolicyHolder
-from egressd.policy import Client, Decision, IPAddress, Mode, decide, make_target
+from egressd.policy import Client, Decision, IPAddress, Mode, Program, decide, make_target
 from egressd.refusal import Refusal
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class Decider:
         method: str | None = None,
         path: str | None = None,
         mode: Mode | None = None,
+        program: Program | None = None,
     ) -> Decision:
         """`mode`: decide as if the policy had this mode (a grant asks what `ask` would answer)."""
         policy = self.policies.get()
@@ -47,7 +48,7 @@ class Decider:
             return Decision(allowed=False, reason="invalid_target", rule=None, target=None, detail=str(e))
         try:
             faults.maybe_fail("decide")
-            return decide(target, Client(profile=profile), policy, self_addresses=self.self_addresses)
+            return decide(target, Client(profile, program), policy, self_addresses=self.self_addresses)
         except Exception as e:  # noqa: BLE001 - fail closed on any bug
             logger.exception("decision failed")
             return Decision(allowed=False, reason="internal_error", rule=None, target=target, detail=repr(e))

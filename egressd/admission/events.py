@@ -42,6 +42,8 @@ class Decided:
     connected: str | None = None
     attempts: tuple[str, ...] | None = None
     would_be: str | None = None  # mode: learn: the reason enforce would have refused with
+    pid: int | None = None  # the program holding the client's connection, when it was looked up
+    exe: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,11 +31,23 @@ from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_
 from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Resolved, Stage
 from egressd.admission.grants import GrantStore
 from egressd.admission.http_rules import request_refusal
+from egressd.admission.identity import identify
 from egressd.admission.limits import Limits
 from egressd.admission.pinning import ConnectFailure, Pin, connect_protocol
 from egressd.admission.redirects import RedirectMemory
-from egressd.admission.state import ConnState, PolicyHolder
-from egressd.policy import AddressClass, Decision, IPAddress, classify
+from egressd.admission.secrets import NO_INJECTION, Injection, SecretBook
+from egressd.admission.secrets import refusal as secret_refusal
+from egressd.admission.state import ConnState, Identity, PolicyHolder
+from egressd.policy import (
+    AddressClass,
+    Decision,
+    IPAddress,
+    Program,
+    Target,
+    canonical_host,
+    classify,
+    join_host_port,
+)
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -73,6 +85,10 @@ class Admitted:
     inspect: bool = False
     pin: Pin | None = None  # None for "inner" requests
     resolved: tuple[IPAddress, ...] = ()
+    # an HTTP request's: the headers the front drops (a redirect to another origin) and what the
+    # secrets step changes (egressd.admission.secrets)
+    strip: frozenset[str] = frozenset()
+    injection: Injection = NO_INJECTION
 
     @property
     def host(self) -> str:
@@ -103,6 +119,7 @@ class Pipeline:
         require_auth: bool = True,
         approver: Approver | None = None,
         grants: GrantStore | None = None,
+        identify: bool = False,
     ) -> None:
         self.policies = policies
         self.credentials = credentials or CredentialStore()
@@ -112,10 +129,15 @@ class Pipeline:
         self.approver = approver
         self.grants = grants if grants is not None else GrantStore()
         self.redirects = RedirectMemory()
+        self.secrets = SecretBook()
         self.events = EventBus()
         if audit is not None:
             self.events.subscribe(audit.observe)
         self.inspection = False  # TLS inspection available (CA ready); off with --no-inspect
+        # look up every connection's program (pid, exe in the audit), not only where a rule needs it
+        self.identify = identify
+        # the pid of the child each token was issued to: its process tree is searched first
+        self.children: dict[str, int] = {}
         self.draining = False
         self._conns = Connections()
         # connection ids for the audit log: a random prefix per proxy and a counter
@@ -123,8 +145,24 @@ class Pipeline:
         self._ids = itertools.count(1)
 
     # -- client connections ------------------------------------------------------------------------
-    def open_conn(self, peer: str, implicit: ProxyCredentials | None = None) -> ConnState:
-        state = ConnState(conn_id=f"{self._id_prefix}{next(self._ids):06x}", peer=peer, implicit=implicit)
+    def open_conn(
+        self,
+        peer: str,
+        implicit: ProxyCredentials | None = None,
+        *,
+        ends: tuple[tuple[str, int], tuple[str, int]] | None = None,
+        tree_only: bool = False,
+    ) -> ConnState:
+        """A client connection accepted; `ends`: (client, server) addresses of its socket (for the
+        owner lookup); `tree_only`: the listener admits only the process tree of the child its
+        implicit credentials belong to."""
+        state = ConnState(
+            conn_id=f"{self._id_prefix}{next(self._ids):06x}",
+            peer=peer,
+            implicit=implicit,
+            ends=ends,
+            tree_only=tree_only,
+        )
         with self._conns.lock:
             self._conns.open[state.conn_id] = state
         return state
@@ -170,9 +208,15 @@ class Pipeline:
         faults.maybe_fail("hook")
         if ask.stage == "inner" and not conn.tunnel:
             return self.internal_error("admit", RuntimeError("a request inside a tunnel nobody admitted"))
-        # 1. credentials
+        # 1. credentials (the child-only listener's: the program holding the socket is the child's)
+        if conn.tree_only and ask.credentials is None and conn.implicit is not None:
+            root = self.children.get(conn.implicit.token)
+            if root is not None:  # not yet started: nobody is the child yet (407)
+                identify(conn, root, tree_only=True)
         if not authenticate(self.credentials, conn, ask.credentials, require_auth=self.require_auth):
-            return AUTH_REFUSAL
+            return self._auth_refusal(conn)
+        # 1b. identity: who holds the socket, when a rule or the audit needs it (once per connection)
+        program = await self._program(conn)
         # 2. limits, before anything is decided: refused targets cost a child its rate too
         tunnel = ask.stage in ("connect", "socks")
         limited = self.limits.rate(conn) or (self.limits.connections() if tunnel else None)
@@ -180,10 +224,26 @@ class Pipeline:
             return limited
         # 3. the decision; every later step uses its canonical target, never the client's spelling
         decision = self.decider.decide(
-            ask.host, ask.port, conn.profile, scheme=ask.scheme, method=ask.method, path=ask.path
+            ask.host,
+            ask.port,
+            conn.profile,
+            scheme=ask.scheme,
+            method=ask.method,
+            path=ask.path,
+            program=program,
         )
         if decision.target is not None:
             conn.host, conn.port = decision.target.host.text, decision.target.port
+        # 3a. a secret's placeholder in the host name (to leak it through DNS or a wildcard rule):
+        # refused before anyone is asked and before anything resolves it
+        target = decision.target
+        if self.secrets and target is not None and (name := self.secrets.needles.find(ask.host)) is not None:
+            refusal = secret_refusal(name, "host name", target.host, target.port, self.secrets.spec(name))
+            redact = self.secrets.needles.redact
+            refusal = dataclasses.replace(refusal, host=redact(refusal.host), detail=redact(refusal.detail))
+            conn.host = refusal.host  # the closed record names it too
+            self._decided(conn, ask, decision, refusal)
+            return refusal
         # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
         if (self.grants or conn.granted) and (decision.ask or decision.reason == "not_allowlisted"):
             decision = self._granted(conn, ask, decision)
@@ -196,8 +256,15 @@ class Pipeline:
             if decision.allowed and tunnel and decision.target is not None:
                 # approved for this connection: its requests, if inspected, are not asked again
                 conn.granted = (decision.target.host.text, decision.target.port)
-        # 5. the request rules, and the choice to inspect
+        # 5. the request rules, and the choice to inspect; then the secrets step (requests only)
         refusal, inspect = self._judge(conn, ask, decision)
+        changes: tuple[frozenset[str], Injection] | None = None
+        if refusal is None and not tunnel and decision.target is not None:
+            changes_or_refusal = self._request_changes(conn, ask, decision.target)
+            if isinstance(changes_or_refusal, Refusal):
+                refusal = changes_or_refusal
+            else:
+                changes = changes_or_refusal
         # a tunnel allowed by mode: learn is recorded as such at once (with the reason enforce would
         # give), so the audit keeps it even when no upstream connection follows
         if refusal is not None or ask.stage in ("request", "inner") or decision.would_be is not None:
@@ -205,7 +272,9 @@ class Pipeline:
         if refusal is not None:
             return refusal
         if not tunnel:
-            return Admitted(decision)  # resolved when a connection is opened for it (connect)
+            # resolved when a connection is opened for it (connect)
+            strip, injection = changes if changes is not None else (frozenset(), NO_INJECTION)
+            return Admitted(decision, strip=strip, injection=injection)
         # 6. resolve, filter, pin: a tunnel's answer (200, SOCKS5 reply) waits for its addresses
         admitted = Admitted(decision, inspect)
         refusal = await self._pin(conn, admitted)
@@ -231,6 +300,7 @@ class Pipeline:
                 method=ask.method,
                 path=ask.path,
                 mode="ask",
+                program=conn.identity.program if conn.identity is not None else None,
             )
         target = candidate.target
         if not candidate.ask or target is None:
@@ -259,6 +329,29 @@ class Pipeline:
             needs_inspection=candidate.needs_inspection or inspect,
         )
 
+    async def _program(self, conn: ConnState) -> Program | None:
+        """The identity step: look the owner up when a rule or `identify` needs it. Through the
+        child's tree it takes well under a millisecond; without one (`egressd run`) it may scan all
+        of /proc, in a worker thread so other connections are not held up."""
+        if conn.identity is None and (self.identify or self.policies.get().needs_program):
+            root = self.children.get(conn.creds.token) if conn.creds is not None else None
+            if root is not None:
+                identify(conn, root)
+            else:
+                await asyncio.to_thread(identify, conn, None)
+        return conn.identity.program if conn.identity is not None else None
+
+    def _auth_refusal(self, conn: ConnState) -> Refusal:
+        """407; on the child-only listener, with why the connection is not the child's."""
+        who = conn.identity
+        if not conn.tree_only or who is None or who.in_tree:
+            return AUTH_REFUSAL
+        detail = (
+            "this listener admits only the child egressd started and its descendants, without "
+            f"credentials; {who.why or 'the connection is held by another process'}"
+        )
+        return Refusal("proxy_auth_required", detail)
+
     def authenticate(self, conn: ConnState, presented: Presented) -> bool:
         """The credentials step alone, for a protocol that answers it before its request arrives
         (SOCKS5's RFC 1929 sub-negotiation); admit() runs it again on the same credentials."""
@@ -274,6 +367,36 @@ class Pipeline:
             self.connection_record(conn, admitted, (pinned.refusal.reason, pinned.refusal.detail))
         return pinned.refusal
 
+    def _request_changes(
+        self, conn: ConnState, ask: Ask, target: Target
+    ) -> Refusal | tuple[frozenset[str], Injection]:
+        """What egressd changes in an allowed HTTP request, the same for plain HTTP and inside a
+        tunnel: the credential headers of a redirect's follow-up to another origin (dropped before
+        anything else looks at them), then the secrets step (refusal or injection)."""
+        host, port = target.host, target.port
+        path = ask.path or "/"
+        url = f"{ask.scheme or 'http'}://{join_host_port(host.text, port)}{path}"
+        strip: frozenset[str] = frozenset()
+        origin = self.redirects.take(conn.client_key, url)
+        if origin is not None:
+            names = (*self.policies.get().credentials.strip_on_host_change, *self.secrets.header_names())
+            strip = frozenset(name.lower() for name in names)
+            present = {n.lower() for n, _ in ask.headers or ()}
+            stripped = [n for n in dict.fromkeys(names) if n in present and n != "proxy-authorization"]
+            self.notice(
+                conn,
+                "credentials_stripped",
+                redirected_from=origin,
+                host=host.text,
+                port=port,
+                stripped=stripped,
+            )
+        headers = [(n, v) for n, v in ask.headers or () if n.lower() not in strip]
+        judged = self.secrets.judge(host, port, path, headers)
+        if isinstance(judged, Refusal):
+            return judged
+        return strip, judged
+
     def _judge(self, conn: ConnState, ask: Ask, decision: Decision) -> tuple[Refusal | None, bool]:
         """(refusal, inspect) for a decision: refused ones, the request rules, inspection."""
         if not decision.allowed or decision.target is None:
@@ -284,6 +407,12 @@ class Pipeline:
             policy = self.policies.get()
             return request_refusal(decision.target, ask.headers or (), websocket=policy.websocket), False
         inspect = self.wants_inspection(decision, conn)
+        target = decision.target
+        if not inspect and self.secrets and self.secrets.listed(target.host, target.port):
+            # a secret's host unseen would get the placeholder, never the value: refused instead
+            refusal = needs_inspection_refusal(decision)
+            why = "a secret goes to this host, which needs TLS inspection (egressd puts it in the request)"
+            return dataclasses.replace(refusal, detail=why), False
         if decision.needs_inspection and not inspect:
             return needs_inspection_refusal(decision), False
         return None, inspect
@@ -295,6 +424,8 @@ class Pipeline:
         if not self.inspection or target is None:
             return False
         if decision.needs_inspection or self.policies.get().inspect.match(target.host, target.port):
+            return True
+        if self.secrets and self.secrets.listed(target.host, target.port):
             return True
         return self.redirects.expects(conn.client_key, "https", target.host.text, target.port)
 
@@ -331,12 +462,13 @@ class Pipeline:
     # -- events ------------------------------------------------------------------------------------
     def _emit(self, conn: ConnState | None, **fields: Any) -> None:
         """A Decided event about this client connection."""
-        if conn is None:
-            self.events.emit(Decided(None, None, None, **fields))
-        else:
-            creds = conn.creds  # conn.client_name and conn.profile, read once
-            client, profile = (creds.username, creds.profile) if creds is not None else (None, None)
-            self.events.emit(Decided(conn.conn_id, client, profile, **fields))
+        client: dict[str, Any] = {"conn": None, "client": None, "profile": None}
+        if conn is not None:
+            client = {"conn": conn.conn_id, "client": conn.client_name, "profile": conn.profile}
+            who: Identity | None = conn.identity
+            if who is not None:
+                client.update(pid=who.pid, exe=who.exe)
+        self.events.emit(Decided(**client, **fields))
 
     def _decided(self, conn: ConnState, ask: Ask, decision: Decision, refusal: Refusal | None) -> None:
         target = decision.target
@@ -346,15 +478,26 @@ class Pipeline:
             stage=ask.stage,
             method=ask.method,
             scheme=ask.scheme if request else None,
-            host=target.host.text if target else ask.host,
+            host=self._recorded_path(target.host.text if target else ask.host),
             port=target.port if target else ask.port,
-            path=ask.path if request else None,
+            path=self._recorded_path(ask.path) if request else None,
             allowed=refusal is None,
             reason=refusal.reason if refusal else decision.reason,
             rule=decision.rule,
             detail=refusal.detail if refusal else decision.detail,
             would_be=None if refusal else decision.would_be,
         )
+
+    def _recorded_path(self, path: str | None) -> str | None:
+        """A path (or host) as records show it: a placeholder's random part never kept (the name is)."""
+        if path is None or not self.secrets:
+            return path
+        return self.secrets.needles.redact(path)
+
+    def secret_refusal(self, host: str, port: int, name: str) -> Refusal:
+        """The refusal of a request whose BODY carried a placeholder its host may not get (found by
+        the front's streaming scan, which records it with refused_early)."""
+        return secret_refusal(name, "request body", canonical_host(host), port, self.secrets.spec(name))
 
     def connection_record(self, conn: ConnState, admitted: Admitted, failure: tuple[str, str] | None) -> None:
         """The decision record of one upstream connection, with resolved and connected addresses."""
@@ -399,7 +542,7 @@ class Pipeline:
             scheme=scheme,
             host=host,
             port=port,
-            path=path,
+            path=self._recorded_path(path),
             allowed=False,
             reason=reason,
             rule=None,

@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from egressd.policy import Policy, join_host_port
+from egressd.policy import Policy, Program, join_host_port
 
 DEFAULT_USERNAME = "egressd"
 
@@ -42,6 +42,18 @@ class PolicyHolder:
             self._policy = policy
 
 
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What the lookup found for one connection (every field None when nothing was found)."""
+
+    pid: int | None = None
+    exe: str | None = None
+    cmdline: tuple[str, ...] = ()
+    in_tree: bool = False  # held only by the child (the tree's root) or its descendants
+    program: Program | None = None
+    why: str = ""  # when pid is None: why the owner is unknown
+
+
 @dataclass
 class ConnState:
     """What egressd knows about one client connection, whichever front accepted it."""
@@ -60,6 +72,12 @@ class ConnState:
     # port); a request without Proxy-Authorization counts as the child's, a wrong one is refused
     implicit: ProxyCredentials | None = None
     granted: tuple[str, int] | None = None  # a tunnel a grant or an approval admitted: (host, port)
+    # the socket's two ends as (host, port): the client's, then egressd's (the owner lookup reads them)
+    ends: tuple[tuple[str, int], tuple[str, int]] | None = None
+    # the listener admits only the process tree of the child its implicit credentials were issued
+    # to (`egressd exec`'s credential-free listener): its pid is looked up when a request comes
+    tree_only: bool = False
+    identity: Identity | None = None  # who holds the client's socket, once looked up
 
     @property
     def profile(self) -> str | None:

@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import click
 
+from egressd.cli.options import cli_overrides, effective_policy, fail, policy_options
 from egressd.policy import (
     Client,
     Decision,
     Policy,
+    Program,
     TargetError,
     decide,
     filter_addresses,
     parse_target,
     resolution_refusal,
 )
-
-if TYPE_CHECKING:
-    pass
-from egressd.cli.options import cli_overrides, effective_policy, fail, policy_options
 
 
 @click.command(
@@ -41,6 +39,12 @@ Exit status: 0 allowed, 1 refused, 2 bad input.""",
 @click.option("--profile", metavar="NAME", help="Decide as a child running under this profile.")
 @click.option("--method", metavar="METHOD", help="HTTP method for path rules (default GET).")
 @click.option("--resolve", is_flag=True, help="Also resolve a name and apply the address rules (uses DNS).")
+@click.option(
+    "--exe",
+    metavar="PROGRAM",
+    help="Decide as if this program (a name, or a path: its symlinks are followed) opened the "
+    "connection, for allow rules scoped by exe.",
+)
 @click.argument("target")
 def check_command(
     policy_file: str | None,
@@ -51,6 +55,7 @@ def check_command(
     profile: str | None,
     method: str | None,
     resolve: bool,
+    exe: str | None,
     target: str,
 ) -> None:
     """Decide TARGET (a URL or HOST[:PORT], port 443 by default) without connecting.
@@ -65,8 +70,13 @@ def check_command(
         fail(f"bad target: {exc}")
     if method:
         parsed = replace(parsed, method=method.upper())
-    decision = decide(parsed, Client(profile=profile), policy)
+    decision = decide(parsed, Client(profile, _program(exe)), policy)
     notes: list[str] = []
+    if exe is None and policy.needs_program:
+        notes.append(
+            "note: egressd check runs no program: rules scoped by exe admit nothing here; "
+            "--exe PROGRAM decides as that program"
+        )
     if decision.allowed and decision.needs_resolution:
         if resolve:
             decision = _check_resolution(decision, policy, notes)
@@ -79,6 +89,18 @@ def check_command(
         notes.append("note: mode ask: an approver would be asked; without one this is refused")
     _print_decision(decision, parsed.authority() + (parsed.path or ""), notes)
     sys.exit(0 if decision.allowed else 1)
+
+
+def _program(exe: str | None) -> Program | None:
+    """--exe: a name as given; a path with its symlinks followed, like the running program's exe."""
+    if exe is None:
+        return None
+    if "/" not in exe:
+        return Program(exe)
+    from egressd.admission.peer import aliases
+
+    real = os.path.realpath(exe)
+    return Program(real, aliases(real) | {exe})
 
 
 def _check_resolution(decision: Decision, policy: Policy, notes: list[str]) -> Decision:

@@ -22,6 +22,7 @@ from egressd.policy import (
     PolicyError,
 )
 from egressd.policy.model import MODES
+from egressd.policy.secrets import secrets_from_options
 from egressd.session import Overrides, ProxySession, SessionError, SessionOptions, base_policy
 
 if TYPE_CHECKING:
@@ -110,6 +111,13 @@ def proxy_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Allow --metrics on a non-loopback address (other machines can then read them).",
         ),
         click.option(
+            "--identify/--no-identify",
+            default=None,
+            help="Record each connection's program (pid, exe) in the audit, watch and dashboard "
+            "(Linux; default: on for exec with --audit, --trace or --dashboard, else off). Rules "
+            "scoped by exe look it up either way. See docs/audit.md.",
+        ),
+        click.option(
             "--listen",
             default="127.0.0.1:0",
             show_default=True,
@@ -188,6 +196,7 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
         upstream_ca=tuple(params.pop("upstream_ca")),
         approve_all=params.pop("approve_all"),
         prompt=not params.pop("no_prompt"),
+        identify=params.pop("identify"),
     )
 
 
@@ -275,3 +284,56 @@ def dashboard_option(func: Callable[..., Any]) -> Callable[..., Any]:
         is_flag=True,
         help="Serve the live dashboard on a loopback port; its URL (with a secret token) goes to stderr.",
     )(with_dashboard)
+
+
+def secret_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--secret NAME=ENV_VAR, --secret-host NAME=HOST, --secret-header, --secret-query (exec): a
+    credential the child gets only as a placeholder (docs/secrets.md); sets `options.overrides`."""
+
+    @functools.wraps(func)
+    def with_secrets(
+        *args: Any,
+        secret: tuple[str, ...],
+        secret_host: tuple[str, ...],
+        secret_header: tuple[str, ...],
+        secret_query: tuple[str, ...],
+        options: SessionOptions,
+        **kwargs: Any,
+    ) -> Any:
+        if secret or secret_host or secret_header or secret_query:
+            try:
+                specs = secrets_from_options(secret, secret_host, secret_header, secret_query)
+            except PolicyError as exc:
+                fail(str(exc))
+            overrides = dataclasses.replace(options.overrides, secrets=specs)
+            options = dataclasses.replace(options, overrides=overrides)
+        return func(*args, options=options, **kwargs)
+
+    options = [
+        click.option(
+            "--secret",
+            multiple=True,
+            metavar="NAME=ENV_VAR",
+            help="Keep ENV_VAR's value with egressd: the child gets a placeholder in ENV_VAR, and egressd "
+            "puts the value in requests to the --secret-host hosts (repeatable; docs/secrets.md).",
+        ),
+        click.option(
+            "--secret-host",
+            multiple=True,
+            metavar="NAME=HOST",
+            help="A host the secret NAME may go to; it must be allowed (repeatable).",
+        ),
+        click.option(
+            "--secret-header",
+            multiple=True,
+            metavar="NAME='HEADER: ...{}'",
+            help="How NAME is sent (default 'Authorization: Bearer {}'), e.g. 'x-api-key: {}'.",
+        ),
+        click.option(
+            "--secret-query",
+            multiple=True,
+            metavar="NAME=PARAM",
+            help="Send NAME in this query parameter instead of a header.",
+        ),
+    ]
+    return _with_options(with_secrets, options)

@@ -15,7 +15,7 @@ import click
 
 from egressd import process
 from egressd.admission.state import ProxyCredentials
-from egressd.cli.options import dashboard_option, fail, open_session, say, session_options
+from egressd.cli.options import dashboard_option, fail, open_session, say, secret_options, session_options
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
 from egressd.sandbox import narrow, preflight
@@ -58,6 +58,7 @@ on the ports the policy names only. See docs/sandbox.md.""",
 )
 @session_options
 @dashboard_option
+@secret_options
 @click.option("--rw", multiple=True, metavar="PATH", help="Also writable in the sandbox (repeatable).")
 @click.option(
     "--ro",

@@ -19,7 +19,10 @@ def _line(item: dict) -> str | None:
         where = f"{item.get('host')}:{item.get('port')}"
         request = f" {item['method']} {item['path']}" if item.get("path") else ""
         rule = item.get("rule") or "-"
-        return f"{verdict} {item.get('stage'):<10} {where}{request}  {item.get('reason')}  ({rule})"
+        line = f"{verdict} {item.get('stage'):<10} {where}{request}  {item.get('reason')}  ({rule})"
+        if item.get("pid") or item.get("exe"):
+            line += f"  [{item.get('exe') or '?'} pid {item.get('pid') or '?'}]"
+        return line
     if event == "ask":
         ask_id = item.get("id")
         return f"ASK   {ask_id} {item.get('host')}:{item.get('port')}  (egressd approve {ask_id})"

@@ -37,8 +37,10 @@ class Handlers:
         policy: Callable[[], dict[str, Any]] | None = None,
         edit_policy: PolicyEditor | None = None,
         metrics: Callable[[], bytes] | None = None,
+        watched: Callable[[], None] | None = None,
     ) -> None:
         self.metrics = metrics
+        self.watched = watched  # a watch stream attached: decisions should name their program
         self.broker = broker
         self.grants = grants
         self.events = events
@@ -180,6 +182,8 @@ class Handlers:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_LINES)
         observer = _EventHandOff(asyncio.get_running_loop(), queue)
         self.events.subscribe(observer)
+        if self.watched is not None:
+            self.watched()
         try:
             return await self._stream(request, queue, [])
         finally:

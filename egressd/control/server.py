@@ -99,8 +99,10 @@ class ControlServer:
         policy: Callable[[], dict[str, Any]] | None = None,
         edit_policy: PolicyEditor | None = None,
         metrics: Callable[[], bytes] | None = None,
+        watched: Callable[[], None] | None = None,
     ) -> None:
         self.path = path
+        self.watched = watched
         self.policy = policy
         self.edit_policy = edit_policy
         self.metrics = metrics  # GET /metrics: the Prometheus text (egressd.observe.metrics)
@@ -184,6 +186,7 @@ class ControlServer:
             self.policy,
             self.edit_policy,
             self.metrics,
+            self.watched,
         ).app()
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
         await runner.setup()

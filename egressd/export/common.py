@@ -46,7 +46,9 @@ def _rules(policy: Policy, key: str) -> Iterator[Rule]:
 
 
 def allow_rules(policy: Policy) -> list[Rule]:
-    return list(_rules(policy, "allow"))
+    """The allow rules a target can write: a rule scoped by `exe` is left out (no target knows
+    which program opened a connection, and a host-level allow would be wider)."""
+    return [item for item in _rules(policy, "allow") if not item.rule.exe]
 
 
 def deny_rules(policy: Policy) -> list[Rule]:
@@ -111,6 +113,18 @@ def policy_findings(policy: Policy, target: str, *, central: bool = True) -> lis
     """Findings about settings no target expresses: mode ask/learn, profiles, built-in allowances,
     inspection, limits, loopback on a central proxy."""
     out: list[Finding] = []
+    for item in _rules(policy, "allow"):
+        if item.rule.exe:
+            out.append(
+                Finding(
+                    item.setting,
+                    item.rule.describe(),
+                    "dropped",
+                    f"{target} does not know which program opened a connection: a host-level allow of "
+                    f"{item.rule.text} would be wider, so the rule is left out (its connections are refused)",
+                    (item.decides,),
+                )
+            )
     mode = mode_of(policy)
     if mode == "ask":
         out.append(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from egressd.wire.http1 import (
     upstream_headers,
 )
 from egressd.wire.http_fields import hostport
+from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
 
 if TYPE_CHECKING:
     from egressd.admission.pipeline import Pipeline
@@ -316,7 +318,6 @@ class PlainClient(_Writable, asyncio.Protocol):
             return False
         key = (admitted.host, admitted.port)
         url = request_url(key, head.path)
-        strip = self._credentials_to_strip(head, key, url)
         upstream = self.idle.pop(key, None)
         if upstream is None or not upstream.open:
             if upstream is not None:
@@ -327,16 +328,19 @@ class PlainClient(_Writable, asyncio.Protocol):
                 return False
             upstream = opened
         self.busy = upstream
-        sent = upstream.wire.request(head, upstream_headers(head, key[0], key[1], strip))
+        out = _as_sent(head, admitted)
+        sent = upstream.wire.request(out, upstream_headers(out, key[0], key[1], set(admitted.strip)))
         sending: asyncio.Task[None] | None = None
         if self.inbox.events and isinstance(self.inbox.events[0], End):  # no body: no task for it
             self.inbox.events.popleft()
             upstream.write(sent + upstream.wire.end())
         else:
             upstream.write(sent)
-            sending = asyncio.get_running_loop().create_task(self._send_body(upstream))
+            scan = PlaceholderStream(admitted.injection.body) if admitted.injection.body else None
+            sending = asyncio.get_running_loop().create_task(self._send_body(upstream, head, scan))
         try:
-            outcome = await self._relay_response(upstream, head, key, url)
+            mask = ValueMask(admitted.injection.values)
+            outcome = await self._relay_response(upstream, head, key, url, mask)
         finally:
             if sending is not None and not sending.done():
                 sending.cancel()
@@ -352,19 +356,28 @@ class PlainClient(_Writable, asyncio.Protocol):
             self._forget(upstream)
         return outcome == "done" and body_sent
 
-    async def _send_body(self, upstream: Upstream) -> None:
-        """The request body, streamed: never more than HIGH_WATER waits on either side."""
+    async def _send_body(self, upstream: Upstream, head: RequestHead, scan: PlaceholderStream | None) -> None:
+        """The request body, streamed: never more than HIGH_WATER waits on either side. With `scan`,
+        the secrets' placeholders it must not carry are looked for across chunks; a find refuses the
+        request before any byte of the placeholder is sent (the upstream is closed mid-body)."""
         try:
-            while True:
-                event = await self.inbox.get()
-                if isinstance(event, Body):
-                    upstream.write(upstream.wire.body(event.data))
-                    await upstream.drain()
-                elif isinstance(event, End):
-                    upstream.write(upstream.wire.end())
-                    return
-                else:
-                    raise WireError("the connection ended inside a request body")
+            try:
+                while True:
+                    event = await self.inbox.get()
+                    if isinstance(event, Body):
+                        data = event.data if scan is None else scan.feed(event.data)
+                        upstream.write(upstream.wire.body(data))
+                        await upstream.drain()
+                    elif isinstance(event, End):
+                        if scan is not None:
+                            upstream.write(upstream.wire.body(scan.end()))
+                        upstream.write(upstream.wire.end())
+                        return
+                    else:
+                        raise WireError("the connection ended inside a request body")
+            except PlaceholderFound as found:
+                refusal = self.rt.secret_refusal(head.host, head.port, found.name)
+                raise WireError(refusal.detail, refusal.status, reason=refusal.reason, head=head) from None
         except WireError as exc:
             self.body_error(upstream, exc)
             raise
@@ -375,8 +388,11 @@ class PlainClient(_Writable, asyncio.Protocol):
         upstream.inbox.fail(exc)
         upstream.close()
 
-    async def _relay_response(self, upstream: Upstream, request: RequestHead, key: Key, url: str) -> str:
-        """The upstream's answer to the child: "done", "closed" (both sides end) or "relay"."""
+    async def _relay_response(
+        self, upstream: Upstream, request: RequestHead, key: Key, url: str, mask: ValueMask
+    ) -> str:
+        """The upstream's answer to the child: "done", "closed" (both sides end) or "relay". With
+        `mask`, a secret's value the upstream echoes is masked in the head and the body."""
         started, seen = False, 0
         while True:
             if not upstream.inbox.events:
@@ -404,6 +420,8 @@ class PlainClient(_Writable, asyncio.Protocol):
                 if 300 <= event.status < 400 and (location := event.values("location")):
                     self.rt.redirects.remember(self.state.client_key, url, location[0])
                 started = True
+                if mask:
+                    event = dataclasses.replace(event, headers=[(n, mask.text(v)) for n, v in event.headers])
                 self.write(self.wire.response(event))
             elif isinstance(event, Body):
                 seen += len(event.data)
@@ -411,11 +429,15 @@ class PlainClient(_Writable, asyncio.Protocol):
                     self._audit_cut(key, request.path, seen)  # cut visibly: no last chunk
                     self.close()
                     return "closed"
-                self.write(self.wire.body(event.data))
+                data = mask.feed(event.data) if mask else event.data
+                if data:
+                    self.write(self.wire.body(data))
                 if len(self.out) > 16 or not self.writable.is_set():
                     self.flush()
                     await self.drain()
             elif isinstance(event, End):
+                if mask and (rest := mask.end()):
+                    self.write(self.wire.body(rest))
                 self.write(self.wire.end(event.trailers))
                 self.flush()
                 return "done"
@@ -446,26 +468,6 @@ class PlainClient(_Writable, asyncio.Protocol):
         upstream.server_id = f"{self.state.conn_id}-up{self.requests}"
         refusal = await self.rt.connect(self.state, admitted, upstream, upstream.server_id)
         return upstream if refusal is None else refusal
-
-    def _credentials_to_strip(self, request: RequestHead, key: Key, url: str) -> set[str]:
-        """The follow-up of a redirect to another origin carries none of the credential headers."""
-        origin = self.rt.redirects.take(self.state.client_key, url)
-        if origin is None:
-            return set()
-        present = {n.lower() for n, _ in request.headers}
-        names = self.rt.policies.get().credentials.strip_on_host_change
-        stripped = [
-            name for name in names if name.lower() in present and name.lower() != "proxy-authorization"
-        ]
-        self.rt.notice(
-            self.state,
-            "credentials_stripped",
-            redirected_from=origin,
-            host=key[0],
-            port=key[1],
-            stripped=stripped,
-        )
-        return {name.lower() for name in names}
 
     def _audit_cut(self, key: Key, path: str, seen: int) -> None:
         assert self.limit is not None
@@ -566,6 +568,15 @@ class PlainClient(_Writable, asyncio.Protocol):
         else:
             self._drop_upstreams()
             self.close()
+
+
+def _as_sent(head: RequestHead, admitted: Admitted) -> RequestHead:
+    """The request as it goes upstream: with what the secrets step changed (headers, path)."""
+    injection = admitted.injection
+    if injection.headers is None and injection.path is None:
+        return head
+    headers = list(injection.headers) if injection.headers is not None else head.headers
+    return dataclasses.replace(head, headers=headers, path=injection.path or head.path)
 
 
 def request_url(key: Key, path: str) -> str:

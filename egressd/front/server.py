@@ -44,11 +44,13 @@ class FastFront:
         self.clients: set[FrontProtocol] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
-    def _protocol(self, kind: str, implicit: ProxyCredentials | None = None) -> FrontProtocol:
+    def _protocol(
+        self, kind: str, implicit: ProxyCredentials | None = None, tree_only: bool = False
+    ) -> FrontProtocol:
         """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5)."""
         if kind == "socks":
             return SocksProtocol(self, implicit)
-        return FrontProtocol(self, kind, implicit=implicit)
+        return FrontProtocol(self, kind, implicit=implicit, tree_only=tree_only)
 
     async def start(self, host: str, port: int, kind: str = "http") -> tuple[str, int]:
         """Listen for `kind` clients: "http" (the proxy port) or "socks" (SOCKS5)."""
@@ -67,6 +69,18 @@ class FastFront:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(lambda: self._protocol(kind, implicit), sock=sock)
         self.servers.append(server)
+
+    async def start_child_only(self, host: str, implicit: ProxyCredentials) -> tuple[str, int]:
+        """A listener without credentials for one child's process tree: a connection whose socket
+        is held by the child (the pid the pipeline registered for `implicit`) or its descendants
+        counts as the child's; any other gets 407."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: self._protocol("http", implicit, tree_only=True), host, 0, backlog=1024
+        )
+        self.servers.append(server)
+        address = server.sockets[0].getsockname()
+        return address[0], address[1]
 
     async def _sweep_idle(self) -> None:
         """limits.idle_timeout for relayed tunnels: one sweep a second, not a timer per tunnel."""

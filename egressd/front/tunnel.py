@@ -53,10 +53,16 @@ class FrontProtocol(Pipe):
     """The client side: reads the request head, then becomes one side of a relay."""
 
     def __init__(
-        self, front: Listeners, kind: str = "http", implicit: ProxyCredentials | None = None
+        self,
+        front: Listeners,
+        kind: str = "http",
+        implicit: ProxyCredentials | None = None,
+        *,
+        tree_only: bool = False,
     ) -> None:
         super().__init__(Tunnel(self), upstream=False)
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
+        self.tree_only = tree_only  # ... to the child's process tree only (ConnState.tree_only)
         self.handed_off_as: str | None = None  # this client's address as the embedded mitmproxy sees it
         self.front = front
         self.kind = kind
@@ -78,7 +84,11 @@ class FrontProtocol(Pipe):
             return
         self.front.clients.add(self)
         peer = transport.get_extra_info("peername") or ("?", 0)
-        self.state = self.rt.open_conn(f"{peer[0]}:{peer[1]}", self.implicit)
+        local = transport.get_extra_info("sockname")
+        ends = ((peer[0], peer[1]), (local[0], local[1])) if local and peer[0] != "?" else None
+        self.state = self.rt.open_conn(
+            f"{peer[0]}:{peer[1]}", self.implicit, ends=ends, tree_only=self.tree_only
+        )
         timeout = self.rt.policies.get().limits.header_timeout
         self.timer = asyncio.get_running_loop().call_later(timeout, self._head_timeout, timeout)
 

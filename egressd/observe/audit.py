@@ -120,6 +120,9 @@ class AuditLog:
                 fields["attempts"] = list(attempts) or None
             if fields.get("would_be") is None:  # only mode: learn's allows carry it
                 fields.pop("would_be", None)
+            if event.pid is None and event.exe is None:  # the owner was not looked up
+                fields.pop("pid")
+                fields.pop("exe")
             self.decision(**fields)
         elif isinstance(event, Closed):
             self.closed(**_fields(event))
@@ -264,6 +267,8 @@ def _decision_line(record: dict[str, Any]) -> str:
     if record.get("rule"):
         reason += f" ({record['rule']})"
     line = f"egressd: {verdict:<5} {method} {target}  {reason}".rstrip()
+    if record.get("exe") or record.get("pid"):
+        line += f"  [{os.path.basename(record.get('exe') or '?')} pid {record.get('pid') or '?'}]"
     if verdict == "DENY" and record.get("reason") in _HINTED:
         line += f" - run: egressd exec --allow {host} ..."
     elif verdict == "DENY" and record.get("detail"):

@@ -5,7 +5,7 @@ SOCKS, the sandbox bridge, the SSH relay and ``egressd check`` cannot disagree.
 """
 
 from .addresses import AddressClass, classify, embedded_ipv4
-from .decision import AddressVerdict, Client, Decision, decide, filter_addresses, resolution_refusal
+from .decision import AddressVerdict, Client, Decision, Program, decide, filter_addresses, resolution_refusal
 from .hosts import (
     Host,
     IPAddress,
@@ -51,6 +51,7 @@ __all__ = [
     "PolicyError",
     "PrivatePolicy",
     "Profile",
+    "Program",
     "ResolverConfig",
     "RuleError",
     "RuleSet",

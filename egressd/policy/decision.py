@@ -26,7 +26,15 @@ from .model import Policy, Profile
 from .paths import normalise_path, path_matches
 from .rules import HostRule, RuleSet
 
-__all__ = ["AddressVerdict", "Client", "Decision", "decide", "filter_addresses", "resolution_refusal"]
+__all__ = [
+    "AddressVerdict",
+    "Client",
+    "Decision",
+    "Program",
+    "decide",
+    "filter_addresses",
+    "resolution_refusal",
+]
 
 LOCALHOST_ADDRESS = ipaddress.IPv4Address("127.0.0.1")
 # egressd's own listening addresses as the caller gave them; canonicalised where they are compared
@@ -34,10 +42,35 @@ _Own = tuple[tuple[IPAddress, int], ...]
 
 
 @dataclass(frozen=True)
+class Program:
+    """The program that opened a connection, as an `exe` rule sees it.
+
+    ``paths``: the executable's path as the kernel reports it (symlinks resolved) and the system
+    aliases found for it (``/usr/bin/python3`` for ``/usr/bin/python3.11``); a rule's name matches
+    the file name of any of them, a rule's path one of them exactly."""
+
+    exe: str
+    paths: frozenset[str] = frozenset()
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(path.rsplit("/", 1)[-1] for path in self.paths | {self.exe})
+
+    def matches(self, entries: Sequence[str]) -> bool:
+        paths = self.paths | {self.exe}
+        names = self.names
+        return any((entry in paths) if "/" in entry else (entry in names) for entry in entries)
+
+
+@dataclass(frozen=True)
 class Client:
-    """Who is asking; ``profile`` names one of ``policy.profiles`` (it can only narrow)."""
+    """Who is asking; ``profile`` names one of ``policy.profiles`` (it can only narrow).
+
+    ``program``: the program holding the connection, None when unknown (not looked up, gone, or
+    ambiguous); a rule scoped by `exe` admits no unknown program."""
 
     profile: str | None = None
+    program: Program | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +118,7 @@ class _Request:
     path: str | None  # normalised; None when unknown or unreadable
     path_known: bool
     method: str
+    program: Program | None = None
 
 
 @dataclass(slots=True)
@@ -227,6 +261,8 @@ def _matching(rules: RuleSet, request: _Request) -> list[HostRule]:
 
 def _covers(rule: HostRule, request: _Request) -> bool | None:
     """Does the rule cover this request? None when it depends on a path not yet known (CONNECT)."""
+    if rule.exe and (request.program is None or not request.program.matches(rule.exe)):
+        return False
     if not rule.restricted:
         return True
     if not request.path_known:
@@ -248,6 +284,26 @@ def _admission(rules: Iterable[HostRule], request: _Request) -> tuple[HostRule |
         if covered is None and pending is None:
             pending = rule
     return None, pending
+
+
+def _exe_refusal(rules: RuleSet, request: _Request, client: Client) -> Decision | None:
+    """Step 8b: allow rules name this host, but only for other programs (`exe`): refused in every
+    mode, since the policy said which programs may reach it."""
+    scoped = [rule for rule in _matching(rules, request) if rule.exe]
+    if not scoped:
+        return None
+    programs = list(dict.fromkeys(entry for rule in scoped for entry in rule.exe))
+    program = request.program
+    who = (
+        f"program {program.exe}"
+        if program is not None
+        else "a program egressd could not identify (the connection's owner is unknown)"
+    )
+    detail = (
+        f"{request.where} is allowed only for the programs {', '.join(programs)} "
+        f"(rule {scoped[0].describe()!r}); this connection comes from {who}."
+    )
+    return _refuse(request, "exe_not_allowed", f"allow: {scoped[0].text}", detail, client)
 
 
 def _refuse(request: _Request, reason: str, rule: str | None, detail: str, client: Client) -> Decision:
@@ -413,6 +469,7 @@ def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Dec
     except TargetError as exc:
         return Decision(False, "invalid_target", None, None, detail=f"{exc}.", profile=client.profile)
     request = _request(target, spelling)
+    request.program = client.program
     if policy.loopback.addresses and request.host.ip is not None and not request.loopback:
         request.klass = _describe(request.host.ip, policy)
         request.loopback = request.klass is _THIS_MACHINE
@@ -486,6 +543,9 @@ def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Dec
             needs_inspection=True,
         )
         return _finish(request, client, policy, outcome, deny_pending, own)
+    scoped = _exe_refusal(policy.allow, request, client)
+    if scoped is not None:
+        return scoped
 
     # 9. Private exact origin.
     origin = _origin_matches(request, policy)

@@ -9,16 +9,19 @@ from typing import Any
 
 from .model import Policy
 from .rules import HostRule, RuleSet
+from .secrets import secret_to_data
 
 
 def _rule(rule: HostRule) -> str | dict[str, Any]:
-    if not rule.paths and not rule.methods:
+    if not rule.paths and not rule.methods and not rule.exe:
         return rule.text
     entry: dict[str, Any] = {"host": rule.text}
     if rule.paths:
         entry["paths"] = list(rule.paths)
     if rule.methods:
         entry["methods"] = list(rule.methods)
+    if rule.exe:
+        entry["exe"] = list(rule.exe)
     return entry
 
 
@@ -70,4 +73,5 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "websocket": policy.websocket,
         "refusal_pages": policy.refusal_pages,
         "ask_timeout": policy.ask_timeout,
+        "secrets": [secret_to_data(spec) for spec in policy.secrets],
     }

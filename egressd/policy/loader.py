@@ -34,6 +34,7 @@ from .model import (
 )
 from .paths import normalise_path
 from .rules import RuleError, RuleSet, parse_rule
+from .secrets import check_secret_hosts, parse_secrets
 
 __all__ = [
     "PolicyError",
@@ -63,6 +64,7 @@ _TOP_KEYS = (
     "websocket",
     "refusal_pages",
     "ask_timeout",
+    "secrets",
 )
 _HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -132,7 +134,15 @@ class _Reader:
         return value
 
     def rules(self, value: object, key: str) -> RuleSet:
-        return RuleSet(parse_rule_list(self.list(value, key), self.source, key))
+        rules = parse_rule_list(self.list(value, key), self.source, key)
+        if not key.endswith("allow"):
+            # `exe` narrows what an allow rule admits; a deny or inspect rule applies to every
+            # program (a deny that spared other programs would widen, which `exe` never does)
+            for index, rule in enumerate(rules):
+                if rule.exe:
+                    why = "exe is only for allow rules (a deny applies to every program)"
+                    raise self.fail(f"{key}[{index}]", why, rule.text)
+        return RuleSet(rules)
 
 
 def _type_name(value: object) -> str:
@@ -277,11 +287,15 @@ def parse_policy(data: object, source: str) -> Policy:
         parse_nameserver(entry, source, f"resolver.nameservers[{i}]")
         for i, entry in enumerate(reader.list(resolver.get("nameservers"), "resolver.nameservers"))
     )
+    allow = reader.rules(top.get("allow"), "allow")
+    deny = reader.rules(top.get("deny"), "deny")
+    secrets = parse_secrets(top.get("secrets"), source)
+    check_secret_hosts(secrets, allow, deny, source)
     return Policy(
         version=1,
         mode=cast(Mode, mode),
-        allow=reader.rules(top.get("allow"), "allow"),
-        deny=reader.rules(top.get("deny"), "deny"),
+        allow=allow,
+        deny=deny,
         loopback=LoopbackPolicy(
             allow=reader.bool(loopback.get("allow"), "loopback.allow", True),
             ports=reader.ports(loopback.get("ports"), "loopback.ports"),
@@ -320,6 +334,7 @@ def parse_policy(data: object, source: str) -> Policy:
         websocket=reader.bool(top.get("websocket"), "websocket", True),
         refusal_pages=cast(RefusalPages, refusal_pages),
         ask_timeout=reader.positive(top.get("ask_timeout"), "ask_timeout", 60),
+        secrets=secrets,
         source=source,
     )
 

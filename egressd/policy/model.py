@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from types import MappingProxyType
 from typing import Literal, get_args
 
 from .entries import PolicyError, parse_nameserver, parse_rule_list
 from .hosts import Host, IPAddress
 from .rules import RuleSet
+from .secrets import SecretSpec, check_secret_hosts, check_unique
 
 __all__ = [
     "MODES",
@@ -137,6 +139,8 @@ class Policy:
     # show nothing of a refused CONNECT print the reason; needs inspection: the child trusts the CA)
     refusal_pages: RefusalPages = "status"
     ask_timeout: float = 60  # mode: ask waits this long for an answer, then refuses (ask_timeout)
+    # credentials egressd swaps in for the child's placeholders (egressd.policy.secrets); never values
+    secrets: tuple[SecretSpec, ...] = ()
     source: str = field(default="<builtin>", compare=False)
 
     def __post_init__(self) -> None:
@@ -162,7 +166,13 @@ class Policy:
         for profile in self.profiles.values():
             rulesets += [profile.deny] if profile.allow is None else [profile.allow, profile.deny]
         restricted = any(rule.restricted for rules in rulesets for rule in rules.rules)
-        return bool(len(self.inspect) or self.builtin or restricted)
+        return bool(len(self.inspect) or self.builtin or restricted or self.secrets)
+
+    @cached_property
+    def needs_program(self) -> bool:
+        """Some allow rule is scoped by `exe`: each connection's program must be looked up."""
+        rulesets = [self.allow] + [p.allow for p in self.profiles.values() if p.allow is not None]
+        return any(rule.exe for rules in rulesets for rule in rules.rules)
 
     def with_overrides(
         self,
@@ -171,6 +181,7 @@ class Policy:
         deny: Sequence[str] = (),
         mode: Mode | None = None,
         nameservers: Sequence[str] = (),
+        secrets: Sequence[SecretSpec] = (),
     ) -> Policy:
         """Policy plus command-line additions; a bad entry raises PolicyError naming the option."""
         extra_allow = parse_rule_list(list(allow), self.source, "--allow")
@@ -180,12 +191,21 @@ class Policy:
         servers = tuple(
             parse_nameserver(entry, self.source, f"--nameserver[{i}]") for i, entry in enumerate(nameservers)
         )
+        allow_rules = RuleSet(self.allow.rules + extra_allow) if extra_allow else self.allow
+        deny_rules = RuleSet(self.deny.rules + extra_deny) if extra_deny else self.deny
+        all_secrets = self.secrets
+        if secrets:
+            all_secrets = check_unique((*self.secrets, *secrets), self.source, "--secret")
+        if all_secrets and (secrets or extra_deny):
+            # a command-line deny or secret is checked like the file's: secrets go to allowed hosts only
+            check_secret_hosts(all_secrets, allow_rules, deny_rules, self.source, "secrets")
         return replace(
             self,
-            allow=RuleSet(self.allow.rules + extra_allow) if extra_allow else self.allow,
-            deny=RuleSet(self.deny.rules + extra_deny) if extra_deny else self.deny,
+            allow=allow_rules,
+            deny=deny_rules,
             mode=mode if mode is not None else self.mode,
             resolver=ResolverConfig(servers) if servers else self.resolver,
+            secrets=all_secrets,
         )
 
 

@@ -7,6 +7,7 @@ same per connection as one with three (walk the name's labels; one dict per CIDR
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ class HostRule:
     port: int | None
     paths: tuple[str, ...] = ()
     methods: tuple[str, ...] = ()
+    # programs this rule admits (allow rules only): a name matches an executable's file name or a
+    # system alias of it, a path (with "/") the executable's own path; empty = every program
+    exe: tuple[str, ...] = ()
 
     def matches(self, host: Host, port: int) -> bool:
         """Reference semantics, one rule at a time (RuleSet uses indexes for the same answer)."""
@@ -65,6 +69,8 @@ class HostRule:
             extra += " " + ",".join(self.paths)
         if self.methods:
             extra += " " + ",".join(self.methods)
+        if self.exe:
+            extra += " exe " + ",".join(self.exe)
         return self.text + extra
 
 
@@ -169,12 +175,36 @@ def _parse_methods(value: object) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _parse_exe(value: object) -> tuple[str, ...]:
+    """Program names (``node``) or absolute executable paths (``/usr/bin/node``), normalised."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not value:
+        raise RuleError("exe must be a program name, an absolute path, or a non-empty list of them")
+    out: list[str] = []
+    for item in value:
+        if not isinstance(item, str) or not item or "\x00" in item or item != item.strip():
+            raise RuleError(f"exe {item!r} must be a program name or an absolute path")
+        if "/" in item:
+            if not item.startswith("/"):
+                raise RuleError(f"exe {item!r}: a path must be absolute")
+            item = posixpath.normpath(item)
+            item = "/" + item.lstrip("/")  # normpath keeps a leading "//"
+        elif item in (".", ".."):
+            raise RuleError(f"exe {item!r} is not a program name")
+        out.append(item)
+    return tuple(dict.fromkeys(out))
+
+
 def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
-    """Parse ``host[:port]``, ``*.suffix``, IP/CIDR[:port], ``[v6]:port`` or ``{host, paths, methods}``."""
+    """Parse ``host[:port]``, ``*.suffix``, IP/CIDR[:port], ``[v6]:port`` or
+    ``{host, paths, methods, exe}``."""
     if isinstance(entry, Mapping):
-        unknown = sorted(str(k) for k in entry if k not in ("host", "paths", "methods"))
+        unknown = sorted(str(k) for k in entry if k not in ("host", "paths", "methods", "exe"))
         if unknown:
-            raise RuleError(f"unknown key(s) {', '.join(unknown)} (expected host, paths, methods)")
+            raise RuleError(f"unknown key(s) {', '.join(unknown)} (expected host, paths, methods, exe)")
         host = entry.get("host")
         if not isinstance(host, str):
             raise RuleError("'host' must be a string")
@@ -187,6 +217,7 @@ def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
             port=port,
             paths=_parse_paths(entry.get("paths")),
             methods=_parse_methods(entry.get("methods")),
+            exe=_parse_exe(entry.get("exe")),
         )
     if not isinstance(entry, str):
         raise RuleError("a rule must be a string or a mapping with 'host'")

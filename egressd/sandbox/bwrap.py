@@ -63,6 +63,10 @@ def _needs_mount(path: str, mounts: Sequence[Mount], hiding: Sequence[str] = ())
     return hidden and not any(within(path, mount.path) for mount in mounts)
 
 
+def _hides(cover: Cover) -> bool:
+    return cover.kind in ("tmpfs", "empty")
+
+
 def _mount_args(item: Mount | Cover) -> list[str]:
     if isinstance(item, Mount):
         return ["--bind" if item.writable else "--ro-bind", item.path, item.path]
@@ -85,9 +89,12 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
     argv = [spec.bwrap, *security_options(spec.disable_userns)]
     argv += BASE_MOUNTS
     # the user's mounts, the covers and egressd's own needed paths, parents first
-    hiding = [c.path for c in spec.covers if c.kind in ("tmpfs", "empty")]
+    # a cover that only hides is left out where the base layout's fresh /tmp or /run already hides
+    # its path (no user mount shows it): bubblewrap would make an empty stand-in there for nothing
+    covers = [c for c in spec.covers if not (_hides(c) and _needs_mount(c.path, spec.mounts))]
+    hiding = [c.path for c in covers if _hides(c)]
     needed = [Cover(path, "ro") for path in spec.needed if _needs_mount(path, spec.mounts, hiding)]
-    for item in ordered_with(spec.mounts, [*spec.covers, *needed]):
+    for item in ordered_with(spec.mounts, [*covers, *needed]):
         argv += _mount_args(item)
     if spec.info_fd is not None:
         argv += ["--info-fd", str(spec.info_fd)]

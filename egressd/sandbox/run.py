@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import egressd
 from egressd.ca import java_truststore_path
-from egressd.child_env import child_environment
+from egressd.child_env import child_environment, java_environment
 from egressd.exits import EXIT_CANNOT_RUN, exec_failure
 from egressd.process import SignalCatcher, run_child, spawn
 from egressd.proxy import EngineError
@@ -62,7 +62,6 @@ CACHE_VARIABLES = {
     "XDG_CACHE_HOME": "xdg",
 }
 SOCKET_VARIABLES = ("SSH_AUTH_SOCK", "DOCKER_HOST")
-JAVA_OPTIONS = "JAVA_TOOL_OPTIONS"
 
 
 @dataclass(frozen=True)
@@ -97,35 +96,23 @@ def sandbox_env(
         target = base.get(name, "").removeprefix("unix://")
         if target and any(within(os.path.realpath(target), top) for top in hidden):
             del base[name]
-    env = child_environment(base, creds.proxy_url(*http), socks_url, ca_bundle=session.ca_bundle)
+    env = child_environment(
+        base,
+        creds.proxy_url(*http),
+        socks_url,
+        ca_bundle=session.ca_bundle,
+        placeholders=session.placeholders(),
+        hidden=session.hidden_variables(),
+    )
     store = java_truststore_path(session.ca_bundle) if session.ca_bundle else None
-    # the JVM splits JAVA_TOOL_OPTIONS at whitespace: a path with a space cannot be said there
-    if store is not None and store.is_file() and not any(c.isspace() for c in str(store)):
-        env[JAVA_OPTIONS] = java_trust_options(env.get(JAVA_OPTIONS), store)
-    if open_port is not None:  # the JVM sends no Basic credentials on a CONNECT: the open port
-        env[JAVA_OPTIONS] = java_proxy_options(env.get(JAVA_OPTIONS), open_port)
+    # the JVM sends no Basic credentials on a CONNECT: the open port
+    env = java_environment(
+        env, proxy=open_port, truststore=str(store) if store is not None and store.is_file() else None
+    )
     for name, sub in CACHE_VARIABLES.items():
         env[name] = os.path.join(cache or PRIVATE_CACHE, sub)
     env[SANDBOX_VAR] = kind
     return with_git_ssh(env, session.policy)
-
-
-def java_trust_options(inherited: str | None, store: os.PathLike[str] | str) -> str:
-    """JAVA_TOOL_OPTIONS with egressd's trust store: the JVM reads no CA-bundle variable, and a
-    JVM whose connections are captured meets egressd's CA on the hosts it inspects."""
-    ours = f"-Djavax.net.ssl.trustStore={store} -Djavax.net.ssl.trustStoreType=JKS"
-    return f"{inherited} {ours}" if inherited else ours
-
-
-def java_proxy_options(inherited: str | None, address: tuple[str, int]) -> str:
-    """JAVA_TOOL_OPTIONS with the sandbox's credential-free proxy port for HTTP and HTTPS, and no
-    host exempted (the JVM's default skips localhost, which must be decided like any host)."""
-    host, port = address
-    ours = " ".join(
-        f"-D{scheme}.proxyHost={host} -D{scheme}.proxyPort={port}" for scheme in ("http", "https")
-    )
-    ours += " -Dhttp.nonProxyHosts="
-    return f"{inherited} {ours}" if inherited else ours
 
 
 def package_root() -> str:

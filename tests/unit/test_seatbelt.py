@@ -197,7 +197,7 @@ GOLDEN = r"""(version 1)
 
 
 def decide(profile: str, operation: str, path: str) -> str | None:
-    """"allow" or "deny": the last rule that names `operation` (or a wildcard of it) and has no
+    """ "allow" or "deny": the last rule that names `operation` (or a wildcard of it) and has no
     filter or a path filter matching `path`; rules with other filters (target, ip) never match."""
     decision = None
     for form in sbpl.read(profile):
@@ -457,7 +457,11 @@ def test_a_symlinked_credential_is_hidden_at_its_target(tmp_path, monkeypatch) -
     home.mkdir()
     (home / ".aws").symlink_to(vault)
     hidden = credential_paths(str(home), {})
-    assert hidden == (os.path.realpath(vault),)
+    from egressd.sandbox.shields import AUTHORITY_SOCKETS
+
+    # the host's own daemon sockets (a running dockerd's, say) are hidden by default too
+    sockets = tuple(os.path.realpath(s) for s in AUTHORITY_SOCKETS if os.path.exists(s))
+    assert hidden == (os.path.realpath(vault), *sockets)
     layout = Layout((), tuple(Cover(p, "tmpfs") for p in hidden), hidden, ())
     profile = seatbelt_profile(layout, [1], temp=[], home=str(home))
     target = os.path.join(hidden[0], "credentials")
@@ -640,6 +644,12 @@ class _FakeSession:
         from egressd.policy import parse_policy
 
         self.policy = parse_policy({"version": 1, "allow": ["github.com:22"]}, "p.yaml")
+
+    def placeholders(self) -> dict[str, str]:
+        return {}  # no secrets in this policy
+
+    def hidden_variables(self) -> tuple[str, ...]:
+        return ()
 
 
 def _run_seatbelt(monkeypatch: pytest.MonkeyPatch, layout: Layout, seen: dict[str, object]):

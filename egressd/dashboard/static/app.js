@@ -160,6 +160,11 @@ function renderPolicy(policy) {
 }
 
 // -- live decisions ---------------------------------------------------------------------------------
+function program(event) {
+  if (!event.exe && !event.pid) return "";
+  return `${event.exe || "?"} (pid ${event.pid || "?"})`;
+}
+
 function addDecision(event) {
   const body = $("decisions").tBodies[0];
   const row = el("tr", null, event.allowed ? "allowed" : "refused");
@@ -167,6 +172,7 @@ function addDecision(event) {
   row.append(
     el("td", time), el("td", event.client || "-"), el("td", event.stage), el("td", target(event)),
     el("td", event.allowed ? "allowed" : "refused", "verdict"), el("td", event.reason), el("td", event.rule || ""),
+    el("td", program(event)),
   );
   row.dataset.host = event.host || "";
   row.dataset.reason = event.reason || "";

@@ -1,0 +1,190 @@
+"""The secrets step: a request's placeholders swapped for the real values, or refused.
+
+egressd gives the child `egressd-secret-<name>-<token>` instead of a credential (the token random per
+run). For an HTTP request egressd sees — plain HTTP, or a request inside an inspected tunnel; the
+hosts a secret may go to are always inspected — this step, run by the admission pipeline after the
+request rules:
+
+- refuses (`secret_exfiltration`) a request whose URL or headers carry the placeholder of a secret
+  that may not go to its host, in any spelling the matcher knows (egressd.wire.placeholders);
+- puts the real value where the secret's entry says (a header, or a query parameter) when the
+  request to one of its hosts carries the placeholder there;
+- hands the front the placeholders the body must not carry, for its streaming scan.
+
+Values live only here (and in egressd.secret_values, which reads them): never in the policy, an
+event, a record or a refusal.
+"""
+
+from __future__ import annotations
+
+import secrets as random
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+from egressd.policy import Host
+from egressd.policy.secrets import SecretSpec
+from egressd.refusal import Refusal
+from egressd.wire.placeholders import Needles, placeholder
+
+REASON = "secret_exfiltration"
+Headers = Sequence[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Injection:
+    """What egressd changes in an admitted request: its headers and path (None: unchanged), the
+    placeholders its body must not carry (empty: no scan), and what was swapped in (secret names)."""
+
+    headers: tuple[tuple[str, str], ...] | None = None
+    path: str | None = None
+    body: Needles = field(default_factory=lambda: Needles({}))
+    injected: tuple[str, ...] = ()
+    values: tuple[str, ...] = ()  # the values swapped in: masked where the response echoes them
+
+
+NO_INJECTION = Injection()
+
+
+@dataclass(frozen=True)
+class _State:
+    specs: Mapping[str, SecretSpec]
+    values: Mapping[str, str]
+
+
+class SecretBook:
+    """The run's placeholders (stable: children keep theirs across reloads) and the secrets in force
+    with their values (swapped together, atomically, at start and on every reload)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._placeholders: dict[str, str] = {}
+        self._state = _State({}, {})
+        self._needles = Needles({})
+
+    def update(self, specs: Sequence[SecretSpec], values: Mapping[str, str]) -> None:
+        with self._lock:
+            for spec in specs:
+                if spec.name not in self._placeholders:
+                    self._placeholders[spec.name] = placeholder(spec.name, random.token_hex(16))
+            self._state = _State({s.name: s for s in specs}, dict(values))
+            self._needles = Needles.of(self._placeholders)
+
+    def __bool__(self) -> bool:
+        return bool(self._placeholders)
+
+    def spec(self, name: str) -> SecretSpec | None:
+        return self._state.specs.get(name)
+
+    def placeholder(self, name: str) -> str:
+        return self._placeholders[name]
+
+    def child_variables(self) -> dict[str, str]:
+        """{child variable: placeholder} of the secrets in force."""
+        state = self._state
+        return {spec.env: self._placeholders[name] for name, spec in state.specs.items()}
+
+    def listed(self, host: Host, port: int) -> bool:
+        """A host some secret may go to: its tunnels are inspected, so egressd sees the headers."""
+        return any(spec.admits(host, port) for spec in self._state.specs.values())
+
+    def header_names(self) -> tuple[str, ...]:
+        """The headers secrets go in: dropped from the follow-up of a redirect to another origin."""
+        return tuple(s.header[0] for s in self._state.specs.values() if s.header is not None)
+
+    @property
+    def needles(self) -> Needles:
+        return self._needles
+
+    def judge(self, host: Host, port: int, path: str, headers: Headers) -> Refusal | Injection:
+        """The refusal of a request carrying a placeholder its host may not get, or what to change."""
+        if not self._placeholders:
+            return NO_INJECTION
+        state, needles = self._state, self._needles
+        allowed = {name for name, spec in state.specs.items() if spec.admits(host, port)}
+        foreign = Needles({n: t for n, t in needles.tokens.items() if n not in allowed})
+        if foreign:
+            name = foreign.find(path)
+            where = "URL"
+            if name is None:
+                for header, value in headers:
+                    if (name := foreign.find(value) or foreign.find(header)) is not None:
+                        where = f"{foreign.redact(header.lower())} header"
+                        break
+            if name is not None:
+                return refusal(name, where, host, port, state.specs.get(name))
+        if not allowed:
+            return Injection(body=foreign)
+        new_headers, new_path, injected, values = list(headers), path, [], []
+        for name in sorted(allowed):
+            spec, token = state.specs[name], self._placeholders[name]
+            value = state.values.get(name)
+            if value is None:
+                continue
+            if spec.header is not None:
+                changed = _inject_header(new_headers, spec, token, value)
+            else:
+                assert spec.query is not None
+                new_path, changed = _inject_query(new_path, spec.query, token, value)
+            if changed:
+                injected.append(name)
+                values.append(value)
+        if not injected:
+            return Injection(body=foreign)
+        # the response is read for echoes of the value (masked): ask for it unencoded
+        new_headers = [(n, v) for n, v in new_headers if n.lower() != "accept-encoding"]
+        new_headers.append(("Accept-Encoding", "identity"))
+        return Injection(
+            headers=tuple(new_headers) if new_headers != list(headers) else None,
+            path=new_path if new_path != path else None,
+            body=foreign,
+            injected=tuple(injected),
+            values=tuple(values),
+        )
+
+
+def refusal(name: str, where: str, host: Host, port: int, spec: SecretSpec | None) -> Refusal:
+    """`secret_exfiltration`: names the secret and where, never its placeholder or value."""
+    goes = (
+        f"it may only go to {', '.join(spec.host_texts())}"
+        if spec is not None
+        else "it is no longer in the policy"
+    )
+    detail = (
+        f"the {where} carries the placeholder of secret {name!r}, and {host.url_host()}:{port} may not "
+        f"receive it ({goes})"
+    )
+    return Refusal(REASON, detail, host.text, port)
+
+
+def _inject_header(
+    headers: list[tuple[str, str]], spec: SecretSpec, placeholder_text: str, value: str
+) -> bool:
+    """Every header of the entry's name that carries the placeholder becomes the filled template."""
+    assert spec.header is not None
+    changed = False
+    for index, (name, current) in enumerate(headers):
+        if name.lower() == spec.header[0] and placeholder_text in current:
+            headers[index] = (name, spec.fill(value))
+            changed = True
+    return changed
+
+
+def _inject_query(path: str, parameter: str, placeholder_text: str, value: str) -> tuple[str, bool]:
+    """The parameter's value becomes the (percent-encoded) real value where it is the placeholder."""
+    base, sep, query = path.partition("?")
+    if not sep:
+        return path, False
+    fragment = ""
+    if "#" in query:
+        query, _, fragment = query.partition("#")
+        fragment = "#" + fragment
+    parts = query.split("&")
+    changed = False
+    for index, part in enumerate(parts):
+        key, eq, current = part.partition("=")
+        if eq and key == parameter and placeholder_text in current:
+            parts[index] = f"{key}={quote(value, safe='')}"
+            changed = True
+    return (f"{base}?{'&'.join(parts)}{fragment}", changed) if changed else (path, False)

@@ -1,0 +1,163 @@
+"""Reading the real values of the policy's secrets, and keeping them out of the child's reach.
+
+Values are read at start and on every reload (a reload whose value cannot be read fails and keeps
+the last good policy and values). No message here ever holds a value: errors say which secret and
+where it was looked for, never what was found.
+
+A value read from egressd's own environment is taken out of it: removed from `os.environ` (so
+neither the child nor a `command:` source inherits it) and, on Linux, wiped from the process's
+original environment block, which `/proc/<egressd>/environ` shows. egressd also makes itself
+non-dumpable while it holds secrets (`prctl(PR_SET_DUMPABLE, 0)`): a child running as the same
+user can then read neither that file nor egressd's memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from egressd.policy.secrets import SecretSpec
+
+logger = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT = 10.0
+MAX_VALUE = 16384
+PR_SET_DUMPABLE = 4
+
+
+class SecretError(Exception):
+    """A secret whose value cannot be read; the message names it and its source, never a value."""
+
+
+class EnvVault:
+    """egressd's own environment variables that hold secrets, taken out of the environment once
+    and kept here for the reloads."""
+
+    def __init__(self, environ: os._Environ[str] | dict[str, str] | None = None) -> None:
+        self._environ = os.environ if environ is None else environ
+        self._taken: dict[str, str | None] = {}
+        self._lock = threading.Lock()
+
+    def take(self, name: str) -> str | None:
+        with self._lock:
+            if name not in self._taken:
+                self._taken[name] = self._environ.pop(name, None)
+                if self._environ is os.environ:
+                    wipe_original_environ(name)
+            return self._taken[name]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._taken)
+
+
+def _clean(value: str, spec: SecretSpec, where: str) -> str:
+    value = value.removesuffix("\n").removesuffix("\r")
+    if not value:
+        raise SecretError(f"secret {spec.name!r}: {where} is empty")
+    if len(value) > MAX_VALUE:
+        raise SecretError(f"secret {spec.name!r}: {where} is longer than {MAX_VALUE} characters")
+    if any(c in value for c in "\r\n\0") or not value.isprintable():
+        raise SecretError(
+            f"secret {spec.name!r}: {where} holds control characters (a header cannot carry it)"
+        )
+    return value
+
+
+def read_value(spec: SecretSpec, vault: EnvVault) -> str:
+    """The real value of one secret, from its source; raises SecretError."""
+    source = spec.source
+    where = source.describe()
+    if source.kind == "env":
+        value = vault.take(source.env)
+        if value is None:
+            raise SecretError(f"secret {spec.name!r}: {where} is not set in egressd's environment")
+        return _clean(value, spec, where)
+    if source.kind == "file":
+        try:
+            text = Path(os.path.expanduser(source.file)).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+            raise SecretError(f"secret {spec.name!r}: cannot read {where}: {why}") from None
+        return _clean(text, spec, where)
+    try:
+        done = subprocess.run(
+            list(source.command),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise SecretError(f"secret {spec.name!r}: {where} could not run: {why}") from None
+    if done.returncode != 0:
+        # its output is never shown: a failing lookup may still have printed part of a credential
+        raise SecretError(f"secret {spec.name!r}: {where} exited with status {done.returncode}")
+    try:
+        text = done.stdout.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SecretError(f"secret {spec.name!r}: {where} printed something that is not UTF-8") from None
+    return _clean(text, spec, where)
+
+
+def read_values(specs: Sequence[SecretSpec], vault: EnvVault) -> dict[str, str]:
+    """{name: value} of every secret; the first that fails raises SecretError."""
+    return {spec.name: read_value(spec, vault) for spec in specs}
+
+
+def hidden_variables(specs: Sequence[SecretSpec], vault: EnvVault) -> tuple[str, ...]:
+    """Variables a child never gets: every source variable a secret names or named this run."""
+    return tuple(dict.fromkeys([*vault.names, *(s.source.env for s in specs if s.source.kind == "env")]))
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def not_dumpable() -> bool:
+    """prctl(PR_SET_DUMPABLE, 0): /proc/<egressd>/environ, mem and ptrace closed to same-user processes
+    (root keeps them). True when done."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0)
+
+
+def wipe_original_environ(name: str) -> bool:
+    """Overwrite `NAME=value` in the process's original environment block (what /proc/self/environ
+    shows; os.environ and unsetenv leave it untouched). Linux only; True when found and wiped."""
+    libc = _libc()
+    if libc is None:
+        return False
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        # fields after the command name start at field 3; env_start/env_end are fields 50 and 51
+        start, end = int(fields[47]), int(fields[48])
+    except (OSError, ValueError, IndexError):
+        return False
+    if not 0 < start < end or end - start > 1 << 24:
+        return False
+    block = ctypes.string_at(start, end - start)
+    prefix = name.encode() + b"="
+    offset, wiped = 0, False
+    for entry in block.split(b"\0"):
+        if entry.startswith(prefix):
+            at = start + offset + len(prefix)
+            ctypes.memset(at, ord("x"), len(entry) - len(prefix))
+            wiped = True
+        offset += len(entry) + 1
+    return wiped

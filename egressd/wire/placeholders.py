@@ -1,0 +1,184 @@
+"""Finding egressd's secret placeholders in what a child sends: URLs, header values, bodies.
+
+A placeholder is `egressd-secret-<name>-<token>`, the token 32 random hex digits per run. The matcher
+looks for the TOKEN (a child that rewrites the prefix still carries it) in several spellings of the
+same bytes: as written, any letter case, percent-encoded (also twice), JSON `\\u00XX` escapes, NUL
+bytes dropped (UTF-16), hex-encoded, and base64 (standard and URL-safe, at each of the three
+alignments). It is a defence in depth, not a proof: a child can always transform a string in a way
+no matcher knows (split it, XOR it, compress it). What holds regardless is that the placeholder is
+worthless outside egressd — see docs/secrets.md.
+
+`PlaceholderStream` scans a body chunk by chunk with bounded memory: it holds back the last `window`
+bytes of what it saw (the longest spelling a token can take), so a token split across chunks is
+found before any byte of it is passed on. Sans-I/O, pure.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+PREFIX = "egressd-secret-"
+TOKEN_HEX_DIGITS = 32
+_PERCENT = re.compile(rb"%([0-9a-fA-F]{2})")
+_UNICODE = re.compile(rb"\\u00([0-9a-fA-F]{2})")
+_HEX_PAIR = re.compile(rb"[0-9a-f]{2}")
+
+
+def placeholder(name: str, token: str) -> str:
+    return f"{PREFIX}{name}-{token}"
+
+
+def token_of(text: str) -> str:
+    """The random part of a placeholder."""
+    return text.rsplit("-", 1)[-1]
+
+
+def _base64_cores(token: bytes) -> list[bytes]:
+    """The base64 characters only the token determines, at each of the three byte alignments."""
+    cores = []
+    for offset in range(3):
+        encoded = base64.b64encode(b"\0" * offset + token)
+        start = -(-8 * offset // 6)  # ceil: the first character with no padding bits in it
+        end = (8 * offset + 8 * len(token)) // 6  # floor: the last with no following bits in it
+        cores.append(encoded[start:end])
+    return cores
+
+
+def _decode_escapes(data: bytes) -> bytes:
+    """Percent (up to three rounds: %2561) and JSON \\u00XX escapes decoded; bounded work."""
+    for _ in range(3):
+        decoded = _UNICODE.sub(
+            lambda m: bytes([int(m.group(1), 16)]), _PERCENT.sub(lambda m: bytes([int(m.group(1), 16)]), data)
+        )
+        if decoded == data:
+            break
+        data = decoded
+    return data
+
+
+@dataclass(frozen=True)
+class Needles:
+    """The tokens to look for, by secret name, in every spelling the matcher knows."""
+
+    tokens: Mapping[str, bytes]  # name -> lower-case hex token
+
+    @classmethod
+    def of(cls, placeholders: Mapping[str, str]) -> Needles:
+        """From {name: placeholder}."""
+        return cls({name: token_of(text).lower().encode("ascii") for name, text in placeholders.items()})
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens)
+
+    @property
+    def window(self) -> int:
+        """The most raw bytes one token can span in any spelling the matcher decodes (a `\\u00XX`
+        escape is 6 bytes per character)."""
+        longest = max((len(t) for t in self.tokens.values()), default=0)
+        return 6 * longest + 8
+
+    def _views(self, data: bytes) -> Iterable[bytes]:
+        lower = data.lower()
+        yield lower
+        decoded = _decode_escapes(data).lower()
+        if decoded != lower:
+            yield decoded
+        if b"\0" in data:
+            yield decoded.replace(b"\0", b"")
+
+    def find(self, data: bytes | str) -> str | None:
+        """The name of a secret whose token `data` carries in some spelling, or None."""
+        if not self.tokens:
+            return None
+        raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else bytes(data)
+        views = list(self._views(raw))
+        b64 = raw.replace(b"-", b"+").replace(b"_", b"/")
+        for name, token in self.tokens.items():
+            hexed = token.hex().encode("ascii")
+            for view in views:
+                if token in view or hexed in view:
+                    return name
+            if any(core in b64 for core in _base64_cores(token)):
+                return name
+        return None
+
+    def redact(self, text: str) -> str:
+        """`text` with every literal token replaced (for records: a name, never a token)."""
+        for token in self.tokens.values():
+            text = re.sub(re.escape(token.decode("ascii")), "[redacted]", text, flags=re.IGNORECASE)
+        return text
+
+
+class PlaceholderFound(Exception):
+    """A body carried a placeholder; `name` is the secret's name (never its token)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class PlaceholderStream:
+    """Scan a body in chunks: `feed` returns what may be passed on (all but the last `window` bytes
+    seen), `end` the rest; either raises PlaceholderFound first. Memory: one chunk plus the window."""
+
+    def __init__(self, needles: Needles) -> None:
+        self.needles = needles
+        self.window = needles.window
+        self._held = b""
+        self.found: str | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.found is not None:
+            raise PlaceholderFound(self.found)
+        data = self._held + bytes(chunk)
+        name = self.needles.find(data)
+        if name is not None:
+            self.found = name
+            self._held = b""
+            raise PlaceholderFound(name)
+        cut = max(0, len(data) - self.window)
+        self._held = data[cut:]
+        return data[:cut]
+
+    def end(self) -> bytes:
+        rest, self._held = self._held, b""
+        if self.found is not None:
+            raise PlaceholderFound(self.found)
+        return rest
+
+
+class ValueMask:
+    """Mask the real values egressd put into a request wherever the response echoes them: each
+    occurrence becomes as many `*` (the length is kept, so Content-Length and chunk framing stay
+    right). Streamed like PlaceholderStream: `feed` holds back the last (longest value - 1) bytes so
+    a value split across chunks is still masked; `end` flushes. Literal occurrences only."""
+
+    def __init__(self, values: Iterable[str]) -> None:
+        self.values = sorted({v.encode("utf-8") for v in values if v}, key=len, reverse=True)
+        self.hold = max((len(v) for v in self.values), default=1) - 1
+        self._held = b""
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    def mask(self, data: bytes) -> bytes:
+        for value in self.values:
+            data = data.replace(value, b"*" * len(value))
+        return data
+
+    def text(self, value: str) -> str:
+        """A header value with the values masked."""
+        return self.mask(value.encode("utf-8", "surrogateescape")).decode("utf-8", "surrogateescape")
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.mask(self._held + bytes(chunk))
+        cut = max(0, len(data) - self.hold)
+        self._held = data[cut:]
+        return data[:cut]
+
+    def end(self) -> bytes:
+        rest, self._held = self._held, b""
+        return rest
