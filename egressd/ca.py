@@ -94,7 +94,14 @@ def system_roots() -> Path | None:
 
 def _private_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
+    _chmod_if_needed(path, 0o700)
+
+
+def _chmod_if_needed(path: Path, mode: int) -> None:
+    """chmod only when the mode differs: a CA directory mounted read-only (a gateway container)
+    is usable as it is, and chmod there fails even when it would change nothing."""
+    if os.stat(path).st_mode & 0o7777 != mode:
+        os.chmod(path, mode)
 
 
 def ensure_ca(config: Path) -> Path:
@@ -111,7 +118,7 @@ def ensure_ca(config: Path) -> Path:
                 key_dir, MITMPROXY_BASENAME, KEY_SIZE, organization="egressd", cn="egressd inspection CA"
             )
         for secret in key_dir.iterdir():
-            os.chmod(secret, 0o600)
+            _chmod_if_needed(secret, 0o600)
         cert_pem = (key_dir / f"{MITMPROXY_BASENAME}-ca-cert.pem").read_bytes()
         public = public_dir(config)
         public.mkdir(parents=True, exist_ok=True, mode=0o755)

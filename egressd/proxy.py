@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from egressd.admission.credentials import ProxyCredentials
+from egressd.admission.credentials import CredentialStore, ProxyCredentials
 from egressd.admission.pipeline import Pipeline
 from egressd.admission.state import PolicyHolder
 from egressd.inspect import patches
@@ -55,16 +55,28 @@ class EgressProxy:
         inspect: bool = True,
         config_dir: Path | None = None,
         upstream_ca: Sequence[str] = (),
+        socks_listen: tuple[str, int] | None = None,
+        credentials: CredentialStore | None = None,
+        health: bool = False,
         identify: bool = False,
     ) -> None:
+        """`socks_listen`: where SOCKS5 listens (default: the HTTP port's host, any free port);
+        `credentials`: who may connect (default: the children this proxy issues credentials to);
+        `health`: answer `GET /healthz` on the HTTP port without credentials (the gateway's)."""
         if nameservers:
             policy = policy.with_overrides(nameservers=[join_host_port(h, p) for h, p in nameservers])
         self.pipeline = Pipeline(
-            PolicyHolder(policy), audit=audit, require_auth=require_auth, identify=identify
+            PolicyHolder(policy),
+            credentials=credentials,
+            audit=audit,
+            require_auth=require_auth,
+            identify=identify,
         )
         self.handoffs = Handoffs()  # the connections the front hands to mitmproxy
         self.listen = listen
         self.socks = socks
+        self.socks_listen = socks_listen
+        self.health = health
         self.http_address: tuple[str, int] = ("", 0)
         self.socks_address: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
@@ -101,6 +113,15 @@ class EgressProxy:
 
     def revoke(self, creds: ProxyCredentials) -> None:
         self.pipeline.credentials.revoke(creds)
+
+    def close_revoked(self) -> None:
+        """Close the client connections whose credentials are no longer valid (the gateway's token
+        file lost or replaced their token); from any thread."""
+        loop, front, store = self._loop, self._front, self.pipeline.credentials
+        if loop is None or front is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(front.close_clients, lambda creds: not store.valid(creds))
 
     def child_only_listener(self, creds: ProxyCredentials) -> tuple[str, int]:
         """A loopback listener without credentials, admitting only the process tree of the child
@@ -186,11 +207,14 @@ class EgressProxy:
             from egressd.inspect.refusal_certs import RefusalCerts
 
             refusal_context = RefusalCerts(self._confdir).context
-        self._front = FastFront(self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context)
+        self._front = FastFront(
+            self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context, health=self.health
+        )
         self.http_address = await self._front.start(host, port)
         self.pipeline.decider.add_self_address(*self.http_address)
         if self.socks:
-            self.socks_address = await self._front.start(host, 0, kind="socks")
+            socks_host, socks_port = self.socks_listen or (host, 0)
+            self.socks_address = await self._front.start(socks_host, socks_port, kind="socks")
             self.pipeline.decider.add_self_address(*self.socks_address)
 
     async def _mitmproxy_address(self, kind: str) -> tuple[str, int]:
@@ -200,7 +224,9 @@ class EgressProxy:
         only opens tunnels (or none, like `egressd exec -- true`) never pays it.
         """
         if self._mitm_started is None:
-            self._mitm_started = asyncio.ensure_future(self._start_mitmproxy(self.listen[0], 0))
+            self._mitm_started = asyncio.ensure_future(
+                self._start_mitmproxy(_internal_host(self.listen[0]), 0)
+            )
         started = self._mitm_started
         try:
             await asyncio.shield(started)
@@ -347,6 +373,18 @@ class EgressProxy:
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
+
+
+def _internal_host(listen_host: str) -> str:
+    """Where egressd's internal listener (the embedded mitmproxy) binds: the listen address when it
+    is loopback, else loopback (a gateway on 0.0.0.0 or an interface): only the front reaches it."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(listen_host).is_loopback
+    except ValueError:
+        loopback = False
+    return listen_host if loopback else "127.0.0.1"
 
 
 def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:

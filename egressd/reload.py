@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from egressd.policy import Policy, load_policy
 
@@ -30,12 +31,13 @@ class PolicyWatcher:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        on_change: Callable[[Policy], None],
+        on_change: Callable[[Any], None],
         on_error: Callable[[str], None],
         *,
         interval: float = 0.5,
         env: Mapping[str, str] | None = None,
         transform: Callable[[Policy], Policy] | None = None,
+        loader: Callable[[Path], Any] | None = None,
     ) -> None:
         self.path = Path(path)
         self.on_change = on_change
@@ -43,6 +45,8 @@ class PolicyWatcher:
         self.interval = interval
         self.env: Mapping[str, str] = os.environ if env is None else env
         self.transform = transform
+        # another file watched the same way (the gateway's token file): loader(path) instead
+        self.loader = loader
         self._signature: Signature | None = None
         self._digest: bytes | None = None
         self._last_error: str | None = None
@@ -123,7 +127,9 @@ class PolicyWatcher:
             return False
         return True
 
-    def _load(self) -> Policy:
+    def _load(self) -> Any:
+        if self.loader is not None:
+            return self.loader(self.path)
         policy = load_policy(self.path, env=self.env)
         return self.transform(policy) if self.transform else policy
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from egressd.admission.asks import AskBroker
     from egressd.admission.credentials import ProxyCredentials
     from egressd.admission.events import Event
+    from egressd.admission.tokens import GatewayCredentials, TokenTable
     from egressd.control.prompt import TtyPrompter
     from egressd.control.server import ControlServer, Counts
     from egressd.dashboard.server import Dashboard
@@ -93,6 +94,29 @@ def base_policy(policy_file: str | None) -> Policy:
 
 
 @dataclass(frozen=True)
+class GatewayOptions:
+    """`egressd run --gateway`: clients on other machines, named by the tokens in `tokens`."""
+
+    tokens: Path
+    allow_from: tuple[str, ...] = ()  # source networks (CIDR) every client must come from
+    socks_listen: tuple[str, int] | None = None  # SOCKS5 listener (none without it)
+
+
+def gateway_policy(policy: Policy) -> Policy:
+    """A gateway's clients are other machines: the gateway host's own services — its loopback and
+    its interface addresses (a container's own IP) — are reachable only on the ports the policy
+    names in `loopback.ports` (none when it names none), never all of them. Computed at each load,
+    so the addresses are current."""
+    from dataclasses import replace
+
+    from egressd.remote.interfaces import local_addresses
+
+    own = frozenset(ip for ip in local_addresses() if not ip.is_loopback)
+    loopback = replace(policy.loopback, named_ports_only=True, addresses=policy.loopback.addresses | own)
+    return replace(policy, loopback=loopback)
+
+
+@dataclass(frozen=True)
 class SessionOptions:
     policy_file: str | None = None
     overrides: Overrides = Overrides()
@@ -109,6 +133,7 @@ class SessionOptions:
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
     control: bool = True  # serve the control API on the user's Unix socket
     dashboard: bool = False  # --dashboard: serve the web dashboard on loopback (needs the control API)
+    gateway: GatewayOptions | None = None  # run --gateway: token-named clients, any listen address
     # --identify: look up every connection's program (pid, exe) for the audit; None: the command's default
     identify: bool | None = None
 
@@ -145,13 +170,19 @@ class ProxySession:
         self._prompter: TtyPrompter | None = None
         self._counts: Counts | None = None
         self.control_path: Path | None = None
+        self.gateway: GatewayCredentials | None = None
+        self._tokens_watcher: PolicyWatcher | None = None
         self._vault = EnvVault()
         self._secret_values: dict[str, str] = {}  # read with the policy that names them
         self.policy = self._load()
+        if options.gateway is not None:
+            self._load_gateway(options.gateway)
 
     # -- policy ----------------------------------------------------------------------------------
     def _apply(self, policy: Policy) -> Policy:
         policy = self.options.overrides.apply(policy)
+        if self.options.gateway is not None:
+            policy = gateway_policy(policy)
         policy = self._transform(policy) if self._transform else policy
         # the secrets' values are read with the policy: one that cannot be read fails the load
         try:
@@ -177,6 +208,42 @@ class ProxySession:
         except PolicyError as exc:
             raise SessionError(str(exc)) from exc
 
+    # -- the gateway's clients ---------------------------------------------------------------------
+    def _load_gateway(self, gateway: GatewayOptions) -> None:
+        """The token file (created empty when missing) and the gateway-wide source networks; the
+        file is watched like the policy, so `gateway token add/remove` applies without a restart."""
+        from egressd.admission.tokens import GatewayCredentials, TokenFileError, parse_network
+        from egressd.gateway_tokens import ensure_file, load_table
+        from egressd.reload import PolicyWatcher
+
+        try:
+            nets = [parse_network(text, "--allow-from") for text in gateway.allow_from]
+            ensure_file(gateway.tokens)
+            self._tokens_watcher = PolicyWatcher(
+                gateway.tokens, self._on_tokens, self._on_tokens_error, loader=load_table
+            )
+            table = self._tokens_watcher.load()
+        except (TokenFileError, OSError) as exc:
+            raise SessionError(f"--tokens: {exc}") from exc
+        self.gateway = GatewayCredentials(table, nets)
+
+    def _on_tokens(self, table: TokenTable) -> None:
+        assert self.gateway is not None
+        self.gateway.set_table(table)
+        if self.proxy is not None:
+            self.proxy.close_revoked()  # a removed client's open tunnels end now, not when idle
+        self._notice(
+            "tokens_reload",
+            source=str(self._tokens_watcher.path if self._tokens_watcher else ""),
+            clients=len(table.entries),
+        )
+        if self._announce:
+            self._say(f"gateway tokens reloaded ({len(table.entries)} clients)")
+
+    def _on_tokens_error(self, message: str) -> None:
+        self._notice("tokens_reload_failed", error=message)
+        self._say(f"token file reload failed: {' '.join(message.split())}; keeping the last good one")
+
     def _on_change(self, policy: Policy) -> None:
         self.policy = policy
         if self.proxy is not None:
@@ -201,8 +268,10 @@ class ProxySession:
 
     def reload_now(self) -> bool:
         """SIGHUP: reload the file now; False when there is no file to reload."""
+        if self._tokens_watcher is not None:
+            self._tokens_watcher.trigger()
         if self.watcher is None:
-            return False
+            return self._tokens_watcher is not None
         self.watcher.trigger()
         return True
 
@@ -214,10 +283,14 @@ class ProxySession:
             self.audit = AuditLog(self.options.audit_path, trace=sys.stderr if self.options.trace else None)
         except OSError as exc:
             raise SessionError(f"--audit {self.options.audit_path}: {exc.strerror or exc}") from exc
+        gateway = self.options.gateway
         self.proxy = EgressProxy(
             self.policy,
             listen=self.options.listen,
-            socks=self.options.socks,
+            socks=self.options.socks if gateway is None else gateway.socks_listen is not None,
+            socks_listen=gateway.socks_listen if gateway is not None else None,
+            credentials=self.gateway,
+            health=gateway is not None,
             # no audit file and no trace: the proxy skips building records it would throw away
             audit=self.audit if self.audit.enabled else None,
             inspect=self.options.inspect,
@@ -239,6 +312,8 @@ class ProxySession:
             self._serve_metrics(*self.options.metrics)
         if self.watcher is not None:
             self.watcher.start()
+        if self._tokens_watcher is not None:
+            self._tokens_watcher.start()
         self._start_control(self.proxy)
         self._start_dashboard()
         return self
@@ -250,7 +325,9 @@ class ProxySession:
             from egressd.observe.metrics import Metrics
 
             assert self.proxy is not None
-            self.metrics = Metrics(self.proxy.pipeline)
+            self.metrics = Metrics(
+                self.proxy.pipeline, clients=self.gateway.names if self.gateway is not None else None
+            )
             subscribe(self.metrics.observe)
         if self.options.report:
             from egressd.observe.refusals import RefusalReport
@@ -518,6 +595,8 @@ class ProxySession:
             self._prompter = None
         if self.watcher is not None:
             self.watcher.stop()
+        if self._tokens_watcher is not None:
+            self._tokens_watcher.stop()
         if self.proxy is not None:
             self.proxy.stop()
         if self.metrics_server is not None:

@@ -27,6 +27,9 @@ APT_PACKAGES=(
   libc6-dev
   squid  # tests: the exported squid.conf, loaded and served by Debian's squid
   chromium  # tests: the dashboard in a real headless browser (Playwright drives /usr/bin/chromium)
+  docker.io:dockerd  # the compose gateway (docker-compose.yml), tested on a real engine
+  docker-compose
+  mmdebstrap  # the gateway's base image, made from Debian packages (no image registry)
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }
@@ -119,5 +122,12 @@ if [[ ! -x "$MCP_NPM/node_modules/.bin/mcp-server-everything" ]] \
     exit 1
   fi
   printf '%s\n' "$MCP_EVERYTHING" >"$MCP_NPM/.installed"
+fi
+# The compose gateway (docker-compose.yml) and its tests: the images, built here from Debian packages
+# and a local wheelhouse (no registry), cached by recipe hash (seconds when nothing changed). The tests
+# rebuild egressd's image offline when its source changed.
+if ! "$VENV/bin/python" scripts/gateway_image.py >/dev/null; then
+  log "ERROR: the gateway's images could not be built (scripts/gateway_image.py)"
+  exit 1
 fi
 log "ok ($("$VENV/bin/python" -V))"

@@ -251,13 +251,17 @@ async def test_sandboxed_agent_mcp_server_uses_the_sandbox_bridge(
 
     client = EditorClient()
     servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER[1:], env=[])]
-    command = _egressd_acp(_policy(tmp_path, up), dns, tmp_path / "audit.jsonl", "--sandbox")
+    secret = "secrets:\n  - {name: upkey, from: {env: ACP_TEST_UPKEY}, hosts: [up.test], env: UPKEY}\n"
+    command = _egressd_acp(_policy(tmp_path, up, secret), dns, tmp_path / "audit.jsonl", "--sandbox")
+    env = {**sandbox_env(work), "ACP_TEST_UPKEY": "sk-acp-value-33c1"}
     async with spawn_agent_process(
-        client, command[0], *command[1:], cwd=work, env=sandbox_env(work), transport_kwargs=STDERR
+        client, command[0], *command[1:], cwd=work, env=env, transport_kwargs=STDERR
     ) as (conn, proc):
         session_id = await _session(conn, servers)
         await _prompt(conn, session_id, "servers")
         assert "@127.0.0.1:3128" in client.texts()  # the bridge inside the sandbox
+        assert "UPKEY=egressd-secret-upkey-" in client.texts()  # the MCP server's secret: a placeholder
+        assert "sk-acp-value-33c1" not in client.texts()
         await _prompt(conn, session_id, f"fetch http://up.test:{up.port}/inside\nfetch http://refused.test/x")
         texts = client.texts()
         assert f"fetch http://up.test:{up.port}/inside -> isError=False" in texts

@@ -254,6 +254,36 @@ def test_relay_allowed_only_through_the_client_refused_with_reason(
     assert {("up.test", "allow", "allowlist"), ("denied.test", "deny", "denylist")} <= decided
 
 
+SECRET_POLICY = (
+    POLICY
+    + """\
+secrets:
+  - name: upkey
+    from: {env: SSH_TEST_UPKEY}
+    hosts: [up.test]
+    env: UPKEY
+"""
+)
+
+
+def test_relay_the_remote_command_gets_a_placeholder_the_client_puts_the_value_in(
+    lab: SshLab, names: DnsServer, internet: EchoHTTPServer, tmp_path: Path
+) -> None:
+    policy = tmp_path / "secret.yaml"
+    policy.write_text(SECRET_POLICY)
+    value = "sk-relay-value-7f3e"
+    url = f"http://up.test:{internet.port}/keyed"
+    curl = f'curl -sS --max-time 10 -o /dev/null -H "Authorization: Bearer $UPKEY" {url}'
+    script = f'printf "%s\\n" "$UPKEY"; {curl}'
+    env = {**os.environ, "SSH_TEST_UPKEY": value}
+    result = egressd_ssh(lab, relay_options(policy, names), ["sh", "-c", script], env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(b"egressd-secret-upkey-"), result.stdout
+    assert value.encode() not in result.stdout + result.stderr
+    [request] = internet.requests
+    assert request["headers"]["authorization"] == f"Bearer {value}"  # put in here, on the client
+
+
 @pytest.mark.parametrize(
     ("extra", "loopback_ports", "expected"),
     [
@@ -666,6 +696,20 @@ def test_remote_egress_hangs_up_the_command_when_ssh_drops(
     _wait_for(
         lambda: not _sleepers(f"61.{os.getpid()}"), "the remote command to be hung up after SSH dropped"
     )
+
+
+def test_remote_egress_never_carries_secrets(lab: SshLab, remote_dns: DnsServer, tmp_path: Path) -> None:
+    """The remote agent's egressd gets the policy without `secrets:`: no value leaves this machine,
+    and the remote command gets no placeholder either (said once on stderr)."""
+    policy = tmp_path / "secret.yaml"
+    policy.write_text(SECRET_POLICY)
+    env = {**os.environ, "SSH_TEST_UPKEY": "sk-remote-value-91ab"}
+    command = ["sh", "-c", 'printf "[%s]\\n" "${UPKEY-unset}"']
+    result = egressd_ssh(lab, remote_options(policy, remote_dns), command, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"[unset]\n"
+    assert b"secrets stay on this machine" in result.stderr
+    assert b"sk-remote-value-91ab" not in result.stdout + result.stderr
 
 
 def test_remote_egress_exit_status_and_signal_are_exact(

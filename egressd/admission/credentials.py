@@ -32,7 +32,8 @@ class CredentialStore:
         with self._lock:
             return self._tokens.get(creds.token) == creds
 
-    def check(self, username: str, token: str) -> ProxyCredentials | None:
+    def check(self, username: str, token: str, peer: str | None = None) -> ProxyCredentials | None:
+        """Whose credentials these are; `peer` ("ip:port") matters to the gateway's store only."""
         with self._lock:
             candidates = list(self._tokens.values())
         found = None
@@ -45,7 +46,7 @@ class CredentialStore:
                 found = creds
         return found
 
-    def check_basic(self, header_value: str | None) -> ProxyCredentials | None:
+    def check_basic(self, header_value: str | None, peer: str | None = None) -> ProxyCredentials | None:
         """Check a `Proxy-Authorization: Basic ...` value."""
         if not header_value:
             return None
@@ -59,7 +60,7 @@ class CredentialStore:
         username, sep, token = decoded.partition(":")
         if not sep:
             return None
-        return self.check(username, token)
+        return self.check(username, token, peer)
 
 
 # What a client presented: a Proxy-Authorization value (HTTP), a SOCKS5 user and password, or nothing.
@@ -84,9 +85,9 @@ def authenticate(
     if presented is None:
         conn.creds = None
     elif isinstance(presented, tuple):
-        conn.creds = store.check(*presented)
+        conn.creds = store.check(*presented, peer=conn.peer)
     else:
-        conn.creds = store.check_basic(presented)
+        conn.creds = store.check_basic(presented, peer=conn.peer)
     if presented is not None and conn.creds is None:
         return False  # wrong credentials are refused even where none are required
     return conn.creds is not None or not require_auth

@@ -14,13 +14,21 @@ DEFAULT_USERNAME = "egressd"
 
 @dataclass(frozen=True)
 class ProxyCredentials:
-    """What a child puts in its proxy URL; the username names its profile."""
+    """What a child puts in its proxy URL; the username names its profile.
+
+    A gateway client (`egressd run --gateway`) is named by its username and carries the profile of
+    its token entry; its `token` is then only its key for limits and revocation
+    (`gateway:NAME:HASH-PREFIX`), never the secret, which egressd keeps hashed."""
 
     username: str
     token: str
+    gateway: bool = False
+    gateway_profile: str | None = None
 
     @property
     def profile(self) -> str | None:
+        if self.gateway:
+            return self.gateway_profile
         return None if self.username == DEFAULT_USERNAME else self.username
 
     def proxy_url(self, host: str, port: int, scheme: str = "http") -> str:

@@ -30,7 +30,11 @@ def inside_sandbox_env(session: ProxySession, creds: ProxyCredentials) -> dict[s
         creds.proxy_url(BRIDGE_HOST, BRIDGE_SOCKS_PORT, "socks5h") if session.proxy.socks_address else None
     )
     return child_environment(
-        {}, creds.proxy_url(BRIDGE_HOST, BRIDGE_HTTP_PORT), socks, ca_bundle=session.ca_bundle
+        {},
+        creds.proxy_url(BRIDGE_HOST, BRIDGE_HTTP_PORT),
+        socks,
+        ca_bundle=session.ca_bundle,
+        placeholders=session.placeholders(),  # a secret's placeholder, never its value
     )
 
 

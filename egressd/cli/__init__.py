@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "grant": ("egressd.cli.grant", "grant_command"),
     "watch": ("egressd.cli.watch", "watch_command"),
     "dashboard": ("egressd.cli.dashboard", "dashboard_command"),
+    "gateway": ("egressd.cli.gateway", "gateway_group"),
 }
 
 

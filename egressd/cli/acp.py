@@ -11,7 +11,7 @@ import click
 from egressd.admission.state import ProxyCredentials
 from egressd.agents.stdio import StdioRelay
 from egressd.agents.wiring import acp_relay
-from egressd.cli.options import say, session_options
+from egressd.cli.options import say, secret_options, session_options
 from egressd.cli.relayed import SANDBOX_FLAG, run_relayed, with_sandbox_options
 from egressd.session import ProxySession, SessionOptions
 
@@ -34,6 +34,7 @@ terminal/create gets the proxy variables; what egressd refuses is shown in the s
 See docs/acp.md.""",
 )
 @session_options
+@secret_options
 @SANDBOX_FLAG
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- AGENT [ARGS]...")
 def acp_command(options: SessionOptions, sandboxed: bool, command: tuple[str, ...], **sandbox: Any) -> None:

@@ -14,7 +14,7 @@ from egressd.admission.state import ProxyCredentials
 from egressd.agents import mcp_config
 from egressd.agents.stdio import StdioRelay
 from egressd.agents.wiring import mcp_relay
-from egressd.cli.options import fail, say, session_options
+from egressd.cli.options import fail, say, secret_options, session_options
 from egressd.cli.relayed import SANDBOX_FLAG, run_relayed, with_sandbox_options
 from egressd.policy import PolicyError
 from egressd.session import ProxySession, SessionOptions, base_policy, resolve_policy_path
@@ -129,6 +129,7 @@ Example (what `egressd mcp wrap` writes into a client's config):
   egressd mcp run --profile fetch --policy mcp.yaml -- uvx mcp-server-fetch""",
 )
 @session_options
+@secret_options
 @SANDBOX_FLAG
 @click.option(mcp_config.NO_ARGS_KEY, "no_args_key", is_flag=True, hidden=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- SERVER [ARGS]...")

@@ -23,7 +23,14 @@ from egressd.policy import (
 )
 from egressd.policy.model import MODES
 from egressd.policy.secrets import secrets_from_options
-from egressd.session import Overrides, ProxySession, SessionError, SessionOptions, base_policy
+from egressd.session import (
+    GatewayOptions,
+    Overrides,
+    ProxySession,
+    SessionError,
+    SessionOptions,
+    base_policy,
+)
 
 if TYPE_CHECKING:
     pass
@@ -184,12 +191,19 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
         metrics = parse_metrics_address(metrics_text, any_address=metrics_any)
     elif metrics_any:
         raise click.BadParameter("--metrics-any needs --metrics HOST:PORT", param_hint="--metrics-any")
+    gateway = _pop_gateway_options(params)
+    if gateway is not None and overrides.profile is not None:
+        raise click.UsageError(
+            "--profile with --gateway: each client's profile is its token's "
+            "(`egressd gateway token add NAME --profile P`)"
+        )
     return SessionOptions(
+        gateway=gateway,
         metrics=metrics,
         report=not params.pop("quiet"),
         policy_file=params.pop("policy_file"),
         overrides=overrides,
-        listen=parse_listen(params.pop("listen")),
+        listen=parse_listen(params.pop("listen"), gateway=gateway is not None),
         audit_path=params.pop("audit_path"),
         trace=params.pop("trace"),
         inspect=not params.pop("no_inspect"),
@@ -259,17 +273,87 @@ def parse_metrics_address(text: str, *, any_address: bool = False) -> tuple[str,
     return str(address), port
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """`HOST:PORT`, `[::1]:PORT` or `PORT`; the host must be loopback (children are local)."""
-    address, port = _host_port(text, "--listen")
-    if not address.is_loopback:
+def parse_listen(text: str, *, gateway: bool = False, option: str = "--listen") -> tuple[str, int]:
+    """`HOST:PORT`, `[::1]:PORT` or `PORT`; the host must be loopback (children are local) unless
+    this is a gateway, whose clients are other machines that each present their own token."""
+    address, port = _host_port(text, option)
+    if not address.is_loopback and not gateway:
         raise click.BadParameter(
             f"{text!r}: egressd listens on loopback only (127.0.0.0/8 or ::1). Its proxy is for "
             "processes on this machine; a listener on another interface would let any host on the "
-            "network use your allowlist.",
-            param_hint="--listen",
+            "network use your allowlist. To serve other machines (containers), run "
+            "`egressd run --gateway`: each client then needs its own token (docs/gateway.md).",
+            param_hint=option,
         )
     return str(address), port
+
+
+def gateway_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--gateway/--tokens/--allow-from/--socks-listen (`egressd run`), parsed by session_options
+    into `options.gateway`; put it above @session_options."""
+    options = [
+        click.option(
+            "--gateway",
+            is_flag=True,
+            help="Serve other machines (containers): any --listen address, every client named by its "
+            "own token (`egressd gateway token add`). See docs/gateway.md.",
+        ),
+        click.option(
+            "--tokens",
+            "tokens_file",
+            metavar="FILE",
+            help="The gateway's token file (default: $EGRESSD_HOME/gateway/tokens.json).",
+        ),
+        click.option(
+            "--allow-from",
+            multiple=True,
+            metavar="CIDR",
+            help="Gateway: accept clients from this network only (repeatable; others get 407).",
+        ),
+        click.option(
+            "--socks-listen",
+            metavar="HOST:PORT",
+            help="Gateway: also serve SOCKS5 (user/password = name/token) on this address.",
+        ),
+    ]
+    return _with_options(func, options)
+
+
+def _pop_gateway_options(params: dict[str, Any]) -> GatewayOptions | None:
+    """The gateway's options when the command has them and --gateway is given; without --gateway
+    they are refused rather than ignored."""
+    if "gateway" not in params:
+        return None
+    gateway = params.pop("gateway")
+    tokens, allow_from, socks = (
+        params.pop("tokens_file"),
+        params.pop("allow_from"),
+        params.pop("socks_listen"),
+    )
+    if not gateway:
+        given = [
+            name
+            for name, value in (("--tokens", tokens), ("--allow-from", allow_from), ("--socks-listen", socks))
+            if value
+        ]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} only with --gateway")
+        return None
+    from pathlib import Path
+
+    from egressd.admission.tokens import TokenFileError, parse_network
+    from egressd.gateway_tokens import default_tokens_path
+
+    for text in allow_from:
+        try:
+            parse_network(text, "--allow-from")
+        except TokenFileError as exc:
+            raise click.BadParameter(str(exc), param_hint="--allow-from") from None
+    return GatewayOptions(
+        tokens=Path(tokens) if tokens else default_tokens_path(),
+        allow_from=tuple(allow_from),
+        socks_listen=parse_listen(socks, gateway=True, option="--socks-listen") if socks else None,
+    )
 
 
 def dashboard_option(func: Callable[..., Any]) -> Callable[..., Any]:

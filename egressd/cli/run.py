@@ -17,7 +17,7 @@ from egressd.session import ProxySession, SessionOptions
 
 if TYPE_CHECKING:
     from egressd.proxy import EgressProxy
-from egressd.cli.options import dashboard_option, open_session, say, session_options
+from egressd.cli.options import dashboard_option, gateway_options, open_session, say, session_options
 
 DRAIN_TIMEOUT = 10.0
 
@@ -30,42 +30,77 @@ Example:
   egressd run --policy policy.yaml > egressd.env &
   . ./egressd.env && npm install
   kill -HUP %1     # reload policy.yaml now (edits are also picked up by themselves)
-  kill %1          # drain: in-flight connections get 10 s, then egressd exits""",
+  kill %1          # drain: in-flight connections get 10 s, then egressd exits
+
+\b
+As a gateway for other machines (containers; docs/gateway.md):
+  egressd gateway token add agent1 > agent1.token
+  egressd run --gateway --listen 0.0.0.0:3128 --policy policy.yaml""",
 )
+@gateway_options
 @session_options
 @dashboard_option
 def run_command(options: SessionOptions) -> None:
     """Run the proxy until SIGTERM/SIGINT; print the `export` lines a child needs.
 
     stdout gets only the export lines (then is closed, so `$(...)` and pipes see EOF); status
-    goes to stderr. The policy file is reloaded when it changes and on SIGHUP; a file that fails
-    to load is reported and the last good policy stays in force.
+    goes to stderr. With --gateway it serves other machines instead, each client with its own
+    token (`egressd gateway token add`), and prints nothing on stdout. The policy file is
+    reloaded when it changes and on SIGHUP; a file that fails to load is reported and the last
+    good policy stays in force.
     """
     stops = (signal.SIGINT, signal.SIGTERM)
     catcher = process.SignalCatcher((*stops, signal.SIGHUP)).install()
     with open_session(options, announce_reloads=True) as session:
-        for key, value in session.exports().items():
-            click.echo(f"export {key}={shlex.quote(value)}")
-        _close_stdout()
+        if options.gateway is not None:
+            _announce_gateway(session)
+        else:
+            _announce_exports(session, options)
         assert session.proxy is not None
-        host, port = session.proxy.http_address
-        where = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        socks_note = (
-            f", SOCKS5 on port {session.proxy.socks_address[1]}" if session.proxy.socks_address else ""
-        )
-        profile = options.overrides.profile
-        profile_note = f"; profile: {profile}" if profile else ""
-        policy = session.policy
-        click.echo(
-            f"# egressd listening on {where}{socks_note}; policy: {policy.source} (mode: {policy.mode})"
-            f"{profile_note}. SIGHUP reloads; SIGTERM or Ctrl-C drains and exits.",
-            err=True,
-        )
         _serve(catcher, session, stops)
         say(f"draining (up to {DRAIN_TIMEOUT:g}s for open connections)")
         _drain(session.proxy, catcher, stops)
     say("stopped")
     sys.exit(0)
+
+
+def _announce_exports(session: ProxySession, options: SessionOptions) -> None:
+    """The export lines a child needs on stdout (then closed), where egressd listens on stderr."""
+    for key, value in session.exports().items():
+        click.echo(f"export {key}={shlex.quote(value)}")
+    _close_stdout()
+    assert session.proxy is not None
+    host, port = session.proxy.http_address
+    where = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    socks_note = f", SOCKS5 on port {session.proxy.socks_address[1]}" if session.proxy.socks_address else ""
+    profile = options.overrides.profile
+    profile_note = f"; profile: {profile}" if profile else ""
+    policy = session.policy
+    click.echo(
+        f"# egressd listening on {where}{socks_note}; policy: {policy.source} (mode: {policy.mode})"
+        f"{profile_note}. SIGHUP reloads; SIGTERM or Ctrl-C drains and exits.",
+        err=True,
+    )
+
+
+def _announce_gateway(session: ProxySession) -> None:
+    """The gateway prints no credentials (its clients have their own tokens): stdout gets nothing
+    and is closed; stderr says where it listens."""
+    _close_stdout()
+    assert session.proxy is not None and session.gateway is not None and session.options.gateway is not None
+    host, port = session.proxy.http_address
+    where = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    socks = session.proxy.socks_address
+    socks_note = f", SOCKS5 on {socks[0]}:{socks[1]}" if socks else ""
+    sources = session.options.gateway.allow_from
+    from_note = f"; clients from {', '.join(sources)} only" if sources else ""
+    policy = session.policy
+    click.echo(
+        f"# egressd gateway listening on {where}{socks_note}; policy: {policy.source} (mode: "
+        f"{policy.mode}); {len(session.gateway.names())} clients in {session.options.gateway.tokens}"
+        f"{from_note}. SIGHUP reloads; SIGTERM or Ctrl-C drains and exits.",
+        err=True,
+    )
 
 
 def _close_stdout() -> None:

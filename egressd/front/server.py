@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from egressd.front.socks import SocksProtocol
@@ -35,8 +36,11 @@ class FastFront:
         mitmproxy_address: MitmproxyAddress,
         handoffs: Handoffs,
         refusal_context: RefusalContext | None = None,
+        *,
+        health: bool = False,
     ) -> None:
         self.rt = pipeline
+        self.health = health  # GET /healthz answered on the HTTP port, no credentials (the gateway)
         self.mitmproxy_address = mitmproxy_address
         self.handoffs = handoffs
         self.refusal_context = refusal_context  # refusal_pages: tls (None: inspection is off)
@@ -91,6 +95,17 @@ class FastFront:
                 idle = client.stage in ("relay", "sni") and client.tunnel.last_active < cutoff
                 if idle and client.transport is not None:
                     client.transport.close()
+
+    def close_clients(self, revoked: Callable[[ProxyCredentials], bool]) -> int:
+        """Close every client connection whose credentials are `revoked` (a gateway client removed
+        from the token file): its open tunnels and kept-alive connections end now."""
+        closed = 0
+        for client in list(self.clients):
+            creds = client.state.creds if client.state is not None else None
+            if creds is not None and revoked(creds) and client.transport is not None:
+                client.transport.close()
+                closed += 1
+        return closed
 
     def close_listeners(self) -> None:
         for server in self.servers:

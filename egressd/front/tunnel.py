@@ -37,6 +37,12 @@ logger = logging.getLogger(__name__)
 MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
 # the TLS server context egressd answers a refused host's HTTPS with (refusal_pages: tls)
 RefusalContext = Callable[[str], Awaitable[ssl.SSLContext]]
+# the gateway's health check: an origin-form request no proxy request can be, answered without
+# credentials (it proxies nothing and tells nothing but that the gateway's loop serves)
+HEALTH_REQUEST = b"GET /healthz HTTP/1."
+HEALTH_ANSWER = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n"
+)
 
 
 class Listeners(Protocol):
@@ -47,6 +53,7 @@ class Listeners(Protocol):
     mitmproxy_address: MitmproxyAddress
     refusal_context: RefusalContext | None
     clients: set[FrontProtocol]
+    health: bool
 
 
 class FrontProtocol(Pipe):
@@ -150,6 +157,8 @@ class FrontProtocol(Pipe):
     # -- the request head --------------------------------------------------------------------------
     def _on_head_bytes(self) -> None:
         del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
+        if self.front.health and self._health_check():
+            return
         if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
             self._serve_plain()  # plain HTTP: served by egressd.front.plain_http, never by mitmproxy
             return
@@ -163,6 +172,20 @@ class FrontProtocol(Pipe):
         head = bytes(self.buffer[: end + 4])
         del self.buffer[: end + 4]
         self._start_tunnel(self._admit_and_open(head))
+
+    def _health_check(self) -> bool:
+        """`GET /healthz` (the gateway's): answered 200 "ok" and closed. True while the bytes so far
+        may still be one (wait for more), or once it was answered."""
+        seen = bytes(self.buffer[: len(HEALTH_REQUEST)])
+        if not HEALTH_REQUEST.startswith(seen):
+            return False
+        if len(seen) < len(HEALTH_REQUEST):
+            return True
+        assert self.transport is not None
+        self.stage = "done"
+        self.transport.write(HEALTH_ANSWER)
+        self.transport.close()
+        return True
 
     def _start_tunnel(self, opening: Coroutine[Any, Any, None]) -> None:
         """Admit and open the tunnel whose request was read (CONNECT or SOCKS5): reading paused

@@ -5,9 +5,10 @@ Counters move on the pipeline's events (`pipeline.events.subscribe(metrics.obser
 runs per connection for them. The registry is this process's own (`CollectorRegistry`), never
 prometheus_client's global one: two proxies in one process (tests, `egressd ssh`) never mix.
 
-No label is unbounded: no host, client or path label; `reason` is a fixed set (anything else is
-counted as "other"), `stage`, `mode`, `decision`, `direction` and `outcome` are fixed by the code.
-docs/metrics.md lists every name and label.
+No label is unbounded: no host or path label; a client label only on the gateway's own counter,
+whose values are the names in its token file (any other name counts as "other"); `reason` is a
+fixed set (anything else is counted as "other"), `stage`, `mode`, `decision`, `direction` and
+`outcome` are fixed by the code. docs/metrics.md lists every name and label.
 
 Cheap on the hot path (every decision, closed connection and DNS lookup): every counter and
 histogram is plain integers, one cell per label combination made once and kept, turned into
@@ -57,8 +58,12 @@ NOTICES = frozenset(
         "ask_answered",
         "ask_expired",
         "ask_withdrawn",
+        # the gateway's token file (egressd.session): reloaded, or a bad version kept out
+        "tokens_reload",
+        "tokens_reload_failed",
     }
 )
+CLIENT_STAGES = frozenset({"connect", "socks", "request", "inner"})  # one per ask, not per upstream
 OTHER = "other"
 
 DNS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -114,7 +119,14 @@ class _Series:
 class Metrics:
     """The metrics of one proxy; `observe` is its event callback, `render` its scrape."""
 
-    def __init__(self, pipeline: Pipeline | None = None, *, mode: Callable[[], str] | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline | None = None,
+        *,
+        mode: Callable[[], str] | None = None,
+        clients: Callable[[], frozenset[str]] | None = None,
+    ) -> None:
+        """`clients`: the gateway's client names now (its token file), to count decisions per client."""
         self._pipeline = pipeline
         if mode is None and pipeline is not None:
             policies = pipeline.policies
@@ -142,6 +154,8 @@ class Metrics:
         self.reloads: dict[str, list[float]] = {o: [0, time.time()] for o in ("ok", "failed")}
         self.notices: dict[str, list[float]] = {}  # kind -> [count, created]
         self.started = time.time()
+        self._clients = clients
+        self.by_client: dict[tuple[str | None, bool], list[int]] = {}
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -169,6 +183,8 @@ class Metrics:
             cell[0] += 1
             if event.allowed and event.stage == "connection":  # type: ignore[union-attr]
                 self.outbound += 1
+            if self._clients is not None and event.stage in CLIENT_STAGES:  # type: ignore[union-attr]
+                self._count_client(event)  # type: ignore[arg-type]
         elif kind is Closed:
             self.inbound += 1
             self.bytes_up += event.bytes_up  # type: ignore[union-attr]
@@ -190,6 +206,20 @@ class Metrics:
         if cell is None:
             cell = self.decided[bounded] = [0]
         return cell  # an unbounded key is never stored: its lookups miss and land here again
+
+    def _count_client(self, event: Decided) -> None:
+        key = (event.client, event.allowed)
+        cell = self.by_client.get(key)
+        if cell is None:
+            assert self._clients is not None
+            known = event.client is not None and event.client in self._clients()
+            bounded = (event.client if known else OTHER, event.allowed)
+            cell = self.by_client.get(bounded)
+            if cell is None:
+                cell = self.by_client[bounded] = [0]
+            if known:
+                self.by_client[key] = cell
+        cell[0] += 1
 
     def _notice(self, event: Notice) -> None:
         if event.kind in ("reload", "reload_failed"):
@@ -241,6 +271,17 @@ class _Hot:
         for (stage, mode, allowed, reason), cell in sorted(list(m.decided.items())):
             decisions.add_metric((stage, mode, "allow" if allowed else "deny", reason), cell[0])
         yield decisions
+        if m.by_client:
+            per_client = CounterMetricFamily(
+                "egressd_gateway_client_decisions",
+                "The gateway's decisions by client (the names in its token file; others: other) and verdict.",
+                labels=("client", "decision"),
+            )
+            for (client, allowed), cell in sorted(
+                list(m.by_client.items()), key=lambda kv: (str(kv[0][0]), kv[0][1])
+            ):
+                per_client.add_metric((str(client), "allow" if allowed else "deny"), cell[0])
+            yield per_client
         connections = CounterMetricFamily(
             "egressd_connections",
             "Connections: inbound = client connections to egressd that named a target (counted when "

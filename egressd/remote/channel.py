@@ -42,7 +42,11 @@ def decode(line: bytes) -> dict[str, Any]:
 
 
 def policy_message(policy: Policy, seq: int) -> dict[str, Any]:
-    return {"type": "policy", "seq": seq, "source": policy.source, "policy": policy_to_data(policy)}
+    """The policy as the remote agent gets it: without `secrets:` (their values come from this
+    machine's environment, files or commands, and never travel; the client warns once)."""
+    data = policy_to_data(policy)
+    data.pop("secrets", None)
+    return {"type": "policy", "seq": seq, "source": policy.source, "policy": data}
 
 
 def read_policy(message: dict[str, Any]) -> Policy:

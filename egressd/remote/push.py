@@ -111,6 +111,7 @@ class PolicyFeed:
             scripts.remote_command('exec "$@"', *command), stdin=PIPE, stdout=PIPE
         )
         self._seq = 0
+        self._secrets_warned = False
         self._sources: dict[int, str] = {}
         self._lock = threading.Lock()
         self._exit: int | None = None
@@ -141,6 +142,12 @@ class PolicyFeed:
         raise SshError(f"the policy channel to {self.connection.name} did not start", exit_code=2)
 
     def push(self, policy: Policy) -> None:
+        if policy.secrets and not self._secrets_warned:
+            self._secrets_warned = True
+            self.say(
+                "secrets stay on this machine: the command on the remote host gets neither their values "
+                "nor placeholders (docs/secrets.md)"
+            )
         with self._lock:
             self._seq += 1
             self._sources[self._seq] = policy.source

@@ -122,7 +122,9 @@ class Relay:
             socks_url = creds.proxy_url(REMOTE_LOOPBACK, socks_port, scheme="socks5h")
             ports.append(socks_port)
         self.check_loopback_only(ports)
-        exports = proxy_exports(creds.proxy_url(REMOTE_LOOPBACK, http_port), socks_url)
+        exports = proxy_exports(
+            creds.proxy_url(REMOTE_LOOPBACK, http_port), socks_url, placeholders=self.session.placeholders()
+        )
         bundle = self.session.ca_bundle
         if bundle is None:
             return scripts.env_file(exports), None

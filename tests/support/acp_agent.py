@@ -119,9 +119,12 @@ class TestAgent:
             lines = []
             for server in self.sessions[session_id]:
                 env = {item["name"]: item["value"] for item in server.get("env") or []}
-                lines.append(
+                line = (
                     f"{server.get('name')} type={server.get('type', 'stdio')} proxy={env.get('HTTP_PROXY')}"
                 )
+                if "UPKEY" in env:  # a secret's variable (tests/test_acp.py): a placeholder, never a value
+                    line += f" UPKEY={env['UPKEY']}"
+                lines.append(line)
             return "servers:\n" + "\n".join(lines)
         if verb == "fetch":
             worker = self.workers[session_id][0]

@@ -7,6 +7,7 @@ Why: the integration tests prove what a user gets, so they go through the consol
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -67,16 +68,8 @@ class EgressdRun:
         self._stderr_thread: threading.Thread | None = None
 
     def start(self, timeout: float = 30) -> Self:
-        self.proc = subprocess.Popen(
-            [*EGRESSD, "run", *self.options],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self._stderr_thread = threading.Thread(target=self._read_stderr, daemon=True)
-        self._stderr_thread.start()
+        self._spawn()
+        assert self.proc is not None and self.proc.stdout is not None
         # `egressd run` closes its stdout after the export lines: read them all, up to EOF
         timer = threading.Timer(timeout, self.proc.kill)
         timer.start()
@@ -88,6 +81,18 @@ class EgressdRun:
         if "HTTP_PROXY" not in self.env:
             raise RuntimeError(f"egressd run printed no proxy settings; stderr: {self.stderr}")
         return self
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen(
+            [*EGRESSD, "run", *self.options],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._stderr_thread = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_thread.start()
 
     def _parse_export(self, line: str) -> None:
         words = shlex.split(line, comments=True)
@@ -141,3 +146,26 @@ class EgressdRun:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class GatewayRun(EgressdRun):
+    """`egressd run --gateway` in the background: it prints nothing on stdout; `address` is where
+    its stderr says it listens."""
+
+    LISTENING = re.compile(r"gateway listening on http://\[?([0-9a-fA-F.:]+)\]?:(\d+)")
+
+    def start(self, timeout: float = 30) -> Self:
+        self._spawn()
+        assert self.proc is not None and self.proc.stdout is not None
+        assert self.proc.stdout.read() == "", "the gateway printed something on stdout"
+        deadline = time.monotonic() + timeout
+        while (found := self.LISTENING.search(self.stderr)) is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"egressd run --gateway did not start; stderr: {self.stderr}")
+            time.sleep(0.05)
+        self.address = (found.group(1), int(found.group(2)))
+        return self
+
+    def url_for(self, name: str, token: str) -> str:
+        host, port = self.address
+        return f"http://{name}:{token}@{host}:{port}"

@@ -1,0 +1,107 @@
+"""`egressd gateway token add|list|remove`: the clients of `egressd run --gateway`.
+
+`add` prints the new token on stdout and nothing else (so `> name.token` or `$(...)` take exactly
+it); the file keeps only its hash. A running gateway picks up every change without a restart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from egressd.admission.tokens import TokenFileError
+from egressd.cli.options import CONTEXT, fail, say
+from egressd.gateway_tokens import add_clients, default_tokens_path, list_clients, remove_client
+
+_TOKENS = click.option(
+    "--tokens",
+    "tokens_file",
+    metavar="FILE",
+    help="The token file (default: $EGRESSD_HOME/gateway/tokens.json, as `run --gateway`).",
+)
+
+
+def _path(tokens_file: str | None) -> Path:
+    return Path(tokens_file) if tokens_file else default_tokens_path()
+
+
+_EXAMPLE = """\b
+Example:
+  egressd gateway token add agent1 --profile ci > agent1.token
+  egressd gateway token list
+  egressd gateway token remove agent1"""
+
+
+@click.group(
+    "gateway",
+    context_settings=CONTEXT,
+    short_help="Manage the clients of `egressd run --gateway`.",
+    epilog=_EXAMPLE,
+)
+def gateway_group() -> None:
+    """The clients of `egressd run --gateway` (docs/gateway.md)."""
+
+
+@gateway_group.group("token", context_settings=CONTEXT, epilog=_EXAMPLE)
+def token_group() -> None:
+    """Per-client tokens: the proxy URL of client NAME is http://NAME:TOKEN@GATEWAY:PORT."""
+
+
+@token_group.command(
+    "add",
+    epilog="""\b
+Example:
+  egressd gateway token add agent1 --profile ci --from 172.28.0.0/16 > agent1.token
+  HTTPS_PROXY=http://agent1:$(cat agent1.token)@gateway:3128 pip install requests""",
+)
+@click.argument("name")
+@click.option("--profile", metavar="P", help="Apply policy profile P (`profiles.P`) to this client.")
+@click.option(
+    "--from",
+    "sources",
+    multiple=True,
+    metavar="CIDR",
+    help="Accept this client from this network only (repeatable).",
+)
+@_TOKENS
+def token_add(name: str, profile: str | None, sources: tuple[str, ...], tokens_file: str | None) -> None:
+    """Add client NAME (replacing its token if it exists); print the token once on stdout."""
+    path = _path(tokens_file)
+    try:
+        token = add_clients(path, [name], profile=profile, sources=sources)[name]
+    except (TokenFileError, OSError) as exc:
+        fail(str(exc))
+    click.echo(token)
+    say(f"client {name} added to {path} (the token above is not stored; keep it)")
+
+
+@token_group.command("list", epilog=_EXAMPLE)
+@_TOKENS
+def token_list(tokens_file: str | None) -> None:
+    """The clients: name, profile, source networks, when added (never a token)."""
+    try:
+        entries = list_clients(_path(tokens_file))
+    except (TokenFileError, OSError) as exc:
+        fail(str(exc))
+    import time
+
+    for entry in entries:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.created)) if entry.created else "-"
+        sources = ",".join(str(net) for net in entry.sources) or "any"
+        click.echo(f"{entry.name}\tprofile={entry.profile or '-'}\tfrom={sources}\tadded={created}")
+
+
+@token_group.command("remove", epilog=_EXAMPLE)
+@click.argument("name")
+@_TOKENS
+def token_remove(name: str, tokens_file: str | None) -> None:
+    """Remove client NAME: a running gateway refuses its new connections and requests at once."""
+    path = _path(tokens_file)
+    try:
+        removed = remove_client(path, name)
+    except (TokenFileError, OSError) as exc:
+        fail(str(exc))
+    if not removed:
+        fail(f"no client {name!r} in {path}", code=1)
+    say(f"client {name} removed from {path}")

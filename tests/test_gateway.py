@@ -1,0 +1,424 @@
+"""`egressd run --gateway`: clients named by their own tokens, through the real command line.
+
+Why: a gateway serves other machines, so who a client is comes only from the token it presents
+(and the network it comes from). Every case goes through `egressd run --gateway --listen
+127.0.0.1:PORT` and `egressd gateway token ...` as a user runs them, with real clients (curl, raw
+sockets) to real upstreams on the test namespace's loopback.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import socket
+import stat
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import netns
+from tests.support.attempts import wait_until
+from tests.support.corpus import ProxyClient, tunnel_get
+from tests.support.dns_server import DnsServer
+from tests.support.egressd_cli import EGRESSD, GatewayRun, write_policy
+from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer, free_port
+from tests.test_exec_integration import parse_http
+
+GATEWAY_POLICY = """\
+version: 1
+mode: enforce
+allow:
+  - up.test
+  - other.test
+  - 198.51.100.0/24  # the test upstreams' addresses (private ranges need an address rule)
+deny:
+  - denied.test
+profiles:
+  narrow:
+    allow: [up.test]
+"""
+
+
+def token_cli(*args: str, tokens: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*EGRESSD, "gateway", "token", *args, "--tokens", str(tokens)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def add_token(tokens: Path, name: str, *extra: str) -> str:
+    done = token_cli("add", name, *extra, tokens=tokens)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def curl(proxy: str, url: str, *extra: str) -> tuple[int, dict[str, str], bytes]:
+    done = subprocess.run(
+        ["curl", "-sS", "-i", "--max-time", "20", "--proxy", proxy, *extra, url],
+        capture_output=True,
+        timeout=60,
+    )
+    return parse_http(done.stdout)
+
+
+def client(run: GatewayRun, name: str, token: str, socks_port: int | None = None) -> ProxyClient:
+    host, port = run.address
+    return ProxyClient(host=host, port=port, username=name, password=token, socks_port=socks_port)
+
+
+def audit_records(path: Path) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def upstream() -> Iterator[EchoHTTPServer]:
+    """The upstream of these tests, on an address of the namespace that is not one of its interface
+    addresses: a gateway counts those (198.51.100.1, the conftest's upstream) as its own host."""
+    with EchoHTTPServer(netns.UPSTREAM_V4[4], name="gateway-upstream") as server:
+        yield server
+
+
+@pytest.fixture
+def gateway_env(tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer) -> dict[str, Path]:
+    dns.add("up.test", upstream.host)
+    dns.add("other.test", upstream.host)
+    return {
+        "policy": write_policy(tmp_path, GATEWAY_POLICY),
+        "tokens": tmp_path / "gw" / "tokens.json",
+        "audit": tmp_path / "audit.jsonl",
+    }
+
+
+def test_token_cli_prints_the_token_once_and_stores_only_its_hash(tmp_path: Path) -> None:
+    tokens = tmp_path / "gw" / "tokens.json"
+    done = token_cli("add", "agent1", "--profile", "narrow", "--from", "10.0.0.0/8", tokens=tokens)
+    assert done.returncode == 0, done.stderr
+    token = done.stdout.strip()
+    assert done.stdout == token + "\n" and len(token) >= 40  # the token and nothing else on stdout
+    assert stat.S_IMODE(tokens.stat().st_mode) == 0o600
+    text = tokens.read_text()
+    assert token not in text
+    entry = json.loads(text)["clients"]["agent1"]
+    assert entry["profile"] == "narrow" and entry["from"] == ["10.0.0.0/8"]
+    assert entry["hash"].startswith("sha256:")
+    second = add_token(tokens, "agent2")
+    assert second != token
+    listed = token_cli("list", tokens=tokens)
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == ["agent1", "agent2"]
+    assert token not in listed.stdout and second not in listed.stdout
+    assert "profile=narrow" in listed.stdout and "from=10.0.0.0/8" in listed.stdout
+    assert token_cli("remove", "agent1", tokens=tokens).returncode == 0
+    assert "agent1" not in json.loads(tokens.read_text())["clients"]
+    missing = token_cli("remove", "agent1", tokens=tokens)
+    assert missing.returncode == 1 and "no client" in missing.stderr
+    for bad in ("a:b", "", "-x", "other", "x" * 65, "name with space"):
+        refused = token_cli("add", bad, tokens=tokens)
+        assert refused.returncode == 2 and refused.stdout == "", bad
+    bad_net = token_cli("add", "agent3", "--from", "10.0.0.0/33", tokens=tokens)
+    assert bad_net.returncode == 2 and "CIDR" in bad_net.stderr
+
+
+def test_default_tokens_file_is_under_egressd_home(egressd_home: Path) -> None:
+    done = subprocess.run([*EGRESSD, "gateway", "token", "add", "agent1"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    path = egressd_home / "gateway" / "tokens.json"
+    assert "agent1" in json.loads(path.read_text())["clients"]
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_non_loopback_listen_needs_gateway(tmp_path: Path) -> None:
+    # only the command-line check runs: nothing listens, nothing is sent
+    done = subprocess.run(
+        [*EGRESSD, "run", "--listen", "0.0.0.0:3128"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert "--gateway" in done.stderr and "loopback" in done.stderr
+    stray = subprocess.run(
+        [*EGRESSD, "run", "--tokens", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=60
+    )
+    assert stray.returncode == 2 and "only with --gateway" in stray.stderr
+    profile = subprocess.run(
+        [*EGRESSD, "run", "--gateway", "--profile", "narrow"], capture_output=True, text=True, timeout=60
+    )
+    assert profile.returncode == 2 and "token add NAME --profile" in profile.stderr
+
+
+def test_gateway_names_each_client_and_refuses_the_rest(
+    gateway_env: dict[str, Path], upstream: EchoHTTPServer, dns: DnsServer
+) -> None:
+    tokens, policy, audit = gateway_env["tokens"], gateway_env["policy"], gateway_env["audit"]
+    token = add_token(tokens, "agent1")
+    narrow = add_token(tokens, "ci", "--profile", "narrow")
+    socks_port = free_port()
+    options = [
+        "--gateway",
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+        "--tokens",
+        str(tokens),
+        "--policy",
+        str(policy),
+        "--nameserver",
+        dns.nameserver,
+        "--audit",
+        str(audit),
+        "--socks-listen",
+        f"127.0.0.1:{socks_port}",
+        "--metrics",
+        "127.0.0.1:0",
+    ]
+    url = f"http://up.test:{upstream.port}/hello"
+    with GatewayRun(options) as run:
+        assert token not in run.stderr and narrow not in run.stderr  # nothing secret printed
+        host, port = run.address
+        proxy = run.url_for("agent1", token)
+        # allowed with the token: plain HTTP and a CONNECT tunnel
+        first = curl(proxy, url)
+        assert first[0] == 200, first
+        with client(run, "agent1", token).connect(f"up.test:{upstream.port}") as (answer, sock):
+            assert answer is not None and answer.status == 200
+            inner = tunnel_get(sock, "up.test")
+            assert inner is not None and inner.status == 200
+        # refused host: 403 with the reason
+        status, headers, _ = curl(proxy, f"http://denied.test:{upstream.port}/")
+        assert status == 403 and headers.get("x-egressd-reason") == "denylist"
+        # no token, a wrong token, a wrong name: 407
+        assert curl(f"http://{host}:{port}", url)[0] == 407
+        assert curl(run.url_for("agent1", token[:-2] + "xx"), url)[0] == 407
+        assert curl(run.url_for("nobody", token), url)[0] == 407
+        with client(run, "agent1", "wrong").connect(f"up.test:{upstream.port}") as (answer, _sock):
+            assert answer is not None and answer.status == 407
+        # SOCKS5 with name and token; a wrong token fails its authentication
+        with client(run, "agent1", token, socks_port).socks5("up.test", upstream.port) as (code, sock):
+            assert code == 0
+            inner = tunnel_get(sock, "up.test")
+            assert inner is not None and inner.status == 200
+        with socket.create_connection((host, socks_port), timeout=10) as raw:
+            raw.sendall(b"\x05\x01\x02")
+            assert raw.recv(2) == b"\x05\x02"
+            raw.sendall(b"\x01\x06agent1\x05wrong")
+            assert raw.recv(2)[1:2] != b"\x00"
+        # health check, no credentials
+        with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=10) as health:
+            assert health.status == 200 and health.read().strip() == b"ok"
+        # the token's profile narrows: other.test is in the policy but not in profile narrow
+        ci = run.url_for("ci", narrow)
+        assert curl(ci, url)[0] == 200
+        status, headers, _ = curl(ci, f"http://other.test:{upstream.port}/")
+        assert status == 403 and headers.get("x-egressd-reason") in ("profile", "not_allowlisted")
+        assert curl(proxy, f"http://other.test:{upstream.port}/")[0] == 200
+        # each decision carries its client's name
+        records = wait_until(
+            lambda: [
+                r
+                for r in audit_records(audit)
+                if r.get("event") == "decision" and r.get("client") == "ci" and r.get("decision") == "deny"
+            ],
+            "the ci client's refusal in the audit",
+        )
+        assert records[0]["host"] == "other.test" and records[0]["profile"] == "narrow", records
+        assert any(r.get("client") == "agent1" and r.get("decision") == "allow" for r in audit_records(audit))
+        assert token not in audit.read_text() and narrow not in audit.read_text()
+        # the client's credentials never reach the upstream
+        assert upstream.requests and all("proxy-authorization" not in r["headers"] for r in upstream.requests)
+        # metrics: decisions per client name (the token file's names only)
+        metrics_url = re.search(r"metrics on (\S+)", run.stderr)
+        assert metrics_url is not None, run.stderr
+        body = urllib.request.urlopen(metrics_url.group(1), timeout=10).read().decode()
+        assert re.search(
+            r'egressd_gateway_client_decisions_total\{client="agent1",decision="allow"\} [1-9]', body
+        )
+        assert re.search(r'egressd_gateway_client_decisions_total\{client="ci",decision="deny"\} [1-9]', body)
+        assert "up.test" not in body
+        # a token added while it runs works, a removed one stops, without a restart
+        late = add_token(tokens, "late")
+        wait_until(lambda: curl(run.url_for("late", late), url)[0] == 200, "the new token admitted")
+        with client(run, "agent1", token).connect(f"up.test:{upstream.port}") as (answer, held):
+            assert answer is not None and answer.status == 200
+            assert token_cli("remove", "agent1", tokens=tokens).returncode == 0
+            wait_until(lambda: curl(proxy, url)[0] == 407, "the removed token refused")
+            # and the tunnel it had open is closed, not left until idle_timeout
+            held.settimeout(20)
+            assert held.recv(1) == b""
+        # a policy edit applies without a restart
+        policy.write_text(GATEWAY_POLICY.replace("  - up.test\n", "", 1))
+        wait_until(lambda: curl(run.url_for("late", late), url)[0] == 403, "the policy edit applied")
+        assert "reload" in run.stderr
+    # the gateway refused nothing from the control API's side: it never listened elsewhere
+    assert run.proc is not None and run.proc.returncode == 0, run.stderr
+
+
+def test_gateway_source_networks(
+    gateway_env: dict[str, Path], upstream: EchoHTTPServer, dns: DnsServer
+) -> None:
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    anywhere = add_token(tokens, "anywhere")
+    pinned = add_token(tokens, "pinned", "--from", "127.0.0.1/32")
+    url = f"http://up.test:{upstream.port}/"
+    base = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
+    base += ["--policy", str(policy), "--nameserver", dns.nameserver]
+    from_second = ("--interface", "127.0.0.2")
+    with GatewayRun(base) as run:
+        assert curl(run.url_for("pinned", pinned), url)[0] == 200
+        assert curl(run.url_for("pinned", pinned), url, *from_second)[0] == 407  # --from
+        assert curl(run.url_for("anywhere", anywhere), url, *from_second)[0] == 200
+    with GatewayRun([*base, "--allow-from", "127.0.0.2/32"]) as run:
+        assert curl(run.url_for("anywhere", anywhere), url, *from_second)[0] == 200
+        assert curl(run.url_for("anywhere", anywhere), url)[0] == 407  # --allow-from
+        # both apply: the token's own network and the gateway's
+        assert curl(run.url_for("pinned", pinned), url, *from_second)[0] == 407
+        assert curl(run.url_for("pinned", pinned), url)[0] == 407
+
+
+@pytest.mark.parametrize("own_address", ["127.0.0.1", netns.UPSTREAM_V4[0]], ids=["loopback", "interface"])
+def test_gateway_refuses_its_own_host_unless_named(tmp_path: Path, own_address: str) -> None:
+    """The gateway host's loopback and interface addresses are not its clients': only the ports
+    `loopback.ports` names."""
+    loopback_server = EchoHTTPServer(own_address)
+    with loopback_server:
+        tokens = tmp_path / "tokens.json"
+        token = add_token(tokens, "agent1")
+        policy = write_policy(tmp_path, f"version: 1\nmode: enforce\nallow: [{own_address}]\n")
+        base = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
+        with GatewayRun([*base, "--policy", str(policy)]) as run:
+            status, headers, _ = curl(run.url_for("agent1", token), loopback_server.url)
+            assert status == 403 and headers.get("x-egressd-reason") == "loopback_port"
+            named = f"loopback:\n  ports: [{loopback_server.port}]\n"
+            policy.write_text(f"version: 1\nmode: enforce\nallow: [{own_address}]\n{named}")
+            wait_until(
+                lambda: curl(run.url_for("agent1", token), loopback_server.url)[0] == 200,
+                "the named loopback port admitted",
+            )
+
+
+def test_gateway_keeps_the_last_good_token_file(
+    tmp_path: Path, upstream: EchoHTTPServer, dns: DnsServer
+) -> None:
+    dns.add("up.test", upstream.host)
+    tokens = tmp_path / "tokens.json"
+    token = add_token(tokens, "agent1")
+    policy = write_policy(tmp_path, GATEWAY_POLICY)
+    options = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver]
+    url = f"http://up.test:{upstream.port}/"
+    with GatewayRun(options) as run:
+        assert curl(run.url_for("agent1", token), url)[0] == 200
+        tokens.write_text("{not json")
+        assert run.wait_for_stderr("token file reload failed", timeout=20), run.stderr
+        assert curl(run.url_for("agent1", token), url)[0] == 200
+
+
+def test_basic_credentials_spellings_are_checked_exactly(
+    gateway_env: dict[str, Path], upstream: EchoHTTPServer, dns: DnsServer
+) -> None:
+    """The nasty spellings of Proxy-Authorization: none of them is anyone's."""
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    token = add_token(tokens, "agent1")
+    options = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver]
+
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    with GatewayRun(options) as run:
+        host, port = run.address
+        target = f"up.test:{upstream.port}"
+
+        def status(value: str | None) -> int | None:
+            auth = f"Proxy-Authorization: {value}\r\n" if value is not None else ""
+            with socket.create_connection((host, port), timeout=10) as sock:
+                sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n".encode())
+                head = sock.recv(200).split(b" ", 2)
+                return int(head[1]) if len(head) > 1 else None
+
+        assert status(f"Basic {b64('agent1:' + token)}") == 200
+        for value in (
+            None,
+            f"Bearer {token}",
+            f"Basic {b64('agent1:' + token + ' ')}",
+            f"Basic {b64('AGENT1:' + token)}",
+            f"Basic {b64('agent1' + token)}",
+            f"Basic {b64(':' + token)}",
+            f"Basic {b64('agent1:')}",
+            f"Basic {b64('agent1:' + token.upper())}",
+            f"Basic {b64('agent1:' + token)}!!",
+            "Basic",
+        ):
+            assert status(value) == 407, value
+
+
+def _listening(pid: int) -> set[str]:
+    """The TCP addresses process `pid` listens on (ss, in the test's network namespace)."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[3] for line in out.splitlines() if f"pid={pid}," in line}
+
+
+def test_gateway_on_an_interface_inspects_and_keeps_its_internals_on_loopback(
+    tmp_path: Path, dns: DnsServer, upstream_tls: EchoHTTPSServer, ca_file: Path, egressd_home: Path
+) -> None:
+    """A gateway on a non-loopback address (one of the test namespace's own): a host admitted for
+    some paths only is inspected for its client, the client's name is on the inner decisions, and
+    the embedded mitmproxy it starts for that listens on loopback, never on the gateway's address."""
+    dns.add("up.test", upstream_tls.host)
+    tokens = tmp_path / "tokens.json"
+    token = add_token(tokens, "agent1")
+    policy = write_policy(
+        tmp_path,
+        "version: 1\nallow:\n  - 198.51.100.0/24\n  - {host: up.test, paths: [/pkg/], methods: [GET]}\n",
+    )
+    audit = tmp_path / "audit.jsonl"
+    address = netns.UPSTREAM_V4[8]
+    options = ["--gateway", "--listen", f"{address}:{free_port(address)}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver, "--upstream-ca", str(ca_file)]
+    options += ["--audit", str(audit)]
+    with GatewayRun(options) as run:
+        assert run.address[0] == address
+        assert run.proc is not None
+        proxy = run.url_for("agent1", token)
+        cacert = ("--cacert", str(egressd_home / "public" / "egressd-ca-cert.pem"))
+        base = f"https://up.test:{upstream_tls.port}"
+        assert curl(proxy, f"{base}/pkg/a", *cacert)[0] == 200
+        status, headers, _ = curl(proxy, f"{base}/admin", *cacert)
+        assert status == 403 and headers.get("x-egressd-reason") in ("builtin_path", "not_allowlisted"), (
+            headers
+        )
+        # the requests inside the inspected tunnel: the decisions that name a path
+        inner = [r for r in audit_records(audit) if r.get("event") == "decision" and r.get("path")]
+        assert {r.get("path") for r in inner} == {"/pkg/a", "/admin"}, inner
+        assert all(r.get("client") == "agent1" for r in inner), inner
+        listening = _listening(run.proc.pid)
+        assert f"{address}:{run.address[1]}" in listening, listening
+        others = listening - {f"{address}:{run.address[1]}"}
+        assert others and all(a.startswith("127.0.0.1:") for a in others), listening
+
+
+def test_gateway_on_every_address_refuses_itself(
+    gateway_env: dict[str, Path], upstream: EchoHTTPServer, dns: DnsServer
+) -> None:
+    """`--listen 0.0.0.0:PORT` (what a container runs): clients reach it on any of the host's
+    addresses, and no client reaches the gateway itself through it, on any of them."""
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    token = add_token(tokens, "agent1")
+    port = free_port()
+    options = ["--gateway", "--listen", f"0.0.0.0:{port}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver]
+    with GatewayRun(options) as run:
+        own = netns.UPSTREAM_V4[0]  # an interface address of the namespace: the gateway's own
+        for host in ("127.0.0.1", own):
+            with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=10) as health:
+                assert health.status == 200
+            proxy = f"http://agent1:{token}@{host}:{port}"
+            assert curl(proxy, f"http://up.test:{upstream.port}/")[0] == 200
+            for target in (f"127.0.0.1:{port}", f"{own}:{port}", f"0.0.0.0:{port}"):
+                with client(run, "agent1", token).connect(target) as (answer, _sock):
+                    assert answer is not None and answer.status == 403, (host, target)
+                    assert answer.reason in ("self", "loopback_port", "forbidden_address"), answer.reason
