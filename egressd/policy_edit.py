@@ -12,6 +12,7 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from egressd.files import replace_atomically
@@ -19,6 +20,8 @@ from egressd.policy import PolicyError, load_policy
 from egressd.policy.entries import parse_rule_list
 
 LISTS = ("allow", "deny")
+
+PolicyEditor = Callable[[str, str, str], str]  # (op "add"/"remove", list, rule) -> what was done
 
 
 class PolicyEditError(Exception):

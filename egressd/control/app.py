@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -21,9 +22,32 @@ from typing import Any
 from aiohttp import web
 
 from egressd.admission.asks import AskBroker, AskError
-from egressd.admission.events import Event, EventBus
+from egressd.admission.events import Asked, Closed, Decided, Event, EventBus, Resolved
 from egressd.admission.grants import GrantError, GrantStore
-from egressd.control.server import KEEPALIVE, QUEUE_LINES, PolicyEditor, event_json
+from egressd.policy_edit import PolicyEditor
+
+QUEUE_LINES = 1000  # per stream reader: beyond it, lines are dropped and counted
+KEEPALIVE = 5.0  # a follower that went away is noticed (and stops counting as an approver) by then
+
+
+def event_json(event: Event) -> dict[str, Any]:
+    """One event as a JSON object; the query of a path redacted as in the audit."""
+    if isinstance(event, Decided):
+        fields = dataclasses.asdict(event)
+        fields["event"] = "decision"
+    elif isinstance(event, Closed):
+        fields = dataclasses.asdict(event)
+        fields["event"] = "closed"
+    elif isinstance(event, Resolved | Asked):  # the metrics' latencies: {seconds, outcome}
+        fields = dataclasses.asdict(event)
+        fields["event"] = "dns_lookup" if isinstance(event, Resolved) else "ask_wait"
+    else:
+        fields = {**event.fields, "event": event.kind}
+    path = fields.get("path")
+    if isinstance(path, str) and "?" in path:
+        fields["path"] = path.split("?", 1)[0] + "?<redacted>"
+    fields["time"] = round(time.time(), 3)
+    return fields
 
 
 class Handlers:

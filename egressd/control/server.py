@@ -10,28 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import select
 import socket
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egressd.admission.asks import AskBroker
-from egressd.admission.events import Asked, Closed, Decided, Event, EventBus, Resolved
+from egressd.admission.events import Decided, Event, EventBus
 from egressd.admission.grants import GrantStore
 
+if TYPE_CHECKING:
+    from egressd.policy_edit import PolicyEditor
+
 logger = logging.getLogger(__name__)
-
-PolicyEditor = Callable[[str, str, str], str]  # (op "add"/"remove", list, rule) -> what was done
-
-QUEUE_LINES = 1000  # per stream reader: beyond it, lines are dropped and counted
-KEEPALIVE = 5.0  # a follower that went away is noticed (and stops counting as an approver) by then
-
 
 MAX_CLIENTS = 256  # per-child counters kept; beyond it the rest are counted under "other"
 
@@ -63,26 +58,6 @@ class Counts:
 
     def clients(self) -> dict[str, dict[str, int]]:
         return {name: {"allowed": a, "refused": r} for name, (a, r) in list(self.by_client.items())}
-
-
-def event_json(event: Event) -> dict[str, Any]:
-    """One event as a JSON object; the query of a path redacted as in the audit."""
-    if isinstance(event, Decided):
-        fields = dataclasses.asdict(event)
-        fields["event"] = "decision"
-    elif isinstance(event, Closed):
-        fields = dataclasses.asdict(event)
-        fields["event"] = "closed"
-    elif isinstance(event, Resolved | Asked):  # the metrics' latencies: {seconds, outcome}
-        fields = dataclasses.asdict(event)
-        fields["event"] = "dns_lookup" if isinstance(event, Resolved) else "ask_wait"
-    else:
-        fields = {**event.fields, "event": event.kind}
-    path = fields.get("path")
-    if isinstance(path, str) and "?" in path:
-        fields["path"] = path.split("?", 1)[0] + "?<redacted>"
-    fields["time"] = round(time.time(), 3)
-    return fields
 
 
 class ControlServer:

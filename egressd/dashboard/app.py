@@ -8,17 +8,15 @@ import contextlib
 import html
 import json
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
 
-from egressd.dashboard.server import COOKIE, SAFE_METHODS, SECURITY_HEADERS, SSE_KEEPALIVE, STATIC, sse
-from egressd.dashboard.server import static_file as _static_file
-
-if TYPE_CHECKING:
-    from egressd.dashboard.server import Dashboard
+from egressd.dashboard.guard import COOKIE, SAFE_METHODS, SECURITY_HEADERS, SSE_KEEPALIVE, STATIC, sse
+from egressd.dashboard.guard import PageGuard as Dashboard
+from egressd.dashboard.guard import static_file as _static_file
 
 QUEUE = 1000  # SSE items buffered per page; beyond it they are dropped and counted
 

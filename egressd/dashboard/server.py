@@ -20,52 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
-import secrets
 import socket
 import threading
-from collections.abc import Awaitable, Callable
-from importlib import resources
 from pathlib import Path
-from typing import Any
+
+from egressd.dashboard.guard import PageGuard
 
 logger = logging.getLogger(__name__)
 
-COOKIE = "egressd_dashboard"
-CSP = (
-    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-    "object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-)
-SECURITY_HEADERS = {
-    "Content-Security-Policy": CSP,
-    "X-Frame-Options": "DENY",
-    "Cache-Control": "no-store",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cross-Origin-Opener-Policy": "same-origin",
-    "Cross-Origin-Resource-Policy": "same-origin",
-}
-STATIC = {"app.js": "text/javascript", "style.css": "text/css"}
-SAFE_METHODS = ("GET", "HEAD")
-SSE_KEEPALIVE = 2.0  # a page that went away is noticed by then (a browser may not close at once)
 
-
-class Dashboard:
+class Dashboard(PageGuard):
     """Serve the dashboard of the egressd whose control socket is `control_path`, until stop()."""
 
     def __init__(self, control_path: Path, *, host: str = "127.0.0.1") -> None:
-        self.control_path = control_path
-        self.token = secrets.token_urlsafe(32)
-        self.csrf = secrets.token_urlsafe(32)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
         self._sock.listen(64)
-        self.port: int = self._sock.getsockname()[1]
-        self.hosts = frozenset({f"127.0.0.1:{self.port}", f"localhost:{self.port}"})
-        self.origins = frozenset(f"http://{h}" for h in self.hosts)
+        super().__init__(control_path, self._sock.getsockname()[1])
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -128,31 +101,3 @@ class Dashboard:
             await self._stop.wait()
         finally:
             await runner.cleanup()
-
-    # -- the checks (pure, so they are table-tested) -------------------------------------------------
-    def host_ok(self, host: str | None) -> bool:
-        return host is not None and host.lower() in self.hosts
-
-    def token_ok(self, value: str | None) -> bool:
-        return value is not None and hmac.compare_digest(value.encode(), self.token.encode())
-
-    def same_origin(self, origin: str | None, fetch_site: str | None) -> bool:
-        """A state change must come from this page: its Origin (browsers send it on every POST),
-        and Sec-Fetch-Site when the browser sends that."""
-        if origin is None or origin.lower() not in self.origins:
-            return False
-        return fetch_site in (None, "same-origin")
-
-    def csrf_ok(self, value: str | None) -> bool:
-        return value is not None and hmac.compare_digest(value.encode(), self.csrf.encode())
-
-
-def static_file(name: str) -> bytes:
-    return resources.files("egressd.dashboard").joinpath("static", name).read_bytes()
-
-
-Handler = Callable[[Any], Awaitable[Any]]
-
-
-def sse(item: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(item, default=str, separators=(",", ":")).encode() + b"\n\n"
