@@ -80,11 +80,16 @@ async def settled(pid: int, quiet: float = 0.01, window: float = 0.5, limit: flo
 
 
 async def measure(
-    egressd: str, extra: list[str], up: int, count: int, concurrency: int
+    egressd: str, extra: list[str], up: int, count: int, concurrency: int, env: dict[str, str] | None = None
 ) -> tuple[float, float]:
-    """(CPU µs per tunnel, tunnels/s) of one fresh `egressd run` with `extra` options."""
+    """(CPU µs per tunnel, tunnels/s) of one fresh `egressd run` with `extra` options and `env`
+    added to the environment."""
     proc = subprocess.Popen(
-        [egressd, "run", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [egressd, "run", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
     try:
         exports: dict[str, str] = {}
@@ -112,15 +117,19 @@ async def main(args: argparse.Namespace) -> None:
     server = await upstream()
     up = server.sockets[0].getsockname()[1]
     settings = {"A": shlex.split(args.a_args), "B": shlex.split(args.b_args)}
-    binaries = {"A": args.a_egressd, "B": EGRESSD}
+    binaries = {"A": args.a_egressd, "B": args.b_egressd}
+    envs = {"A": dict(v.split("=", 1) for v in args.a_env), "B": dict(v.split("=", 1) for v in args.b_env)}
     results: dict[str, list[tuple[float, float]]] = {"A": [], "B": []}
     for round_ in range(args.rounds):
         order = ("A", "B") if round_ % 2 == 0 else ("B", "A")
         for name in order:
-            measured = await measure(binaries[name], settings[name], up, args.tunnels, args.concurrency)
+            measured = await measure(
+                binaries[name], settings[name], up, args.tunnels, args.concurrency, envs[name]
+            )
             results[name].append(measured)
             cpu, rate = results[name][-1]
-            options = shlex.join([binaries[name], *settings[name]])
+            env = [f"{key}={value}" for key, value in envs[name].items()]
+            options = shlex.join([*env, binaries[name], *settings[name]])
             print(f"{name} {options}: {cpu:.0f} CPU µs/tunnel, {rate:.0f} tunnels/s")
     medians = {
         name: (statistics.median(c for c, _ in runs), statistics.median(r for _, r in runs))
@@ -137,7 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--a-args", default="", help="options of egressd run for A (default: none)")
     p.add_argument("--b-args", default="", help='egressd run options for B: "--metrics 127.0.0.1:0"')
-    p.add_argument("--a-egressd", default=EGRESSD, help="the egressd of A (default: this tree's, as B's)")
+    p.add_argument("--a-env", action="append", default=[], metavar="KEY=VALUE", help="A's extra environment")
+    p.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE", help="B's extra environment")
+    p.add_argument("--a-egressd", default=EGRESSD, help="the egressd of A (default: this tree's)")
+    p.add_argument("--b-egressd", default=EGRESSD, help="the egressd of B (default: this tree's)")
     p.add_argument("--tunnels", type=int, default=3000, help="tunnels per measurement (after 300 of warm-up)")
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--rounds", type=int, default=12, help="measurements of each of A and B")

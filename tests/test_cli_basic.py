@@ -44,8 +44,10 @@ def _all_commands() -> list[list[str]]:
     found: list[list[str]] = [[]]
 
     def walk(group: click.Group, prefix: list[str]) -> None:
-        for name, command in group.commands.items():
-            if command.hidden:
+        ctx = click.Context(group)
+        for name in group.list_commands(ctx):  # the top level loads its commands on demand
+            command = group.get_command(ctx, name)
+            if command is None or command.hidden:
                 continue
             found.append([*prefix, name])
             if isinstance(command, click.Group):

@@ -784,10 +784,15 @@ def test_bubblewrap_failing_for_another_reason(policy: Path, work: Path) -> None
 
 
 def test_sandbox_accepts_every_exec_option() -> None:
+    import click
+
     from egressd.cli import cli
 
-    exec_options = {p.name for p in cli.commands["exec"].params}
-    sandbox_options = {p.name for p in cli.commands["sandbox"].params}
+    ctx = click.Context(cli)
+    exec_command, sandbox_command = cli.get_command(ctx, "exec"), cli.get_command(ctx, "sandbox")
+    assert exec_command is not None and sandbox_command is not None
+    exec_options = {p.name for p in exec_command.params}
+    sandbox_options = {p.name for p in sandbox_command.params}
     # exec's credential-free listener has no sandbox twin: in the sandbox every connection is the
     # child's already (the launcher's listeners), so none needs credentials
     assert exec_options - {"credentials_listener"} <= sandbox_options

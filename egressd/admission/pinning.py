@@ -115,7 +115,8 @@ async def try_addresses[T](
         budget = min(connect_timeout, remaining)
         text = str(address)
         try:
-            opened = await asyncio.wait_for(open_one(text), timeout=budget)
+            async with asyncio.timeout(budget):  # the task's own deadline: no wrapper task or frame
+                opened = await open_one(text)
         except TimeoutError:
             kinds.append("connect_timeout")
             log.append(f"{_fmt(address, port)}: timed out after {budget:.3g}s")

@@ -2,7 +2,9 @@
 
 A name is resolved once (dnspython, with the policy's deadline; concurrent lookups of one name
 share one query), every address is classified by the pure filter, and what survives — at most 4 —
-is the Pin: the only addresses this connection will ever try. Nothing is resolved again.
+is the Pin: the only addresses this connection will ever try. Nothing is resolved again. dnspython
+is imported with the first name to resolve: a child that reaches none (`egressd exec -- true`, or
+only IP literals) never loads it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from dataclasses import dataclass
 
 from egressd.admission.decide import refusal_for
 from egressd.admission.pinning import Pin
-from egressd.admission.resolver import ResolveError, resolve
 from egressd.admission.upstream import parent_for
 from egressd.policy import Decision, IPAddress, Policy, filter_addresses, resolution_refusal
 from egressd.refusal import Refusal
@@ -35,6 +36,8 @@ async def pin(decision: Decision, policy: Policy) -> Pinned:
     assert decision.allowed and target is not None
     lookup: tuple[float, str] | None = None
     if decision.needs_resolution:
+        from egressd.admission.resolver import ResolveError, resolve
+
         assert target.host.name is not None
         started = time.monotonic()
         try:

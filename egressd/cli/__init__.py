@@ -6,32 +6,56 @@ codes: `exec` and `sandbox` exit like their child; egressd's own set-up failures
 
 from __future__ import annotations
 
-import importlib.metadata
+import importlib
+from typing import Any
 
 import click
 
 from egressd import __version__
-from egressd.cli.acp import acp_command
-from egressd.cli.answer import approve_command, deny_command
-from egressd.cli.ca import ca_group
-from egressd.cli.check import check_command
-from egressd.cli.dashboard import dashboard_command
-from egressd.cli.exec import exec_command
-from egressd.cli.gateway import gateway_group
-from egressd.cli.grant import grant_command
-from egressd.cli.mcp import mcp_group
 from egressd.cli.options import CONTEXT
-from egressd.cli.pending import pending_command
-from egressd.cli.policy import policy_group
-from egressd.cli.provider import provider_group
-from egressd.cli.ps import ps_command
-from egressd.cli.run import run_command
-from egressd.cli.sandbox import sandbox_command
-from egressd.cli.ssh import remote_agent, ssh_command
-from egressd.cli.watch import watch_command
+
+# name -> (module, attribute): a command's module is imported only when that command runs (or help
+# lists them all), so `egressd exec` does not load the sandbox, SSH, ACP and MCP code it never uses
+COMMANDS: dict[str, tuple[str, str]] = {
+    "exec": ("egressd.cli.exec", "exec_command"),
+    "run": ("egressd.cli.run", "run_command"),
+    "check": ("egressd.cli.check", "check_command"),
+    "sandbox": ("egressd.cli.sandbox", "sandbox_command"),
+    "ssh": ("egressd.cli.ssh", "ssh_command"),
+    "remote-agent": ("egressd.cli.ssh", "remote_agent"),
+    "policy": ("egressd.cli.policy", "policy_group"),
+    "provider": ("egressd.cli.provider", "provider_group"),
+    "ca": ("egressd.cli.ca", "ca_group"),
+    "acp": ("egressd.cli.acp", "acp_command"),
+    "mcp": ("egressd.cli.mcp", "mcp_group"),
+    "ps": ("egressd.cli.ps", "ps_command"),
+    "pending": ("egressd.cli.pending", "pending_command"),
+    "approve": ("egressd.cli.answer", "approve_command"),
+    "deny": ("egressd.cli.answer", "deny_command"),
+    "grant": ("egressd.cli.grant", "grant_command"),
+    "watch": ("egressd.cli.watch", "watch_command"),
+    "dashboard": ("egressd.cli.dashboard", "dashboard_command"),
+    "gateway": ("egressd.cli.gateway", "gateway_group"),
+}
+
+
+class LazyGroup(click.Group):
+    """The top-level group: commands listed by name, each module imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMANDS, *super().list_commands(ctx)})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            module, attribute = COMMANDS[cmd_name]
+            command: Any = getattr(importlib.import_module(module), attribute)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
 
 
 def _mitmproxy_version() -> str:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("mitmproxy")
     except importlib.metadata.PackageNotFoundError:
@@ -47,6 +71,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
 
 
 @click.group(
+    cls=LazyGroup,
     context_settings=CONTEXT,
     epilog="""\b
 Example:
@@ -68,30 +93,6 @@ def cli() -> None:
     Every connection the child makes through egressd is decided against one policy: the
     allowlist, the loopback allowance and the built-in allowances. Refusals say why.
     """
-
-
-for _command in (
-    exec_command,
-    run_command,
-    check_command,
-    sandbox_command,
-    ssh_command,
-    remote_agent,
-    policy_group,
-    provider_group,
-    ca_group,
-    acp_command,
-    mcp_group,
-    ps_command,
-    pending_command,
-    approve_command,
-    deny_command,
-    grant_command,
-    watch_command,
-    dashboard_command,
-    gateway_group,
-):
-    cli.add_command(_command)
 
 
 def main() -> None:

@@ -8,6 +8,8 @@ told how many; it never slows the proxy). Every peer must be this user (SO_PEERC
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -116,10 +118,10 @@ class Handlers:
         """The Prometheus text format, the same registry as --metrics serves (docs/metrics.md)."""
         if self.metrics is None:
             return _error(404, "metrics are off")
-        from egressd.observe.metrics import CONTENT_TYPE
+        from egressd.observe.metrics import content_type
 
         body = await asyncio.to_thread(self.metrics)  # a scrape reads the pipeline: off this loop
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=body, headers={"Content-Type": content_type()})
 
     async def _children(self, request: web.Request) -> web.Response:
         if self.children is None:
@@ -244,11 +246,7 @@ class Handlers:
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_LINES)
-        loop = asyncio.get_running_loop()
-
-        def observer(event: Event) -> None:
-            loop.call_soon_threadsafe(_offer_event, queue, event)
-
+        observer = _EventHandOff(asyncio.get_running_loop(), queue)
         self.events.subscribe(observer)
         if self.watched is not None:
             self.watched()
@@ -298,9 +296,30 @@ def _offer(queue: asyncio.Queue[dict[str, Any]], item: dict[str, Any]) -> None:
         queue.dropped = getattr(queue, "dropped", 0) + 1  # type: ignore[attr-defined]
 
 
-def _offer_event(queue: asyncio.Queue[dict[str, Any]], event: Event) -> None:
-    """On the control loop: the event is turned into JSON here, not on the proxy's thread."""
-    _offer(queue, event_json(event))
+class _EventHandOff:
+    """A follower's observer: events from the proxy's thread to the control loop in batches.
+
+    The proxy's thread only appends to a deque, and wakes the control loop (a write to its
+    self-pipe, then a thread switch) once per batch rather than once per event: a busy proxy pays
+    one wake-up for the events of a whole loop iteration. Each event is turned into JSON on the
+    control loop, not on the proxy's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[dict[str, Any]]) -> None:
+        self.loop, self.queue = loop, queue
+        self.pending: collections.deque[Event] = collections.deque()
+        self.scheduled = False
+
+    def __call__(self, event: Event) -> None:  # on the proxy's thread
+        self.pending.append(event)
+        if not self.scheduled:
+            self.scheduled = True
+            with contextlib.suppress(RuntimeError):  # the control loop has closed
+                self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # on the control loop
+        self.scheduled = False  # first: an event appended from now on schedules the next drain
+        while self.pending:
+            _offer(self.queue, event_json(self.pending.popleft()))
 
 
 def _line(item: dict[str, Any]) -> bytes:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -92,18 +93,29 @@ class ControlServer:
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        # a pipe whose write end stop() closes: it wakes the thread still waiting for a first client
+        self._wake_r: int | None = None
+        self._wake_w: int | None = None
+        self._first = threading.Event()  # a first client came: the thread imports aiohttp and serves
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self, sock: socket.socket) -> None:
-        """Serve on an already listening socket (paths.listen). Returns at once: aiohttp is imported
-        on the server's thread (~0.25 s of CPU a child's start must not wait for); a client that
-        comes meanwhile waits in the socket's backlog."""
+        """Serve on an already listening socket (paths.listen). Returns at once: the server's thread
+        waits for a first client, then imports aiohttp (~0.25 s of CPU) and serves; the client
+        waits in the socket's backlog meanwhile. So a run nobody talks to (a CI job, `exec --
+        true`) never pays the import, and a child's start never competes with it for the CPU."""
         self._sock = sock
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._main, name="egressd-control", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping.set()  # a server still importing aiohttp stops as soon as it is done
+        if self._wake_w is not None:
+            os.close(self._wake_w)  # a server still waiting for its first client stops now
+            self._wake_w = None
+            if self._thread is not None and not self._first.is_set():
+                self._thread.join(timeout=5)  # out of select() before its socket is closed below
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None and self._thread is not None and self._thread.is_alive():
             with contextlib.suppress(RuntimeError):
@@ -114,9 +126,22 @@ class ControlServer:
         if self._sock is not None:
             self._sock.close()
 
+    def _first_client(self) -> bool:
+        """Block (without the GIL) until a client connects to the socket (True) or stop() (False)."""
+        assert self._sock is not None and self._wake_r is not None
+        try:
+            ready, _, _ = select.select([self._sock, self._wake_r], [], [])
+        finally:
+            os.close(self._wake_r)
+        if self._sock not in ready or self._stopping.is_set():
+            return False
+        self._first.set()
+        return True
+
     def _main(self) -> None:
         try:
-            asyncio.run(self._serve())
+            if self._first_client():
+                asyncio.run(self._serve())
         except BaseException:  # noqa: BLE001 - the proxy runs on without its control API
             logger.exception("egressd: the control API failed")
 

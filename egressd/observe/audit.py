@@ -9,12 +9,12 @@ writes to stdout, which belongs to the child (MCP/ACP speak JSON-RPC on it).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
 import sys
 import threading
+import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -47,10 +47,19 @@ def new_conn_id() -> str:
     return f"c{next(_conn_ids)}"
 
 
+_second: tuple[int, str] = (-1, "")  # the last second formatted, shared by the records within it
+
+
 def utc_timestamp(now: datetime | None = None) -> str:
     """RFC 3339 UTC with milliseconds, e.g. 2025-01-31T12:00:00.123Z."""
-    now = now or datetime.now(UTC)
-    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+    global _second
+    if now is not None:
+        return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+    microseconds = time.time_ns() // 1000
+    second, fraction = divmod(microseconds, 1_000_000)
+    if _second[0] != second:  # a tuple swapped whole: safe between threads
+        _second = (second, time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second)))
+    return f"{_second[1]}{fraction // 1000:03d}Z"
 
 
 def redact_query(path: str | None) -> str | None:
@@ -103,7 +112,7 @@ class AuditLog:
         from egressd.admission.events import Closed, Decided, Notice
 
         if isinstance(event, Decided):
-            fields = dataclasses.asdict(event)
+            fields = _fields(event)
             fields["stage"] = "request" if event.stage == "inner" else event.stage
             fields["decision"] = "allow" if fields.pop("allowed") else "deny"
             attempts = fields.pop("attempts")
@@ -118,7 +127,7 @@ class AuditLog:
                 fields.pop("exe")
             self.decision(**fields)
         elif isinstance(event, Closed):
-            self.closed(**dataclasses.asdict(event))
+            self.closed(**_fields(event))
         elif isinstance(event, Notice):
             self.event(event.kind, **event.fields)
         # Resolved (a lookup's latency) is for metrics: the decision record names the addresses
@@ -135,7 +144,8 @@ class AuditLog:
         if fields.get("connected") is not None:
             fields["connected"] = str(fields["connected"])
         record = self._record("decision", DECISION_KEYS, fields)
-        self._trace_line(_decision_line(record))
+        if self._trace is not None:
+            self._trace_line(_decision_line(record))
         return record
 
     def closed(self, **fields: Any) -> dict[str, Any]:
@@ -147,8 +157,9 @@ class AuditLog:
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Record anything else (sni_mismatch, reload, reload_failed, ...); also traced."""
         record = self._record(kind, (), fields)
-        extra = " ".join(f"{k}={_printable(v)}" for k, v in fields.items() if v not in (None, ""))
-        self._trace_line(f"egressd: {kind}" + (f"  {extra}" if extra else ""))
+        if self._trace is not None:
+            extra = " ".join(f"{k}={_printable(v)}" for k, v in fields.items() if v not in (None, ""))
+            self._trace_line(f"egressd: {kind}" + (f"  {extra}" if extra else ""))
         return record
 
     def close(self) -> None:
@@ -191,6 +202,13 @@ class AuditLog:
                     self._failed = True
                     with contextlib.suppress(OSError, ValueError):
                         sys.stderr.write(f"egressd: audit write failed: {exc}\n")
+
+
+def _fields(event: object) -> dict[str, Any]:
+    """An event's fields as a dict: a shallow copy (dataclasses.asdict copies deeply, several times
+    slower; an event's values are immutable — strings, numbers, tuples of strings)."""
+    names: tuple[str, ...] = type(event).__slots__  # type: ignore[attr-defined]  # slots dataclasses
+    return {name: getattr(event, name) for name in names}
 
 
 def _json_line(record: dict[str, Any]) -> str:

@@ -10,23 +10,22 @@ whose values are the names in its token file (any other name counts as "other");
 fixed set (anything else is counted as "other"), `stage`, `mode`, `decision`, `direction` and
 `outcome` are fixed by the code. docs/metrics.md lists every name and label.
 
-Cheap on the hot path (every decision and closed connection): those counters are plain integers,
-one cell per label combination made once and kept, turned into Prometheus samples only when
-someone scrapes (`_Hot.collect`) — no label dict, no lock, no prometheus_client call per event.
-They are written on the proxy's event-loop thread only (the fronts and the embedded mitmproxy share
-it). Rare events (DNS lookups, asks, reloads from the watcher's thread, notices) use
-prometheus_client's own metrics with pre-bound children.
+Cheap on the hot path (every decision, closed connection and DNS lookup): every counter and
+histogram is plain integers, one cell per label combination made once and kept, turned into
+Prometheus samples only when someone scrapes (`_Hot.collect`) — no label dict, no lock, no
+prometheus_client call per event. prometheus_client itself is imported with the first scrape (or
+`--metrics`): a child's start does not wait for it. The cells are written on the proxy's event-loop
+thread (the fronts and the embedded mitmproxy share it); reloads come from the watcher's thread,
+and an integer addition or a dict insert is atomic under the GIL.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
-
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import Collector
+from typing import TYPE_CHECKING
 
 from egressd.admission.events import Asked, Closed, Decided, Event, Notice, Resolved
 from egressd.policy.model import MODES
@@ -35,11 +34,10 @@ from egressd.refusal import FAILURE_REASONS, POLICY_REASONS
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from prometheus_client import CollectorRegistry
     from prometheus_client.metrics_core import Metric
 
     from egressd.admission.pipeline import Pipeline
-
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # why a decision allowed (egressd.policy.decide's reasons) and the approver's answers
 ALLOW_REASONS = frozenset(
@@ -76,6 +74,48 @@ def _bounded(value: str | None, known: frozenset[str]) -> str:
     return value if value in known else OTHER  # type: ignore[return-value]
 
 
+def content_type() -> str:
+    """The Content-Type of `Metrics.render()`'s text."""
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    return CONTENT_TYPE_LATEST
+
+
+class _Series:
+    """One histogram's observations by outcome: bucket counts, sum, and when each series began."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...], outcomes: tuple[str, ...] = ()):
+        self.name, self.help, self.bounds = name, help_text, buckets
+        self.cells: dict[str, tuple[list[int], list[float]]] = {}  # outcome -> (counts, [sum, created])
+        for outcome in outcomes:  # shown (at zero) before the first observation
+            self.cell(outcome)
+
+    def cell(self, outcome: str) -> tuple[list[int], list[float]]:
+        found = self.cells.get(outcome)
+        if found is None:
+            found = self.cells[outcome] = ([0] * (len(self.bounds) + 1), [0.0, time.time()])
+        return found
+
+    def observe(self, outcome: str, seconds: float) -> None:
+        counts, totals = self.cell(outcome)
+        counts[bisect.bisect_left(self.bounds, seconds)] += 1  # le: a value on a bound is in it
+        totals[0] += seconds
+
+    def family(self) -> Metric:
+        from prometheus_client.core import HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+
+        family = HistogramMetricFamily(self.name, self.help, labels=("outcome",))
+        for outcome, (counts, (total, created)) in sorted(list(self.cells.items())):
+            running, buckets = 0, []
+            for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
+                running += count
+                buckets.append((floatToGoString(bound), running))
+            family.add_metric((outcome,), buckets, total)
+            family.add_sample(f"{self.name}_created", {"outcome": outcome}, created)
+        return family
+
+
 class Metrics:
     """The metrics of one proxy; `observe` is its event callback, `render` its scrape."""
 
@@ -87,49 +127,49 @@ class Metrics:
         clients: Callable[[], frozenset[str]] | None = None,
     ) -> None:
         """`clients`: the gateway's client names now (its token file), to count decisions per client."""
-        self.registry = CollectorRegistry(auto_describe=True)
         self._pipeline = pipeline
         if mode is None and pipeline is not None:
             policies = pipeline.policies
             mode = lambda: policies.get().mode  # noqa: E731 - read per decision, changes on reload
         self._mode = mode or (lambda: "enforce")
-        r = self.registry
-        self.dns = Histogram(
+        self._registry: CollectorRegistry | None = None
+        self._registry_lock = threading.Lock()
+        self.dns = _Series(
             "egressd_dns_lookup_seconds",
             "How long a connection waited for its DNS answer (A and AAAA), by outcome.",
-            ("outcome",),
-            buckets=DNS_BUCKETS,
-            registry=r,
+            DNS_BUCKETS,
+            ("ok", "dns_error", "dns_timeout"),
         )
-        self.asks = Histogram(
+        self.asks = _Series(
             "egressd_ask_wait_seconds",
             "How long a decision in mode: ask waited for its answer, by outcome.",
-            ("outcome",),
-            buckets=ASK_BUCKETS,
-            registry=r,
+            ASK_BUCKETS,
         )
-        self.reloads = Counter(
-            "egressd_reloads", "Policy reloads, by outcome (ok, failed).", ("outcome",), registry=r
-        )
-        self.notices = Counter(
-            "egressd_notices", "Other events of the pipeline, by kind.", ("kind",), registry=r
-        )
-        # the hot counters: [count] cells by label values, read by _Hot at scrape time
+        # the counters: [count] cells by label values, read by _Hot at scrape time
         self.decided: dict[tuple[str, str, bool, str], list[int]] = {}
         self.inbound = 0  # client connections closed (that named a target)
         self.outbound = 0  # upstream connections opened
         self.bytes_up = 0
         self.bytes_down = 0
+        self.reloads: dict[str, list[float]] = {o: [0, time.time()] for o in ("ok", "failed")}
+        self.notices: dict[str, list[float]] = {}  # kind -> [count, created]
+        self.started = time.time()
         self._clients = clients
         self.by_client: dict[tuple[str | None, bool], list[int]] = {}
-        r.register(_Hot(self))
-        if pipeline is not None:
-            r.register(_Live(pipeline))
-        self._reload_ok = self.reloads.labels("ok")
-        self._reload_failed = self.reloads.labels("failed")
-        self._dns: dict[str, Any] = {o: self.dns.labels(o) for o in ("ok", "dns_error", "dns_timeout")}
-        self._asks: dict[str, Any] = {}
-        self._notices: dict[str, Any] = {}
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """This process's own registry, made (and prometheus_client imported) on first use."""
+        with self._registry_lock:
+            if self._registry is None:
+                from prometheus_client import CollectorRegistry
+
+                registry = CollectorRegistry(auto_describe=True)
+                registry.register(_Hot(self))
+                if self._pipeline is not None:
+                    registry.register(_Live(self._pipeline))
+                self._registry = registry
+            return self._registry
 
     # -- the pipeline's events -------------------------------------------------------------------
     def observe(self, event: Event) -> None:
@@ -150,10 +190,10 @@ class Metrics:
             self.bytes_up += event.bytes_up  # type: ignore[union-attr]
             self.bytes_down += event.bytes_down  # type: ignore[union-attr]
         elif kind is Resolved:
-            child = self._dns.get(event.outcome) or self.dns.labels(OTHER)  # type: ignore[union-attr]
-            child.observe(event.seconds)  # type: ignore[union-attr]
+            outcome = event.outcome if event.outcome in self.dns.cells else OTHER  # type: ignore[union-attr]
+            self.dns.observe(outcome, event.seconds)  # type: ignore[union-attr]
         elif kind is Asked:
-            self._ask(event)  # type: ignore[arg-type]
+            self.asks.observe(_bounded(event.outcome, REASONS), event.seconds)  # type: ignore[union-attr]
         elif kind is Notice:
             self._notice(event)  # type: ignore[arg-type]
 
@@ -181,33 +221,26 @@ class Metrics:
                 self.by_client[key] = cell
         cell[0] += 1
 
-    def _ask(self, event: Asked) -> None:
-        child = self._asks.get(event.outcome)
-        if child is None:
-            child = self._asks[event.outcome] = self.asks.labels(_bounded(event.outcome, REASONS))
-        child.observe(event.seconds)
-
     def _notice(self, event: Notice) -> None:
-        if event.kind == "reload":
-            self._reload_ok.inc()
-            return
-        if event.kind == "reload_failed":
-            self._reload_failed.inc()
+        if event.kind in ("reload", "reload_failed"):
+            self.reloads["ok" if event.kind == "reload" else "failed"][0] += 1
             return
         kind = _bounded(event.kind, NOTICES)
-        child = self._notices.get(kind)
-        if child is None:
-            child = self._notices[kind] = self.notices.labels(kind)
-        child.inc()
+        cell = self.notices.get(kind)
+        if cell is None:
+            cell = self.notices[kind] = [0, time.time()]
+        cell[0] += 1
 
     # -- scraping ----------------------------------------------------------------------------------
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (what GET /metrics answers)."""
+        from prometheus_client.exposition import generate_latest
+
         return generate_latest(self.registry)
 
 
-class _Hot(Collector):
-    """The hot counters (decisions, connections, bytes) as Prometheus samples, at scrape time."""
+class _Hot:
+    """Every counter and histogram of Metrics as Prometheus samples, at scrape time (a collector)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -219,6 +252,17 @@ class _Hot(Collector):
         from prometheus_client.core import CounterMetricFamily
 
         m = self.metrics
+        yield m.dns.family()
+        yield m.asks.family()
+        for name, help_text, cells in (
+            ("egressd_reloads", "Policy reloads, by outcome (ok, failed).", m.reloads),
+            ("egressd_notices", "Other events of the pipeline, by kind.", m.notices),
+        ):
+            label = "outcome" if name == "egressd_reloads" else "kind"
+            family = CounterMetricFamily(name, help_text, labels=(label,))
+            for value, (count, created) in sorted(list(cells.items())):
+                family.add_metric((value,), count, created=created)
+            yield family
         decisions = CounterMetricFamily(
             "egressd_decisions",
             "Decisions of the admission pipeline, by stage, mode, verdict and reason code.",
@@ -258,8 +302,8 @@ class _Hot(Collector):
         yield relayed
 
 
-class _Live(Collector):
-    """Gauges read from the pipeline at scrape time: nothing to count per connection."""
+class _Live:
+    """Gauges read from the pipeline at scrape time: nothing to count per connection (a collector)."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline

@@ -123,6 +123,12 @@ class _SandboxSession:
     def ca_bundle(self) -> str | None:
         return self.proxy.ca_bundle
 
+    def placeholders(self) -> dict[str, str]:
+        return {}  # secrets never reach a remote agent (remote/channel.py)
+
+    def hidden_variables(self) -> tuple[str, ...]:
+        return ()
+
 
 class Agent:
     def __init__(
