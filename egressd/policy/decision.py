@@ -411,6 +411,14 @@ def _guarded_literal(request: _Request, policy: Policy) -> bool:
     return klass is not None and klass[0] is not AddressClass.GLOBAL and not policy.private.allow
 
 
+def _licensed(rule: HostRule, request: _Request, policy: Policy) -> bool:
+    """May an allowed target use private addresses: an IP/CIDR rule names them itself, and a
+    private origin licenses exactly its own (an allow rule for the same name keeps that licence)."""
+    return rule.kind in ("ip", "cidr") or (
+        bool(policy.private.origins) and _origin_matches(request, policy) is not None
+    )
+
+
 def _origin_matches(request: _Request, policy: Policy) -> str | None:
     scheme = request.target.scheme
     for origin in policy.private.origins:
@@ -531,7 +539,7 @@ def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Dec
             "allowlist",
             f"allow: {admitted.text}",
             f"{where} matches allow rule {admitted.describe()!r} in {policy.source}",
-            private_ok=admitted.kind in ("ip", "cidr"),
+            private_ok=_licensed(admitted, request, policy),
         )
         return _finish(request, client, policy, outcome, deny_pending, own)
     if pending is not None:
@@ -539,7 +547,7 @@ def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Dec
             "allowlist",
             f"allow: {pending.text}",
             f"{where} is allowed for {pending.describe()!r} only; the path needs inspection",
-            private_ok=pending.kind in ("ip", "cidr"),
+            private_ok=_licensed(pending, request, policy),
             needs_inspection=True,
         )
         return _finish(request, client, policy, outcome, deny_pending, own)

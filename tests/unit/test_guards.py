@@ -201,3 +201,20 @@ def test_a_learned_name_that_resolves_only_to_guarded_addresses_is_refused() -> 
     assert kept == []
     refused = resolution_refusal(decision, verdicts)
     assert (refused.allowed, refused.reason, refused.would_be) == (False, "resolved_forbidden", None)
+
+
+@pytest.mark.parametrize("rule", ["up.test", {"host": "up.test", "paths": ["/v1/"]}])
+def test_an_allow_rule_keeps_the_private_origin_of_the_same_name(rule: Any) -> None:
+    """allow: [up.test] beside private.origins: [http://up.test:8080]: the allow rule decides, and the
+    origin still licenses the private address of exactly that origin (not another port)."""
+    import ipaddress
+
+    from egressd.policy import filter_addresses
+
+    policy = pol("enforce", allow=[rule], private={"origins": ["http://up.test:8080"]})
+    private = [ipaddress.ip_address("172.28.0.5")]
+    decision = decide(parse_target("http://up.test:8080/v1/x"), Client(), policy)
+    assert decision.allowed and decision.reason == "allowlist"
+    assert filter_addresses(decision, private, policy)[0] == private
+    other = decide(parse_target("http://up.test:8081/v1/x"), Client(), policy)
+    assert other.allowed and filter_addresses(other, private, policy)[0] == []
