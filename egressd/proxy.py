@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -418,7 +419,28 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
         import uvloop
     except ImportError:
         return None
-    return uvloop.new_event_loop
+    if sys.version_info < (3, 13):
+        return uvloop.new_event_loop
+    return _eager_start_tolerant_loop(uvloop.Loop)
+
+
+def _eager_start_tolerant_loop(base: type) -> Callable[[], asyncio.AbstractEventLoop]:
+    """On Python 3.13 uvloop (>= 0.22) calls a task factory with `eager_start=`, which
+    asyncio.eager_task_factory — set by egressd and by mitmproxy's Master — does not take: every
+    factory set on this loop is wrapped to drop it (the factory itself decides eagerness)."""
+
+    class Loop(base):  # type: ignore[misc, valid-type]
+        def set_task_factory(self, factory: Any) -> None:
+            if factory is None:
+                super().set_task_factory(None)
+                return
+
+            def tolerant(loop: Any, coro: Any, *, eager_start: bool | None = None, **kwargs: Any) -> Any:
+                return factory(loop, coro, **kwargs)
+
+            super().set_task_factory(tolerant)
+
+    return Loop
 
 
 def _quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
