@@ -793,9 +793,10 @@ def test_sandbox_accepts_every_exec_option() -> None:
     assert exec_command is not None and sandbox_command is not None
     exec_options = {p.name for p in exec_command.params}
     sandbox_options = {p.name for p in sandbox_command.params}
-    # exec's credential-free listener has no sandbox twin: in the sandbox every connection is the
-    # child's already (the launcher's listeners), so none needs credentials
-    assert exec_options - {"credentials_listener"} <= sandbox_options
+    # exec's own: the credential-free listener (in the sandbox every connection is the child's
+    # already: the launcher's listeners) and --attach/--pid (a child under a running egressd, which
+    # starts no sandbox)
+    assert exec_options - {"credentials_listener", "attach", "pid"} <= sandbox_options
     assert sandbox_options - exec_options == {
         "rw", "ro", "only", "bwrap_path", "hide", "show", "rw_home", "env_clear", "pass_env",
         "loopback_ports", "cache", "capture_direct",
