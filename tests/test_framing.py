@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import trustme
 
+from tests.support.corpus import read_head
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
 from tests.support.upstreams import EchoHTTPSServer
@@ -134,9 +135,7 @@ def _tunnel(run: EgressdRun, port: int) -> ssl.SSLSocket:
     host, proxy_port, auth = _auth(run)
     sock = socket.create_connection((host, proxy_port), timeout=10)
     sock.sendall(f"CONNECT up.test:{port} HTTP/1.1\r\nProxy-Authorization: {auth}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += sock.recv(4096)
+    head = read_head(sock)
     assert head.startswith(b"HTTP/1.1 200 "), head
     context = ssl.create_default_context(cafile=run.env["SSL_CERT_FILE"])
     return context.wrap_socket(sock, server_hostname="up.test")
@@ -144,13 +143,9 @@ def _tunnel(run: EgressdRun, port: int) -> ssl.SSLSocket:
 
 def _read_response(sock: socket.socket) -> bytes:
     """One response with a Content-Length body (or up to the close)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        piece = sock.recv(65536)
-        if not piece:
-            return data
-        data += piece
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, sep, body = read_head(sock).partition(b"\r\n\r\n")
+    if not sep:
+        return head  # closed before the head ended
     length = next(
         (
             int(line.split(b":")[1])
@@ -217,10 +212,7 @@ def _proxy_auth_answers(run: EgressdRun, server: ScriptedServer, value: bytes) -
     ):
         with socket.create_connection((host, port), timeout=10) as sock:
             sock.sendall(head + b"Proxy-Authorization: " + value + b"\r\n\r\n")
-            answer = b""
-            while b"\r\n\r\n" not in answer and (piece := sock.recv(65536)):
-                answer += piece
-            answers.append(answer)
+            answers.append(read_head(sock))
     return answers
 
 

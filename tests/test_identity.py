@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import trustme
 
+from tests.support.corpus import read_head
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, egressd_exec, write_policy
 from tests.support.upstreams import EchoHTTPServer
@@ -243,13 +244,7 @@ while [ ! -e {go_file} ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done
 def _raw_get(address: tuple[str, int], url: str) -> bytes:
     with socket.create_connection(address, timeout=20) as sock:
         sock.sendall(f"GET {url} HTTP/1.1\r\nHost: up.test\r\n\r\n".encode())
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-        return data
+        return read_head(sock)
 
 
 def test_a_process_outside_the_childs_tree_gets_407(
@@ -438,12 +433,9 @@ class WebSocketServer:
     def _client(self, raw: socket.socket) -> None:
         try:
             with self.context.wrap_socket(raw, server_side=True) as conn:
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    chunk = conn.recv(4096)
-                    if not chunk:
-                        return
-                    head += chunk
+                head = read_head(conn)
+                if b"\r\n\r\n" not in head:
+                    return  # closed before its head ended
                 key = next(
                     line.split(b":", 1)[1].strip()
                     for line in head.split(b"\r\n")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trustme
 
+from tests.support.corpus import read_head
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec, write_policy
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
@@ -188,9 +189,7 @@ def _peer_issuer(host: str, port: int, cafile: str, sni: str, proxy_url: str) ->
         f"CONNECT {sni}:{port} HTTP/1.1\r\nHost: {sni}:{port}\r\n"
         f"Proxy-Authorization: Basic {auth}\r\n\r\n".encode()
     )
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += sock.recv(4096)
+    head = read_head(sock)
     assert b" 200 " in head.split(b"\r\n")[0], head
     context = ssl.create_default_context(cafile=cafile)
     with context.wrap_socket(sock, server_hostname=sni) as tls:

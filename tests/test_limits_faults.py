@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.support.attempts import gave_up_after, wait_until
+from tests.support.corpus import read_head
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import TEST_POLICY, EgressdRun, egressd_exec, write_policy
 from tests.support.upstreams import EchoHTTPServer, StallingPort, TcpEchoServer
@@ -43,13 +44,7 @@ def open_tunnel(run: EgressdRun, target: str) -> tuple[socket.socket, bytes]:
     sock.sendall(
         f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {auth}\r\n\r\n".encode()
     )
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        head += chunk
-    return sock, head
+    return sock, read_head(sock)
 
 
 def curl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:

@@ -25,6 +25,7 @@ __all__ = [
     "Reader",
     "Response",
     "ServerSet",
+    "read_head",
     "read_response",
 ]
 
@@ -88,6 +89,19 @@ class Reader:
                 break
         body, self.buf = self.buf[:want], self.buf[want:]
         return Response(status=status, headers=headers, body=body, raw_head=head)
+
+
+def read_head(sock: socket.socket) -> bytes:
+    """What the peer sent up to the end of a head (the blank line), or until it closed: a raw read
+    for the tests that look at the bytes themselves (a CONNECT's answer, a request to a test
+    server). Anything read past the blank line stays at the end."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def read_response(sock: socket.socket, timeout: float = 10.0, *, head_only: bool = False) -> Response | None:
