@@ -9,7 +9,7 @@ import logging
 
 from egressd.admission import faults
 from egressd.admission.state import PolicyHolder
-from egressd.policy import Client, Decision, IPAddress, Mode, Program, decide, make_target
+from egressd.policy import Client, Decision, IPAddress, Mode, Program, decide_written
 from egressd.refusal import Refusal
 
 logger = logging.getLogger(__name__)
@@ -43,15 +43,20 @@ class Decider:
         if mode is not None and mode != policy.mode:
             policy = dataclasses.replace(policy, mode=mode)
         try:
-            target = make_target(host, port, scheme=scheme, path=path, method=method)
-        except ValueError as e:
-            return Decision(allowed=False, reason="invalid_target", rule=None, target=None, detail=str(e))
-        try:
             faults.maybe_fail("decide")
-            return decide(target, Client(profile, program), policy, self_addresses=self.self_addresses)
+            return decide_written(
+                host,
+                port,
+                Client(profile, program),
+                policy,
+                scheme=scheme,
+                path=path,
+                method=method,
+                self_addresses=self.self_addresses,
+            )
         except Exception as e:  # noqa: BLE001 - fail closed on any bug
             logger.exception("decision failed")
-            return Decision(allowed=False, reason="internal_error", rule=None, target=target, detail=repr(e))
+            return Decision(allowed=False, reason="internal_error", rule=None, target=None, detail=repr(e))
 
 
 def refusal_for(decision: Decision) -> Refusal:
