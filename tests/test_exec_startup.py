@@ -69,6 +69,17 @@ def test_exec_true_loads_none_of_the_later_parts(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr and "control API failed" not in result.stderr
 
 
+def test_exec_on_the_default_policy_never_loads_pyyaml(tmp_path: Path) -> None:
+    """No policy file, nothing to parse: PyYAML is loaded only to read one."""
+    env = {**os.environ, "EGRESSD_HOME": str(tmp_path / "home")}
+    result = importtime_exec([], ["true"], env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    names = imported(result)
+    assert loaded_early(names) == []
+    assert "egressd.policy.loader" in names
+    assert not {n for n in names if n == "yaml" or n.startswith(("yaml.", "egressd.policy.strict_yaml"))}
+
+
 def test_the_first_name_loads_the_resolver_without_doh(
     tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer
 ) -> None:

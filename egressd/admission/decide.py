@@ -9,16 +9,32 @@ import logging
 
 from egressd.admission import faults
 from egressd.admission.state import PolicyHolder
-from egressd.policy import Client, Decision, IPAddress, Mode, Program, decide, make_target
+from egressd.policy import Client, Decision, IPAddress, Mode, Policy, Program, decide_written
 from egressd.refusal import Refusal
 
 logger = logging.getLogger(__name__)
 
 
+# a key of the decisions remembered: what the client wrote, and who asks
+_Asked = tuple[str, int, str | None, str | None, str | None, str | None, Program | None]
+REMEMBERED = 4096  # decisions remembered for one policy at most (then forgotten all at once)
+
+
 class Decider:
+    """The decide step, with the last decisions of the policy in force remembered.
+
+    `decide_written` is a pure function of what the client wrote, who asks, the policy and egressd's
+    own addresses. A child asks the same few targets again and again, and deciding is a tenth of a
+    tunnel's set-up, so the answers are remembered by those inputs exactly as written (a spelling is
+    its own key, whose decision carries the canonical target) and all forgotten when the policy or
+    the own addresses change. Decisions are frozen; a bug's refusal (internal_error) is never kept;
+    a decision as another mode would make it (a grant's question) is not either."""
+
     def __init__(self, policies: PolicyHolder) -> None:
         self.policies = policies
         self.self_addresses: tuple[tuple[IPAddress, int], ...] = ()
+        self._remembered: dict[_Asked, Decision] = {}
+        self._remembered_for: tuple[Policy, tuple[tuple[IPAddress, int], ...]] | None = None
 
     def add_self_address(self, host: str, port: int) -> None:
         """egressd's own listeners: a connection to one is refused (`self`)."""
@@ -40,18 +56,55 @@ class Decider:
     ) -> Decision:
         """`mode`: decide as if the policy had this mode (a grant asks what `ask` would answer)."""
         policy = self.policies.get()
-        if mode is not None and mode != policy.mode:
+        remember = mode is None or mode == policy.mode
+        if not remember:
             policy = dataclasses.replace(policy, mode=mode)
         try:
-            target = make_target(host, port, scheme=scheme, path=path, method=method)
-        except ValueError as e:
-            return Decision(allowed=False, reason="invalid_target", rule=None, target=None, detail=str(e))
-        try:
             faults.maybe_fail("decide")
-            return decide(target, Client(profile, program), policy, self_addresses=self.self_addresses)
+            if not remember:
+                return self._decide(host, port, profile, scheme, method, path, program, policy)
+            own = self.self_addresses
+            if (
+                self._remembered_for is None
+                or self._remembered_for[0] is not policy
+                or self._remembered_for[1] is not own
+            ):
+                self._remembered, self._remembered_for = {}, (policy, own)
+            remembered = self._remembered
+            key = (host, port, profile, scheme, method, path, program)
+            decision = remembered.get(key)
+            if decision is None:
+                decision = self._decide(host, port, profile, scheme, method, path, program, policy)
+                if decision.reason != "internal_error":
+                    if len(remembered) >= REMEMBERED:
+                        remembered.clear()
+                    remembered[key] = decision
+            return decision
         except Exception as e:  # noqa: BLE001 - fail closed on any bug
             logger.exception("decision failed")
-            return Decision(allowed=False, reason="internal_error", rule=None, target=target, detail=repr(e))
+            return Decision(allowed=False, reason="internal_error", rule=None, target=None, detail=repr(e))
+
+    def _decide(
+        self,
+        host: str,
+        port: int,
+        profile: str | None,
+        scheme: str | None,
+        method: str | None,
+        path: str | None,
+        program: Program | None,
+        policy: Policy,
+    ) -> Decision:
+        return decide_written(
+            host,
+            port,
+            Client(profile, program),
+            policy,
+            scheme=scheme,
+            path=path,
+            method=method,
+            self_addresses=self.self_addresses,
+        )
 
 
 def refusal_for(decision: Decision) -> Refusal:

@@ -5,7 +5,16 @@ SOCKS, the sandbox bridge, the SSH relay and ``egressd check`` cannot disagree.
 """
 
 from .addresses import AddressClass, classify, embedded_ipv4
-from .decision import AddressVerdict, Client, Decision, Program, decide, filter_addresses, resolution_refusal
+from .decision import (
+    AddressVerdict,
+    Client,
+    Decision,
+    Program,
+    decide,
+    decide_written,
+    filter_addresses,
+    resolution_refusal,
+)
 from .hosts import (
     Host,
     IPAddress,
@@ -64,6 +73,7 @@ __all__ = [
     "canonical_host",
     "classify",
     "decide",
+    "decide_written",
     "default_policy",
     "embedded_ipv4",
     "filter_addresses",

@@ -20,7 +20,6 @@ from .hosts import (
     join_host_port,
     make_target,
     parse_target,
-    trusted_spelling,
 )
 from .model import Policy, Profile
 from .paths import normalise_path, path_matches
@@ -32,6 +31,7 @@ __all__ = [
     "Decision",
     "Program",
     "decide",
+    "decide_written",
     "filter_addresses",
     "resolution_refusal",
 ]
@@ -140,21 +140,14 @@ def _as_ip(value: object) -> IPAddress:
     return canonical_ip(ipaddress.ip_address(str(value)))
 
 
-def _canonical(raw: Target | str) -> tuple[Target, tuple[str, str]]:
-    """The canonical Target and its (host text, authority).
-
-    A Target straight from make_target is trusted as it is; any other Target is rebuilt.
-    """
+def _canonical(raw: Target | str) -> Target:
+    """The canonical Target of a `host:port` text, or of a Target built anywhere: its host is
+    canonicalised again (``Target(Host("EXAMPLE.com"), 443)`` is a Target too)."""
     if isinstance(raw, str):
-        target = parse_target(raw)
-    else:
-        spelling = trusted_spelling(raw)
-        if spelling is not None:
-            return raw, spelling
-        if not isinstance(raw, Target) or not isinstance(raw.host, Host):
-            raise TargetError(f"not a target: {raw!r}")
-        target = make_target(raw.host.text, raw.port, scheme=raw.scheme, path=raw.path, method=raw.method)
-    return target, trusted_spelling(target) or (target.host.text, target.authority())
+        return parse_target(raw)
+    if not isinstance(raw, Target) or not isinstance(raw.host, Host):
+        raise TargetError(f"not a target: {raw!r}")
+    return make_target(raw.host, raw.port, scheme=raw.scheme, path=raw.path, method=raw.method)
 
 
 def _is_loopback_name(host: Host) -> bool:
@@ -180,10 +173,11 @@ def _describe(ip: IPAddress, policy: Policy) -> tuple[AddressClass, str]:
     return klass
 
 
-def _request(target: Target, spelling: tuple[str, str]) -> _Request:
+def _request(target: Target) -> _Request:
     """What the steps ask about the target, worked out once instead of once per step."""
     host = target.host
-    text, where = spelling
+    text = host.text
+    where = join_host_port(text, target.port)
     klass = describe(host.ip) if host.ip is not None else None
     loopback_name = _is_loopback_name(host)
     path = target.path
@@ -200,48 +194,6 @@ def _request(target: Target, spelling: tuple[str, str]) -> _Request:
         path is not None,
         target.method or "GET",
     )
-
-
-def _new_decision(
-    allowed: bool,
-    reason: str,
-    rule: str | None,
-    target: Target | None,
-    detail: str,
-    ask: bool = False,
-    needs_resolution: bool = False,
-    needs_inspection: bool = False,
-    private_ok: bool = False,
-    addresses: tuple[IPAddress, ...] = (),
-    profile: str | None = None,
-    self_addresses: tuple[tuple[IPAddress, int], ...] = (),
-    would_be: str | None = None,
-) -> Decision:
-    """``Decision(...)``, field for field, without the frozen dataclass ``__init__``.
-
-    That ``__init__`` makes one ``object.__setattr__`` call per field: ~2 µs, a third of a decision.
-    """
-    decision = object.__new__(Decision)
-    object.__setattr__(
-        decision,
-        "__dict__",
-        {
-            "allowed": allowed,
-            "reason": reason,
-            "rule": rule,
-            "target": target,
-            "detail": detail,
-            "ask": ask,
-            "needs_resolution": needs_resolution,
-            "needs_inspection": needs_inspection,
-            "private_ok": private_ok,
-            "addresses": addresses,
-            "profile": profile,
-            "self_addresses": self_addresses,
-            "would_be": would_be,
-        },
-    )
-    return decision
 
 
 def _fmt(ip: IPAddress, port: int) -> str:
@@ -307,7 +259,7 @@ def _exe_refusal(rules: RuleSet, request: _Request, client: Client) -> Decision 
 
 
 def _refuse(request: _Request, reason: str, rule: str | None, detail: str, client: Client) -> Decision:
-    return _new_decision(False, reason, rule, request.target, detail, profile=client.profile)
+    return Decision(False, reason, rule, request.target, detail, profile=client.profile)
 
 
 def _self_match(
@@ -384,7 +336,7 @@ def _finish(
     else:
         addresses = ()
     needs_resolution = not addresses
-    return _new_decision(
+    return Decision(
         not outcome.ask,
         outcome.reason,
         outcome.rule,
@@ -470,13 +422,9 @@ def _builtin_step(
     return _refuse(request, "builtin_path", f"builtin: {text}", detail, client)
 
 
-def _decide(raw: Target | str, client: Client, policy: Policy, own: _Own) -> Decision:
-    # 1. Parse and canonicalise once.
-    try:
-        target, spelling = _canonical(raw)
-    except TargetError as exc:
-        return Decision(False, "invalid_target", None, None, detail=f"{exc}.", profile=client.profile)
-    request = _request(target, spelling)
+def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decision:
+    """The steps, on a canonical Target (1. parse and canonicalise: the callers, once)."""
+    request = _request(target)
     request.program = client.program
     if policy.loopback.addresses and request.host.ip is not None and not request.loopback:
         request.klass = _describe(request.host.ip, policy)
@@ -602,6 +550,40 @@ def decide(
 ) -> Decision:
     """Decide one connection or request. Never raises: failures become ``internal_error`` refusals."""
     try:
+        canonical = _canonical(target)
+    except TargetError as exc:
+        return _invalid(exc, client)
+    return _guarded(canonical, client, policy, self_addresses)
+
+
+def decide_written(
+    host: str,
+    port: int,
+    client: Client,
+    policy: Policy,
+    *,
+    scheme: str | None = None,
+    path: str | None = None,
+    method: str | None = None,
+    self_addresses: Collection[tuple[IPAddress, int]] = (),
+) -> Decision:
+    """``decide`` for a target as a client wrote it, in parts (a CONNECT's authority, a request's
+    method and path): canonicalised once, here. Never raises."""
+    try:
+        canonical = make_target(host, port, scheme=scheme, path=path, method=method)
+    except TargetError as exc:
+        return _invalid(exc, client)
+    return _guarded(canonical, client, policy, self_addresses)
+
+
+def _invalid(exc: TargetError, client: Client) -> Decision:
+    return Decision(False, "invalid_target", None, None, detail=f"{exc}.", profile=client.profile)
+
+
+def _guarded(
+    target: Target, client: Client, policy: Policy, self_addresses: Collection[tuple[IPAddress, int]]
+) -> Decision:
+    try:
         own = self_addresses if type(self_addresses) is tuple else tuple(self_addresses)
         return _decide(target, client if client is not None else Client(), policy, own)
     except Exception as exc:  # the decision must always be an answer, and a refusal when unsure
@@ -609,7 +591,7 @@ def decide(
             allowed=False,
             reason="internal_error",
             rule=None,
-            target=target if isinstance(target, Target) else None,
+            target=target,
             detail=f"internal error while deciding: {type(exc).__name__}: {exc}",
         )
 

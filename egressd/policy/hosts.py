@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import idna
 
@@ -24,7 +24,6 @@ __all__ = [
     "canonical_ip",
     "make_target",
     "parse_target",
-    "trusted_spelling",
 ]
 
 
@@ -43,7 +42,6 @@ def _error(raw: object, reason: str) -> TargetError:
     return TargetError(f"{raw!r}: {reason}", reason)
 
 
-_SEAL = "_egressd_made_by_make_target"  # instance attribute of make_target's Targets
 _SCHEMES = frozenset({"http", "https", "socks5", "connect"})
 _URL_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 # ws/wss travel as HTTP upgrades, so they are decided as http/https.
@@ -68,12 +66,12 @@ class Host:
 
     name: str | None
     ip: IPAddress | None = None
+    # the canonical spelling (IPv6 without brackets), worked out once: every step reads it
+    text: str = field(init=False, compare=False, repr=False)
 
-    @property
-    def text(self) -> str:
-        """The canonical spelling (IPv6 without brackets)."""
+    def __post_init__(self) -> None:
         ip = self.ip
-        return (self.name or "") if ip is None else str(ip)
+        object.__setattr__(self, "text", (self.name or "") if ip is None else str(ip))
 
     @property
     def is_ip(self) -> bool:
@@ -91,10 +89,7 @@ class Host:
 
 @dataclass(frozen=True)
 class Target:
-    """What a client asked to reach, after canonicalisation.
-
-    Those made by make_target carry a seal so that decide() need not canonicalise them again.
-    """
+    """What a client asked to reach, after canonicalisation (make_target builds it)."""
 
     host: Host
     port: int
@@ -349,6 +344,11 @@ def _check_no_space(text: str) -> None:
             raise _error(text, "target contains whitespace or control characters")
 
 
+def _spelled(host: Host) -> str:
+    """A Host's spelling from its fields (a Host may have been built by hand, or changed)."""
+    return (host.name or "") if host.ip is None else str(host.ip)
+
+
 def make_target(
     host: str | Host,
     port: int,
@@ -358,7 +358,7 @@ def make_target(
     method: str | None = None,
 ) -> Target:
     """Build a canonical Target; the engine calls this with what the client sent."""
-    canonical = canonical_host(host.text if isinstance(host, Host) else host)
+    canonical = canonical_host(_spelled(host) if isinstance(host, Host) else host)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise TargetError(f"{canonical.text}: port {port!r} out of range 1-65535")
     if scheme is not None:
@@ -369,36 +369,4 @@ def make_target(
         if not _METHOD.fullmatch(method):
             raise TargetError(f"{canonical.text}: invalid method {method!r}")
         method = method.upper()
-    target = Target(host=canonical, port=port, scheme=scheme, path=path, method=method)
-    # Remember the very objects built here, so decide() can trust this Target instead of parsing it
-    # again; a Target built or changed any other way does not match the seal (see trusted_spelling).
-    seal = (canonical, canonical.name, canonical.ip, port, scheme, path, method)
-    text = canonical.text
-    object.__setattr__(target, _SEAL, (seal, text, join_host_port(text, port)))
-    return target
-
-
-def trusted_spelling(target: object) -> tuple[str, str] | None:
-    """(host text, authority) of a Target exactly as make_target built it, else None.
-
-    Identity, not equality: ``Target(Host("EXAMPLE.com"), 443)`` or a Target whose fields were
-    swapped after the fact (``port=True`` equals 1) must be canonicalised again, never trusted.
-    """
-    if type(target) is not Target:
-        return None
-    sealed = target.__dict__.get(_SEAL)
-    if sealed is None:
-        return None
-    (host, name, ip, port, scheme, path, method), text, authority = sealed
-    current = target.host
-    if (
-        current is host
-        and current.name is name
-        and current.ip is ip
-        and target.port is port
-        and target.scheme is scheme
-        and target.path is path
-        and target.method is method
-    ):
-        return text, authority
-    return None
+    return Target(host=canonical, port=port, scheme=scheme, path=path, method=method)

@@ -13,8 +13,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-import yaml
-
 from .entries import _NO_ENTRY, PolicyError, parse_nameserver, parse_rule_list
 from .hosts import Host, TargetError, canonical_host
 from .model import (
@@ -407,39 +405,6 @@ def parse_policy(data: object, source: str) -> Policy:
     )
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader without YAML 1.1 surprises (``off`` → False) and with duplicate keys refused."""
-
-
-_StrictLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
-    result: dict[Any, Any] = {}
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            hash(key)  # `[a]: 1` or `? {a: 1}`: YAML allows it, a policy does not
-        except TypeError:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"a mapping key must be a scalar, not {type(key).__name__}", key_node.start_mark
-            ) from None
-        if key in result:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        result[key] = loader.construct_object(value_node, deep=True)
-    return result
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
@@ -459,9 +424,11 @@ def _decode(text: str, source: str, as_json: bool) -> object:
             return json.loads(text, object_pairs_hook=_json_pairs, parse_constant=_reject_constant)
         except ValueError as exc:
             raise PolicyError(source, None, message=f"invalid JSON: {exc}") from None
+    from . import strict_yaml  # here: a run without a policy file never loads PyYAML
+
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
+        return strict_yaml.load(text)
+    except strict_yaml.YAMLError as exc:
         raise PolicyError(source, None, message=f"invalid YAML: {exc}") from None
 
 

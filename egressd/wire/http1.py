@@ -14,6 +14,7 @@ and reads the upstream's responses (h11 client role). No I/O, no mitmproxy, no p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -520,7 +521,18 @@ class ConnectHead:
 
 
 def read_connect(head: bytes) -> ConnectHead:
-    """One complete CONNECT head (the raw-head guard already passed it) read by h11. Raises WireError."""
+    """One complete CONNECT head (the raw-head guard already passed it) read by h11. Raises WireError.
+
+    A child sends the same head again and again (one client library, one registry, one token), and
+    reading it is a tenth of a tunnel's set-up: the last heads read are remembered, by their exact
+    bytes. Reading is a pure function of those bytes, so a remembered answer is the answer; a head
+    that raises is read again each time; only short heads are kept (at most 256 of 2 KiB)."""
+    if len(head) <= _REMEMBERED_HEAD:
+        return _read_connect_remembered(head)
+    return _read_connect(head)
+
+
+def _read_connect(head: bytes) -> ConnectHead:
     line = head.split(b"\r\n", 1)[0]
     if not line.isascii():
         raise WireError(f"non-ASCII bytes in the CONNECT request line {ascii(line[:200].decode('latin-1'))}")
@@ -547,3 +559,7 @@ def read_connect(head: bytes) -> ConnectHead:
     if len(credentials) > 1:
         raise WireError("more than one Proxy-Authorization header")
     return ConnectHead(host, int(port_text), credentials[0].strip() if credentials else None)
+
+
+_REMEMBERED_HEAD = 2048
+_read_connect_remembered = functools.lru_cache(maxsize=256)(_read_connect)

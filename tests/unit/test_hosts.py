@@ -20,19 +20,22 @@ V4 = ipaddress.IPv4Address
 V6 = ipaddress.IPv6Address
 
 
-def test_ip_text_is_kept_only_for_the_same_ip_object() -> None:
-    """Host.text keeps str(ip) (a tunnel asks several times), tied to the very ip object it was made from."""
+def test_host_text_is_worked_out_once_from_its_fields() -> None:
+    """Host.text is the canonical spelling, made when the Host is (every step reads it); it is no
+    field of equality or repr, and a Host changed behind the frozen dataclass's back is spelled from
+    its fields again wherever a target is made of it."""
     import copy
     import pickle
 
     host = canonical_host("127.1")
-    assert host.text == "127.0.0.1" and host.text == "127.0.0.1"
+    assert host.text == "127.0.0.1" and Host("example.com").text == "example.com"
+    assert Host(None, V6("2001:db8::1")).text == "2001:db8::1" and Host(None).text == ""
     assert host == Host(None, V4("127.0.0.1")) and hash(host) == hash(Host(None, V4("127.0.0.1")))
-    assert repr(host) == "Host(name=None, ip=IPv4Address('127.0.0.1'))"  # the kept text is no field
+    assert repr(host) == "Host(name=None, ip=IPv4Address('127.0.0.1'))"
     assert copy.deepcopy(host).text == "127.0.0.1" and pickle.loads(pickle.dumps(host)).text == "127.0.0.1"
     object.__setattr__(host, "ip", V6("::1"))  # swapped behind the frozen dataclass's back
-    assert host.text == "::1" and host.url_host() == "[::1]"
     assert make_target(host, 443).host.text == "::1"
+    assert make_target(Target(host, 443).host, 443).host == Host(None, V6("::1"))
 
 
 @pytest.mark.parametrize(

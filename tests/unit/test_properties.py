@@ -21,13 +21,13 @@ from egressd.policy import (
     canonical_host,
     classify,
     decide,
+    decide_written,
     hosts,
     make_target,
     parse_policy,
     parse_rule,
 )
 from egressd.policy.addresses import describe, embedded_ipv4_candidates
-from egressd.policy.hosts import trusted_spelling
 
 V4 = ipaddress.IPv4Address
 
@@ -322,8 +322,35 @@ def test_make_target_is_idempotent(
         return
     again = make_target(made.host.text, made.port, scheme=made.scheme, path=made.path, method=made.method)
     assert again == made
-    assert trusted_spelling(made) == (made.host.text, made.authority()) == trusted_spelling(again)
+    assert again.host.text == made.host.text and again.authority() == made.authority()
 
+
+
+NAMES_POLICY = parse_policy(
+    {
+        "version": 1,
+        "allow": ["example.com", "*.svc.test", "10.0.0.0/8", {"host": "api.test", "paths": ["/v1"]}],
+        "deny": ["bad.example.com", {"host": "api.test", "paths": ["/v1/admin"]}],
+    },
+    "names.yaml",
+)
+
+
+@settings(max_examples=400)
+@given(hosts_raw | st.text(max_size=30), st.integers(0, 70000), schemes, paths, methods)
+def test_a_written_target_decides_as_its_canonical_target(
+    raw: str, port: int, scheme: str | None, path: str | None, method: str | None
+) -> None:
+    """The pipeline decides what a client wrote (decide_written); any spelling of a target decides
+    exactly as the canonical Target does, and the decision carries that target, never the spelling."""
+    written = decide_written(raw, port, Client(), NAMES_POLICY, scheme=scheme, path=path, method=method)
+    try:
+        made = make_target(raw, port, scheme=scheme, path=path, method=method)
+    except TargetError:
+        assert written.reason == "invalid_target" and not written.allowed and written.target is None
+        return
+    assert written == decide(made, Client(), NAMES_POLICY)
+    assert written.target == made and written.target.host.text == made.host.text
 
 # -- the fast paths of canonical_host answer as the general code does ------------------------------
 
