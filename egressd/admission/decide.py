@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 # a key of the decisions remembered: what the client wrote, and who asks
 _Asked = tuple[str, int, str | None, str | None, str | None, str | None, Program | None]
 REMEMBERED = 4096  # decisions remembered for one policy at most (then forgotten all at once)
+REMEMBERED_TEXT = 512  # host and path of one remembered decision, in characters at most
 
 
 class Decider:
@@ -75,7 +76,7 @@ class Decider:
             decision = remembered.get(key)
             if decision is None:
                 decision = self._decide(host, port, profile, scheme, method, path, program, policy)
-                if decision.reason != "internal_error":
+                if decision.reason != "internal_error" and len(host) + len(path or "") <= REMEMBERED_TEXT:
                     if len(remembered) >= REMEMBERED:
                         remembered.clear()
                     remembered[key] = decision

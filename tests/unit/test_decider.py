@@ -91,6 +91,10 @@ def test_decisions_remembered_are_bounded_and_a_mode_question_is_not_kept() -> N
     for n in range(decide_step.REMEMBERED + 10):
         decider.decide(f"h{n}.svc.test", 443, None, scheme="connect", method="CONNECT")
     assert 0 < len(decider._remembered) <= decide_step.REMEMBERED
+    decider._remembered.clear()
+    decider.decide("a.svc.test", 443, None, scheme="https", method="GET", path="/" + "x" * 600)
+    decider.decide("b" * 600 + ".svc.test", 443, None, scheme="connect", method="CONNECT")
+    assert decider._remembered == {}  # a long host or path is decided, never kept
     before = dict(decider._remembered)
     asked_as_ask = decider.decide("other.test", 443, None, scheme="connect", method="CONNECT", mode="ask")
     assert asked_as_ask.ask and decider._remembered == before
