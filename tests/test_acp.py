@@ -10,7 +10,6 @@ do must go through this egressd, and the refusals must reach the client with the
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from acp.schema import (  # noqa: E402
     WaitForTerminalExitResponse,
 )
 
+from tests.support.audit_log import audit_records  # noqa: E402
 from tests.support.dns_server import DnsServer  # noqa: E402
 from tests.support.egressd_cli import EGRESSD  # noqa: E402
 from tests.support.upstreams import EchoHTTPServer  # noqa: E402
@@ -221,7 +221,7 @@ async def test_agent_mcp_server_terminal_and_remote_servers_stay_under_egressd(
         assert env["HTTP_PROXY"].startswith("http://egressd:") and env["NO_PROXY"] == ""
         terminal = next(t for _, t in client.updates if t.startswith("terminal exit="))
         assert "X-Egressd-Reason: not_allowlisted" in terminal
-    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    records = audit_records(audit)
     decided = [(r.get("host"), r.get("decision")) for r in records if r.get("host")]
     assert ("up.test", "allow") in decided  # the allowed fetch went through egressd
     assert ("refused.test", "deny") in decided

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import trustme
 
+from tests.support.audit_log import audit_records
 from tests.support.control import Follower, ask_policy, cli, cli_json, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun
@@ -121,7 +122,7 @@ def test_approve_for_this_run_admits_later_requests_without_asking(
 
 
 def _audit_reasons(audit: Path, host: str) -> list[tuple[str, str]]:
-    rows = [json.loads(line) for line in audit.read_text().splitlines()]
+    rows = audit_records(audit)
     return [
         (r["reason"], r.get("rule")) for r in rows if r.get("host") == host and r.get("stage") == "request"
     ]

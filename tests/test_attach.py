@@ -19,6 +19,7 @@ import pytest
 from egressd.attach import quick_parse
 from egressd.control.client import ControlClient
 from tests.support.attempts import wait_until
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, write_policy
 from tests.support.upstreams import EchoHTTPServer
@@ -66,7 +67,7 @@ def test_attached_child_is_decided_audited_and_counted_as_itself(
         assert info["pid"] == run.proc.pid  # type: ignore[union-attr]
         curls = {name: c for name, c in info["clients"].items() if name.startswith("curl[")}
         assert sorted((c["allowed"], c["refused"]) for c in curls.values()) == [(0, 1), (1, 0)]
-    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    records = audit_records(audit)
     children = [r for r in records if r.get("event") == "child"]
     assert [c["program"] for c in children] == ["curl", "curl"]
     decided = {r["client"] for r in records if r.get("stage") in ("request", "connect")}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import re
 import stat
 import sys
@@ -13,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from egressd.observe.audit import AuditLog, new_conn_id, redact_query, utc_timestamp
+from tests.support.audit_log import audit_records
 
 TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 
 def lines(path: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return audit_records(path)
 
 
 def test_decision_line_has_the_contract_keys(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import trustme
 
 from egressd.child_env import CA_BUNDLE_VARS
 from egressd.client_env import NODE_WARNING_FLAG, node_options, node_supports_disable_warning, wgetrc_text
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import egressd_exec, write_policy
 from tests.support.upstreams import EchoHTTPSServer
@@ -136,7 +137,7 @@ def test_wget_trusts_egressd_through_an_inspected_tunnel_with_the_users_wgetrc(
     assert echoed["path"] == "/through-wget"
     headers = {k.lower(): v for k, v in echoed["headers"].items()}
     assert headers["user-agent"] == "my-own-agent/1.0"  # the user's wgetrc applied too
-    inspected = [json.loads(line) for line in audit.read_text().splitlines()]
+    inspected = audit_records(audit)
     # the request was read inside the tunnel: inspected, so wget trusted egressd's certificate
     assert any(r.get("method") == "GET" and r.get("path") == "/through-wget" for r in inspected), inspected
     # without egressd's WGETRC, wget does not trust egressd's certificate for the host

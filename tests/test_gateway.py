@@ -22,6 +22,7 @@ import pytest
 
 from tests.support import netns
 from tests.support.attempts import wait_until
+from tests.support.audit_log import audit_records
 from tests.support.corpus import ProxyClient, tunnel_get
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, GatewayRun, write_policy
@@ -70,12 +71,6 @@ def curl(proxy: str, url: str, *extra: str) -> tuple[int, dict[str, str], bytes]
 def client(run: GatewayRun, name: str, token: str, socks_port: int | None = None) -> ProxyClient:
     host, port = run.address
     return ProxyClient(host=host, port=port, username=name, password=token, socks_port=socks_port)
-
-
-def audit_records(path: Path) -> list[dict[str, object]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import shutil
 import socket
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 import trustme
 
+from tests.support.audit_log import audit_records
 from tests.support.corpus import read_head
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, egressd_exec, write_policy
@@ -44,7 +44,7 @@ for url in sys.argv[1:]:
 
 
 def audit(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return audit_records(path)
 
 
 def decisions(records: list[dict[str, Any]], host: str) -> list[dict[str, Any]]:

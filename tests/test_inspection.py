@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trustme
 
+from tests.support.audit_log import audit_records
 from tests.support.corpus import read_head
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec, write_policy
@@ -292,7 +293,7 @@ def test_credentials_stripped_on_cross_origin_redirect(
         assert same_origin["path"] == "/same"
         assert same_origin["headers"]["authorization"] == "Bearer secret-token"
         assert same_origin["headers"]["x-api-key"] == "k-123"
-    events = [json.loads(line) for line in audit.read_text().splitlines()]
+    events = audit_records(audit)
     stripped = [e for e in events if e["event"] == "credentials_stripped"]
     assert len(stripped) == 1
     # requests drops Authorization (and the Cookie header) itself; the custom X-Api-Key it forwards
@@ -352,7 +353,7 @@ def test_max_response_bytes(
     )
     assert stream.returncode != 0
     assert stream.stdout.count(b"data:") < 10
-    events = [json.loads(line) for line in audit.read_text().splitlines()]
+    events = audit_records(audit)
     assert len([e for e in events if e["event"] == "response_cut"]) == 3
 
 

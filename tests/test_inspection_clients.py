@@ -25,6 +25,7 @@ import pytest
 import trustme
 
 from egressd.child_env import CA_BUNDLE_VARS
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import egressd_exec, write_policy
 from tests.support.git_server import GitHTTPServer, git_env, make_bare_repo
@@ -118,7 +119,7 @@ class Runner:
         if not inspect:
             options.append("--no-inspect")
         proc = egressd_exec(options, command, env=self.env(env), timeout=timeout)
-        records = [json.loads(line) for line in audit.read_text().splitlines()] if audit.exists() else []
+        records = audit_records(audit)
         return proc, records
 
 

@@ -7,17 +7,16 @@ connection is attempted: the audit shows the refusal and no connection record fo
 
 from __future__ import annotations
 
-import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trustme
 import yaml
 
 from egressd.policy import load_policy
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
@@ -46,10 +45,6 @@ def header(result: subprocess.CompletedProcess[bytes], name: str) -> str | None:
         if key.strip().lower() == name.lower():
             return value.strip()
     return None
-
-
-def audit_records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import json
 import os
 import signal
 import socket
@@ -17,6 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.support.attempts import gave_up_after, wait_until
+from tests.support.audit_log import audit_records
 from tests.support.corpus import read_head
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import TEST_POLICY, EgressdRun, egressd_exec, write_policy
@@ -138,7 +138,7 @@ def test_slow_request_head_is_cut(policy_with: object, dns: DnsServer, tmp_path:
                 pass
         assert closed, "a Slowloris client was not cut"
         assert time.monotonic() - start < 5
-    events = [json.loads(line) for line in audit.read_text().splitlines()]
+    events = audit_records(audit)
     assert any(e["event"] == "header_timeout" for e in events)
 
 
@@ -158,7 +158,7 @@ def test_blackholed_address_then_next(tmp_path: Path, dns: DnsServer, stalling_p
         elapsed = time.monotonic() - start
         assert parse_http(result.stdout)[0] == 200
         assert second.connections == 1
-    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    records = audit_records(audit)
     connections = [r for r in records if r.get("stage") == "connection"]
     assert connections[-1]["connected"] == f"{second.host}:{port}"
     assert connections[-1]["resolved"] == [host, second.host]
@@ -229,7 +229,7 @@ def test_half_closed_tunnel_finishes(
         sock.close()
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            events = [json.loads(line) for line in audit.read_text().splitlines()]
+            events = audit_records(audit)
             if any(e["event"] == "closed" and e["host"] == "up.test" for e in events):
                 break
             time.sleep(0.1)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.audit_log import audit_records
 from tests.support.egressd_cli import EGRESSD
 
 PROBE = (
@@ -43,7 +44,7 @@ def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 
 def records(audit: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in audit.read_text().splitlines() if line.strip()]
+    return audit_records(audit)
 
 
 COMMANDS = [["exec"], ["sandbox"], ["acp"], ["mcp", "run"]]

@@ -20,6 +20,7 @@ import trustme
 
 from egressd.child_env import CA_BUNDLE_VARS
 from tests.support import netns
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import egressd_exec, write_policy
 from tests.support.upstreams import EchoHTTPSServer
@@ -56,7 +57,7 @@ def run(tmp_path: Path, dns: DnsServer, command: list[str], *extra: str) -> tupl
     audit = tmp_path / "audit.jsonl"
     options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit), *extra]
     result = egressd_exec(options, command, env=child_env())
-    records = [json.loads(line) for line in audit.read_text().splitlines()] if audit.exists() else []
+    records = audit_records(audit)
     return result.stdout.decode(), result.stderr.decode(), records
 
 

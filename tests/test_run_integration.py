@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.attempts import wait_until
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, TEST_POLICY, EgressdRun, egressd_exec, write_policy
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer, TcpEchoServer
@@ -165,7 +166,7 @@ def test_audit_file_and_trace(
         ],
     )
     assert result.returncode == 0, result.stderr.decode()
-    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    records = audit_records(audit)
     decisions = [r for r in records if r["event"] == "decision"]
     closed = [r for r in records if r["event"] == "closed"]
     assert any(

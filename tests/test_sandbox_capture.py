@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import write_policy
 from tests.support.netns import UPSTREAM_V4
@@ -61,7 +62,7 @@ def audit(tmp_path: Path) -> Path:
 
 
 def records(audit: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in audit.read_text().splitlines()] if audit.exists() else []
+    return audit_records(audit)
 
 
 def refused_in_audit(audit: Path, host: str, reason: str) -> bool:

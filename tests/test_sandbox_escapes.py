@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, write_policy
 from tests.support.netns import UPSTREAM_V4
@@ -294,7 +295,7 @@ def test_the_policy_and_audit_in_the_working_directory_cannot_be_changed(work: P
         "request": 403,
     }
     assert policy.read_text() == original
-    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    records = audit_records(audit)
     assert not any(r.get("forged") for r in records)
     assert any(r.get("host") == "elsewhere.test" and r.get("reason") == "not_allowlisted" for r in records)
 

@@ -19,6 +19,7 @@ import pytest
 
 from egressd.policy import parse_policy
 from egressd.ssh_env import git_ssh_command, proxy_command, ssh_may_be_allowed, with_git_ssh
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import egressd_exec, write_policy
 from tests.support.netns import UPSTREAM_V4
@@ -249,5 +250,5 @@ def test_git_clone_over_ssh_with_exec(
     )
     assert result.returncode == 0, result.stderr.decode()
     assert (work_dir / "clone" / "README").exists()
-    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    records = audit_records(audit)
     assert any(r["event"] == "decision" and r["host"] == "git.test" and r["port"] == 22 for r in records)

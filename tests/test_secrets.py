@@ -25,6 +25,7 @@ import pytest
 import trustme
 
 from egressd.child_env import CA_BUNDLE_VARS
+from tests.support.audit_log import audit_records
 from tests.support.control import cli_json, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec, write_policy
@@ -127,10 +128,6 @@ def proxy_options(policy: Path, dns: DnsServer, ca_file: Path) -> list[str]:
 
 def exec_options(policy: Path, dns: DnsServer, ca_file: Path, audit: Path) -> list[str]:
     return [*proxy_options(policy, dns, ca_file), "--audit", str(audit), "--trace"]
-
-
-def audit_records(audit: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in audit.read_text().splitlines()] if audit.exists() else []
 
 
 def refused(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

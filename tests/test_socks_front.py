@@ -9,7 +9,6 @@ its handshake is cut by header_timeout; a handshake in 1-byte writes is served l
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import struct
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.audit_log import audit_records
 from tests.support.corpus import ProxyClient
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
@@ -57,7 +57,7 @@ class Lab:
     def records(self) -> list[dict[str, object]]:
         if not self.audit.exists():
             return []
-        return [json.loads(line) for line in self.audit.read_text().splitlines() if line.strip()]
+        return audit_records(self.audit)
 
     def wait_record(self, **fields: object) -> dict[str, object]:
         """The first audit record with these fields (written asynchronously: waited for)."""

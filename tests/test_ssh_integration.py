@@ -30,6 +30,7 @@ import pytest
 import trustme
 
 from tests.support import ssh_lab
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD
 from tests.support.ssh_lab import INTERNET, PROBE, SshLab
@@ -249,7 +250,7 @@ def test_relay_allowed_only_through_the_client_refused_with_reason(
     assert "unreachable" in out["direct"]["error"].lower()
     assert internet.connections == 2  # the two allowed requests; nothing from a refused one
     # decided and audited here, on the client, like any `exec` child's requests
-    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    records = audit_records(audit)
     decided = {(r["host"], r["decision"], r["reason"]) for r in records if r["event"] == "decision"}
     assert {("up.test", "allow", "allowlist"), ("denied.test", "deny", "denylist")} <= decided
 
@@ -652,7 +653,7 @@ def test_remote_egress_enforces_the_pushed_policy_and_follows_changes(
         assert again["status"] == 403 and again["reason"] == "denylist"
         assert run.finish() == 0, run.stderr
     assert [r["path"] for r in internet.requests] == ["/1"]
-    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    records = audit_records(audit)
     decisions = [r for r in records if r["event"] == "decision" and r["host"] == "up.test"]
     assert {r["remote"] for r in records} == {lab.destination}
     assert [d["decision"] for d in decisions if d.get("path") in ("/1", "/2")] == ["allow", "deny"]

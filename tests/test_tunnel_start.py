@@ -9,7 +9,6 @@ CONNECTs for up to 1.5 s. Real clients, a real `egressd run`, real servers on 12
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.audit_log import audit_records
 from tests.support.corpus import ProxyClient, read_response
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
@@ -141,7 +141,7 @@ def closed_by_proxy(sock: socket.socket, timeout: float = 10.0) -> bool:
 def refusals(audit: Path, reason: str) -> list[dict[str, object]]:
     if not audit.exists():
         return []
-    records = [json.loads(line) for line in audit.read_text().splitlines() if line.strip()]
+    records = audit_records(audit)
     return [r for r in records if r.get("reason") == reason]
 
 

@@ -25,6 +25,7 @@ import pytest
 import trustme
 
 from tests.support.attempts import wait_until
+from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, egressd_exec, write_policy
 from tests.support.squid import base_conf, running_squid
@@ -120,7 +121,7 @@ def _curl(*args: str) -> list[str]:
 
 
 def _audit(path: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return audit_records(path)
 
 
 # -- allowed traffic goes through the parent ------------------------------------------------------

@@ -325,7 +325,6 @@ def test_make_target_is_idempotent(
     assert again.host.text == made.host.text and again.authority() == made.authority()
 
 
-
 NAMES_POLICY = parse_policy(
     {
         "version": 1,
@@ -351,6 +350,7 @@ def test_a_written_target_decides_as_its_canonical_target(
         return
     assert written == decide(made, Client(), NAMES_POLICY)
     assert written.target == made and written.target.host.text == made.host.text
+
 
 # -- the fast paths of canonical_host answer as the general code does ------------------------------
 
