@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import trustme
 
+from tests.support.audit_log import audit_records
 from tests.support.corpus import read_head
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
@@ -58,7 +59,7 @@ def _records(audit: Path, predicate: Any, deadline: float = 10.0) -> list[dict[s
     """The audit records matching predicate, polled until there is one or the deadline passes."""
     end = time.monotonic() + deadline
     while True:
-        found = [r for r in map(json.loads, audit.read_text().splitlines()) if predicate(r)]
+        found = [r for r in audit_records(audit) if predicate(r)]
         if found or time.monotonic() > end:
             return found
         time.sleep(0.05)
