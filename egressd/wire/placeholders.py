@@ -47,16 +47,22 @@ def _base64_cores(token: bytes) -> list[bytes]:
     return cores
 
 
-def _decode_escapes(data: bytes) -> bytes:
-    """Percent (up to three rounds: %2561) and JSON \\u00XX escapes decoded; bounded work."""
+def _decoded_rounds(data: bytes) -> list[bytes]:
+    """Percent (up to three rounds: %2561) and JSON \\u00XX escapes decoded, the result of every
+    step; bounded work. Every step is a view: a later step can eat what an earlier one revealed (a
+    `%` before `%2530%2531` decodes to `%0123...`, and the next round reads `%01` as one byte; a
+    `\\u00` before it reads `\\u0001` the same way)."""
+    views = []
     for _ in range(3):
-        decoded = _UNICODE.sub(
-            lambda m: bytes([int(m.group(1), 16)]), _PERCENT.sub(lambda m: bytes([int(m.group(1), 16)]), data)
-        )
-        if decoded == data:
+        start = data
+        for escape in (_PERCENT, _UNICODE):
+            decoded = escape.sub(lambda m: bytes([int(m.group(1), 16)]), data)
+            if decoded != data:
+                views.append(decoded)
+                data = decoded
+        if data == start:
             break
-        data = decoded
-    return data
+    return views
 
 
 @dataclass(frozen=True)
@@ -81,13 +87,11 @@ class Needles:
         return 6 * longest + 8
 
     def _views(self, data: bytes) -> Iterable[bytes]:
-        lower = data.lower()
-        yield lower
-        decoded = _decode_escapes(data).lower()
-        if decoded != lower:
-            yield decoded
-        if b"\0" in data:
-            yield decoded.replace(b"\0", b"")
+        for view in (data, *_decoded_rounds(data)):
+            lower = view.lower()
+            yield lower
+            if b"\0" in lower:
+                yield lower.replace(b"\0", b"")
 
     def find(self, data: bytes | str) -> str | None:
         """The name of a secret whose token `data` carries in some spelling, or None."""
