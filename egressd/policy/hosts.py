@@ -70,8 +70,11 @@ class Host:
     text: str = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        ip = self.ip
-        object.__setattr__(self, "text", (self.name or "") if ip is None else str(ip))
+        object.__setattr__(self, "text", self.spelled())
+
+    def spelled(self) -> str:
+        """The spelling from the fields now (make_target reads it: a Host may have been changed)."""
+        return (self.name or "") if self.ip is None else str(self.ip)
 
     @property
     def is_ip(self) -> bool:
@@ -344,11 +347,6 @@ def _check_no_space(text: str) -> None:
             raise _error(text, "target contains whitespace or control characters")
 
 
-def _spelled(host: Host) -> str:
-    """A Host's spelling from its fields (a Host may have been built by hand, or changed)."""
-    return (host.name or "") if host.ip is None else str(host.ip)
-
-
 def make_target(
     host: str | Host,
     port: int,
@@ -358,7 +356,7 @@ def make_target(
     method: str | None = None,
 ) -> Target:
     """Build a canonical Target; the engine calls this with what the client sent."""
-    canonical = canonical_host(_spelled(host) if isinstance(host, Host) else host)
+    canonical = canonical_host(host.spelled() if isinstance(host, Host) else host)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise TargetError(f"{canonical.text}: port {port!r} out of range 1-65535")
     if scheme is not None:
