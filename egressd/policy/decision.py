@@ -177,7 +177,7 @@ def _request(target: Target) -> _Request:
     """What the steps ask about the target, worked out once instead of once per step."""
     host = target.host
     text = host.text
-    where = join_host_port(text, target.port)
+    where = target.authority()
     klass = describe(host.ip) if host.ip is not None else None
     loopback_name = _is_loopback_name(host)
     path = target.path
