@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from egressd.wire.http_head import MAX_HEAD, head_problem
+from egressd.wire.http_head import MAX_HEAD, _clean, _line_problem, head_problem, named_problem
 
 OK = [
     b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n",
@@ -40,3 +42,25 @@ def test_fine_heads(head: bytes) -> None:
 def test_refused_heads(head: bytes, status: int, why: str) -> None:
     problem = head_problem(head)
     assert problem is not None and problem[0] == status and why in problem[1]
+
+
+# the bytes the checks are about, and a few ordinary ones, so random heads hit every case
+HEAD_BYTES = st.lists(
+    st.sampled_from(
+        [b"\r", b"\n", b"\r\n", b" ", b"\t", b"\x00", b"\x0b", b"\x1f", b"\x7f", b"a", b":", b"\x80"]
+    ),
+    max_size=40,
+).map(b"".join)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(head=HEAD_BYTES, complete=st.booleans())
+def test_the_quick_clean_check_never_passes_a_head_a_named_check_refuses(head: bytes, complete: bool) -> None:
+    """The byte-count check that passes most heads at once must agree with the named checks."""
+    named = named_problem(head, complete=complete)
+    assert _line_problem(head, complete=complete) == named
+
+
+@pytest.mark.parametrize(("head", "status", "why"), [case for case in BAD if case[1] == 400])
+def test_every_refused_head_is_unclean(head: bytes, status: int, why: str) -> None:
+    assert not _clean(head)
