@@ -5,6 +5,9 @@ matters (a decision, a connection opened, a connection closed with its bytes, a 
 made, a notice such as credentials stripped), and every observer — the audit log, the trace, the
 metrics, the refusal report, later a dashboard — subscribes to the bus. A failing observer is
 logged, never propagated: it must not change what was decided.
+
+Events are named tuples: immutable like frozen dataclasses, but built in a quarter of the time
+(a frozen dataclass sets each field through object.__setattr__; every tunnel builds two events).
 """
 
 from __future__ import annotations
@@ -12,16 +15,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, NamedTuple
 
 logger = logging.getLogger(__name__)
 
 Stage = Literal["connect", "socks", "request", "inner", "connection", "tls"]
 
 
-@dataclass(frozen=True, slots=True)
-class Decided:
+class Decided(NamedTuple):
     """One decision: a CONNECT, SOCKS5 connect or request (allowed or refused), or an upstream
     connection (stage "connection": opened, with its resolved and connected addresses, or not)."""
 
@@ -47,8 +49,7 @@ class Decided:
     exe: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Closed:
+class Closed(NamedTuple):
     """A client connection ended: bytes each way and how long it lived."""
 
     conn: str
@@ -60,17 +61,15 @@ class Closed:
     duration: float
 
 
-@dataclass(frozen=True, slots=True)
-class Notice:
+class Notice(NamedTuple):
     """Anything else an observer may want: header_timeout, internal_error, credentials_stripped,
     response_cut."""
 
     kind: str
-    fields: Mapping[str, object] = field(default_factory=dict)
+    fields: Mapping[str, object] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True)
-class Resolved:
+class Resolved(NamedTuple):
     """One DNS lookup of the resolve step ended (metrics' latency histogram): how long the
     connection waited for its addresses, and how it ended (ok, dns_error, dns_timeout). Not an
     audit record: the connection's decision record already names what was resolved."""
@@ -79,8 +78,7 @@ class Resolved:
     outcome: str
 
 
-@dataclass(frozen=True, slots=True)
-class Asked:
+class Asked(NamedTuple):
     """A decision that reached `mode: ask` was answered: how long it waited for the approver and
     the outcome (approved, ask_refused, no_approver, ask_timeout)."""
 

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from egressd.admission import approver as approvals
 from egressd.admission import faults
@@ -37,7 +37,7 @@ from egressd.admission.pinning import ConnectFailure, Pin, connect_protocol
 from egressd.admission.redirects import RedirectMemory
 from egressd.admission.secrets import NO_INJECTION, Injection, SecretBook
 from egressd.admission.secrets import refusal as secret_refusal
-from egressd.admission.state import ConnState, Identity, PolicyHolder
+from egressd.admission.state import ConnState, PolicyHolder
 from egressd.policy import (
     AddressClass,
     Decision,
@@ -59,13 +59,15 @@ logger = logging.getLogger(__name__)
 AUTH_REFUSAL = Refusal("proxy_auth_required", "missing or wrong proxy credentials")
 
 
-@dataclass(frozen=True, slots=True)
-class Ask:
+class Ask(NamedTuple):
     """What a front asks admission for, as the client wrote it.
 
     stage: "connect" (HTTP CONNECT), "socks" (SOCKS5 connect), "request" (an absolute-form HTTP
     request) or "inner" (a request inside an admitted, inspected tunnel: the tunnel's connection is
-    already pinned, so nothing is resolved)."""
+    already pinned, so nothing is resolved).
+
+    A named tuple, as the events are: immutable, and built for every request in a quarter of a
+    frozen dataclass's time."""
 
     stage: Stage
     host: str
@@ -462,13 +464,20 @@ class Pipeline:
     # -- events ------------------------------------------------------------------------------------
     def _emit(self, conn: ConnState | None, **fields: Any) -> None:
         """A Decided event about this client connection."""
-        client: dict[str, Any] = {"conn": None, "client": None, "profile": None}
-        if conn is not None:
-            client = {"conn": conn.conn_id, "client": conn.client_name, "profile": conn.profile}
-            who: Identity | None = conn.identity
-            if who is not None:
-                client.update(pid=who.pid, exe=who.exe)
-        self.events.emit(Decided(**client, **fields))
+        if conn is None:
+            self.events.emit(Decided(conn=None, client=None, profile=None, **fields))
+            return
+        creds, who = conn.creds, conn.identity
+        self.events.emit(
+            Decided(
+                conn=conn.conn_id,
+                client=creds.client if creds is not None else None,
+                profile=creds.profile if creds is not None else None,
+                pid=who.pid if who is not None else None,
+                exe=who.exe if who is not None else None,
+                **fields,
+            )
+        )
 
     def _decided(self, conn: ConnState, ask: Ask, decision: Decision, refusal: Refusal | None) -> None:
         target = decision.target
@@ -513,7 +522,7 @@ class Pipeline:
             reason=reason,
             rule=decision.rule,
             detail=detail,
-            resolved=tuple(str(a) for a in admitted.resolved),
+            resolved=tuple(map(str, admitted.resolved)),
             connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
             attempts=tuple(pin.attempts) if pin is not None else (),
             would_be=decision.would_be if failure is None else None,

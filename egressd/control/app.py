@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import json
 import os
 import socket
@@ -34,13 +33,13 @@ KEEPALIVE = 5.0  # a follower that went away is noticed (and stops counting as a
 def event_json(event: Event) -> dict[str, Any]:
     """One event as a JSON object; the query of a path redacted as in the audit."""
     if isinstance(event, Decided):
-        fields = dataclasses.asdict(event)
+        fields = event._asdict()
         fields["event"] = "decision"
     elif isinstance(event, Closed):
-        fields = dataclasses.asdict(event)
+        fields = event._asdict()
         fields["event"] = "closed"
     elif isinstance(event, Resolved | Asked):  # the metrics' latencies: {seconds, outcome}
-        fields = dataclasses.asdict(event)
+        fields = event._asdict()
         fields["event"] = "dns_lookup" if isinstance(event, Resolved) else "ask_wait"
     else:
         fields = {**event.fields, "event": event.kind}

@@ -16,10 +16,9 @@ import sys
 import threading
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
-if TYPE_CHECKING:
-    from egressd.admission.events import Event
+from egressd.admission.events import Closed, Decided, Event, Notice
 
 DECISION_KEYS: tuple[str, ...] = (
     "conn",
@@ -109,8 +108,6 @@ class AuditLog:
     # -- the pipeline's events ------------------------------------------------------------------
     def observe(self, event: Event) -> None:
         """One audit line for each event of the admission pipeline (subscribed to its bus)."""
-        from egressd.admission.events import Closed, Decided, Notice
-
         if isinstance(event, Decided):
             fields = _fields(event)
             fields["stage"] = "request" if event.stage == "inner" else event.stage
@@ -204,11 +201,10 @@ class AuditLog:
                         sys.stderr.write(f"egressd: audit write failed: {exc}\n")
 
 
-def _fields(event: object) -> dict[str, Any]:
-    """An event's fields as a dict: a shallow copy (dataclasses.asdict copies deeply, several times
-    slower; an event's values are immutable — strings, numbers, tuples of strings)."""
-    names: tuple[str, ...] = type(event).__slots__  # type: ignore[attr-defined]  # slots dataclasses
-    return {name: getattr(event, name) for name in names}
+def _fields(event: Decided | Closed) -> dict[str, Any]:
+    """An event's fields as a dict: a shallow copy (an event's values are immutable — strings,
+    numbers, tuples of strings)."""
+    return event._asdict()
 
 
 def _json_line(record: dict[str, Any]) -> str:
