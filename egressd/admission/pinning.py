@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import errno
+import functools
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,13 @@ class Pin:
     attempts: list[str] = field(default_factory=list)
     failure: tuple[str, str] | None = None
     via: UpstreamProxy | None = None  # the parent proxy this connection goes through, if any
+
+
+@functools.lru_cache(maxsize=4096)
+def address_text(address: IPAddress) -> str:
+    """An address as text, remembered: ipaddress spells it in Python, which cost a twentieth of a
+    short tunnel's set-up (each is spelled to connect and again for the record)."""
+    return str(address)
 
 
 current_pin: contextvars.ContextVar[Pin | None] = contextvars.ContextVar("egressd_pin", default=None)
@@ -113,7 +121,7 @@ async def try_addresses[T](
             log.append(f"{_fmt(address, port)}: not tried, 2x connect_timeout used up")
             break
         budget = min(connect_timeout, remaining)
-        text = str(address)
+        text = address_text(address)
         try:
             async with asyncio.timeout(budget):  # the task's own deadline: no wrapper task or frame
                 opened = await open_one(text)
@@ -134,7 +142,7 @@ async def try_addresses[T](
 
 async def _through_parent(pin: Pin, parent: UpstreamProxy) -> tuple[socket.socket, tuple[str, int]]:
     """The parent's tunnel to the pinned addresses (connect_by: address) or the canonical name."""
-    targets = (pin.host,) if parent.connect_by == "name" else tuple(str(a) for a in pin.addresses)
+    targets = (pin.host,) if parent.connect_by == "name" else tuple(map(address_text, pin.addresses))
     try:
         return await dial(parent, targets, pin.port, pin.connect_timeout, pin.attempts)
     except ParentFailure as e:
@@ -147,4 +155,4 @@ def _no_delay(sock: socket.socket | None) -> None:
 
 
 def _fmt(address: IPAddress, port: int) -> str:
-    return join_host_port(str(address), port)
+    return join_host_port(address_text(address), port)

@@ -33,7 +33,7 @@ from egressd.admission.grants import GrantStore
 from egressd.admission.http_rules import request_refusal
 from egressd.admission.identity import identify
 from egressd.admission.limits import Limits
-from egressd.admission.pinning import ConnectFailure, Pin, connect_protocol
+from egressd.admission.pinning import ConnectFailure, Pin, address_text, connect_protocol
 from egressd.admission.redirects import RedirectMemory
 from egressd.admission.secrets import NO_INJECTION, Injection, SecretBook
 from egressd.admission.secrets import refusal as secret_refusal
@@ -522,7 +522,7 @@ class Pipeline:
             reason=reason,
             rule=decision.rule,
             detail=detail,
-            resolved=tuple(map(str, admitted.resolved)),
+            resolved=tuple(map(address_text, admitted.resolved)),
             connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
             attempts=tuple(pin.attempts) if pin is not None else (),
             would_be=decision.would_be if failure is None else None,
