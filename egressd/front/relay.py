@@ -196,13 +196,13 @@ class Tunnel:
     """Counts bytes for the closed record, and writes it once when the last side goes."""
 
     def __init__(self, front: RelayOwner) -> None:
-        self.front = front
+        self.front: RelayOwner | None = front  # None once the connection finished (see FrontProtocol)
         self.open_sides = 2
         self.last_active = time.monotonic()
 
     def count(self, upstream: bool, n: int, now: float) -> None:
         self.last_active = now
-        state = self.front.state
+        state = self.front.state if self.front is not None else None
         if state is None:
             return
         if upstream:
@@ -212,5 +212,5 @@ class Tunnel:
 
     def closed(self) -> None:
         self.open_sides -= 1
-        if self.open_sides == 0:
+        if self.open_sides == 0 and self.front is not None:
             self.front.finish()

@@ -153,6 +153,16 @@ class FrontProtocol(Pipe):
             self.rt.disconnected(self.server_id)
         if self.state is not None:
             self.rt.close_conn(self.state)
+        self._unlink()
+
+    def _unlink(self) -> None:
+        """Let go of what points back here (the tunnel, the far side): a finished connection's
+        objects are then freed at once, not on the cyclic garbage collector's next pass (which
+        cost a tenth of a short tunnel's instructions)."""
+        peer, self.peer = self.peer, None
+        if peer is not None:
+            peer.peer = None
+        self.tunnel.front = None
 
     # -- the request head --------------------------------------------------------------------------
     def _on_head_bytes(self) -> None:
