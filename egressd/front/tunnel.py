@@ -181,7 +181,20 @@ class FrontProtocol(Pipe):
             return
         head = bytes(self.buffer[: end + 4])
         del self.buffer[: end + 4]
-        self._start_tunnel(self._admit_and_open(head))
+        try:
+            connect = read_connect(head)
+        except WireError as exc:
+            self._refuse_unreadable(Refusal("bad_request", exc.detail))
+            return
+        ask = Ask(
+            "connect",
+            connect.host,
+            connect.port,
+            scheme="connect",
+            method="CONNECT",
+            credentials=connect.authorization,
+        )
+        self._start_tunnel(self._open_tunnel(ask))
 
     def _health_check(self) -> bool:
         """`GET /healthz` (the gateway's): answered 200 "ok" and closed. True while the bytes so far
@@ -214,22 +227,6 @@ class FrontProtocol(Pipe):
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
             self._refuse(self.rt.internal_error("front", exc))
-
-    async def _admit_and_open(self, head: bytes) -> None:
-        try:
-            connect = read_connect(head)
-        except WireError as exc:
-            self._refuse_unreadable(Refusal("bad_request", exc.detail))
-            return
-        ask = Ask(
-            "connect",
-            connect.host,
-            connect.port,
-            scheme="connect",
-            method="CONNECT",
-            credentials=connect.authorization,
-        )
-        await self._open_tunnel(ask)
 
     async def _open_tunnel(self, ask: Ask) -> None:
         """Admit a tunnel (CONNECT or SOCKS5) and open it: relayed here, or handed to mitmproxy to
