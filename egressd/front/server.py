@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from egressd.inspect.handoffs import Handoffs
 
 
+SWEEP = 1.0  # seconds between the checks of header_timeout and idle_timeout
+
+
 def _check_kind(kind: str) -> None:
     if kind not in ("http", "socks"):
         raise ValueError(f"unknown listener kind {kind!r}")
@@ -60,8 +63,7 @@ class FastFront:
         """Listen for `kind` clients: "http" (the proxy port) or "socks" (SOCKS5)."""
         _check_kind(kind)
         loop = asyncio.get_running_loop()
-        if self._sweeper is None:
-            self._sweeper = loop.create_task(self._sweep_idle())
+        self._sweep_from_now()
         server = await loop.create_server(lambda: self._protocol(kind), host, port, backlog=4096)
         self.servers.append(server)
         address = server.sockets[0].getsockname()
@@ -71,6 +73,7 @@ class FastFront:
         """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket)."""
         _check_kind(kind)
         loop = asyncio.get_running_loop()
+        self._sweep_from_now()
         server = await loop.create_server(lambda: self._protocol(kind, implicit), sock=sock)
         self.servers.append(server)
 
@@ -79,6 +82,7 @@ class FastFront:
         is held by the child (the pid the pipeline registered for `implicit`) or its descendants
         counts as the child's; any other gets 407."""
         loop = asyncio.get_running_loop()
+        self._sweep_from_now()
         server = await loop.create_server(
             lambda: self._protocol("http", implicit, tree_only=True), host, 0, backlog=1024
         )
@@ -86,15 +90,25 @@ class FastFront:
         address = server.sockets[0].getsockname()
         return address[0], address[1]
 
-    async def _sweep_idle(self) -> None:
-        """limits.idle_timeout for relayed tunnels: one sweep a second, not a timer per tunnel."""
+    def _sweep_from_now(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """limits.header_timeout for request heads and SOCKS5 handshakes, limits.idle_timeout for
+        relayed tunnels: one sweep a second, not a timer per connection (a timer set and cancelled
+        for every tunnel cost more than the sweep). A limit is kept to within a second late."""
         while True:
-            await asyncio.sleep(1.0)
-            cutoff = time.monotonic() - self.rt.policies.get().limits.idle_timeout
+            await asyncio.sleep(SWEEP)
+            limits = self.rt.policies.get().limits
+            now = time.monotonic()
+            idle_cutoff, head_cutoff = now - limits.idle_timeout, now - limits.header_timeout
             for client in list(self.clients):
-                idle = client.stage in ("relay", "sni") and client.tunnel.last_active < cutoff
-                if idle and client.transport is not None:
-                    client.transport.close()
+                if client.stage == "head":
+                    if client.state is not None and client.state.started <= head_cutoff:
+                        client.head_timed_out(limits.header_timeout)
+                elif client.stage in ("relay", "sni") and client.tunnel.last_active < idle_cutoff:
+                    client.close_idle()
 
     def close_clients(self, revoked: Callable[[ProxyCredentials], bool]) -> int:
         """Close every client connection whose credentials are `revoked` (a gateway client removed

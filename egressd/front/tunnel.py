@@ -77,7 +77,6 @@ class FrontProtocol(Pipe):
         self.buffer = bytearray()
         self.stage = "head"
         self.state: ConnState | None = None
-        self.timer: asyncio.TimerHandle | None = None
         self.server_id: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.hello: TunnelStart | None = None  # the SNI check of the tunnel's first bytes
@@ -96,10 +95,15 @@ class FrontProtocol(Pipe):
         self.state = self.rt.open_conn(
             f"{peer[0]}:{peer[1]}", self.implicit, ends=ends, tree_only=self.tree_only
         )
-        timeout = self.rt.policies.get().limits.header_timeout
-        self.timer = asyncio.get_running_loop().call_later(timeout, self._head_timeout, timeout)
 
-    def _head_timeout(self, timeout: float) -> None:
+    def close_idle(self) -> None:
+        """limits.idle_timeout passed without a byte either way (the front's sweep)."""
+        if self.transport is not None:
+            self.transport.close()
+
+    def head_timed_out(self, timeout: float) -> None:
+        """limits.header_timeout passed before the request head (or SOCKS5 request) was complete:
+        the front's sweep calls this, once a second, instead of a timer per connection."""
         if self.stage == "head" and self.transport is not None:
             if self.state is not None:
                 self.rt.header_timeout(self.state, timeout)
@@ -131,8 +135,6 @@ class FrontProtocol(Pipe):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()
         if self.stage == "relay":
@@ -212,11 +214,10 @@ class FrontProtocol(Pipe):
 
     def _start_tunnel(self, opening: Coroutine[Any, Any, None]) -> None:
         """Admit and open the tunnel whose request was read (CONNECT or SOCKS5): reading paused
-        until it is open, header_timeout over (connect_timeout bounds the rest), a bug refuses."""
+        until it is open, header_timeout over with the stage (connect_timeout bounds the rest), a
+        bug refuses."""
         assert self.transport is not None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.stage = "admit"  # bytes read meanwhile stay in the buffer
         self.transport.pause_reading()
         self.task = asyncio.get_running_loop().create_task(self._fail_closed(opening))
 
@@ -273,8 +274,6 @@ class FrontProtocol(Pipe):
             self._close_tunnel(str(verdict))
             return
         self.stage = "relay"
-        if self.timer is not None:
-            self.timer.cancel()
         data, self.buffer = bytes(self.buffer), bytearray()
         super().data_received(data)
 
@@ -365,8 +364,6 @@ class FrontProtocol(Pipe):
         self.transport.pause_reading()
         target = join_host_port(admitted.host, admitted.port)
         pending = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
-        if self.timer is not None:
-            self.timer.cancel()
         self.stage = "handoff"
         handoff = Handoff(self.state, admitted)
         self.task = asyncio.get_running_loop().create_task(self._open_mitmproxy(handoff, pending))
@@ -432,9 +429,7 @@ class FrontProtocol(Pipe):
     def _serve_plain(self) -> None:
         """Give the client to the plain-HTTP path (egressd.front.plain_http): it serves every request."""
         assert self.transport is not None
-        if self.timer is not None:
-            self.timer.cancel()  # the plain path keeps header_timeout and idle_timeout itself
-        self.stage = "plain"
+        self.stage = "plain"  # the plain path keeps header_timeout and idle_timeout itself
         client = PlainClient(self, bytes(self.buffer))
         self.buffer = bytearray()
         self.transport.set_protocol(client)
