@@ -69,7 +69,7 @@ class Identity:
     why: str = ""  # when pid is None: why the owner is unknown
 
 
-@dataclass
+@dataclass(slots=True)
 class ConnState:
     """What egressd knows about one client connection, whichever front accepted it."""
 
