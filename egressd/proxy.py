@@ -201,7 +201,7 @@ class EgressProxy:
             await self._stop_mitmproxy()
 
     async def _start_front(self, host: str, port: int) -> None:
-        """The lean path listens on the public ports; mitmproxy starts when first needed."""
+        """The front listens on the public ports; mitmproxy starts when first needed."""
         from egressd.front.server import FastFront
 
         refusal_context = None

@@ -59,7 +59,7 @@ class Pipe(asyncio.Protocol):
     def __init__(self, tunnel: Tunnel, upstream: bool, coalesce: bool = False) -> None:
         self.tunnel = tunnel
         self.upstream = upstream
-        # only a lean tunnel's two sides: on the hand-off to the embedded mitmproxy the far side is
+        # only a relayed tunnel's two sides: on the hand-off to the embedded mitmproxy the far side is
         # this very event loop, and a tick would only delay its own work
         self.coalesce = coalesce and COALESCE
         self.transport: asyncio.Transport | None = None

@@ -1,6 +1,6 @@
 """The SNI of a TLS ClientHello, read the way mitmproxy reads it, without importing mitmproxy's TLS stack.
 
-The lean tunnel path checks the SNI of every tunnel. mitmproxy's `parse_client_hello` lives in a
+The front checks the SNI of every tunnel it relays. mitmproxy's `parse_client_hello` lives in a
 module that imports pyOpenSSL and the whole proxy core (~0.3 s); `egressd exec` must not pay that to
 start. This module reassembles the handshake from TLS records exactly as
 `mitmproxy.proxy.layers.tls.get_client_hello` does and parses it with the same Kaitai parser and the

@@ -1,5 +1,5 @@
-"""The TLS SNI rule for tunnels, shared by the lean tunnel path, the native front and the mitmproxy
-tunnel guard: what a tunnel's first client bytes may be, read at a bounded cost."""
+"""The TLS SNI rule for tunnels, shared by the front's tunnels and the mitmproxy tunnel guard: what
+a tunnel's first client bytes may be, read at a bounded cost."""
 
 from __future__ import annotations
 
@@ -70,9 +70,3 @@ class TunnelStart:
             if hello is not None:
                 self.verdict = sni_problem(self.tunnel_host, hello.sni)
         return self.verdict
-
-
-def first_bytes_verdict(tunnel_host: str, data: bytes) -> str | _Wait | None:
-    """TunnelStart's answer for all of a tunnel's first bytes at once (the native front hands over
-    everything read so far each time; the caps bound each call)."""
-    return TunnelStart(tunnel_host).feed(data)

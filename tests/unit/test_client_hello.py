@@ -14,7 +14,7 @@ from egressd.wire.client_hello import (
     parse_client_hello,
     starts_like_tls_record,
 )
-from egressd.wire.sni import WAIT, TunnelStart, first_bytes_verdict
+from egressd.wire.sni import WAIT, TunnelStart
 from tests.support.tls_hello import client_hello, records
 
 
@@ -108,6 +108,11 @@ def test_mutated_hellos_behave_alike(name: str, position: int, value: int) -> No
 
 
 # -- TunnelStart: the same reading, fed as bytes arrive, at a bounded cost -----------------------
+def first_bytes_verdict(tunnel_host: str, data: bytes) -> object:
+    """TunnelStart's answer for all of a tunnel's first bytes fed at once."""
+    return TunnelStart(tunnel_host).feed(data)
+
+
 @pytest.mark.parametrize("name", sorted(HELLOS))
 @pytest.mark.parametrize("step", [1, 7, 300])
 def test_tunnel_start_fed_in_pieces_agrees_with_one_reading(name: str, step: int) -> None:
