@@ -142,14 +142,19 @@ async def main(args: argparse.Namespace) -> None:
     server.close()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench.ab", description=__doc__.split("\n\n")[0])
-    p.add_argument("--a-args", default="", help="options of egressd run for A (default: none)")
-    p.add_argument("--b-args", default="", help='egressd run options for B: "--metrics 127.0.0.1:0"')
+def add_sides(p: argparse.ArgumentParser) -> None:
+    """The options that make A and B differ by environment or build (shared with bench.instructions)."""
     p.add_argument("--a-env", action="append", default=[], metavar="KEY=VALUE", help="A's extra environment")
     p.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE", help="B's extra environment")
     p.add_argument("--a-egressd", default=EGRESSD, help="the egressd of A (default: this tree's)")
     p.add_argument("--b-egressd", default=EGRESSD, help="the egressd of B (default: this tree's)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--a-args", default="", help="options of egressd run for A (default: none)")
+    p.add_argument("--b-args", default="", help='egressd run options for B: "--metrics 127.0.0.1:0"')
+    add_sides(p)
     p.add_argument("--tunnels", type=int, default=3000, help="tunnels per measurement (after 300 of warm-up)")
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--rounds", type=int, default=12, help="measurements of each of A and B")

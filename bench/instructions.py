@@ -25,7 +25,7 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
-from bench.ab import EGRESSD, tunnels, upstream
+from bench.ab import add_sides, tunnels, upstream
 
 
 def total_instructions(out_dir: Path) -> int:
@@ -112,10 +112,7 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.instructions", description=__doc__.split("\n\n")[0])
-    p.add_argument("--a-env", action="append", default=[], metavar="KEY=VALUE", help="A's extra environment")
-    p.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE", help="B's extra environment")
-    p.add_argument("--a-egressd", default=EGRESSD, help="the egressd of A (default: this tree's)")
-    p.add_argument("--b-egressd", default=EGRESSD, help="the egressd of B (default: this tree's)")
+    add_sides(p)
     p.add_argument("--tunnels", type=int, default=500, help="tunnels counted (after 300 of warm-up)")
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1, help="runs of each of A and B (the lowest counts)")
