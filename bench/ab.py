@@ -79,6 +79,20 @@ async def settled(pid: int, quiet: float = 0.01, window: float = 0.5, limit: flo
             return
 
 
+def proxy_of(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """The proxy port and Basic credentials an `egressd run` prints as exports on its stdout."""
+    exports: dict[str, str] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        words = shlex.split(line, comments=True)
+        if len(words) == 2 and words[0] == "export":
+            key, _, value = words[1].partition("=")
+            exports[key] = value
+    url = urllib.parse.urlsplit(exports["HTTP_PROXY"])
+    assert url.port is not None
+    return url.port, base64.b64encode(f"{url.username}:{url.password}".encode()).decode()
+
+
 async def measure(
     egressd: str, extra: list[str], up: int, count: int, concurrency: int, env: dict[str, str] | None = None
 ) -> tuple[float, float]:
@@ -92,20 +106,11 @@ async def measure(
         env={**os.environ, **(env or {})},
     )
     try:
-        exports: dict[str, str] = {}
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            words = shlex.split(line, comments=True)
-            if len(words) == 2 and words[0] == "export":
-                key, _, value = words[1].partition("=")
-                exports[key] = value
-        url = urllib.parse.urlsplit(exports["HTTP_PROXY"])
-        auth = base64.b64encode(f"{url.username}:{url.password}".encode()).decode()
-        assert url.port is not None
-        await tunnels(url.port, auth, up, min(300, count), concurrency)  # warm-up
+        port, auth = proxy_of(proc)
+        await tunnels(port, auth, up, min(300, count), concurrency)  # warm-up
         await settled(proc.pid)
         cpu, started = cpu_seconds(proc.pid), time.monotonic()
-        await tunnels(url.port, auth, up, count, concurrency)
+        await tunnels(port, auth, up, count, concurrency)
         cpu, elapsed = cpu_seconds(proc.pid) - cpu, time.monotonic() - started
     finally:
         proc.terminate()

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
-import urllib.parse
 from pathlib import Path
 
-from bench.ab import add_sides, tunnels, upstream
+from bench.ab import add_sides, proxy_of, tunnels, upstream
 
 
 def total_instructions(out_dir: Path) -> int:
@@ -69,20 +67,11 @@ async def measure(egressd: str, env: dict[str, str], up: int, count: int, concur
             env={**os.environ, **env},
         )
         try:
-            exports: dict[str, str] = {}
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                words = shlex.split(line, comments=True)
-                if len(words) == 2 and words[0] == "export":
-                    key, _, value = words[1].partition("=")
-                    exports[key] = value
-            url = urllib.parse.urlsplit(exports["HTTP_PROXY"])
-            auth = base64.b64encode(f"{url.username}:{url.password}".encode()).decode()
-            assert url.port is not None
-            await tunnels(url.port, auth, up, 300, concurrency)  # warm-up
+            port, auth = proxy_of(proc)
+            await tunnels(port, auth, up, 300, concurrency)  # warm-up
             await asyncio.sleep(2)
             _callgrind(proc.pid, "-i", "on")
-            await tunnels(url.port, auth, up, count, concurrency)
+            await tunnels(port, auth, up, count, concurrency)
             _callgrind(proc.pid, "-i", "off")
             _callgrind(proc.pid, "-d")  # dump what was counted
         finally:
