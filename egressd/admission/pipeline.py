@@ -467,12 +467,12 @@ class Pipeline:
         if conn is None:
             self.events.emit(Decided(conn=None, client=None, profile=None, **fields))
             return
-        creds, who = conn.creds, conn.identity
+        who = conn.identity
         self.events.emit(
             Decided(
                 conn=conn.conn_id,
-                client=creds.client if creds is not None else None,
-                profile=creds.profile if creds is not None else None,
+                client=conn.client_name,
+                profile=conn.profile,
                 pid=who.pid if who is not None else None,
                 exe=who.exe if who is not None else None,
                 **fields,
