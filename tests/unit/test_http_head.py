@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from egressd.wire.http_head import MAX_HEAD, _clean, _line_problem, head_problem, named_problem
+from egressd.wire.http_head import (
+    MAX_HEAD,
+    _clean,
+    _line_problem,
+    checked_head_problem,
+    head_problem,
+    leading_empty_lines,
+    named_problem,
+)
 
 OK = [
     b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n",
@@ -59,6 +67,38 @@ def test_the_quick_clean_check_never_passes_a_head_a_named_check_refuses(head: b
     """The byte-count check that passes most heads at once must agree with the named checks."""
     named = named_problem(head, complete=complete)
     assert _line_problem(head, complete=complete) == named
+
+
+# whole heads too: the one-pass match is for complete ones (an empty line ends them)
+HEAD_PARTS = st.lists(
+    st.sampled_from(
+        [b"\r", b"\n", b"\r\n", b"\r\n\r\n", b"\n\n", b" ", b"\t", b"\x00", b"\x0b", b"\x7f"]
+        + [b"a", b":", b"\x80"]
+    ),
+    max_size=40,
+).map(b"".join)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(data=HEAD_PARTS)
+def test_the_one_pass_match_answers_as_the_checks_do(data: bytes) -> None:
+    """head_problem's regex for a clean complete head must never pass what the checks refuse."""
+    assert head_problem(data) == checked_head_problem(data, leading_empty_lines(data))
+
+
+@pytest.mark.parametrize("data", [*OK, *(case[0] for case in BAD)])
+def test_the_one_pass_match_answers_as_the_checks_do_on_the_table(data: bytes) -> None:
+    assert head_problem(data) == checked_head_problem(data, leading_empty_lines(data))
+
+
+def test_a_head_just_within_the_limit_passes_and_one_byte_more_does_not() -> None:
+    line = b"GET / HTTP/1.1\r\n"
+    fill = b"X: " + b"a" * (MAX_HEAD - len(line) - 2 - 5) + b"\r\n"
+    head = line + fill + b"\r\n"
+    assert len(head) == MAX_HEAD
+    assert head_problem(head) is None
+    longer = line + b"X: a" + fill[3:] + b"\r\n"
+    assert head_problem(longer) == (431, f"request head longer than {MAX_HEAD} bytes")
 
 
 @pytest.mark.parametrize(("head", "status", "why"), [case for case in BAD if case[1] == 400])
