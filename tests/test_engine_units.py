@@ -89,6 +89,38 @@ def test_credentials_fresh_and_checked() -> None:
     assert a.proxy_url("127.0.0.1", 8080) == f"http://egressd:{a.token}@127.0.0.1:8080"
 
 
+def _basic(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "Basic {good}{good}",  # excess data after the padding
+        "Basic ={good}",  # leading padding
+        "Basic {good_bare}",  # padding left off
+        "Basic {good_bare}=",  # too little padding
+        "Basic {half} {rest}",  # a space inside
+        "Basic {half}\n{rest}",  # a line break inside
+        "Basic {half}*{rest}",  # a byte outside the alphabet
+        "Basic {good}é",  # non-ASCII text
+        "Basic {good}\udcff",  # an undecodable byte, as the front passes it on (surrogateescape)
+        "Basic " + base64.b64encode(b"egressd:\xff\xfe").decode(),  # not UTF-8 inside
+        "Basic",
+        "Basic ",
+    ],
+)
+def test_anything_but_strict_base64_of_issued_credentials_is_refused(value: str) -> None:
+    store = CredentialStore()
+    a = store.issue()
+    good = _basic(f"{a.username}:{a.token}")
+    assert store.check_basic(f"Basic {good}") == a and store.check_basic(f"basic  {good} ") == a
+    assert good.endswith("=")  # "egressd:" and 32 token characters: 40 bytes, padded
+    half, rest = good[: len(good) // 2], good[len(good) // 2 :]
+    value = value.format(good=good, good_bare=good.rstrip("="), half=half, rest=rest)
+    assert store.check_basic(value) is None
+
+
 # -- pinned connect ----------------------------------------------------------------------------
 async def test_connect_pinned_tries_next_address() -> None:
     with EchoHTTPServer("198.51.100.7") as server:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import base64
+import binascii
 import hmac
 import secrets
 import threading
@@ -16,16 +16,24 @@ class CredentialStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tokens: dict[str, ProxyCredentials] = {}
+        # what check() compares against, as bytes, replaced whole on every change: the proxy's
+        # thread reads it without the lock and never sees a half-made list
+        self._issued: tuple[tuple[ProxyCredentials, bytes, bytes], ...] = ()
 
     def issue(self, profile: str | None = None, label: str | None = None) -> ProxyCredentials:
         creds = ProxyCredentials(profile or DEFAULT_USERNAME, secrets.token_urlsafe(24), label=label)
         with self._lock:
             self._tokens[creds.token] = creds
+            self._refresh()
         return creds
 
     def revoke(self, creds: ProxyCredentials) -> None:
         with self._lock:
             self._tokens.pop(creds.token, None)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        self._issued = tuple((c, c.token.encode(), c.username.encode()) for c in self._tokens.values())
 
     def valid(self, creds: ProxyCredentials) -> bool:
         """Still issued (a revoked child's credential-free listener admits nothing more)."""
@@ -34,15 +42,11 @@ class CredentialStore:
 
     def check(self, username: str, token: str, peer: str | None = None) -> ProxyCredentials | None:
         """Whose credentials these are; `peer` ("ip:port") matters to the gateway's store only."""
-        with self._lock:
-            candidates = list(self._tokens.values())
         found = None
         # surrogatepass: a client's undecodable bytes (surrogateescape) compare unequal, never raise
         user, secret = username.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass")
-        for creds in candidates:  # constant-time compare against every issued token
-            if hmac.compare_digest(creds.token.encode(), secret) and hmac.compare_digest(
-                creds.username.encode(), user
-            ):
+        for creds, issued_token, issued_user in self._issued:  # constant time, every issued token
+            if hmac.compare_digest(issued_token, secret) and hmac.compare_digest(issued_user, user):
                 found = creds
         return found
 
@@ -53,8 +57,10 @@ class CredentialStore:
         scheme, _, encoded = header_value.strip().partition(" ")
         if scheme.lower() != "basic":
             return None
-        try:  # non-ASCII text (ValueError) or base64, bytes that are not UTF-8: wrong, never a 500
-            decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
+        # non-ASCII text, anything but strict base64 (binascii.Error), bytes that are not UTF-8: all
+        # ValueErrors, wrong credentials, never a 500
+        try:
+            decoded = binascii.a2b_base64(encoded.strip(), strict_mode=True).decode("utf-8")
         except ValueError:
             return None
         username, sep, token = decoded.partition(":")
