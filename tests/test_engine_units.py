@@ -6,6 +6,7 @@ import asyncio
 import base64
 import ipaddress
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -148,6 +149,59 @@ async def test_connect_pinned_reports_refused_and_timeout() -> None:
         assert timed_out.value.reason == "connect_timeout"
         assert elapsed < 2 * 0.5 + 1.5, elapsed  # within 2x connect_timeout (with margin), not 6x
         assert "2x connect_timeout used up" in timed_out.value.detail
+
+
+async def _try_one(open_one: Callable[[str], Awaitable[None]], timeout: float) -> list[str]:
+    attempts: list[str] = []
+    await pinning.try_addresses((ip("192.0.2.1"), ip("192.0.2.2")), 443, timeout, open_one, attempts)
+    return attempts
+
+
+async def test_a_cancel_from_outside_is_not_taken_for_a_connect_timeout() -> None:
+    """The client went away while egressd connected: the task ends, no next address is tried."""
+    tried: list[str] = []
+
+    async def cancelled_meanwhile(address: str) -> None:
+        tried.append(address)
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(10)
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(_try_one(cancelled_meanwhile, 5.0))
+    assert tried == ["192.0.2.1"]
+
+
+async def test_a_cancel_from_outside_at_the_deadline_still_cancels() -> None:
+    """The deadline and a cancel from outside together: the cancel wins, as with asyncio.timeout."""
+    tried: list[str] = []
+
+    async def cancelled_at_the_deadline(address: str) -> None:
+        tried.append(address)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:  # the deadline's; the client goes away in the same moment
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            raise
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(_try_one(cancelled_at_the_deadline, 0.05))
+    assert tried == ["192.0.2.1"]
+
+
+async def test_each_attempt_times_out_on_its_own_and_the_next_is_tried() -> None:
+    async def silent(address: str) -> None:
+        await asyncio.sleep(10)
+
+    with pytest.raises(pinning.ConnectFailure) as failure:
+        await _try_one(silent, 0.05)
+    assert failure.value.reason == "connect_timeout"
+    assert [a.split(":")[0] for a in failure.value.detail.split("; ")] == ["192.0.2.1", "192.0.2.2"]
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0  # the deadlines' cancels were taken back
 
 
 async def test_connect_hook_refuses_unadmitted_connections() -> None:
