@@ -95,9 +95,8 @@ async def connect_protocol(pin: Pin, protocol: asyncio.BaseProtocol) -> tuple[st
             raise
         return pin.connected
 
-    async def open_one(address: str) -> asyncio.BaseTransport:
-        transport, _ = await loop.create_connection(lambda: protocol, address, pin.port)
-        return transport
+    def open_one(address: str) -> Awaitable[tuple[asyncio.BaseTransport, asyncio.BaseProtocol]]:
+        return loop.create_connection(lambda: protocol, address, pin.port)  # awaited by try_addresses
 
     _, connected = await try_addresses(pin.addresses, pin.port, pin.connect_timeout, open_one, pin.attempts)
     pin.connected = connected

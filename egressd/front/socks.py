@@ -99,7 +99,7 @@ class SocksProtocol(FrontProtocol):
 
     def _on_request(self, request: Request) -> None:
         ask = Ask("socks", request.host, request.port, scheme="socks5", credentials=self.presented)
-        self._start_tunnel(self._open_tunnel(ask))
+        self._start_tunnel(ask)
 
     def _refuse_handshake(self, error: Socks5Error) -> None:
         """A handshake egressd does not serve: its reply, then close. Recorded, unless it only lacks
