@@ -113,6 +113,16 @@ class HeadScanner:
             self.start += 2
         if self.start > MAX_HEAD:
             return 400, "too many empty lines before the request line"
+        if self.searched == 0:
+            # the first bytes read (most often a whole head): head_problem's one pass, done once
+            clean = _CLEAN_HEAD.match(data, self.start)
+            if clean is not None and clean.end() - self.start <= MAX_HEAD:
+                return 0, clean.end()
+        return self.scan_on(data)
+
+    def scan_on(self, data: bytes | bytearray) -> tuple[int, str] | tuple[int, int] | None:
+        """scan, after the empty lines, by the new bytes only (what scan's one pass leaves, and
+        what it is tested against)."""
         since = max(self.start, self.searched - 3)
         ends = [i + len(end) for end in _ENDS if (i := data.find(end, since)) >= 0]
         if ends:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from egressd.wire.http_head import (
     MAX_HEAD,
+    HeadScanner,
     _clean,
     _line_problem,
     checked_head_problem,
@@ -104,3 +105,31 @@ def test_a_head_just_within_the_limit_passes_and_one_byte_more_does_not() -> Non
 @pytest.mark.parametrize(("head", "status", "why"), [case for case in BAD if case[1] == 400])
 def test_every_refused_head_is_unclean(head: bytes, status: int, why: str) -> None:
     assert not _clean(head)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(data=HEAD_PARTS)
+def test_the_scanners_one_pass_answers_as_its_reading_of_new_bytes_does(data: bytes) -> None:
+    """HeadScanner's first look (the one-pass match) agrees with its byte-by-byte path."""
+    scanner = HeadScanner()
+    found = scanner.scan(data)
+    slow = HeadScanner()
+    slow.start = leading_empty_lines(data)
+    assert found == slow.scan_on(data)
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=HEAD_PARTS)
+def test_a_head_fed_a_byte_at_a_time_is_answered_as_the_whole_head_is(data: bytes) -> None:
+    """The scanner fed the growing buffer one byte at a time ends where one look at it all ends."""
+    whole = HeadScanner().scan(data)
+    scanner, buffer, found = HeadScanner(), bytearray(), None
+    for byte in data:
+        buffer.append(byte)
+        found = scanner.scan(buffer)
+        if found is not None:
+            break
+    if found is None or whole is None or whole[0] == 0:
+        assert found == whole  # the same end of a clean head, or waiting for more in both
+    else:
+        assert found[0] != 0  # refused both ways (the first look may name another fault)
