@@ -9,6 +9,7 @@ CONNECTs for up to 1.5 s. Real clients, a real `egressd run`, real servers on 12
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -308,3 +309,36 @@ def test_one_byte_records_do_not_stall_other_clients(lab: Lab) -> None:
         assert attacked < 5 * baseline, (attacked, baseline)
     finally:
         server.close()
+
+
+def _proxy_cpu(lab: Lab) -> float:
+    """CPU seconds `egressd run` used so far (user + system)."""
+    assert lab.run.proc is not None
+    fields = Path(f"/proc/{lab.run.proc.pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _drip_heads(lab: Lab, count: int, pad: int) -> float:
+    """egressd's CPU seconds for `count` CONNECT heads, each with a `pad`-byte header, that never
+    end: sent 4 bytes per packet a fraction of a millisecond apart (a read each), then dropped."""
+    start = _proxy_cpu(lab)
+    head = b"CONNECT quiet.test:443 HTTP/1.1\r\nX-Pad: " + b"a" * pad
+    for _ in range(count):
+        with lab.client.open(timeout=30) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for offset in range(0, len(head), 4):
+                sock.sendall(head[offset : offset + 4])
+                time.sleep(0.0002)
+    time.sleep(0.5)  # the last reads are done
+    return _proxy_cpu(lab) - start
+
+
+def test_a_connect_head_sent_a_few_bytes_at_a_time_costs_its_length_not_its_square(lab: Lab) -> None:
+    """One 40 KiB head and ten 4 KiB heads: the same bytes in the same packets, so about the same
+    reads. A front that looks at the whole head again on every read pays ~3x for the long one (and
+    a child dripping 60 KiB heads keeps egressd's loop busy); one that looks at each new byte a
+    bounded number of times pays the same for both. The bound is generous: the machine is noisy."""
+    _drip_heads(lab, 2, 1024)  # warm up
+    long_head = _drip_heads(lab, 1, 40 * 1024)
+    short_heads = _drip_heads(lab, 10, 4 * 1024)
+    assert long_head < 2 * short_heads, (long_head, short_heads)

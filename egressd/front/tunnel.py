@@ -23,7 +23,7 @@ from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.policy import join_host_port
 from egressd.refusal import Refusal
 from egressd.wire.http1 import WireError, read_connect
-from egressd.wire.http_head import head_problem, leading_empty_lines
+from egressd.wire.http_head import HeadScanner, leading_empty_lines
 from egressd.wire.sni import WAIT, TunnelStart
 
 if TYPE_CHECKING:
@@ -80,6 +80,8 @@ class FrontProtocol(Pipe):
         self.server_id: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.hello: TunnelStart | None = None  # the SNI check of the tunnel's first bytes
+        # the CONNECT head read so far: a head sent a byte at a time costs its length, not its square
+        self.head_scanner: HeadScanner | None = None
         self.finished = False
         self.eof_pending = False
 
@@ -174,15 +176,19 @@ class FrontProtocol(Pipe):
         if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
             self._serve_plain()  # plain HTTP: served by egressd.front.plain_http, never by mitmproxy
             return
-        problem = head_problem(bytes(self.buffer))
-        if problem is not None:
-            self._refuse_unreadable(Refusal("bad_request", problem[1]))
+        if self.head_scanner is None:
+            self.head_scanner = HeadScanner()
+        found = self.head_scanner.scan(self.buffer)  # looks at each new byte, not the whole head again
+        if found is None:
             return
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
+        status, end = found
+        if status:
+            self._refuse_unreadable(Refusal("bad_request", str(end)))
             return
-        head = bytes(self.buffer[: end + 4])
-        del self.buffer[: end + 4]
+        assert isinstance(end, int)
+        self.head_scanner = None
+        head = bytes(self.buffer[:end])
+        del self.buffer[:end]
         try:
             connect = read_connect(head)
         except WireError as exc:
