@@ -22,7 +22,7 @@ from egressd.front.relay import COALESCE, Pipe, Tunnel, render
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.policy import join_host_port
 from egressd.refusal import Refusal
-from egressd.wire.http1 import WireError, read_connect
+from egressd.wire.http1 import WireError, read_connect, take_head
 from egressd.wire.http_head import HeadScanner, leading_empty_lines
 from egressd.wire.sni import WAIT, TunnelStart
 
@@ -178,18 +178,11 @@ class FrontProtocol(Pipe):
             return
         if self.head_scanner is None:
             self.head_scanner = HeadScanner()
-        found = self.head_scanner.scan(self.buffer)  # looks at each new byte, not the whole head again
-        if found is None:
-            return
-        status, end = found
-        if status:
-            self._refuse_unreadable(Refusal("bad_request", str(end)))
-            return
-        assert isinstance(end, int)
-        self.head_scanner = None
-        head = bytes(self.buffer[:end])
-        del self.buffer[:end]
         try:
+            head = take_head(self.buffer, self.head_scanner)  # each new byte looked at, not all again
+            if head is None:
+                return
+            self.head_scanner = None
             connect = read_connect(head)
         except WireError as exc:
             self._refuse_unreadable(Refusal("bad_request", exc.detail))

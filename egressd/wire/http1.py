@@ -182,6 +182,22 @@ def split_target(target: str) -> tuple[str, str, int, str]:
     return scheme, host, port, path if path.startswith("/") else "/" + path
 
 
+def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
+    """The complete, guarded head at the start of raw (removed from it, with the empty lines before
+    it), or None while more bytes are needed; `scanner` has seen raw's earlier bytes (a fresh one
+    for each head). Raises WireError for a head to refuse. CONNECT and plain HTTP read heads here."""
+    found = scanner.scan(raw)
+    if found is None:
+        return None
+    status, end = found
+    if status:
+        raise WireError(str(end), status)
+    assert isinstance(end, int)
+    head = bytes(raw[scanner.start : end])
+    del raw[:end]
+    return head
+
+
 class _Reader:
     """Raw bytes in; every head is guarded before h11 sees it, body bytes go straight to h11."""
 
@@ -199,16 +215,9 @@ class _Reader:
             return None
         if self.scanner is None:
             self.scanner = HeadScanner()
-        found = self.scanner.scan(self.raw)
-        if found is None:
-            return None
-        status, end = found
-        if status:
-            raise WireError(str(end), status)
-        assert isinstance(end, int)
-        head = bytes(self.raw[self.scanner.start : end])
-        del self.raw[:end]
-        self.scanner = None
+        head = take_head(self.raw, self.scanner)
+        if head is not None:
+            self.scanner = None
         return head
 
     def _feed_body(self, conn: h11.Connection) -> None:
