@@ -14,6 +14,7 @@ import re
 import socket
 import stat
 import subprocess
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import pytest
 from tests.support import netns
 from tests.support.attempts import wait_until
 from tests.support.audit_log import audit_records
-from tests.support.corpus import ProxyClient, tunnel_get
+from tests.support.corpus import ProxyClient, Response, tunnel_get
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, GatewayRun, write_policy
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer, free_port
@@ -250,6 +251,50 @@ def test_gateway_names_each_client_and_refuses_the_rest(
         assert "reload" in run.stderr
     # the gateway refused nothing from the control API's side: it never listened elsewhere
     assert run.proc is not None and run.proc.returncode == 0, run.stderr
+
+
+def test_a_removed_clients_waiting_requests_are_answered(
+    tmp_path: Path, upstream: EchoHTTPServer, dns: DnsServer
+) -> None:
+    """A plain-HTTP request waiting for its response and a CONNECT still being admitted (its name
+    resolving) when the client's token is removed are answered 407 with the reason: never a
+    connection closed without an answer. Another client's request in flight is served."""
+    dns.add("up.test", upstream.host)
+    dns.add("slow.test", upstream.host, delay=8)
+    tokens = tmp_path / "tokens.json"
+    token, kept = add_token(tokens, "agent1"), add_token(tokens, "agent2")
+    policy = write_policy(
+        tmp_path, "version: 1\nallow: [up.test, slow.test, 198.51.100.0/24]\nlimits: {dns_timeout: 30}\n"
+    )
+    options = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver]
+    slow = f"http://up.test:{upstream.port}/slow?s=10"
+    answers: dict[str, Response | None] = {}
+
+    def plain(key: str, name: str, secret: str) -> None:
+        answers[key] = client(run, name, secret).get(slow, timeout=40)
+
+    def tunnel() -> None:
+        with client(run, "agent1", token).connect(f"slow.test:{upstream.port}", timeout=40) as (answer, _):
+            answers["tunnel"] = answer
+
+    with GatewayRun(options) as run:
+        waiting = [
+            threading.Thread(target=plain, args=("removed", "agent1", token)),
+            threading.Thread(target=plain, args=("kept", "agent2", kept)),
+            threading.Thread(target=tunnel),
+        ]
+        for thread in waiting:
+            thread.start()
+        wait_until(lambda: len(upstream.requests) == 2, "both plain requests at the upstream")
+        assert token_cli("remove", "agent1", tokens=tokens).returncode == 0
+        for thread in waiting:
+            thread.join(60)
+    removed, tunnelled, served = answers["removed"], answers["tunnel"], answers["kept"]
+    assert removed is not None and removed.status == 407, removed
+    assert removed.reason == "proxy_auth_required" and b"removed" in removed.body, removed
+    assert tunnelled is not None and tunnelled.status == 407, tunnelled
+    assert served is not None and served.status == 200, served
 
 
 def test_gateway_source_networks(

@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 
 MAX_IDLE_UPSTREAMS = 8  # kept-alive upstream connections per client connection (one per target)
 LOST_MID_RESPONSE = "server closed the connection before the response ended"
+# the answer to a request or tunnel still waiting for it when its client's token is removed
+REVOKED = Refusal(
+    "proxy_auth_required",
+    "this client's token was removed from the gateway's token file while the request was in progress",
+)
 Key = tuple[str, int]
 
 
@@ -207,6 +212,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         self.body_failed: WireError | None = None  # the current request's body broke
         self.requests = 0
         self.phase = "head"  # head | exchange | relay | closed
+        self.answering = False  # the current exchange's response has started going to the child
         self.limit = self.rt.policies.get().limits.max_response_bytes
         self.last_active = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
@@ -281,6 +287,18 @@ class PlainClient(_Writable, asyncio.Protocol):
         self.flush()
         self.transport.close()
 
+    def revoke(self) -> None:
+        """The client's credentials were revoked: an exchange whose response has not started is
+        answered 407 (never closed without an answer), one under way is cut, an idle connection
+        closes."""
+        if self.phase == "exchange" and not self.answering:
+            if self.task is not None and not self.task.done():
+                self.task.cancel()
+            self._refuse(REVOKED)
+        elif self.phase != "closed":
+            self._drop_upstreams()
+            self.close()
+
     def count_down(self, n: int) -> None:
         self.state.bytes_down += n
         self.last_active = time.monotonic()
@@ -310,6 +328,7 @@ class PlainClient(_Writable, asyncio.Protocol):
             return False
         assert isinstance(head, RequestHead)
         self.phase = "exchange"
+        self.answering = False
         self.requests += 1
         self.state.head_seen = True
         admitted = await self._admit(head)
@@ -409,7 +428,7 @@ class PlainClient(_Writable, asyncio.Protocol):
                         return self._upstream_broke(
                             upstream, started, "101 without an upgrade request", request
                         )
-                    started = True
+                    started = self.answering = True
                     self.write(self.wire.interim(event))
                     continue
                 length = event.values("content-length")
@@ -419,7 +438,7 @@ class PlainClient(_Writable, asyncio.Protocol):
                     return "closed"
                 if 300 <= event.status < 400 and (location := event.values("location")):
                     self.rt.redirects.remember(self.state.client_key, url, location[0])
-                started = True
+                started = self.answering = True
                 if mask:
                     event = dataclasses.replace(event, headers=[(n, mask.text(v)) for n, v in event.headers])
                 self.write(self.wire.response(event))

@@ -111,13 +111,14 @@ class FastFront:
                     client.close_idle()
 
     def close_clients(self, revoked: Callable[[ProxyCredentials], bool]) -> int:
-        """Close every client connection whose credentials are `revoked` (a gateway client removed
-        from the token file): its open tunnels and kept-alive connections end now."""
+        """End every client connection whose credentials are `revoked` (a gateway client removed
+        from the token file): its open tunnels and kept-alive connections end now, and what still
+        waits for an answer is answered (FrontProtocol.revoke)."""
         closed = 0
         for client in list(self.clients):
             creds = client.state.creds if client.state is not None else None
             if creds is not None and revoked(creds) and client.transport is not None:
-                client.transport.close()
+                client.revoke()
                 closed += 1
         return closed
 

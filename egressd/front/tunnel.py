@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from egressd.admission.pipeline import Admitted, Ask
-from egressd.front.plain_http import PlainClient
+from egressd.front.plain_http import REVOKED, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
 from egressd.front.relay import COALESCE, Pipe, Tunnel, render
 from egressd.inspect.handoffs import Handoff, Handoffs
@@ -80,6 +80,7 @@ class FrontProtocol(Pipe):
         self.server_id: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.hello: TunnelStart | None = None  # the SNI check of the tunnel's first bytes
+        self.plain: PlainClient | None = None  # the plain-HTTP path serving this connection
         # the CONNECT head read so far: a head sent a byte at a time costs its length, not its square
         self.head_scanner: HeadScanner | None = None
         self.finished = False
@@ -101,6 +102,20 @@ class FrontProtocol(Pipe):
     def close_idle(self) -> None:
         """limits.idle_timeout passed without a byte either way (the front's sweep)."""
         if self.transport is not None:
+            self.transport.close()
+
+    def revoke(self) -> None:
+        """Its credentials were revoked (a gateway client removed from the token file): a tunnel
+        not answered yet gets the 407 it would get now, never a close without an answer; an open
+        tunnel ends. A SOCKS5 client between its authentication and its request is refused when
+        the request comes (admit checks the credentials again)."""
+        if self.stage == "admit":
+            if self.task is not None and not self.task.done():
+                self.task.cancel()
+            self._refuse(REVOKED)
+        elif self.stage == "plain" and self.plain is not None:
+            self.plain.revoke()
+        elif self.stage != "head" and self.transport is not None:
             self.transport.close()
 
     def head_timed_out(self, timeout: float) -> None:
@@ -427,7 +442,7 @@ class FrontProtocol(Pipe):
         """Give the client to the plain-HTTP path (egressd.front.plain_http): it serves every request."""
         assert self.transport is not None
         self.stage = "plain"  # the plain path keeps header_timeout and idle_timeout itself
-        client = PlainClient(self, bytes(self.buffer))
+        client = self.plain = PlainClient(self, bytes(self.buffer))
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()
