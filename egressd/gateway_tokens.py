@@ -1,7 +1,8 @@
 """The gateway's token file on disk: where it is, reading it, and adding or removing a client.
 
 The file is JSON (`egressd.admission.tokens.TokenTable`), mode 0600, replaced atomically (a running
-gateway re-reads it when it changes: it must see the old file or the new one), and edits are
+gateway re-reads it when it changes, through egressd.reload: it must see the old file or the new
+one; a file another tool rewrites in place is applied once it holds still), and edits are
 serialised by a lock file beside it so two `token add` never lose one another's entry. It holds
 hashes only: the token itself is printed once by `token add` and never stored.
 """
@@ -29,16 +30,22 @@ def default_tokens_path(env: Mapping[str, str] | None = None) -> Path:
 def load_table(path: Path) -> TokenTable:
     """The file's table; a missing file is an empty table (a gateway with no clients yet)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         return TokenTable.empty()
     except OSError as exc:
         raise TokenFileError(f"{path}: {exc.strerror or exc}") from exc
+    return table_from_bytes(raw, str(path))
+
+
+def table_from_bytes(raw: bytes, source: str) -> TokenTable:
+    """The table these bytes of the token file `source` hold (the running gateway's watcher parses
+    exactly the bytes it checked); anything but a whole, valid file raises TokenFileError."""
     try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise TokenFileError(f"{path}: not JSON: {exc}") from exc
-    return TokenTable.from_data(data, str(path))
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError is one
+        raise TokenFileError(f"{source}: not JSON: {exc}") from exc
+    return TokenTable.from_data(data, source)
 
 
 @contextlib.contextmanager

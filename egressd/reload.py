@@ -1,56 +1,70 @@
-"""Watch a policy file and hand every good new version to the running proxy.
+"""Watch the files egressd reads while it runs, and hand every good new version on whole.
 
-Polling (stat + content hash) instead of inotify: it works on every platform, through symlink
-swaps (Kubernetes ConfigMaps) and editors' rename-on-save, and a policy file is small. A file
-that fails to load is reported and the last good policy stays in force: a typo must never open
-or close everything.
+One watcher serves every such file: the policy (with the policies merged into it and the files its
+secrets and parent proxy credentials are read from) and the gateway's token file. Polling (stat and
+a digest of the content) instead of inotify: it works on every platform, through symlink swaps
+(Kubernetes ConfigMaps) and editors' rename-on-save, and these files are small.
+
+A file is applied whole or not at all:
+- a load parses exactly the bytes that were read and hashed (`egressd.files.Snapshot`), each file
+  read once: never a second read that may catch the file half rewritten;
+- a changed file is applied once it has held still across one poll: the same signature (mtime,
+  size, inode) and digest on two consecutive looks. A file being rewritten in place is not applied
+  half-way; a writer that stops longer than a poll in the middle of a file is the one case no
+  reader can tell from a finished file, which is why files should be replaced by a rename;
+- the first load and a forced one (SIGHUP, an edit egressd made itself) take files last modified
+  longer than QUIET ago at once, and otherwise look again QUIET later; a file still changing then
+  is left to the polls (the first load waits up to START_WAIT for it);
+- a version that does not load is reported once and the last good one stays in force: a typo must
+  never open or close everything.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from egressd.policy import Policy, load_policy
+from egressd.files import Snapshot
 
-Signature = tuple[int, int, int, int]  # (mtime_ns, size, inode, device)
+POLL = 0.5  # seconds between two looks at the files
+QUIET = 0.1  # a forced load's second look comes this long after the first
+START_WAIT = 5.0  # the first load waits at most this long for its files to hold still
 
 
-class PolicyWatcher:
-    """Reloads `path` when it changes (or on trigger()) and calls on_change / on_error.
+class UnsettledError(Exception):
+    """The files kept changing while the first load read them (being written, and not by a rename)."""
 
-    `transform` is applied to every loaded policy (the CLI's --allow/--deny/--mode/--nameserver
-    overrides, profile checks); an exception from it counts as a failed load.
-    """
+
+class FileWatcher[T]:
+    """Builds T from files with `load(snapshot)` and hands each new good one to `on_change`; a
+    version that fails to load goes to `on_error` (once). `load` reads every file it needs through
+    the snapshot it is given: those files are the ones watched."""
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        on_change: Callable[[Any], None],
+        load: Callable[[Snapshot], T],
+        on_change: Callable[[T], None],
         on_error: Callable[[str], None],
         *,
-        interval: float = 0.5,
-        env: Mapping[str, str] | None = None,
-        transform: Callable[[Policy], Policy] | None = None,
-        also: Sequence[str | os.PathLike[str]] = (),
-        loader: Callable[[Path], Any] | None = None,
+        interval: float = POLL,
+        quiet: float = QUIET,
+        name: str = "egressd-watch",
     ) -> None:
-        self.path = Path(path)
-        self.also = tuple(Path(p) for p in also)  # more files `transform` reads (merged policies)
+        self.path = Path(path)  # the main file (the others are found by loading it)
+        self.loader = load
         self.on_change = on_change
         self.on_error = on_error
         self.interval = interval
-        self.env: Mapping[str, str] = os.environ if env is None else env
-        self.transform = transform
-        # another file watched the same way (the gateway's token file): loader(path) instead
-        self.loader = loader
-        self._signature: Signature | None = None
-        self._digest: bytes | None = None
+        self.quiet = quiet
+        self.name = name
+        self._files: tuple[Path, ...] = (self.path,)  # what the last load read
+        self._seen: object = None  # the files' signatures and digests at the last look
+        self._done: object = None  # the contents last applied or reported broken
         self._last_error: str | None = None
         self._wake = threading.Event()
         self._forced = False
@@ -59,18 +73,32 @@ class PolicyWatcher:
         self._lock = threading.Lock()
 
     # -- public --------------------------------------------------------------------------------
-    def load(self) -> Policy:
-        """Load the file now (the initial load) and remember its version; raises on error."""
-        signature, digest = self._snapshot()
-        policy = self._load()
-        self._signature, self._digest, self._last_error = signature, digest, None
-        return policy
+    def load(self) -> T:
+        """The first load: from files that hold still (waiting up to START_WAIT); raises what
+        `load` raises, OSError, or UnsettledError."""
+        deadline = time.monotonic() + START_WAIT
+        while True:
+            files = Snapshot.of(self._files)
+            error: Exception | None = None
+            try:
+                result = self.loader(files)
+            except Exception as exc:  # reported once the files are known to be whole
+                error = exc
+            self._files = tuple(files.used) or (self.path,)
+            if self._held_still(files):
+                break
+            if time.monotonic() > deadline:
+                raise UnsettledError(
+                    f"{self.path}: still changing after {START_WAIT:g} s; replace it atomically (rename)"
+                )
+        self._seen, self._done = files.state(self._files), files.contents(self._files)
+        if error is not None:
+            raise error
+        self._last_error = None
+        return result
 
-    def start(self) -> PolicyWatcher:
-        if self._signature is None:
-            with contextlib.suppress(OSError):
-                self._signature, self._digest = self._snapshot()
-        self._thread = threading.Thread(target=self._run, name="egressd-policy-watch", daemon=True)
+    def start(self) -> FileWatcher[T]:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
         return self
 
@@ -81,12 +109,12 @@ class PolicyWatcher:
             self._thread.join(timeout=5)
 
     def trigger(self) -> None:
-        """Reload at once even if the file looks unchanged (SIGHUP). Safe from a signal handler."""
+        """Reload at once even if the files look unchanged (SIGHUP). Safe from a signal handler."""
         self._forced = True
         self._wake.set()
 
     def poll(self, force: bool = False) -> bool:
-        """Check once; return True if a new policy was handed to on_change."""
+        """Look once; True if a new version was handed to on_change."""
         with self._lock:
             return self._poll(force)
 
@@ -104,43 +132,54 @@ class PolicyWatcher:
                 self._report(f"{self.path}: {exc}", force=True)
 
     def _poll(self, force: bool) -> bool:
-        try:
-            signature, digest = self._snapshot()
-        except OSError as exc:
-            self._report(f"{self.path}: {exc.strerror or exc}", force)
-            self._signature = self._digest = None
+        look = Snapshot.of(self._files)
+        state = look.state()
+        if not force and look.contents() == self._done:
+            self._seen = state  # unchanged, or only touched
             return False
-        if not force and signature == self._signature and digest == self._digest:
+        if state != self._seen:
+            self._seen = state
+            # changed since the last look: maybe being written; wait for it to hold still
+            if not force or not self._held_still(look):
+                self._forced = self._forced or force  # a forced load waits for the polls
+                return False
+        return self._apply(look, force)
+
+    def _held_still(self, files: Snapshot) -> bool:
+        """The files were last modified longer than `quiet` ago, or read the same `quiet` later."""
+        if files.settled(self.quiet):
+            return True
+        if self._stop.wait(self.quiet):
             return False
-        self._signature = signature
-        if not force and digest == self._digest:
-            return False  # touched, not changed
+        return Snapshot.of(files.versions).state() == files.state()
+
+    def _apply(self, look: Snapshot, force: bool) -> bool:
+        looked = set(self._files)
         try:
-            policy = self._load()
+            result = self.loader(look)
         except Exception as exc:
-            self._digest = digest  # report this version once; retry when it changes again
-            self._report(str(exc) or type(exc).__name__, force)
+            self._files = tuple(look.used) or (self.path,)
+            self._seen, self._done = look.state(self._files), look.contents(self._files)
+            self._report(self._message(exc), force)
             return False
-        self._digest, self._last_error = digest, None
+        self._files = tuple(look.used) or (self.path,)
+        self._seen = look.state(self._files)
+        if not looked.issuperset(self._files):
+            # this version reads files the look had not seen: applied once they too held still
+            self._forced = self._forced or force
+            return False
+        self._done, self._last_error = look.contents(self._files), None
         try:
-            self.on_change(policy)
+            self.on_change(result)
         except Exception as exc:
-            self._report(f"applying the new policy failed: {exc}", force=True)
+            self._report(f"applying {self.path} failed: {exc}", force=True)
             return False
         return True
 
-    def _load(self) -> Any:
-        if self.loader is not None:
-            return self.loader(self.path)
-        policy = load_policy(self.path, env=self.env)
-        return self.transform(policy) if self.transform else policy
-
-    def _snapshot(self) -> tuple[Signature, bytes]:
-        st = os.stat(self.path)
-        digest = hashlib.sha256(self.path.read_bytes())
-        for other in self.also:  # a change in any merged file is a change of the policy
-            digest.update(hashlib.sha256(other.read_bytes()).digest())
-        return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev), digest.digest()
+    def _message(self, exc: Exception) -> str:
+        if isinstance(exc, OSError):
+            return f"{exc.filename or self.path}: cannot read: {exc.strerror or exc}"
+        return str(exc) or type(exc).__name__
 
     def _report(self, message: str, force: bool) -> None:
         if message == self._last_error and not force:

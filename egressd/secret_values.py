@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from egressd.policy.secrets import SecretSpec
@@ -71,8 +71,9 @@ def _clean(value: str, spec: SecretSpec, where: str) -> str:
     return value
 
 
-def read_value(spec: SecretSpec, vault: EnvVault) -> str:
-    """The real value of one secret, from its source; raises SecretError."""
+def read_value(spec: SecretSpec, vault: EnvVault, read: Callable[[Path], bytes] = Path.read_bytes) -> str:
+    """The real value of one secret, from its source; raises SecretError. `read` reads a `file:`
+    source (a watcher's snapshot: read once with the policy, and watched with it)."""
     source = spec.source
     where = source.describe()
     if source.kind == "env":
@@ -82,7 +83,7 @@ def read_value(spec: SecretSpec, vault: EnvVault) -> str:
         return _clean(value, spec, where)
     if source.kind == "file":
         try:
-            text = Path(os.path.expanduser(source.file)).read_text(encoding="utf-8")
+            text = read(Path(os.path.expanduser(source.file))).decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
             raise SecretError(f"secret {spec.name!r}: cannot read {where}: {why}") from None
@@ -108,9 +109,11 @@ def read_value(spec: SecretSpec, vault: EnvVault) -> str:
     return _clean(text, spec, where)
 
 
-def read_values(specs: Sequence[SecretSpec], vault: EnvVault) -> dict[str, str]:
+def read_values(
+    specs: Sequence[SecretSpec], vault: EnvVault, read: Callable[[Path], bytes] = Path.read_bytes
+) -> dict[str, str]:
     """{name: value} of every secret; the first that fails raises SecretError."""
-    return {spec.name: read_value(spec, vault) for spec in specs}
+    return {spec.name: read_value(spec, vault, read) for spec in specs}
 
 
 def hidden_variables(specs: Sequence[SecretSpec], vault: EnvVault) -> tuple[str, ...]:

@@ -37,11 +37,12 @@ if TYPE_CHECKING:
     from egressd.control.prompt import TtyPrompter
     from egressd.control.server import ControlServer, Counts
     from egressd.dashboard.server import Dashboard
+    from egressd.files import ReadBytes, Snapshot
     from egressd.observe.metrics import Metrics, MetricsServer
     from egressd.observe.refusals import RefusalReport
     from egressd.policy.secrets import SecretSpec
     from egressd.proxy import EgressProxy
-    from egressd.reload import PolicyWatcher
+    from egressd.reload import FileWatcher
 
 _PRESET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
 
@@ -65,11 +66,12 @@ class Overrides:
     secrets: tuple[SecretSpec, ...] = ()  # exec --secret ...: where values come from, never values
     upstream_proxy: str | None = None  # --upstream-proxy URL: the parent proxy (its url only)
 
-    def apply(self, policy: Policy) -> Policy:
+    def apply(self, policy: Policy, read: ReadBytes = Path.read_bytes) -> Policy:
+        """The overrides on `policy`; `read` reads the merged files (a watcher's snapshot)."""
         if self.policies:
             from egressd.policy.merge import merge_policies
 
-            more = [load_policy(resolve_policy_path(p), env=os.environ) for p in self.policies]
+            more = [load_policy(resolve_policy_path(p), os.environ, read) for p in self.policies]
             policy = merge_policies([policy, *more])
         policy = policy.with_overrides(
             allow=self.allow,
@@ -93,6 +95,12 @@ def resolve_policy_path(value: str) -> Path:
     return builtin_policy_path(value)
 
 
+def file_policy(path: Path, overrides: Overrides, files: Snapshot) -> Policy:
+    """The policy file with the command line's overrides, every file read once through `files`
+    (a file watcher's snapshot: the bytes it checked are the bytes parsed)."""
+    return overrides.apply(load_policy(path, os.environ, files.read), files.read)
+
+
 def base_policy(policy_file: str | None) -> Policy:
     """The file's policy, or the built-in default; EGRESSD_MODE applies to both."""
     if policy_file is not None:
@@ -100,6 +108,14 @@ def base_policy(policy_file: str | None) -> Policy:
     # policies/default.yaml, built without reading it (a unit test checks they agree):
     # a run on the default policy never loads PyYAML
     return apply_env_mode(default_policy(), os.environ)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A policy as the session applies it, with its secrets' values read from the same files."""
+
+    policy: Policy
+    secret_values: Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -169,7 +185,7 @@ class ProxySession:
         # a command may narrow every policy it loads (the sandbox's --only); applied after overrides
         self._transform = transform
         self.proxy: EgressProxy | None = None
-        self.watcher: PolicyWatcher | None = None
+        self.watcher: FileWatcher[Loaded] | None = None
         self.audit: AuditLog | None = None
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
@@ -182,7 +198,7 @@ class ProxySession:
         self.children: Children | None = None  # attached children (exec --attach), with the control API
         self.control_path: Path | None = None
         self.gateway: GatewayCredentials | None = None
-        self._tokens_watcher: PolicyWatcher | None = None
+        self._tokens_watcher: FileWatcher[TokenTable] | None = None
         self._vault = EnvVault()
         self._secret_values: dict[str, str] = {}  # read with the policy that names them
         self.policy = self._load()
@@ -190,56 +206,66 @@ class ProxySession:
             self._load_gateway(options.gateway)
 
     # -- policy ----------------------------------------------------------------------------------
-    def _apply(self, policy: Policy) -> Policy:
-        policy = self.options.overrides.apply(policy)
+    def _apply(self, policy: Policy, read: ReadBytes = Path.read_bytes) -> Loaded:
+        """The policy as this session runs it, and its secrets' values; every file it reads (merged
+        policies, secrets, the parent proxy's credentials) through `read`."""
+        policy = self.options.overrides.apply(policy, read)
         if self.options.gateway is not None:
             policy = gateway_policy(policy)
         policy = self._transform(policy) if self._transform else policy
         if policy.upstream_proxy is not None:  # its credentials are read now: at start, on reload
             from egressd.admission.upstream import with_credentials
 
-            policy = with_credentials(policy, os.environ)
+            policy = with_credentials(policy, os.environ, read)
         # the secrets' values are read with the policy: one that cannot be read fails the load
         try:
-            self._secret_values = read_values(policy.secrets, self._vault)
+            values = read_values(policy.secrets, self._vault, read)
         except SecretError as exc:
             raise PolicyError(policy.source, "secrets", message=str(exc)) from None
-        return policy
+        return Loaded(policy, values)
 
     def _load(self) -> Policy:
-        from egressd.reload import PolicyWatcher
+        from egressd.reload import FileWatcher, UnsettledError
 
         try:
             if self.options.policy_file is None:
-                return self._apply(base_policy(None))
-            self.watcher = PolicyWatcher(
-                resolve_policy_path(self.options.policy_file),
-                self._on_change,
-                self._on_error,
-                env=os.environ,
-                transform=self._apply,
-                also=[resolve_policy_path(p) for p in self.options.overrides.policies],
-            )
-            return self.watcher.load()
-        except PolicyError as exc:
+                loaded = self._apply(base_policy(None))
+            else:
+                path = resolve_policy_path(self.options.policy_file)
+                self.watcher = FileWatcher(
+                    path,
+                    lambda files: self._apply(load_policy(path, os.environ, files.read), files.read),
+                    self._on_change,
+                    self._on_error,
+                    name="egressd-policy-watch",
+                )
+                loaded = self.watcher.load()
+        except (PolicyError, UnsettledError) as exc:
             raise SessionError(str(exc)) from exc
+        self._secret_values = dict(loaded.secret_values)
+        return loaded.policy
 
     # -- the gateway's clients ---------------------------------------------------------------------
     def _load_gateway(self, gateway: GatewayOptions) -> None:
         """The token file (created empty when missing) and the gateway-wide source networks; the
         file is watched like the policy, so `gateway token add/remove` applies without a restart."""
         from egressd.admission.tokens import GatewayCredentials, TokenFileError, parse_network
-        from egressd.gateway_tokens import ensure_file, load_table
-        from egressd.reload import PolicyWatcher
+        from egressd.gateway_tokens import ensure_file, table_from_bytes
+        from egressd.reload import FileWatcher, UnsettledError
 
+        path = gateway.tokens
         try:
             nets = [parse_network(text, "--allow-from") for text in gateway.allow_from]
-            ensure_file(gateway.tokens)
-            self._tokens_watcher = PolicyWatcher(
-                gateway.tokens, self._on_tokens, self._on_tokens_error, loader=load_table
+            ensure_file(path)
+            self._tokens_watcher = FileWatcher(
+                path,
+                lambda files: table_from_bytes(files.read(path), str(path)),
+                self._on_tokens,
+                self._on_tokens_error,
+                name="egressd-tokens-watch",
             )
             table = self._tokens_watcher.load()
-        except (TokenFileError, OSError) as exc:
+        except (TokenFileError, OSError, UnsettledError) as exc:
             raise SessionError(f"--tokens: {exc}") from exc
         self.gateway = GatewayCredentials(table, nets)
 
@@ -260,8 +286,9 @@ class ProxySession:
         self._notice("tokens_reload_failed", error=message)
         self._say(f"token file reload failed: {' '.join(message.split())}; keeping the last good one")
 
-    def _on_change(self, policy: Policy) -> None:
-        self.policy = policy
+    def _on_change(self, loaded: Loaded) -> None:
+        policy = self.policy = loaded.policy
+        self._secret_values = dict(loaded.secret_values)
         if self.proxy is not None:
             self.proxy.pipeline.secrets.update(policy.secrets, self._secret_values)
             self.proxy.set_policy(policy)

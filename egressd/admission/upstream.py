@@ -19,7 +19,7 @@ import base64
 import dataclasses
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from egressd.policy import AddressClass, Policy, PolicyError, Target, UpstreamProxy, classify
@@ -38,9 +38,12 @@ class ParentFailure(Exception):
 
 
 # -- configuration -------------------------------------------------------------------------------------
-def with_credentials(policy: Policy, env: Mapping[str, str]) -> Policy:
-    """The policy with its parent's credentials read now (start, reload); PolicyError naming where
-    they should be, never what was found. No `upstream_proxy`: the policy unchanged."""
+def with_credentials(
+    policy: Policy, env: Mapping[str, str], read: Callable[[Path], bytes] = Path.read_bytes
+) -> Policy:
+    """The policy with its parent's credentials read now (start, reload; `read`: the policy
+    watcher's snapshot, so the file is read once and watched); PolicyError naming where they should
+    be, never what was found. No `upstream_proxy`: the policy unchanged."""
     parent = policy.upstream_proxy
     if parent is None:
         return policy
@@ -48,8 +51,9 @@ def with_credentials(policy: Policy, env: Mapping[str, str]) -> Policy:
     if parent.credentials_file is not None:
         path = Path(parent.credentials_file).expanduser()
         try:
-            raw = path.read_text(encoding="utf-8").strip().splitlines()[0] if path.stat().st_size else ""
-        except (OSError, UnicodeDecodeError, IndexError) as exc:
+            text = read(path).decode("utf-8").strip()
+            raw = text.splitlines()[0] if text else ""
+        except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else "unreadable"
             raise PolicyError(policy.source, "upstream_proxy.credentials_file", str(path), why) from None
         if not raw:

@@ -25,7 +25,14 @@ from .hosts import (
     make_target,
     parse_target,
 )
-from .loader import PolicyError, apply_env_mode, builtin_policy_path, load_policy, parse_policy
+from .loader import (
+    PolicyError,
+    apply_env_mode,
+    builtin_policy_path,
+    load_policy,
+    parse_policy,
+    policy_from_bytes,
+)
 from .model import (
     BuiltinAllowance,
     Credentials,
@@ -85,5 +92,6 @@ __all__ = [
     "parse_rule",
     "parse_target",
     "path_matches",
+    "policy_from_bytes",
     "resolution_refusal",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -46,6 +46,7 @@ __all__ = [
     "parse_nameserver",
     "parse_policy",
     "parse_rule_list",
+    "policy_from_bytes",
 ]
 
 _TOP_KEYS = (
@@ -432,13 +433,24 @@ def _decode(text: str, source: str, as_json: bool) -> object:
         raise PolicyError(source, None, message=f"invalid YAML: {exc}") from None
 
 
-def load_policy(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Policy:
-    """Read, validate and build a policy file; ``env`` (if given) may override the mode."""
+def load_policy(
+    path: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    read: Callable[[Path], bytes] = Path.read_bytes,
+) -> Policy:
+    """Read, validate and build a policy file; ``env`` (if given) may override the mode. ``read``
+    is how its bytes are read (a file watcher's snapshot: the bytes it checked)."""
     source = os.fspath(path)
     try:
-        raw = Path(source).read_bytes()
+        raw = read(Path(source))
     except OSError as exc:
         raise PolicyError(source, None, message=f"cannot read: {exc.strerror or exc}") from None
+    return policy_from_bytes(raw, source, env)
+
+
+def policy_from_bytes(raw: bytes, source: str, env: Mapping[str, str] | None = None) -> Policy:
+    """Validate and build the policy these bytes of file `source` hold: a watcher parses exactly
+    the bytes it checked, never a second read that may catch the file half rewritten."""
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:

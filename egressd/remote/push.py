@@ -18,12 +18,12 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from egressd.policy import Policy, PolicyError
-from egressd.reload import PolicyWatcher
+from egressd.reload import FileWatcher, UnsettledError
 from egressd.remote import scripts
 from egressd.remote.channel import ChannelError, decode, encode, policy_message
 from egressd.remote.connection import SshConnection, SshError
 from egressd.remote.spawn import PIPE, Child
-from egressd.session import Overrides, SessionError, base_policy, resolve_policy_path
+from egressd.session import Overrides, SessionError, base_policy, file_policy, resolve_policy_path
 
 LISTEN_TIMEOUT = 30.0
 
@@ -37,23 +37,23 @@ class LocalPolicy:
         self.policy_file = policy_file
         self.overrides = overrides
         self.on_error = on_error
-        self.watcher: PolicyWatcher | None = None
+        self.watcher: FileWatcher[Policy] | None = None
         self.policy = self._load()
 
     def _load(self) -> Policy:
         try:
             if self.policy_file is None:
                 return self.overrides.apply(base_policy(None))
-            self.watcher = PolicyWatcher(
-                resolve_policy_path(self.policy_file),
+            path = resolve_policy_path(self.policy_file)
+            self.watcher = FileWatcher(
+                path,
+                lambda files: file_policy(path, self.overrides, files),
                 self._changed,
                 self.on_error,
-                env=os.environ,
-                transform=self.overrides.apply,
-                also=[resolve_policy_path(p) for p in self.overrides.policies],
+                name="egressd-policy-watch",
             )
             return self.watcher.load()
-        except PolicyError as exc:
+        except (PolicyError, UnsettledError) as exc:
             raise SessionError(str(exc)) from exc
 
     def _changed(self, policy: Policy) -> None:
