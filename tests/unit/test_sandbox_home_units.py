@@ -174,3 +174,14 @@ def test_the_hint_names_show(tmp_path: Path) -> None:
     generic = str(home_hint(layout, ["sh"], 1, "/usr/bin:/bin"))
     assert "--show PATH" in generic and str(home) in generic
     assert home_hint(Layout((), (), (), ()), ["sh"], 1, "/bin") is None  # nothing masked
+
+
+def test_the_docs_name_every_harmless_file_and_credential() -> None:
+    from egressd.sandbox.shields import CREDENTIALS, HARMLESS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "sandbox.md").read_text()
+    for rel in HARMLESS:
+        assert f"`~/{rel}`" in text, rel
+    for rel in CREDENTIALS:
+        spelled = "`~/.cargo/credentials(.toml)`" if rel.startswith(".cargo/") else f"`~/{rel}`"
+        assert spelled in text, rel
