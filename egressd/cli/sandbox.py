@@ -305,7 +305,8 @@ def explain_sandbox(options: SessionOptions, **params: Any) -> NoReturn:
     options, layout = _planned(options, **params)
     try:
         policy = options.overrides.apply(base_policy(options.policy_file))
-        layout = hide_more(layout, source_files(policy.secrets))
+        files = source_files(policy.secrets)
+        layout = hide_more(layout, {p: what for p, what in files.items() if os.path.exists(p)})
     except (MountError, PolicyError) as exc:
         fail(str(exc))
     kind = "seatbelt" if sys.platform == "darwin" else "bubblewrap"

@@ -39,19 +39,21 @@ def _candidate(argument: str) -> str:
 
 
 def source_files(specs: Iterable[SecretSpec]) -> dict[str, str]:
-    """{canonical path: what it is} for every file a secret is read from that exists now."""
+    """{canonical path: what it is} for every file a secret is read from: each `file:` path (also
+    one missing now, which someone may create before egressd reads it) and each argument of a
+    `command:` that names an existing file."""
     found: dict[str, str] = {}
     for spec in specs:
         source = spec.source
         if source.kind == "file":
             paths = [os.path.expanduser(source.file)]
         elif source.kind == "command":
-            paths = [_candidate(a) for a in source.command[1:] if "=" in a or not a.startswith("-")]
+            arguments = [_candidate(a) for a in source.command[1:] if "=" in a or not a.startswith("-")]
+            paths = [a for a in arguments if a and os.path.isfile(a)]
         else:
             continue
         for path in paths:
-            if path and os.path.isfile(path):
-                found.setdefault(os.path.realpath(path), f"the source of secret {spec.name!r}")
+            found.setdefault(os.path.realpath(path), f"the source of secret {spec.name!r}")
     return found
 
 
@@ -111,5 +113,6 @@ class SourceGuard:
         policy is checked against it."""
         with self._lock:
             check_links(self._seen)
-            self._layout = hide(dict(self._seen))
+            # a cover needs something to lie on; one missing now failed the load that named it
+            self._layout = hide({p: what for p, what in self._seen.items() if os.path.exists(p)})
             return self._layout

@@ -140,6 +140,10 @@ def test_the_guard_collects_then_refuses_a_visible_source(tmp_path: Path) -> Non
     visible = _policy(tmp_path, _secret("c", f"{{file: {shown_dir / 'c'}}}"))
     with pytest.raises(PolicyError, match="shows to the child"):
         guard(visible)  # type: ignore[arg-type]
+    # a source the child could create before egressd reads it
+    missing = _policy(tmp_path, _secret("d", f"{{file: {shown_dir / 'later'}}}"))
+    with pytest.raises(PolicyError, match="shows to the child"):
+        guard(missing)  # type: ignore[arg-type]
 
 
 def test_a_second_hard_link_is_refused_at_load(tmp_path: Path) -> None:
