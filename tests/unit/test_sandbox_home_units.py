@@ -189,3 +189,23 @@ def test_the_docs_name_every_harmless_file_and_credential() -> None:
     for rel in CREDENTIALS:
         spelled = "`~/.cargo/credentials(.toml)`" if rel.startswith(".cargo/") else f"`~/{rel}`"
         assert spelled in text, rel
+
+
+def test_a_project_holding_the_home_still_masks_it() -> None:
+    """`--rw-home` from /home: the project holds the home, but only naming the home itself shows it."""
+    covers = plan_covers((Mount("/home", True),), {}, (), masked=("/home/u",), is_dir=lambda p: True)
+    assert covers == (Cover("/home/u", "mask"),)
+
+
+def test_show_of_a_path_that_does_not_exist_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from egressd.sandbox.layout import plan_layout
+    from egressd.session import SessionOptions
+
+    home = tmp_path / "home"
+    (home / "proj").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    options = SessionOptions(config_dir=home / ".config" / "egressd")
+    with pytest.raises(MountError, match="no such file"):
+        plan_layout(options, workdir=str(home / "proj"), rw=[], ro=[], show=["~/later"], environ={})
