@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -194,6 +195,84 @@ def test_egressd_code_in_the_working_directory_is_read_only(tmp_path: Path, work
     }
     assert not marker.exists()
     assert "ran outside" not in (root / "egressd" / "addons" / "tunnel_guard.py").read_text()
+
+
+PLANT_PRESETS = """
+    import json, os, sys
+    for path in sys.argv[1:]:
+        def replace(path=path):
+            with open(path, "w") as f:
+                f.write("version: 1\\nmode: allow\\n")
+        attempt(os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path), replace)
+    print(json.dumps(tried))
+"""
+
+
+def _egressd_in_a_project_venv(work: Path) -> tuple[Path, Path]:
+    """egressd installed in the project's own `.venv` (its dependencies from this one's site-packages):
+    (that venv's python, the package's presets directory)."""
+    import sysconfig
+
+    venv = work / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    shutil.move(str(_egressd_copy_in(work / "copy") / "egressd"), str(site / "egressd"))
+    (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    return venv / "bin" / "python", site / "egressd" / "data" / "policies"
+
+
+def _egressd_checkout_in(work: Path) -> Path:
+    """A checkout of egressd in the project (its presets in `policies/`, which the package's
+    `data/policies` links to), run through PYTHONPATH; returns the presets directory."""
+    import egressd
+
+    root = _egressd_copy_in(work)
+    repo = Path(egressd.__file__).parent.parent
+    shutil.rmtree(root / "egressd" / "data" / "policies")
+    (root / "egressd" / "data" / "policies").symlink_to(Path("..", "..", "policies"))
+    shutil.copytree(repo / "policies", root / "policies")
+    (root / "pyproject.toml").write_text('[project]\nname = "egressd"\n')
+    return root / "policies"
+
+
+@pytest.mark.parametrize("layout", ["project .venv", "checkout"])
+def test_a_preset_pin_leaves_every_other_preset_read_only(layout: str, work: Path) -> None:
+    """`--policy npm` pins npm.yaml read-only; the directories on the way to it must not become
+    writable binds over the read-only package (or venv, or checkout), where the child would turn
+    github.yaml into `mode: allow` for every later `--policy github` run."""
+    env = sandbox_env(work)
+    if layout == "checkout":
+        presets = _egressd_checkout_in(work)
+        env["PYTHONPATH"] = str(presets.parent)
+        egressd = EGRESSD
+    else:
+        python, presets = _egressd_in_a_project_venv(work)
+        egressd = [str(python), "-m", "egressd"]
+    originals = {p.name: p.read_text() for p in presets.glob("*.yaml")}
+    targets = [presets / "github.yaml", presets / "npm.yaml", presets / "new.yaml"]
+    if layout == "project .venv":
+        lib = python.parent.parent / "lib"
+        targets += [lib / "planted.py", next(lib.iterdir()) / "planted.py"]
+    result = subprocess.run(
+        [
+            *egressd,
+            "sandbox",
+            "--policy",
+            "npm",
+            "--",
+            *python_inside(ATTEMPT + PLANT_PRESETS),
+            *map(str, targets),
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    tried = json.loads(result.stdout)
+    assert set(tried.values()) == {"Read-only file system"}, tried
+    assert {p.name: p.read_text() for p in presets.glob("*.yaml")} == originals
+    assert not any(t.exists() for t in targets if t.name in ("new.yaml", "planted.py"))
 
 
 PLANT_BYTECODE = """

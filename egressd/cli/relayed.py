@@ -32,8 +32,9 @@ SANDBOX_FLAG = click.option(
 def with_sandbox_options(command: click.Command) -> click.Command:
     """Give `command` the options `egressd sandbox` has beyond `exec`'s, before its CMD argument."""
     names = {param.name for param in command.params}
-    # --dashboard is a session option (exec's too), not one of the sandbox's own
-    skip = names | {"command", "dashboard"}
+    # --dashboard is a session option (exec's too), not one of the sandbox's own; --explain is
+    # the sandbox command's alone
+    skip = names | {"command", "dashboard", "explain"}
     extra = [p for p in sandbox_command.params if p.name not in skip]
     command.params[-1:-1] = extra
     return command

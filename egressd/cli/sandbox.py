@@ -20,10 +20,13 @@ from egressd.cli.passthrough import passthrough_option, run_unwrapped
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
 from egressd.sandbox import narrow, preflight
-from egressd.sandbox.layout import option_links, pinned_options, plan_layout
+from egressd.sandbox.explain import explain, home_hint
+from egressd.sandbox.layout import Layout, hide_more, option_links, pinned_options, plan_layout
 from egressd.sandbox.mounts import MountError
-from egressd.sandbox.run import Outcome, run_bwrap, run_seatbelt
-from egressd.session import ProxySession, SessionOptions
+from egressd.sandbox.run import Outcome, needed_paths, run_bwrap, run_seatbelt
+from egressd.sandbox.shields import PRIVATE
+from egressd.sandbox.sources import SourceError, SourceGuard, source_files
+from egressd.session import ProxySession, SessionOptions, base_policy
 
 # What --env-clear keeps: what a program needs to find itself and print text.
 KEPT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "TZ")
@@ -50,12 +53,14 @@ Example:
 
 \b
 Inside: / read-only, the working directory and --rw paths writable (never your home or a
-system directory), private /tmp and /run, its own network with only loopback.
-egressd's code, policy and audit stay read-only; your credentials and egressd's CA key are
-hidden. HTTP(S)_PROXY points at a loopback port inside the sandbox that leads to egressd's
-proxy; TCP connections that ignore it (and their DNS) are captured and decided by the same
-proxy; nothing else gets out. 127.0.0.1/localhost through the proxy is the HOST's loopback,
-on the ports the policy names only. See docs/sandbox.md.""",
+system directory), private /tmp and /run, its own network with only loopback. Your home is
+empty but for the working directory, --rw/--ro/--show paths and a few harmless configuration
+files (--explain lists them). egressd's code, presets, policy and audit stay read-only; your
+credentials, the secrets' source files and egressd's CA key are hidden. HTTP(S)_PROXY points
+at a loopback port inside the sandbox that leads to egressd's proxy; TCP connections that
+ignore it (and their DNS) are captured and decided by the same proxy; nothing else gets out.
+127.0.0.1/localhost through the proxy is the HOST's loopback, on the ports the policy names
+only. See docs/sandbox.md.""",
 )
 @session_options
 @dashboard_option
@@ -79,8 +84,13 @@ on the ports the policy names only. See docs/sandbox.md.""",
     "--show",
     multiple=True,
     metavar="PATH",
-    help="Let the child read one of the credentials hidden by default, or a path inside one "
-    "(repeatable; egressd warns).",
+    help="Let the child read PATH in your home (hidden by default), or one of the credentials "
+    "hidden even where the home is shown, read-only (repeatable; egressd warns).",
+)
+@click.option(
+    "--explain",
+    is_flag=True,
+    help="Print what the child would see, read and write (shown, hidden, writable) and exit; nothing is run.",
 )
 @click.option(
     "--rw-home",
@@ -135,8 +145,8 @@ on the ports the policy names only. See docs/sandbox.md.""",
     metavar="PATH",
     help="The bubblewrap binary (default: $EGRESSD_BWRAP, else bwrap on PATH). Linux only.",
 )
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
-def sandbox_command(options: SessionOptions, command: tuple[str, ...], **params: Any) -> None:
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
+def sandbox_command(options: SessionOptions, command: tuple[str, ...], explain: bool, **params: Any) -> None:
     """Run CMD confined: its only way out is egressd's proxy, decided by the policy.
 
     Same options, stdio, signals and exit status as `exec`. --only and --profile narrow the
@@ -144,6 +154,10 @@ def sandbox_command(options: SessionOptions, command: tuple[str, ...], **params:
     bubblewrap (Linux) or Seatbelt (macOS) it stops with what to install; it never runs CMD
     unconfined.
     """
+    if explain:
+        explain_sandbox(options, **params)
+    if not command:
+        fail("a command to run is required: egressd sandbox [OPTIONS] -- CMD [ARGS]...")
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
     if options.passthrough:
@@ -178,25 +192,10 @@ def run_sandboxed(
     """Everything `egressd sandbox` does after parsing; exits like the child."""
     if pass_env and not env_clear:
         fail("--pass-env works with --env-clear (without it the child gets egressd's whole environment)")
-    try:
-        links = option_links(options)  # before pinning: which symlinks the paths go through
-        options = pinned_options(options)
-    except PolicyError as exc:  # no such preset
-        fail(str(exc))
+    options, layout = _planned(options, rw=rw, ro=ro, hide=hide, show=show, rw_home=rw_home, cache=cache)
     try:
         only_rules = narrow.parse_only(only)
-        layout = plan_layout(
-            options,
-            workdir=os.getcwd(),
-            rw=rw,
-            ro=ro,
-            hide=hide,
-            show=show,
-            rw_home=rw_home,
-            cache=cache,
-            links=links,
-        )
-    except (MountError, PolicyError) as exc:
+    except PolicyError as exc:
         fail(str(exc))
     for path in layout.shown:
         say(f"warning: --show {path}: the sandboxed command can read it")
@@ -217,10 +216,13 @@ def run_sandboxed(
         fail(str(exc))
     narrowing = narrow.Narrowing(only_rules, options.overrides.profile) if only_rules else None
     outcome = Outcome(EXIT_CANNOT_RUN, started=False)
-    transform = narrow.LoopbackConfinement(loopback_ports, then=narrowing)
-    with open_session(
-        options, announce_reloads=options.trace, transform=transform, command=command
-    ) as session:
+    # the secrets' source files are hidden once the policy that names them is loaded
+    guard = SourceGuard(then=narrow.LoopbackConfinement(loopback_ports, then=narrowing))
+    with open_session(options, announce_reloads=options.trace, transform=guard, command=command) as session:
+        try:
+            layout = guard.fix(lambda files: hide_more(layout, files))
+        except (MountError, SourceError) as exc:
+            fail(str(exc))
         creds = session.credentials(narrowing.profile if narrowing else None)
         session.record_child(creds, command)
         if probe is not None:
@@ -255,4 +257,58 @@ def run_sandboxed(
     if outcome.error:
         say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
         sys.exit(2)
+    hint = home_hint(layout, command, outcome.returncode, os.environ.get("PATH"))
+    if hint and options.report:
+        say(hint)
     process.exit_like(outcome.returncode, fast=True)  # the session is closed: audit flushed
+
+
+def _planned(
+    options: SessionOptions,
+    *,
+    rw: tuple[str, ...],
+    ro: tuple[str, ...],
+    hide: tuple[str, ...],
+    show: tuple[str, ...],
+    rw_home: bool,
+    cache: str | None,
+    **_others: object,
+) -> tuple[SessionOptions, Layout]:
+    """The options with the policy and audit paths pinned, and the sandbox's layout (exit 2 with
+    the fix when the options cannot be honoured)."""
+    try:
+        links = option_links(options)  # before pinning: which symlinks the paths go through
+        options = pinned_options(options)
+    except PolicyError as exc:  # no such preset
+        fail(str(exc))
+    try:
+        layout = plan_layout(
+            options,
+            workdir=os.getcwd(),
+            rw=rw,
+            ro=ro,
+            hide=hide,
+            show=show,
+            rw_home=rw_home,
+            cache=cache,
+            links=links,
+            private=PRIVATE if sys.platform != "darwin" else (),
+        )
+    except (MountError, PolicyError) as exc:
+        fail(str(exc))
+    return options, layout
+
+
+def explain_sandbox(options: SessionOptions, **params: Any) -> NoReturn:
+    """--explain: the layout the options give, with the secrets' sources the policy names, printed;
+    nothing runs (no proxy, no secret read, no command)."""
+    options, layout = _planned(options, **params)
+    try:
+        policy = options.overrides.apply(base_policy(options.policy_file))
+        files = source_files(policy.secrets)
+        layout = hide_more(layout, {p: what for p, what in files.items() if os.path.exists(p)})
+    except (MountError, PolicyError) as exc:
+        fail(str(exc))
+    kind = "seatbelt" if sys.platform == "darwin" else "bubblewrap"
+    click.echo(explain(layout, needed_paths(None), workdir=os.getcwd(), kind=kind), nl=False)
+    sys.exit(0)

@@ -476,7 +476,9 @@ def apply_env_mode(policy: Policy, env: Mapping[str, str]) -> Policy:
     return policy.with_overrides(mode=cast(Mode, value))
 
 
-def _policy_dirs() -> list[Path]:
+def preset_dirs() -> list[Path]:
+    """Where presets are read from, first match wins: a checkout's `policies/`, then the package's
+    data (the sandbox keeps both read-only: a preset the child rewrote would be every later run's)."""
     package = Path(__file__).resolve().parent.parent
     dirs = []
     repo = package.parent
@@ -489,7 +491,7 @@ def _policy_dirs() -> list[Path]:
 def builtin_policy_names() -> list[str]:
     """Names of the shipped presets (default, npm, pypi, github, ...)."""
     names: set[str] = set()
-    for directory in _policy_dirs():
+    for directory in preset_dirs():
         if directory.is_dir():
             names.update(p.stem for p in directory.glob("*.yaml"))
     return sorted(names)
@@ -499,7 +501,7 @@ def builtin_policy_path(name: str) -> Path:
     """Path of preset ``name``: the repo's ``policies/`` first, else the installed package data."""
     if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):
         raise PolicyError(str(name), None, message="not a built-in policy name")
-    for directory in _policy_dirs():
+    for directory in preset_dirs():
         candidate = directory / f"{name}.yaml"
         if candidate.is_file():
             return candidate

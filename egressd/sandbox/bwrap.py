@@ -5,9 +5,11 @@ Layout inside the sandbox, in mount order (later mounts cover earlier ones):
   also hides the host's daemon sockets (D-Bus, systemd-resolved, docker, ssh-agent): a Unix socket
   is connectable even on a read-only mount, and some of those would be a way out;
 - the working directory and `--rw` paths writable, `--ro` paths read-only, with the covers of
-  shields.py (egressd's own code, policy and audit read-only; credentials and egressd's home
-  hidden), all parents first;
-- paths egressd itself needs when they live under a hidden tree (its Python, the CA bundle).
+  shields.py (the home masked: empty but for what is shown in it; egressd's own code, presets,
+  policy and audit read-only; credentials, secrets' sources and egressd's home hidden), all
+  parents first;
+- paths egressd itself needs when they live under a hidden tree (its Python, the CA bundle);
+- the masked home remounted read-only, once everything inside it is mounted.
 Namespaces: user (all capabilities dropped), PID, network (only `lo`, which bubblewrap brings
 up), IPC, UTS, cgroup; a new session (no controlling terminal: no TIOCSTI injection into the
 user's shell). The command is the launcher (see launcher.py), which runs the child.
@@ -18,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from egressd.sandbox.mounts import Mount, order, within
-from egressd.sandbox.shields import Cover, ordered_with
+from egressd.sandbox.mounts import Mount, order
+from egressd.sandbox.shields import Cover, inside_view, ordered_with
 
 NAMESPACES: tuple[str, ...] = (
     "--unshare-user",
@@ -52,25 +54,14 @@ class BwrapSpec:
     info_fd: int | None = None  # bubblewrap writes the sandbox's PID there (egressd sets up capture)
 
 
-BASE_HIDDEN: tuple[str, ...] = ("/tmp", "/run", "/dev", "/proc")
-
-
-def _needs_mount(path: str, mounts: Sequence[Mount], hiding: Sequence[str] = ()) -> bool:
-    """Paths the base layout hides that no user mount shows, and paths under a hiding cover."""
-    if any(within(path, top) for top in hiding):
-        return True
-    hidden = any(within(path, top) for top in BASE_HIDDEN)
-    return hidden and not any(within(path, mount.path) for mount in mounts)
-
-
 def _hides(cover: Cover) -> bool:
-    return cover.kind in ("tmpfs", "empty")
+    return cover.kind in ("tmpfs", "empty", "mask")
 
 
 def _mount_args(item: Mount | Cover) -> list[str]:
     if isinstance(item, Mount):
         return ["--bind" if item.writable else "--ro-bind", item.path, item.path]
-    if item.kind == "tmpfs":
+    if item.kind in ("tmpfs", "mask"):
         return ["--tmpfs", item.path]
     if item.kind == "empty":
         return ["--ro-bind", "/dev/null", item.path]
@@ -85,17 +76,28 @@ def security_options(disable_userns: bool) -> list[str]:
     return options
 
 
+def mount_plan(spec: BwrapSpec) -> list[Mount | Cover]:
+    """The user's mounts, the covers and egressd's own needed paths, in bubblewrap's order (parents
+    first), after its base mounts."""
+    # a cover that only hides is left out where the base layout's fresh /tmp or /run already hides
+    # its path (no user mount shows it): bubblewrap would make an empty stand-in there for nothing
+    covers = [c for c in spec.covers if not (_hides(c) and inside_view(c.path, spec.mounts, ()) == "hidden")]
+    # egressd's own paths where nothing else shows them (under /tmp, the masked home, a hidden path)
+    needed = [Cover(p, "ro") for p in spec.needed if inside_view(p, spec.mounts, covers) == "hidden"]
+    return ordered_with(spec.mounts, [*covers, *needed])
+
+
 def bwrap_argv(spec: BwrapSpec) -> list[str]:
     argv = [spec.bwrap, *security_options(spec.disable_userns)]
     argv += BASE_MOUNTS
-    # the user's mounts, the covers and egressd's own needed paths, parents first
-    # a cover that only hides is left out where the base layout's fresh /tmp or /run already hides
-    # its path (no user mount shows it): bubblewrap would make an empty stand-in there for nothing
-    covers = [c for c in spec.covers if not (_hides(c) and _needs_mount(c.path, spec.mounts))]
-    hiding = [c.path for c in covers if _hides(c)]
-    needed = [Cover(path, "ro") for path in spec.needed if _needs_mount(path, spec.mounts, hiding)]
-    for item in ordered_with(spec.mounts, [*covers, *needed]):
+    plan = mount_plan(spec)
+    for item in plan:
         argv += _mount_args(item)
+    # a masked directory (the home) turns read-only once everything shown in it is mounted: the
+    # child can then neither plant files nor rename a directory on the way to a mount in it
+    for item in plan:
+        if isinstance(item, Cover) and item.kind == "mask":
+            argv += ["--remount-ro", item.path]
     if spec.info_fd is not None:
         argv += ["--info-fd", str(spec.info_fd)]
     argv += ["--chdir", spec.workdir, "--", *spec.command]
@@ -106,7 +108,7 @@ def probe_argv(bwrap: str, program: str, disable_userns: bool, needed: Sequence[
     """The same namespaces and base mounts, with egressd's interpreter shown, running `program`
     (`true`: starting an interpreter would only add time): can a sandbox start here?"""
     argv = [bwrap, *security_options(disable_userns), *BASE_MOUNTS]
-    for mount in order(Mount(path, False) for path in needed if _needs_mount(path, ())):
+    for mount in order(Mount(path, False) for path in needed if inside_view(path, (), ()) == "hidden"):
         argv += ["--ro-bind", mount.path, mount.path]
     return [*argv, "--", program]
 

@@ -1,9 +1,10 @@
 """The sandbox's file system, planned from the options and this process before anything starts.
 
-Gathers what shields.py protects — egressd's code and interpreter (every directory it imports
-from), the policy it reloads, the audit it writes, its home (the CA key, whenever it is created),
-the user's credentials and authority sockets — and checks the user's mounts against them, so a
-bad combination stops with the fix before the proxy or the child runs.
+Gathers what shields.py protects — the user's home (masked: empty but for what is shown), egressd's
+code, presets and interpreter (every directory it imports from), the policy it reloads, the audit
+it writes, its home (the CA key, whenever it is created), the user's credentials, the sources of
+the policy's secrets and authority sockets — and checks the user's mounts against them, so a bad
+combination stops with the fix before the proxy or the child runs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -19,8 +21,18 @@ from pathlib import Path
 import egressd
 from egressd import ca
 from egressd.policy import PolicyError, builtin_policy_path
+from egressd.policy.loader import preset_dirs
 from egressd.sandbox.mounts import Mount, MountError, plan_mounts, within
-from egressd.sandbox.shields import Cover, apply_show, credential_paths, existing, plan_covers
+from egressd.sandbox.shields import (
+    HARMLESS,
+    PRIVATE,
+    Cover,
+    apply_show,
+    credential_paths,
+    existing,
+    inside_view,
+    plan_covers,
+)
 from egressd.session import SessionOptions, resolve_policy_path
 
 
@@ -29,11 +41,21 @@ class Layout:
     mounts: tuple[Mount, ...]
     covers: tuple[Cover, ...]
     hidden: tuple[str, ...]  # every hidden path (the environment drops variables pointing there)
-    shown: tuple[str, ...]  # credentials the user chose to show (a warning names each)
+    shown: tuple[str, ...]  # --show paths (a warning names each)
     cache: str | None = None  # --cache DIR (writable), or None: a private cache in the sandbox's /tmp
     # what egressd reads, runs or writes while the child runs, wherever it is: Seatbelt shares the
     # host's /tmp, so it protects each one itself (bubblewrap needs only the covers)
     guarded: tuple[str, ...] = ()
+    masked: tuple[str, ...] = ()  # the home: empty inside but for what is shown in it
+    revealed: tuple[str, ...] = ()  # shown read-only inside the masked home or a hidden path
+    harmless: tuple[str, ...] = ()  # of those, the configuration shown by default
+    withheld: tuple[tuple[str, str], ...] = ()  # harmless-listed files not shown, and why
+    notes: tuple[tuple[str, str], ...] = ()  # (path, what it is) for --explain
+    private: tuple[str, ...] = PRIVATE  # what the sandbox makes private whatever the covers say
+
+    def hides(self, path: str) -> bool:
+        """The child sees nothing of the host's at the canonical `path`."""
+        return inside_view(path, self.mounts, self.covers, self.private) == "hidden"
 
 
 def egressd_code() -> dict[str, str]:
@@ -54,6 +76,7 @@ def egressd_code() -> dict[str, str]:
         "egressd's Python",
     )
     add([p for p in sys.path if p and os.path.isdir(p)], "a directory egressd imports from")
+    add([str(p) for p in preset_dirs()], "egressd's presets")
     if sys.pycache_prefix:
         # PYTHONPYCACHEPREFIX: the bytecode of every module egressd imports late is looked for
         # there before the (read-only) source is compiled. Made now if missing, so the child
@@ -170,12 +193,15 @@ def plan_layout(
     cache: str | None = None,
     environ: Mapping[str, str] | None = None,
     links: Sequence[tuple[str, str, str]] = (),
+    private: Sequence[str] = PRIVATE,
 ) -> Layout:
     """Mounts and covers for `options` (already pinned_options; `links` from option_links before
-    that); MountError names the fix."""
+    that); MountError names the fix. `private`: what the sandbox itself makes private (bubblewrap's
+    /tmp, /run, /dev, /proc; nothing under Seatbelt)."""
     environ = os.environ if environ is None else environ
     home = os.path.realpath(os.path.expanduser("~"))
     given = [("--rw", p) for p in rw] + [("--ro", p) for p in ro] + ([("--cache", cache)] if cache else [])
+    given += [("--show", p) for p in show]
     links = [*links, *_home_links(options)]
     links += [(option, path, link) for option, path in given for link in followed_links(path)]
     cache_dir = _checked("--cache", [cache])[0] if cache else None
@@ -195,13 +221,130 @@ def plan_layout(
     credentials = [*credential_paths(home, environ), *_checked("--hide", hide)]
     shown = _checked("--show", show)
     for path in shown:
-        if any(within(path, top) for top in own):
-            raise MountError(f"--show {path}: egressd's own home and sockets are never shown to the child")
-    credentials, inside = apply_show(tuple(dict.fromkeys(credentials)), shown)
+        for top in own:
+            if _same_or_inside(path, top):
+                raise MountError(
+                    f"--show {path}: egressd's own home and sockets ({top}) are never shown to the child"
+                )
+    # the home is masked unless the user names the home itself (--rw-home, --ro ~, --show ~);
+    # then the credentials below are all that stays hidden in it
+    masked = () if home == "/" or home in shown or any(m.path == home for m in mounts) else (home,)
+    credentials, inside = apply_show(tuple(dict.fromkeys(credentials)), shown, masked)
+    harmless, withheld = harmless_files(home) if masked else ((), ())
+    revealed = (*inside, *harmless)
     hidden = (*own, *credentials)
-    covers = plan_covers(mounts, guarded, hidden)
-    covers += tuple(Cover(path, "ro") for path in inside)
-    return Layout(mounts, covers, hidden, shown, cache_dir, tuple(guarded))
+    covers = plan_covers(mounts, guarded, hidden, masked=masked, shown=revealed, private=private)
+    notes = [*guarded.items(), *((p, "egressd's own home or sockets") for p in own)]
+    notes += [(p, "a credential, or a path --hide names") for p in credentials]
+    return Layout(
+        mounts,
+        covers,
+        hidden,
+        shown,
+        cache_dir,
+        tuple(guarded),
+        masked=masked,
+        revealed=revealed,
+        harmless=harmless,
+        withheld=withheld,
+        notes=tuple(notes),
+        private=tuple(private),
+    )
+
+
+def hide_more(layout: Layout, paths: Mapping[str, str]) -> Layout:
+    """`layout` with `paths` ({path: what it is}) hidden too, wherever they are: the sources of the
+    policy's secrets, known once the policy is loaded. MountError when a user mount or --show
+    would show one."""
+    for path, what in paths.items():
+        for shown in (*(m.path for m in layout.mounts), *layout.shown):
+            if within(shown, path):
+                raise MountError(
+                    f"{shown}: it is {what}, which the sandbox never shows to the child; "
+                    "drop that --rw, --ro or --show"
+                )
+    new = tuple(p for p in paths if p not in layout.hidden)
+    if not new:
+        return layout
+    hidden = (*layout.hidden, *new)
+    covers = plan_covers(
+        layout.mounts,
+        dict.fromkeys(layout.guarded, "egressd's own"),
+        hidden,
+        masked=layout.masked,
+        shown=layout.revealed,
+        private=layout.private,
+    )
+    notes = (*layout.notes, *((p, paths[p]) for p in new))
+    return replace(layout, covers=covers, hidden=hidden, notes=notes)
+
+
+# A line of a configuration file that looks like it holds a credential: a key named like one, a
+# URL with a password or a token as its user name, or a well-known token prefix.
+_CREDENTIAL_LINE = re.compile(
+    r"password|passwd|token|secret|api[_-]?key|authorization|bearer|extraheader|credential"
+    r"|://[^\s/@:]+:[^\s/@]+@|https?://[^\s/@]+@"
+    r"|\b(?:ghp_|gho_|ghs_|github_pat_|glpat-|xox[abpr]-|sk-|AKIA)",
+    re.IGNORECASE,
+)
+HARMLESS_MAX = 1 << 16
+
+
+def holds_credential(text: str) -> str | None:
+    """Why a configuration file may hold a credential ("line N"), or None. Never the line itself."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if _CREDENTIAL_LINE.search(line):
+            return f"line {number} looks like it holds a credential"
+    return None
+
+
+def harmless_files(home: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(shown, withheld with why): the configuration of HARMLESS that exists in `home` and holds
+    nothing that looks like a credential. A symlink (dotfiles) is shown at its own path, where
+    tools look; its target is read for the check."""
+    shown, withheld = [], []
+    for rel in HARMLESS:
+        path = os.path.join(home, rel)
+        parent = os.path.realpath(os.path.dirname(path))
+        if not within(parent, home):
+            continue  # ~/.config a symlink out of the home: not the home's to show
+        path = os.path.join(parent, os.path.basename(path))
+        try:
+            if not os.path.isfile(path):
+                continue
+            if os.path.getsize(path) > HARMLESS_MAX:
+                withheld.append((path, f"larger than {HARMLESS_MAX} bytes: not checked"))
+                continue
+            with open(path, encoding="utf-8", errors="replace") as f:
+                why = holds_credential(f.read())
+        except OSError:
+            continue
+        if why is None:
+            shown.append(path)
+        else:
+            withheld.append((path, why))
+    return tuple(shown), tuple(withheld)
+
+
+def _same_or_inside(path: str, top: str) -> bool:
+    """`path` is `top` or lies in it, by file identity as well as by name: a case-insensitive file
+    system or a second mount of one directory spells it another way."""
+    if within(path, top):
+        return True
+    try:
+        target = os.stat(top)
+    except OSError:
+        return False
+    current = path
+    while True:
+        with contextlib.suppress(OSError):
+            info = os.stat(current)
+            if (info.st_dev, info.st_ino) == (target.st_dev, target.st_ino):
+                return True
+        parent = os.path.dirname(current)
+        if parent == current:
+            return False
+        current = parent
 
 
 def _home_links(options: SessionOptions) -> list[tuple[str, str, str]]:

@@ -127,14 +127,15 @@ def launcher_import_path() -> str:
     return os.pathsep.join(dict.fromkeys(paths))
 
 
-def needed_paths(session: ProxySession) -> tuple[str, ...]:
-    """What egressd itself needs inside: its Python and package, and the CA bundle when inspecting."""
-    paths = [sys.prefix, sys.base_prefix, package_root()]
-    if session.ca_bundle:
-        paths.append(session.ca_bundle)
-        if os.path.isfile(java_truststore_path(session.ca_bundle)):
-            paths.append(str(java_truststore_path(session.ca_bundle)))
-    return tuple(dict.fromkeys(os.path.realpath(p) for p in paths))
+def needed_paths(ca_bundle: str | None) -> tuple[str, ...]:
+    """What egressd itself needs inside: its Python and every directory the launcher imports from
+    (shown read-only where the home is masked), and the CA bundle when inspecting."""
+    paths = [sys.prefix, sys.base_prefix, *launcher_import_path().split(os.pathsep)]
+    if ca_bundle:
+        paths.append(ca_bundle)
+        if os.path.isfile(java_truststore_path(ca_bundle)):
+            paths.append(str(java_truststore_path(ca_bundle)))
+    return tuple(dict.fromkeys(os.path.realpath(p) for p in paths if os.path.exists(p)))
 
 
 # -- Linux: bubblewrap ---------------------------------------------------------------------------
@@ -309,7 +310,7 @@ def run_bwrap(
         socks,
         "bubblewrap",
         env_base,
-        layout.hidden,
+        (*layout.hidden, *layout.masked),
         layout.cache,
         (BRIDGE_HOST, BRIDGE_OPEN_PORT),
     )
@@ -337,7 +338,7 @@ def run_bwrap(
                 setup_fd=setup_r,
                 capture=(BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, http) if capture_direct else None,
             ),
-            needed=needed_paths(session),
+            needed=needed_paths(session.ca_bundle),
             covers=layout.covers,
             disable_userns=disable_userns,
             info_fd=info_w,
@@ -423,10 +424,11 @@ def run_seatbelt(
     home = os.path.realpath(os.path.expanduser("~"))
     try:
         profile = seatbelt_profile(
-            layout, ports, temp=temp, home=home, needed=needed_paths(session), terminals=terminals()
+            layout, ports, temp=temp, home=home, needed=needed_paths(session.ca_bundle), terminals=terminals()
         )
     except UnquotablePath as exc:
         return Outcome(EXIT_CANNOT_RUN, started=False, error=str(exc))
-    env = sandbox_env(session, creds, http, socks, "seatbelt", env_base, layout.hidden, layout.cache)
+    hidden = (*layout.hidden, *layout.masked)
+    env = sandbox_env(session, creds, http, socks, "seatbelt", env_base, hidden, layout.cache)
     argv = seatbelt_argv(profile, command, sandbox_exec)
     return Outcome(run_child(argv, env, catcher=catcher))

@@ -2,7 +2,8 @@
 
 The profile starts from `(deny default)` and allows what a CLI child needs: forking, programs
 from the system's, package managers' and the user's directories, signals to its own processes,
-reading every file but the hidden ones, writing only where the layout makes it writable, and
+reading every file but the hidden ones (the home but for what is shown in it, credentials,
+egressd's home, the secrets' sources), writing only where the layout makes it writable, and
 network connections only to egressd's proxy on the loopback. The layout's hidden paths
 (credentials, egressd's home) are neither read nor written; its guarded paths (egressd's code,
 policy, audit) are never written. macOS has no private /tmp, so the host's temporary directories
@@ -197,6 +198,22 @@ def _keep_names(layout: Layout, temp: Sequence[str]) -> list[str]:
     ]
 
 
+def _masked_rules(layout: Layout, needed: Sequence[str]) -> list[str]:
+    """The home: neither read, written nor run, but for what is shown in it (before the write
+    rules, which then allow the writable mounts in it again)."""
+    if not layout.masked:
+        return []
+    shown = [*(m.path for m in layout.mounts), *layout.revealed, *needed]
+    inside = _outermost(p for p in shown if _under(p, layout.masked))
+    return [
+        ";; Your home: hidden but for the working directory, --rw/--ro/--show paths, the harmless",
+        ";; configuration shown by default and egressd's own Python (nothing in it is read otherwise).",
+        *_rule("deny file-read* file-write* process-exec*", _paths("subpath", layout.masked)),
+        *_rule("allow file-read-metadata", _paths("literal", layout.masked)),
+        *_rule("allow file-read* process-exec*", _paths("subpath", inside)),
+    ]
+
+
 def _hidden_rules(layout: Layout, needed: Sequence[str]) -> list[str]:
     if not layout.hidden:
         return []
@@ -250,6 +267,7 @@ def seatbelt_profile(
         _network_rules(proxy_ports),
         _exec_rules(layout, temp, home, needed),
         [";; Files: read everything but the hidden paths (below).", "(allow file-read*)"],
+        _masked_rules(layout, needed),
         _write_rules(layout, temp, terminals) + _keep_names(layout, temp),
         _hidden_rules(layout, needed),
     ]

@@ -1,21 +1,30 @@
 """What the child must never change or read, laid over the user's mounts (pure: tested on any OS).
 
-Two kinds of host paths matter to a sandboxed child that has read the source:
+Three kinds of host paths matter to a sandboxed child that has read the source:
 
+- **masked** — the user's home: inside it is an empty directory, read-only once what is shown in
+  it is mounted (the working directory, `--rw`/`--ro`/`--show` paths, the harmless configuration
+  of HARMLESS, egressd's own Python). A home holds more secrets than any list names, so nothing
+  in it is visible unless something names it.
 - **guarded** — what egressd itself reads or runs after the child started: its own code and
-  interpreter (a module imported late would run outside the sandbox), the policy it reloads, the
-  audit it writes. Inside a writable mount each becomes a read-only bind. Renaming a directory on
-  the way to it would let the child put another file at the same path on the host, so every plain
-  directory between it and the writable mount is bound onto itself (still writable, but a mount
-  point cannot be renamed or removed) — also when a `--ro` mount holds it, and on the way to
-  every user mount nested in a writable one (a mount moves with its renamed parent). A writable
-  mount that IS such a path, or lies inside one, is refused: the child could change it.
-- **hidden** — what the child must not read: the user's credentials, egressd's home (the CA key,
-  also when it is created or rotated during the run) and sockets that hand out authority (the
-  ssh-agent, docker). A directory gets an empty tmpfs, a file or socket an empty file, and the
-  plain directories on the way are pinned like a guarded path's (a tmpfs moves with a renamed
-  parent, and the path would then lead to a directory of the child's). A user mount inside one
-  needs `--show` first.
+  interpreter (a module imported late would run outside the sandbox), its presets, the policy it
+  reloads, the audit it writes. Inside a writable mount each becomes a read-only bind. Renaming a
+  directory on the way to it would let the child put another file at the same path on the host,
+  so every plain directory between it and the writable mount is bound onto itself (a mount point
+  cannot be renamed or removed) — also when a `--ro` mount holds it, and on the way to every user
+  mount nested in a writable one (a mount moves with its renamed parent). Such a pin is a
+  writable bind, so it is only ever laid where the directory is writable anyway: never inside a
+  read-only cover. A writable mount that IS a guarded path, or lies inside one, is refused.
+- **hidden** — what the child must not read even where it is shown: the credentials of
+  CREDENTIALS (for a home the user shows), the sources of the policy's secrets, egressd's home
+  (the CA key, also when it is created or rotated during the run) and sockets that hand out
+  authority (the ssh-agent, docker). A directory gets an empty tmpfs, a file or socket an empty
+  file, and the plain directories on the way are pinned like a guarded path's (a tmpfs moves with
+  a renamed parent, and the path would then lead to a directory of the child's). A user mount
+  inside one needs `--show` first.
+
+`inside_view` says what the child gets at a path for a given set of mounts and covers; the
+planner uses it to leave out every cover that changes nothing (each costs bubblewrap a mount).
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ from typing import Literal
 
 from egressd.sandbox.mounts import Mount, MountError, depth, within
 
-# What the sandbox hides by default, relative to the user's home.
+# Hidden even where the user shows the home (--rw-home, --ro ~, --show ~/.config), relative to it.
+# The masked home hides these and everything else by default; this list is the second layer.
 CREDENTIALS: tuple[str, ...] = (
     ".ssh",
     ".aws",
@@ -55,19 +65,82 @@ CREDENTIALS: tuple[str, ...] = (
     ".config/composer/auth.json",
     ".composer/auth.json",
     ".pulumi/credentials.json",
+    ".config/containers/auth.json",
+    ".m2/settings.xml",
+    ".gradle/gradle.properties",
+    ".pgpass",
+    ".my.cnf",
+    ".s3cfg",
+    ".claude",
+    ".claude.json",
+    ".codex",
+    ".local/share/keyrings",
+    # what a shell or database client remembers: commands typed with tokens in them
+    ".bash_history",
+    ".zsh_history",
+    ".python_history",
+    ".psql_history",
+    ".mysql_history",
+    # container engines' sockets (Docker API access is root on the host) and browser profiles
+    ".colima",
+    ".rd",
+    ".lima",
+    ".local/share/containers",
+    ".mozilla",
+    ".config/google-chrome",
+    ".config/chromium",
+)
+# Shown read-only in the masked home because common tools read them, when they hold nothing that
+# looks like a credential (holds_credential). Not the shell's rc files: they often export tokens.
+HARMLESS: tuple[str, ...] = (
+    ".gitconfig",
+    ".config/git/config",
+    ".config/git/ignore",
+    ".config/git/attributes",
+    ".editorconfig",
+    ".inputrc",
+    ".vimrc",
+    ".nanorc",
+    ".config/nvim/init.vim",
+    ".config/nvim/init.lua",
 )
 # Daemon sockets that hand out authority, outside the private /run and /tmp.
 AUTHORITY_SOCKETS: tuple[str, ...] = ("/var/run/docker.sock", "/var/run/podman/podman.sock")
+# What bubblewrap's base layout makes private (fresh, empty) whatever the host holds there.
+PRIVATE: tuple[str, ...] = ("/tmp", "/run", "/dev", "/proc")
+
+CoverKind = Literal["ro", "pin", "tmpfs", "empty", "mask"]
+View = Literal["rw", "ro", "hidden"]
 
 
 @dataclass(frozen=True)
 class Cover:
     """One mount laid over the user's: `ro` a read-only bind of the path itself, `pin` a writable
     bind onto itself (the name can no longer be renamed), `tmpfs` an empty directory, `empty` an
-    empty file."""
+    empty file, `mask` an empty directory made read-only once everything inside it is mounted."""
 
     path: str
-    kind: Literal["ro", "pin", "tmpfs", "empty"]
+    kind: CoverKind
+
+
+_VIEWS: dict[str, View] = {"ro": "ro", "pin": "rw", "tmpfs": "hidden", "empty": "hidden", "mask": "hidden"}
+
+
+def inside_view(
+    path: str, mounts: Sequence[Mount], covers: Iterable[Cover], private: Sequence[str] = PRIVATE
+) -> View:
+    """What the child gets at the canonical `path`: the host's file writable or read-only, or none
+    of the host's (an empty stand-in, a private /tmp). The innermost mount decides; at one path a
+    cover is laid after the user's mount (bubblewrap's order: parents first, covers last)."""
+    best: tuple[int, int] = (0, -1)
+    view: View = "ro"  # the read-only root
+    candidates = [(p, 0, "hidden") for p in private]
+    candidates += [(m.path, 1, "rw" if m.writable else "ro") for m in mounts]
+    candidates += [(c.path, 2, _VIEWS[c.kind]) for c in covers]
+    for top, rank, seen in candidates:
+        if within(path, top) and (depth(top), rank) >= best:
+            best, view = (depth(top), rank), seen  # type: ignore[assignment]
+    return view
 
 
 def _innermost(path: str, mounts: Sequence[Mount]) -> Mount | None:
@@ -95,10 +168,15 @@ def plan_covers(
     guarded: Mapping[str, str],
     hidden: Iterable[str],
     *,
+    masked: Iterable[str] = (),
+    shown: Iterable[str] = (),
     is_dir: Callable[[str], bool] = os.path.isdir,
+    private: Sequence[str] = PRIVATE,
 ) -> tuple[Cover, ...]:
-    """The covers for `guarded` ({path: what it is}) and `hidden` paths; MountError when a user
-    mount would make a guarded path writable or show a hidden one."""
+    """The covers for `guarded` ({path: what it is}), `hidden` and `masked` paths, and the `shown`
+    paths bound read-only inside those; MountError when a user mount would make a guarded path
+    writable or show a hidden one. Covers that change nothing are left out (`private`: what the
+    sandbox makes private whatever the covers say; none under Seatbelt)."""
     covers: dict[str, Cover] = {}
     for path, what in guarded.items():
         for mount in mounts:
@@ -115,6 +193,11 @@ def plan_covers(
         # child would put its own file at the path egressd reads
         for pin in _pins(path, mounts):
             covers.setdefault(pin.path, pin)
+    for path in masked:
+        if not any(m.path == path for m in mounts):
+            covers[path] = Cover(path, "mask")
+    for path in shown:
+        covers.setdefault(path, Cover(path, "ro"))
     for path in hidden:
         for mount in mounts:
             if within(mount.path, path):
@@ -131,11 +214,30 @@ def plan_covers(
     for mount in mounts:  # the user's own --ro (and --rw) mounts keep their host paths too
         for pin in _pins(mount.path, mounts):
             covers.setdefault(pin.path, pin)
-    # a pin inside a hidden directory would bind the host's directory over its empty tmpfs
-    hiding = [c.path for c in covers.values() if c.kind in ("tmpfs", "empty")]
-    return tuple(
-        c for c in covers.values() if c.kind != "pin" or not any(within(c.path, top) for top in hiding)
-    )
+    return _needed_only(mounts, covers, private)
+
+
+def _needed_only(
+    mounts: Sequence[Mount], covers: Mapping[str, Cover], private: Sequence[str]
+) -> tuple[Cover, ...]:
+    """The covers that change what the child gets. A pin only where the directory is writable
+    without it: inside a read-only cover it would make that part writable, inside a hidden one it
+    would show the host's directory. A read-only or hiding cover only where the path would
+    otherwise be something else."""
+    settled = [c for c in covers.values() if c.kind != "pin"]
+    kept = []
+    for cover in covers.values():
+        others = [c for c in settled if c is not cover]
+        without = inside_view(cover.path, mounts, others, private)
+        if cover.kind == "pin":
+            needed = without == "rw"
+        elif cover.kind == "mask":
+            needed = without != "hidden"
+        else:
+            needed = without != _VIEWS[cover.kind]
+        if needed:
+            kept.append(cover)
+    return tuple(kept)
 
 
 def existing(paths: Iterable[str]) -> tuple[str, ...]:
@@ -145,7 +247,7 @@ def existing(paths: Iterable[str]) -> tuple[str, ...]:
 
 
 def credential_paths(home: str, environ: Mapping[str, str]) -> tuple[str, ...]:
-    """The user's credentials and authority sockets that exist now (the default hidden set)."""
+    """The user's credentials and authority sockets that exist now (hidden wherever shown)."""
     paths = [os.path.join(home, rel) for rel in CREDENTIALS]
     paths += AUTHORITY_SOCKETS
     if environ.get("SSH_AUTH_SOCK"):
@@ -156,17 +258,21 @@ def credential_paths(home: str, environ: Mapping[str, str]) -> tuple[str, ...]:
     return existing(paths)
 
 
-def apply_show(hidden: Sequence[str], shown: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(still hidden, shown inside a hidden directory): --show drops a hidden path, or shows one
-    file or directory inside it read-only. Showing what is not hidden is an error."""
+def apply_show(
+    hidden: Sequence[str], shown: Sequence[str], masked: Sequence[str] = ()
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(still hidden, shown inside a hidden or masked directory): --show drops a hidden path, or
+    shows one file or directory inside it, or inside the masked home, read-only. Showing what is
+    not hidden is an error."""
     keep = list(hidden)
     inside = []
     for path in shown:
-        if path in keep:
+        named = path in keep
+        if named:
             keep.remove(path)
-        elif any(within(path, top) for top in keep):
-            inside.append(path)
-        else:
+        if any(within(path, top) for top in [*keep, *masked]):
+            inside.append(path)  # a credential in the masked home: no longer hidden, and shown
+        elif not named:
             raise MountError(f"--show {path}: the sandbox does not hide it (nothing to show)")
     return tuple(keep), tuple(inside)
 

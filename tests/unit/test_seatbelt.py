@@ -517,6 +517,53 @@ def test_the_layout_carries_what_seatbelt_protects(tmp_path, monkeypatch) -> Non
             assert decide(profile, operation, spelled) == want, (operation, spelled)
 
 
+def test_the_masked_home_hides_all_but_what_is_shown(tmp_path, monkeypatch) -> None:
+    """As on Linux: the home is hidden but for the project, --show paths, the harmless configuration
+    and egressd's own Python; the credentials stay hidden inside a shown directory."""
+    from egressd.sandbox.layout import plan_layout
+    from egressd.session import SessionOptions
+
+    home = tmp_path / "Users" / "u"
+    project = home / "project"
+    for directory in (project, home / ".config" / "gh", home / "notes", home / ".pyenv" / "bin"):
+        directory.mkdir(parents=True)
+    for name, text in {
+        ".zsh_history": "export TOKEN=x",
+        ".pgpass": "db:5432:*:u:pw",
+        ".gitconfig": "[user]\n\tname = U\n",
+        ".config/gh/hosts.yml": "oauth_token: x",
+        ".config/tool.toml": "theme = dark",
+        "notes/todo.txt": "todo",
+    }.items():
+        (home / name).write_text(text)
+    monkeypatch.setenv("HOME", str(home))
+    options = SessionOptions(config_dir=home / ".config" / "egressd")
+    layout = plan_layout(
+        options, workdir=str(project), rw=[], ro=[], show=[str(home / ".config")], environ={}, private=()
+    )
+    python = str(home / ".pyenv")
+    profile = seatbelt_profile(layout, [3128], temp=[], home=str(home), needed=(python,))
+    expected = [
+        ("file-read-data", home / ".zsh_history", "deny"),
+        ("file-read-data", home / ".pgpass", "deny"),
+        ("file-read-data", home / "notes" / "todo.txt", "deny"),
+        ("process-exec", home / ".cargo" / "bin" / "cargo", "deny"),
+        ("file-read-data", home / ".gitconfig", "allow"),
+        ("file-write-data", home / ".gitconfig", "deny"),
+        ("file-read-data", home / ".config" / "tool.toml", "allow"),  # --show ~/.config
+        ("file-read-data", home / ".config" / "gh" / "hosts.yml", "deny"),  # a credential inside it
+        ("file-read-data", home / ".config" / "egressd" / "ca.key", "deny"),
+        ("file-read-data", project / "main.py", "allow"),
+        ("file-write-data", project / "main.py", "allow"),
+        ("process-exec", home / ".pyenv" / "bin" / "python3", "allow"),
+        ("file-write-data", home / ".pyenv" / "bin" / "python3", "deny"),
+        ("file-write-create", home / "planted", "deny"),
+        ("file-read-metadata", home, "allow"),
+    ]
+    for operation, path, want in expected:
+        assert decide(profile, operation, str(path)) == want, (operation, path)
+
+
 # -- string literals: no path breaks out ----------------------------------------------------------
 @pytest.mark.parametrize(
     "text",

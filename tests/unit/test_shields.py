@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egressd.sandbox.mounts import Mount, MountError, plan_mounts
-from egressd.sandbox.shields import Cover, apply_show, plan_covers
+from egressd.sandbox.bwrap import BwrapSpec, mount_plan
+from egressd.sandbox.mounts import Mount, MountError, plan_mounts, within
+from egressd.sandbox.shields import Cover, apply_show, inside_view, plan_covers
 
 W = Mount("/w", True)
 
@@ -88,8 +90,9 @@ def test_directories_on_the_way_to_a_nested_user_mount_are_pinned() -> None:
 
 def test_no_pin_reopens_a_hidden_directory() -> None:
     # /w/h/x is hidden inside the hidden /w/h: a pin of /w/h/x's parent would show the host's /w/h
+    # (and x needs no cover of its own: nothing of the host's is visible there)
     covers = plan_covers((W,), {}, ("/w/h", "/w/h/y/x"), is_dir=lambda p: True)
-    assert covers == (Cover("/w/h", "tmpfs"), Cover("/w/h/y/x", "tmpfs"))
+    assert covers == (Cover("/w/h", "tmpfs"),)
 
 
 @pytest.mark.parametrize("mount", [Mount("/home/u/.ssh", False), Mount("/home/u/.ssh/keys", True)])
@@ -147,3 +150,148 @@ def test_followed_links_names_every_symlink_on_the_way(tmp_path: Path) -> None:
         str(tmp_path / "real" / "link"),
         str(tmp_path / "hop"),
     )
+
+
+# -- what the child gets at a path ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "view"),
+    [
+        ("/usr/bin/env", "ro"),  # the read-only root
+        ("/tmp/x", "hidden"),  # private
+        ("/w/src/a.py", "rw"),
+        ("/w/.git/config", "ro"),  # --ro inside the writable mount
+        ("/w/.venv/lib", "ro"),  # a read-only cover
+        ("/w/.venv/lib/x/y", "ro"),
+        ("/w/conf", "rw"),  # a pin: writable, but a mount point
+        ("/home/u", "hidden"),  # the mask
+        ("/home/u/.bash_history", "hidden"),
+        ("/home/u/.gitconfig", "ro"),  # shown inside the mask
+        ("/home/u/.config/egressd", "hidden"),
+        ("/home/u/.config/egressd/public/ca.pem", "ro"),
+        ("/w", "rw"),
+        ("/wx", "ro"),  # not inside /w: by path component, not by prefix
+    ],
+)
+def test_inside_view(path: str, view: str) -> None:
+    mounts = (W, Mount("/w/.git", False))
+    covers = (
+        Cover("/w/.venv", "ro"),
+        Cover("/w/conf", "pin"),
+        Cover("/home/u", "mask"),
+        Cover("/home/u/.gitconfig", "ro"),
+        Cover("/home/u/.config/egressd", "tmpfs"),
+        Cover("/home/u/.config/egressd/public/ca.pem", "ro"),
+    )
+    assert inside_view(path, mounts, covers) == view
+
+
+def test_a_cover_at_a_user_mount_s_own_path_wins() -> None:
+    # bubblewrap lays covers after the user's mounts at one depth: --ro . with the policy at .
+    assert inside_view("/w", (W,), (Cover("/w", "ro"),)) == "ro"
+    assert inside_view("/w", (Mount("/w", False),), (Cover("/w", "pin"),)) == "rw"
+
+
+# -- every install layout: what egressd reads stays read-only ----------------------------------------
+HOME = "/home/u"
+PROJECT = Mount("/home/u/proj", True)
+SITE = "lib/python3.12/site-packages"
+
+
+def _install(prefix: str, package_root: str, presets: str, *, base: str = "/usr") -> dict[str, object]:
+    """What egressd_code() and needed_paths() give for egressd installed like this, run with
+    `--policy npm` (the preset pinned read-only). A checkout (presets in its `policies/`) is
+    installed editable: its root is not on sys.path, its addons live in `addons/`."""
+    package = f"{package_root}/egressd"
+    checkout = presets == f"{package_root}/policies"
+    guarded = {
+        prefix: "egressd's Python environment",
+        package: "egressd's own package",
+        f"{package_root}/addons" if checkout else f"{package}/addons": "egressd's mitmproxy addons",
+        presets: "egressd's presets",
+        f"{presets}/npm.yaml": "the policy egressd reads",
+    }
+    if not checkout:
+        guarded[package_root] = "a directory egressd imports from"
+    return {"guarded": guarded, "needed": (prefix, base, package_root)}
+
+
+CHECKOUT = "/home/u/proj/vendor/egressd"
+LAYOUTS = {
+    "project .venv": _install(
+        "/home/u/proj/.venv", f"/home/u/proj/.venv/{SITE}", f"/home/u/proj/.venv/{SITE}/egressd/data/policies"
+    ),
+    "pipx": _install(
+        "/home/u/.local/pipx/venvs/egressd",
+        f"/home/u/.local/pipx/venvs/egressd/{SITE}",
+        f"/home/u/.local/pipx/venvs/egressd/{SITE}/egressd/data/policies",
+    ),
+    "user site": _install("/usr", f"/home/u/.local/{SITE}", f"/home/u/.local/{SITE}/egressd/data/policies"),
+    "checkout in the project": _install(f"{CHECKOUT}/.venv", CHECKOUT, f"{CHECKOUT}/policies"),
+    "checkout in the home": _install(
+        "/home/u/src/egressd/.venv", "/home/u/src/egressd", "/home/u/src/egressd/policies"
+    ),
+    "system": _install(
+        "/usr", "/usr/lib/python3/dist-packages", "/usr/lib/python3/dist-packages/egressd/data/policies"
+    ),
+    "pyenv in the home": _install(
+        "/home/u/proj/.venv",
+        f"/home/u/proj/.venv/{SITE}",
+        f"/home/u/proj/.venv/{SITE}/egressd/data/policies",
+        base="/home/u/.pyenv/versions/3.12.1",
+    ),
+}
+CASES = [(name, PROJECT) for name in LAYOUTS] + [("checkout in the project", Mount(CHECKOUT, True))]
+
+
+def _between(top: str, path: str) -> list[str]:
+    """`path` and every directory from it up to `top`."""
+    found = []
+    while within(path, top):
+        found.append(path)
+        if path == top:
+            break
+        path = os.path.dirname(path)
+    return found
+
+
+@pytest.mark.parametrize(("name", "workdir"), CASES, ids=[f"{n}, from {w.path}" for n, w in CASES])
+def test_every_install_layout_keeps_egressd_read_only(name: str, workdir: Mount) -> None:
+    layout = LAYOUTS[name]
+    guarded: dict[str, str] = layout["guarded"]  # type: ignore[assignment]
+    needed: tuple[str, ...] = layout["needed"]  # type: ignore[assignment]
+    covers = plan_covers(
+        (workdir,),
+        guarded,
+        (f"{HOME}/.config/egressd",),
+        masked=(HOME,),
+        shown=(f"{HOME}/.gitconfig",),
+        is_dir=lambda p: not p.endswith((".yaml", ".gitconfig")),
+    )
+    spec = BwrapSpec("bwrap", workdir.path, (workdir,), ("true",), needed=needed, covers=covers)
+    plan = mount_plan(spec)
+    mounts = [m for m in plan if isinstance(m, Mount)]
+    laid = [c for c in plan if isinstance(c, Cover)]
+    # every mount laid inside what egressd reads, and every directory on the way to it
+    probes = {g for g in guarded}
+    for item in plan:
+        for top in guarded:
+            if within(item.path, top):
+                probes.update(_between(top, item.path))
+    probes.update(f"{g}/lib/python3.12" for g in guarded)
+    writable = sorted(p for p in probes if inside_view(p, mounts, laid) == "rw")
+    assert writable == [], f"{name}: writable inside the sandbox: {writable}"
+    for path in needed:  # egressd's launcher can run and import
+        assert inside_view(path, mounts, laid) != "hidden", path
+    assert inside_view(workdir.path, mounts, laid) == "rw"
+    assert inside_view(f"{HOME}/.bash_history", mounts, laid) == "hidden"
+    assert inside_view(f"{HOME}/.gitconfig", mounts, laid) == "ro"
+    assert inside_view(f"{HOME}/.config/egressd/ca/key.pem", mounts, laid) == "hidden"
+
+
+def test_a_pin_inside_a_read_only_cover_is_never_laid() -> None:
+    """`--policy npm` from a project .venv: the preset's directories must not be bound writable
+    over the read-only cover of the .venv (the child would rewrite github.yaml)."""
+    venv = "/w/.venv"
+    preset = f"{venv}/{SITE}/egressd/data/policies/npm.yaml"
+    covers = plan_covers((W,), {venv: "egressd's Python environment", preset: "the policy"}, ())
+    assert covers == (Cover(venv, "ro"),)
