@@ -311,6 +311,13 @@ class ProxySession:
         elif self.audit is not None:
             self.audit.event(kind, **fields)
 
+    def reopen_audit(self) -> bool:
+        """SIGHUP: open the audit file again by its path (logrotate moved it); False without one."""
+        if self.audit is None or self.audit.path is None:
+            return False
+        self.audit.reopen()
+        return True
+
     def reload_now(self) -> bool:
         """SIGHUP: reload the file now; False when there is no file to reload."""
         if self._tokens_watcher is not None:
