@@ -232,6 +232,9 @@ class PolicyGate:
         if (limited := self.rt.limits.connections()) is not None:  # a reconnect inside the tunnel
             data.server.error = failure_message(limited.reason, limited.detail)
             return
+        if (unrecorded := self.rt.audit_refusal()) is not None:  # nothing opened that is not recorded
+            data.server.error = failure_message(unrecorded.reason, unrecorded.detail)
+            return
         # each connection to the tunnel's pin keeps its own attempts
         pin = dataclasses.replace(admitted.pin, connected=None, attempts=[], failure=None)
         connection = Admitted(admitted.decision, admitted.inspect, pin, admitted.resolved)
@@ -244,7 +247,8 @@ class PolicyGate:
         connection = handoff.connections.get(data.server.id) if handoff is not None else None
         if connection is not None and handoff is not None:
             self.rt.connected(data.server.id)
-            self.rt.connection_record(handoff.conn, connection, None)
+            if self.rt.connection_record(handoff.conn, connection, None) is not None:
+                close_client(data.client.id)  # its record was not written: the tunnel ends here
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self.rt.disconnected(data.server.id)

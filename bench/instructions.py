@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.instructions                                   # this tree's egressd
     .venv/bin/python -m bench.instructions --a-env PYTHONPATH=/path/to/other/checkout
+    .venv/bin/python -m bench.instructions --b-args "--audit /tmp/audit.jsonl"   # an option's cost
 
 Why: CPU time on a shared 2-core machine moves ±10 % between runs of one build, more than most
 single changes to the set-up path save, so bench.ab needs many rounds to see them. Instructions
@@ -46,7 +47,9 @@ def _callgrind(pid: int, *flags: str) -> None:
     subprocess.run(["callgrind_control", *flags, str(pid)], capture_output=True, check=True)
 
 
-async def measure(egressd: str, env: dict[str, str], up: int, count: int, concurrency: int) -> float:
+async def measure(
+    egressd: str, env: dict[str, str], up: int, count: int, concurrency: int, extra: list[str] | None = None
+) -> float:
     """Instructions per tunnel of one `egressd run` under callgrind, counted only over `count`
     tunnels after a warm-up (imports, the first connections, the memories filling)."""
     with tempfile.TemporaryDirectory(prefix="egressd-callgrind-") as tmp:
@@ -60,6 +63,7 @@ async def measure(egressd: str, env: dict[str, str], up: int, count: int, concur
                 _interpreter(egressd),
                 egressd,
                 "run",
+                *(extra or []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -84,15 +88,15 @@ async def main(args: argparse.Namespace) -> None:
     server = await upstream()
     up = server.sockets[0].getsockname()[1]
     sides = {
-        "A": (args.a_egressd, dict(v.split("=", 1) for v in args.a_env)),
-        "B": (args.b_egressd, dict(v.split("=", 1) for v in args.b_env)),
+        "A": (args.a_egressd, dict(v.split("=", 1) for v in args.a_env), shlex.split(args.a_args)),
+        "B": (args.b_egressd, dict(v.split("=", 1) for v in args.b_env), shlex.split(args.b_args)),
     }
     counts: dict[str, list[float]] = {"A": [], "B": []}
     for _ in range(args.rounds):
-        for name, (egressd, env) in sides.items():
-            per_tunnel = await measure(egressd, env, up, args.tunnels, args.concurrency)
+        for name, (egressd, env, extra) in sides.items():
+            per_tunnel = await measure(egressd, env, up, args.tunnels, args.concurrency, extra)
             counts[name].append(per_tunnel)
-            setting = shlex.join([*(f"{k}={v}" for k, v in env.items()), egressd])
+            setting = shlex.join([*(f"{k}={v}" for k, v in env.items()), egressd, "run", *extra])
             print(f"{name} {setting}: {per_tunnel / 1000:.1f} k instructions per tunnel")
     a, b = min(counts["A"]), min(counts["B"])
     print(f"B / A: instructions per tunnel {b / a:.3f} ({a / 1000:.1f} k -> {b / 1000:.1f} k)")
@@ -102,6 +106,8 @@ async def main(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.instructions", description=__doc__.split("\n\n")[0])
     add_sides(p)
+    p.add_argument("--a-args", default="", help="options of egressd run for A (default: none)")
+    p.add_argument("--b-args", default="", help='options of egressd run for B: "--audit /tmp/a.jsonl"')
     p.add_argument("--tunnels", type=int, default=500, help="tunnels counted (after 300 of warm-up)")
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1, help="runs of each of A and B (the lowest counts)")

@@ -24,6 +24,8 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "header_timeout": (408, "http_request_error"),
     "internal_error": (500, "proxy_internal_error"),
     "draining": (503, "proxy_internal_error"),
+    # audit.on_failure: refuse, while a record cannot be written (a full disk, a sink not reading)
+    "audit_unavailable": (503, "proxy_internal_error"),
     "response_too_large": (502, "http_response_body_size"),
     "upstream_tls_error": (502, "tls_certificate_error"),
     # the parent proxy (upstream_proxy:) refused the CONNECT (403/407) or could not be reached
@@ -155,6 +157,11 @@ class Refusal:
                 lines.append(f"To allow it, a person can run: {hint}")
         elif self.reason == "proxy_auth_required":
             lines.append("Use the proxy URL egressd put in HTTP_PROXY/HTTPS_PROXY; it carries credentials.")
+        elif self.reason == "audit_unavailable":
+            lines.append(
+                "This is not a policy decision: egressd cannot write its audit log and admits nothing it "
+                "cannot record. Retrying succeeds once the log can be written again."
+            )
         else:
             lines.append("This is not a policy decision: the upstream could not be reached.")
         return "\n".join(lines) + "\n"

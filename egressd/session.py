@@ -289,6 +289,8 @@ class ProxySession:
     def _on_change(self, loaded: Loaded) -> None:
         policy = self.policy = loaded.policy
         self._secret_values = dict(loaded.secret_values)
+        if self.audit is not None:
+            self.audit.configure(policy.audit.on_failure, policy.audit.max_queue_bytes)
         if self.proxy is not None:
             self.proxy.pipeline.secrets.update(policy.secrets, self._secret_values)
             self.proxy.set_policy(policy)
@@ -309,6 +311,13 @@ class ProxySession:
         elif self.audit is not None:
             self.audit.event(kind, **fields)
 
+    def reopen_audit(self) -> bool:
+        """SIGHUP: open the audit file again by its path (logrotate moved it); False without one."""
+        if self.audit is None or self.audit.path is None:
+            return False
+        self.audit.reopen()
+        return True
+
     def reload_now(self) -> bool:
         """SIGHUP: reload the file now; False when there is no file to reload."""
         if self._tokens_watcher is not None:
@@ -323,7 +332,12 @@ class ProxySession:
         from egressd.proxy import EgressProxy, EngineError
 
         try:
-            self.audit = AuditLog(self.options.audit_path, trace=sys.stderr if self.options.trace else None)
+            self.audit = AuditLog(
+                self.options.audit_path,
+                trace=sys.stderr if self.options.trace else None,
+                on_failure=self.policy.audit.on_failure,
+                max_queue_bytes=self.policy.audit.max_queue_bytes,
+            )
         except OSError as exc:
             raise SessionError(f"--audit {self.options.audit_path}: {exc.strerror or exc}") from exc
         gateway = self.options.gateway

@@ -31,6 +31,7 @@ APT_PACKAGES=(
   docker.io:dockerd  # the compose gateway (docker-compose.yml), tested on a real engine
   docker-compose
   mmdebstrap  # the gateway's base image, made from Debian packages (no image registry)
+  logrotate:logrotate  # tests: the audit log rotated by docs/audit.md's logrotate example
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }

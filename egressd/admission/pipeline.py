@@ -133,6 +133,8 @@ class Pipeline:
         self.redirects = RedirectMemory()
         self.secrets = SecretBook()
         self.events = EventBus()
+        # the audit log: under audit.on_failure: refuse, nothing is acted upon that it did not take
+        self.audit = audit
         if audit is not None:
             self.events.subscribe(audit.observe)
         self.inspection = False  # TLS inspection available (CA ready); off with --no-inspect
@@ -217,6 +219,9 @@ class Pipeline:
                 identify(conn, root, tree_only=True)
         if not authenticate(self.credentials, conn, ask.credentials, require_auth=self.require_auth):
             return self._auth_refusal(conn)
+        # 1a. nothing new while the audit cannot take its records (audit.on_failure: refuse)
+        if self.audit is not None and not self.audit.writable and (refused := self.audit_refusal()):
+            return self._unrecorded(conn, ask, refused)
         # 1b. identity: who holds the socket, when a rule or the audit needs it (once per connection)
         program = await self._program(conn)
         # 2. limits, before anything is decided: refused targets cost a child its rate too
@@ -270,7 +275,11 @@ class Pipeline:
         # a tunnel allowed by mode: learn is recorded as such at once (with the reason enforce would
         # give), so the audit keeps it even when no upstream connection follows
         if refusal is not None or ask.stage in ("request", "inner") or decision.would_be is not None:
-            self._decided(conn, ask, decision, refusal)
+            unrecorded = self._decided(conn, ask, decision, refusal)
+            if unrecorded is not None:  # the allow's record was not written: refused instead
+                host, port = (conn.host, conn.port) if conn.host is not None else (ask.host, ask.port)
+                refusal = dataclasses.replace(unrecorded, host=host, port=port)
+                self._decided(conn, ask, decision, refusal)
         if refusal is not None:
             return refusal
         if not tunnel:
@@ -284,6 +293,42 @@ class Pipeline:
             return refusal
         conn.tunnel = True  # what the tunnel carries was authenticated by its set-up
         return admitted
+
+    def audit_refusal(self) -> Refusal | None:
+        """While the audit log cannot take a record (a full disk, a reader that stopped reading),
+        under `audit.on_failure: refuse`: the refusal of new work. Anything else: None."""
+        audit = self.audit
+        if audit is None or audit.writable:
+            return None
+        return self._unrecordable(audit, "egressd cannot write its audit log")
+
+    def _unrecordable(self, audit: AuditLog, what: str) -> Refusal | None:
+        if self.policies.get().audit.on_failure != "refuse":
+            return None
+        why = f" ({audit.problem})" if audit.problem else ""
+        return Refusal(
+            "audit_unavailable", f"{what}{why} and refuses what it cannot record (audit.on_failure: refuse)"
+        )
+
+    def _unrecorded(self, conn: ConnState, ask: Ask, refusal: Refusal) -> Refusal:
+        """An ask refused before its decision because the audit cannot record it; the refusal's own
+        record is tried all the same (a refusal that cannot be recorded is still a refusal)."""
+        refusal = dataclasses.replace(refusal, host=ask.host, port=ask.port)
+        request = ask.stage in ("request", "inner")
+        self._emit(
+            conn,
+            stage=ask.stage,
+            method=ask.method,
+            scheme=ask.scheme if request else None,
+            host=self._recorded_path(ask.host),
+            port=ask.port,
+            path=self._recorded_path(ask.path) if request else None,
+            allowed=False,
+            reason=refusal.reason,
+            rule=None,
+            detail=refusal.detail,
+        )
+        return refusal
 
     def _granted(self, conn: ConnState, ask: Ask, decision: Decision) -> Decision:
         """The decision a grant makes of a `not_allowlisted` or `ask` one, or the same decision.
@@ -441,6 +486,9 @@ class Pipeline:
         limited = self.limits.connections()
         if limited is not None:
             return limited
+        if self.audit is not None and not self.audit.writable and (refused := self.audit_refusal()):
+            self.connection_record(conn, admitted, (refused.reason, refused.detail))
+            return dataclasses.replace(refused, host=admitted.host, port=admitted.port)
         if admitted.pin is None and (refusal := await self._pin(conn, admitted)) is not None:
             return refusal
         pin = admitted.pin
@@ -450,8 +498,14 @@ class Pipeline:
         except ConnectFailure as failure:
             self.connection_record(conn, admitted, (failure.reason, failure.detail))
             return Refusal(failure.reason, failure.detail, pin.host, pin.port, admitted.decision.rule)
+        unrecorded = self.connection_record(conn, admitted, None)
+        if unrecorded is not None:  # its record was not written: closed before a byte passes
+            transport = getattr(protocol, "transport", None)  # the fronts' protocols keep theirs
+            if transport is not None:
+                transport.close()
+            self.connection_record(conn, admitted, (unrecorded.reason, unrecorded.detail))
+            return dataclasses.replace(unrecorded, host=pin.host, port=pin.port)
         self.limits.upstreams.add(upstream_id)
-        self.connection_record(conn, admitted, None)
         return None
 
     def connected(self, upstream_id: str) -> None:
@@ -481,10 +535,13 @@ class Pipeline:
         attempts: tuple[str, ...] | None = None,
         would_be: str | None = None,
         via: str | None = None,
-    ) -> None:
+    ) -> Refusal | None:
         """A Decided event about this client connection (its fields named here, not passed on as
-        **kwargs: two dicts fewer for every tunnel)."""
+        **kwargs: two dicts fewer for every tunnel). An allow whose record the audit log did not
+        take answers the refusal to act on instead (audit.on_failure: refuse), else None."""
         who = conn.identity if conn is not None else None
+        audit = self.audit
+        lost = audit.lost if audit is not None else 0
         self.events.emit(
             Decided(
                 conn=conn.conn_id if conn is not None else None,
@@ -509,11 +566,17 @@ class Pipeline:
                 exe=who.exe if who is not None else None,
             )
         )
+        if audit is None or not allowed or audit.lost == lost:
+            return None
+        # its own record was lost (the log may take records again already: this one is gone)
+        return self._unrecordable(audit, "egressd could not write this decision's audit record")
 
-    def _decided(self, conn: ConnState, ask: Ask, decision: Decision, refusal: Refusal | None) -> None:
+    def _decided(
+        self, conn: ConnState, ask: Ask, decision: Decision, refusal: Refusal | None
+    ) -> Refusal | None:
         target = decision.target
         request = ask.stage in ("request", "inner")
-        self._emit(
+        return self._emit(
             conn,
             stage=ask.stage,
             method=ask.method,
@@ -539,12 +602,15 @@ class Pipeline:
         the front's streaming scan, which records it with refused_early)."""
         return secret_refusal(name, "request body", canonical_host(host), port, self.secrets.spec(name))
 
-    def connection_record(self, conn: ConnState, admitted: Admitted, failure: tuple[str, str] | None) -> None:
-        """The decision record of one upstream connection, with resolved and connected addresses."""
+    def connection_record(
+        self, conn: ConnState, admitted: Admitted, failure: tuple[str, str] | None
+    ) -> Refusal | None:
+        """The decision record of one upstream connection, with resolved and connected addresses;
+        an opened one whose record was not written answers the refusal to close it with."""
         decision, pin = admitted.decision, admitted.pin
         target = decision.target
         reason, detail = failure if failure is not None else (decision.reason, decision.detail)
-        self._emit(
+        return self._emit(
             conn,
             stage="connection",
             host=target.host.text if target else conn.host,

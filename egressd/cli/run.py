@@ -29,7 +29,8 @@ DRAIN_TIMEOUT = 10.0
 Example:
   egressd run --policy policy.yaml > egressd.env &
   . ./egressd.env && npm install
-  kill -HUP %1     # reload policy.yaml now (edits are also picked up by themselves)
+  kill -HUP %1     # reload policy.yaml now, reopen the --audit file (edits and rotation are
+                   # also picked up by themselves)
   kill %1          # drain: in-flight connections get 10 s, then egressd exits
 
 \b
@@ -47,7 +48,7 @@ def run_command(options: SessionOptions) -> None:
     goes to stderr. With --gateway it serves other machines instead, each client with its own
     token (`egressd gateway token add`), and prints nothing on stdout. The policy file is
     reloaded when it changes and on SIGHUP; a file that fails to load is reported and the last
-    good policy stays in force.
+    good policy stays in force. SIGHUP also reopens the --audit file (log rotation).
     """
     stops = (signal.SIGINT, signal.SIGTERM)
     catcher = process.SignalCatcher((*stops, signal.SIGHUP)).install()
@@ -118,7 +119,8 @@ def _serve(catcher: process.SignalCatcher, session: ProxySession, stops: Sequenc
             continue
         if got.signo in stops:
             return
-        if not session.reload_now():
+        reopened = session.reopen_audit()  # logrotate's postrotate: the audit file was moved
+        if not session.reload_now() and not reopened:
             say("SIGHUP: no --policy file to reload")
 
 

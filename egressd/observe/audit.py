@@ -1,9 +1,11 @@
 """Audit log (one JSON line per decision / closed connection) and the optional human trace.
 
 It observes the admission pipeline's events (`observe`) and takes the CLI's own records (reloads).
-Called from the proxy's event-loop thread and from the CLI, so every write takes one lock and
-is flushed at once: a crash never loses a decision that was already acted on. Nothing here ever
-writes to stdout, which belongs to the child (MCP/ACP speak JSON-RPC on it).
+Called from the proxy's event-loop thread and from the CLI. Each record goes to the file whole and
+at once, before the decision it records is acted upon (egressd.observe.sink: a crash never loses a
+decision that was already acted on; a full disk or a reader that stops reading makes `writable`
+False and every lost record is counted in `lost`). Nothing here ever writes to stdout, which
+belongs to the child (MCP/ACP speak JSON-RPC on it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from egressd.admission.events import Closed, Decided, Event, Notice
+from egressd.observe.sink import LineSink
 
 DECISION_KEYS: tuple[str, ...] = (
     "conn",
@@ -88,22 +91,65 @@ def _verdict(value: object) -> str | None:
 class AuditLog:
     """Thread-safe JSON-lines audit file plus an optional human trace stream (normally stderr)."""
 
-    def __init__(self, path: str | os.PathLike[str] | None, trace: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        trace: TextIO | None = None,
+        *,
+        on_failure: str = "refuse",
+        max_queue_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
         if trace is not None and trace in (sys.stdout, sys.__stdout__):
             raise ValueError("the trace must not go to stdout: stdout belongs to the child")
         self._lock = threading.Lock()
         self._trace = trace
-        self._file: TextIO | None = None
         self._failed = False
+        self._sink: LineSink | None = None
         if path is not None:
-            self._file = open(  # noqa: SIM115 - kept open for the process lifetime
-                path, "a", buffering=1, encoding="utf-8", opener=_private_opener
+            self._sink = LineSink(
+                path,
+                count_line=_dropped_line,
+                say=_say,
+                max_queue_bytes=max_queue_bytes,
+                on_failure=on_failure,
             )
         self.path = None if path is None else os.fspath(path)
 
     @property
     def enabled(self) -> bool:
-        return self._file is not None or self._trace is not None
+        return self._sink is not None or self._trace is not None
+
+    # -- the file's health (egressd.observe.sink) ------------------------------------------------
+    @property
+    def writable(self) -> bool:
+        """A record given now would be written: False while the disk is full or the reader of a
+        FIFO has stopped reading (and its queue is full)."""
+        return self._sink is None or self._sink.writable
+
+    @property
+    def lost(self) -> int:
+        """Records that could not be written, since the start."""
+        return 0 if self._sink is None else self._sink.lost
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of records waiting for a pipe's reader."""
+        return 0 if self._sink is None else self._sink.queued
+
+    @property
+    def problem(self) -> str:
+        return "" if self._sink is None else self._sink.problem
+
+    def configure(self, on_failure: str, max_queue_bytes: int) -> None:
+        """The policy's `audit` settings (at start and on every reload)."""
+        if self._sink is not None:
+            self._sink.on_failure = on_failure
+            self._sink.max_queue_bytes = max_queue_bytes
+
+    def reopen(self) -> None:
+        """Open the file again by its path (SIGHUP: it was rotated); any thread."""
+        if self._sink is not None:
+            self._sink.reopen()
 
     # -- the pipeline's events ------------------------------------------------------------------
     def observe(self, event: Event) -> None:
@@ -160,10 +206,8 @@ class AuditLog:
         return record
 
     def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+        if self._sink is not None:
+            self._sink.close()
 
     def __enter__(self) -> AuditLog:
         return self
@@ -177,11 +221,13 @@ class AuditLog:
         for key in keys:
             record[key] = fields.pop(key, None)
         record.update(fields)
-        if self._file is not None:
-            line = _json_line(record)
-            if not _encodable(line):  # a lone surrogate (an undecodable byte) would fail the write
-                line = _json_line(_escaped(record))
-            self._write(self._file, line)
+        if self._sink is not None:
+            try:
+                data = _encoded(record)
+            except Exception:
+                self._sink.drop("a record could not be formatted")  # counted: never acted upon silently
+                raise
+            self._sink.write(data)
         return record
 
     def _trace_line(self, line: str) -> None:
@@ -194,17 +240,43 @@ class AuditLog:
                 stream.write(line + "\n")
                 stream.flush()
             except (OSError, ValueError) as exc:
-                # A full disk must not take the proxy down; say so once.
+                # a trace that cannot be written must not take the proxy down; say so once
                 if not self._failed:
                     self._failed = True
-                    with contextlib.suppress(OSError, ValueError):
-                        sys.stderr.write(f"egressd: audit write failed: {exc}\n")
+                    _say(f"egressd: trace write failed: {exc}")
+
+
+def _say(text: str) -> None:
+    """A line on egressd's stderr (the audit file's failures), never on stdout."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def _dropped_line(count: int, since: float, error: str) -> bytes:
+    """The record counting the records that could not be written, once writing works again."""
+    record = {
+        "time": utc_timestamp(),
+        "event": "audit_dropped",
+        "count": count,
+        "since": utc_timestamp(datetime.fromtimestamp(since, UTC)),
+        "error": error,
+    }
+    return (_json_line(_escaped(record)) + "\n").encode()
 
 
 def _fields(event: Decided | Closed) -> dict[str, Any]:
     """An event's fields as a dict: a shallow copy (an event's values are immutable — strings,
     numbers, tuples of strings)."""
     return event._asdict()
+
+
+def _encoded(record: dict[str, Any]) -> bytes:
+    """The record's line as UTF-8 bytes, newline included."""
+    try:
+        return (_json_line(record) + "\n").encode()
+    except UnicodeEncodeError:  # a lone surrogate (an undecodable byte a client sent)
+        return (_json_line(_escaped(record)) + "\n").encode()
 
 
 def _json_line(record: dict[str, Any]) -> str:
@@ -234,11 +306,6 @@ def _escaped(value: Any) -> Any:
         return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:
         return value.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _private_opener(path: str, flags: int) -> int:
-    """Audit lines name hosts and paths: create the file readable by its owner only."""
-    return os.open(path, flags, 0o600)
 
 
 # Refusals a person can lift with --allow: the trace names the command instead of the detail.

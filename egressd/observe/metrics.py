@@ -312,9 +312,27 @@ class _Live:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         pipeline = self.pipeline
+        audit = pipeline.audit
+        yield CounterMetricFamily(
+            "egressd_audit_records_dropped",
+            "Audit records that could not be written (a full disk, a reader that stopped reading), "
+            "since the start: each one is counted.",
+            audit.lost if audit is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "egressd_audit_writable",
+            "1 while the audit log takes records, 0 while it cannot (then audit.on_failure: refuse "
+            "refuses new work).",
+            1 if audit is None or audit.writable else 0,
+        )
+        yield GaugeMetricFamily(
+            "egressd_audit_queue_bytes",
+            "Bytes of audit records waiting for a pipe's reader (at most audit.max_queue_bytes).",
+            audit.queued_bytes if audit is not None else 0,
+        )
         conns = pipeline.open_connections()
         yield GaugeMetricFamily(
             "egressd_client_connections_open", "Client connections to egressd open now.", len(conns)

@@ -74,6 +74,7 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "refusal_pages": policy.refusal_pages,
         "ask_timeout": policy.ask_timeout,
         "secrets": [secret_to_data(spec) for spec in policy.secrets],
+        "audit": {"on_failure": policy.audit.on_failure, "max_queue_bytes": policy.audit.max_queue_bytes},
     }
     parent = policy.upstream_proxy
     if parent is not None:  # where its credentials are, never what they are

@@ -16,8 +16,11 @@ from typing import Any, cast
 from .entries import _NO_ENTRY, PolicyError, parse_nameserver, parse_rule_list
 from .hosts import Host, TargetError, canonical_host
 from .model import (
+    AUDIT_FAILURES,
     MODES,
     REFUSAL_PAGES,
+    AuditFailure,
+    AuditPolicy,
     BuiltinAllowance,
     Credentials,
     Limits,
@@ -70,6 +73,7 @@ _TOP_KEYS = (
     "preset",
     "providers",
     "secrets",
+    "audit",
 )
 _HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -292,6 +296,18 @@ def _parse_providers(value: object, reader: _Reader) -> tuple[ProviderAck, ...]:
     return tuple(acks)
 
 
+def _parse_audit(value: object, reader: _Reader) -> AuditPolicy:
+    data = reader.mapping(value, "audit", ("on_failure", "max_queue_bytes"))
+    defaults = AuditPolicy()
+    on_failure = data.get("on_failure", defaults.on_failure)
+    if on_failure not in AUDIT_FAILURES:
+        raise reader.fail("audit.on_failure", f"must be one of {', '.join(AUDIT_FAILURES)}", on_failure)
+    queue = data.get("max_queue_bytes", defaults.max_queue_bytes)
+    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 4096:
+        raise reader.fail("audit.max_queue_bytes", "must be an integer of at least 4096 (bytes)", queue)
+    return AuditPolicy(on_failure=cast(AuditFailure, on_failure), max_queue_bytes=queue)
+
+
 def parse_policy(data: object, source: str) -> Policy:
     """Validate a decoded policy document and build the Policy."""
     reader = _Reader(source)
@@ -402,6 +418,7 @@ def parse_policy(data: object, source: str) -> Policy:
         preset=_parse_preset(top.get("preset"), reader),
         providers=_parse_providers(top.get("providers"), reader),
         secrets=secrets,
+        audit=_parse_audit(top.get("audit"), reader),
         source=source,
     )
 

@@ -18,6 +18,7 @@ from .entries import PolicyError
 from .hosts import IPAddress
 from .model import (
     MODES,
+    AuditPolicy,
     BuiltinAllowance,
     Credentials,
     Limits,
@@ -224,7 +225,18 @@ def merge_policies(policies: Sequence[Policy]) -> Policy:
         providers=tuple(sorted(set(a for p in policies for a in p.providers), key=repr)),
         secrets=_secrets(policies, allow, deny, source),
         upstream_proxy=_upstream_proxy(policies, source),
+        audit=_audit(voters),
         source=source,
+    )
+
+
+def _audit(policies: Sequence[Policy]) -> AuditPolicy:
+    """One policy that refuses what cannot be recorded is enough: refuse wins, the smallest queue
+    (a shipped preset does not vote, as for the mode: its `refuse` is only the default)."""
+    refuse = any(p.audit.on_failure == "refuse" for p in policies)
+    return AuditPolicy(
+        on_failure="refuse" if refuse else "continue",
+        max_queue_bytes=min(p.audit.max_queue_bytes for p in policies),
     )
 
 

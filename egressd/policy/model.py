@@ -15,7 +15,9 @@ from .secrets import SecretSpec, check_secret_hosts, check_unique
 from .upstream import UpstreamProxy, parse_proxy_url
 
 __all__ = [
+    "AUDIT_FAILURES",
     "MODES",
+    "AuditPolicy",
     "BuiltinAllowance",
     "Credentials",
     "Limits",
@@ -36,6 +38,8 @@ MODES: tuple[str, ...] = get_args(Mode)
 RefusalPages = Literal["status", "tls"]
 REFUSAL_PAGES: tuple[str, ...] = get_args(RefusalPages)
 DEFAULT_BUILTIN_METHODS: tuple[str, ...] = ("GET", "HEAD")
+AuditFailure = Literal["refuse", "continue"]
+AUDIT_FAILURES: tuple[str, ...] = get_args(AuditFailure)
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,16 @@ class Limits:
     max_connections: int | None = None  # concurrent upstream connections (tunnels); beyond: 429
     requests_per_second: float | None = None  # per child (credentials): CONNECTs, requests, SOCKS
     burst: int | None = None  # token-bucket depth for requests_per_second (default: 2x the rate)
+
+
+@dataclass(frozen=True)
+class AuditPolicy:
+    """What egressd does while an audit record cannot be written (a full disk, a reader that stopped
+    reading): `refuse` new work with `audit_unavailable`, or `continue` and count what is dropped.
+    Records for a sink that is slow to read wait in memory up to `max_queue_bytes`."""
+
+    on_failure: AuditFailure = "refuse"
+    max_queue_bytes: int = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,7 @@ class Policy:
     providers: tuple[ProviderAck, ...] = ()  # acknowledged providers (egressd provider add)
     # credentials egressd swaps in for the child's placeholders (egressd.policy.secrets); never values
     secrets: tuple[SecretSpec, ...] = ()
+    audit: AuditPolicy = AuditPolicy()
     source: str = field(default="<builtin>", compare=False)
 
     def __post_init__(self) -> None:

@@ -37,6 +37,7 @@ RICH = {
     "resolver": {"nameservers": ["127.0.0.1:5353", "[::1]:53"]},
     "profiles": {"ci": {"allow": ["up.test"], "deny": [], "ports": [443]}},
     "websocket": False,
+    "audit": {"on_failure": "continue", "max_queue_bytes": 65536},
 }
 
 

@@ -188,6 +188,19 @@ def test_json_accepted(tmp_path: Path) -> None:
         ("version: 1\nprofiles: {'bad name': {}}\n", "profiles", "bad name", "profile names"),
         ("version: 1\nwebsocket: maybe\n", "websocket", "maybe", "true or false"),
         ("version: 1\nrefusal_pages: html\n", "refusal_pages", "html", "one of status, tls"),
+        (
+            "version: 1\naudit: {on_failure: ignore}\n",
+            "audit.on_failure",
+            "ignore",
+            "one of refuse, continue",
+        ),
+        ("version: 1\naudit: {on_failure: true}\n", "audit.on_failure", True, "one of refuse, continue"),
+        ("version: 1\naudit: {on_failure: null}\n", "audit.on_failure", None, "one of refuse, continue"),
+        ("version: 1\naudit: {max_queue_bytes: 100}\n", "audit.max_queue_bytes", 100, "at least 4096"),
+        ("version: 1\naudit: {max_queue_bytes: 65536.5}\n", "audit.max_queue_bytes", 65536.5, "integer"),
+        ("version: 1\naudit: {max_queue_bytes: true}\n", "audit.max_queue_bytes", True, "integer"),
+        ("version: 1\naudit: {file: /tmp/a}\n", "audit.file", None, "unknown key"),
+        ("version: 1\naudit: refuse\n", "audit", "refuse", "mapping"),
     ],
 )
 def test_errors_name_file_key_entry(
@@ -211,6 +224,16 @@ def test_refusal_pages(tmp_path: Path) -> None:
     assert not load_policy(write(tmp_path, "version: 1\n")).needs_ca
     policy = load_policy(write(tmp_path, "version: 1\nrefusal_pages: tls\n"))
     assert policy.refusal_pages == "tls" and policy.needs_ca and not policy.needs_inspection
+
+
+def test_audit_on_failure(tmp_path: Path) -> None:
+    """Default: refuse what cannot be recorded; `continue` and the queue bound are read as written."""
+    default = load_policy(write(tmp_path, "version: 1\n")).audit
+    assert (default.on_failure, default.max_queue_bytes) == ("refuse", 4 * 1024 * 1024)
+    policy = load_policy(
+        write(tmp_path, "version: 1\naudit: {on_failure: continue, max_queue_bytes: 4096}\n")
+    )
+    assert (policy.audit.on_failure, policy.audit.max_queue_bytes) == ("continue", 4096)
 
 
 def test_error_message_format() -> None:

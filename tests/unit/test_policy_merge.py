@@ -137,6 +137,17 @@ def test_restrictions_hold_where_any_policy_has_them() -> None:
     assert _decide("127.0.0.1", 11434, merged).allowed
 
 
+def test_audit_refuse_wins_but_a_presets_default_does_not_vote() -> None:
+    """One of the user's policies refusing what cannot be recorded is enough; a shipped preset's
+    `refuse` is only its default and does not outvote the user's `continue`."""
+    going = parse_policy({"audit": {"on_failure": "continue", "max_queue_bytes": 65536}}, "going")
+    strict = parse_policy({}, "strict")
+    preset = parse_policy({"preset": {"name": "p", "version": 1}}, "preset")
+    assert merge_policies([going, strict]).audit.on_failure == "refuse"
+    assert merge_policies([going, strict]).audit.max_queue_bytes == 65536
+    assert merge_policies([going, preset]).audit.on_failure == "continue"
+
+
 def test_disjoint_loopback_ports_leave_no_loopback() -> None:
     one = parse_policy({"loopback": {"ports": [11434]}}, "one")
     two = parse_policy({"loopback": {"ports": [8080]}}, "two")
