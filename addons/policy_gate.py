@@ -200,9 +200,17 @@ class PolicyGate:
             response_limit.apply(flow, limit, self._on_response_cut(flow, conn, limit))
         mask = flow.metadata.get(_MASK)
         if mask is not None:  # a secret's value echoed back is masked (docs/secrets.md)
-            for name in {n for n, v in response.headers.items(multi=True) if mask.text(v) != v}:
-                response.headers.set_all(name, [mask.text(v) for v in response.headers.get_all(name)])
+            response.data.reason = mask.mask(response.data.reason)
+            response.headers = http.Headers(mask.fields(response.headers.fields))
             response.stream = _MaskedStream(response.stream, mask)
+
+    @fail_closed
+    def response(self, flow: http.HTTPFlow) -> None:
+        """The trailers, read after the body (egressd.inspect.patches): masked like the head."""
+        mask = flow.metadata.get(_MASK)
+        response = flow.response
+        if mask is not None and response is not None and response.trailers:
+            response.trailers = http.Headers(mask.fields(response.trailers.fields))
 
     def _on_response_cut(self, flow: http.HTTPFlow, conn: ConnState, limit: int) -> Callable[[int], None]:
         def cut(seen: int) -> None:

@@ -394,7 +394,7 @@ class Pipeline:
                 stripped=stripped,
             )
         headers = [(n, v) for n, v in ask.headers or () if n.lower() not in strip]
-        judged = self.secrets.judge(host, port, path, headers)
+        judged = self.secrets.judge(host, port, ask.method, path, headers)
         if isinstance(judged, Refusal):
             return judged
         return strip, judged

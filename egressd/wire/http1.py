@@ -111,12 +111,15 @@ class Switched:
 Event = RequestHead | ResponseHead | Body | End | Switched
 
 
+TEXT_ENCODING = "latin-1"  # field values and reason phrases as text: every byte kept as one character
+
+
 def _text(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    return [(n.decode("ascii"), v.decode("latin-1")) for n, v in headers]
+    return [(n.decode("ascii"), v.decode(TEXT_ENCODING)) for n, v in headers]
 
 
 def _bytes(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(n.encode("ascii"), v.encode("latin-1")) for n, v in headers]
+    return [(n.encode("ascii"), v.encode(TEXT_ENCODING)) for n, v in headers]
 
 
 def _raw_fields(head: bytes) -> list[tuple[bytes, bytes]]:
@@ -347,7 +350,9 @@ class ClientSide(_Reader):
         assert self.h11 is not None
         headers = _bytes(response_headers(head.headers, keep_upgrade=head.status == 101))
         return self.h11.send(
-            h11.InformationalResponse(status_code=head.status, headers=headers, reason=head.reason)
+            h11.InformationalResponse(
+                status_code=head.status, headers=headers, reason=head.reason.encode(TEXT_ENCODING)
+            )
         )
 
     def response(self, head: ResponseHead) -> bytes:
@@ -363,7 +368,12 @@ class ClientSide(_Reader):
             and (request is None or request.method != "HEAD")
         )
         return (
-            self.h11.send(h11.Response(status_code=head.status, headers=headers, reason=head.reason)) or b""
+            self.h11.send(
+                h11.Response(
+                    status_code=head.status, headers=headers, reason=head.reason.encode(TEXT_ENCODING)
+                )
+            )
+            or b""
         )
 
     def body(self, data: bytes) -> bytes:
@@ -485,7 +495,7 @@ class ServerSide(_Reader):
         assert self.h11 is not None
         if isinstance(event, h11.InformationalResponse):
             head = ResponseHead(
-                event.status_code, event.reason.decode("latin-1"), _text(event.headers.raw_items())
+                event.status_code, event.reason.decode(TEXT_ENCODING), _text(event.headers.raw_items())
             )
             if event.status_code == 101:
                 self.switched = True
@@ -496,7 +506,7 @@ class ServerSide(_Reader):
             self.in_head = False
             return [
                 ResponseHead(
-                    event.status_code, event.reason.decode("latin-1"), _text(event.headers.raw_items())
+                    event.status_code, event.reason.decode(TEXT_ENCODING), _text(event.headers.raw_items())
                 )
             ]
         if isinstance(event, h11.Data):
