@@ -16,22 +16,18 @@ no spelling of any value is in it, and that the echo was masked where it was (sa
 
 from __future__ import annotations
 
-import base64
 import re
-import socket
-import ssl
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, quote_plus, urlsplit
 
-import h11
 import pytest
 import trustme
 
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
+from tests.support.proxied import FRONTS, Answer, Proxied
 from tests.support.raw_upstream import RawUpstream, Script, Seen
 
 ADDRESS = "198.51.100.61"
@@ -102,96 +98,17 @@ def _script(seen: Seen) -> Script:
 
 
 @dataclass
-class Answer:
-    """Everything the child was sent for one request, read by h11 (a client's reading)."""
-
-    interim: list[h11.InformationalResponse] = field(default_factory=list)
-    final: h11.Response | None = None
-    body: bytes = b""
-    trailers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    raw: bytes = b""
-
-    def text(self) -> bytes:
-        """Every byte of text the child got, de-chunked: reasons, fields, body, trailers."""
-        heads = [*self.interim, *([self.final] if self.final is not None else [])]
-        pieces = [
-            h.reason + b"\n" + b"\n".join(n + b": " + v for n, v in h.headers.raw_items()) for h in heads
-        ]
-        pieces += [self.body, b"\n".join(n + b": " + v for n, v in self.trailers), self.raw]
-        return b"\n".join(pieces)
-
-    def field(self, name: bytes) -> bytes | None:
-        assert self.final is not None
-        found = [v for n, v in self.final.headers.raw_items() if n.lower() == name]
-        return found[0] if found else None
-
-
-def _exchange(sock: socket.socket, target: str, host: str, headers: list[tuple[str, str]]) -> Answer:
-    """One request on `sock`, read to the end of the final response (or the connection's)."""
-    client = h11.Connection(h11.CLIENT)
-    sock.sendall(client.send(h11.Request(method="GET", target=target, headers=[("Host", host), *headers])))
-    sock.sendall(client.send(h11.EndOfMessage()))
-    answer = Answer()
-    deadline = time.monotonic() + 20
-    while True:
-        event = client.next_event()
-        if event is h11.NEED_DATA:
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                data = sock.recv(65536)
-            except TimeoutError:
-                raise AssertionError(f"no complete answer within 20 s; got {answer.raw[:400]!r}") from None
-            answer.raw += data
-            client.receive_data(data)
-            continue
-        if isinstance(event, h11.InformationalResponse):
-            answer.interim.append(event)
-        elif isinstance(event, h11.Response):
-            answer.final = event
-        elif isinstance(event, h11.Data):
-            answer.body += bytes(event.data)
-        elif isinstance(event, h11.EndOfMessage):
-            answer.trailers = list(event.headers.raw_items())
-            return answer
-        elif isinstance(event, h11.ConnectionClosed):
-            return answer
-
-
-@dataclass
 class Setup:
     run: EgressdRun
     plain: RawUpstream
     tls: RawUpstream
 
-    @property
-    def auth(self) -> str:
-        url = urlsplit(self.run.proxy_url)
-        return "Basic " + base64.b64encode(f"{url.username}:{url.password}".encode()).decode()
-
-    def proxy(self) -> socket.socket:
-        url = urlsplit(self.run.proxy_url)
-        assert url.hostname is not None and url.port is not None
-        return socket.create_connection((url.hostname, url.port), timeout=10)
-
     def request(self, front: str, path: str) -> Answer:
         """GET `path` on api.test with both placeholders where the secrets' entries put their values."""
-        query = f"?key={self.run.env['QRY_KEY']}"
-        headers = [("Authorization", f"Bearer {self.run.env['HDR_KEY']}"), ("Connection", "close")]
-        with self.proxy() as sock:
-            if front == "plain":
-                where = f"api.test:{self.plain.port}"
-                proxied = [*headers, ("Proxy-Authorization", self.auth)]
-                return _exchange(sock, f"http://{where}{path}{query}", where, proxied)
-            where = f"api.test:{self.tls.port}"
-            connect = f"CONNECT {where} HTTP/1.1\r\nHost: {where}\r\nProxy-Authorization: {self.auth}\r\n"
-            sock.sendall(connect.encode() + b"\r\n")
-            head = b""
-            while b"\r\n\r\n" not in head:
-                head += sock.recv(1)
-            assert head.startswith(b"HTTP/1.1 200 "), head
-            context = ssl.create_default_context(cafile=self.run.env["SSL_CERT_FILE"])
-            with context.wrap_socket(sock, server_hostname="api.test") as tls:
-                return _exchange(tls, f"{path}{query}", where, headers)
+        port = self.plain.port if front == "plain" else self.tls.port
+        headers = [("Authorization", f"Bearer {self.run.env['HDR_KEY']}")]
+        target = f"{path}?key={self.run.env['QRY_KEY']}"
+        return Proxied(self.run).request(front, f"api.test:{port}", "GET", target, headers)
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +148,7 @@ secrets:
 
 
 def _rows() -> Iterator[tuple[str, str, str, str]]:
-    for front in ("plain", "inspected"):
+    for front in FRONTS:
         for part in PARTS:
             for spelling, spell in SPELLINGS.items():
                 for which, value in VALUES.items():
@@ -279,7 +196,7 @@ def test_an_echoed_value_never_reaches_the_child(
         assert len(answer.body) == 9 + len(echo) + (4 if "split" in part else 0)
 
 
-@pytest.mark.parametrize("front", ["plain", "inspected"])
+@pytest.mark.parametrize("front", FRONTS)
 @pytest.mark.parametrize("part", ["100-continue-header", "103-early-hints-header", "chunked-trailer"])
 def test_interim_answers_and_trailers_reach_the_child(setup: Setup, front: str, part: str) -> None:
     """mitmproxy alone reads a 100 or 103 as THE response (the real one is lost) and dies on

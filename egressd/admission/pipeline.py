@@ -483,7 +483,11 @@ class Pipeline:
         via: str | None = None,
     ) -> None:
         """A Decided event about this client connection (its fields named here, not passed on as
-        **kwargs: two dicts fewer for every tunnel)."""
+        **kwargs: two dicts fewer for every tunnel). What the child wrote — host, method, path, and
+        the detail that may quote them — never keeps a placeholder's random part (the name does)."""
+        if self.secrets:
+            host, method, path = map(self._recorded_path, (host, method, path))
+            detail = self.secrets.needles.redact(detail)
         who = conn.identity if conn is not None else None
         self.events.emit(
             Decided(
@@ -518,9 +522,9 @@ class Pipeline:
             stage=ask.stage,
             method=ask.method,
             scheme=ask.scheme if request else None,
-            host=self._recorded_path(target.host.text if target else ask.host),
+            host=target.host.text if target else ask.host,
             port=target.port if target else ask.port,
-            path=self._recorded_path(ask.path) if request else None,
+            path=ask.path if request else None,
             allowed=refusal is None,
             reason=refusal.reason if refusal else decision.reason,
             rule=decision.rule,
@@ -529,7 +533,8 @@ class Pipeline:
         )
 
     def _recorded_path(self, path: str | None) -> str | None:
-        """A path (or host) as records show it: a placeholder's random part never kept (the name is)."""
+        """A path (or host, or method) as records show it: a placeholder's random part never kept
+        (the name is)."""
         if path is None or not self.secrets:
             return path
         return self.secrets.needles.redact(path)
@@ -583,12 +588,14 @@ class Pipeline:
             scheme=scheme,
             host=host,
             port=port,
-            path=self._recorded_path(path),
+            path=path,
             allowed=False,
             reason=reason,
             rule=None,
             detail=detail,
         )
+        if self.secrets:
+            host, detail = self._recorded_path(host), self.secrets.needles.redact(detail)
         logger.info("refused (%s) %s:%s: %s", stage, host if host is not None else "?", port or "?", detail)
 
     def header_timeout(self, conn: ConnState, timeout: float) -> None:

@@ -5,7 +5,7 @@ run). For an HTTP request egressd sees — plain HTTP, or a request inside an in
 hosts a secret may go to are always inspected — this step, run by the admission pipeline after the
 request rules:
 
-- refuses (`secret_exfiltration`) a request whose URL or headers carry the placeholder of a
+- refuses (`secret_exfiltration`) a request whose method, URL or headers carry the placeholder of a
   secret that may not go to its host, in any spelling the matcher knows (egressd.wire.placeholders);
 - puts the real value where the secret's entry says (a header, or a query parameter) when the
   request to one of its hosts carries the placeholder there;
@@ -119,6 +119,8 @@ class SecretBook:
         if foreign:
             name = foreign.find(path)
             where = "URL"
+            if name is None and method is not None and (name := foreign.find(method)) is not None:
+                where = "method"
             if name is None:
                 for header, value in headers:
                     if (name := foreign.find(value) or foreign.find(header)) is not None:

@@ -210,6 +210,8 @@ def test_the_listed_host_gets_the_value_where_the_entry_says() -> None:
         ("other.test", 443, "GET", "/", [("Authorization", "Bearer {api}")]),
         ("other.test", 443, "GET", "/?x={api}", []),
         ("other.test", 443, "GET", "/", [("X-{api}", "name, not value")]),
+        ("other.test", 443, "{api}", "/", []),  # curl -X "$API_KEY"
+        ("other.test", 443, "X{api_token}", "/", []),  # the token alone, in a method
         ("api.test", 443, "GET", "/?key={q}", []),  # another secret's host
         ("q.test", 8443, "GET", "/?key={q}", []),  # the listed host, another port
         ("sub.api.test", 443, "GET", "/", [("Authorization", "Bearer {api}")]),  # exact hosts only
