@@ -131,7 +131,7 @@ class PolicyGate:
             tunnel.host,
             tunnel.port,
             scheme=request.scheme,
-            method=request.method,
+            method=_method(request),
             path=request.path,
             headers=list(request.headers.items(multi=True)),
         )
@@ -308,7 +308,7 @@ def _secret_in_body(rt: Pipeline, handoff: Handoff, flow: http.HTTPFlow, name: s
     """A body carried a placeholder its host may not get: recorded; the refusal to answer with."""
     request, tunnel = flow.request, handoff.tunnel
     refusal = rt.secret_refusal(tunnel.host, tunnel.port, name)
-    where = {"method": request.method, "scheme": request.scheme, "path": _child_path(flow)}
+    where = {"method": _method(request), "scheme": request.scheme, "path": _child_path(flow)}
     rt.refused_early(
         handoff.conn, tunnel.host, tunnel.port, refusal.reason, refusal.detail, stage="inner", **where
     )
@@ -331,6 +331,12 @@ class _MaskedStream:
             out.append(self.mask.end())
         data = b"".join(out)
         return [data] if data else []
+
+
+def _method(request: http.Request) -> str:
+    """The method as the child sent it (mitmproxy's `request.method` is upper-cased; methods are
+    case-sensitive, and what is forwarded is these bytes)."""
+    return request.data.method.decode("utf-8", "surrogateescape")
 
 
 def _child_path(flow: http.HTTPFlow) -> str:
