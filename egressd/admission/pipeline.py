@@ -312,12 +312,14 @@ class Pipeline:
         host, port = target.host.text, target.port
         if ask.stage == "inner" and conn.granted == (host, port):
             rule, inspect = "this tunnel's grant or approval", False
+            upgrade = candidate.upgrade
         else:
             taken = self.grants.take(ask.stage, host, port, ask.scheme, ask.path)
             if taken is None:
                 return decision
             grant, inspect = taken
             rule = f"grant {grant.id}: {grant.spec}"
+            upgrade = candidate.upgrade and not grant.url_scoped  # a URL's grant is for that request
             if ask.stage in ("connect", "socks") and not inspect:
                 conn.granted = (host, port)  # the requests inside, if inspected, are the tunnel's
         return dataclasses.replace(
@@ -329,6 +331,7 @@ class Pipeline:
             detail=f"{host}:{port} is admitted by the user's {rule}",
             private_ok=False,
             needs_inspection=candidate.needs_inspection or inspect,
+            upgrade=upgrade,
         )
 
     async def _program(self, conn: ConnState) -> Program | None:
@@ -407,7 +410,14 @@ class Pipeline:
             if decision.needs_inspection:
                 return needs_inspection_refusal(decision), False
             policy = self.policies.get()
-            return request_refusal(decision.target, ask.headers or (), websocket=policy.websocket), False
+            refusal = request_refusal(
+                decision.target,
+                ask.headers or (),
+                websocket=policy.websocket,
+                upgrade=decision.upgrade,
+                method=ask.method,
+            )
+            return refusal, False
         inspect = self.wants_inspection(decision, conn)
         target = decision.target
         if not inspect and self.secrets and self.secrets.listed(target.host, target.port):

@@ -426,10 +426,11 @@ class PlainClient(_Writable, asyncio.Protocol):
                 return self._upstream_broke(upstream, started, LOST_MID_RESPONSE, request)
             if isinstance(event, ResponseHead):
                 if event.status < 200:
-                    if event.status == 101 and not request.upgrade:
-                        return self._upstream_broke(
-                            upstream, started, "101 without an upgrade request", request
-                        )
+                    switched_to = [v.strip().lower() for v in event.values("upgrade")]
+                    if event.status == 101 and not (request.upgrade and switched_to == ["websocket"]):
+                        # the relay after a 101 is undecided: only the WebSocket that was admitted
+                        why = "101 to no admitted WebSocket upgrade"
+                        return self._upstream_broke(upstream, started, why, request)
                     started = self.answering = True
                     self.write(self.wire.interim(masked_head(mask, event)))
                     continue

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 import h11
 
 from egressd.refusal import EGRESSD_HEADERS
-from egressd.wire.http_fields import FRAMING, connection_problem, hop_by_hop_names, hostport
+from egressd.wire.http_fields import (
+    FRAMING,
+    connection_problem,
+    hop_by_hop_names,
+    hostport,
+    upgrade_protocols,
+)
 from egressd.wire.http_head import HeadScanner
 
 MAX_HEAD = 64 * 1024
@@ -68,9 +74,9 @@ class RequestHead:
 
     @property
     def upgrade(self) -> bool:
-        """A protocol upgrade (WebSocket): `Connection: upgrade` and an Upgrade header."""
-        tokens = {t.strip().lower() for t in self.connection.split(",")}
-        return "upgrade" in tokens and bool(self.values("upgrade"))
+        """A protocol upgrade: `Connection: upgrade` and an Upgrade header (admitted only as a
+        WebSocket handshake, by the request rules)."""
+        return upgrade_protocols(self.headers) is not None
 
     @property
     def has_body(self) -> bool:
@@ -411,7 +417,7 @@ def response_headers(headers: Headers, *, keep_upgrade: bool) -> Headers:
     and never egressd's own headers from upstream (a forged refusal)."""
     connection = ", ".join(_values(headers, "connection"))
     drop = set(hop_by_hop_names(connection, keep_upgrade=keep_upgrade)) | set(EGRESSD_HEADERS)
-    drop |= {"transfer-encoding"} | ({"upgrade"} if not keep_upgrade else set())
+    drop.add("transfer-encoding")
     if not keep_upgrade:
         drop.add("connection")
     return [(n, v) for n, v in headers if n.lower() not in drop]
@@ -419,11 +425,10 @@ def response_headers(headers: Headers, *, keep_upgrade: bool) -> Headers:
 
 def upstream_headers(request: RequestHead, host: str, port: int, strip: set[str]) -> Headers:
     """What goes upstream: hop-by-hop and proxy fields removed, the Host field the canonical target,
-    an upgrade kept only when asked for (request.upgrade, when the policy allows it)."""
+    an upgrade kept only when asked for (request.upgrade: the request rules admitted it as a
+    WebSocket handshake)."""
     upgrade = request.upgrade
     drop = set(hop_by_hop_names(request.connection, keep_upgrade=upgrade)) | {"connection"} | strip
-    if not upgrade:
-        drop.add("upgrade")
     canonical = hostport(host, port)
     headers = [
         (n, canonical if n.lower() == "host" else v) for n, v in request.headers if n.lower() not in drop
