@@ -10,7 +10,11 @@ worthless outside egressd — see docs/secrets.md.
 
 `PlaceholderStream` scans a body chunk by chunk with bounded memory: it holds back the last `window`
 bytes of what it saw (the longest spelling a token can take), so a token split across chunks is
-found before any byte of it is passed on. Sans-I/O, pure.
+found before any byte of it is passed on.
+
+The other way, `ValueMask` is the one masker of the real values in what comes back (every part of a
+response, both fronts, every spelling egressd sends a value in), streamed the same way. Sans-I/O,
+pure.
 """
 
 from __future__ import annotations
