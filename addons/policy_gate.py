@@ -27,7 +27,7 @@ from egressd.inspect.connections import close_client
 from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
-from egressd.wire.http_fields import hop_by_hop_names
+from egressd.wire.http_fields import hop_by_hop_names, upgrade_protocols
 from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ _REFUSED = "egressd_refused"
 _MASK = "egressd_mask"
 _SCAN = "egressd_scan"
 _PATH = "egressd_child_path"
+_UPGRADE = "egressd_upgrade"
 # request bodies up to this size are read whole before going upstream (mitmproxy's own threshold,
 # stream_large_bodies in egressd.proxy): a placeholder in one is answered 403, nothing sent
 BUFFERED_BODY = 256 * 1024
@@ -131,7 +132,7 @@ class PolicyGate:
             tunnel.host,
             tunnel.port,
             scheme=request.scheme,
-            method=request.method,
+            method=_method(request),
             path=request.path,
             headers=list(request.headers.items(multi=True)),
         )
@@ -141,7 +142,9 @@ class PolicyGate:
             return
         request.host = admitted.host
         self._apply_changes(flow, admitted, handoff)
-        _strip_hop_by_hop(request.headers, keep_upgrade=_is_upgrade(request))
+        upgrade = upgrade_protocols(list(request.headers.items(multi=True))) is not None
+        flow.metadata[_UPGRADE] = upgrade  # admitted by the request rules: a WebSocket handshake
+        _strip_hop_by_hop(request.headers, keep_upgrade=upgrade)
 
     def _apply_changes(self, flow: http.HTTPFlow, admitted: Admitted, handoff: Handoff) -> None:
         """What the pipeline changed in the request: the credentials of a redirect's follow-up to
@@ -200,9 +203,27 @@ class PolicyGate:
             response_limit.apply(flow, limit, self._on_response_cut(flow, conn, limit))
         mask = flow.metadata.get(_MASK)
         if mask is not None:  # a secret's value echoed back is masked (docs/secrets.md)
-            for name in {n for n, v in response.headers.items(multi=True) if mask.text(v) != v}:
-                response.headers.set_all(name, [mask.text(v) for v in response.headers.get_all(name)])
+            response.data.reason = mask.mask(response.data.reason)
+            response.headers = http.Headers(mask.fields(response.headers.fields))
             response.stream = _MaskedStream(response.stream, mask)
+
+    @fail_closed
+    def response(self, flow: http.HTTPFlow) -> None:
+        """The last word before the response goes out: a 101 only for the WebSocket upgrade that
+        was admitted (after it the connection is relayed undecided), and the trailers, read after
+        the body (egressd.inspect.patches), masked like the head."""
+        response = flow.response
+        if response is None or flow.metadata.get(_REFUSED):
+            return
+        switched_to = response.headers.get("upgrade", "").strip().lower()
+        if response.status_code == 101 and not (flow.metadata.get(_UPGRADE) and switched_to == "websocket"):
+            flow.websocket = None
+            why = "HTTP/1 protocol error: the server switched protocols (101) to no admitted WebSocket"
+            self._refuse(flow, Refusal("connect_error", why, flow.request.host, flow.request.port))
+            return
+        mask = flow.metadata.get(_MASK)
+        if mask is not None and response.trailers:
+            response.trailers = http.Headers(mask.fields(response.trailers.fields))
 
     def _on_response_cut(self, flow: http.HTTPFlow, conn: ConnState, limit: int) -> Callable[[int], None]:
         def cut(seen: int) -> None:
@@ -304,7 +325,7 @@ def _secret_in_body(rt: Pipeline, handoff: Handoff, flow: http.HTTPFlow, name: s
     """A body carried a placeholder its host may not get: recorded; the refusal to answer with."""
     request, tunnel = flow.request, handoff.tunnel
     refusal = rt.secret_refusal(tunnel.host, tunnel.port, name)
-    where = {"method": request.method, "scheme": request.scheme, "path": _child_path(flow)}
+    where = {"method": _method(request), "scheme": request.scheme, "path": _child_path(flow)}
     rt.refused_early(
         handoff.conn, tunnel.host, tunnel.port, refusal.reason, refusal.detail, stage="inner", **where
     )
@@ -329,13 +350,15 @@ class _MaskedStream:
         return [data] if data else []
 
 
+def _method(request: http.Request) -> str:
+    """The method as the child sent it (mitmproxy's `request.method` is upper-cased; methods are
+    case-sensitive, and what is forwarded is these bytes)."""
+    return request.data.method.decode("utf-8", "surrogateescape")
+
+
 def _child_path(flow: http.HTTPFlow) -> str:
     """The request's path as the child sent it: never with a secret's value egressd put in."""
     return str(flow.metadata.get(_PATH, flow.request.path))
-
-
-def _is_upgrade(request: http.Request) -> bool:
-    return "upgrade" in request.headers.get("connection", "").lower() and "upgrade" in request.headers
 
 
 def _strip_hop_by_hop(headers: http.Headers, *, keep_upgrade: bool) -> None:

@@ -24,6 +24,7 @@ from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, mo
 from mitmproxy.proxy.layers.http import HTTPMode
 
 from egressd.admission.pipeline import Pipeline
+from egressd.wire.http_head import starts_like_request
 from egressd.wire.sni import WAIT, TunnelStart
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,17 @@ class TunnelGuard(NextLayer):
         self._tunnel_layer(nextlayer)
 
     def _inside_interception(self, nextlayer: layer.NextLayer) -> None:
-        """Inside intercepted TLS only HTTP is spoken: anything else cannot be decided per request."""
-        super().next_layer(nextlayer)
-        if nextlayer.layer is None or isinstance(nextlayer.layer, HttpLayer):
-            return
+        """Inside intercepted TLS only HTTP is spoken: anything else cannot be decided per request.
+        What is HTTP is egressd's call (a request line starts with a method token and a space), not
+        mitmproxy's guess (its first three bytes are letters), so a request with any method is
+        decided — and refused with its reason — instead of being taken for another protocol."""
+        verdict = starts_like_request(nextlayer.data_client())
+        if verdict is None:
+            return  # too few bytes yet: asked again when more come
+        if verdict:
+            super().next_layer(nextlayer)
+            if nextlayer.layer is None or isinstance(nextlayer.layer, HttpLayer):
+                return
         self._refuse(nextlayer, "not HTTP inside an intercepted TLS tunnel", reason="not_http")
 
     def _tunnel_layer(self, nextlayer: layer.NextLayer) -> None:

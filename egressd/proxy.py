@@ -284,6 +284,9 @@ class EgressProxy:
             tcp_timeout=int(self.policy.limits.idle_timeout),
             stream_large_bodies="256k",
             http2=False,  # intercepted HTTPS speaks HTTP/1.1 on both sides: one Host, one request line
+            # never a raw relay inside interception: whether the client speaks HTTP is the tunnel
+            # guard's call, and a 101 for anything but an admitted WebSocket closes the connection
+            rawtcp=False,
         )
         self._master = master
         self._mitm_run = run = asyncio.ensure_future(master.run())

@@ -156,7 +156,13 @@ def _websocket_echo(conn: socket.socket) -> None:
 def _upgrade(run: EgressdRun, port: int) -> RawClient:
     client = RawClient(run)
     client.sock.sendall(
-        client.request_bytes(f"http://127.0.0.1:{port}/ws", "Connection: Upgrade", "Upgrade: websocket")
+        client.request_bytes(
+            f"http://127.0.0.1:{port}/ws",
+            "Connection: Upgrade",
+            "Upgrade: websocket",
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+            "Sec-WebSocket-Version: 13",
+        )
         + b"early"
     )
     return client

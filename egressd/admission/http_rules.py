@@ -1,8 +1,8 @@
 """The request-rules step: what an HTTP request's headers must satisfy once its target is allowed.
 
 Applied by the admission pipeline to every plain-HTTP request and every request inside an inspected
-tunnel (the Host header names the decided host, the Connection header names no framing header,
-upgrades only where the policy allows WebSockets). Pure; no mitmproxy import.
+tunnel (the Host header names the decided host, the Connection header names no framing header, an
+upgrade only as a WebSocket handshake the decision lets upgrade). Pure; no mitmproxy import.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from egressd.policy import TargetError, canonical_host
 from egressd.refusal import Refusal
-from egressd.wire.http_fields import connection_problem
+from egressd.wire.http_fields import connection_problem, upgrade_protocols
 
 
 def host_header_mismatch(values: Sequence[str], target: Any) -> str | None:
@@ -46,8 +46,16 @@ def host_header_mismatch(values: Sequence[str], target: Any) -> str | None:
     return None
 
 
-def request_refusal(target: Any, headers: Sequence[tuple[str, str]], *, websocket: bool) -> Refusal | None:
-    """Why an allowed request is refused for its headers, or None."""
+def request_refusal(
+    target: Any,
+    headers: Sequence[tuple[str, str]],
+    *,
+    websocket: bool,
+    upgrade: bool,
+    method: str | None,
+) -> Refusal | None:
+    """Why an allowed request is refused for its headers, or None. `upgrade`: the decision lets
+    this request upgrade its connection (egressd.policy.Decision.upgrade)."""
     host, port = target.host.text, target.port
     connection = ", ".join(v for n, v in headers if n.lower() == "connection")
     if (problem := connection_problem(connection)) is not None:
@@ -55,9 +63,37 @@ def request_refusal(target: Any, headers: Sequence[tuple[str, str]], *, websocke
     hosts = [v for n, v in headers if n.lower() == "host"]
     if (mismatch := host_header_mismatch(hosts, target)) is not None:
         return Refusal("host_mismatch", mismatch, host, port)
-    upgrade = "upgrade" in connection.lower() and any(n.lower() == "upgrade" for n, _ in headers)
-    if upgrade and not websocket:
-        return Refusal(
-            "websocket", "protocol upgrades (WebSocket) are off in this policy (websocket: false)", host, port
+    protocols = upgrade_protocols(headers)
+    if protocols is not None and (why := _upgrade_problem(protocols, headers, method, websocket, upgrade)):
+        return Refusal("websocket", why, host, port)
+    return None
+
+
+def _upgrade_problem(
+    protocols: list[str],
+    headers: Sequence[tuple[str, str]],
+    method: str | None,
+    websocket: bool,
+    upgrade: bool,
+) -> str | None:
+    """Why a request asking to switch protocols may not: after a 101 egressd relays the connection
+    undecided, so only a WebSocket handshake of a request the policy admits whole is let through."""
+    if not websocket:
+        return "protocol upgrades (WebSocket) are off in this policy (websocket: false)"
+    if [p.lower() for p in protocols] != ["websocket"]:
+        asked = ", ".join(protocols) or "(nothing)"
+        why = f"only WebSocket upgrades are relayed, and this request asks for {asked}"
+        if any(p.lower() == "h2c" for p in protocols):
+            why += " (h2c would carry HTTP/2 requests nobody decides)"
+        return why
+    keys = [v for n, v in headers if n.lower() == "sec-websocket-key"]
+    versions = [v.strip() for n, v in headers if n.lower() == "sec-websocket-version"]
+    if method != "GET" or len(keys) != 1 or versions != ["13"]:
+        return "not a WebSocket handshake (RFC 6455: GET, one Sec-WebSocket-Key, Sec-WebSocket-Version: 13)"
+    if not upgrade:
+        return (
+            "this request is admitted only by rules naming paths or methods (or a builtin allowance, "
+            "or under a deny rule naming paths), which cover it but not what its connection would "
+            "carry after an upgrade; a rule allows that with websocket: true"
         )
     return None

@@ -357,12 +357,14 @@ class Pipeline:
         host, port = target.host.text, target.port
         if ask.stage == "inner" and conn.granted == (host, port):
             rule, inspect = "this tunnel's grant or approval", False
+            upgrade = candidate.upgrade
         else:
             taken = self.grants.take(ask.stage, host, port, ask.scheme, ask.path)
             if taken is None:
                 return decision
             grant, inspect = taken
             rule = f"grant {grant.id}: {grant.spec}"
+            upgrade = candidate.upgrade and not grant.url_scoped  # a URL's grant is for that request
             if ask.stage in ("connect", "socks") and not inspect:
                 conn.granted = (host, port)  # the requests inside, if inspected, are the tunnel's
         return dataclasses.replace(
@@ -374,6 +376,7 @@ class Pipeline:
             detail=f"{host}:{port} is admitted by the user's {rule}",
             private_ok=False,
             needs_inspection=candidate.needs_inspection or inspect,
+            upgrade=upgrade,
         )
 
     async def _program(self, conn: ConnState) -> Program | None:
@@ -439,7 +442,7 @@ class Pipeline:
                 stripped=stripped,
             )
         headers = [(n, v) for n, v in ask.headers or () if n.lower() not in strip]
-        judged = self.secrets.judge(host, port, path, headers)
+        judged = self.secrets.judge(host, port, ask.method, path, headers)
         if isinstance(judged, Refusal):
             return judged
         return strip, judged
@@ -452,7 +455,14 @@ class Pipeline:
             if decision.needs_inspection:
                 return needs_inspection_refusal(decision), False
             policy = self.policies.get()
-            return request_refusal(decision.target, ask.headers or (), websocket=policy.websocket), False
+            refusal = request_refusal(
+                decision.target,
+                ask.headers or (),
+                websocket=policy.websocket,
+                upgrade=decision.upgrade,
+                method=ask.method,
+            )
+            return refusal, False
         inspect = self.wants_inspection(decision, conn)
         target = decision.target
         if not inspect and self.secrets and self.secrets.listed(target.host, target.port):
@@ -537,8 +547,13 @@ class Pipeline:
         via: str | None = None,
     ) -> Refusal | None:
         """A Decided event about this client connection (its fields named here, not passed on as
-        **kwargs: two dicts fewer for every tunnel). An allow whose record the audit log did not
-        take answers the refusal to act on instead (audit.on_failure: refuse), else None."""
+        **kwargs: two dicts fewer for every tunnel). What the child wrote — host, method, path, and
+        the detail that may quote them — never keeps a placeholder's random part (the name does).
+        An allow whose record the audit log did not take answers the refusal to act on instead
+        (audit.on_failure: refuse), else None."""
+        if self.secrets:
+            host, method, path = map(self._recorded_path, (host, method, path))
+            detail = self.secrets.needles.redact(detail)
         who = conn.identity if conn is not None else None
         audit = self.audit
         lost = audit.lost if audit is not None else 0
@@ -581,9 +596,9 @@ class Pipeline:
             stage=ask.stage,
             method=ask.method,
             scheme=ask.scheme if request else None,
-            host=self._recorded_path(target.host.text if target else ask.host),
+            host=target.host.text if target else ask.host,
             port=target.port if target else ask.port,
-            path=self._recorded_path(ask.path) if request else None,
+            path=ask.path if request else None,
             allowed=refusal is None,
             reason=refusal.reason if refusal else decision.reason,
             rule=decision.rule,
@@ -592,7 +607,8 @@ class Pipeline:
         )
 
     def _recorded_path(self, path: str | None) -> str | None:
-        """A path (or host) as records show it: a placeholder's random part never kept (the name is)."""
+        """A path (or host, or method) as records show it: a placeholder's random part never kept
+        (the name is)."""
         if path is None or not self.secrets:
             return path
         return self.secrets.needles.redact(path)
@@ -649,12 +665,14 @@ class Pipeline:
             scheme=scheme,
             host=host,
             port=port,
-            path=self._recorded_path(path),
+            path=path,
             allowed=False,
             reason=reason,
             rule=None,
             detail=detail,
         )
+        if self.secrets:
+            host, detail = self._recorded_path(host), self.secrets.needles.redact(detail)
         logger.info("refused (%s) %s:%s: %s", stage, host if host is not None else "?", port or "?", detail)
 
     def header_timeout(self, conn: ConnState, timeout: float) -> None:

@@ -5,11 +5,13 @@ run). For an HTTP request egressd sees — plain HTTP, or a request inside an in
 hosts a secret may go to are always inspected — this step, run by the admission pipeline after the
 request rules:
 
-- refuses (`secret_exfiltration`) a request whose URL or headers carry the placeholder of a secret
-  that may not go to its host, in any spelling the matcher knows (egressd.wire.placeholders);
+- refuses (`secret_exfiltration`) a request whose method, URL or headers carry the placeholder of a
+  secret that may not go to its host, in any spelling the matcher knows (egressd.wire.placeholders);
 - puts the real value where the secret's entry says (a header, or a query parameter) when the
   request to one of its hosts carries the placeholder there;
-- hands the front the placeholders the body must not carry, for its streaming scan.
+- hands the front the placeholders the body must not carry, for its streaming scan, and the values
+  the response from one of a secret's hosts must not carry back (egressd.wire.placeholders.ValueMask,
+  every part of the response, every spelling egressd sends a value in).
 
 Values live only here (and in egressd.secret_values, which reads them): never in the policy, an
 event, a record or a refusal.
@@ -26,7 +28,7 @@ from urllib.parse import quote
 from egressd.policy import Host
 from egressd.policy.secrets import SecretSpec
 from egressd.refusal import Refusal
-from egressd.wire.placeholders import Needles, placeholder
+from egressd.wire.placeholders import Needles, ValueMask, placeholder
 
 REASON = "secret_exfiltration"
 Headers = Sequence[tuple[str, str]]
@@ -41,7 +43,8 @@ class Injection:
     path: str | None = None
     body: Needles = field(default_factory=lambda: Needles({}))
     injected: tuple[str, ...] = ()
-    values: tuple[str, ...] = ()  # the values swapped in: masked where the response echoes them
+    # the values of the secrets this host may get: masked wherever its response echoes them
+    values: tuple[str, ...] = ()
 
 
 NO_INJECTION = Injection()
@@ -62,6 +65,7 @@ class SecretBook:
         self._placeholders: dict[str, str] = {}
         self._state = _State({}, {})
         self._needles = Needles({})
+        self._mask = ValueMask(())
 
     def update(self, specs: Sequence[SecretSpec], values: Mapping[str, str]) -> None:
         with self._lock:
@@ -70,6 +74,7 @@ class SecretBook:
                     self._placeholders[spec.name] = placeholder(spec.name, random.token_hex(16))
             self._state = _State({s.name: s for s in specs}, dict(values))
             self._needles = Needles.of(self._placeholders)
+            self._mask = ValueMask(values.values())
 
     def __bool__(self) -> bool:
         return bool(self._placeholders)
@@ -97,7 +102,14 @@ class SecretBook:
     def needles(self) -> Needles:
         return self._needles
 
-    def judge(self, host: Host, port: int, path: str, headers: Headers) -> Refusal | Injection:
+    def mask_text(self, text: str) -> str:
+        """`text` with every secret's value masked: what egressd writes about a response it could
+        not read (an error page, a record) may quote the response, and with it an echoed value."""
+        return self._mask.text(text)
+
+    def judge(
+        self, host: Host, port: int, method: str | None, path: str, headers: Headers
+    ) -> Refusal | Injection:
         """The refusal of a request carrying a placeholder its host may not get, or what to change."""
         if not self._placeholders:
             return NO_INJECTION
@@ -107,6 +119,8 @@ class SecretBook:
         if foreign:
             name = foreign.find(path)
             where = "URL"
+            if name is None and method is not None and (name := foreign.find(method)) is not None:
+                where = "method"
             if name is None:
                 for header, value in headers:
                     if (name := foreign.find(value) or foreign.find(header)) is not None:
@@ -114,9 +128,10 @@ class SecretBook:
                         break
             if name is not None:
                 return refusal(name, where, host, port, state.specs.get(name))
-        if not allowed:
+        values = tuple(v for name in sorted(allowed) if (v := state.values.get(name)) is not None)
+        if not values:
             return Injection(body=foreign)
-        new_headers, new_path, injected, values = list(headers), path, [], []
+        new_headers, new_path, injected = list(headers), path, []
         for name in sorted(allowed):
             spec, token = state.specs[name], self._placeholders[name]
             value = state.values.get(name)
@@ -129,10 +144,8 @@ class SecretBook:
                 new_path, changed = _inject_query(new_path, spec.query, token, value)
             if changed:
                 injected.append(name)
-                values.append(value)
-        if not injected:
-            return Injection(body=foreign)
-        # the response is read for echoes of the value (masked): ask for it unencoded
+        # every response of a secret's host is read for echoes of its values (masked): asked for
+        # unencoded, whether or not this request carries a value (the server may echo an earlier one)
         new_headers = [(n, v) for n, v in new_headers if n.lower() != "accept-encoding"]
         new_headers.append(("Accept-Encoding", "identity"))
         return Injection(
@@ -140,7 +153,7 @@ class SecretBook:
             path=new_path if new_path != path else None,
             body=foreign,
             injected=tuple(injected),
-            values=tuple(values),
+            values=values,
         )
 
 

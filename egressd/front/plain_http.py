@@ -25,6 +25,7 @@ from egressd.admission.pipeline import Admitted, Ask
 from egressd.front.relay import HIGH_WATER, Pipe, Tunnel
 from egressd.refusal import Refusal
 from egressd.wire.http1 import (
+    TEXT_ENCODING,
     Body,
     ClientSide,
     End,
@@ -411,7 +412,8 @@ class PlainClient(_Writable, asyncio.Protocol):
         self, upstream: Upstream, request: RequestHead, key: Key, url: str, mask: ValueMask
     ) -> str:
         """The upstream's answer to the child: "done", "closed" (both sides end) or "relay". With
-        `mask`, a secret's value the upstream echoes is masked in the head and the body."""
+        `mask`, a secret's value the upstream echoes is masked in every part of the answer: the
+        status lines and fields of interim (1xx) and final heads, the body, the trailers."""
         started, seen = False, 0
         while True:
             if not upstream.inbox.events:
@@ -424,12 +426,13 @@ class PlainClient(_Writable, asyncio.Protocol):
                 return self._upstream_broke(upstream, started, LOST_MID_RESPONSE, request)
             if isinstance(event, ResponseHead):
                 if event.status < 200:
-                    if event.status == 101 and not request.upgrade:
-                        return self._upstream_broke(
-                            upstream, started, "101 without an upgrade request", request
-                        )
+                    switched_to = [v.strip().lower() for v in event.values("upgrade")]
+                    if event.status == 101 and not (request.upgrade and switched_to == ["websocket"]):
+                        # the relay after a 101 is undecided: only the WebSocket that was admitted
+                        why = "101 to no admitted WebSocket upgrade"
+                        return self._upstream_broke(upstream, started, why, request)
                     started = self.answering = True
-                    self.write(self.wire.interim(event))
+                    self.write(self.wire.interim(masked_head(mask, event)))
                     continue
                 length = event.values("content-length")
                 if self.limit is not None and length and length[0].isdigit() and int(length[0]) > self.limit:
@@ -439,9 +442,7 @@ class PlainClient(_Writable, asyncio.Protocol):
                 if 300 <= event.status < 400 and (location := event.values("location")):
                     self.rt.redirects.remember(self.state.client_key, url, location[0])
                 started = self.answering = True
-                if mask:
-                    event = dataclasses.replace(event, headers=[(n, mask.text(v)) for n, v in event.headers])
-                self.write(self.wire.response(event))
+                self.write(self.wire.response(masked_head(mask, event)))
             elif isinstance(event, Body):
                 seen += len(event.data)
                 if self.limit is not None and seen > self.limit:
@@ -457,7 +458,7 @@ class PlainClient(_Writable, asyncio.Protocol):
             elif isinstance(event, End):
                 if mask and (rest := mask.end()):
                     self.write(self.wire.body(rest))
-                self.write(self.wire.end(event.trailers))
+                self.write(self.wire.end(mask.text_fields(event.trailers, TEXT_ENCODING)))
                 self.flush()
                 return "done"
             elif isinstance(event, Switched):
@@ -518,7 +519,9 @@ class PlainClient(_Writable, asyncio.Protocol):
 
     def _upstream_broke(self, upstream: Upstream, started: bool, why: str, request: RequestHead) -> str:
         """Broken framing from upstream: a 502 while nothing of the response went out, else both
-        sides close (a visible truncation, never a guess)."""
+        sides close (a visible truncation, never a guess). `why` may quote the response: every
+        secret's value in it is masked before the child or a record sees it."""
+        why = self.rt.secrets.mask_text(why)
         self._forget(upstream)
         error = self.body_failed
         if error is not None and upstream.inbox.error is error:  # the child's body broke, not the server
@@ -596,6 +599,14 @@ def _as_sent(head: RequestHead, admitted: Admitted) -> RequestHead:
         return head
     headers = list(injection.headers) if injection.headers is not None else head.headers
     return dataclasses.replace(head, headers=headers, path=injection.path or head.path)
+
+
+def masked_head(mask: ValueMask, head: ResponseHead) -> ResponseHead:
+    """A response head with the values masked in its reason phrase and its fields."""
+    if not mask:
+        return head
+    reason = mask.text(head.reason, TEXT_ENCODING)
+    return dataclasses.replace(head, reason=reason, headers=mask.text_fields(head.headers, TEXT_ENCODING))
 
 
 def request_url(key: Key, path: str) -> str:

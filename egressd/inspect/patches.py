@@ -20,13 +20,27 @@ private part that the tests cover for exactly this version.
    mitmproxy's own parser rejects is refused here too, so every such refusal is recorded. Empty
    lines before a request line are dropped first (RFC 9112 2.2): h11 returns at each one and then
    waits for more bytes.
+4. Interim (1xx) responses from the server: mitmproxy's HTTP/1 client reads the first head it gets
+   as THE response, so a `100 Continue` or `103 Early Hints` became the answer and the real one was
+   dropped as "unexpected data" (the child waited forever). mitmproxy answers a client's `Expect:
+   100-continue` itself and has no event for an interim response, so the server's interim heads are
+   dropped (`Http1Client.read_headers`) and the final one is read as the response. (101 is final.)
+5. Chunked trailers: mitmproxy's HTTP/1 body reader raises NotImplementedError on trailer fields
+   (the tunnel died mid-response), and its HTTP/1 server side cannot send ResponseTrailers. The
+   body reader keeps them aside (`make_body_reader`); a response's trailers become the
+   ResponseTrailers event the HTTP layer knows (`read_body`; the policy addon masks them), and are
+   written into the last chunk to the client (`Http1Server.send`). A request's trailers are dropped:
+   nothing of them reaches the server unscanned.
+6. Error pages (2. above) may quote what the server sent (`Invalid header line: b'...'`): every
+   secret's value in them is masked (`Pipeline.secrets`), as every response is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import types
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from egressd.admission.pinning import ConnectFailure, connect_pinned, current_pin
@@ -50,11 +64,24 @@ def check_version() -> None:
 
 
 def install(pipeline: Pipeline | None = None) -> None:
-    """Every patch (idempotent). `pipeline`: whose events record a refused request head."""
+    """Every patch (idempotent). `pipeline`: whose events record a refused request head, and whose
+    secrets are masked in error pages."""
     check_version()
     _install_pinned_connect()
-    _install_error_responses()
     _install_head_guard(pipeline)
+    _install_error_responses()
+    _install_interim_drop()
+    _install_trailers()
+
+
+def _wrap(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+    """owner.name becomes wrap(original), once: the replacement is marked as egressd's."""
+    original = getattr(owner, name)
+    if getattr(original, "egressd_patch", False):
+        return
+    replacement = wrap(original)
+    replacement.egressd_patch = True
+    setattr(owner, name, replacement)
 
 
 # -- 1. the pinned connect ---------------------------------------------------------------------------
@@ -105,9 +132,15 @@ def installed() -> bool:
 def _install_error_responses() -> None:
     import mitmproxy.proxy.layers.http._http1 as http1_layer
 
+    http1_layer.make_error_response = _error_response  # type: ignore[assignment]
+
+
+def _error_response(status_code: int, message: str = "") -> bytes:
+    """egressd's error page, with every secret's value masked in what it quotes (6.)."""
     from egressd.inspect.error_pages import make_error_response
 
-    http1_layer.make_error_response = make_error_response  # type: ignore[assignment]
+    rt = _head_events
+    return make_error_response(status_code, rt.secrets.mask_text(message) if rt is not None else message)
 
 
 # -- 3. the request-head guard -------------------------------------------------------------------------
@@ -121,30 +154,27 @@ def _install_head_guard(pipeline: Pipeline | None) -> None:
     from mitmproxy.proxy import commands, events
     from mitmproxy.proxy.layers.http import _http1
 
-    server = _http1.Http1Server
-    original = server.read_headers
-    if getattr(original, "egressd_guard", False):
-        return
+    def wrap(original: Any) -> Any:
+        def read_headers(self: Any, event: Any) -> Generator[Any, Any, None]:
+            if isinstance(event, events.DataReceived):
+                data = bytes(self.buf)
+                skip = leading_empty_lines(data)
+                for _ in range(skip // 2):
+                    self.buf.maybe_extract_lines()  # RFC 9112 2.2; h11 returns at each, then waits
+                data = data[skip:]
+                problem = head_problem(data) or _unreadable(data)
+                if problem is not None:
+                    status, why = problem
+                    _audit(self.conn.id, why)
+                    yield commands.SendData(self.conn, _http1.make_error_response(status, why))
+                    yield commands.CloseConnection(self.conn)
+                    self.state = self.done
+                    return
+            yield from original(self, event)
 
-    def read_headers(self: Any, event: Any) -> Generator[Any, Any, None]:
-        if isinstance(event, events.DataReceived):
-            data = bytes(self.buf)
-            skip = leading_empty_lines(data)
-            for _ in range(skip // 2):
-                self.buf.maybe_extract_lines()  # RFC 9112 2.2; h11 returns at each, then waits
-            data = data[skip:]
-            problem = head_problem(data) or _unreadable(data)
-            if problem is not None:
-                status, why = problem
-                _audit(self.conn.id, why)
-                yield commands.SendData(self.conn, _http1.make_error_response(status, why))
-                yield commands.CloseConnection(self.conn)
-                self.state = self.done
-                return
-        yield from original(self, event)
+        return read_headers
 
-    read_headers.egressd_guard = True  # type: ignore[attr-defined]
-    server.read_headers = read_headers  # type: ignore[method-assign]
+    _wrap(_http1.Http1Server, "read_headers", wrap)
 
 
 def _unreadable(data: bytes) -> tuple[int, str] | None:
@@ -165,3 +195,120 @@ def _audit(client_id: str, why: str) -> None:
     rt = _head_events
     if rt is not None:
         rt.refused_early(None, None, None, "bad_request", why, stage="request")
+
+
+# -- 4. interim responses ----------------------------------------------------------------------------
+# where a head ends in mitmproxy's ReceiveBuffer.maybe_extract_lines (h11's blank-line rule)
+_HEAD_END = re.compile(rb"\n\r?\n", re.MULTILINE)
+_INTERIM = re.compile(rb"HTTP/1\.[01] 1(?!01)[0-9]{2}(?:[ \t\r\n]|$)")
+
+
+def _install_interim_drop() -> None:
+    from mitmproxy.proxy import events
+    from mitmproxy.proxy.layers.http import _http1
+
+    def wrap(original: Any) -> Any:
+        def read_headers(self: Any, event: Any) -> Generator[Any, Any, None]:
+            if isinstance(event, events.DataReceived):
+                while (data := bytes(self.buf)) and _INTERIM.match(data) and _HEAD_END.search(data):
+                    self.buf.maybe_extract_lines()  # one complete interim head, dropped
+            yield from original(self, event)
+
+        return read_headers
+
+    _wrap(_http1.Http1Client, "read_headers", wrap)
+
+
+# -- 5. trailers ---------------------------------------------------------------------------------------
+class _TrailerKeeper:
+    """A body reader whose trailer fields are kept aside instead of reaching mitmproxy (which raises)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.trailers: list[tuple[bytes, bytes]] = []
+
+    def __call__(self, buf: Any) -> Any:
+        import h11
+
+        event = self.inner(buf)
+        if isinstance(event, h11.EndOfMessage) and event.headers:
+            self.trailers = [(bytes(n), bytes(v)) for n, v in event.headers.raw_items()]
+            return h11.EndOfMessage()
+        return event
+
+    def read_eof(self) -> Any:
+        return self.inner.read_eof()
+
+
+def _rewritten(
+    generator: Generator[Any, Any, None], rewrite: Callable[[Any], list[Any]]
+) -> Generator[Any, Any, None]:
+    """A mitmproxy command generator with each command replaced by rewrite(command) (one or more
+    commands); the reply to the last of them goes back to the generator."""
+    reply = None
+    while True:
+        try:
+            command = generator.send(reply)
+        except StopIteration:
+            return
+        *before, last = rewrite(command)
+        yield from before
+        reply = yield last
+
+
+def _install_trailers() -> None:
+    from mitmproxy import http
+    from mitmproxy.proxy import commands
+    from mitmproxy.proxy.layers.http import ResponseEndOfMessage, ResponseTrailers, _http1
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
+
+    def keep_trailers(make_reader: Any) -> Any:
+        def make_body_reader(expected_size: int | None) -> Any:
+            reader = make_reader(expected_size)
+            return _TrailerKeeper(reader) if expected_size is None else reader  # chunked
+
+        return make_body_reader
+
+    def deliver_trailers(read_body: Any) -> Any:
+        def read_body_with_trailers(self: Any, event: Any) -> Generator[Any, Any, None]:
+            def rewrite(command: Any) -> list[Any]:
+                reader = self.body_reader
+                if (
+                    isinstance(command, ReceiveHttp)
+                    and isinstance(command.event, ResponseEndOfMessage)
+                    and isinstance(reader, _TrailerKeeper)
+                    and reader.trailers
+                ):
+                    trailers, reader.trailers = reader.trailers, []
+                    event = ResponseTrailers(command.event.stream_id, http.Headers(trailers))
+                    return [ReceiveHttp(event), command]
+                return [command]
+
+            yield from _rewritten(read_body(self, event), rewrite)
+
+        return read_body_with_trailers
+
+    def send_trailers(send: Any) -> Any:
+        def send_with_trailers(self: Any, event: Any) -> Generator[Any, Any, None]:
+            if isinstance(event, ResponseTrailers):
+                self.egressd_trailers = event.trailers  # written into the last chunk, at the end
+                return
+            trailers = getattr(self, "egressd_trailers", None)
+            if not isinstance(event, ResponseEndOfMessage) or not trailers:
+                yield from send(self, event)
+                return
+            self.egressd_trailers = None
+            last_chunk = b"0\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in trailers.fields) + b"\r\n"
+
+            def rewrite(command: Any) -> list[Any]:
+                if isinstance(command, commands.SendData) and command.data == b"0\r\n\r\n":
+                    return [commands.SendData(command.connection, last_chunk)]
+                return [command]
+
+            yield from _rewritten(send(self, event), rewrite)
+
+        return send_with_trailers
+
+    _wrap(_http1, "make_body_reader", keep_trailers)
+    _wrap(_http1.Http1Connection, "read_body", deliver_trailers)
+    _wrap(_http1.Http1Server, "send", send_trailers)

@@ -91,6 +91,10 @@ class Decision:
     self_addresses: tuple[tuple[IPAddress, int], ...] = field(default=(), repr=False)
     # mode: learn: the reason enforce would have refused with (the audit records it; suggest reads it)
     would_be: str | None = None
+    # an admitted HTTP request may upgrade its connection (a WebSocket): not where only path/method
+    # rules or a builtin allowance admit it (the relay after a 101 carries any request), unless the
+    # rule says `websocket: true`, nor where a path/method deny rule names the host
+    upgrade: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ class _Allow:
     needs_inspection: bool = False
     ask: bool = False
     would_be: str | None = None
+    upgrade: bool = True
 
 
 def _as_ip(value: object) -> IPAddress:
@@ -226,6 +231,11 @@ def _covers(rule: HostRule, request: _Request) -> bool | None:
     return request.path is not None and any(path_matches(p, request.path) for p in rule.paths)
 
 
+def _upgradable(rules: Iterable[HostRule], request: _Request) -> bool:
+    """Some rule admitting the request admits it whole (no paths or methods) or says websocket."""
+    return any((not rule.restricted or rule.websocket) and _covers(rule, request) for rule in rules)
+
+
 def _admission(rules: Iterable[HostRule], request: _Request) -> tuple[HostRule | None, HostRule | None]:
     """(first rule that admits, first rule that would admit once the path is known)."""
     pending: HostRule | None = None
@@ -280,35 +290,42 @@ def _self_match(
     return None
 
 
-def _profile_refusal(request: _Request, client: Client, policy: Policy) -> tuple[Decision | None, bool]:
-    """Step 11b: the client's profile may refuse (never admit). Returns (refusal, needs_inspection)."""
+def _profile_refusal(request: _Request, client: Client, policy: Policy) -> tuple[Decision | None, bool, bool]:
+    """Step 11b: the client's profile may refuse (never admit). Returns (refusal,
+    needs_inspection, upgrade: the profile lets an admitted request upgrade)."""
     name = client.profile
     if name is None:
-        return None, False
+        return None, False, True
     profile: Profile | None = policy.profiles.get(name)
     if profile is None:
         known = ", ".join(sorted(policy.profiles)) or "none"
         detail = f"unknown profile {name!r} (profiles in {policy.source}: {known})."
-        return _refuse(request, "profile", f"profile {name}", detail, client), False
-    pending = False
+        return _refuse(request, "profile", f"profile {name}", detail, client), False, False
+    pending, upgrade = False, True
     for rule in _matching(profile.deny, request):
         covered = _covers(rule, request)
         if covered:
             detail = f"{request.where} is denied by profile {name} rule {rule.describe()!r}."
-            return _refuse(request, "profile", f"profile {name}: deny {rule.text}", detail, client), False
+            return (
+                _refuse(request, "profile", f"profile {name}: deny {rule.text}", detail, client),
+                False,
+                False,
+            )
         pending = pending or covered is None
+        upgrade = upgrade and not rule.restricted
     if profile.ports and not request.loopback and request.port not in profile.ports:
         detail = f"port {request.port} is not in profile {name} ports {list(profile.ports)}."
-        return _refuse(
-            request, "profile", f"profile {name}: ports {list(profile.ports)}", detail, client
-        ), False
+        refusal = _refuse(request, "profile", f"profile {name}: ports {list(profile.ports)}", detail, client)
+        return refusal, False, False
     if profile.allow is not None:
-        admitted, waiting = _admission(_matching(profile.allow, request), request)
+        matching = _matching(profile.allow, request)
+        admitted, waiting = _admission(matching, request)
         if admitted is None and waiting is None:
             detail = f"{request.where} is not in the allowlist of profile {name}."
-            return _refuse(request, "profile", f"profile {name}: allow", detail, client), False
+            return _refuse(request, "profile", f"profile {name}: allow", detail, client), False, False
         pending = pending or admitted is None
-    return None, pending
+        upgrade = upgrade and _upgradable(matching, request)
+    return None, pending, upgrade
 
 
 def _finish(
@@ -323,9 +340,9 @@ def _finish(
     if not request.loopback and policy.ports and request.port not in policy.ports:
         detail = f"port {request.port} is not in the allowed ports {list(policy.ports)}."
         return _refuse(request, "port", f"ports: {list(policy.ports)}", detail, client)
-    profile_pending = False
+    profile_pending, profile_upgrade = False, True
     if client.profile is not None:
-        refusal, profile_pending = _profile_refusal(request, client, policy)
+        refusal, profile_pending, profile_upgrade = _profile_refusal(request, client, policy)
         if refusal is not None:
             return refusal
     host = request.host
@@ -336,6 +353,13 @@ def _finish(
     else:
         addresses = ()
     needs_resolution = not addresses
+    upgrade = (
+        outcome.upgrade
+        and profile_upgrade
+        and request.path_known  # an HTTP request: a tunnel has no upgrade of its own
+        and not outcome.needs_inspection
+        and not any(rule.restricted for rule in _matching(policy.deny, request))
+    )
     return Decision(
         not outcome.ask,
         outcome.reason,
@@ -350,6 +374,7 @@ def _finish(
         client.profile,
         self_addresses if needs_resolution else (),
         outcome.would_be,
+        upgrade,
     )
 
 
@@ -411,7 +436,8 @@ def _builtin_step(
             if path_matches(prefix, request.path):
                 methods = ",".join(allowance.effective_methods)
                 rule = f"builtin: {text} {prefix} {methods}"
-                outcome = _Allow("builtin", rule, f"{request.method} {request.path} on {where}")
+                detail = f"{request.method} {request.path} on {where}"
+                outcome = _Allow("builtin", rule, detail, upgrade=allowance.websocket)
                 return _finish(request, client, policy, outcome, deny_pending, own)
     if admitted is not None:
         return None
@@ -474,7 +500,8 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
         outcome = _Allow("loopback", "loopback.allow", f"{where} is loopback (loopback.allow)", True)
         return _finish(request, client, policy, outcome, deny_pending, own)
 
-    admitted, pending = _admission(_matching(policy.allow, request), request)
+    allowing = _matching(policy.allow, request)
+    admitted, pending = _admission(allowing, request)
 
     # 7. Built-in allowances: exact host, fixed path prefixes, methods.
     builtin = _builtin_step(request, client, policy, admitted, deny_pending, own)
@@ -488,6 +515,7 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
             f"allow: {admitted.text}",
             f"{where} matches allow rule {admitted.describe()!r} in {policy.source}",
             private_ok=_licensed(admitted, request, policy),
+            upgrade=not admitted.restricted or admitted.websocket or _upgradable(allowing, request),
         )
         return _finish(request, client, policy, outcome, deny_pending, own)
     if pending is not None:

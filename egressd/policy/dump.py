@@ -13,7 +13,7 @@ from .secrets import secret_to_data
 
 
 def _rule(rule: HostRule) -> str | dict[str, Any]:
-    if not rule.paths and not rule.methods and not rule.exe:
+    if not rule.paths and not rule.methods and not rule.exe and not rule.websocket:
         return rule.text
     entry: dict[str, Any] = {"host": rule.text}
     if rule.paths:
@@ -22,6 +22,8 @@ def _rule(rule: HostRule) -> str | dict[str, Any]:
         entry["methods"] = list(rule.methods)
     if rule.exe:
         entry["exe"] = list(rule.exe)
+    if rule.websocket:
+        entry["websocket"] = True
     return entry
 
 
@@ -52,7 +54,12 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "loopback": {"allow": policy.loopback.allow, "ports": list(policy.loopback.ports)},
         "private": {"allow": policy.private.allow, "origins": [str(o) for o in policy.private.origins]},
         "builtin": [
-            {"host": b.host, "paths": list(b.paths), "methods": list(b.effective_methods)}
+            {
+                "host": b.host,
+                "paths": list(b.paths),
+                "methods": list(b.effective_methods),
+                **({"websocket": True} if b.websocket else {}),
+            }
             for b in policy.builtin
         ],
         "inspect": _rules(policy.inspect),

@@ -363,8 +363,6 @@ def make_target(
         scheme = scheme.lower()
         if scheme not in _SCHEMES:
             raise TargetError(f"{canonical.text}: unknown scheme {scheme!r}")
-    if method is not None:
-        if not _METHOD.fullmatch(method):
-            raise TargetError(f"{canonical.text}: invalid method {method!r}")
-        method = method.upper()
+    if method is not None and not _METHOD.fullmatch(method):  # kept as written: methods are
+        raise TargetError(f"{canonical.text}: invalid method {method!r}")  # case-sensitive (RFC 9110)
     return Target(host=canonical, port=port, scheme=scheme, path=path, method=method)

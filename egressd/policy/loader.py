@@ -151,6 +151,9 @@ class _Reader:
                 if rule.exe:
                     why = "exe is only for allow rules (a deny applies to every program)"
                     raise self.fail(f"{key}[{index}]", why, rule.text)
+                if rule.websocket:
+                    why = "websocket is only for allow rules (it lets a request they admit upgrade)"
+                    raise self.fail(f"{key}[{index}]", why, rule.text)
         return RuleSet(rules)
 
 
@@ -192,8 +195,8 @@ def _parse_origin(entry: object, reader: _Reader, key: str) -> Origin:
 
 def _parse_builtin(entry: object, reader: _Reader, key: str) -> BuiltinAllowance:
     if not isinstance(entry, Mapping):
-        raise reader.fail(key, "must be a mapping {host, paths, methods}", entry)
-    data = reader.mapping(entry, key, ("host", "paths", "methods"))
+        raise reader.fail(key, "must be a mapping {host, paths, methods, websocket}", entry)
+    data = reader.mapping(entry, key, ("host", "paths", "methods", "websocket"))
     host_text = data.get("host")
     if not isinstance(host_text, str):
         raise reader.fail(_join(key, "host"), "must be a string naming one exact host", host_text)
@@ -219,7 +222,10 @@ def _parse_builtin(entry: object, reader: _Reader, key: str) -> BuiltinAllowance
             raise reader.fail(f"{key}.methods[{index}]", "not a valid HTTP method", method)
         methods.append(method.upper())
     return BuiltinAllowance(
-        host=host.text, paths=tuple(dict.fromkeys(normalised)), methods=tuple(dict.fromkeys(methods))
+        host=host.text,
+        paths=tuple(dict.fromkeys(normalised)),
+        methods=tuple(dict.fromkeys(methods)),
+        websocket=reader.bool(data.get("websocket"), _join(key, "websocket"), False),
     )
 
 

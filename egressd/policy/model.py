@@ -81,6 +81,7 @@ class BuiltinAllowance:
     host: str
     paths: tuple[str, ...]
     methods: tuple[str, ...] = ()
+    websocket: bool = False  # a request it admits may upgrade to a WebSocket
 
     @property
     def effective_methods(self) -> tuple[str, ...]:

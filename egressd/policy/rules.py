@@ -22,6 +22,7 @@ __all__ = ["HostRule", "RuleError", "RuleSet", "parse_rule"]
 RuleKind = Literal["name", "wildcard", "ip", "cidr"]
 _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 _DIGITS = re.compile(r"[0-9]+")
+_RULE_KEYS = ("host", "paths", "methods", "exe", "websocket")
 
 
 class RuleError(ValueError):
@@ -42,6 +43,8 @@ class HostRule:
     # programs this rule admits (allow rules only): a name matches an executable's file name or a
     # system alias of it, a path (with "/") the executable's own path; empty = every program
     exe: tuple[str, ...] = ()
+    # a path/method rule relays a WebSocket upgrade of a request it admits only when it says so
+    websocket: bool = False
 
     def matches(self, host: Host, port: int) -> bool:
         """Reference semantics, one rule at a time (RuleSet uses indexes for the same answer)."""
@@ -71,6 +74,8 @@ class HostRule:
             extra += " " + ",".join(self.methods)
         if self.exe:
             extra += " exe " + ",".join(self.exe)
+        if self.websocket:
+            extra += " websocket"
         return self.text + extra
 
 
@@ -200,11 +205,14 @@ def _parse_exe(value: object) -> tuple[str, ...]:
 
 def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
     """Parse ``host[:port]``, ``*.suffix``, IP/CIDR[:port], ``[v6]:port`` or
-    ``{host, paths, methods, exe}``."""
+    ``{host, paths, methods, exe, websocket}``."""
     if isinstance(entry, Mapping):
-        unknown = sorted(str(k) for k in entry if k not in ("host", "paths", "methods", "exe"))
+        unknown = sorted(str(k) for k in entry if k not in _RULE_KEYS)
         if unknown:
-            raise RuleError(f"unknown key(s) {', '.join(unknown)} (expected host, paths, methods, exe)")
+            raise RuleError(f"unknown key(s) {', '.join(unknown)} (expected {', '.join(_RULE_KEYS)})")
+        websocket = entry.get("websocket", False)
+        if not isinstance(websocket, bool):
+            raise RuleError("websocket must be true or false")
         host = entry.get("host")
         if not isinstance(host, str):
             raise RuleError("'host' must be a string")
@@ -218,6 +226,7 @@ def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
             paths=_parse_paths(entry.get("paths")),
             methods=_parse_methods(entry.get("methods")),
             exe=_parse_exe(entry.get("exe")),
+            websocket=websocket,
         )
     if not isinstance(entry, str):
         raise RuleError("a rule must be a string or a mapping with 'host'")

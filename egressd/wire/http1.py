@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 import h11
 
 from egressd.refusal import EGRESSD_HEADERS
-from egressd.wire.http_fields import FRAMING, connection_problem, hop_by_hop_names, hostport
+from egressd.wire.http_fields import (
+    FRAMING,
+    connection_problem,
+    hop_by_hop_names,
+    hostport,
+    upgrade_protocols,
+)
 from egressd.wire.http_head import HeadScanner
 
 MAX_HEAD = 64 * 1024
@@ -68,9 +74,9 @@ class RequestHead:
 
     @property
     def upgrade(self) -> bool:
-        """A protocol upgrade (WebSocket): `Connection: upgrade` and an Upgrade header."""
-        tokens = {t.strip().lower() for t in self.connection.split(",")}
-        return "upgrade" in tokens and bool(self.values("upgrade"))
+        """A protocol upgrade: `Connection: upgrade` and an Upgrade header (admitted only as a
+        WebSocket handshake, by the request rules)."""
+        return upgrade_protocols(self.headers) is not None
 
     @property
     def has_body(self) -> bool:
@@ -111,12 +117,15 @@ class Switched:
 Event = RequestHead | ResponseHead | Body | End | Switched
 
 
+TEXT_ENCODING = "latin-1"  # field values and reason phrases as text: every byte kept as one character
+
+
 def _text(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    return [(n.decode("ascii"), v.decode("latin-1")) for n, v in headers]
+    return [(n.decode("ascii"), v.decode(TEXT_ENCODING)) for n, v in headers]
 
 
 def _bytes(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(n.encode("ascii"), v.encode("latin-1")) for n, v in headers]
+    return [(n.encode("ascii"), v.encode(TEXT_ENCODING)) for n, v in headers]
 
 
 def _raw_fields(head: bytes) -> list[tuple[bytes, bytes]]:
@@ -347,7 +356,9 @@ class ClientSide(_Reader):
         assert self.h11 is not None
         headers = _bytes(response_headers(head.headers, keep_upgrade=head.status == 101))
         return self.h11.send(
-            h11.InformationalResponse(status_code=head.status, headers=headers, reason=head.reason)
+            h11.InformationalResponse(
+                status_code=head.status, headers=headers, reason=head.reason.encode(TEXT_ENCODING)
+            )
         )
 
     def response(self, head: ResponseHead) -> bytes:
@@ -363,7 +374,12 @@ class ClientSide(_Reader):
             and (request is None or request.method != "HEAD")
         )
         return (
-            self.h11.send(h11.Response(status_code=head.status, headers=headers, reason=head.reason)) or b""
+            self.h11.send(
+                h11.Response(
+                    status_code=head.status, headers=headers, reason=head.reason.encode(TEXT_ENCODING)
+                )
+            )
+            or b""
         )
 
     def body(self, data: bytes) -> bytes:
@@ -401,7 +417,7 @@ def response_headers(headers: Headers, *, keep_upgrade: bool) -> Headers:
     and never egressd's own headers from upstream (a forged refusal)."""
     connection = ", ".join(_values(headers, "connection"))
     drop = set(hop_by_hop_names(connection, keep_upgrade=keep_upgrade)) | set(EGRESSD_HEADERS)
-    drop |= {"transfer-encoding"} | ({"upgrade"} if not keep_upgrade else set())
+    drop.add("transfer-encoding")
     if not keep_upgrade:
         drop.add("connection")
     return [(n, v) for n, v in headers if n.lower() not in drop]
@@ -409,11 +425,10 @@ def response_headers(headers: Headers, *, keep_upgrade: bool) -> Headers:
 
 def upstream_headers(request: RequestHead, host: str, port: int, strip: set[str]) -> Headers:
     """What goes upstream: hop-by-hop and proxy fields removed, the Host field the canonical target,
-    an upgrade kept only when asked for (request.upgrade, when the policy allows it)."""
+    an upgrade kept only when asked for (request.upgrade: the request rules admitted it as a
+    WebSocket handshake)."""
     upgrade = request.upgrade
     drop = set(hop_by_hop_names(request.connection, keep_upgrade=upgrade)) | {"connection"} | strip
-    if not upgrade:
-        drop.add("upgrade")
     canonical = hostport(host, port)
     headers = [
         (n, canonical if n.lower() == "host" else v) for n, v in request.headers if n.lower() not in drop
@@ -485,7 +500,7 @@ class ServerSide(_Reader):
         assert self.h11 is not None
         if isinstance(event, h11.InformationalResponse):
             head = ResponseHead(
-                event.status_code, event.reason.decode("latin-1"), _text(event.headers.raw_items())
+                event.status_code, event.reason.decode(TEXT_ENCODING), _text(event.headers.raw_items())
             )
             if event.status_code == 101:
                 self.switched = True
@@ -496,7 +511,7 @@ class ServerSide(_Reader):
             self.in_head = False
             return [
                 ResponseHead(
-                    event.status_code, event.reason.decode("latin-1"), _text(event.headers.raw_items())
+                    event.status_code, event.reason.decode(TEXT_ENCODING), _text(event.headers.raw_items())
                 )
             ]
         if isinstance(event, h11.Data):

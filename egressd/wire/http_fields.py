@@ -3,22 +3,49 @@ Connection header must not name, and the Host value for a canonical target. Pure
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from egressd.policy import join_host_port
 
-# hop-by-hop headers (RFC 9110 7.6.1) and proxy headers never forwarded upstream
-HOP_BY_HOP = ("proxy-authorization", "proxy-connection", "keep-alive", "te", "trailer", "proxy-authenticate")
+# hop-by-hop headers (RFC 9110 7.6.1) and proxy headers never forwarded upstream; HTTP2-Settings
+# belongs to an h2c upgrade, which egressd never relays
+HOP_BY_HOP = (
+    "proxy-authorization",
+    "proxy-connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "proxy-authenticate",
+    "http2-settings",
+)
 
 
 def hop_by_hop_names(connection: str, *, keep_upgrade: bool) -> list[str]:
-    """The lower-case header names never forwarded upstream: the fixed hop-by-hop set plus those
-    the Connection header lists (but not the close/keep-alive tokens themselves)."""
+    """The lower-case header names never forwarded: the fixed hop-by-hop set plus those the
+    Connection header lists (but not the close/keep-alive tokens themselves), and Upgrade unless
+    the message is an upgrade egressd relays (a lenient peer may switch on Upgrade alone)."""
     names = list(HOP_BY_HOP)
+    if not keep_upgrade:
+        names.append("upgrade")
     for token in connection.split(","):
         name = token.strip().lower()
-        if not name or name in ("close", "keep-alive") or (keep_upgrade and name == "upgrade"):
+        if not name or name in ("close", "keep-alive", "upgrade"):
             continue
         names.append(name)
     return names
+
+
+def upgrade_protocols(fields: Sequence[tuple[str, str]]) -> list[str] | None:
+    """The protocols a request asks to switch to, in order (every Upgrade field's list), or None
+    when it asks for no upgrade: that takes a Connection field naming `upgrade` and an Upgrade
+    field."""
+    connection = ",".join(v for n, v in fields if n.lower() == "connection")
+    if "upgrade" not in {token.strip().lower() for token in connection.split(",")}:
+        return None
+    values = [v for n, v in fields if n.lower() == "upgrade"]
+    if not values:
+        return None
+    return [token.strip() for value in values for token in value.split(",") if token.strip()]
 
 
 # end-to-end headers a Connection header must not name: stripped as hop-by-hop while the body is

@@ -60,6 +60,23 @@ def leading_empty_lines(data: bytes | bytearray) -> int:
     return start
 
 
+_METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,1024}")  # a method token (RFC 9110), bounded
+
+
+def starts_like_request(data: bytes) -> bool | None:
+    """Whether a client's first bytes start an HTTP/1 request line — a method token, then a space —
+    after at most a few empty lines (RFC 9112 2.2); None while they do not tell yet. What the
+    inspected tunnel decides per request, whatever its method (a digit first, a placeholder)."""
+    start = leading_empty_lines(data)
+    if start > 64:
+        return False
+    space = data.find(b" ", start)
+    if space < 0:
+        rest = data[start:]
+        return None if rest == b"" or _METHOD.fullmatch(rest) else False
+    return _METHOD.fullmatch(data, start, space) is not None
+
+
 def _line_problem(head: bytes, *, complete: bool) -> tuple[int, str] | None:
     return None if _clean(head) else named_problem(head, complete=complete)
 

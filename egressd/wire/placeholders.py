@@ -10,7 +10,11 @@ worthless outside egressd — see docs/secrets.md.
 
 `PlaceholderStream` scans a body chunk by chunk with bounded memory: it holds back the last `window`
 bytes of what it saw (the longest spelling a token can take), so a token split across chunks is
-found before any byte of it is passed on. Sans-I/O, pure.
+found before any byte of it is passed on.
+
+The other way, `ValueMask` is the one masker of the real values in what comes back (every part of a
+response, both fronts, every spelling egressd sends a value in), streamed the same way. Sans-I/O,
+pure.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import base64
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from urllib.parse import quote, quote_plus
 
 PREFIX = "egressd-secret-"
 TOKEN_HEX_DIGITS = 32
@@ -154,28 +159,83 @@ class PlaceholderStream:
         return rest
 
 
+def value_spellings(value: str) -> frozenset[bytes]:
+    """The spellings of a value egressd sends, and those a server hands back after reading it out of
+    a URL and writing it again: as is (a header), percent-encoded (`quote(value)`, a query
+    parameter), with `/` kept, with `+` for a space. (egressd never base64-encodes a value.)"""
+    forms = (value, quote(value, safe=""), quote(value), quote_plus(value, safe=""), quote_plus(value))
+    return frozenset(form.encode("utf-8") for form in forms if form)
+
+
+def _spelling_pattern(spelling: bytes) -> bytes:
+    """A spelling as a regular expression whose percent escapes match in either letter case."""
+    parts = []
+    for piece in re.split(rb"(%[0-9A-Fa-f]{2})", spelling):
+        if _ESCAPE.fullmatch(piece):
+            parts.append(
+                b"%" + b"".join(b"[" + bytes([c]).upper() + bytes([c]).lower() + b"]" for c in piece[1:])
+            )
+        elif piece:
+            parts.append(re.escape(piece))
+    return b"".join(parts)
+
+
+_ESCAPE = re.compile(rb"%[0-9A-Fa-f]{2}")
+# framing fields carry a number or `chunked`: masked, the message would no longer frame
+_FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding"})
+
+
 class ValueMask:
-    """Mask the real values egressd put into a request wherever the response echoes them: each
-    occurrence becomes as many `*` (the length is kept, so Content-Length and chunk framing stay
-    right). Streamed like PlaceholderStream: `feed` holds back the last (longest value - 1) bytes so
-    a value split across chunks is still masked; `end` flushes. Literal occurrences only."""
+    """Mask the real values egressd puts into requests wherever a response echoes them, in every
+    spelling of value_spellings: each occurrence becomes as many `*` (the length is kept, so
+    Content-Length and chunk framing stay right, and a field stays a valid token). One masker for
+    every part of a response on every front: `mask` for a reason phrase, an error's text or a
+    field (`fields`, `text`); `feed`/`end` stream a body, holding back the last (longest spelling -
+    1) bytes so a value split across chunks or reads is still masked. Every occurrence is masked or
+    overlaps a masked one, so no whole spelling survives."""
 
     def __init__(self, values: Iterable[str]) -> None:
-        self.values = sorted({v.encode("utf-8") for v in values if v}, key=len, reverse=True)
-        self.hold = max((len(v) for v in self.values), default=1) - 1
+        spellings = sorted({s for v in values if v for s in value_spellings(v)}, key=len, reverse=True)
+        self.pattern = re.compile(b"|".join(map(_spelling_pattern, spellings))) if spellings else None
+        self.hold = max((len(s) for s in spellings), default=1) - 1
         self._held = b""
 
     def __bool__(self) -> bool:
-        return bool(self.values)
+        return self.pattern is not None
 
     def mask(self, data: bytes) -> bytes:
-        for value in self.values:
-            data = data.replace(value, b"*" * len(value))
-        return data
+        if self.pattern is None or not data:
+            return data
+        return self.pattern.sub(lambda m: b"*" * (m.end() - m.start()), data)
 
-    def text(self, value: str) -> str:
-        """A header value with the values masked."""
-        return self.mask(value.encode("utf-8", "surrogateescape")).decode("utf-8", "surrogateescape")
+    def text(self, value: str, encoding: str = "utf-8") -> str:
+        """A text (a field, a reason phrase, an error's detail) with the values masked, in the
+        encoding it was decoded with."""
+        if self.pattern is None:
+            return value
+        raw = value.encode(encoding, "surrogateescape")
+        masked = self.mask(raw)
+        return value if masked == raw else masked.decode(encoding, "surrogateescape")
+
+    def fields(self, fields: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """Header or trailer fields with the values masked in names and values (framing values
+        excepted)."""
+        return [
+            (self.mask(name), value if name.lower() in _FRAMING_FIELDS else self.mask(value))
+            for name, value in fields
+        ]
+
+    def text_fields(self, fields: Iterable[tuple[str, str]], encoding: str) -> list[tuple[str, str]]:
+        """`fields` for fields decoded as text with `encoding`."""
+        if self.pattern is None:
+            return list(fields)
+        raw = [
+            (n.encode(encoding, "surrogateescape"), v.encode(encoding, "surrogateescape")) for n, v in fields
+        ]
+        return [
+            (n.decode(encoding, "surrogateescape"), v.decode(encoding, "surrogateescape"))
+            for n, v in self.fields(raw)
+        ]
 
     def feed(self, chunk: bytes) -> bytes:
         data = self.mask(self._held + bytes(chunk))

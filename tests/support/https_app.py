@@ -21,7 +21,7 @@ from typing import Any
 
 import trustme
 
-from tests.support.upstreams import BodyReadingHandler, ServedInThread
+from tests.support.upstreams import BodyReadingHandler, CountingAccepts, ServedInThread
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,7 @@ class _Handler(BodyReadingHandler):
     do_GET = do_POST = do_PUT = do_HEAD = _handle
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
-
+class _Server(CountingAccepts, ThreadingHTTPServer):
     def __init__(self, owner: AppHTTPSServer, addr: tuple[str, int]) -> None:
         self.owner = owner
         super().__init__(addr, _Handler)
@@ -93,13 +89,6 @@ class _Server(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         self.server_name = str(host)
         self.server_port = int(port)
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, peer = super().get_request()
-        with self.owner.lock:
-            self.owner.connections += 1
-            self.owner.open_sockets.add(sock)
-        return sock, peer
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         """TLS in the per-connection thread, so a silent client blocks nobody else."""

@@ -56,6 +56,23 @@ def write_ca_file(ca: trustme.CA, path: str | Path) -> Path:
 # ------------------------------------------------------------------------------------------------
 # HTTP / HTTPS
 # ------------------------------------------------------------------------------------------------
+class CountingAccepts(socketserver.TCPServer):
+    """A test server's accept: each connection counted in its owner's ``connections`` and kept in
+    its ``open_sockets`` (so stop() can shut it); threads that never hold up the test's end."""
+
+    owner: Any
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, peer = super().get_request()
+        with self.owner.lock:
+            self.owner.connections += 1
+            self.owner.open_sockets.add(sock)
+        return sock, peer
+
+
 class ServedInThread:
     """The life cycle shared by the test servers: a socketserver in a daemon thread; stop() also
     shuts the client sockets still open, so a streaming handler cannot keep the test waiting.
@@ -230,11 +247,8 @@ class _Handler(BodyReadingHandler):
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _handle
 
 
-class _HTTPServer(ThreadingHTTPServer):
+class _HTTPServer(CountingAccepts, ThreadingHTTPServer):
     request_queue_size = 1024
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
 
     def __init__(self, owner: EchoHTTPServer, addr: tuple[str, int]) -> None:
         self.owner = owner
@@ -247,13 +261,6 @@ class _HTTPServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         self.server_name = str(host)
         self.server_port = int(port)
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, peer = super().get_request()
-        with self.owner.lock:
-            self.owner.connections += 1
-            self.owner.open_sockets.add(sock)
-        return sock, peer
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         """Runs in the per-connection thread: do TLS here so a silent client blocks nobody else."""

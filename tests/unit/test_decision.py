@@ -16,6 +16,7 @@ from egressd.policy import (
     Decision,
     Host,
     Policy,
+    PolicyError,
     Target,
     decide,
     decide_written,
@@ -679,3 +680,72 @@ def test_loopback_addresses_fall_under_the_loopback_rules() -> None:
     ported = replace(base, loopback=replace(base.loopback, ports=(5432,), addresses=own))
     assert check("198.51.100.7:5432", ported).allowed
     assert check("198.51.100.7:80", ported).reason == "loopback_port"
+
+
+# -- upgrades: which admitted requests may switch protocols ------------------------------------------
+PATH_RULE = {"host": "api.test", "paths": ["/ok/"], "methods": ["GET"]}
+UPGRADES = [
+    # (policy, profile, target host, path, may upgrade)
+    ({"allow": ["api.test"]}, None, "api.test", "/x", True),
+    ({"allow": [PATH_RULE]}, None, "api.test", "/ok/x", False),
+    ({"allow": [{**PATH_RULE, "websocket": True}]}, None, "api.test", "/ok/x", True),
+    ({"allow": [PATH_RULE, "api.test"]}, None, "api.test", "/ok/x", True),  # a whole-host rule too
+    ({"allow": [PATH_RULE, {**PATH_RULE, "websocket": True}]}, None, "api.test", "/ok/x", True),
+    ({"builtin": [{"host": "api.test", "paths": ["/ok/"]}]}, None, "api.test", "/ok/x", False),
+    (
+        {"builtin": [{"host": "api.test", "paths": ["/ok/"], "websocket": True}]},
+        None,
+        "api.test",
+        "/ok/x",
+        True,
+    ),
+    (
+        {"allow": ["api.test"], "deny": [{"host": "api.test", "paths": ["/admin"]}]},
+        None,
+        "api.test",
+        "/x",
+        False,
+    ),
+    ({"allow": ["api.test"], "profiles": {"p": {"allow": [PATH_RULE]}}}, "p", "api.test", "/ok/x", False),
+    (
+        {"allow": ["api.test"], "profiles": {"p": {"allow": [{**PATH_RULE, "websocket": True}]}}},
+        "p",
+        "api.test",
+        "/ok/x",
+        True,
+    ),
+    (
+        {"allow": ["api.test"], "profiles": {"p": {"deny": [{"host": "api.test", "paths": ["/a"]}]}}},
+        "p",
+        "api.test",
+        "/x",
+        False,
+    ),
+    ({"mode": "allow"}, None, "api.test", "/x", True),
+    ({"allow": []}, None, "127.0.0.1", "/x", True),  # loopback
+]
+
+
+@pytest.mark.parametrize(("data", "profile", "host", "path", "upgrade"), UPGRADES)
+def test_which_admitted_requests_may_upgrade(
+    data: dict[str, Any], profile: str | None, host: str, path: str, upgrade: bool
+) -> None:
+    decision = check(get(host, 80, path), pol(**data), Client(profile=profile))
+    assert decision.allowed and decision.upgrade is upgrade, decision
+    assert not check(connect(host, 443), pol(**data), Client(profile=profile)).upgrade  # tunnels: never
+
+
+@pytest.mark.parametrize("kind", ["deny", "inspect"])
+def test_websocket_is_for_allow_rules_only(kind: str) -> None:
+    with pytest.raises(PolicyError, match="websocket is only for allow rules"):
+        pol(**{kind: [{"host": "a.test", "websocket": True}]})
+    with pytest.raises(PolicyError, match="websocket must be true or false"):
+        pol(allow=[{"host": "a.test", "paths": ["/x"], "websocket": "yes"}])
+
+
+def test_methods_are_case_sensitive() -> None:
+    policy = pol(allow=[{"host": "api.test", "paths": ["/ok/"], "methods": ["get"]}])  # read as GET
+    assert check(get("api.test", 80, "/ok/x", "GET"), policy).allowed
+    for method in ("get", "Get", "gET"):
+        decision = check(get("api.test", 80, "/ok/x", method), policy)
+        assert not decision.allowed and decision.target is not None and decision.target.method == method

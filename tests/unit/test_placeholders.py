@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import urllib.parse
 
 import pytest
@@ -21,7 +22,14 @@ from egressd.policy import PolicyError, canonical_host, parse_policy
 from egressd.policy.dump import policy_to_data
 from egressd.policy.secrets import secrets_from_options
 from egressd.refusal import Refusal
-from egressd.wire.placeholders import Needles, PlaceholderFound, PlaceholderStream, ValueMask, placeholder
+from egressd.wire.placeholders import (
+    Needles,
+    PlaceholderFound,
+    PlaceholderStream,
+    ValueMask,
+    placeholder,
+    value_spellings,
+)
 
 TOKEN = "0123456789abcdef0f1e2d3c4b5a6978"
 PH = placeholder("api", TOKEN)
@@ -171,7 +179,7 @@ def test_the_listed_host_gets_the_value_where_the_entry_says() -> None:
     book = _book()
     ph = book.placeholder("api")
     done = book.judge(
-        canonical_host("api.test"), 443, "/v1", [("Authorization", f"Bearer {ph}"), ("X-A", "b")]
+        canonical_host("api.test"), 443, "GET", "/v1", [("Authorization", f"Bearer {ph}"), ("X-A", "b")]
     )
     assert not isinstance(done, Refusal)
     # the response is asked for unencoded, so an echo of the value can be masked
@@ -184,30 +192,39 @@ def test_the_listed_host_gets_the_value_where_the_entry_says() -> None:
     assert done.injected == ("api",) and not done.body.tokens.get("api")
     assert done.body.tokens.get("q")  # the other secret's placeholder may not go in the body
     q = book.placeholder("q")
-    done = book.judge(canonical_host("q.test"), 443, f"/s?a=1&key={q}&b=2", [])
+    done = book.judge(canonical_host("q.test"), 443, "GET", f"/s?a=1&key={q}&b=2", [])
     assert not isinstance(done, Refusal) and done.path == "/s?a=1&key=v%40l%20ue&b=2"
-    # the listed host without the placeholder: nothing injected
-    assert (
-        book.judge(canonical_host("api.test"), 443, "/", [("Authorization", "Bearer mine")]).headers is None
-    )
+    # the listed host without the placeholder: no value put in, but its response is still masked
+    # (the server may echo a value it got earlier), so it is still asked for unencoded
+    done = book.judge(canonical_host("api.test"), 443, "GET", "/", [("Authorization", "Bearer mine")])
+    assert not isinstance(done, Refusal) and done.injected == () and done.values == ("REAL-VALUE",)
+    assert done.headers == (("Authorization", "Bearer mine"), ("Accept-Encoding", "identity"))
+    # a host no secret goes to: nothing changes, nothing to mask
+    done = book.judge(canonical_host("other.test"), 443, "GET", "/", [("Accept-Encoding", "gzip")])
+    assert not isinstance(done, Refusal) and done.headers is None and done.values == ()
 
 
 @pytest.mark.parametrize(
-    ("host", "port", "path", "headers"),
+    ("host", "port", "method", "path", "headers"),
     [
-        ("other.test", 443, "/", [("Authorization", "Bearer {api}")]),
-        ("other.test", 443, "/?x={api}", []),
-        ("other.test", 443, "/", [("X-{api}", "name, not value")]),
-        ("api.test", 443, "/?key={q}", []),  # another secret's host
-        ("q.test", 8443, "/?key={q}", []),  # the listed host, another port
-        ("sub.api.test", 443, "/", [("Authorization", "Bearer {api}")]),  # exact hosts only
+        ("other.test", 443, "GET", "/", [("Authorization", "Bearer {api}")]),
+        ("other.test", 443, "GET", "/?x={api}", []),
+        ("other.test", 443, "GET", "/", [("X-{api}", "name, not value")]),
+        ("other.test", 443, "{api}", "/", []),  # curl -X "$API_KEY"
+        ("other.test", 443, "X{api_token}", "/", []),  # the token alone, in a method
+        ("api.test", 443, "GET", "/?key={q}", []),  # another secret's host
+        ("q.test", 8443, "GET", "/?key={q}", []),  # the listed host, another port
+        ("sub.api.test", 443, "GET", "/", [("Authorization", "Bearer {api}")]),  # exact hosts only
     ],
 )
-def test_a_placeholder_anywhere_else_is_refused(host: str, port: int, path: str, headers: list) -> None:
+def test_a_placeholder_anywhere_else_is_refused(
+    host: str, port: int, method: str, path: str, headers: list
+) -> None:
     book = _book()
     values = {"api": book.placeholder("api"), "q": book.placeholder("q")}
+    values["api_token"] = values["api"].rsplit("-", 1)[-1]
     headers = [(n.format(**values), v.format(**values)) for n, v in headers]
-    refused = book.judge(canonical_host(host), port, path.format(**values), headers)
+    refused = book.judge(canonical_host(host), port, method.format(**values), path.format(**values), headers)
     assert isinstance(refused, Refusal) and refused.reason == "secret_exfiltration"
     assert refused.status == 403
     for text in (*values.values(), "REAL-VALUE"):
@@ -219,7 +236,7 @@ def test_placeholders_are_stable_across_reloads_and_outlive_their_secret() -> No
     ph = book.placeholder("api")
     book.update((), {})  # a reload that removed every secret
     assert book.placeholder("api") == ph
-    refused = book.judge(canonical_host("api.test"), 443, "/", [("Authorization", f"Bearer {ph}")])
+    refused = book.judge(canonical_host("api.test"), 443, "GET", "/", [("Authorization", f"Bearer {ph}")])
     assert isinstance(refused, Refusal) and "no longer in the policy" in refused.detail
 
 
@@ -301,3 +318,50 @@ def test_a_masked_response_keeps_its_length_and_never_holds_the_value(
     assert len(out) == len(body)
     assert VALUE.encode() not in out
     assert out == body.replace(VALUE.encode(), b"*" * len(VALUE))
+
+
+ODD_VALUE = "q/k+y w&z=1;~"  # every spelling egressd sends differs: `/`, `+`, space, `&`, `=`, `;`
+ODD_SPELLINGS = sorted(value_spellings(ODD_VALUE))
+LOWER_HEX = [re.sub(rb"%[0-9A-F]{2}", lambda m: m[0].lower(), s) for s in ODD_SPELLINGS]
+
+
+def test_the_spellings_are_those_egressd_sends() -> None:
+    assert {s.decode() for s in ODD_SPELLINGS} == {
+        ODD_VALUE,
+        urllib.parse.quote(ODD_VALUE, safe=""),  # what a `query:` secret sends
+        urllib.parse.quote(ODD_VALUE),
+        urllib.parse.quote_plus(ODD_VALUE, safe=""),
+        urllib.parse.quote_plus(ODD_VALUE),
+    }
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    parts=st.lists(
+        st.sampled_from([b"x", b"%", b"\r\n", *ODD_SPELLINGS, *LOWER_HEX, *(s[:5] for s in ODD_SPELLINGS)]),
+        max_size=24,
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=900), max_size=16),
+)
+def test_no_spelling_survives_any_split(parts: list[bytes], cuts: list[int]) -> None:
+    body = b"".join(parts)
+    mask = ValueMask([ODD_VALUE])
+    out = b"".join([mask.feed(chunk) for chunk in _split(body, cuts)] + [mask.end()])
+    assert len(out) == len(body)
+    for spelling in ODD_SPELLINGS:
+        assert spelling.lower() not in out.lower(), (spelling, out)
+    assert all(o in (b, ord("*")) for o, b in zip(out, body, strict=True))  # only masked bytes change
+
+
+def test_fields_and_texts_are_masked_but_framing_is_not() -> None:
+    mask = ValueMask(["12", ODD_VALUE])
+    pct = urllib.parse.quote(ODD_VALUE, safe="").encode()
+    fields = [(b"Content-Length", b"12"), (b"X-" + pct, b"a " + pct.lower()), (b"Location", b"/?k=12")]
+    assert mask.fields(fields) == [
+        (b"Content-Length", b"12"),
+        (b"X-" + b"*" * len(pct), b"a " + b"*" * len(pct)),
+        (b"Location", b"/?k=**"),
+    ]
+    assert mask.text(f"OK {ODD_VALUE}", "latin-1") == "OK " + "*" * len(ODD_VALUE)
+    assert mask.text_fields([("X-A", ODD_VALUE)], "latin-1") == [("X-A", "*" * len(ODD_VALUE))]
+    assert not ValueMask([]) and ValueMask([]).text("x") == "x"
