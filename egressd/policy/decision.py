@@ -514,10 +514,11 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
         )
         return _finish(request, client, policy, outcome, deny_pending, own)
 
-    # 10. By mode. The address guard holds in every mode that would not refuse anyway: a private,
-    # CGNAT, ULA, documentation or other non-global literal needs private.allow, an explicit IP/CIDR
-    # rule (step 8) or a private origin (step 9), exactly as a NAME resolving there does.
-    if policy.mode != "enforce" and _guarded_literal(request, policy):
+    # 10. By mode. The address guard first, in every mode: a private, CGNAT, ULA, documentation or
+    # other non-global literal needs private.allow, an explicit IP/CIDR rule (step 8) or a private
+    # origin (step 9), exactly as a NAME resolving there does. Enforce gives the guard's reason too:
+    # a refusal a rule could lift (not_allowlisted) is what `policy suggest` turns into a rule.
+    if _guarded_literal(request, policy):
         assert request.klass is not None
         detail = (
             f"{request.text} is a {request.klass[1]} address: in every mode (here mode: {policy.mode}) it "

@@ -15,6 +15,7 @@ import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv6Address
 from typing import Self
 from urllib.parse import urlsplit
 
@@ -187,9 +188,10 @@ class ProxyClient:
 
     @contextlib.contextmanager
     def socks5(
-        self, host: str | bytes, port: int, *, timeout: float = 10.0
+        self, host: str | bytes | IPv4Address | IPv6Address, port: int, *, timeout: float = 10.0
     ) -> Iterator[tuple[int, socket.socket]]:
-        """SOCKS5 CONNECT by name (ATYP 3) with user/password auth; yields (reply code, socket)."""
+        """SOCKS5 CONNECT with user/password auth, by name (ATYP 3) or, for an address object, by
+        address (ATYP 1 or 4); yields (reply code, socket)."""
         assert self.socks_port is not None, "egressd run printed no EGRESSD_SOCKS_PROXY"
         sock = socket.create_connection((self.host, self.socks_port), timeout=timeout)
         try:
@@ -198,8 +200,12 @@ class ProxyClient:
             user, password = self.username.encode(), self.password.encode()
             sock.sendall(b"\x01" + bytes([len(user)]) + user + bytes([len(password)]) + password)
             assert _recv_exact(sock, 2) == b"\x01\x00"
-            name = host.encode("utf-8", "surrogateescape") if isinstance(host, str) else host
-            sock.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + struct.pack("!H", port))
+            if isinstance(host, IPv4Address | IPv6Address):
+                address = bytes([1 if host.version == 4 else 4]) + host.packed
+            else:
+                name = host.encode("utf-8", "surrogateescape") if isinstance(host, str) else host
+                address = b"\x03" + bytes([len(name)]) + name
+            sock.sendall(b"\x05\x01\x00" + address + struct.pack("!H", port))
             reply = _recv_exact(sock, 4)
             if len(reply) < 2:
                 yield -1, sock
