@@ -294,7 +294,7 @@ class ProxySession:
         if self.proxy is not None:
             self.proxy.pipeline.secrets.update(policy.secrets, self._secret_values)
             self.proxy.set_policy(policy)
-        self._notice("reload", source=policy.source, mode=policy.mode)
+        self._notice("reload", **_settings(policy))
         if self._announce:
             self._say(f"policy reloaded from {policy.source} (mode: {policy.mode})")
 
@@ -340,6 +340,7 @@ class ProxySession:
             )
         except OSError as exc:
             raise SessionError(f"--audit {self.options.audit_path}: {exc.strerror or exc}") from exc
+        self.audit.event("policy", traced=False, **_settings(self.policy))
         gateway = self.options.gateway
         self.proxy = EgressProxy(
             self.policy,
@@ -711,3 +712,17 @@ def load_policy_data(path: str | os.PathLike[str]) -> Any:
             return yaml.safe_load(handle)
     except (OSError, ValueError, yaml.YAMLError):
         return None
+
+
+def _settings(policy: Policy) -> dict[str, object]:
+    """What the audit keeps of the policy in force (at start, and at each reload): the settings a
+    policy drafted from this audit (`egressd policy suggest`) needs to reach what this run reached —
+    names that resolve to private addresses, through these nameservers."""
+    from egressd.policy.dump import nameservers
+
+    return {
+        "source": policy.source,
+        "mode": policy.mode,
+        "private_allow": policy.private.allow,
+        "nameservers": nameservers(policy),
+    }

@@ -363,12 +363,17 @@ def _guarded_literal(request: _Request, policy: Policy) -> bool:
     return klass is not None and klass[0] is not AddressClass.GLOBAL and not policy.private.allow
 
 
-def _licensed(rule: HostRule, request: _Request, policy: Policy) -> bool:
-    """May an allowed target use private addresses: an IP/CIDR rule names them itself, and a
-    private origin licenses exactly its own (an allow rule for the same name keeps that licence)."""
-    return rule.kind in ("ip", "cidr") or (
+def _licensed(rule: HostRule, request: _Request, policy: Policy, rules: Sequence[HostRule]) -> bool:
+    """May an allowed target use private addresses: an IP/CIDR rule names them itself, a private
+    origin licenses exactly its own (an allow rule for the same name keeps that licence), and so
+    does any rule marked `private` that admits the target as far as `rule` does (`rules`: those
+    matching it; a rule that waits for the path counts only while `rule` waits too)."""
+    if rule.kind in ("ip", "cidr") or (
         bool(policy.private.origins) and _origin_matches(request, policy) is not None
-    )
+    ):
+        return True
+    covered = (True, _covers(rule, request))
+    return any(other.private and _covers(other, request) in covered for other in rules)
 
 
 def _origin_matches(request: _Request, policy: Policy) -> str | None:
@@ -474,7 +479,8 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
         outcome = _Allow("loopback", "loopback.allow", f"{where} is loopback (loopback.allow)", True)
         return _finish(request, client, policy, outcome, deny_pending, own)
 
-    admitted, pending = _admission(_matching(policy.allow, request), request)
+    matching = _matching(policy.allow, request)
+    admitted, pending = _admission(matching, request)
 
     # 7. Built-in allowances: exact host, fixed path prefixes, methods.
     builtin = _builtin_step(request, client, policy, admitted, deny_pending, own)
@@ -487,7 +493,7 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
             "allowlist",
             f"allow: {admitted.text}",
             f"{where} matches allow rule {admitted.describe()!r} in {policy.source}",
-            private_ok=_licensed(admitted, request, policy),
+            private_ok=_licensed(admitted, request, policy, matching),
         )
         return _finish(request, client, policy, outcome, deny_pending, own)
     if pending is not None:
@@ -495,7 +501,7 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
             "allowlist",
             f"allow: {pending.text}",
             f"{where} is allowed for {pending.describe()!r} only; the path needs inspection",
-            private_ok=_licensed(pending, request, policy),
+            private_ok=_licensed(pending, request, policy, matching),
             needs_inspection=True,
         )
         return _finish(request, client, policy, outcome, deny_pending, own)

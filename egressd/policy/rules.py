@@ -42,6 +42,9 @@ class HostRule:
     # programs this rule admits (allow rules only): a name matches an executable's file name or a
     # system alias of it, a path (with "/") the executable's own path; empty = every program
     exe: tuple[str, ...] = ()
+    # a name this rule admits may resolve to private addresses (`private.allow` for this rule
+    # only; allow rules only): how a merge keeps one policy's licence to its own rules
+    private: bool = False
 
     def matches(self, host: Host, port: int) -> bool:
         """Reference semantics, one rule at a time (RuleSet uses indexes for the same answer)."""
@@ -71,6 +74,8 @@ class HostRule:
             extra += " " + ",".join(self.methods)
         if self.exe:
             extra += " exe " + ",".join(self.exe)
+        if self.private:
+            extra += " private"
         return self.text + extra
 
 
@@ -200,14 +205,18 @@ def _parse_exe(value: object) -> tuple[str, ...]:
 
 def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
     """Parse ``host[:port]``, ``*.suffix``, IP/CIDR[:port], ``[v6]:port`` or
-    ``{host, paths, methods, exe}``."""
+    ``{host, paths, methods, exe, private}``."""
     if isinstance(entry, Mapping):
-        unknown = sorted(str(k) for k in entry if k not in ("host", "paths", "methods", "exe"))
+        keys = ("host", "paths", "methods", "exe", "private")
+        unknown = sorted(str(k) for k in entry if k not in keys)
         if unknown:
-            raise RuleError(f"unknown key(s) {', '.join(unknown)} (expected host, paths, methods, exe)")
+            raise RuleError(f"unknown key(s) {', '.join(unknown)} (expected {', '.join(keys)})")
         host = entry.get("host")
         if not isinstance(host, str):
             raise RuleError("'host' must be a string")
+        private = entry.get("private", False)
+        if not isinstance(private, bool):
+            raise RuleError("'private' must be true or false")
         kind, name, network, port = _parse_host_text(host)
         return HostRule(
             text=host,
@@ -218,6 +227,7 @@ def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
             paths=_parse_paths(entry.get("paths")),
             methods=_parse_methods(entry.get("methods")),
             exe=_parse_exe(entry.get("exe")),
+            private=private,
         )
     if not isinstance(entry, str):
         raise RuleError("a rule must be a string or a mapping with 'host'")
