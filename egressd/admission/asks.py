@@ -1,9 +1,12 @@
 """Ask mode's approver: the registry of pending asks that every human interface answers through.
 
 The pipeline awaits `AskBroker.ask` between the decision and resolution, so nothing is resolved,
-connected or sent upstream while a question waits. Identical concurrent asks (same client, host and
-port) are ONE pending question; one answer releases every request waiting on it. A question
-waits at most the policy's `ask_timeout`, then every waiter is refused (`ask_timeout`).
+connected or sent upstream while a question waits. Identical concurrent asks are ONE pending
+question, and one answer releases every request waiting on it — so identical means everything the
+person is shown: the same client, scheme, method, host, port and path with its query (a tunnel:
+the same client, host and port). `GET /public` and `POST /admin/delete` to one host are two
+questions, never one card saying "GET /public, 2 waiting". A question waits at most the policy's
+`ask_timeout`, then every waiter is refused (`ask_timeout`).
 
 Interfaces attach as listeners (`attach`): the control API's followers, the terminal prompt, a
 dashboard. Any thread may `answer`; the waiting requests are released on the proxy's loop. Who
@@ -53,12 +56,23 @@ class AskError(Exception):
         self.status = status
 
 
+# what a question shows, and so what makes two requests one question (see the module docstring)
+AskKey = tuple[str, str | None, str | None, str, int, str | None]
+
+
+def ask_key(client_key: str, decision: Decision) -> AskKey:
+    target = decision.target
+    assert target is not None
+    return (client_key, target.scheme, target.method, target.host.text, target.port, target.path)
+
+
 @dataclass
 class PendingAsk:
-    """One question: a target a client wants, with every request waiting for the answer."""
+    """One question: a request a client wants to make, with every identical request waiting for
+    the answer."""
 
     id: str
-    key: tuple[str, str, int]
+    key: AskKey
     host: str
     port: int
     scheme: str | None
@@ -123,7 +137,7 @@ class AskBroker:
         self._lock = threading.Lock()
         self.write_lock = threading.Lock()
         self._pending: dict[str, PendingAsk] = {}
-        self._by_key: dict[tuple[str, str, int], PendingAsk] = {}
+        self._by_key: dict[AskKey, PendingAsk] = {}
         self._denied: set[tuple[str, int]] = set()
         self._listeners: dict[int, tuple[Listener, bool | Callable[[], bool]]] = {}
         self._tokens = itertools.count(1)
@@ -171,7 +185,7 @@ class AskBroker:
             return Answer(False, "ask_refused", detail, "mode: ask (denied always)")
         if not self.can_answer():
             return NO_APPROVER
-        key = (client.client_key, host, port)
+        key = ask_key(client.client_key, decision)
         with self._lock:
             pending = self._by_key.get(key)
             if pending is not None and not pending.future.done():
@@ -188,7 +202,7 @@ class AskBroker:
             self._withdraw(pending)
             raise
 
-    def _new(self, key: tuple[str, str, int], decision: Decision, client: ConnState) -> PendingAsk:
+    def _new(self, key: AskKey, decision: Decision, client: ConnState) -> PendingAsk:
         """A new pending ask (under the lock), with its timeout on the proxy's loop."""
         target = decision.target
         assert target is not None
