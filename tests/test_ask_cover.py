@@ -162,3 +162,71 @@ def test_the_terminal_prompt_asks_each_path_on_its_own(
     expected = ["200 /public", "403 /admin/delete", "403 /secrets/upload"]
     assert sorted(out.decode().splitlines()) == sorted(expected), err
     assert [r["path"] for r in up.requests] == ["/public"]
+
+
+# (id, the requests waiting, the grant made meanwhile, how many of them it admits)
+GRANTS = [
+    ("host-and-port", [Req("/p")], "up.test:{P}", 1),
+    ("one-of-two-identical", [Req("/p"), Req("/p")], "up.test:{P}", 1),
+    ("one-of-two-paths", [Req("/p"), Req("/q")], "up.test:{P}", 1),
+    ("url", [Req("/p?x=1")], "http://up.test:{P}/p?x=1", 1),
+    ("url-of-another-path", [Req("/q")], "http://up.test:{P}/p", 0),
+    ("url-of-another-query", [Req("/p?x=2")], "http://up.test:{P}/p?x=1", 0),
+    ("another-host", [Req("/p")], "other.test:{P}", 0),
+    ("another-port", [Req("/p")], "up.test:{Q}", 0),
+    ("bare-host-web-ports-only", [Req("/p")], "up.test", 0),
+    ("tunnel", [Req("/t", tunnel=True)], "up.test:{P}", 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("requests", "grant", "admitted"), [g[1:] for g in GRANTS], ids=[g[0] for g in GRANTS]
+)
+def test_a_grant_answers_the_requests_waiting_that_it_covers(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer, requests: list[Req], grant: str, admitted: int
+) -> None:
+    """A one-shot grant made while requests wait on asks admits (at once, not after ask_timeout)
+    what it would have admitted had it come first, and only that."""
+    with run_ask(ask_policy(tmp_path), dns) as run, Follower():
+        wait_for(attached, what="the follower to attach")
+        curls = []
+        for request in requests:  # one after the other: the asks are made in this order
+            curls.append(request.start(run, up.port))
+            wait_for(lambda: waiting(len(curls)), what="the request to wait")
+        spec = grant.replace("{P}", str(up.port)).replace("{Q}", str(up.port % 65535 + 1))
+        made = cli("grant", spec, "--once")
+        assert made.returncode == 0, made.stderr
+        started = time.monotonic()
+        wait_for(lambda: sum(c.poll() is not None for c in curls) >= admitted, what="the granted requests")
+        assert time.monotonic() - started < 10  # at once: ask_timeout is 30 s
+        time.sleep(0.5)
+        done = [c for c in curls if c.poll() is not None]
+        assert len(done) == admitted and all(finish(c)[0] == 200 for c in done)
+        assert waiting(len(curls) - admitted) is not None  # the others still wait on their asks
+        for ask in pending():
+            assert cli("deny", ask["id"]).returncode == 0
+        assert [finish(c) for c in curls if c not in done] == [(403, "ask_refused")] * (len(curls) - admitted)
+        grants = cli_json("ps", "--json")[0]["counts"]["grants"]
+        assert grants == (0 if admitted else 1)  # a grant that admitted a request is used up
+
+
+def test_a_run_answer_releases_the_other_questions_of_that_host_and_port(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """`approve --run` admits the host and port for the rest of the run: the requests to it that
+    wait on other questions go too; another host's question stays."""
+    with run_ask(ask_policy(tmp_path), dns) as run, Follower():
+        wait_for(attached, what="the follower to attach")
+        requests = [Req("/a"), Req("/b", method="POST"), Req("/c", host="other.test")]
+        curls = []
+        for request in requests:
+            curls.append(request.start(run, up.port))
+            wait_for(lambda: waiting(len(curls)), what="the request to wait")
+        first = next(ask for ask in pending() if ask["path"] == "/a")
+        answer = cli("approve", "--run", first["id"])
+        assert answer.returncode == 0 and "(1 waiting released)" in answer.stdout, answer
+        assert finish(curls[0])[0] == 200 and finish(curls[1])[0] == 200
+        [left] = wait_for(lambda: waiting(1), what="only other.test's question left")
+        assert left["host"] == "other.test" and curls[2].poll() is None
+        assert cli("deny", left["id"]).returncode == 0
+        assert finish(curls[2]) == (403, "ask_refused")

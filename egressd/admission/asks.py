@@ -15,6 +15,10 @@ client following the asks, the dashboard), or a client that listed the pending a
 last `poll_grace` seconds. With none, an ask is refused at once (`no_approver`): a request must not
 hang for a minute when nobody will ever see the question.
 
+A grant made while requests wait (`egressd grant`, or a `run` answer to another question) answers
+the questions it covers: each waiting request checks the grants again, as the pipeline did before
+asking (a one-shot grant admits one of them), and leaves the question when a grant admits it.
+
 Answers: `once` (the waiting requests only), `run` (an exact host:port grant until egressd exits),
 `always` (an allow rule written to the policy file; the reload applies it, a run grant bridges the
 moment until it does), `deny` (the waiting requests), `deny-always` (a deny rule written to the
@@ -33,9 +37,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from egressd.admission.approver import NO_APPROVER, Answer
+from egressd.admission.approver import NO_APPROVER, Answer, Recheck
 from egressd.admission.events import EventBus, Notice
-from egressd.admission.grants import GrantStore
+from egressd.admission.grants import Grant, GrantStore
 from egressd.admission.state import ConnState
 from egressd.policy import Decision
 
@@ -84,6 +88,8 @@ class PendingAsk:
     timeout: float
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Answer]
+    # settled (and replaced) when a grant that may cover this question is made
+    wake: asyncio.Future[None] | None = None
     created: float = field(default_factory=time.time)
     started: float = field(default_factory=time.monotonic)
     waiters: int = 1
@@ -144,6 +150,7 @@ class AskBroker:
         self._last_poll: float | None = None
         self._prefix = secrets.token_hex(2)
         self._ids = itertools.count(1)
+        grants.added(self._granted)
 
     # -- who can answer --------------------------------------------------------------------------
     def attach(self, listener: Listener, *, approver: bool | Callable[[], bool]) -> Callable[[], None]:
@@ -173,7 +180,11 @@ class AskBroker:
         return last is not None and time.monotonic() - last < self.poll_grace
 
     # -- the approver the pipeline awaits ----------------------------------------------------------
-    async def ask(self, decision: Decision, client: ConnState) -> Answer:
+    async def ask(
+        self, decision: Decision, client: ConnState, recheck: Recheck | None = None
+    ) -> Answer | Decision:
+        """The answer for this request; `recheck`: the grants step again (the decision a grant
+        makes of it, or None), asked when a grant is made while it waits."""
         target = decision.target
         if target is None:
             return Answer(False, "ask_refused", "nothing to ask about", "mode: ask")
@@ -197,10 +208,34 @@ class AskBroker:
         if created:
             self._notify("ask", pending)
         try:
-            return await asyncio.shield(pending.future)
+            return await self._wait(pending, recheck)
         except asyncio.CancelledError:
-            self._withdraw(pending)
+            self._leave(pending, "withdrawn")
             raise
+
+    async def _wait(self, pending: PendingAsk, recheck: Recheck | None) -> Answer | Decision:
+        """The question's answer, or the decision of a grant made meanwhile that admits this
+        request. Grants are checked once on joining too: one made between the pipeline's grants
+        step and this question's registration woke nobody."""
+        while True:
+            wake = pending.wake
+            if recheck is not None and self.grants:
+                granted = recheck()
+                if granted is not None:
+                    self._leave(pending, "answered", answer="grant", by=granted.rule or "a grant")
+                    return granted
+            assert wake is not None
+            await asyncio.wait((pending.future, wake), return_when=asyncio.FIRST_COMPLETED)
+            if pending.future.done():
+                return pending.future.result()
+
+    def _granted(self, grant: Grant) -> None:
+        """A grant was made (from any thread): the questions it may cover check the grants again."""
+        with self._lock:
+            woken = [p for p in self._pending.values() if grant.covers(p.host, p.port)]
+        for pending in woken:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                pending.loop.call_soon_threadsafe(_wake, pending)
 
     def _new(self, key: AskKey, decision: Decision, client: ConnState) -> PendingAsk:
         """A new pending ask (under the lock), with its timeout on the proxy's loop."""
@@ -222,6 +257,7 @@ class AskBroker:
             timeout=timeout,
             loop=loop,
             future=loop.create_future(),
+            wake=loop.create_future(),
         )
         self._pending[pending.id] = pending
         self._by_key[key] = pending
@@ -236,13 +272,14 @@ class AskBroker:
         _settle(pending.future, Answer(False, "ask_timeout", detail, "mode: ask (ask_timeout)"))
         self._notify("expired", pending)
 
-    def _withdraw(self, pending: PendingAsk) -> None:
-        """A waiting request went away; the question goes with the last one."""
+    def _leave(self, pending: PendingAsk, kind: str, **extra: object) -> None:
+        """A waiting request went away (`withdrawn`) or a grant admitted it (`answered`); the
+        question goes with the last one."""
         with self._lock:
             pending.waiters -= 1
             gone = pending.waiters <= 0 and self._pending.get(pending.id) is pending
         if gone and self._pop(pending.id) is not None:
-            self._notify("withdrawn", pending)
+            self._notify(kind, pending, **extra)
 
     def _pop(self, ask_id: str) -> PendingAsk | None:
         with self._lock:
@@ -320,7 +357,13 @@ class AskBroker:
             self.events.emit(Notice(f"ask_{kind}" if kind != "ask" else "ask", fields))
 
 
-def _settle(future: asyncio.Future[Answer], answer: Answer) -> None:
+def _settle[T](future: asyncio.Future[T] | None, answer: T) -> None:
     with contextlib.suppress(asyncio.InvalidStateError):
-        if not future.done():
+        if future is not None and not future.done():
             future.set_result(answer)
+
+
+def _wake(pending: PendingAsk) -> None:
+    """On the question's loop: wake its waiters, and give the next grant a fresh future to settle."""
+    wake, pending.wake = pending.wake, pending.loop.create_future()
+    _settle(wake, None)
