@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from egressd.child_env import child_environment, proxy_exports
+from egressd.listeners import register
 from egressd.observe.audit import AuditLog
 from egressd.policy import (
     Policy,
@@ -404,11 +405,7 @@ class ProxySession:
             self.close()
             raise SessionError(f"--metrics {host}:{port}: {exc.strerror or exc}") from exc
         # the child must not reach it through the proxy either (it is egressd's, like its ports)
-        bound_host, bound_port = self.metrics_server.address
-        self.proxy.pipeline.decider.add_self_address(bound_host, bound_port)
-        if bound_host in ("0.0.0.0", "::"):
-            loopback = "127.0.0.1" if bound_host == "0.0.0.0" else "::1"
-            self.proxy.pipeline.decider.add_self_address(loopback, bound_port)
+        register(self.proxy.pipeline.decider, [self.metrics_server.address])
         self._say(f"metrics on {self.metrics_server.url}")
 
     # -- ask mode, grants and the control API ------------------------------------------------------
@@ -495,7 +492,8 @@ class ProxySession:
             return
         from egressd.dashboard.server import Dashboard
 
-        self._dashboard = Dashboard(self.control_path)
+        assert self.proxy is not None
+        self._dashboard = Dashboard(self.control_path, self.proxy.pipeline.decider)
         self._say(f"dashboard: {self._dashboard.start()}")
 
     def _start_control(self, proxy: EgressProxy) -> None:
@@ -529,6 +527,7 @@ class ProxySession:
             edit_policy=self._edit_policy if self._writable_policy() else None,
             children=self.children,
             watched=self._identify_from_now_on,
+            own=proxy.pipeline.decider,
         )
         server.start(sock)
         self._control, self.control_path = server, path

@@ -10,7 +10,6 @@ namespace has no route to these addresses anyway).
 
 from __future__ import annotations
 
-import ipaddress
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import yaml
 
 from tests.support.attempts import wait_until
 from tests.support.audit_log import audit_records
-from tests.support.corpus import ProxyClient
+from tests.support.corpus import FRONTS, ProxyClient, attempt, socks_address
 from tests.support.egressd_cli import EGRESSD, EgressdRun
 
 MODES = ("enforce", "ask", "learn", "allow")
@@ -39,7 +38,6 @@ LITERALS = [
     ("3232235777", "192.168.1.1", 80),
     ("[64:ff9b::c0a8:101]", "64:ff9b::c0a8:101", 443),  # NAT64 carrying 192.168.1.1
 ]
-FRONTS = ("http", "connect", "socks-name", "socks-address")
 STAGES = {"http": "request", "connect": "connect", "socks-name": "socks", "socks-address": "socks"}
 
 
@@ -59,35 +57,11 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         yield Run(mode, ProxyClient.from_env(egressd.env), audit)
 
 
-def _try(run: Run, front: str, written: str, port: int) -> tuple[int, str | None]:
-    """(status or SOCKS reply, X-Egressd-Reason) of one attempt through `front`."""
-    if front == "http":
-        response = run.client.get(f"http://{written}:{port}/containers/json")
-        assert response is not None
-        return response.status, response.reason
-    if front == "connect":
-        with run.client.connect(f"{written}:{port}") as (response, _):
-            assert response is not None
-            return response.status, response.reason
-    host = ipaddress.ip_address(written.strip("[]")) if front == "socks-address" else written.strip("[]")
-    with run.client.socks5(host, port) as (code, _):
-        return code, None
-
-
-def _address_form(written: str) -> bool:
-    """Has this spelling a SOCKS5 address form (ATYP 1/4)? Legacy IPv4 spellings have none."""
-    try:
-        ipaddress.ip_address(written.strip("[]"))
-    except ValueError:
-        return False
-    return True
-
-
 CASES = [
     pytest.param(front, *literal, id=f"{front}-{literal[0]}:{literal[2]}")
     for front in FRONTS
     for literal in LITERALS
-    if front != "socks-address" or _address_form(literal[0])
+    if front != "socks-address" or socks_address(literal[0]) is not None
 ]
 
 
@@ -95,7 +69,7 @@ CASES = [
 def test_a_private_literal_gets_the_guards_reason_in_every_mode(
     run: Run, front: str, written: str, address: str, port: int
 ) -> None:
-    status, reason = _try(run, front, written, port)
+    status, reason = attempt(run.client, front, written, port, "/containers/json")
     if front.startswith("socks"):
         assert status == SOCKS_NOT_ALLOWED
     else:
@@ -118,7 +92,7 @@ def test_a_private_literal_gets_the_guards_reason_in_every_mode(
 def test_suggest_never_turns_a_private_literal_into_a_rule(run: Run, tmp_path: Path) -> None:
     for written, _address, port in LITERALS:
         for front in ("http", "connect"):
-            _try(run, front, written, port)
+            attempt(run.client, front, written, port, "/containers/json")
     addresses = {address for _, address, _ in LITERALS}
     wait_until(
         lambda: addresses <= {r.get("host") for r in audit_records(run.audit)}, "every literal in the audit"

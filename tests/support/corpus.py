@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ipaddress
 import socket
 import struct
 import time
@@ -305,3 +306,37 @@ class ServerSet:
     def reached(self, *except_hosts: str) -> dict[str, int]:
         """Addresses (other than ``except_hosts``) that accepted any connection: must stay empty."""
         return {h: n for h, n in self.counts().items() if n and h not in except_hosts}
+
+
+# the ways a child names a target to egressd: absolute-form HTTP, CONNECT, SOCKS5 by name, SOCKS5
+# by address (ATYP 1/4)
+FRONTS = ("http", "connect", "socks-name", "socks-address")
+
+
+def socks_address(written: str) -> IPv4Address | IPv6Address | None:
+    """The SOCKS5 address form of a host as written in a URL; None for a name or a legacy IPv4
+    spelling (`0x7f.1`), which have none."""
+    try:
+        address = ipaddress.ip_address(written.strip("[]"))
+    except ValueError:
+        return None
+    return address
+
+
+def attempt(
+    client: ProxyClient, front: str, written: str, port: int, path: str = "/"
+) -> tuple[int, str | None]:
+    """(HTTP status or SOCKS5 reply code, X-Egressd-Reason) of one attempt at `written:port`
+    through `front` (one of FRONTS; the reply code -1: closed without one)."""
+    if front == "http":
+        response = client.get(f"http://{written}:{port}{path}")
+        return (-1, None) if response is None else (response.status, response.reason)
+    if front == "connect":
+        with client.connect(f"{written}:{port}") as (response, _):
+            return (-1, None) if response is None else (response.status, response.reason)
+    host: str | IPv4Address | IPv6Address | None = written.strip("[]")
+    if front == "socks-address":
+        host = socks_address(written)
+        assert host is not None, f"{written} has no SOCKS5 address form"
+    with client.socks5(host, port) as (code, _):
+        return code, None
