@@ -26,6 +26,7 @@ from egressd.admission.pipeline import Pipeline
 from egressd.admission.state import PolicyHolder
 from egressd.inspect import patches
 from egressd.inspect.handoffs import Handoffs
+from egressd.listeners import register
 from egressd.policy import Policy, join_host_port
 
 if TYPE_CHECKING:
@@ -136,9 +137,7 @@ class EgressProxy:
         if not ipaddress.ip_address(host).is_loopback:  # --listen 0.0.0.0: this one stays on loopback
             host = "127.0.0.1"
         future = asyncio.run_coroutine_threadsafe(self._front.start_child_only(host, creds), loop)
-        address = future.result(timeout=START_TIMEOUT)
-        self.pipeline.decider.add_self_address(*address)
-        return address
+        return future.result(timeout=START_TIMEOUT)
 
     def child_started(self, creds: ProxyCredentials, pid: int) -> None:
         """The child running with `creds` is pid: its tree is searched first for a connection's
@@ -213,11 +212,9 @@ class EgressProxy:
             self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context, health=self.health
         )
         self.http_address = await self._front.start(host, port)
-        self.pipeline.decider.add_self_address(*self.http_address)
         if self.socks:
             socks_host, socks_port = self.socks_listen or (host, 0)
             self.socks_address = await self._front.start(socks_host, socks_port, kind="socks")
-            self.pipeline.decider.add_self_address(*self.socks_address)
 
     async def _mitmproxy_address(self, kind: str) -> tuple[str, int]:
         """The internal address of mitmproxy's listener of `kind` ("http"), starting mitmproxy once.
@@ -324,10 +321,9 @@ class EgressProxy:
 
     def _record_addresses(self, instances: list) -> None:
         for instance in instances:
+            register(self.pipeline.decider, instance.listen_addrs)
             addr = instance.listen_addrs[0]
-            address = (addr[0], addr[1])
-            self.pipeline.decider.add_self_address(address[0], address[1])
-            self._mitm_addresses["http"] = address
+            self._mitm_addresses["http"] = (addr[0], addr[1])
 
     def serve_socket(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
         """Accept clients of `kind` ("http" or "socks") on a listening socket made elsewhere, as on

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from egressd.child_env import child_environment, proxy_exports
+from egressd.listeners import register
 from egressd.observe.audit import AuditLog
 from egressd.policy import (
     Policy,
@@ -294,7 +295,7 @@ class ProxySession:
         if self.proxy is not None:
             self.proxy.pipeline.secrets.update(policy.secrets, self._secret_values)
             self.proxy.set_policy(policy)
-        self._notice("reload", source=policy.source, mode=policy.mode)
+        self._notice("reload", **_settings(policy))
         if self._announce:
             self._say(f"policy reloaded from {policy.source} (mode: {policy.mode})")
 
@@ -340,6 +341,7 @@ class ProxySession:
             )
         except OSError as exc:
             raise SessionError(f"--audit {self.options.audit_path}: {exc.strerror or exc}") from exc
+        self.audit.event("policy", traced=False, **_settings(self.policy))
         gateway = self.options.gateway
         self.proxy = EgressProxy(
             self.policy,
@@ -403,11 +405,7 @@ class ProxySession:
             self.close()
             raise SessionError(f"--metrics {host}:{port}: {exc.strerror or exc}") from exc
         # the child must not reach it through the proxy either (it is egressd's, like its ports)
-        bound_host, bound_port = self.metrics_server.address
-        self.proxy.pipeline.decider.add_self_address(bound_host, bound_port)
-        if bound_host in ("0.0.0.0", "::"):
-            loopback = "127.0.0.1" if bound_host == "0.0.0.0" else "::1"
-            self.proxy.pipeline.decider.add_self_address(loopback, bound_port)
+        register(self.proxy.pipeline.decider, [self.metrics_server.address])
         self._say(f"metrics on {self.metrics_server.url}")
 
     # -- ask mode, grants and the control API ------------------------------------------------------
@@ -494,7 +492,8 @@ class ProxySession:
             return
         from egressd.dashboard.server import Dashboard
 
-        self._dashboard = Dashboard(self.control_path)
+        assert self.proxy is not None
+        self._dashboard = Dashboard(self.control_path, self.proxy.pipeline.decider)
         self._say(f"dashboard: {self._dashboard.start()}")
 
     def _start_control(self, proxy: EgressProxy) -> None:
@@ -528,6 +527,7 @@ class ProxySession:
             edit_policy=self._edit_policy if self._writable_policy() else None,
             children=self.children,
             watched=self._identify_from_now_on,
+            own=proxy.pipeline.decider,
         )
         server.start(sock)
         self._control, self.control_path = server, path
@@ -711,3 +711,17 @@ def load_policy_data(path: str | os.PathLike[str]) -> Any:
             return yaml.safe_load(handle)
     except (OSError, ValueError, yaml.YAMLError):
         return None
+
+
+def _settings(policy: Policy) -> dict[str, object]:
+    """What the audit keeps of the policy in force (at start, and at each reload): the settings a
+    policy drafted from this audit (`egressd policy suggest`) needs to reach what this run reached —
+    names that resolve to private addresses, through these nameservers."""
+    from egressd.policy.dump import nameservers
+
+    return {
+        "source": policy.source,
+        "mode": policy.mode,
+        "private_allow": policy.private.allow,
+        "nameservers": nameservers(policy),
+    }

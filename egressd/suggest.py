@@ -14,10 +14,18 @@ the registrable domain: `x.api.example.com` + `y.api.example.com` -> `api.exampl
 `a.example.com` + `b.example.com` stay two rules and `a.github.io` + `b.github.io` (two registrable
 domains) are never joined. A name a suggested rule already matches is dropped. IP literals are
 never folded.
+
+Private addresses: a rule never admits a non-global address (RFC 1918, CGNAT, ULA, documentation
+and other special-purpose ranges) unless the policy of the learning run licensed it with
+`private.allow` (its `policy`/`reload` audit records say so) or BASE does; otherwise the literal is
+left out, with a comment saying why. The settings the learning run needed to reach what it reached
+are carried over, each with a comment: `private.allow` when a learned name resolved to a private
+address under it (split-horizon DNS, a VPN, a mirror), and the run's `resolver.nameservers`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -25,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from egressd.policy import Client, Policy, TargetError, decide, make_target
+from egressd.policy import AddressClass, Client, Policy, TargetError, decide, make_target
+from egressd.policy.addresses import describe
+from egressd.policy.dump import nameservers
 from egressd.policy.hosts import canonical_host, join_host_port
 
 __all__ = ["LEARNABLE", "Seen", "SuggestError", "fold", "read_audits", "render", "suggest"]
@@ -47,6 +57,28 @@ def learnable(reason: object) -> bool:
     return reason in LEARNABLE or (reason.startswith("ask_") and reason not in _ASK_SAID_NO)
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """The settings of the learning run's policy in force when a record was made (from its
+    `policy` record at start and its `reload` records)."""
+
+    source: str
+    private_allow: bool
+    nameservers: tuple[str, ...]
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> RunSettings | None:
+        private = record.get("private_allow")
+        servers = record.get("nameservers")
+        if not isinstance(private, bool) or not isinstance(servers, list):
+            return None  # an audit written before egressd recorded them
+        return cls(str(record.get("source") or "?"), private, tuple(str(s) for s in servers))
+
+    @classmethod
+    def of_base(cls, base: Policy) -> RunSettings:
+        return cls(base.source, base.private.allow, tuple(nameservers(base)))
+
+
 @dataclass
 class Seen:
     """What the audit shows of one host: how often, on which ports, when, from which commands."""
@@ -60,6 +92,10 @@ class Seen:
     reasons: Counter[str] = field(default_factory=Counter)
     commands: set[str] = field(default_factory=set)
     folded: list[str] = field(default_factory=list)  # the names a folded rule stands for
+    # the non-global addresses it was reached at (a literal's own, or where a name connected)
+    private: set[str] = field(default_factory=set)
+    # the policy that licensed them (private.allow of the learning run, else of BASE)
+    licensed_by: set[str] = field(default_factory=set)
 
     def add(self, port: int, time: str, reason: str, commands: Iterable[str]) -> None:
         self.count += 1
@@ -79,6 +115,8 @@ class Seen:
         self.last = max(self.last, other.last)
         self.commands |= other.commands
         self.folded.extend(other.folded or [other.host])
+        self.private |= other.private
+        self.licensed_by |= other.licensed_by
 
 
 @dataclass
@@ -86,6 +124,8 @@ class Audit:
     """The records of the audit files that matter here."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
+    # the learning run's settings in force at each record (None: the audit does not say)
+    runs: list[RunSettings | None] = field(default_factory=list)
     commands: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # client -> commands
     files: list[str] = field(default_factory=list)
 
@@ -102,6 +142,7 @@ def read_audits(paths: Sequence[str]) -> Audit:
         except (IsADirectoryError, PermissionError, OSError) as exc:
             raise SuggestError(f"{name}: cannot read: {exc.strerror or exc}") from None
         found = 0
+        run: RunSettings | None = None
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -114,8 +155,11 @@ def read_audits(paths: Sequence[str]) -> Audit:
             found += 1
             if record.get("event") == "child" and isinstance(record.get("program"), str):
                 audit.commands[str(record.get("client"))].add(record["program"])
+            elif record.get("event") in ("policy", "reload"):
+                run = RunSettings.of(record) or run
             elif record.get("event") == "decision":
                 audit.records.append(record)
+                audit.runs.append(run)
         if not found:
             raise SuggestError(f"{name}: empty audit (no records)")
         audit.files.append(name)
@@ -134,11 +178,29 @@ def _target(record: dict[str, Any]) -> tuple[str, int, bool] | None:
     return canonical.text, port, canonical.ip is not None
 
 
+def _non_global(address: str) -> str | None:
+    """Why an address is not a global one (describe()'s words), None when it is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    klass, why = describe(ip)
+    return None if klass is AddressClass.GLOBAL else why
+
+
+def _connected_to(record: dict[str, Any]) -> str | None:
+    """The address of a connection record's `connected` (`IP:PORT`, `[IPv6]:PORT`)."""
+    connected = record.get("connected")
+    if not isinstance(connected, str) or ":" not in connected:
+        return None
+    return connected.rpartition(":")[0].strip("[]")
+
+
 def collect(audit: Audit, base: Policy | None = None) -> dict[str, Seen]:
     """Hosts with learnable records (not those BASE already allows), one Seen per host.
 
     A tunnel allowed by mode: learn has a decision record and a connection record with the same
-    connection id: it counts once."""
+    connection id: it counts once (its connection record still says where it connected)."""
     decided = {
         (r.get("conn"), r.get("host"), r.get("port"))
         for r in audit.records
@@ -147,16 +209,18 @@ def collect(audit: Audit, base: Policy | None = None) -> dict[str, Seen]:
     all_commands = set().union(*audit.commands.values()) if audit.commands else set()
     seen: dict[str, Seen] = {}
     allowed_by_base: dict[tuple[str, int], bool] = {}
-    for record in audit.records:
+    base_run = RunSettings.of_base(base) if base is not None else None
+    for record, run in zip(audit.records, audit.runs, strict=True):
         if not learnable(record.get("reason")):
-            continue
-        key = (record.get("conn"), record.get("host"), record.get("port"))
-        if record.get("stage") == "connection" and key in decided:
             continue
         target = _target(record)
         if target is None:
             continue
         host, port, is_ip = target
+        key = (record.get("conn"), record.get("host"), record.get("port"))
+        if record.get("stage") == "connection" and key in decided:
+            _reached(seen.get(host), record, run, base_run)
+            continue
         if base is not None:
             known = allowed_by_base.get((host, port))
             if known is None:
@@ -167,7 +231,22 @@ def collect(audit: Audit, base: Policy | None = None) -> dict[str, Seen]:
         commands = audit.commands.get(str(client)) or (all_commands if len(all_commands) == 1 else ())
         entry = seen.setdefault(host, Seen(host, is_ip))
         entry.add(port, str(record.get("time") or ""), str(record["reason"]), commands)
+        _reached(entry, record, run, base_run)
     return seen
+
+
+def _reached(entry: Seen | None, record: dict[str, Any], *runs: RunSettings | None) -> None:
+    """Note the non-global address a record reached (an IP literal, or where a name connected)
+    and which policy licensed it: the run's `private.allow` at the time, else BASE's."""
+    if entry is None:
+        return
+    address = entry.host if entry.ip else _connected_to(record)
+    if address is None or _non_global(address) is None:
+        return
+    entry.private.add(address)
+    licence = next((run.source for run in runs if run is not None and run.private_allow), None)
+    if licence is not None:
+        entry.licensed_by.add(licence)
 
 
 def _allows(base: Policy, host: str, port: int, record: dict[str, Any]) -> bool:
@@ -270,22 +349,81 @@ def _describe(entry: Seen) -> list[str]:
     return [_comment(line) for line in lines]
 
 
-def render(rules: Sequence[Seen], files: Sequence[str], base: str | None) -> str:
-    """The suggested policy as YAML with comments (rules double-quoted: valid YAML for any host)."""
+def _describe_private(entry: Seen) -> list[str]:
+    """Why a rule that reaches non-global addresses may: who licensed it."""
+    addresses = ", ".join(sorted(entry.private))
+    what = f"not a global address ({_non_global(entry.host)})" if entry.ip else f"reached at {addresses}"
+    if entry.licensed_by:
+        return [_comment(f"{what}: licensed by private.allow in {', '.join(sorted(entry.licensed_by))}")]
+    return [_comment(f"{what}: reached under an IP/CIDR rule or a private origin of the learning run")]
+
+
+def _resolver(audit: Audit, base: Policy | None) -> RunSettings | None:
+    """Where the learning run's nameservers came from, and which: the last ones in force at a
+    learned record, else BASE's."""
+    learned = [
+        run for record, run in zip(audit.records, audit.runs, strict=True) if learnable(record.get("reason"))
+    ]
+    for run in reversed(learned):
+        if run is not None and run.nameservers:
+            return run
+    if base is not None and base.resolver.nameservers:
+        return RunSettings.of_base(base)
+    return None
+
+
+def render(
+    rules: Sequence[Seen], files: Sequence[str], base: str | None, resolver: RunSettings | None = None
+) -> str:
+    """The suggested policy as YAML with comments (rules double-quoted: valid YAML for any host).
+
+    A non-global literal nobody licensed is left out (a comment says so); `private.allow` and the
+    nameservers the learning run needed are carried over, each with a comment."""
+    kept = [r for r in rules if not (r.ip and r.private and not r.licensed_by)]
+    left_out = [r for r in rules if r not in kept]
     out = [
-        f"# egressd policy suggest: {len(rules)} host(s) from {', '.join(_comment(f) for f in files)}",
+        f"# egressd policy suggest: {len(kept)} host(s) from {', '.join(_comment(f) for f in files)}",
         "# allow rules that would have admitted what was learned (mode: learn) or refused as not",
         "# allowlisted; read them before use. Folding: see `egressd policy suggest --help`.",
     ]
     if base is not None:
         out.append(f"# only what {_comment(base)} does not already allow: add these to its allow list")
+    for entry in left_out:
+        for rule in _rule_texts(entry):
+            out.append(
+                _comment(
+                    f"# left out: {rule}: not a global address ({_non_global(entry.host)}), and neither "
+                    "the learning run's policy nor BASE licensed it (private.allow)"
+                )
+            )
     out += ["version: 1", "mode: enforce"]
-    if not rules:
+    licences = sorted({source for r in kept if r.private for source in r.licensed_by})
+    if licences:
+        needed = sorted(
+            r.host if r.ip else f"{r.host} ({', '.join(sorted(r.private))})" for r in kept if r.licensed_by
+        )
+        out.append("private:")
+        out.append(
+            _comment(f"  # carried over from {', '.join(licences)}: these reached non-global addresses")
+        )
+        out.append(_comment(f"  # under its private.allow: {'; '.join(needed)}"))
+        out.append("  allow: true")
+    if resolver is not None:
+        out.append("resolver:")
+        out.append(
+            _comment(
+                f"  # carried over from {resolver.source}: the learning run resolved names through these"
+            )
+        )
+        out.append(f"  nameservers: {json.dumps(list(resolver.nameservers))}")
+    if not kept:
         out.append("allow: []  # nothing to add")
         return "\n".join(out) + "\n"
     out.append("allow:")
-    for entry in rules:
+    for entry in kept:
         out += [f"  # {line}" for line in _describe(entry)]
+        if entry.private:
+            out += [f"  # {line}" for line in _describe_private(entry)]
         out += [f"  - {json.dumps(rule, ensure_ascii=True)}" for rule in _rule_texts(entry)]
     return "\n".join(out) + "\n"
 
@@ -295,4 +433,4 @@ def suggest(paths: Sequence[str], base: Policy | None = None, base_name: str | N
     audit = read_audits(paths)
     if base is not None:
         base = base.with_overrides(mode="enforce")
-    return render(fold(collect(audit, base)), audit.files, base_name)
+    return render(fold(collect(audit, base)), audit.files, base_name, _resolver(audit, base))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from acp.schema import (  # noqa: E402
     AllowedOutcome,
     ClientCapabilities,
     CreateTerminalResponse,
+    DeniedOutcome,
     EnvVariable,
     HttpMcpServer,
     McpServerStdio,
@@ -53,7 +55,8 @@ class EditorClient:
         self.terminals: dict[str, tuple[asyncio.subprocess.Process, asyncio.Task[bytes]]] = {}
         self.terminal_envs: list[dict[str, str]] = []
         self.permissions: list[Any] = []
-        self.answer = "allow_once"
+        # the option picked, or "cancelled" (the dialog dismissed), or a function of the tool call
+        self.answer: str | Any = "allow_once"
 
     def on_connect(self, conn: Any) -> None:
         pass
@@ -68,7 +71,10 @@ class EditorClient:
         self, session_id: str, tool_call: Any, options: list[Any], **kwargs: Any
     ) -> Any:
         self.permissions.append((session_id, tool_call, options))
-        return RequestPermissionResponse(outcome=AllowedOutcome(outcome="selected", option_id=self.answer))
+        answer = self.answer(tool_call) if callable(self.answer) else self.answer
+        if answer == "cancelled":
+            return RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))
+        return RequestPermissionResponse(outcome=AllowedOutcome(outcome="selected", option_id=answer))
 
     async def create_terminal(
         self,
@@ -296,3 +302,63 @@ async def test_mode_ask_is_answered_in_the_editor(tmp_path: Path, dns: DnsServer
         await _prompt(conn, session_id, f"fetch http://third.test:{up.port}/always")
         assert f"fetch http://third.test:{up.port}/always -> isError=False" in client.texts()
         assert f"third.test:{up.port}" in policy.read_text()
+
+
+def _ask_policy(tmp_path: Path, up: EchoHTTPServer) -> Path:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"version: 1\nmode: ask\nask_timeout: 60\nallow: [{up.host}/32]\n")
+    return policy
+
+
+async def test_a_dismissed_permission_dialog_refuses_at_once(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """The user closes the dialog (outcome `cancelled`): a refusal now, not a wait of ask_timeout
+    (60 s here) reported as "nobody answered"."""
+    client = EditorClient()
+    client.answer = "cancelled"
+    servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER[1:], env=[])]
+    audit = tmp_path / "audit.jsonl"
+    command = _egressd_acp(_ask_policy(tmp_path, up), dns, audit)
+    async with spawn_agent_process(client, command[0], *command[1:], transport_kwargs=STDERR) as (conn, proc):
+        session_id = await _session(conn, servers)
+        started = asyncio.get_running_loop().time()
+        await _prompt(conn, session_id, f"fetch http://up.test:{up.port}/dismissed", timeout=45)
+        assert asyncio.get_running_loop().time() - started < 30
+        assert f"fetch http://up.test:{up.port}/dismissed -> isError=True" in client.texts()
+        assert len(client.permissions) == 1
+        assert await _until(lambda: "ask_refused" in client.texts())
+    refused = [r for r in audit_records(audit) if r.get("host") == "up.test" and r.get("event") == "decision"]
+    assert refused and {r["reason"] for r in refused} == {"ask_refused"}
+    assert "dismissed" in refused[0]["detail"]
+    assert up.requests == []
+
+
+def _requested(call: Any) -> str:
+    """What a permission dialog asks about: its title up to who asks."""
+    title = str(call.title)
+    return title.removeprefix("egressd: allow a connection to ").split(" (asked by ", 1)[0].removesuffix("?")
+
+
+async def test_each_path_is_its_own_permission_dialog(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """Three parallel requests (a client-run terminal) to one host: three dialogs, each titled with
+    its own path; allowing GET /public releases /public only."""
+    client = EditorClient()
+    paths = ("/public", "/admin/delete", "/secrets/upload")
+    client.answer = lambda call: "allow_once" if _requested(call).endswith("/public") else "reject_once"
+    command = _egressd_acp(_ask_policy(tmp_path, up), dns, tmp_path / "audit.jsonl")
+    curl = "curl -sS -o /dev/null -w"
+    fetches = " & ".join(
+        f"{curl} '%{{http_code}} {path}\\n' http://up.test:{up.port}{path}" for path in paths
+    )
+    async with spawn_agent_process(client, command[0], *command[1:], transport_kwargs=STDERR) as (conn, proc):
+        session_id = await _session(conn, [])
+        await _prompt(conn, session_id, f"terminal sh -c {shlex.quote(fetches + ' & wait')}")
+        terminal = next(t for _, t in client.updates if t.startswith("terminal exit="))
+    asked = sorted(_requested(call) for _, call, _ in client.permissions)
+    assert asked == sorted(f"GET http://up.test:{up.port}{path}" for path in paths)
+    expected = ["200 /public", "403 /admin/delete", "403 /secrets/upload"]
+    assert sorted(terminal.splitlines()[1:]) == sorted(expected), terminal
+    assert [r["path"] for r in up.requests] == ["/public"]

@@ -6,9 +6,6 @@ policy file (its comments kept) and the reload applies them; without an approver
 from __future__ import annotations
 
 import json
-import os
-import pty
-import select
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +15,7 @@ import pytest
 import trustme
 
 from tests.support.audit_log import audit_records
-from tests.support.control import Follower, ask_policy, cli, cli_json, wait_for
+from tests.support.control import Follower, Terminal, ask_policy, cli, cli_json, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
@@ -71,7 +68,7 @@ def test_identical_asks_are_one_question_and_one_answer_releases_all(
 ) -> None:
     with run_ask(ask_policy(tmp_path), dns) as run, Follower() as follower:
         wait_for(attached, what="the follower to attach")
-        curls = [start_curl(run, f"http://up.test:{up.port}/n{i}") for i in range(5)]
+        curls = [start_curl(run, f"http://up.test:{up.port}/same?q=1") for _ in range(5)]
         pending = wait_for(
             lambda: [a for a in cli_json("pending", "--json") if a["waiting"] == 5],
             what="5 waiting on one ask",
@@ -183,56 +180,17 @@ def test_terminal_prompt_on_dev_tty_answers_with_a_key(
     stderr are NOT the terminal: the prompt is on /dev/tty only, and the child's stdout carries
     only the child's output."""
     policy = ask_policy(tmp_path)
-    master, slave = pty.openpty()
     url = f"http://up.test:{up.port}/via-tty"
-    # setsid --ctty makes its stdin (the pty) the controlling terminal; egressd's stdio are pipes
-    script = 'exec "$@" </dev/null'
-    proc = subprocess.Popen(
-        [
-            "setsid",
-            "--ctty",
-            "sh",
-            "-c",
-            script,
-            "sh",
-            *EGRESSD,
-            "exec",
-            "--policy",
-            str(policy),
-            "--nameserver",
-            dns.nameserver,
-            "--",
-            "curl",
-            "-sS",
-            "--max-time",
-            "40",
-            url,
-        ],
-        stdin=slave,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    seen = b""  # the slave stays open here too: the master reads no EIO before egressd opens /dev/tty
-    try:
-        deadline = time.monotonic() + 30
-        while b"then Enter" not in seen:
-            assert time.monotonic() < deadline, seen
-            ready, _, _ = select.select([master], [], [], 0.5)
-            if ready:
-                seen += os.read(master, 4096)
-        text = seen.decode()
+    command = [*EGRESSD, "exec", "--policy", str(policy), "--nameserver", dns.nameserver, "--"]
+    with Terminal([*command, "curl", "-sS", "--max-time", "40", url]) as tty:
+        text = tty.read_until(b"then Enter").decode()
         assert f"wants up.test:{up.port} (GET {url})" in text
         assert "curl -sS --max-time 40" in text  # the child's command
         assert "o = allow once" in text and "a = always" in text and "D = deny always" in text
         assert up.connections == 0
-        os.write(master, b"o\n")
-        out, err = proc.communicate(timeout=40)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
-        os.close(slave)
-    assert proc.returncode == 0, err
+        tty.type("o")
+        out, err = tty.finish()
+    assert tty.proc.returncode == 0, err
     assert json.loads(out)["path"] == "/via-tty"  # stdout: the child's output only
     assert b"wants" not in err and b"wants" not in out
 

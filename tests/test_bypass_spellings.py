@@ -28,6 +28,7 @@ from tests.support.spellings import (
     FORBID,
     INVALID,
     POLICY,
+    PRIV,
     SERVER_HOSTS,
     Case,
 )
@@ -86,7 +87,7 @@ def _outcome(expect: str, case: Case, response: Response | None, inner: Response
         return None if ok else f"{response.status} {response.reason}"
     if (response.status, response.reason) != (403, expect):
         return f"{response.status} {response.reason}"
-    error = "destination_ip_prohibited" if expect == FORBID else "http_request_denied"
+    error = "destination_ip_prohibited" if expect in (FORBID, PRIV) else "http_request_denied"
     return None if response.proxy_status.startswith(f"egressd; error={error}") else response.proxy_status
 
 

@@ -253,7 +253,7 @@ def test_a_grant_never_lifts_deny_forbidden_or_private_guards(
         for target, url, reason in (
             (f"denied.test:{up.port}", f"http://denied.test:{up.port}/", "denylist"),
             ("169.254.169.254:80", "http://169.254.169.254/", "forbidden_address"),
-            ("10.1.2.3:80", "http://10.1.2.3/", "not_allowlisted"),
+            ("10.1.2.3:80", "http://10.1.2.3/", "private_address"),
             (f"up.test:{up.port}", f"http://up.test:{up.port}/", "resolved_forbidden"),  # 127.0.0.1
         ):
             assert cli("grant", target, "--once").returncode == 0

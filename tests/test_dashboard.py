@@ -393,3 +393,30 @@ def test_a_closed_page_stops_counting_as_an_approver(served: Served, page: Any, 
     page.close()
     wait_for(lambda: not approver_attached(), timeout=15, what="the closed page to stop counting")
     assert finish(start_curl(served.run, f"http://up.test:{up.port}/")) == (403, "no_approver")
+
+
+def test_each_path_is_its_own_card_and_allow_once_releases_that_one(
+    served: Served, page: Any, up: EchoHTTPServer
+) -> None:
+    """Three parallel requests to one host are three cards, each naming its path, each "1 waiting";
+    Allow once on GET /public releases /public only."""
+    wait_for(approver_attached, what="the open page to count as an approver")
+    paths = ("/public", "/admin/delete", "/secrets/upload")
+    curls = {path: start_curl(served.run, f"http://up.test:{up.port}{path}") for path in paths}
+    cards = page.locator("#asks li.ask")
+    wait_for(lambda: cards.count() == 3, what="three cards")
+    texts = {cards.nth(i).locator(".target").inner_text(): cards.nth(i) for i in range(3)}
+    assert sorted(texts) == sorted(f"up.test:{up.port} GET {path}" for path in paths)
+    for card in texts.values():
+        assert ", 1 waiting" in card.inner_text()
+    texts[f"up.test:{up.port} GET /public"].locator("button[data-answer=once]").click()
+    assert finish(curls["/public"])[0] == 200
+    wait_for(lambda: cards.count() == 2, what="the answered card to go")
+    assert curls["/admin/delete"].poll() is None and curls["/secrets/upload"].poll() is None
+    for left in (1, 0):
+        page.locator("#asks li.ask button[data-answer=deny]").first.click(timeout=10_000)
+        wait_for(lambda left=left: cards.count() == left, what="a denied card to go")
+    assert finish(curls["/admin/delete"]) == (403, "ask_refused")
+    assert finish(curls["/secrets/upload"]) == (403, "ask_refused")
+    assert [r["path"] for r in up.requests] == ["/public"]
+    assert csp_violations(page) == []

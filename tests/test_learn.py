@@ -16,6 +16,7 @@ import trustme
 import yaml
 
 from egressd.policy import load_policy
+from tests.support import netns
 from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec
@@ -205,3 +206,77 @@ def test_exec_in_learn_mode_names_the_program_and_never_its_arguments(
     )
     assert suggested.returncode == 0, suggested.stderr
     assert f'- "a.test:{a.port}"' in suggested.stdout and "# command: curl" in suggested.stdout
+
+
+def _suggest(*args: str | Path) -> str:
+    result = subprocess.run(
+        [*EGRESSD, "policy", "suggest", *map(str, args)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_learn_then_enforce_where_registries_resolve_to_private_ranges(
+    tmp_path: Path, ca: trustme.CA, ca_file: Path
+) -> None:
+    """The documented loop on a split-horizon network: the registries' names resolve to a
+    documentation range (198.51.100.7) and to RFC 1918 (10.77.0.7), answered by a DNS server the
+    test runs on 198.51.100.53. The learning run needs `private.allow` and that nameserver (from its
+    policy, nothing on the command line); the suggestion carries both over, so enforcing it alone —
+    or merged with the base it was learned under, or with another policy that licenses nothing —
+    reaches exactly what was learned."""
+    with (
+        netns.local_address("10.77.0.7"),
+        DnsServer("198.51.100.53") as dns,
+        EchoHTTPServer("198.51.100.7", name="registry") as registry,
+        EchoHTTPSServer("10.77.0.7", name="mirror", ca=ca, hostnames=["mirror.test"]) as mirror,
+    ):
+        dns.add("registry.test", registry.host)
+        dns.add("mirror.test", mirror.host)
+        dns.add("unlearned.test", registry.host)
+        dns.add("other.test", mirror.host)
+        nameserver = f"198.51.100.53:{dns.port}"
+        base = tmp_path / "base.yaml"
+        base.write_text(
+            "version: 1\nmode: enforce\nprivate: {allow: true}  # our registries live on private ranges\n"
+            f"resolver: {{nameservers: ['{nameserver}']}}\n"
+        )
+        wanted = [
+            f"http://registry.test:{registry.port}/pkg",
+            f"https://mirror.test:{mirror.port}/file",
+            f"http://198.51.100.7:{registry.port}/by-address",  # a private literal, under private.allow
+        ]
+
+        def fetch_all(env: dict[str, str]) -> None:
+            for url in wanted:
+                result = curl(env, "--cacert", str(ca_file), url)
+                assert status(result) == 200, (url, result.stdout, result.stderr)
+
+        audit = tmp_path / "audit.jsonl"
+        with EgressdRun(["--policy", str(base), "--mode", "learn", "--audit", str(audit)]) as run:
+            fetch_all(run.child_env())
+
+        learned = tmp_path / "learned.yaml"
+        learned.write_text(_suggest(audit))
+        data = yaml.safe_load(learned.read_text())
+        assert data["private"] == {"allow": True} and data["resolver"] == {"nameservers": [nameserver]}
+        assert sorted(data["allow"]) == sorted(
+            [f"198.51.100.7:{registry.port}", f"mirror.test:{mirror.port}", f"registry.test:{registry.port}"]
+        )
+        text = learned.read_text()
+        assert f"carried over from {base}" in text and "10.77.0.7" in text  # the comments say why
+        only_new = tmp_path / "only-new.yaml"
+        only_new.write_text(_suggest(audit, "--policy", base))
+        other = tmp_path / "other.yaml"
+        other.write_text("version: 1\nallow: [other.test]  # licenses no private address\n")
+
+        for policies in ([learned], [learned, base], [only_new, base], [learned, other]):
+            options = [option for path in policies for option in ("--policy", str(path))]
+            with EgressdRun(options) as run:  # no --nameserver: the policies name it
+                env = run.child_env()
+                fetch_all(env)
+                refused = curl(env, f"http://unlearned.test:{registry.port}/")
+                assert header(refused, "X-Egressd-Reason") == "not_allowlisted", policies
+                if other in policies:  # its rule admits the name, but not at a private address
+                    refused = curl(env, f"http://other.test:{mirror.port}/")
+                    assert header(refused, "X-Egressd-Reason") == "resolved_forbidden"

@@ -41,6 +41,21 @@ def record(host: str, port: int = 443, reason: str = "learned", **extra: Any) ->
     return fields
 
 
+def run_record(private: bool, *nameservers: str, event: str = "policy") -> dict[str, Any]:
+    """What egressd writes of the policy in force: at start (`policy`) and at each `reload`."""
+    return {
+        "time": "2026-12-01T09:00:00.000Z",
+        "event": event,
+        "source": "run.yaml",
+        "mode": "learn",
+        "private_allow": private,
+        "nameservers": list(nameservers),
+    }
+
+
+RUN_PRIVATE = run_record(True)
+
+
 def write_audit(path: Path, records: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -150,8 +165,9 @@ def test_base_policy_keeps_only_what_it_lacks_and_output_round_trips(tmp_path: P
 
 def test_every_output_loads_and_admits_every_learned_target(tmp_path: Path) -> None:
     hosts = [("a.github.io", 443), ("b.github.io", 8443), ("fd00::1", 80), ("x.api.example.com", 443)]
-    hosts += [("y.api.example.com", 80), ("203.0.113.7", 443), ("bücher.example", 443)]
-    audit = write_audit(tmp_path / "audit.jsonl", [record(h, p) for h, p in hosts])
+    hosts += [("y.api.example.com", 80), ("203.0.113.7", 443), ("bücher.example", 443), ("8.8.8.8", 53)]
+    # the run licensed private addresses: its learned literals are suggested too
+    audit = write_audit(tmp_path / "audit.jsonl", [RUN_PRIVATE] + [record(h, p) for h, p in hosts])
     result = suggest(audit)
     out = tmp_path / "s.yaml"
     out.write_text(result.stdout)
@@ -223,3 +239,85 @@ def test_public_suffix_list_is_bundled_never_downloaded(tmp_path: Path) -> None:
     assert allow_list(result) == ["api.example.com:443"]
     pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"publicsuffixlist=={version('publicsuffixlist')}" in pins  # pinned: the list changes only with it
+
+
+PRIVATE_LITERALS = [("10.0.0.1", 80), ("172.17.0.1", 2375), ("fd00::1", 6443), ("100.64.0.1", 80)]
+PRIVATE_LITERALS += [("192.168.1.1", 80), ("198.51.100.7", 443), ("64:ff9b::c0a8:101", 443)]
+
+
+def _literal_records(reason: str) -> list[dict[str, Any]]:
+    return [record(host, port, reason) for host, port in PRIVATE_LITERALS] + [record("8.8.8.8", 53, reason)]
+
+
+@pytest.mark.parametrize(
+    ("before", "reason", "base_private", "licensed"),
+    [
+        # an audit of an egressd that refused private literals not_allowlisted in enforce
+        ([], "not_allowlisted", False, False),
+        ([run_record(False)], "not_allowlisted", False, False),
+        # learned, but the run's policy did not license them (only an IP rule could have admitted)
+        ([run_record(False)], "learned", False, False),
+        ([], "learned", False, False),
+        # the run's policy had private.allow: at start, or from a reload before the records
+        ([run_record(True)], "learned", False, True),
+        ([run_record(True)], "not_allowlisted", False, True),
+        ([run_record(False), run_record(True, event="reload")], "learned", False, True),
+        # a reload took the licence away before the records: not licensed
+        ([run_record(True), run_record(False, event="reload")], "learned", False, False),
+        # BASE licenses them
+        ([], "learned", True, True),
+        ([run_record(False)], "not_allowlisted", True, True),
+    ],
+)
+def test_a_non_global_literal_is_suggested_only_where_private_allow_licensed_it(
+    tmp_path: Path, before: list[dict[str, Any]], reason: str, base_private: bool, licensed: bool
+) -> None:
+    audit = write_audit(tmp_path / "audit.jsonl", [*before, *_literal_records(reason)])
+    base = tmp_path / "base.yaml"
+    base.write_text(f"version: 1\nprivate: {{allow: {str(base_private).lower()}}}\nallow: [known.test]\n")
+    result = suggest(audit, "--policy", base)
+    rules = allow_list(result)
+    literals = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in PRIVATE_LITERALS]
+    assert "8.8.8.8:53" in rules  # a global address is suggested either way
+    data = yaml.safe_load(result.stdout)
+    if licensed:
+        assert sorted(rules) == sorted([*literals, "8.8.8.8:53"])
+        assert data["private"] == {"allow": True}
+        assert "licensed by private.allow in" in result.stdout
+    else:
+        assert rules == ["8.8.8.8:53"]
+        assert "private" not in data
+        for literal in literals:
+            assert f"# left out: {literal}: not a global address" in result.stdout, literal
+    (tmp_path / "s.yaml").write_text(result.stdout)
+    load_policy(tmp_path / "s.yaml")
+
+
+def test_names_that_reached_private_addresses_carry_the_runs_licence_and_nameservers(tmp_path: Path) -> None:
+    def tunnel(host: str, conn: str, connected: str) -> list[dict[str, Any]]:
+        return [
+            record(host, 443, conn=conn),
+            record(host, 443, conn=conn, stage="connection", connected=f"{connected}:443"),
+        ]
+
+    records = [
+        run_record(True, "198.51.100.53:5353"),
+        *tunnel("registry.test", "t1", "10.1.2.3"),
+        *tunnel("global.test", "t2", "8.8.4.4"),
+    ]
+    result = suggest(write_audit(tmp_path / "a.jsonl", records))
+    data = yaml.safe_load(result.stdout)
+    assert sorted(data["allow"]) == ["global.test:443", "registry.test:443"]
+    assert data["private"] == {"allow": True} and data["resolver"] == {"nameservers": ["198.51.100.53:5353"]}
+    assert "registry.test (10.1.2.3)" in result.stdout and "global.test (" not in result.stdout
+    # nothing reached a private address: nothing to carry but the nameservers
+    only_global = [run_record(True, "198.51.100.53"), *tunnel("global.test", "t3", "8.8.4.4")]
+    data = yaml.safe_load(suggest(write_audit(tmp_path / "b.jsonl", only_global)).stdout)
+    assert "private" not in data and data["resolver"] == {"nameservers": ["198.51.100.53"]}
+    # reached under a rule of the run's (an IP/CIDR rule), not private.allow: the rule is suggested
+    # (a name rule admits no private address by itself) and no licence is carried over
+    cidr = [run_record(False), *tunnel("registry.test", "t4", "10.1.2.3")]
+    result = suggest(write_audit(tmp_path / "c.jsonl", cidr))
+    data = yaml.safe_load(result.stdout)
+    assert data["allow"] == ["registry.test:443"] and "private" not in data
+    assert "reached under an IP/CIDR rule or a private origin" in result.stdout

@@ -1,9 +1,12 @@
 """Ask mode's approver: the registry of pending asks that every human interface answers through.
 
 The pipeline awaits `AskBroker.ask` between the decision and resolution, so nothing is resolved,
-connected or sent upstream while a question waits. Identical concurrent asks (same client, host and
-port) are ONE pending question; one answer releases every request waiting on it. A question
-waits at most the policy's `ask_timeout`, then every waiter is refused (`ask_timeout`).
+connected or sent upstream while a question waits. Identical concurrent asks are ONE pending
+question, and one answer releases every request waiting on it — so identical means everything the
+person is shown: the same client, scheme, method, host, port and path with its query (a tunnel:
+the same client, host and port). `GET /public` and `POST /admin/delete` to one host are two
+questions, never one card saying "GET /public, 2 waiting". A question waits at most the policy's
+`ask_timeout`, then every waiter is refused (`ask_timeout`).
 
 Interfaces attach as listeners (`attach`): the control API's followers, the terminal prompt, a
 dashboard. Any thread may `answer`; the waiting requests are released on the proxy's loop. Who
@@ -11,6 +14,10 @@ dashboard. Any thread may `answer`; the waiting requests are released on the pro
 client following the asks, the dashboard), or a client that listed the pending asks within the
 last `poll_grace` seconds. With none, an ask is refused at once (`no_approver`): a request must not
 hang for a minute when nobody will ever see the question.
+
+A grant made while requests wait (`egressd grant`, or a `run` answer to another question) answers
+the questions it covers: each waiting request checks the grants again, as the pipeline did before
+asking (a one-shot grant admits one of them), and leaves the question when a grant admits it.
 
 Answers: `once` (the waiting requests only), `run` (an exact host:port grant until egressd exits),
 `always` (an allow rule written to the policy file; the reload applies it, a run grant bridges the
@@ -30,9 +37,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from egressd.admission.approver import NO_APPROVER, Answer
+from egressd.admission.approver import NO_APPROVER, Answer, Recheck
 from egressd.admission.events import EventBus, Notice
-from egressd.admission.grants import GrantStore
+from egressd.admission.grants import Grant, GrantStore
 from egressd.admission.state import ConnState
 from egressd.policy import Decision
 
@@ -53,12 +60,23 @@ class AskError(Exception):
         self.status = status
 
 
+# what a question shows, and so what makes two requests one question (see the module docstring)
+AskKey = tuple[str, str | None, str | None, str, int, str | None]
+
+
+def ask_key(client_key: str, decision: Decision) -> AskKey:
+    target = decision.target
+    assert target is not None
+    return (client_key, target.scheme, target.method, target.host.text, target.port, target.path)
+
+
 @dataclass
 class PendingAsk:
-    """One question: a target a client wants, with every request waiting for the answer."""
+    """One question: a request a client wants to make, with every identical request waiting for
+    the answer."""
 
     id: str
-    key: tuple[str, str, int]
+    key: AskKey
     host: str
     port: int
     scheme: str | None
@@ -70,6 +88,8 @@ class PendingAsk:
     timeout: float
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Answer]
+    # settled (and replaced) when a grant that may cover this question is made
+    wake: asyncio.Future[None] | None = None
     created: float = field(default_factory=time.time)
     started: float = field(default_factory=time.monotonic)
     waiters: int = 1
@@ -123,13 +143,14 @@ class AskBroker:
         self._lock = threading.Lock()
         self.write_lock = threading.Lock()
         self._pending: dict[str, PendingAsk] = {}
-        self._by_key: dict[tuple[str, str, int], PendingAsk] = {}
+        self._by_key: dict[AskKey, PendingAsk] = {}
         self._denied: set[tuple[str, int]] = set()
         self._listeners: dict[int, tuple[Listener, bool | Callable[[], bool]]] = {}
         self._tokens = itertools.count(1)
         self._last_poll: float | None = None
         self._prefix = secrets.token_hex(2)
         self._ids = itertools.count(1)
+        grants.added(self._granted)
 
     # -- who can answer --------------------------------------------------------------------------
     def attach(self, listener: Listener, *, approver: bool | Callable[[], bool]) -> Callable[[], None]:
@@ -159,7 +180,11 @@ class AskBroker:
         return last is not None and time.monotonic() - last < self.poll_grace
 
     # -- the approver the pipeline awaits ----------------------------------------------------------
-    async def ask(self, decision: Decision, client: ConnState) -> Answer:
+    async def ask(
+        self, decision: Decision, client: ConnState, recheck: Recheck | None = None
+    ) -> Answer | Decision:
+        """The answer for this request; `recheck`: the grants step again (the decision a grant
+        makes of it, or None), asked when a grant is made while it waits."""
         target = decision.target
         if target is None:
             return Answer(False, "ask_refused", "nothing to ask about", "mode: ask")
@@ -171,7 +196,7 @@ class AskBroker:
             return Answer(False, "ask_refused", detail, "mode: ask (denied always)")
         if not self.can_answer():
             return NO_APPROVER
-        key = (client.client_key, host, port)
+        key = ask_key(client.client_key, decision)
         with self._lock:
             pending = self._by_key.get(key)
             if pending is not None and not pending.future.done():
@@ -183,12 +208,36 @@ class AskBroker:
         if created:
             self._notify("ask", pending)
         try:
-            return await asyncio.shield(pending.future)
+            return await self._wait(pending, recheck)
         except asyncio.CancelledError:
-            self._withdraw(pending)
+            self._leave(pending, "withdrawn")
             raise
 
-    def _new(self, key: tuple[str, str, int], decision: Decision, client: ConnState) -> PendingAsk:
+    async def _wait(self, pending: PendingAsk, recheck: Recheck | None) -> Answer | Decision:
+        """The question's answer, or the decision of a grant made meanwhile that admits this
+        request. Grants are checked once on joining too: one made between the pipeline's grants
+        step and this question's registration woke nobody."""
+        while True:
+            wake = pending.wake
+            if recheck is not None and self.grants:
+                granted = recheck()
+                if granted is not None:
+                    self._leave(pending, "answered", answer="grant", by=granted.rule or "a grant")
+                    return granted
+            assert wake is not None
+            await asyncio.wait((pending.future, wake), return_when=asyncio.FIRST_COMPLETED)
+            if pending.future.done():
+                return pending.future.result()
+
+    def _granted(self, grant: Grant) -> None:
+        """A grant was made (from any thread): the questions it may cover check the grants again."""
+        with self._lock:
+            woken = [p for p in self._pending.values() if grant.covers(p.host, p.port)]
+        for pending in woken:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                pending.loop.call_soon_threadsafe(_wake, pending)
+
+    def _new(self, key: AskKey, decision: Decision, client: ConnState) -> PendingAsk:
         """A new pending ask (under the lock), with its timeout on the proxy's loop."""
         target = decision.target
         assert target is not None
@@ -208,6 +257,7 @@ class AskBroker:
             timeout=timeout,
             loop=loop,
             future=loop.create_future(),
+            wake=loop.create_future(),
         )
         self._pending[pending.id] = pending
         self._by_key[key] = pending
@@ -222,13 +272,14 @@ class AskBroker:
         _settle(pending.future, Answer(False, "ask_timeout", detail, "mode: ask (ask_timeout)"))
         self._notify("expired", pending)
 
-    def _withdraw(self, pending: PendingAsk) -> None:
-        """A waiting request went away; the question goes with the last one."""
+    def _leave(self, pending: PendingAsk, kind: str, **extra: object) -> None:
+        """A waiting request went away (`withdrawn`) or a grant admitted it (`answered`); the
+        question goes with the last one."""
         with self._lock:
             pending.waiters -= 1
             gone = pending.waiters <= 0 and self._pending.get(pending.id) is pending
         if gone and self._pop(pending.id) is not None:
-            self._notify("withdrawn", pending)
+            self._notify(kind, pending, **extra)
 
     def _pop(self, ask_id: str) -> PendingAsk | None:
         with self._lock:
@@ -306,7 +357,13 @@ class AskBroker:
             self.events.emit(Notice(f"ask_{kind}" if kind != "ask" else "ask", fields))
 
 
-def _settle(future: asyncio.Future[Answer], answer: Answer) -> None:
+def _settle[T](future: asyncio.Future[T] | None, answer: T) -> None:
     with contextlib.suppress(asyncio.InvalidStateError):
-        if not future.done():
+        if future is not None and not future.done():
             future.set_result(answer)
+
+
+def _wake(pending: PendingAsk) -> None:
+    """On the question's loop: wake its waiters, and give the next grant a fresh future to settle."""
+    wake, pending.wake = pending.wake, pending.loop.create_future()
+    _settle(wake, None)

@@ -13,18 +13,24 @@ resolves under the guard too (private addresses are dropped unless `private.allo
 
 Matching is exact: a grant for `x.test` does not cover `a.x.test`, one for `http://x.test/a`
 neither `/b`, `/a?q` nor `x.test:444`.
+
+A grant also answers the requests already waiting on an ask it covers (the ask broker listens to
+`added`): it admits them as it would have had it come first.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from egressd.policy import Target, TargetError, normalise_path, parse_target
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TTL = 300.0
 MAX_TTL = 24 * 3600.0
@@ -130,6 +136,11 @@ class GrantStore:
         self._grants: dict[str, Grant] = {}
         self._prefix = secrets.token_hex(2)
         self._ids = itertools.count(1)
+        self._listeners: list[Callable[[Grant], None]] = []
+
+    def added(self, listener: Callable[[Grant], None]) -> None:
+        """Call `listener(grant)` after each grant is added, on the adding thread; it must not block."""
+        self._listeners.append(listener)
 
     def __bool__(self) -> bool:
         return bool(self._grants)
@@ -152,6 +163,11 @@ class GrantStore:
         )
         with self._lock:
             self._grants[grant.id] = grant
+        for listener in list(self._listeners):
+            try:
+                listener(grant)
+            except Exception:  # noqa: BLE001 - a listener never takes a grant back
+                logger.exception("egressd: a grant listener failed")
         return grant
 
     def add_run(self, host: str, port: int) -> Grant:

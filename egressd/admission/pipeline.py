@@ -257,7 +257,13 @@ class Pipeline:
         # 4. the approver (mode: ask waits here)
         if decision.ask:
             asked = time.monotonic()
-            decision = await approvals.answer(self.approver, decision, conn)
+            asked_about = decision
+
+            def recheck() -> Decision | None:
+                granted = self._granted(conn, ask, asked_about)
+                return None if granted.ask else granted
+
+            decision = await approvals.answer(self.approver, decision, conn, recheck)
             if self.events.observed:
                 self.events.emit(Asked(time.monotonic() - asked, decision.reason))
             if decision.allowed and tunnel and decision.target is not None:

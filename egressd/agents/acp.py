@@ -301,8 +301,8 @@ class AcpBridge:
     # -- mode: ask -> session/request_permission --------------------------------------------------
     def request_permission(self, what: str, timeout: float, key: str = "") -> str | None:
         """Ask the user in the editor; the option chosen (allow_once, allow_always, reject_once,
-        reject_always), or None (cancelled, no session, no answer within `timeout`, withdrawn
-        with `withdraw(key)`)."""
+        reject_always), `cancelled` (the user dismissed the dialog, or the turn was cancelled), or
+        None (no session, no answer within `timeout`, withdrawn with `withdraw(key)`)."""
         with self._lock:
             session = self.current_session
             if session is None:
@@ -350,12 +350,17 @@ class AcpBridge:
             ask.done.set()
 
 
+CANCELLED = "cancelled"  # request_permission's answer when the user dismissed the dialog
+
+
 def _selected_option(response: dict[str, Any]) -> str | None:
     result = response.get("result")
     outcome = result.get("outcome") if isinstance(result, dict) else None
     if isinstance(outcome, dict) and outcome.get("outcome") == "selected":
         option = outcome.get("optionId")
         return option if isinstance(option, str) else None
+    if isinstance(outcome, dict) and outcome.get("outcome") == CANCELLED:
+        return CANCELLED
     return None
 
 

@@ -14,14 +14,17 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from egressd.agents.acp import AcpBridge
+from egressd.agents.acp import CANCELLED, AcpBridge
 
-# ACP's permission option kinds -> the ask broker's answers
+# ACP's permission option kinds -> the ask broker's answers. A dismissed dialog (`cancelled`) is a
+# refusal, at once: the person saw the question and did not allow it (waiting for ask_timeout
+# would hold the agent for a minute and then blame nobody).
 ANSWERS = {
     "allow_once": "once",
     "allow_always": "always",
     "reject_once": "deny",
     "reject_always": "deny-always",
+    CANCELLED: "deny",
 }
 # when the broker cannot write the policy (no policy file): the nearest answer it can give
 FALLBACK = {"always": "run", "deny-always": "deny"}
@@ -55,12 +58,13 @@ def attach(broker: Broker, bridge: AcpBridge, warn: Callable[[str], None]) -> Ca
         ask_id = str(ask.get("id"))
         option = bridge.request_permission(describe(ask), float(ask.get("expires_in") or 60), key=ask_id)
         if option not in ANSWERS:
-            return  # cancelled, no answer, or answered elsewhere: the broker decides (timeout)
+            return  # no answer, or answered elsewhere: the broker decides (timeout)
         answer = ANSWERS[option]
         if answer not in (ask.get("answers") or ()):
             answer = FALLBACK.get(answer, answer)
+        by = "the editor (ACP), its dialog dismissed" if option == CANCELLED else "the editor (ACP)"
         try:
-            broker.answer(ask_id, answer, by="the editor (ACP)")
+            broker.answer(ask_id, answer, by=by)
         except Exception as exc:  # noqa: BLE001 - answered elsewhere meanwhile, or the file could not be written
             warn(f"the editor's answer to {describe(ask)} was not applied: {exc}")
 

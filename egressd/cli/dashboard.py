@@ -6,6 +6,7 @@ import click
 
 from egressd.cli.instances import call, pid_option, select
 from egressd.cli.options import say
+from egressd.control.client import ControlClient
 
 
 @click.command(
@@ -27,7 +28,7 @@ def dashboard_command(pid: int | None, open_browser: bool) -> None:
 
     client = select(pid)
     call(client, "GET", "/v1/info")  # fail now, with the reason, if it does not answer
-    dashboard = Dashboard(client.path)
+    dashboard = Dashboard(client.path, _Registered(client))
     url = dashboard.start()
     say(f"dashboard: {url}")
     if open_browser:
@@ -42,3 +43,14 @@ def dashboard_command(pid: int | None, open_browser: bool) -> None:
     finally:
         dashboard.stop()
     say("dashboard stopped")
+
+
+class _Registered:
+    """The page's port goes to the running egressd's own addresses, through its control API: its
+    children are refused it (`self`) as they are egressd's own ports."""
+
+    def __init__(self, client: ControlClient) -> None:
+        self.client = client
+
+    def add_self_address(self, host: str, port: int) -> None:
+        call(self.client, "POST", "/v1/listeners", {"host": host, "port": port})

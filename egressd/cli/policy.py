@@ -157,6 +157,12 @@ stay two rules; a.github.io + b.github.io are never joined (github.io is a publi
 A name below another suggested name is merged into it (a rule matches its subdomains).
 
 \b
+Private addresses: a rule admitting a non-global address (10.0.0.1, 172.17.0.1:2375, fd00::1)
+is suggested only where the learning run's policy (recorded in the audit) or BASE had
+private.allow; otherwise it is left out, with a comment. private.allow (when a learned name
+reached a private address under it) and the run's nameservers are carried over, with comments.
+
+\b
 Example:
   egressd exec --mode learn --audit audit.jsonl -- npm install
   egressd policy suggest audit.jsonl > learned.yaml

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ipaddress
 import json
 import os
 import socket
@@ -24,6 +25,7 @@ from egressd.admission.asks import AskBroker, AskError
 from egressd.admission.events import Asked, Closed, Decided, Event, EventBus, Resolved
 from egressd.admission.grants import GrantError, GrantStore
 from egressd.control.children import ChildError, Children
+from egressd.listeners import OwnAddresses, register
 from egressd.policy_edit import PolicyEditor
 
 QUEUE_LINES = 1000  # per stream reader: beyond it, lines are dropped and counted
@@ -63,7 +65,9 @@ class Handlers:
         metrics: Callable[[], bytes] | None = None,
         children: Children | None = None,
         watched: Callable[[], None] | None = None,
+        own: OwnAddresses | None = None,
     ) -> None:
+        self.own = own
         self.children = children
         self.metrics = metrics
         self.watched = watched  # a watch stream attached: decisions should name their program
@@ -92,6 +96,7 @@ class Handlers:
                 web.get("/v1/children", self._children),
                 web.post("/v1/children", self._attach),
                 web.delete("/v1/children/{id}", self._detach),
+                web.post("/v1/listeners", self._listener),
             ]
         )
         return app
@@ -152,6 +157,26 @@ class Handlers:
         except ChildError as exc:
             return _error(exc.status, str(exc))
         return web.json_response(answer, status=201)
+
+    async def _listener(self, request: web.Request) -> web.Response:
+        """A listener of a process attached to this egressd (`egressd dashboard`): one of egressd's
+        own addresses from now on, refused to its children as `self` (for the rest of the run: a
+        registration only ever refuses more)."""
+        if self.own is None:
+            return _error(404, "this egressd registers no listeners")
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        host, port = body.get("host"), body.get("port")
+        try:
+            ipaddress.ip_address(host if isinstance(host, str) else "")
+        except ValueError:
+            return _error(400, 'expected {"host": "127.0.0.1", "port": 8123}: host an IP address')
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            return _error(400, "port must be a number from 1 to 65535")
+        assert isinstance(host, str)
+        register(self.own, [(host, port)])
+        return web.json_response({"host": host, "port": port}, status=201)
 
     async def _detach(self, request: web.Request) -> web.Response:
         if self.children is None or not self.children.detach(request.match_info["id"]):

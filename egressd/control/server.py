@@ -25,6 +25,7 @@ from egressd.admission.grants import GrantStore
 
 if TYPE_CHECKING:
     from egressd.control.children import Children
+    from egressd.listeners import OwnAddresses
     from egressd.policy_edit import PolicyEditor
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,10 @@ class ControlServer:
         metrics: Callable[[], bytes] | None = None,
         children: Children | None = None,
         watched: Callable[[], None] | None = None,
+        own: OwnAddresses | None = None,
     ) -> None:
         self.path = path
+        self.own = own  # POST /v1/listeners: a listener of `egressd dashboard` is egressd's own
         self.children = children  # POST /v1/children: exec --attach
         self.watched = watched
         self.policy = policy
@@ -166,6 +169,7 @@ class ControlServer:
             self.metrics,
             self.children,
             self.watched,
+            self.own,
         ).app()
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
         await runner.setup()

@@ -21,23 +21,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import threading
 from pathlib import Path
 
 from egressd.dashboard.guard import PageGuard
+from egressd.listeners import OwnAddresses, listen
 
 logger = logging.getLogger(__name__)
 
 
 class Dashboard(PageGuard):
-    """Serve the dashboard of the egressd whose control socket is `control_path`, until stop()."""
+    """Serve the dashboard of the egressd whose control socket is `control_path`, until stop().
 
-    def __init__(self, control_path: Path, *, host: str = "127.0.0.1") -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(64)
+    `own`: where that egressd keeps its own addresses — the page's port is one of them, so its
+    child is refused (`self`) when it asks the proxy for the page."""
+
+    def __init__(self, control_path: Path, own: OwnAddresses, *, host: str = "127.0.0.1") -> None:
+        self._sock = listen(own, host, backlog=64)
         super().__init__(control_path, self._sock.getsockname()[1])
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None

@@ -125,6 +125,17 @@ def policy_findings(policy: Policy, target: str, *, central: bool = True) -> lis
                     (item.decides,),
                 )
             )
+        if item.rule.private and not policy.private.allow:
+            out.append(
+                Finding(
+                    item.setting,
+                    item.rule.describe(),
+                    "narrowed",
+                    f"{target} cannot let one rule's names resolve to private addresses: exported as a "
+                    f"plain allow of {item.rule.text}, whose private addresses are refused there",
+                    (item.decides,),
+                )
+            )
     mode = mode_of(policy)
     if mode == "ask":
         out.append(

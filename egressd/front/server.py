@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from egressd.front.socks import SocksProtocol
 from egressd.front.tunnel import FrontProtocol, MitmproxyAddress, RefusalContext
+from egressd.listeners import register
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
@@ -65,12 +66,11 @@ class FastFront:
         loop = asyncio.get_running_loop()
         self._sweep_from_now()
         server = await loop.create_server(lambda: self._protocol(kind), host, port, backlog=4096)
-        self.servers.append(server)
-        address = server.sockets[0].getsockname()
-        return address[0], address[1]
+        return self._own(server)
 
     async def serve(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
-        """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket)."""
+        """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket):
+        in the sandbox's network namespace, so not an address of this one (never registered)."""
         _check_kind(kind)
         loop = asyncio.get_running_loop()
         self._sweep_from_now()
@@ -86,7 +86,12 @@ class FastFront:
         server = await loop.create_server(
             lambda: self._protocol("http", implicit, tree_only=True), host, 0, backlog=1024
         )
+        return self._own(server)
+
+    def _own(self, server: asyncio.Server) -> tuple[str, int]:
+        """A listener of this machine's: every socket it bound is egressd's own (`self`)."""
         self.servers.append(server)
+        register(self.rt.decider, [sock.getsockname() for sock in server.sockets])
         address = server.sockets[0].getsockname()
         return address[0], address[1]
 

@@ -197,10 +197,11 @@ class AuditLog:
             fields["duration"] = round(fields["duration"], 3)
         return self._record("closed", CLOSED_KEYS, fields)
 
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Record anything else (sni_mismatch, reload, reload_failed, ...); also traced."""
+    def event(self, kind: str, *, traced: bool = True, **fields: Any) -> dict[str, Any]:
+        """Record anything else (sni_mismatch, reload, reload_failed, ...); also traced unless
+        `traced` is false (a record for readers of the file, not news for the person watching)."""
         record = self._record(kind, (), fields)
-        if self._trace is not None:
+        if self._trace is not None and traced:
             extra = " ".join(f"{k}={_printable(v)}" for k, v in fields.items() if v not in (None, ""))
             self._trace_line(f"egressd: {kind}" + (f"  {extra}" if extra else ""))
         return record

@@ -41,7 +41,17 @@ if TYPE_CHECKING:
 
 # why a decision allowed (egressd.policy.decide's reasons) and the approver's answers
 ALLOW_REASONS = frozenset(
-    {"allowlist", "loopback", "builtin", "private_origin", "mode_allow", "learned", "ask", "approved"}
+    {
+        "allowlist",
+        "loopback",
+        "builtin",
+        "private_origin",
+        "mode_allow",
+        "learned",
+        "ask",
+        "approved",
+        "granted",
+    }
 )
 ASK_REASONS = frozenset({"ask_refused", "ask_timeout", "no_approver"})
 REASONS = ALLOW_REASONS | ASK_REASONS | POLICY_REASONS | FAILURE_REASONS

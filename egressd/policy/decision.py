@@ -388,12 +388,17 @@ def _guarded_literal(request: _Request, policy: Policy) -> bool:
     return klass is not None and klass[0] is not AddressClass.GLOBAL and not policy.private.allow
 
 
-def _licensed(rule: HostRule, request: _Request, policy: Policy) -> bool:
-    """May an allowed target use private addresses: an IP/CIDR rule names them itself, and a
-    private origin licenses exactly its own (an allow rule for the same name keeps that licence)."""
-    return rule.kind in ("ip", "cidr") or (
+def _licensed(rule: HostRule, request: _Request, policy: Policy, rules: Sequence[HostRule]) -> bool:
+    """May an allowed target use private addresses: an IP/CIDR rule names them itself, a private
+    origin licenses exactly its own (an allow rule for the same name keeps that licence), and so
+    does any rule marked `private` that admits the target as far as `rule` does (`rules`: those
+    matching it; a rule that waits for the path counts only while `rule` waits too)."""
+    if rule.kind in ("ip", "cidr") or (
         bool(policy.private.origins) and _origin_matches(request, policy) is not None
-    )
+    ):
+        return True
+    covered = (True, _covers(rule, request))
+    return any(other.private and _covers(other, request) in covered for other in rules)
 
 
 def _origin_matches(request: _Request, policy: Policy) -> str | None:
@@ -514,7 +519,7 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
             "allowlist",
             f"allow: {admitted.text}",
             f"{where} matches allow rule {admitted.describe()!r} in {policy.source}",
-            private_ok=_licensed(admitted, request, policy),
+            private_ok=_licensed(admitted, request, policy, allowing),
             upgrade=not admitted.restricted or admitted.websocket or _upgradable(allowing, request),
         )
         return _finish(request, client, policy, outcome, deny_pending, own)
@@ -523,7 +528,7 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
             "allowlist",
             f"allow: {pending.text}",
             f"{where} is allowed for {pending.describe()!r} only; the path needs inspection",
-            private_ok=_licensed(pending, request, policy),
+            private_ok=_licensed(pending, request, policy, allowing),
             needs_inspection=True,
         )
         return _finish(request, client, policy, outcome, deny_pending, own)
@@ -542,10 +547,11 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
         )
         return _finish(request, client, policy, outcome, deny_pending, own)
 
-    # 10. By mode. The address guard holds in every mode that would not refuse anyway: a private,
-    # CGNAT, ULA, documentation or other non-global literal needs private.allow, an explicit IP/CIDR
-    # rule (step 8) or a private origin (step 9), exactly as a NAME resolving there does.
-    if policy.mode != "enforce" and _guarded_literal(request, policy):
+    # 10. By mode. The address guard first, in every mode: a private, CGNAT, ULA, documentation or
+    # other non-global literal needs private.allow, an explicit IP/CIDR rule (step 8) or a private
+    # origin (step 9), exactly as a NAME resolving there does. Enforce gives the guard's reason too:
+    # a refusal a rule could lift (not_allowlisted) is what `policy suggest` turns into a rule.
+    if _guarded_literal(request, policy):
         assert request.klass is not None
         detail = (
             f"{request.text} is a {request.klass[1]} address: in every mode (here mode: {policy.mode}) it "

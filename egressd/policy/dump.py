@@ -13,7 +13,7 @@ from .secrets import secret_to_data
 
 
 def _rule(rule: HostRule) -> str | dict[str, Any]:
-    if not rule.paths and not rule.methods and not rule.exe and not rule.websocket:
+    if not rule.paths and not rule.methods and not rule.exe and not rule.websocket and not rule.private:
         return rule.text
     entry: dict[str, Any] = {"host": rule.text}
     if rule.paths:
@@ -24,6 +24,8 @@ def _rule(rule: HostRule) -> str | dict[str, Any]:
         entry["exe"] = list(rule.exe)
     if rule.websocket:
         entry["websocket"] = True
+    if rule.private:
+        entry["private"] = True
     return entry
 
 
@@ -31,13 +33,18 @@ def _rules(ruleset: RuleSet) -> list[str | dict[str, Any]]:
     return [_rule(rule) for rule in ruleset.rules]
 
 
+def nameserver_text(ip: str, port: int) -> str:
+    """A `resolver.nameservers` entry as the file format writes it (port 53 left out for IPv4)."""
+    host = f"[{ip}]" if ":" in ip else ip
+    return host if port == 53 and ":" not in ip else f"{host}:{port}"
+
+
+def nameservers(policy: Policy) -> list[str]:
+    return [nameserver_text(str(ip), port) for ip, port in policy.resolver.nameservers]
+
+
 def policy_to_data(policy: Policy) -> dict[str, Any]:
     """The policy as plain data in the file format (loadable again)."""
-
-    def server(ip: str, port: int) -> str:
-        host = f"[{ip}]" if ":" in ip else ip
-        return host if port == 53 and ":" not in ip else f"{host}:{port}"
-
     profiles: dict[str, Any] = {}
     for name, prof in policy.profiles.items():
         entry: dict[str, Any] = {}
@@ -75,7 +82,7 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
             "requests_per_second": policy.limits.requests_per_second,
             "burst": policy.limits.burst,
         },
-        "resolver": {"nameservers": [server(ip, port) for ip, port in policy.resolver.nameservers]},
+        "resolver": {"nameservers": nameservers(policy)},
         "profiles": profiles,
         "websocket": policy.websocket,
         "refusal_pages": policy.refusal_pages,

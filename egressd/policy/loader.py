@@ -144,16 +144,19 @@ class _Reader:
 
     def rules(self, value: object, key: str) -> RuleSet:
         rules = parse_rule_list(self.list(value, key), self.source, key)
-        if not key.endswith("allow"):
+        for index, rule in enumerate(rules):
             # `exe` narrows what an allow rule admits; a deny or inspect rule applies to every
             # program (a deny that spared other programs would widen, which `exe` never does)
-            for index, rule in enumerate(rules):
-                if rule.exe:
-                    why = "exe is only for allow rules (a deny applies to every program)"
-                    raise self.fail(f"{key}[{index}]", why, rule.text)
-                if rule.websocket:
-                    why = "websocket is only for allow rules (it lets a request they admit upgrade)"
-                    raise self.fail(f"{key}[{index}]", why, rule.text)
+            if rule.exe and not key.endswith("allow"):
+                why = "exe is only for allow rules (a deny applies to every program)"
+                raise self.fail(f"{key}[{index}]", why, rule.text)
+            if rule.websocket and not key.endswith("allow"):
+                why = "websocket is only for allow rules (it lets a request they admit upgrade)"
+                raise self.fail(f"{key}[{index}]", why, rule.text)
+            # `private` licenses what the policy's own allow rule admits; a profile only narrows
+            if rule.private and key != "allow":
+                why = "private is only for the policy's allow rules (it licenses what they admit)"
+                raise self.fail(f"{key}[{index}]", why, rule.text)
         return RuleSet(rules)
 
 

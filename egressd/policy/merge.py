@@ -6,7 +6,9 @@ loopback, private and WebSocket licences hold only where every policy grants the
 tightest (a shipped preset's mode does not vote next to the user's own policy). A policy's `ports`
 restriction is moved into its own allow rules (and drops its private origins on other ports)
 before the allow lists are joined, so one preset's ports never open another preset's hosts on
-more ports. The result does not depend on the order of the policies.
+more ports; so is its `private.allow` when not every policy has it (each of its allow rules is
+marked `private`), so its names still resolve to its private mirrors while another preset's names
+do not. The result does not depend on the order of the policies.
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ def _fold_ports(rules: RuleSet, ports: tuple[int, ...]) -> tuple[HostRule, ...]:
             continue
         out += [replace(rule, port=port, text=_rule_text(rule, port)) for port in ports]
     return tuple(out)
+
+
+def _licence_rules(rules: Iterable[HostRule], private: bool) -> tuple[HostRule, ...]:
+    """A policy's allow rules carrying its `private.allow` (when the merge cannot keep it whole):
+    the names they admit may still resolve to private addresses. An IP/CIDR rule licenses the
+    addresses it names already."""
+    if not private:
+        return tuple(rules)
+    return tuple(replace(r, private=True) if r.kind in ("name", "wildcard") else r for r in rules)
 
 
 def _unique[T](items: Iterable[T]) -> tuple[T, ...]:
@@ -199,7 +210,10 @@ def merge_policies(policies: Sequence[Policy]) -> Policy:
     mode = next(m for m in _STRICTNESS if any(p.mode == m for p in voters))
     pages: RefusalPages = "tls" if all(p.refusal_pages == "tls" for p in policies) else "status"
     strip = _unique(h for p in policies for h in p.credentials.strip_on_host_change)
-    allow = _union_rules(_fold_ports(p.allow, p.ports) for p in policies)
+    private = all(p.private.allow for p in policies)
+    allow = _union_rules(
+        _licence_rules(_fold_ports(p.allow, p.ports), p.private.allow and not private) for p in policies
+    )
     deny = _union_rules(p.deny.rules for p in policies)
     source = " + ".join(p.source for p in policies)
     return Policy(
@@ -209,7 +223,7 @@ def merge_policies(policies: Sequence[Policy]) -> Policy:
         deny=deny,
         loopback=_loopback(policies),
         private=PrivatePolicy(
-            allow=all(p.private.allow for p in policies),
+            allow=private,
             origins=_unique(o for p in policies for o in _origins(p)),
         ),
         builtin=_builtins(policies, ports),

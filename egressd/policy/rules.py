@@ -22,7 +22,7 @@ __all__ = ["HostRule", "RuleError", "RuleSet", "parse_rule"]
 RuleKind = Literal["name", "wildcard", "ip", "cidr"]
 _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 _DIGITS = re.compile(r"[0-9]+")
-_RULE_KEYS = ("host", "paths", "methods", "exe", "websocket")
+_RULE_KEYS = ("host", "paths", "methods", "exe", "websocket", "private")
 
 
 class RuleError(ValueError):
@@ -45,6 +45,9 @@ class HostRule:
     exe: tuple[str, ...] = ()
     # a path/method rule relays a WebSocket upgrade of a request it admits only when it says so
     websocket: bool = False
+    # a name this rule admits may resolve to private addresses (`private.allow` for this rule
+    # only; allow rules only): how a merge keeps one policy's licence to its own rules
+    private: bool = False
 
     def matches(self, host: Host, port: int) -> bool:
         """Reference semantics, one rule at a time (RuleSet uses indexes for the same answer)."""
@@ -76,6 +79,8 @@ class HostRule:
             extra += " exe " + ",".join(self.exe)
         if self.websocket:
             extra += " websocket"
+        if self.private:
+            extra += " private"
         return self.text + extra
 
 
@@ -205,7 +210,7 @@ def _parse_exe(value: object) -> tuple[str, ...]:
 
 def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
     """Parse ``host[:port]``, ``*.suffix``, IP/CIDR[:port], ``[v6]:port`` or
-    ``{host, paths, methods, exe, websocket}``."""
+    ``{host, paths, methods, exe, websocket, private}``."""
     if isinstance(entry, Mapping):
         unknown = sorted(str(k) for k in entry if k not in _RULE_KEYS)
         if unknown:
@@ -216,6 +221,9 @@ def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
         host = entry.get("host")
         if not isinstance(host, str):
             raise RuleError("'host' must be a string")
+        private = entry.get("private", False)
+        if not isinstance(private, bool):
+            raise RuleError("'private' must be true or false")
         kind, name, network, port = _parse_host_text(host)
         return HostRule(
             text=host,
@@ -227,6 +235,7 @@ def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
             methods=_parse_methods(entry.get("methods")),
             exe=_parse_exe(entry.get("exe")),
             websocket=websocket,
+            private=private,
         )
     if not isinstance(entry, str):
         raise RuleError("a rule must be a string or a mapping with 'host'")

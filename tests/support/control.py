@@ -105,3 +105,60 @@ class Follower:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Terminal:
+    """A command run in a new session whose controlling terminal is a pty (its stdin), with stdout
+    and stderr on pipes: what a person at egressd's terminal sees (`/dev/tty`) is read from the pty
+    master, and what they type is written there."""
+
+    def __init__(self, command: list[str]) -> None:
+        import pty
+
+        self.master, self._slave = pty.openpty()
+        # setsid --ctty makes its stdin (the pty) the controlling terminal; egressd's stdio are pipes
+        self.proc = subprocess.Popen(
+            ["setsid", "--ctty", "sh", "-c", 'exec "$@" </dev/null', "sh", *command],
+            stdin=self._slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self.seen = b""  # the slave stays open here too: the master reads no EIO before egressd opens it
+
+    def read_until(self, text: bytes, timeout: float = 30) -> bytes:
+        """Everything shown since the last call, once it contains `text`."""
+        import os
+        import select
+
+        start = len(self.seen)
+        deadline = time.monotonic() + timeout
+        while text not in self.seen[start:]:
+            assert time.monotonic() < deadline, self.seen[start:]
+            ready, _, _ = select.select([self.master], [], [], 0.5)
+            if ready:
+                self.seen += os.read(self.master, 4096)
+        return self.seen[start:]
+
+    def type(self, line: str) -> None:
+        import os
+
+        os.write(self.master, line.encode() + b"\n")
+
+    def finish(self, timeout: float = 40) -> tuple[bytes, bytes]:
+        """The command's (stdout, stderr) once it exits."""
+        return self.proc.communicate(timeout=timeout)
+
+    def close(self) -> None:
+        import os
+
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.master)
+        os.close(self._slave)
+
+    def __enter__(self) -> Terminal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

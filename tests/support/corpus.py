@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ipaddress
 import socket
 import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv6Address
 from typing import Self
 from urllib.parse import urlsplit
 
@@ -187,9 +189,10 @@ class ProxyClient:
 
     @contextlib.contextmanager
     def socks5(
-        self, host: str | bytes, port: int, *, timeout: float = 10.0
+        self, host: str | bytes | IPv4Address | IPv6Address, port: int, *, timeout: float = 10.0
     ) -> Iterator[tuple[int, socket.socket]]:
-        """SOCKS5 CONNECT by name (ATYP 3) with user/password auth; yields (reply code, socket)."""
+        """SOCKS5 CONNECT with user/password auth, by name (ATYP 3) or, for an address object, by
+        address (ATYP 1 or 4); yields (reply code, socket)."""
         assert self.socks_port is not None, "egressd run printed no EGRESSD_SOCKS_PROXY"
         sock = socket.create_connection((self.host, self.socks_port), timeout=timeout)
         try:
@@ -198,8 +201,12 @@ class ProxyClient:
             user, password = self.username.encode(), self.password.encode()
             sock.sendall(b"\x01" + bytes([len(user)]) + user + bytes([len(password)]) + password)
             assert _recv_exact(sock, 2) == b"\x01\x00"
-            name = host.encode("utf-8", "surrogateescape") if isinstance(host, str) else host
-            sock.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + struct.pack("!H", port))
+            if isinstance(host, IPv4Address | IPv6Address):
+                address = bytes([1 if host.version == 4 else 4]) + host.packed
+            else:
+                name = host.encode("utf-8", "surrogateescape") if isinstance(host, str) else host
+                address = b"\x03" + bytes([len(name)]) + name
+            sock.sendall(b"\x05\x01\x00" + address + struct.pack("!H", port))
             reply = _recv_exact(sock, 4)
             if len(reply) < 2:
                 yield -1, sock
@@ -299,3 +306,37 @@ class ServerSet:
     def reached(self, *except_hosts: str) -> dict[str, int]:
         """Addresses (other than ``except_hosts``) that accepted any connection: must stay empty."""
         return {h: n for h, n in self.counts().items() if n and h not in except_hosts}
+
+
+# the ways a child names a target to egressd: absolute-form HTTP, CONNECT, SOCKS5 by name, SOCKS5
+# by address (ATYP 1/4)
+FRONTS = ("http", "connect", "socks-name", "socks-address")
+
+
+def socks_address(written: str) -> IPv4Address | IPv6Address | None:
+    """The SOCKS5 address form of a host as written in a URL; None for a name or a legacy IPv4
+    spelling (`0x7f.1`), which have none."""
+    try:
+        address = ipaddress.ip_address(written.strip("[]"))
+    except ValueError:
+        return None
+    return address
+
+
+def attempt(
+    client: ProxyClient, front: str, written: str, port: int, path: str = "/"
+) -> tuple[int, str | None]:
+    """(HTTP status or SOCKS5 reply code, X-Egressd-Reason) of one attempt at `written:port`
+    through `front` (one of FRONTS; the reply code -1: closed without one)."""
+    if front == "http":
+        response = client.get(f"http://{written}:{port}{path}")
+        return (-1, None) if response is None else (response.status, response.reason)
+    if front == "connect":
+        with client.connect(f"{written}:{port}") as (response, _):
+            return (-1, None) if response is None else (response.status, response.reason)
+    host: str | IPv4Address | IPv6Address | None = written.strip("[]")
+    if front == "socks-address":
+        host = socks_address(written)
+        assert host is not None, f"{written} has no SOCKS5 address form"
+    with client.socks5(host, port) as (code, _):
+        return code, None

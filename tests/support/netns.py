@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 #: IPv4 "upstream hosts": 198.51.100.0/24 (TEST-NET-2) is local as a whole; these are the named ones.
@@ -107,6 +108,20 @@ def _configure_addresses() -> None:
     for addr in UPSTREAM_V6:
         cmds.append(f"addr add {addr}/128 dev lo nodad")
     _ip_batch(cmds)
+
+
+@contextlib.contextmanager
+def local_address(address: str) -> Iterator[str]:
+    """One more address on ``lo`` of the test namespace while the block runs (a /32 or a /128,
+    nodad): an upstream at a private address (10.x, a ULA) of a network that only exists here."""
+    if not in_test_netns():
+        raise NetnsError("local_address is for the isolated test namespace only")
+    prefix = "/128 dev lo nodad" if ":" in address else "/32 dev lo"
+    _ip_batch([f"addr add {address}{prefix}"])
+    try:
+        yield address
+    finally:
+        _ip_batch([f"addr del {address}{prefix.removesuffix(' nodad')}"])
 
 
 def in_test_netns() -> bool:

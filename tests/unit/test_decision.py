@@ -464,8 +464,8 @@ def test_private_origin() -> None:
     decision = check(get("192.168.1.10", 8080, "/"), policy)
     assert (decision.allowed, decision.reason, decision.private_ok) == (True, "private_origin", True)
     assert decision.rule == "private.origins: http://192.168.1.10:8080"
-    assert check(get("192.168.1.10", 8081, "/"), policy).reason == "not_allowlisted"
-    assert check(connect("192.168.1.10", 8080), policy).reason == "not_allowlisted"  # http origin != tunnel
+    assert check(get("192.168.1.10", 8081, "/"), policy).reason == "private_address"
+    assert check(connect("192.168.1.10", 8080), policy).reason == "private_address"  # http origin != tunnel
     named = check(connect("nas.lan", 443), policy)
     assert (named.reason, named.private_ok, named.needs_resolution) == ("private_origin", True, True)
     assert check(get("nas.lan", 443, "/", scheme="http"), policy).reason == "not_allowlisted"

@@ -59,7 +59,7 @@ GLOBAL = ["8.8.8.8", "0x8.0x8.0x8.0x8", "[2606:4700::1111]"]
 
 # what an unlicensed target gets in each mode, by class ("mode-dependent" spelled out)
 _UNLICENSED_PRIVATE = {
-    "enforce": "not_allowlisted",
+    "enforce": "private_address",
     "ask": "private_address",
     "learn": "private_address",
     "allow": "private_address",

@@ -71,6 +71,13 @@ def test_merge_never_widens_and_deny_wins(datas: list[dict[str, object]], target
         assert not answer.allowed, (answer, each)
     if answer.ask:  # asks only where one of them would ask or admit
         assert any(d.allowed or d.ask for d in each)
+    if answer.allowed and _may_go_private(answer, merged):  # a name's licence to private addresses
+        assert any(d.allowed and _may_go_private(d, p) for d, p in zip(each, loaded, strict=True))
+
+
+def _may_go_private(decision, policy) -> bool:  # noqa: ANN001 - test helper
+    """May the addresses a name resolves to be private (the resolved-address filter's licence)?"""
+    return decision.private_ok or policy.private.allow
 
 
 @settings(max_examples=300, deadline=None)
@@ -178,3 +185,48 @@ def test_secrets_are_kept_and_still_go_only_to_allowed_hosts() -> None:
     other = {**secret, "name": "other"}  # another name, the same child variable
     with pytest.raises(PolicyError, match="two secrets give the child this variable"):
         merge_policies([mine, parse_policy({"allow": ["api.a.test"], "secrets": [other]}, "o.yaml")])
+
+
+def test_a_policys_private_allow_stays_with_its_own_rules() -> None:
+    """`--policy learned.yaml --policy other.yaml`: learned's names keep resolving to the private
+    mirrors its private.allow licensed; other's do not (it licensed nothing)."""
+    learned = parse_policy({"allow": ["registry.test:443", "10.0.0.0/8:22"], "private": {"allow": True}}, "l")
+    other = parse_policy({"allow": ["other.test", "registry.test:443"]}, "o")
+    for merged in (merge_policies([learned, other]), merge_policies([other, learned])):
+        assert merged.private.allow is False
+        assert _decide("registry.test", 443, merged).private_ok
+        assert not _decide("other.test", 443, merged).private_ok
+        assert not _decide("registry.test", 444, merged).allowed
+        again = parse_policy(policy_to_data(merged), "again")  # `policy show` keeps it
+        assert again.allow == merged.allow and _decide("registry.test", 443, again).private_ok
+    assert {"host": "registry.test:443", "private": True} in policy_to_data(merged)["allow"]
+    both = merge_policies([learned, parse_policy({"private": {"allow": True}}, "p")])
+    assert both.private.allow and not any(rule.private for rule in both.allow)
+
+
+def test_a_private_rule_licenses_only_what_it_admits() -> None:
+    policy = parse_policy(
+        {"allow": [{"host": "mirror.test", "private": True, "paths": ["/pkg/"]}, "mirror.test"]}, "x"
+    )
+    assert _decide("mirror.test", 443, policy, scheme="http").private_ok is False  # path unknown here
+
+    def get(path: str):  # noqa: ANN202 - test helper
+        target = make_target("mirror.test", 80, scheme="http", path=path, method="GET")
+        return decide(target, Client(), policy)
+
+    assert get("/pkg/a").allowed and get("/pkg/a").private_ok
+    assert get("/other").allowed and not get("/other").private_ok
+
+
+@pytest.mark.parametrize("where", ["deny", "inspect", "profiles.ci.allow", "profiles.ci.deny"])
+def test_private_is_only_for_the_policys_own_allow_rules(where: str) -> None:
+    rule = {"host": "x.test", "private": True}
+    data: dict[str, object] = {"profiles": {"ci": {"allow": [rule]}}} if where == "profiles.ci.allow" else {}
+    if where == "profiles.ci.deny":
+        data = {"profiles": {"ci": {"deny": [rule]}}}
+    elif not where.startswith("profiles"):
+        data = {where: [rule]}
+    with pytest.raises(PolicyError, match="private is only for the policy's allow rules"):
+        parse_policy(data, "p.yaml")
+    with pytest.raises(PolicyError, match="'private' must be true or false"):
+        parse_policy({"allow": [{"host": "x.test", "private": "yes"}]}, "p.yaml")
