@@ -64,6 +64,9 @@ _DEVICES: tuple[str, ...] = (
     '(literal "/dev/tty")',  # the child's own terminal (password prompts)
     '(regex #"^/dev/fd/[0-9]+$")',
 )
+# TIOCSTI by number (_IOW('t', 114, char)): the symbol TIOCSTI is unbound in the profile language
+# of macOS 13.7 and 14.2-14.3, where a profile naming it does not load at all.
+TIOCSTI = 0x80017472
 _ANY_TERMINAL = '(regex #"^/dev/ttys[0-9]+$")'  # not /dev/tty.* (serial ports)
 
 # macOS's symlinks at the root: a rule names both spellings of a path below one of them.
@@ -158,7 +161,7 @@ def _write_rules(layout: Layout, temp: Sequence[str], terminals: Sequence[str]) 
         f"(deny file-read* file-write* {_ANY_TERMINAL})",
         *_rule("allow file-read* file-write*", _paths("literal", terminals)),
         *_rule("allow file-ioctl", ['(literal "/dev/tty")', _ANY_TERMINAL]),
-        "(deny file-ioctl (ioctl-command TIOCSTI))",
+        f"(deny file-ioctl (ioctl-command #x{TIOCSTI:08x}))",
         ";; The temporary directories: the host's own (macOS has no private /tmp).",
         *_rule("allow file-write*", _paths("subpath", temp)),
         ";; The working directory and --rw paths writable, --ro read-only; parents first, so the",

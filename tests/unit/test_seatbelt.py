@@ -147,7 +147,7 @@ GOLDEN = r"""(version 1)
     (literal "/dev/tty")
     (regex #"^/dev/ttys[0-9]+$")
 )
-(deny file-ioctl (ioctl-command TIOCSTI))
+(deny file-ioctl (ioctl-command #x80017472))
 ;; The temporary directories: the host's own (macOS has no private /tmp).
 (allow file-write*
     (subpath "/private/tmp")
@@ -312,8 +312,8 @@ def test_the_denies_come_before_the_allowances() -> None:
 
 def test_terminals_no_tiocsti_and_no_other_terminal() -> None:
     profile = _profile()
-    assert "(deny file-ioctl (ioctl-command TIOCSTI))" in profile
-    assert profile.index("(deny file-ioctl (ioctl-command TIOCSTI))") > profile.index("(allow file-ioctl")
+    assert "(deny file-ioctl (ioctl-command #x80017472))" in profile
+    assert profile.index("(deny file-ioctl (ioctl-command #x80017472))") > profile.index("(allow file-ioctl")
     assert decide(profile, "file-read-data", "/dev/ttys003") == "allow"  # the child's own
     assert decide(profile, "file-read-data", "/dev/ttys007") == "deny"  # another window's input
     assert decide(profile, "file-write-data", "/dev/ttys007") == "deny"
