@@ -24,7 +24,7 @@ import pytest
 
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import Mount
-from egressd.sandbox.run import temp_dirs
+from egressd.sandbox.run import temp_root
 from egressd.sandbox.seatbelt import seatbelt_profile
 from egressd.sandbox.shields import Cover, inside_view
 from tests.support.seatbelt_model import WRITE_OPERATIONS, Model, tinyscheme_available
@@ -81,7 +81,8 @@ def test_nothing_egressd_opens_after_planning_is_writable_by_the_child(user: Use
     # macOS: the profile egressd would run the child with, for the same layout and environment
     if not tinyscheme_available():
         pytest.fail("tinyscheme is not installed: run scripts/setup.sh")
-    profile = seatbelt_profile(layout, [3128], temp=temp_dirs(environ), home=str(user.home))
+    run_dir = os.path.join(temp_root(environ), "egressd-run-x")  # where run_seatbelt makes it
+    profile = seatbelt_profile(layout, [3128], temp=[run_dir], home=str(user.home))
     model = Model.of(profile)
     files = [p for p in paths if p not in SHARED_DEVICES]
     writable = [(op, p) for p in files for op in WRITE_OPERATIONS if model.decide(op, path=p) == "allow"]
