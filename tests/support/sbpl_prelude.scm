@@ -40,7 +40,7 @@
 (define (deny . args) (apply sbpl-rule 'deny args))
 (define *params* '())
 (define (param key)
-  (let ((found (assoc key *params*)))
+  (let ((found (assq (string->symbol key) *params*)))
     (if found (cdr found) (error "no such parameter:" key))))
 
 ;; Filters and modifiers: each returns itself as data.

@@ -278,7 +278,8 @@ def _params(params: Mapping[str, str]) -> str:
     def string(text: str) -> str:
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
-    pairs = " ".join(f"(cons {string(k)} {string(v)})" for k, v in params.items())
+    # keyed by symbol: this tinyscheme cannot compare strings (its string-ref is broken)
+    pairs = " ".join(f"(cons (string->symbol {string(k)}) {string(v)})" for k, v in params.items())
     return f"(set! *params* (list {pairs}))\n"
 
 
