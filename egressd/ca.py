@@ -9,6 +9,7 @@ KeyStore, `<config>/public/ca-bundle.jks` (certificates only, no key).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -139,6 +140,24 @@ def rotate_ca(config: Path) -> Path:
     if key_dir.exists():
         shutil.rmtree(key_dir)
     return ensure_ca(config)
+
+
+def own_work_dir(config: Path) -> Path:
+    """A fresh 0700 directory in egressd's home for the files it makes while it runs (the roots
+    mitmproxy verifies upstream servers against, a refusal page's key): the sandbox hides the home,
+    so a child cannot change them, as it could anywhere in $TMPDIR."""
+    top = config / "tmp"
+    top.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return Path(tempfile.mkdtemp(prefix="run-", dir=top))
+
+
+def remove_work_dir(directory: Path) -> None:
+    """own_work_dir's directory and the plain files egressd left in it (nothing else goes there)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+        os.rmdir(directory)
 
 
 def upstream_trust_file(extra: Sequence[str | os.PathLike[str]], directory: Path) -> Path:

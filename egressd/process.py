@@ -141,10 +141,12 @@ def run_child(
     catcher: SignalCatcher | None = None,
     poll: float = 0.5,
     started: Callable[[int], None] | None = None,
+    new_process_group: bool = False,
 ) -> int:
     """Run argv to completion, forwarding signals; return a subprocess-style returncode.
 
     0..255 is the exit code, -N means killed by signal N; 127/126 when it could not start.
+    new_process_group: the child leads a group of its own (its caller may kill it whole later).
     Pass a catcher installed before any thread was started (see SignalCatcher); without one,
     a private catcher is installed for the duration of the call.
     """
@@ -155,7 +157,7 @@ def run_child(
     catcher.install()
     try:
         try:
-            pid = spawn(argv, env, catcher)
+            pid = spawn(argv, env, catcher, new_process_group=new_process_group)
         except OSError as exc:
             return exec_failure(argv[0], exc)
         if started is not None:

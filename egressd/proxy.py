@@ -14,7 +14,6 @@ import os
 import resource
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -96,7 +95,7 @@ class EgressProxy:
         self._mitm_started: asyncio.Future[None] | None = None
         self._mitm_run: asyncio.Future[None] | None = None
         self._mitm_addresses: dict[str, tuple[str, int]] = {}
-        self._workdir: tempfile.TemporaryDirectory[str] | None = None
+        self._workdir: Path | None = None  # egressd's own files while it runs, in its hidden home
 
     # -- policy and credentials ----------------------------------------------------------------
     @property
@@ -165,8 +164,10 @@ class EgressProxy:
         config = self.config_dir or ca.config_dir()
         try:
             ca.ensure_ca(config)
-            self._workdir = tempfile.TemporaryDirectory(prefix="egressd-")
-            self._upstream_roots = ca.upstream_trust_file(self.upstream_ca, Path(self._workdir.name))
+            self._workdir = ca.own_work_dir(config)
+            self._upstream_roots = ca.upstream_trust_file(self.upstream_ca, self._workdir)
+        except OSError as exc:
+            raise EngineError(f"cannot make egressd's working directory in {config}: {exc}") from exc
         except ca.CAError as exc:
             raise EngineError(str(exc)) from exc
         self._confdir = ca.ca_dir(config)
@@ -372,7 +373,9 @@ class EgressProxy:
             self._thread.join(timeout=10)
         self._master = None
         if self._workdir is not None:
-            self._workdir.cleanup()
+            from egressd import ca
+
+            ca.remove_work_dir(self._workdir)
             self._workdir = None
 
 

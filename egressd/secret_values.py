@@ -5,8 +5,9 @@ the last good policy and values). No message here ever holds a value: errors say
 where it was looked for, never what was found.
 
 A value read from egressd's own environment is taken out of it: removed from `os.environ` (so
-neither the child nor a `command:` source inherits it) and, on Linux, wiped from the process's
-original environment block, which `/proc/<egressd>/environ` shows. egressd also makes itself
+neither the child nor a `command:` source inherits it) and wiped from the process's original
+environment strings, which `/proc/<egressd>/environ` shows on Linux and `kern.procargs2`
+(`ps -E`) on macOS. egressd also makes itself
 non-dumpable while it holds secrets (`prctl(PR_SET_DUMPABLE, 0)`): a child running as the same
 user can then read neither that file nor egressd's memory.
 """
@@ -48,9 +49,10 @@ class EnvVault:
     def take(self, name: str) -> str | None:
         with self._lock:
             if name not in self._taken:
-                self._taken[name] = self._environ.pop(name, None)
                 if self._environ is os.environ:
+                    # first: unsetenv drops the entry from the array that leads to the string
                     wipe_original_environ(name)
+                self._taken[name] = self._environ.pop(name, None)
             return self._taken[name]
 
     @property
@@ -122,7 +124,7 @@ def hidden_variables(specs: Sequence[SecretSpec], vault: EnvVault) -> tuple[str,
 
 
 def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith(("linux", "darwin")):
         return None
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -130,18 +132,58 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+def environ_array() -> ctypes._Pointer[ctypes.c_void_p] | None:  # type: ignore[name-defined]
+    """The C library's `environ` (char **): through `_NSGetEnviron()` on macOS (the documented way
+    for a library to reach it), the `environ` symbol elsewhere."""
+    libc = _libc()
+    if libc is None:
+        return None
+    pointer = ctypes.POINTER(ctypes.c_void_p)
+    try:
+        if sys.platform == "darwin":
+            get = libc._NSGetEnviron
+            get.restype = ctypes.POINTER(pointer)
+            return get().contents
+        return pointer.in_dll(libc, "environ")
+    except (AttributeError, ValueError):
+        return None
+
+
+def wipe_environ_entries(name: str, envp: ctypes._Pointer[ctypes.c_void_p] | None) -> bool:  # type: ignore[name-defined]
+    """Overwrite the value of every `NAME=value` string the environment array `envp` leads to, in
+    place: at start they are the strings the kernel copied in at exec, which another process of
+    the user reads back (macOS: kern.procargs2). True when one was found."""
+    if envp is None:
+        return False
+    prefix = name.encode() + b"="
+    wiped = False
+    for index in range(1 << 16):
+        address = envp[index]
+        if not address:
+            break
+        entry = ctypes.string_at(address)
+        if entry.startswith(prefix):
+            ctypes.memset(address + len(prefix), ord("x"), len(entry) - len(prefix))
+            wiped = True
+    return wiped
+
+
 def not_dumpable() -> bool:
     """prctl(PR_SET_DUMPABLE, 0): /proc/<egressd>/environ, mem and ptrace closed to same-user processes
     (root keeps them). True when done."""
-    libc = _libc()
+    libc = _libc() if sys.platform.startswith("linux") else None
     if libc is None:
         return False
     return bool(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0)
 
 
 def wipe_original_environ(name: str) -> bool:
-    """Overwrite `NAME=value` in the process's original environment block (what /proc/self/environ
-    shows; os.environ and unsetenv leave it untouched). Linux only; True when found and wiped."""
+    """Overwrite `NAME=value` in the process's original environment strings (os.environ and
+    unsetenv leave them untouched). Linux: the whole block /proc/self/environ shows, also entries
+    the array no longer leads to; macOS: the strings `environ` leads to (call before unsetenv).
+    True when found and wiped."""
+    if sys.platform == "darwin":
+        return wipe_environ_entries(name, environ_array())
     libc = _libc()
     if libc is None:
         return False

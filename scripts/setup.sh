@@ -32,6 +32,7 @@ APT_PACKAGES=(
   docker-compose
   mmdebstrap  # the gateway's base image, made from Debian packages (no image registry)
   logrotate:logrotate  # tests: the audit log rotated by docs/audit.md's logrotate example
+  tinyscheme  # tests: every generated Seatbelt profile evaluated by a real Scheme reader
 )
 
 log() { printf 'setup: %s\n' "$*" >&2; }

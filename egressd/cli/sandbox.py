@@ -28,6 +28,10 @@ from egressd.sandbox.shields import PRIVATE
 from egressd.sandbox.sources import SourceError, SourceGuard, source_files
 from egressd.session import ProxySession, SessionOptions, base_policy
 
+SERVE_HELP = (
+    "macOS: let the child listen on this port of the loopback (repeatable); by default it listens "
+    "on none (a page in your browser could reach it). Linux: the child's loopback is its own."
+)
 # What --env-clear keeps: what a program needs to find itself and print text.
 KEPT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "TZ")
 
@@ -124,6 +128,7 @@ only. See docs/sandbox.md.""",
     help="Let the child reach this port of the host's loopback through the proxy (repeatable); "
     "inside the sandbox only these and the policy's loopback.ports are reachable.",
 )
+@click.option("--serve", multiple=True, type=click.IntRange(1, 65535), metavar="PORT", help=SERVE_HELP)
 @click.option(
     "--only",
     multiple=True,
@@ -187,6 +192,7 @@ def run_sandboxed(
     only: tuple[str, ...],
     capture_direct: bool,
     bwrap_path: str | None,
+    serve: tuple[int, ...] = (),
     around: Around | None = None,
 ) -> NoReturn:
     """Everything `egressd sandbox` does after parsing; exits like the child."""
@@ -214,6 +220,8 @@ def run_sandboxed(
             fail(f"egressd sandbox runs on Linux (bubblewrap) and macOS (Seatbelt), not {sys.platform}")
     except preflight.SandboxUnavailable as exc:
         fail(str(exc))
+    if serve and not sandbox_exec:
+        fail("--serve is for macOS: on Linux the sandbox's loopback is its own, unreachable from outside")
     narrowing = narrow.Narrowing(only_rules, options.overrides.profile) if only_rules else None
     outcome = Outcome(EXIT_CANNOT_RUN, started=False)
     # the secrets' source files are hidden once the policy that names them is loaded
@@ -253,6 +261,7 @@ def run_sandboxed(
                     env_base=env_base,
                     sandbox_exec=sandbox_exec,
                     catcher=catcher,
+                    serve=serve,
                 )
     if outcome.error:
         say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")

@@ -64,16 +64,17 @@ class RefusalCerts:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.minimum_version = ssl.TLSVersion.TLSv1_2
             context.set_alpn_protocols(["http/1.1"])  # the page is HTTP/1.1: never offer h2
-            _load_chain(context, entry.cert.to_pem() + key)
+            _load_chain(context, entry.cert.to_pem() + key, self.confdir)
             if len(self._contexts) >= MAX_CACHED:
                 self._contexts.clear()
             self._contexts[host] = context
             return context
 
 
-def _load_chain(context: ssl.SSLContext, pem: bytes) -> None:
-    """ssl loads a certificate and key from a file only: a private one, gone once loaded."""
-    directory = tempfile.mkdtemp(prefix="egressd-page-")  # 0700
+def _load_chain(context: ssl.SSLContext, pem: bytes, confdir: Path) -> None:
+    """ssl loads a certificate and key from a file only: a private one in egressd's CA directory
+    (hidden from a sandboxed child, unlike $TMPDIR), gone once loaded."""
+    directory = tempfile.mkdtemp(prefix="page-", dir=confdir)  # 0700
     path = os.path.join(directory, "leaf.pem")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -27,6 +27,7 @@ from egressd.sandbox.shields import (
     HARMLESS,
     PRIVATE,
     Cover,
+    absent_credentials,
     apply_show,
     credential_paths,
     existing,
@@ -52,6 +53,7 @@ class Layout:
     withheld: tuple[tuple[str, str], ...] = ()  # harmless-listed files not shown, and why
     notes: tuple[tuple[str, str], ...] = ()  # (path, what it is) for --explain
     private: tuple[str, ...] = PRIVATE  # what the sandbox makes private whatever the covers say
+    absent: tuple[str, ...] = ()  # listed credentials that do not exist at start (Seatbelt hides them)
 
     def hides(self, path: str) -> bool:
         """The child sees nothing of the host's at the canonical `path`."""
@@ -249,6 +251,7 @@ def plan_layout(
         withheld=withheld,
         notes=tuple(notes),
         private=tuple(private),
+        absent=absent_credentials(home, environ),
     )
 
 

@@ -151,6 +151,31 @@ def probe(bwrap: str, disable_userns: bool) -> None:
     Probe(bwrap, disable_userns).wait()
 
 
+# A program every Mac has, run once under the profile: sandbox-exec loads the profile before it
+# runs anything, so a profile it refuses is reported as what it is, not as the command's exit status.
+PROFILE_PROBE = "/usr/bin/true"
+
+
+def check_profile(sandbox_exec: str, profile: str, timeout: float = PROBE_TIMEOUT) -> str | None:
+    """Why `sandbox-exec` refuses `profile` (its status and words), or None when it loads it."""
+    try:
+        result = subprocess.run(
+            [sandbox_exec, "-p", profile, PROFILE_PROBE],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot check the sandbox profile with {sandbox_exec}: {exc}"
+    if result.returncode == 0:
+        return None
+    said = " ".join((result.stderr or result.stdout).decode("utf-8", "replace").split())[:500]
+    return (
+        f"{sandbox_exec} refused egressd's sandbox profile (exit status {result.returncode}: "
+        f"{said or 'no message'}); this macOS does not accept a rule egressd writes. {NEVER_UNCONFINED}"
+    )
+
+
 def locate_sandbox_exec() -> str:
     if os.access(SANDBOX_EXEC, os.X_OK):
         return SANDBOX_EXEC

@@ -6,7 +6,10 @@ between), then starts the child. egressd forwards every signal it catches to the
 control pipe: the sandbox is a new session, so even the terminal's Ctrl-C reaches the child only
 this way, once. The exit status comes back on the status pipe (bubblewrap alone would turn "killed
 by SIGTERM" into 143).
-macOS: `sandbox-exec` with the generated profile runs the child directly, like `exec` does.
+macOS: `sandbox-exec` with the generated profile runs the child, in a process group of its own
+that has the terminal (as a shell runs a job), with a temporary directory of its own; when it
+ends, its group is killed, so is every process its profile still confines (leftovers.py), and
+the directory is removed.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import select
+import shutil
 import signal
 import socket
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,12 +45,14 @@ from egressd.sandbox import (
     BRIDGE_OPEN_PORT,
     BRIDGE_SOCKS_PORT,
     capture,
+    leftovers,
+    preflight,
 )
 from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import within
 from egressd.sandbox.sbpl import UnquotablePath
-from egressd.sandbox.seatbelt import seatbelt_argv, seatbelt_profile
+from egressd.sandbox.seatbelt import run_marker, seatbelt_argv, seatbelt_profile
 from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
@@ -62,6 +70,7 @@ CACHE_VARIABLES = {
     "XDG_CACHE_HOME": "xdg",
 }
 SOCKET_VARIABLES = ("SSH_AUTH_SOCK", "DOCKER_HOST")
+TEMP_VARIABLES = ("TMPDIR", "TMP", "TEMP")
 
 
 @dataclass(frozen=True)
@@ -83,12 +92,14 @@ def sandbox_env(
     hidden: Sequence[str] = (),
     cache: str | None = None,
     open_port: tuple[str, int] | None = None,
+    temp: str = "/tmp",
 ) -> dict[str, str]:
     """The child environment with the proxy URLs the child can reach from inside the sandbox.
 
     Variables that lead to a hidden socket (SSH_AUTH_SOCK, a unix:// DOCKER_HOST) are dropped:
-    the sandbox hides what they point at. The caches of npm, uv, pip and XDG programs point into
-    `cache` (--cache DIR) or the sandbox's private /tmp.
+    the sandbox hides what they point at. TMPDIR, TMP and TEMP name `temp`, the run's own
+    temporary directory (bubblewrap's private /tmp, or Seatbelt's per-run directory); the caches
+    of npm, uv, pip and XDG programs are in it, or in `cache` (--cache DIR).
     """
     socks_url = creds.proxy_url(*socks, scheme="socks5h") if socks else None
     base = dict(os.environ if base is None else base)
@@ -109,8 +120,11 @@ def sandbox_env(
     env = java_environment(
         env, proxy=open_port, truststore=str(store) if store is not None and store.is_file() else None
     )
+    for name in TEMP_VARIABLES:
+        env[name] = temp
+    private_cache = PRIVATE_CACHE if temp == "/tmp" else os.path.join(temp, ".egressd-cache")
     for name, sub in CACHE_VARIABLES.items():
-        env[name] = os.path.join(cache or PRIVATE_CACHE, sub)
+        env[name] = os.path.join(cache or private_cache, sub)
     env[SANDBOX_VAR] = kind
     return with_git_ssh(env, session.policy)
 
@@ -198,12 +212,13 @@ def _receive_listeners(channel: socket.socket) -> list[tuple[socket.socket, str]
 
 
 def _keep_only_inherited(keep: Sequence[int]) -> None:
-    """Nothing but stdio and the sandbox's pipes crosses into bubblewrap.
+    """Nothing but stdio and the sandbox's pipes crosses into the sandbox.
 
-    A descriptor the caller left open (a directory, a socket) would otherwise reach the child,
-    which could write through `/proc/self/fd/N` into a host directory the sandbox shows read-only.
+    A descriptor the caller left open (a directory, a socket, a file) would otherwise reach the
+    child, which could write through it (or `/proc/self/fd/N`) where the sandbox allows nothing.
     """
-    for name in os.listdir("/proc/self/fd"):
+    listing = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    for name in os.listdir(listing):
         fd = int(name)
         if fd > 2 and fd not in keep:
             with contextlib.suppress(OSError):
@@ -385,14 +400,19 @@ def run_bwrap(
 TEMP_ROOTS = ("/private/tmp", "/private/var/folders")
 
 
-def temp_dirs(environ: Mapping[str, str]) -> list[str]:
-    """The temporary directories the child may write: /tmp and $TMPDIR, canonical. A $TMPDIR
-    elsewhere (the home, a project, /) is not made writable: the variable is not a --rw option."""
-    found = {os.path.realpath("/tmp")}
+def temp_root(environ: Mapping[str, str]) -> str:
+    """Where the run's own temporary directory goes: the user's $TMPDIR (canonical) when it lies
+    under /var/folders or /tmp, else /tmp."""
     tmpdir = os.path.realpath(environ.get("TMPDIR") or "/tmp")
-    if any(within(tmpdir, top) and tmpdir != top for top in TEMP_ROOTS) or tmpdir == "/private/tmp":
-        found.add(tmpdir)
-    return sorted(found)
+    if any(within(tmpdir, top) and tmpdir != top for top in TEMP_ROOTS) and os.path.isdir(tmpdir):
+        return tmpdir
+    return os.path.realpath("/tmp")
+
+
+def make_run_dir(environ: Mapping[str, str]) -> str:
+    """The run's own temporary directory (0700), canonical: the only place outside its mounts the
+    child writes; never the host's /tmp or $TMPDIR, shared with builds outside the sandbox."""
+    return os.path.realpath(tempfile.mkdtemp(prefix="egressd-run-", dir=temp_root(environ)))
 
 
 def terminals() -> tuple[str, ...]:
@@ -405,6 +425,46 @@ def terminals() -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _set_terminal_group(pgid: int) -> int | None:
+    """Give the terminal to process group `pgid` when egressd has it (as a shell does for the job
+    it runs); the group that had it, or None."""
+    try:
+        if not os.isatty(0) or os.tcgetpgrp(0) != os.getpgrp():
+            return None
+        owner = os.tcgetpgrp(0)
+        previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        try:
+            os.tcsetpgrp(0, pgid)
+        finally:
+            signal.signal(signal.SIGTTOU, previous)
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):  # one that read the terminal before it was its own
+        os.killpg(pgid, signal.SIGCONT)
+    return owner
+
+
+def _restore_terminal(owner: int | None) -> None:
+    if owner is None:
+        return
+    with contextlib.suppress(OSError):
+        previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        try:
+            os.tcsetpgrp(0, owner)
+        finally:
+            signal.signal(signal.SIGTTOU, previous)
+
+
+def end_run(pgid: int | None, marker: str, run_dir: str) -> None:
+    """What the child left: its process group killed, then every process its profile confines
+    (one that left the group), then its temporary directory removed."""
+    if pgid is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
+    leftovers.end_leftovers(marker)
+    shutil.rmtree(run_dir, ignore_errors=True)  # fd-based: a symlink the child left is not followed
+
+
 def run_seatbelt(
     session: ProxySession,
     creds: ProxyCredentials,
@@ -414,21 +474,48 @@ def run_seatbelt(
     env_base: Mapping[str, str] | None = None,
     sandbox_exec: str,
     catcher: SignalCatcher,
+    serve: Sequence[int] = (),
 ) -> Outcome:
     """The child talks to the proxy's own loopback port; Seatbelt allows nothing else out."""
     assert session.proxy is not None
     http = session.proxy.http_address
     socks = session.proxy.socks_address
-    temp = temp_dirs(os.environ)
     ports = [http[1]] + ([socks[1]] if socks else [])
     home = os.path.realpath(os.path.expanduser("~"))
+    marker = run_marker(secrets.token_hex(16))
+    run_dir = make_run_dir(os.environ)
+    group: list[int] = []
+    owner: list[int | None] = [None]
     try:
-        profile = seatbelt_profile(
-            layout, ports, temp=temp, home=home, needed=needed_paths(session.ca_bundle), terminals=terminals()
+        try:
+            profile = seatbelt_profile(
+                layout,
+                ports,
+                temp=[run_dir],
+                home=home,
+                needed=needed_paths(session.ca_bundle),
+                terminals=terminals(),
+                serve=serve,
+                marker=marker,
+            )
+        except UnquotablePath as exc:
+            return Outcome(EXIT_CANNOT_RUN, started=False, error=str(exc))
+        problem = preflight.check_profile(sandbox_exec, profile)
+        if problem is not None:
+            return Outcome(EXIT_CANNOT_RUN, started=False, error=problem)
+        hidden = (*layout.hidden, *layout.masked)
+        env = sandbox_env(
+            session, creds, http, socks, "seatbelt", env_base, hidden, layout.cache, temp=run_dir
         )
-    except UnquotablePath as exc:
-        return Outcome(EXIT_CANNOT_RUN, started=False, error=str(exc))
-    hidden = (*layout.hidden, *layout.masked)
-    env = sandbox_env(session, creds, http, socks, "seatbelt", env_base, hidden, layout.cache)
-    argv = seatbelt_argv(profile, command, sandbox_exec)
-    return Outcome(run_child(argv, env, catcher=catcher))
+        _keep_only_inherited(())
+
+        def started(pid: int) -> None:
+            group.append(pid)
+            owner[0] = _set_terminal_group(pid)
+
+        code = run_child(seatbelt_argv(profile, command, sandbox_exec), env, catcher=catcher, started=started,
+                         new_process_group=True)  # fmt: skip
+        return Outcome(code)
+    finally:
+        _restore_terminal(owner[0])
+        end_run(group[0] if group else None, marker, run_dir)

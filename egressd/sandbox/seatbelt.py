@@ -4,17 +4,21 @@ The profile starts from `(deny default)` and allows what a CLI child needs: fork
 from the system's, package managers' and the user's directories, signals to its own processes,
 reading every file but the hidden ones (the home but for what is shown in it, credentials,
 egressd's home, the secrets' sources), writing only where the layout makes it writable, and
-network connections only to egressd's proxy on the loopback. The layout's hidden paths
-(credentials, egressd's home) are neither read nor written; its guarded paths (egressd's code,
-policy, audit) are never written. macOS has no private /tmp, so the host's temporary directories
-are writable and guarded paths there are protected like those in a writable mount.
+TCP connections only to egressd's proxy on the loopback. The layout's hidden paths (credentials,
+listed ones that do not exist yet included: Seatbelt needs nothing to lie on; egressd's home) are
+neither read nor written; its guarded paths (egressd's code, policy, audit) are never written.
+macOS has no private /tmp: the child writes only the run's own temporary directory, never the
+host's /tmp or $TMPDIR.
 
 The known trap: `(allow network-outbound (local ip "localhost:*"))` reads like a local-only
 allowance, but it matches the connection's LOCAL endpoint, which every outbound connection has,
 so it opens outbound traffic to anywhere. This profile never filters network-outbound on the local
 endpoint; `outbound_rules()` lets the tests check that.
 
-Seatbelt applies the last rule that matches, so each section allows first and denies after. Paths
+Seatbelt decides an operation by the rules naming it before those naming a wildcard holding it
+(`file-write-unlink` before `file-write*`), and among those by the last that matches; each
+section allows first and denies after, and no rule here relies on which of the two readings is
+Apple's (tests/support/seatbelt_model.py checks the denials under both). Paths
 are canonical (the kernel checks the resolved path: /private/tmp, not /tmp); the other spelling of
 /tmp, /var and /etc is written too. Pure functions; on macOS `egressd sandbox` runs
 `sandbox-exec -p PROFILE -- CMD...`. Not yet run on a Mac: tested as text only (see the README).
@@ -49,6 +53,80 @@ SYSTEM_PROGRAMS: tuple[str, ...] = (
 )
 XCODE = r'(regex #"^/Applications/Xcode[^/]*\.app/")'
 
+# What a process may ask the kernel for by name, read only: CPU, memory and OS facts, its own
+# process group and pid entries. Never kern.procargs/kern.procargs2 (the argv and ENVIRONMENT of
+# every process of the user: egressd's own, with the secrets it took from its environment).
+SYSCTL_NAMES: tuple[str, ...] = (
+    "hw.activecpu",
+    "hw.busfrequency_compat",
+    "hw.byteorder",
+    "hw.cacheconfig",
+    "hw.cachelinesize_compat",
+    "hw.cpufamily",
+    "hw.cpufrequency",
+    "hw.cpufrequency_compat",
+    "hw.cputype",
+    "hw.l1dcachesize_compat",
+    "hw.l1icachesize_compat",
+    "hw.l2cachesize_compat",
+    "hw.l3cachesize_compat",
+    "hw.logicalcpu",
+    "hw.logicalcpu_max",
+    "hw.machine",
+    "hw.memsize",
+    "hw.model",
+    "hw.ncpu",
+    "hw.nperflevels",
+    "hw.packages",
+    "hw.pagesize",
+    "hw.pagesize_compat",
+    "hw.physicalcpu",
+    "hw.physicalcpu_max",
+    "hw.tbfrequency_compat",
+    "hw.vectorunit",
+    "kern.argmax",
+    "kern.boottime",
+    "kern.hostname",
+    "kern.maxfiles",
+    "kern.maxfilesperproc",
+    "kern.maxproc",
+    "kern.ngroups",
+    "kern.osproductversion",
+    "kern.osrelease",
+    "kern.ostype",
+    "kern.osvariant_status",
+    "kern.osversion",
+    "kern.secure_kernel",
+    "kern.usrstack64",
+    "kern.version",
+    "machdep.cpu.brand_string",
+    "machdep.ptrauth_enabled",
+    "security.mac.lockdown_mode_state",
+    "sysctl.proc_cputype",
+    "vm.loadavg",
+)
+SYSCTL_PREFIXES: tuple[str, ...] = (
+    "hw.optional.",  # CPU features
+    "hw.perflevel",
+    "machdep.cpu.",
+    "kern.proc.pid.",  # one process's kinfo_proc (name, ids), not its arguments
+    "kern.proc.pgrp.",
+    "net.routetable.",  # the interface list (getifaddrs)
+)
+# Programs that run as root on the user's say-so: a cached sudo ticket would make the child root.
+# Their state (/private/var/db/sudo: the tickets) is unreadable too.
+PRIVILEGED_PROGRAMS: tuple[str, ...] = (
+    "/usr/bin/sudo",
+    "/usr/bin/su",
+    "/usr/bin/login",
+    "/usr/bin/newgrp",
+    "/usr/libexec/security_authtrampoline",
+)
+PRIVILEGED_STATE = "/private/var/db/sudo"
+# Where the run's marker lies: a path no file is at, which this run's profile alone denies, so
+# egressd can tell its own processes (daemonised ones included) by asking the kernel about it.
+MARKER_ROOT = "/egressd-run"
+
 # Each Mach service by name, none other. Not trustd, ocspd or mDNSResponder: they fetch (AIA, OCSP,
 # CRL) or resolve names on a client's behalf, outside the sandbox, so they would be ways out.
 MACH_SERVICES: tuple[tuple[str, str], ...] = (
@@ -64,6 +142,9 @@ _DEVICES: tuple[str, ...] = (
     '(literal "/dev/tty")',  # the child's own terminal (password prompts)
     '(regex #"^/dev/fd/[0-9]+$")',
 )
+# TIOCSTI by number (_IOW('t', 114, char)): the symbol TIOCSTI is unbound in the profile language
+# of macOS 13.7 and 14.2-14.3, where a profile naming it does not load at all.
+TIOCSTI = 0x80017472
 _ANY_TERMINAL = '(regex #"^/dev/ttys[0-9]+$")'  # not /dev/tty.* (serial ports)
 
 # macOS's symlinks at the root: a rule names both spellings of a path below one of them.
@@ -104,14 +185,17 @@ def _outermost(paths: Iterable[str]) -> list[str]:
     return [p for p in paths if not any(within(p, q) and p != q for q in paths)]
 
 
-def _process_rules() -> list[str]:
+def _process_rules(marker: str | None) -> list[str]:
+    sysctls = [f"(sysctl-name {quote(n)})" for n in SYSCTL_NAMES]
+    sysctls += [f"(sysctl-name-prefix {quote(p)})" for p in SYSCTL_PREFIXES]
     lines = [
         ";; Processes: fork, and signal or inspect only the processes of this sandbox.",
         "(allow process-fork)",
         "(allow signal (target same-sandbox))",
         "(allow process-info* (target same-sandbox))",
-        ";; Kernel parameters, read only: CPU count, OS version, the process table (ps).",
-        "(allow sysctl-read)",
+        ";; Kernel parameters, read only and by name: CPU, memory, OS version, its own process",
+        ";; entries. Not kern.procargs*: the arguments and environment of every process of yours.",
+        *_rule("allow sysctl-read", sysctls),
         ";; Named POSIX semaphores: Python's multiprocessing locks.",
         "(allow ipc-posix-sem)",
         ";; Mach services, each named; no others (not trustd or mDNSResponder: they would fetch or",
@@ -120,22 +204,34 @@ def _process_rules() -> list[str]:
     ]
     for name, why in MACH_SERVICES:
         lines += [f"    ;; {why}", f"    (global-name {quote(name)})"]
-    return [*lines, ")"]
+    lines.append(")")
+    if marker is not None:
+        lines += [
+            ";; This run's mark: egressd asks the kernel whether a process may read it, and ends",
+            ";; the ones that may not when the run is over (a daemon the child left, too).",
+            f"(deny file-read-data (literal {quote(marker)}))",
+        ]
+    return lines
 
 
-def _network_rules(proxy_ports: Sequence[int]) -> list[str]:
-    return [
+def _network_rules(proxy_ports: Sequence[int], serve: Sequence[int]) -> list[str]:
+    lines = [
         ";; Network: nothing but what follows. This also refuses the resolver's socket",
         ";; (/private/var/run/mDNSResponder): there is no DNS inside, the proxy resolves names.",
         "(deny network*)",
-        ";; The one way out: egressd's proxy on the loopback (HTTP, SOCKS5). There is deliberately no",
-        ";; network-outbound rule on the LOCAL endpoint: every outbound connection has one, so",
-        ";; such a rule would open outbound traffic to anywhere.",
-        *(f'(allow network-outbound (remote ip "localhost:{int(port)}"))' for port in proxy_ports),
-        ";; The child's own servers: bind and accept on the loopback only.",
-        '(allow network-bind (local ip "localhost:*"))',
-        '(allow network-inbound (local ip "localhost:*"))',
+        ";; The one way out: TCP to egressd's proxy on the loopback (HTTP, SOCKS5); not UDP. There",
+        ";; is deliberately no network-outbound rule on the LOCAL endpoint: every outbound",
+        ";; connection has one, so such a rule would open outbound traffic to anywhere.",
+        *(f'(allow network-outbound (remote tcp "localhost:{int(port)}"))' for port in proxy_ports),
     ]
+    if serve:
+        lines += [
+            ";; --serve: the child listens on these ports (a page in your browser could reach any",
+            ";; other, and a squatted OAuth redirect port would receive your login).",
+            *(f'(allow network-bind (local tcp "localhost:{int(port)}"))' for port in serve),
+            *(f'(allow network-inbound (local tcp "localhost:{int(port)}"))' for port in serve),
+        ]
+    return lines
 
 
 def _exec_rules(layout: Layout, temp: Sequence[str], home: str, needed: Sequence[str]) -> list[str]:
@@ -145,6 +241,8 @@ def _exec_rules(layout: Layout, temp: Sequence[str], home: str, needed: Sequence
         ";; paths, the temporary directories and egressd's Python; nowhere else (other users, volumes).",
         *_rule("allow process-exec*", [*_paths("subpath", SYSTEM_PROGRAMS), XCODE]),
         *_rule("allow process-exec*", _paths("subpath", places)),
+        ";; Never the programs that make a process root on your say-so (a cached sudo ticket).",
+        *_rule("deny process-exec*", _paths("literal", PRIVILEGED_PROGRAMS)),
     ]
 
 
@@ -158,8 +256,9 @@ def _write_rules(layout: Layout, temp: Sequence[str], terminals: Sequence[str]) 
         f"(deny file-read* file-write* {_ANY_TERMINAL})",
         *_rule("allow file-read* file-write*", _paths("literal", terminals)),
         *_rule("allow file-ioctl", ['(literal "/dev/tty")', _ANY_TERMINAL]),
-        "(deny file-ioctl (ioctl-command TIOCSTI))",
-        ";; The temporary directories: the host's own (macOS has no private /tmp).",
+        f"(deny file-ioctl (ioctl-command #x{TIOCSTI:08x}))",
+        ";; The run's own temporary directory (TMPDIR): never the host's /tmp or $TMPDIR, where",
+        ";; builds outside the sandbox keep what they run.",
         *_rule("allow file-write*", _paths("subpath", temp)),
         ";; The working directory and --rw paths writable, --ro read-only; parents first, so the",
         ";; most specific path wins, as on Linux.",
@@ -215,12 +314,11 @@ def _masked_rules(layout: Layout, needed: Sequence[str]) -> list[str]:
 
 
 def _hidden_rules(layout: Layout, needed: Sequence[str]) -> list[str]:
-    if not layout.hidden:
-        return []
+    hidden = _unique([*layout.hidden, *layout.absent, PRIVILEGED_STATE])
     lines = [
-        ";; Hidden: credentials, egressd's home (the CA key), authority sockets: not read, written",
-        ";; or run, even inside a writable path.",
-        *_rule("deny file-read* file-write* process-exec*", _paths("subpath", layout.hidden)),
+        ";; Hidden: credentials (the listed ones that do not exist too), egressd's home (the CA key),",
+        ";; authority sockets, sudo's tickets: not read, written or run, even inside a writable path.",
+        *_rule("deny file-read* file-write* process-exec*", _paths("subpath", hidden)),
     ]
     inside = [c.path for c in layout.covers if c.kind == "ro" and _under(c.path, layout.hidden)]
     if inside:
@@ -249,22 +347,25 @@ def seatbelt_profile(
     home: str,
     needed: Sequence[str] = (),
     terminals: Sequence[str] = (),
+    serve: Sequence[int] = (),
+    marker: str | None = None,
 ) -> str:
-    """The profile text for `layout` (canonical paths). `temp`: the host's temporary directories the
-    child writes; `home`: the user's; `needed`: what egressd's own process needs inside (its Python,
-    the CA bundle); `terminals`: the terminal devices the child inherits. UnquotablePath when a
-    path cannot be written safely."""
+    """The profile text for `layout` (canonical paths). `temp`: the run's own temporary directory
+    (the only place the child writes outside its mounts); `home`: the user's; `needed`: what
+    egressd's own process needs inside (its Python, the CA bundle); `terminals`: the terminal
+    devices the child inherits; `serve`: the ports the child may listen on (--serve); `marker`:
+    the run's mark (run_marker). UnquotablePath when a path cannot be written safely."""
     if not proxy_ports:
         raise ValueError("the proxy port is the only way out: at least one is required")
     sections = [
         [
             "(version 1)",
             ";; egressd sandbox (Seatbelt), generated from the sandbox's layout: everything not",
-            ";; allowed below is denied. Seatbelt applies the last matching rule.",
+            ";; allowed below is denied.",
             "(deny default)",
         ],
-        _process_rules(),
-        _network_rules(proxy_ports),
+        _process_rules(marker),
+        _network_rules(proxy_ports, serve),
         _exec_rules(layout, temp, home, needed),
         [";; Files: read everything but the hidden paths (below).", "(allow file-read*)"],
         _masked_rules(layout, needed),
@@ -272,6 +373,11 @@ def seatbelt_profile(
         _hidden_rules(layout, needed),
     ]
     return "\n\n".join("\n".join(lines) for lines in sections if lines) + "\n"
+
+
+def run_marker(token: str) -> str:
+    """The path this run's profile alone denies reading (see MARKER_ROOT)."""
+    return f"{MARKER_ROOT}/{token}"
 
 
 def seatbelt_argv(profile: str, command: Sequence[str], sandbox_exec: str = SANDBOX_EXEC) -> list[str]:

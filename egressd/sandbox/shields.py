@@ -89,6 +89,27 @@ CREDENTIALS: tuple[str, ...] = (
     ".mozilla",
     ".config/google-chrome",
     ".config/chromium",
+    # macOS: the keychains, browsers' profiles and cookies, apps' stored tokens, shell sessions
+    ".zsh_sessions",
+    ".bash_sessions",
+    ".node_repl_history",
+    "Library/Keychains",
+    "Library/Cookies",
+    "Library/Safari",
+    "Library/Application Support/Google/Chrome",
+    "Library/Application Support/Chromium",
+    "Library/Application Support/BraveSoftware",
+    "Library/Application Support/Microsoft Edge",
+    "Library/Application Support/Arc",
+    "Library/Application Support/Firefox",
+    "Library/Application Support/1Password",
+    "Library/Group Containers/2BUA8C4S2C.com.1password",
+    "Library/Application Support/Slack",
+    "Library/Application Support/discord",
+    "Library/Application Support/Code/User/globalStorage",
+    "Library/Application Support/Cursor/User/globalStorage",
+    "Library/Application Support/gh",
+    "Library/Containers/com.docker.docker",
 )
 # Shown read-only in the masked home because common tools read them, when they hold nothing that
 # looks like a credential (holds_credential). Not the shell's rc files: they often export tokens.
@@ -248,6 +269,18 @@ def existing(paths: Iterable[str]) -> tuple[str, ...]:
 
 def credential_paths(home: str, environ: Mapping[str, str]) -> tuple[str, ...]:
     """The user's credentials and authority sockets that exist now (hidden wherever shown)."""
+    return existing(listed_credentials(home, environ))
+
+
+def absent_credentials(home: str, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The listed credentials that do not exist now, canonical: Seatbelt denies a path whether or
+    not anything lies there, so one created during the run is hidden too (a cover needs a file)."""
+    found = (os.path.realpath(p) for p in listed_credentials(home, environ) if not os.path.lexists(p))
+    return tuple(dict.fromkeys(found))
+
+
+def listed_credentials(home: str, environ: Mapping[str, str]) -> list[str]:
+    """Every credential and authority socket the lists name, existing or not."""
     paths = [os.path.join(home, rel) for rel in CREDENTIALS]
     paths += AUTHORITY_SOCKETS
     if environ.get("SSH_AUTH_SOCK"):
@@ -255,7 +288,7 @@ def credential_paths(home: str, environ: Mapping[str, str]) -> tuple[str, ...]:
     docker_host = environ.get("DOCKER_HOST", "")
     if docker_host.startswith("unix://"):
         paths.append(docker_host[len("unix://") :])
-    return existing(paths)
+    return paths
 
 
 def apply_show(

@@ -4,32 +4,33 @@ What matters: the profile starts from `(deny default)`; nothing but the proxy's 
 open outbound, in particular no network-outbound rule filtered on the LOCAL endpoint (every outbound
 connection has one, so such a rule opens everything); it hides and protects what the Linux sandbox
 does, derived from the same Layout; and no path, whatever its characters, breaks out of its string
-literal. `decide()` below reads a profile the way Seatbelt is documented to apply it (the last
-matching rule wins) so the tables can ask what a path gets.
+literal. `decide()` below evaluates a profile with Debian's tinyscheme and asks the model of
+Seatbelt's rule precedence in tests/support/seatbelt_model.py what a path gets.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from egressd.exits import EXIT_CANNOT_RUN
 from egressd.sandbox import sbpl
 from egressd.sandbox.layout import Layout
-from egressd.sandbox.mounts import Mount, within
+from egressd.sandbox.mounts import Mount
 from egressd.sandbox.sbpl import String, UnquotablePath, quote
 from egressd.sandbox.seatbelt import (
     network_rules,
     outbound_rules,
+    run_marker,
     seatbelt_argv,
     seatbelt_profile,
     spellings,
 )
 from egressd.sandbox.shields import Cover
+from tests.support.seatbelt_model import Model
 
 # A project with --ro .git, the policy inside it (so its directory is pinned), egressd installed by
 # Homebrew, the audit in /tmp, credentials hidden (the ssh-agent's socket under /private/tmp), one
@@ -58,27 +59,89 @@ LAYOUT = Layout(
         "/private/tmp/egressd-audit/audit.jsonl",
     ),
 )
-TEMP = ["/private/tmp", "/private/var/folders/xy/T"]
+TEMP = ["/private/var/folders/xy/T/egressd-run-abc"]
+MARKER = run_marker("0123abcd")
 NEEDED = ("/opt/homebrew/Cellar/egressd/1.0/libexec", "/Users/u/.config/egressd/ca.pem")
 
 
 def _profile(layout: Layout = LAYOUT) -> str:
     return seatbelt_profile(
-        layout, [49152, 49153], temp=TEMP, home="/Users/u", needed=NEEDED, terminals=["/dev/ttys003"]
+        layout,
+        [49152, 49153],
+        temp=TEMP,
+        home="/Users/u",
+        needed=NEEDED,
+        terminals=["/dev/ttys003"],
+        marker=MARKER,
     )
 
 
 GOLDEN = r"""(version 1)
 ;; egressd sandbox (Seatbelt), generated from the sandbox's layout: everything not
-;; allowed below is denied. Seatbelt applies the last matching rule.
+;; allowed below is denied.
 (deny default)
 
 ;; Processes: fork, and signal or inspect only the processes of this sandbox.
 (allow process-fork)
 (allow signal (target same-sandbox))
 (allow process-info* (target same-sandbox))
-;; Kernel parameters, read only: CPU count, OS version, the process table (ps).
-(allow sysctl-read)
+;; Kernel parameters, read only and by name: CPU, memory, OS version, its own process
+;; entries. Not kern.procargs*: the arguments and environment of every process of yours.
+(allow sysctl-read
+    (sysctl-name "hw.activecpu")
+    (sysctl-name "hw.busfrequency_compat")
+    (sysctl-name "hw.byteorder")
+    (sysctl-name "hw.cacheconfig")
+    (sysctl-name "hw.cachelinesize_compat")
+    (sysctl-name "hw.cpufamily")
+    (sysctl-name "hw.cpufrequency")
+    (sysctl-name "hw.cpufrequency_compat")
+    (sysctl-name "hw.cputype")
+    (sysctl-name "hw.l1dcachesize_compat")
+    (sysctl-name "hw.l1icachesize_compat")
+    (sysctl-name "hw.l2cachesize_compat")
+    (sysctl-name "hw.l3cachesize_compat")
+    (sysctl-name "hw.logicalcpu")
+    (sysctl-name "hw.logicalcpu_max")
+    (sysctl-name "hw.machine")
+    (sysctl-name "hw.memsize")
+    (sysctl-name "hw.model")
+    (sysctl-name "hw.ncpu")
+    (sysctl-name "hw.nperflevels")
+    (sysctl-name "hw.packages")
+    (sysctl-name "hw.pagesize")
+    (sysctl-name "hw.pagesize_compat")
+    (sysctl-name "hw.physicalcpu")
+    (sysctl-name "hw.physicalcpu_max")
+    (sysctl-name "hw.tbfrequency_compat")
+    (sysctl-name "hw.vectorunit")
+    (sysctl-name "kern.argmax")
+    (sysctl-name "kern.boottime")
+    (sysctl-name "kern.hostname")
+    (sysctl-name "kern.maxfiles")
+    (sysctl-name "kern.maxfilesperproc")
+    (sysctl-name "kern.maxproc")
+    (sysctl-name "kern.ngroups")
+    (sysctl-name "kern.osproductversion")
+    (sysctl-name "kern.osrelease")
+    (sysctl-name "kern.ostype")
+    (sysctl-name "kern.osvariant_status")
+    (sysctl-name "kern.osversion")
+    (sysctl-name "kern.secure_kernel")
+    (sysctl-name "kern.usrstack64")
+    (sysctl-name "kern.version")
+    (sysctl-name "machdep.cpu.brand_string")
+    (sysctl-name "machdep.ptrauth_enabled")
+    (sysctl-name "security.mac.lockdown_mode_state")
+    (sysctl-name "sysctl.proc_cputype")
+    (sysctl-name "vm.loadavg")
+    (sysctl-name-prefix "hw.optional.")
+    (sysctl-name-prefix "hw.perflevel")
+    (sysctl-name-prefix "machdep.cpu.")
+    (sysctl-name-prefix "kern.proc.pid.")
+    (sysctl-name-prefix "kern.proc.pgrp.")
+    (sysctl-name-prefix "net.routetable.")
+)
 ;; Named POSIX semaphores: Python's multiprocessing locks.
 (allow ipc-posix-sem)
 ;; Mach services, each named; no others (not trustd or mDNSResponder: they would fetch or
@@ -91,18 +154,18 @@ GOLDEN = r"""(version 1)
     ;; the per-user temporary directory (confstr _CS_DARWIN_USER_TEMP_DIR)
     (global-name "com.apple.bsd.dirhelper")
 )
+;; This run's mark: egressd asks the kernel whether a process may read it, and ends
+;; the ones that may not when the run is over (a daemon the child left, too).
+(deny file-read-data (literal "/egressd-run/0123abcd"))
 
 ;; Network: nothing but what follows. This also refuses the resolver's socket
 ;; (/private/var/run/mDNSResponder): there is no DNS inside, the proxy resolves names.
 (deny network*)
-;; The one way out: egressd's proxy on the loopback (HTTP, SOCKS5). There is deliberately no
-;; network-outbound rule on the LOCAL endpoint: every outbound connection has one, so
-;; such a rule would open outbound traffic to anywhere.
-(allow network-outbound (remote ip "localhost:49152"))
-(allow network-outbound (remote ip "localhost:49153"))
-;; The child's own servers: bind and accept on the loopback only.
-(allow network-bind (local ip "localhost:*"))
-(allow network-inbound (local ip "localhost:*"))
+;; The one way out: TCP to egressd's proxy on the loopback (HTTP, SOCKS5); not UDP. There
+;; is deliberately no network-outbound rule on the LOCAL endpoint: every outbound
+;; connection has one, so such a rule would open outbound traffic to anywhere.
+(allow network-outbound (remote tcp "localhost:49152"))
+(allow network-outbound (remote tcp "localhost:49153"))
 
 ;; Programs: from the system, package managers, your home, the working directory, --rw/--ro
 ;; paths, the temporary directories and egressd's Python; nowhere else (other users, volumes).
@@ -120,11 +183,17 @@ GOLDEN = r"""(version 1)
 )
 (allow process-exec*
     (subpath "/Users/u")
-    (subpath "/private/tmp")
-    (subpath "/tmp")
-    (subpath "/private/var/folders/xy/T")
-    (subpath "/var/folders/xy/T")
+    (subpath "/private/var/folders/xy/T/egressd-run-abc")
+    (subpath "/var/folders/xy/T/egressd-run-abc")
     (subpath "/opt/homebrew/Cellar/egressd/1.0/libexec")
+)
+;; Never the programs that make a process root on your say-so (a cached sudo ticket).
+(deny process-exec*
+    (literal "/usr/bin/sudo")
+    (literal "/usr/bin/su")
+    (literal "/usr/bin/login")
+    (literal "/usr/bin/newgrp")
+    (literal "/usr/libexec/security_authtrampoline")
 )
 
 ;; Files: read everything but the hidden paths (below).
@@ -147,13 +216,12 @@ GOLDEN = r"""(version 1)
     (literal "/dev/tty")
     (regex #"^/dev/ttys[0-9]+$")
 )
-(deny file-ioctl (ioctl-command TIOCSTI))
-;; The temporary directories: the host's own (macOS has no private /tmp).
+(deny file-ioctl (ioctl-command #x80017472))
+;; The run's own temporary directory (TMPDIR): never the host's /tmp or $TMPDIR, where
+;; builds outside the sandbox keep what they run.
 (allow file-write*
-    (subpath "/private/tmp")
-    (subpath "/tmp")
-    (subpath "/private/var/folders/xy/T")
-    (subpath "/var/folders/xy/T")
+    (subpath "/private/var/folders/xy/T/egressd-run-abc")
+    (subpath "/var/folders/xy/T/egressd-run-abc")
 )
 ;; The working directory and --rw paths writable, --ro read-only; parents first, so the
 ;; most specific path wins, as on Linux.
@@ -172,22 +240,18 @@ GOLDEN = r"""(version 1)
 (deny file-write-unlink
     (literal "/Users/u/project")
     (literal "/Users/u/project/tools")
-    (literal "/private/tmp/egressd-audit")
-    (literal "/tmp/egressd-audit")
-    (literal "/private/tmp")
-    (literal "/tmp")
-    (literal "/private/tmp/com.apple.launchd.abc")
-    (literal "/tmp/com.apple.launchd.abc")
 )
 
-;; Hidden: credentials, egressd's home (the CA key), authority sockets: not read, written
-;; or run, even inside a writable path.
+;; Hidden: credentials (the listed ones that do not exist too), egressd's home (the CA key),
+;; authority sockets, sudo's tickets: not read, written or run, even inside a writable path.
 (deny file-read* file-write* process-exec*
     (subpath "/Users/u/.config/egressd")
     (subpath "/Users/u/.ssh")
     (subpath "/Users/u/.npmrc")
     (subpath "/private/tmp/com.apple.launchd.abc/Listeners")
     (subpath "/tmp/com.apple.launchd.abc/Listeners")
+    (subpath "/private/var/db/sudo")
+    (subpath "/var/db/sudo")
 )
 ;; Shown read-only inside a hidden path (--show).
 (allow file-read* (subpath "/Users/u/.ssh/known_hosts"))
@@ -196,40 +260,14 @@ GOLDEN = r"""(version 1)
 """
 
 
-def decide(profile: str, operation: str, path: str) -> str | None:
-    """ "allow" or "deny": the last rule that names `operation` (or a wildcard of it) and has no
-    filter or a path filter matching `path`; rules with other filters (target, ip) never match."""
-    decision = None
-    for form in sbpl.read(profile):
-        if not (isinstance(form, list) and form and form[0] in ("allow", "deny")):
-            continue
-        operations = [item for item in form[1:] if isinstance(item, str)]
-        filters = [item for item in form[1:] if isinstance(item, list)]
-        if not any(_names(pattern, operation) for pattern in operations):
-            continue
-        if filters and not any(_matches(filt, path) for filt in filters):
-            continue
-        decision = str(form[0])
-    return decision
+@functools.lru_cache(maxsize=64)
+def _model(profile: str) -> Model:
+    return Model.of(profile)
 
 
-def _names(pattern: str, operation: str) -> bool:
-    if pattern in ("default", operation):
-        return True
-    return pattern.endswith("*") and operation.startswith(pattern[:-1])
-
-
-def _matches(filt: list, path: str) -> bool:
-    kind, arg = filt[0], filt[1] if len(filt) > 1 else None
-    if not isinstance(arg, String):
-        return False
-    if kind == "literal":
-        return path == arg.text
-    if kind == "subpath":
-        return within(path, arg.text)
-    if kind == "regex":
-        return re.search(arg.text, path) is not None
-    return False
+def decide(profile: str, operation: str, path: str) -> str:
+    """ "allow" or "deny" for `operation` on `path` under `profile`, by Seatbelt's precedence."""
+    return _model(profile).decide(operation, path=path)
 
 
 def test_golden_profile() -> None:
@@ -258,7 +296,6 @@ def test_it_starts_from_deny_default_and_allows_only_with_filters() -> None:
         bare = [f for f in forms if f[0] == "allow" and all(isinstance(i, str) for i in f)]
         assert bare == [
             ["allow", "process-fork"],
-            ["allow", "sysctl-read"],
             ["allow", "ipc-posix-sem"],
             ["allow", "file-read*"],
         ]
@@ -275,23 +312,31 @@ def test_mach_services_are_named_one_by_one() -> None:
 
 
 def test_only_the_proxy_ports_are_open_outbound() -> None:
-    """Every allowing rule that could match an outbound connection names a proxy port, remotely."""
+    """Every allowing rule that could match an outbound connection names a proxy port, remotely,
+    over TCP (`ip` would admit UDP to it too)."""
     assert outbound_rules(_profile()) == [
-        '(remote ip "localhost:49152")',
-        '(remote ip "localhost:49153")',
+        '(remote tcp "localhost:49152")',
+        '(remote tcp "localhost:49153")',
     ]
 
 
-def test_no_rule_filters_outbound_on_the_local_endpoint() -> None:
-    rules = network_rules(_profile())
+@pytest.mark.parametrize("serve", [(), (8000, 8443)])
+def test_no_rule_filters_outbound_on_the_local_endpoint(serve: tuple[int, ...]) -> None:
+    """Outbound to the proxy ports only, remotely; bind and accept only on the --serve ports."""
+    profile = seatbelt_profile(LAYOUT, [49152], temp=TEMP, home="/Users/u", serve=serve)
+    rules = network_rules(profile)
     assert rules[:2] == [("deny", "default", ""), ("deny", "network*", "")]
-    for action, operation, filt in rules:
-        if action == "allow":
-            assert operation in ("network-bind", "network-inbound", "network-outbound")
-            if operation == "network-outbound":
-                assert filt.startswith("(remote ip ") and "*" not in filt
-            else:
-                assert filt == '(local ip "localhost:*")'
+    served = []
+    for action, operation, filt in rules[2:]:
+        assert action == "allow"
+        if operation == "network-outbound":
+            assert filt == '(remote tcp "localhost:49152")'
+        else:
+            assert operation in ("network-bind", "network-inbound")
+            served.append((operation, filt))
+    ops = ("network-bind", "network-inbound")
+    expected = [(op, f'(local tcp "localhost:{p}")') for op in ops for p in serve]
+    assert served == expected
 
 
 def test_the_trap_would_be_caught() -> None:
@@ -312,8 +357,8 @@ def test_the_denies_come_before_the_allowances() -> None:
 
 def test_terminals_no_tiocsti_and_no_other_terminal() -> None:
     profile = _profile()
-    assert "(deny file-ioctl (ioctl-command TIOCSTI))" in profile
-    assert profile.index("(deny file-ioctl (ioctl-command TIOCSTI))") > profile.index("(allow file-ioctl")
+    assert "(deny file-ioctl (ioctl-command #x80017472))" in profile
+    assert profile.index("(deny file-ioctl (ioctl-command #x80017472))") > profile.index("(allow file-ioctl")
     assert decide(profile, "file-read-data", "/dev/ttys003") == "allow"  # the child's own
     assert decide(profile, "file-read-data", "/dev/ttys007") == "deny"  # another window's input
     assert decide(profile, "file-write-data", "/dev/ttys007") == "deny"
@@ -347,10 +392,13 @@ def test_terminals_no_tiocsti_and_no_other_terminal() -> None:
         ("file-write-data", "/Users/u/.zshrc", "deny"),
         ("file-write-data", "/usr/local/bin/git", "deny"),
         ("file-write-data", "/opt/homebrew/Cellar/egressd/1.0/libexec/egressd/cli.py", "deny"),
-        ("file-write-data", "/private/tmp/build.log", "allow"),
-        ("file-write-data", "/tmp/build.log", "allow"),
-        ("file-write-data", "/private/var/folders/xy/T/tmp123", "allow"),
-        ("file-write-data", "/var/folders/xy/T/tmp123", "allow"),
+        ("file-write-data", "/private/var/folders/xy/T/egressd-run-abc/build.log", "allow"),
+        ("file-write-data", "/var/folders/xy/T/egressd-run-abc/build.log", "allow"),
+        # the host's /tmp and $TMPDIR are not the child's: builds outside keep what they run there
+        ("file-write-data", "/private/tmp/build.log", "deny"),
+        ("file-write-data", "/tmp/build.log", "deny"),
+        ("file-write-data", "/private/var/folders/xy/T/tmp123", "deny"),
+        ("file-write-create", "/private/var/folders/xy/T/go-build1/b001/exe/main", "deny"),
         ("file-write-data", "/private/var/folders/xy/C/cache", "deny"),
         ("file-write-data", "/private/tmp/egressd-audit/audit.jsonl", "deny"),
         ("file-write-data", "/tmp/egressd-audit/audit.jsonl", "deny"),
@@ -363,6 +411,7 @@ def test_terminals_no_tiocsti_and_no_other_terminal() -> None:
         ("file-write-unlink", "/private/tmp/egressd-audit", "deny"),
         ("file-write-unlink", "/tmp/egressd-audit", "deny"),
         ("file-write-unlink", "/private/tmp/com.apple.launchd.abc", "deny"),
+        ("file-write-unlink", "/private/var/folders/xy/T/egressd-run-abc/x", "allow"),
         ("file-write-unlink", "/Users/u/project/tools/notes.txt", "allow"),
         ("file-write-unlink", "/Users/u/project/src", "allow"),
         # programs: system, package managers, home, project, temp; not elsewhere or hidden
@@ -377,7 +426,11 @@ def test_terminals_no_tiocsti_and_no_other_terminal() -> None:
         ("process-exec", "/Users/u/.cargo/bin/cargo", "allow"),
         ("process-exec", "/Users/u/project/node_modules/.bin/tsc", "allow"),
         ("process-exec-interpreter", "/Users/u/project/.venv/bin/python", "allow"),
-        ("process-exec", "/private/var/folders/xy/T/go-build1/b001/exe/main", "allow"),
+        ("process-exec", "/private/var/folders/xy/T/egressd-run-abc/go-build1/b001/exe/main", "allow"),
+        ("process-exec", "/private/var/folders/xy/T/go-build1/b001/exe/main", "deny"),
+        ("process-exec", "/usr/bin/sudo", "deny"),
+        ("process-exec", "/usr/bin/su", "deny"),
+        ("file-read-data", "/private/var/db/sudo/ts/u", "deny"),
         ("process-exec", "/Users/other/bin/tool", "deny"),
         ("process-exec", "/Volumes/usb/tool", "deny"),
         ("process-exec", "/Users/u/.ssh/helper", "deny"),
@@ -629,6 +682,7 @@ def _named(name: str) -> str:
         (),
         None,
         (f"{top}/{name}/policy.yaml",),
+        absent=(f"/Users/u/.{name}",),
     )
     return seatbelt_profile(
         layout, [3128], temp=[f"/private/tmp/{name}"], home="/Users/u", terminals=[f"/dev/{name}"]
@@ -677,91 +731,23 @@ def test_a_proxy_port_is_required() -> None:
         seatbelt_profile(LAYOUT, [], temp=TEMP, home="/Users/u")
 
 
-# -- the whole macOS invocation, as `egressd sandbox` builds it ------------------------------------
-class _FakeProxy:
-    http_address = ("127.0.0.1", 49152)
-    socks_address = ("127.0.0.1", 49153)
-
-
-class _FakeSession:
-    proxy = _FakeProxy()
-    ca_bundle = None
-
-    def __init__(self) -> None:
-        from egressd.policy import parse_policy
-
-        self.policy = parse_policy({"version": 1, "allow": ["github.com:22"]}, "p.yaml")
-
-    def placeholders(self) -> dict[str, str]:
-        return {}  # no secrets in this policy
-
-    def hidden_variables(self) -> tuple[str, ...]:
-        return ()
-
-
-def _run_seatbelt(monkeypatch: pytest.MonkeyPatch, layout: Layout, seen: dict[str, object]):
-    from egressd.admission.credentials import ProxyCredentials
-    from egressd.process import SignalCatcher
-    from egressd.sandbox import run
-
-    def fake_run_child(argv: list[str], env: dict[str, str], *, catcher: object) -> int:
-        seen.update(argv=argv, env=env)
-        return 7
-
-    monkeypatch.setattr(run, "run_child", fake_run_child)
-    monkeypatch.setattr(run, "needed_paths", lambda session: NEEDED)
-    monkeypatch.setattr(run, "terminals", lambda: ("/dev/ttys003",))
-    monkeypatch.setattr(run.os.path, "realpath", lambda p: {"/tmp": "/private/tmp"}.get(p, p))
-    monkeypatch.setenv("TMPDIR", "/private/var/folders/xy/T")
-    monkeypatch.setenv("HOME", "/Users/u")
-    monkeypatch.setenv("HTTPS_PROXY", "http://inherited.example:1")
-    return run.run_seatbelt(
-        _FakeSession(),  # type: ignore[arg-type]
-        ProxyCredentials("egressd", "tok"),
-        ["git", "fetch"],
-        layout,
-        sandbox_exec="/usr/bin/sandbox-exec",
-        catcher=SignalCatcher(()),
-    )
-
-
-def test_full_macos_invocation(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, object] = {}
-    outcome = _run_seatbelt(monkeypatch, LAYOUT, seen)
-    assert outcome.returncode == 7
-    assert seen["argv"] == ["/usr/bin/sandbox-exec", "-p", GOLDEN, "--", "git", "fetch"]
-    env = seen["env"]
-    assert isinstance(env, dict)
-    # on macOS the child talks to the proxy's own loopback port: the profile's only way out
-    assert env["HTTPS_PROXY"] == "http://egressd:tok@127.0.0.1:49152"
-    assert env["EGRESSD_SOCKS_PROXY"] == "socks5h://egressd:tok@127.0.0.1:49153"
-    assert env["EGRESSD_SANDBOX"] == "seatbelt"
-    assert "egressd.connect %h %p" in env["GIT_SSH_COMMAND"]
-
-
-def test_an_unquotable_path_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, object] = {}
-    layout = Layout((Mount("/Users/u/a\nb", True),), (), (), ())
-    outcome = _run_seatbelt(monkeypatch, layout, seen)
-    assert not outcome.started and outcome.returncode == EXIT_CANNOT_RUN
-    assert outcome.error and "control character" in outcome.error
-    assert seen == {}
-
-
 @pytest.mark.parametrize(
     ("tmpdir", "expected"),
     [
-        ("/private/var/folders/xy/abc/T", ["/private/tmp", "/private/var/folders/xy/abc/T"]),
-        ("/private/tmp/mine", ["/private/tmp", "/private/tmp/mine"]),
-        ("/private/tmp", ["/private/tmp"]),
-        (None, ["/private/tmp"]),
-        ("/Users/u", ["/private/tmp"]),  # not a way to make the home writable
-        ("/private/var/folders", ["/private/tmp"]),
-        ("/", ["/private/tmp"]),
+        ("/private/var/folders/xy/abc/T", "/private/var/folders/xy/abc/T"),
+        ("/private/tmp/mine", "/private/tmp/mine"),
+        ("/private/tmp", "/private/tmp"),
+        (None, "/private/tmp"),
+        ("/Users/u", "/private/tmp"),  # the home is not where the run's directory goes
+        ("/private/var/folders", "/private/tmp"),
+        ("/", "/private/tmp"),
     ],
 )
-def test_temp_dirs(monkeypatch: pytest.MonkeyPatch, tmpdir: str | None, expected: list[str]) -> None:
+def test_where_the_runs_own_temporary_directory_goes(
+    monkeypatch: pytest.MonkeyPatch, tmpdir: str | None, expected: str
+) -> None:
     from egressd.sandbox import run
 
     monkeypatch.setattr(run.os.path, "realpath", lambda p: {"/tmp": "/private/tmp"}.get(p, p))
-    assert run.temp_dirs({"TMPDIR": tmpdir} if tmpdir else {}) == expected
+    monkeypatch.setattr(run.os.path, "isdir", lambda p: True)
+    assert run.temp_root({"TMPDIR": tmpdir} if tmpdir else {}) == expected

@@ -78,3 +78,24 @@ def test_the_original_environment_block_is_wiped(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert VALUE.encode() not in done.stdout and b"REAL=" + b"x" * len(VALUE) in done.stdout
+
+
+def test_the_environment_strings_are_wiped_through_the_environ_array() -> None:
+    """What macOS relies on (its kern.procargs2 shows the strings `_NSGetEnviron()` leads to):
+    walking the C library's environ array overwrites the value where the kernel put it. Checked
+    here with glibc's `environ`, whose strings are the ones /proc/self/environ shows."""
+    code = (
+        "from egressd.secret_values import environ_array, wipe_environ_entries\n"
+        "assert wipe_environ_entries('REAL', environ_array())\n"
+        "assert not wipe_environ_entries('ABSENT', environ_array())\n"
+        "print(open('/proc/self/environ', 'rb').read().split(b'\\0'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"REAL": VALUE, "REALLY": "kept", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert VALUE.encode() not in done.stdout and b"REAL=" + b"x" * len(VALUE) in done.stdout
+    assert b"REALLY=kept" in done.stdout

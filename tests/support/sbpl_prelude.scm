@@ -1,0 +1,103 @@
+;; What a Seatbelt profile may name, for Debian's tinyscheme: every rule the profile makes is
+;; printed in a form tests/support/seatbelt_model.py reads back, and a name that macOS 13's profile
+;; language does not know stops the evaluation with "unbound variable", as sandbox-exec does.
+;; The operation names are bound by seatbelt_model.py (one list, shared with the rule model).
+;;
+;; Output: one rule per line, each datum written as s<bytes>:<string>, y<bytes>:<symbol>,
+;; n<number>; or (...), so no string, whatever it holds, can be mistaken for structure.
+
+(define (sbpl-emit x)
+  (cond ((string? x) (display "s") (display (string-length x)) (display ":") (display x))
+        ((symbol? x)
+         (let ((s (symbol->string x)))
+           (display "y") (display (string-length s)) (display ":") (display s)))
+        ((number? x) (display "n") (display x) (display ";"))
+        ((null? x) (display "()"))
+        ((pair? x) (display "(") (for-each sbpl-emit x) (display ")"))
+        ((eq? x #t) (display "y2:#t"))
+        ((eq? x #f) (display "y2:#f"))
+        (else (error "a profile form that is not data:" x))))
+
+(define (sbpl-rule . form) (sbpl-emit form) (newline))
+
+;; #"..." is a regex literal: read raw (a backslash keeps the character after it, quote included),
+;; the way regular expressions need their backslashes.
+(define (sbpl-char-string ch) (make-string 1 ch))
+(define *sharp-hook*
+  (lambda ()
+    (read-char)
+    (let loop ((acc '()))
+      (let ((c (read-char)))
+        (cond ((eof-object? c) (error "unterminated regex literal"))
+              ((char=? c #\") (list 'rx (apply string-append (map sbpl-char-string (reverse acc)))))
+              ((char=? c #\\) (let ((d (read-char))) (loop (cons d (cons c acc)))))
+              (else (loop (cons c acc))))))))
+(define (rx text) (list 'regex-literal text))
+
+;; The top-level forms.
+(define (version n) (sbpl-rule 'version n))
+(define (allow . args) (apply sbpl-rule 'allow args))
+(define (deny . args) (apply sbpl-rule 'deny args))
+(define *params* '())
+(define (param key)
+  (let ((found (assq (string->symbol key) *params*)))
+    (if found (cdr found) (error "no such parameter:" key))))
+
+;; Filters and modifiers: each returns itself as data.
+(define (sbpl-filter name) (lambda args (cons name args)))
+(define literal (sbpl-filter 'literal))
+(define path (sbpl-filter 'literal))
+(define subpath (sbpl-filter 'subpath))
+(define prefix (sbpl-filter 'prefix))
+(define regex (sbpl-filter 'regex))
+(define path-literal (sbpl-filter 'literal))
+(define path-regex (sbpl-filter 'regex))
+(define require-all (sbpl-filter 'require-all))
+(define require-any (sbpl-filter 'require-any))
+(define require-not (sbpl-filter 'require-not))
+(define global-name (sbpl-filter 'global-name))
+(define global-name-prefix (sbpl-filter 'global-name-prefix))
+(define global-name-regex (sbpl-filter 'global-name-regex))
+(define local-name (sbpl-filter 'local-name))
+(define local-name-prefix (sbpl-filter 'local-name-prefix))
+(define remote (sbpl-filter 'remote))
+(define local (sbpl-filter 'local))
+(define target (sbpl-filter 'target))
+(define sysctl-name (sbpl-filter 'sysctl-name))
+(define sysctl-name-prefix (sbpl-filter 'sysctl-name-prefix))
+(define sysctl-name-regex (sbpl-filter 'sysctl-name-regex))
+(define ioctl-command (sbpl-filter 'ioctl-command))
+(define vnode-type (sbpl-filter 'vnode-type))
+(define socket-domain (sbpl-filter 'socket-domain))
+(define socket-type (sbpl-filter 'socket-type))
+(define socket-protocol (sbpl-filter 'socket-protocol))
+(define extension (sbpl-filter 'extension))
+(define iokit-registry-entry-class (sbpl-filter 'iokit-registry-entry-class))
+(define iokit-user-client-class (sbpl-filter 'iokit-user-client-class))
+(define ipc-posix-name (sbpl-filter 'ipc-posix-name))
+(define ipc-posix-name-prefix (sbpl-filter 'ipc-posix-name-prefix))
+(define ipc-posix-name-regex (sbpl-filter 'ipc-posix-name-regex))
+(define with (sbpl-filter 'with))
+
+;; The symbols filters and modifiers take.
+(define ip 'ip)
+(define tcp 'tcp)
+(define udp 'udp)
+(define unix-socket 'unix-socket)
+(define same-sandbox 'same-sandbox)
+(define no-sandbox 'no-sandbox)
+(define report 'report)
+(define no-report 'no-report)
+(define send-signal 'send-signal)
+(define message 'message)
+(define regular-file 'regular-file)
+(define directory 'directory)
+(define symlink 'symlink)
+(define character-device 'character-device)
+(define block-device 'block-device)
+(define socket 'socket)
+(define fifo 'fifo)
+(define af_unix 'af_unix)
+(define af_inet 'af_inet)
+(define af_inet6 'af_inet6)
+(define af_system 'af_system)
