@@ -48,7 +48,7 @@ from egressd.policy import (
     classify,
     join_host_port,
 )
-from egressd.refusal import Refusal
+from egressd.refusal import Refusal, outcome
 
 if TYPE_CHECKING:
     from egressd.admission.approver import Approver
@@ -531,6 +531,12 @@ class Pipeline:
     def disconnected(self, upstream_id: str) -> None:
         self.limits.upstreams.discard(upstream_id)
 
+    def upstream_failed(self, conn: ConnState, host: str, port: int, reason: str, detail: str) -> None:
+        """An admitted exchange whose upstream connection opened and then failed it (no response
+        head within timeouts.response, an answer that is not HTTP/1): recorded like a connection
+        that could not be opened, stage "connection", so every observer tells it as a failure."""
+        self.refused_early(conn, host, port, reason, detail, stage="connection")
+
     # -- events ------------------------------------------------------------------------------------
     def _emit(
         self,
@@ -679,7 +685,8 @@ class Pipeline:
         )
         if self.secrets:
             host, detail = self._recorded_path(host), self.secrets.needles.redact(detail)
-        logger.info("refused (%s) %s:%s: %s", stage, host if host is not None else "?", port or "?", detail)
+        where = f"{host if host is not None else '?'}:{port or '?'}"
+        logger.info("%s (%s) %s: %s", outcome(reason), stage, where, detail)
 
     def header_timeout(self, conn: ConnState, timeout: float) -> None:
         """A client cut for not finishing its request head in time."""
