@@ -295,7 +295,8 @@ class PolicyGate:
             where = f"{address[0]}:{address[1]}"
             data.server.error = failure_message("internal_error", f"{where} was not admitted")
             return
-        if (limited := self.rt.limits.connections()) is not None:  # a reconnect inside the tunnel
+        # counted before mitmproxy takes a descriptor for it (a reconnect inside the tunnel, too)
+        if (limited := self.rt.reserve_upstream(data.server.id)) is not None:
             data.server.error = failure_message(limited.reason, limited.detail)
             return
         if (unrecorded := self.rt.audit_refusal()) is not None:  # nothing opened that is not recorded
@@ -311,10 +312,9 @@ class PolicyGate:
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
         handoff = self._clients.get(data.client.id)
         connection = handoff.connections.get(data.server.id) if handoff is not None else None
-        if connection is not None and handoff is not None:
-            self.rt.connected(data.server.id)
-            if self.rt.connection_record(handoff.conn, connection, None) is not None:
-                close_client(data.client.id)  # its record was not written: the tunnel ends here
+        recorded = connection is None or handoff is None
+        if not recorded and self.rt.connection_record(handoff.conn, connection, None) is not None:
+            close_client(data.client.id)  # its record was not written: the tunnel ends here
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self.rt.disconnected(data.server.id)
@@ -323,6 +323,7 @@ class PolicyGate:
             handoff.connections.pop(data.server.id, None)
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self.rt.disconnected(data.server.id)
         handoff = self._clients.get(data.client.id)
         connection = handoff.connections.get(data.server.id) if handoff is not None else None
         if connection is not None and handoff is not None and connection.pin is not None:

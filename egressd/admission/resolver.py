@@ -29,9 +29,12 @@ import dns._features
 dns._features.force("doh", False)
 dns._features.force("doq", False)
 
+import dns.asyncbackend  # noqa: E402
 import dns.asyncresolver  # noqa: E402
 import dns.exception  # noqa: E402
 import dns.nameserver  # noqa: E402
+import dns.rdata  # noqa: E402
+import dns.rdataclass  # noqa: E402
 import dns.rdatatype  # noqa: E402
 import dns.resolver  # noqa: E402
 
@@ -61,6 +64,14 @@ def make_resolver(nameservers: Sequence[tuple[str, int]], timeout: float) -> dns
     resolver.timeout = timeout
     resolver.cache = None
     return resolver
+
+
+def load() -> None:
+    """Import now what a lookup would import on first use: the asyncio backend and the record
+    types an answer to A or AAAA carries (egressd.admission.resolve loads this at start)."""
+    dns.asyncbackend.set_default_backend("asyncio")  # no sniffing of the running loop either
+    for rdtype in ("A", "AAAA", "CNAME", "DNAME", "NS", "SOA", "OPT"):
+        dns.rdata.get_rdata_class(dns.rdataclass.IN, dns.rdatatype.from_text(rdtype))
 
 
 def retry_interval(timeout: float) -> float:
