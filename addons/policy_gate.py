@@ -9,6 +9,7 @@ egressd.inspect.patches refuses anything else).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import inspect
@@ -23,7 +24,7 @@ from egressd.admission.pinning import current_pin
 from egressd.admission.pipeline import Admitted, Ask, Pipeline
 from egressd.admission.state import ConnState
 from egressd.inspect import response_limit
-from egressd.inspect.connections import close_client
+from egressd.inspect.connections import close_client, close_server
 from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
@@ -40,6 +41,8 @@ _UPGRADE = "egressd_upgrade"
 # request bodies up to this size are read whole before going upstream (mitmproxy's own threshold,
 # stream_large_bodies in egressd.proxy): a placeholder in one is answered 403, nothing sent
 BUFFERED_BODY = 256 * 1024
+# failures of an exchange whose upstream connection was open (the connect's own are recorded there)
+_UPSTREAM_FAILURES = frozenset({"upstream_timeout", "upstream_protocol_error"})
 
 
 def _peer(client: connection.Client) -> str:
@@ -75,6 +78,7 @@ class PolicyGate:
         self.rt = pipeline
         self.handoffs = handoffs
         self._clients: dict[str, Handoff] = {}  # by mitmproxy's client id
+        self._waiting: dict[str, asyncio.TimerHandle] = {}  # timeouts.response, by flow id
 
     # -- connections -------------------------------------------------------------------------
     def client_connected(self, client: connection.Client) -> None:
@@ -178,17 +182,46 @@ class PolicyGate:
     @fail_closed
     def request(self, flow: http.HTTPFlow) -> None:
         """A small body read whole (mitmproxy buffers what it does not stream): scanned for the
-        placeholders its host may not get before anything of the request goes upstream."""
+        placeholders its host may not get before anything of the request goes upstream. The
+        request has ended: its response head is due within timeouts.response."""
         needles = flow.metadata.pop(_SCAN, None)
-        if needles is None or flow.metadata.get(_REFUSED):
+        if needles is not None and not flow.metadata.get(_REFUSED):
+            name = needles.find(flow.request.raw_content or b"")
+            if name is not None:
+                handoff = self.handoff(flow.client_conn)
+                self._refuse(flow, _secret_in_body(self.rt, handoff, flow, name))
+        if not flow.metadata.get(_REFUSED) and flow.response is None:
+            self._expect_response(flow, self.rt.policies.get().limits.response_timeout)
+
+    # -- timeouts.response: the upstream must send its response head in time ---------------------
+    def _expect_response(self, flow: http.HTTPFlow, timeout: float) -> None:
+        self._answered(flow)
+        loop = asyncio.get_running_loop()
+        self._waiting[flow.id] = loop.call_later(timeout, self._no_response, flow, timeout)
+
+    def _answered(self, flow: http.HTTPFlow) -> None:
+        waiting = self._waiting.pop(flow.id, None)
+        if waiting is not None:
+            waiting.cancel()
+
+    def _no_response(self, flow: http.HTTPFlow, timeout: float) -> None:
+        """No response head in time: the upstream connection is closed with egressd's note on it,
+        which mitmproxy's error answer then carries (egressd.inspect.patches, patch 4): a 504
+        `upstream_timeout`, recorded by the error hook."""
+        self._waiting.pop(flow.id, None)
+        server = flow.server_conn
+        if flow.response is not None or not flow.live or flow.error is not None:
             return
-        name = needles.find(flow.request.raw_content or b"")
-        if name is not None:
-            handoff = self.handoff(flow.client_conn)
-            self._refuse(flow, _secret_in_body(self.rt, handoff, flow, name))
+        if not server.connected:  # still connecting (bounded by connect_timeout): wait from then
+            self._expect_response(flow, timeout)
+            return
+        detail = f"no response from the server within {timeout:g}s (timeouts.response)"
+        server.error = failure_message("upstream_timeout", detail)
+        close_server(flow.client_conn.id, server)
 
     @fail_closed
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._answered(flow)
         if flow.metadata.get(_REFUSED) or flow.response is None:
             return
         response = flow.response
@@ -234,7 +267,19 @@ class PolicyGate:
         return cut
 
     def error(self, flow: http.HTTPFlow) -> None:
+        """A flow that ended in an error: one the upstream caused is recorded as a failure
+        (upstream_timeout, upstream_protocol_error: the marks of egressd.inspect.patches)."""
+        self._answered(flow)
         logger.debug("flow error: %s", flow.error)
+        failure = parse_failure(flow.error.msg if flow.error is not None else "")
+        handoff = self._clients.get(flow.client_conn.id)
+        if failure is None or handoff is None or failure[0] not in _UPSTREAM_FAILURES:
+            return
+        tunnel, (reason, detail) = handoff.tunnel, failure
+        # the detail may quote what the server sent, and with it a secret's value it echoed
+        self.rt.upstream_failed(
+            handoff.conn, tunnel.host, tunnel.port, reason, self.rt.secrets.mask_text(detail)
+        )
 
     # -- every upstream connection: to the pinned addresses only --------------------------------
     @fail_closed
@@ -250,7 +295,8 @@ class PolicyGate:
             where = f"{address[0]}:{address[1]}"
             data.server.error = failure_message("internal_error", f"{where} was not admitted")
             return
-        if (limited := self.rt.limits.connections()) is not None:  # a reconnect inside the tunnel
+        # counted before mitmproxy takes a descriptor for it (a reconnect inside the tunnel, too)
+        if (limited := self.rt.reserve_upstream(data.server.id)) is not None:
             data.server.error = failure_message(limited.reason, limited.detail)
             return
         if (unrecorded := self.rt.audit_refusal()) is not None:  # nothing opened that is not recorded
@@ -266,10 +312,9 @@ class PolicyGate:
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
         handoff = self._clients.get(data.client.id)
         connection = handoff.connections.get(data.server.id) if handoff is not None else None
-        if connection is not None and handoff is not None:
-            self.rt.connected(data.server.id)
-            if self.rt.connection_record(handoff.conn, connection, None) is not None:
-                close_client(data.client.id)  # its record was not written: the tunnel ends here
+        recorded = connection is None or handoff is None
+        if not recorded and self.rt.connection_record(handoff.conn, connection, None) is not None:
+            close_client(data.client.id)  # its record was not written: the tunnel ends here
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self.rt.disconnected(data.server.id)
@@ -278,6 +323,7 @@ class PolicyGate:
             handoff.connections.pop(data.server.id, None)
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self.rt.disconnected(data.server.id)
         handoff = self._clients.get(data.client.id)
         connection = handoff.connections.get(data.server.id) if handoff is not None else None
         if connection is not None and handoff is not None and connection.pin is not None:

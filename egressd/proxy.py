@@ -11,7 +11,6 @@ import contextlib
 import ipaddress
 import logging
 import os
-import resource
 import socket
 import sys
 import threading
@@ -21,7 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from egressd.admission.credentials import CredentialStore, ProxyCredentials
+from egressd.admission.descriptors import Descriptors, raise_soft_limit
 from egressd.admission.pipeline import Pipeline
+from egressd.admission.resolve import load_resolver
 from egressd.admission.state import PolicyHolder
 from egressd.inspect import patches
 from egressd.inspect.handoffs import Handoffs
@@ -146,7 +147,8 @@ class EgressProxy:
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
         patches.check_version()
-        _raise_fd_limit()
+        raise_soft_limit()
+        load_resolver()  # in a thread of its own while the proxy and the child start
         self._prepare_inspection()
         self._thread = threading.Thread(target=self._thread_main, name="egressd-proxy", daemon=True)
         self._thread.start()
@@ -193,6 +195,7 @@ class EgressProxy:
         host, port = self.listen
         try:
             await self._start_front(host, port)
+            self.pipeline.limits.descriptors = Descriptors.measure()  # what is open now is not the budget's
             self._ready.set()
             await self._stopping.wait()
         finally:
@@ -452,14 +455,3 @@ def _quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> 
     logger.error(
         "unhandled error in the proxy loop: %s", context.get("message"), exc_info=context.get("exception")
     )
-
-
-def _raise_fd_limit() -> None:
-    """Two descriptors per tunnel: a proxy needs the hard limit, not the default 1024."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):
-            logger.debug("could not raise RLIMIT_NOFILE from %s", soft)

@@ -16,6 +16,12 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "connect_refused": (502, "connection_refused"),
     "connect_timeout": (504, "connection_timeout"),
     "connect_error": (502, "destination_unavailable"),
+    # the upstream accepted the request but sent no response head within timeouts.response
+    "upstream_timeout": (504, "http_response_timeout"),
+    # the upstream's answer could not be read as HTTP/1 (a half response, a bad head, a close)
+    "upstream_protocol_error": (502, "http_protocol_error"),
+    # egressd is at its capacity of open files or connections: a later try may be served
+    "overloaded": (503, "connection_limit_reached"),
     "proxy_auth_required": (407, "http_request_denied"),
     "bad_request": (400, "http_request_error"),
     "host_mismatch": (400, "http_request_error"),
@@ -33,6 +39,33 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "upstream_proxy_unreachable": (502, "destination_unavailable"),
 }
 FAILURE_REASONS = frozenset(_FAILURES)
+
+# reasons that say the way to the upstream failed (its DNS, the network, the server itself), not
+# that anyone refused: every surface says "failed" for these, never "refused" (retrying may help)
+NETWORK_FAILURES = frozenset(
+    {
+        "dns_error",
+        "dns_timeout",
+        "connect_refused",
+        "connect_timeout",
+        "connect_error",
+        "upstream_timeout",
+        "upstream_protocol_error",
+        "upstream_tls_error",
+        "upstream_proxy_unreachable",
+    }
+)
+
+
+def is_network_failure(reason: str) -> bool:
+    """True when reason says the upstream could not be reached or answered badly, not a refusal."""
+    return reason in NETWORK_FAILURES
+
+
+def outcome(reason: str) -> str:
+    """The word every surface uses for a connection that did not happen: "failed" or "refused"."""
+    return "failed" if reason in NETWORK_FAILURES else "refused"
+
 
 # policy refusals about the address itself get the IP-specific error type
 _ADDRESS_REASONS = {"forbidden_address", "private_address", "resolved_forbidden", "self"}
@@ -93,11 +126,15 @@ class Refusal:
     host: str = ""
     port: int | None = None
     rule: str | None = None
-    retry_after: int | None = None  # seconds, for 429 answers
+    retry_after: int | None = None  # seconds, for 429 and overloaded answers
 
     @property
     def is_policy(self) -> bool:
         return self.reason in POLICY_REASONS
+
+    @property
+    def is_network_failure(self) -> bool:
+        return self.reason in NETWORK_FAILURES
 
     @property
     def status(self) -> int:
@@ -140,12 +177,16 @@ class Refusal:
             headers.append(("X-Egressd-Rule", _header_safe(self.rule)))
         if self.reason == "proxy_auth_required":
             headers.append(("Proxy-Authenticate", 'Basic realm="egressd"'))
-        if self.status == 429:
+        if self.status == 429 or self.reason == "overloaded":
             headers.append(("Retry-After", str(self.retry_after or 1)))
         return headers
 
     def body(self) -> str:
-        lines = [f"egressd refused the connection to {self.target}.", f"reason: {self.reason}"]
+        if self.is_network_failure:
+            first = f"egressd could not get an answer from {self.target}."
+        else:
+            first = f"egressd refused the connection to {self.target}."
+        lines = [first, f"reason: {self.reason}"]
         if self.rule:
             lines.append(f"decided by: {self.rule}")
         if self.detail:
@@ -162,8 +203,14 @@ class Refusal:
                 "This is not a policy decision: egressd cannot write its audit log and admits nothing it "
                 "cannot record. Retrying succeeds once the log can be written again."
             )
+        elif self.is_network_failure:
+            lines.append(
+                "This is not a policy decision: the network or the upstream failed; a retry may work."
+            )
+        elif self.reason == "overloaded":
+            lines.append("This is not a policy decision: egressd is at its capacity; a retry may work.")
         else:
-            lines.append("This is not a policy decision: the upstream could not be reached.")
+            lines.append("This is not a policy decision.")
         return "\n".join(lines) + "\n"
 
     def allow_hint(self) -> str | None:

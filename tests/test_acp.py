@@ -39,7 +39,7 @@ from acp.schema import (  # noqa: E402
 from tests.support.audit_log import audit_records  # noqa: E402
 from tests.support.dns_server import DnsServer  # noqa: E402
 from tests.support.egressd_cli import EGRESSD  # noqa: E402
-from tests.support.upstreams import EchoHTTPServer  # noqa: E402
+from tests.support.upstreams import EchoHTTPServer, RefusingPort  # noqa: E402
 
 AGENT = str(Path(__file__).parent / "support" / "acp_agent.py")
 FETCH_SERVER = [sys.executable, "-m", "mcp_server_fetch", "--ignore-robots-txt", "--allow-private-ips"]
@@ -231,6 +231,26 @@ async def test_agent_mcp_server_terminal_and_remote_servers_stay_under_egressd(
     decided = [(r.get("host"), r.get("decision")) for r in records if r.get("host")]
     assert ("up.test", "allow") in decided  # the allowed fetch went through egressd
     assert ("refused.test", "deny") in decided
+
+
+async def test_a_network_failure_is_told_as_one(
+    tmp_path: Path, dns: DnsServer, refusing_port: RefusingPort
+) -> None:
+    """A connection the network failed (nothing listens: connect_refused) is told in the session
+    as egressd failing to reach the host, never as egressd refusing it."""
+    dns.add("closed.test", refusing_port.host)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"version: 1\nallow: [closed.test, {refusing_port.host}/32]\n")
+    client = EditorClient()
+    command = _egressd_acp(policy, dns, tmp_path / "audit.jsonl")
+    async with spawn_agent_process(client, command[0], *command[1:], transport_kwargs=STDERR) as (conn, proc):
+        session_id = await _session(conn, [])
+        await _prompt(conn, session_id, f"terminal curl -sS -i http://closed.test:{refusing_port.port}/")
+        target = f"closed.test:{refusing_port.port}"
+        assert await _until(lambda: f"egressd failed to reach {target}: connect_refused" in client.texts())
+        notice = next(t for _, t in client.updates if t.startswith("egressd failed to reach"))
+        assert "retry may work" in notice and "--allow" not in notice, notice
+        assert not [t for _, t in client.updates if t.startswith("egressd refused")], client.updates
 
 
 async def test_stdio_passes_byte_for_byte_and_big_messages(

@@ -26,7 +26,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
 from tests.support.dns_server import DnsServer  # noqa: E402
 from tests.support.egressd_cli import EGRESSD  # noqa: E402
-from tests.support.upstreams import EchoHTTPServer  # noqa: E402
+from tests.support.upstreams import EchoHTTPServer, RefusingPort  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 EVERYTHING = REPO / ".cache" / "mcp-npm" / "node_modules" / ".bin" / "mcp-server-everything"
@@ -225,6 +225,17 @@ async def test_fetch_server_allowed_refused_and_profile(
     # other.test is in the policy, but only the everything server's profile allows it
     is_error, text = await _call(params, "fetch", {"url": f"http://other.test:{upstream.port}/x"})
     assert is_error and "profile" in text and "fetch" in text, text
+
+
+async def test_a_network_failure_is_told_as_one(wrapped_config: Path, upstream: EchoHTTPServer) -> None:
+    """A failed tool call whose connection the network failed (nothing listens on the port:
+    connect_refused) says egressd failed to reach it, never that egressd refused it."""
+    with RefusingPort(upstream.host) as closed:
+        params = _wrapped_params(wrapped_config, "fetch")
+        is_error, text = await _call(params, "fetch", {"url": f"http://up.test:{closed.port}/x"})
+    assert is_error
+    assert f"egressd failed to reach up.test:{closed.port}: connect_refused" in text, text
+    assert "egressd refused" not in text, text
 
 
 def _exchange(argv: list[str], lines: list[bytes], expect: int, timeout: float = 60) -> list[bytes]:

@@ -1,5 +1,6 @@
-"""The limits step: limits.requests_per_second / burst per child (token buckets) and
-limits.max_connections (upstream connections open at once).
+"""The limits step: limits.requests_per_second / burst per child (token buckets),
+limits.max_connections (upstream connections open at once) and egressd's own capacity, its file
+descriptors (egressd.admission.descriptors: a client beyond it is answered `overloaded`).
 
 The rate limit is taken before the decision, for refused targets as for allowed ones: probing what
 the policy refuses is not free.
@@ -12,6 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from egressd.admission.descriptors import Descriptors, Room
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -19,10 +21,34 @@ if TYPE_CHECKING:
 
 
 class Limits:
-    def __init__(self, policies: PolicyHolder) -> None:
+    def __init__(self, policies: PolicyHolder, descriptors: Descriptors | None = None) -> None:
         self.policies = policies
         self.buckets = TokenBuckets()
         self.upstreams: set[str] = set()  # ids of upstream connections open now
+        self.descriptors = descriptors or Descriptors.measure()
+        # descriptors taken besides client sockets, by id: upstream connections (1), hand-offs (2)
+        self.held: dict[str, int] = {}
+        self.held_total = 0
+
+    def room_for_client(self, served: int, clients: int) -> Room:
+        """Whether a new client is served, with `clients` client connections open, `served` of
+        them within capacity."""
+        return self.descriptors.for_client(served, clients, self.held_total)
+
+    def hold(self, key: str, served: int, count: int = 1) -> Refusal | None:
+        """Take `count` descriptors for an upstream connection or a hand-off (`key`, once), with
+        `served` clients within capacity, or the refusal when they do not fit (`release(key)`
+        gives them back)."""
+        if key in self.held:
+            return None
+        if not self.descriptors.fits(served, self.held_total, count):
+            return overloaded()
+        self.held[key] = count
+        self.held_total += count
+        return None
+
+    def release(self, key: str) -> None:
+        self.held_total -= self.held.pop(key, 0)
 
     def rate(self, conn: ConnState) -> Refusal | None:
         """One request's token, per child: its token, or the connection when it has none."""
@@ -47,6 +73,12 @@ class Limits:
         if limit is None or len(self.upstreams) < limit:
             return None
         return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
+
+
+def overloaded(host: str = "", port: int | None = None) -> Refusal:
+    """egressd is at its capacity of open connections (file descriptors): try again shortly."""
+    detail = "egressd holds as many connections as its open-file limit allows (ulimit -n); try again"
+    return Refusal("overloaded", detail, host, port, retry_after=1)
 
 
 class TokenBuckets:

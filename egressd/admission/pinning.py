@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from egressd.admission.descriptors import OUT_OF_DESCRIPTORS
 from egressd.admission.upstream import ParentFailure, dial
 from egressd.policy import IPAddress, UpstreamProxy, join_host_port
 from egressd.refusal import failure_message
@@ -137,6 +138,10 @@ async def try_addresses[T](
             log.append(f"{_fmt(address, port)}: timed out after {budget:.3g}s")
             continue
         except OSError as e:
+            if e.errno in OUT_OF_DESCRIPTORS:  # egressd's own limit, not the address's: no next one
+                kinds.append("overloaded")
+                log.append(f"{_fmt(address, port)}: not tried, no descriptor left ({e.strerror or e})")
+                break
             refused = e.errno == errno.ECONNREFUSED
             kinds.append("connect_refused" if refused else "connect_error")
             log.append(f"{_fmt(address, port)}: {'connection refused' if refused else (e.strerror or e)}")

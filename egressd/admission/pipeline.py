@@ -32,7 +32,7 @@ from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, R
 from egressd.admission.grants import GrantStore
 from egressd.admission.http_rules import request_refusal
 from egressd.admission.identity import identify
-from egressd.admission.limits import Limits
+from egressd.admission.limits import Limits, overloaded
 from egressd.admission.pinning import ConnectFailure, Pin, address_text, connect_protocol
 from egressd.admission.redirects import RedirectMemory
 from egressd.admission.secrets import NO_INJECTION, Injection, SecretBook
@@ -48,7 +48,7 @@ from egressd.policy import (
     classify,
     join_host_port,
 )
-from egressd.refusal import Refusal
+from egressd.refusal import Refusal, outcome
 
 if TYPE_CHECKING:
     from egressd.admission.approver import Approver
@@ -109,6 +109,7 @@ class Connections:
 
     open: dict[str, ConnState] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    served: int = 0  # of them, those within egressd's capacity (the others are answered overloaded)
 
 
 class Pipeline:
@@ -167,8 +168,11 @@ class Pipeline:
             ends=ends,
             tree_only=tree_only,
         )
-        with self._conns.lock:
-            self._conns.open[state.conn_id] = state
+        conns = self._conns
+        with conns.lock:
+            state.room = self.limits.room_for_client(conns.served, len(conns.open))
+            conns.served += state.room == "serve"
+            conns.open[state.conn_id] = state
         return state
 
     def close_conn(self, state: ConnState) -> None:
@@ -176,6 +180,7 @@ class Pipeline:
         with self._conns.lock:
             if self._conns.open.pop(state.conn_id, None) is None:
                 return
+            self._conns.served -= state.room == "serve"
         if state.host is not None:
             self.events.emit(
                 Closed(
@@ -222,7 +227,10 @@ class Pipeline:
         # 1a. nothing new while the audit cannot take its records (audit.on_failure: refuse)
         if self.audit is not None and not self.audit.writable and (refused := self.audit_refusal()):
             return self._unrecorded(conn, ask, refused)
-        # 1b. identity: who holds the socket, when a rule or the audit needs it (once per connection)
+        # 1b. accepted beyond egressd's capacity: answered (never dropped), before any lookup
+        if conn.room != "serve":
+            return self.overloaded(conn, ask)
+        # 1c. identity: who holds the socket, when a rule or the audit needs it (once per connection)
         program = await self._program(conn)
         # 2. limits, before anything is decided: refused targets cost a child its rate too
         tunnel = ask.stage in ("connect", "socks")
@@ -499,9 +507,21 @@ class Pipeline:
         """Connect `protocol` to the pinned addresses only (a request's are resolved and pinned
         now), with the connection record either way. `upstream_id` counts against
         limits.max_connections until `disconnected(upstream_id)`."""
-        limited = self.limits.connections()
+        limited = self.reserve_upstream(upstream_id)
         if limited is not None:
             return limited
+        opened = False
+        try:
+            failed = await self._open(conn, admitted, protocol)
+            opened = failed is None
+        finally:
+            if not opened:
+                self.disconnected(upstream_id)  # refused, failed or cancelled: nothing is open
+        return failed
+
+    async def _open(
+        self, conn: ConnState, admitted: Admitted, protocol: asyncio.BaseProtocol
+    ) -> Refusal | None:
         if self.audit is not None and not self.audit.writable and (refused := self.audit_refusal()):
             self.connection_record(conn, admitted, (refused.reason, refused.detail))
             return dataclasses.replace(refused, host=admitted.host, port=admitted.port)
@@ -521,15 +541,49 @@ class Pipeline:
                 transport.close()
             self.connection_record(conn, admitted, (unrecorded.reason, unrecorded.detail))
             return dataclasses.replace(unrecorded, host=pin.host, port=pin.port)
-        self.limits.upstreams.add(upstream_id)
         return None
 
-    def connected(self, upstream_id: str) -> None:
-        """An upstream connection opened elsewhere (mitmproxy's, to a pin this pipeline made)."""
-        self.limits.upstreams.add(upstream_id)
+    def reserve_upstream(self, upstream_id: str) -> Refusal | None:
+        """Count an upstream connection against limits.max_connections and egressd's descriptors
+        before anything of it is opened (its lookup, its socket): of a burst of tunnels, no more
+        than the limit ever get a descriptor. The refusal when the limit is reached or no
+        descriptor is left (`overloaded`); `disconnected` gives both back."""
+        limited = self.limits.connections() or self.hold(upstream_id)
+        if limited is None:
+            self.limits.upstreams.add(upstream_id)
+        return limited
+
+    def hold(self, key: str, count: int = 1) -> Refusal | None:
+        """Take `count` of egressd's descriptors for `key` (an upstream connection, a hand-off to
+        mitmproxy), or `overloaded`; `disconnected(key)` gives them back."""
+        return self.limits.hold(key, self._conns.served, count)
 
     def disconnected(self, upstream_id: str) -> None:
         self.limits.upstreams.discard(upstream_id)
+        self.limits.release(upstream_id)
+
+    def overloaded(self, conn: ConnState, ask: Ask) -> Refusal:
+        """The answer to a client accepted beyond egressd's capacity, recorded (no decision made)."""
+        refusal = overloaded(ask.host, ask.port)
+        request = ask.stage in ("request", "inner")
+        self.refused_early(
+            conn,
+            ask.host,
+            ask.port,
+            refusal.reason,
+            refusal.detail,
+            stage=ask.stage,
+            method=ask.method,
+            scheme=ask.scheme if request else None,
+            path=ask.path if request else None,
+        )
+        return refusal
+
+    def upstream_failed(self, conn: ConnState, host: str, port: int, reason: str, detail: str) -> None:
+        """An admitted exchange whose upstream connection opened and then failed it (no response
+        head within timeouts.response, an answer that is not HTTP/1): recorded like a connection
+        that could not be opened, stage "connection", so every observer tells it as a failure."""
+        self.refused_early(conn, host, port, reason, detail, stage="connection")
 
     # -- events ------------------------------------------------------------------------------------
     def _emit(
@@ -679,7 +733,8 @@ class Pipeline:
         )
         if self.secrets:
             host, detail = self._recorded_path(host), self.secrets.needles.redact(detail)
-        logger.info("refused (%s) %s:%s: %s", stage, host if host is not None else "?", port or "?", detail)
+        where = f"{host if host is not None else '?'}:{port or '?'}"
+        logger.info("%s (%s) %s: %s", outcome(reason), stage, where, detail)
 
     def header_timeout(self, conn: ConnState, timeout: float) -> None:
         """A client cut for not finishing its request head in time."""

@@ -2,17 +2,26 @@
 
 A name is resolved once (dnspython, with the policy's deadline; concurrent lookups of one name
 share one query), every address is classified by the pure filter, and what survives — at most 4 —
-is the Pin: the only addresses this connection will ever try. Nothing is resolved again. dnspython
-is imported with the first name to resolve: a child that reaches none (`egressd exec -- true`, or
-only IP literals) never loads it.
+is the Pin: the only addresses this connection will ever try. Nothing is resolved again.
+
+The resolver (dnspython, and what its lookups would import on first use) is loaded at start, in a
+thread of its own while the child starts (`load_resolver`, from EgressProxy.start): an import at
+the first lookup could meet a process out of file descriptors and fail, and it would hold up the
+event loop. A lookup that comes before the load is done waits for it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 import time
+from types import ModuleType
 from typing import NamedTuple
 
 from egressd.admission.decide import refusal_for
+from egressd.admission.descriptors import out_of_descriptors
+from egressd.admission.limits import overloaded
 from egressd.admission.pinning import Pin
 from egressd.admission.upstream import parent_for
 from egressd.policy import Decision, IPAddress, Policy, filter_addresses, resolution_refusal
@@ -31,20 +40,55 @@ class Pinned(NamedTuple):
     lookup: tuple[float, str] | None = None
 
 
+_resolver: ModuleType | None = None  # egressd.admission.resolver, once loaded
+_loading: concurrent.futures.Future[ModuleType] | None = None
+_load_lock = threading.Lock()
+
+
+def load_resolver() -> concurrent.futures.Future[ModuleType]:
+    """Load the resolver in a thread of its own, once (again after a load that failed)."""
+    global _loading
+    with _load_lock:
+        if _loading is None or (_loading.done() and _loading.exception() is not None):
+            _loading = concurrent.futures.Future()
+            threading.Thread(target=_load, args=(_loading,), name="egressd-load", daemon=True).start()
+        return _loading
+
+
+def _load(done: concurrent.futures.Future[ModuleType]) -> None:
+    global _resolver
+    try:
+        from egressd.admission import resolver
+
+        resolver.load()
+    except BaseException as exc:  # noqa: BLE001 - handed to the lookups that wait
+        done.set_exception(exc)
+        return
+    _resolver = resolver
+    done.set_result(resolver)
+
+
 async def pin(decision: Decision, policy: Policy) -> Pinned:
     target = decision.target
     assert decision.allowed and target is not None
     lookup: tuple[float, str] | None = None
     if decision.needs_resolution:
-        from egressd.admission.resolver import ResolveError, resolve
-
+        resolver = _resolver
+        if resolver is None:
+            try:
+                resolver = await asyncio.wrap_future(load_resolver())
+            except Exception as exc:
+                if not out_of_descriptors(exc):
+                    raise
+                refusal = overloaded(target.host.text, target.port)
+                return Pinned(decision, None, refusal, (), (0.0, refusal.reason))
         assert target.host.name is not None
         started = time.monotonic()
         try:
-            addresses = await resolve(
+            addresses = await resolver.resolve(
                 target.host.name, policy.resolver.nameservers, policy.limits.dns_timeout
             )
-        except ResolveError as e:
+        except resolver.ResolveError as e:
             lookup = (time.monotonic() - started, e.reason)
             refusal = Refusal(e.reason, e.detail, target.host.text, target.port)
             return Pinned(decision, None, refusal, (), lookup)

@@ -6,11 +6,18 @@ returned here are classified by the policy and then they are the only ones conne
 Lookups of one name that are in flight at the same moment share one DNS query per record type (a
 burst of connections to one host must not become a burst of queries). Nothing is kept once the
 query is answered: the next connection asks again.
+
+A query is asked again (the next nameserver first) every quarter of dns_timeout, at least 0.5 s, when
+no answer came, and the earlier tries keep listening: the first answer of any try counts, so a
+nameserver that answers slower than one try's share still answers in time. The query ends at
+dns_timeout, never later.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import errno
 import ipaddress
 from collections.abc import Sequence
 
@@ -22,17 +29,24 @@ import dns._features
 dns._features.force("doh", False)
 dns._features.force("doq", False)
 
+import dns.asyncbackend  # noqa: E402
 import dns.asyncresolver  # noqa: E402
 import dns.exception  # noqa: E402
 import dns.nameserver  # noqa: E402
+import dns.rdata  # noqa: E402
+import dns.rdataclass  # noqa: E402
 import dns.rdatatype  # noqa: E402
 import dns.resolver  # noqa: E402
 
 from egressd.policy import IPAddress  # noqa: E402
 
+MAX_TRIES = 4  # tries of one query in flight at once (a slow nameserver keeps each busy)
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
 
 class ResolveError(Exception):
-    """Resolution failed; reason is dns_error or dns_timeout."""
+    """Resolution failed; reason is dns_error or dns_timeout (overloaded: egressd had no socket
+    left to ask with)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -47,10 +61,22 @@ def make_resolver(nameservers: Sequence[tuple[str, int]], timeout: float) -> dns
     else:
         resolver = dns.asyncresolver.Resolver()
     resolver.lifetime = timeout
-    # a lost UDP packet is retried within the lifetime instead of using all of it up
-    resolver.timeout = min(timeout, max(0.5, timeout / 4))
+    resolver.timeout = timeout
     resolver.cache = None
     return resolver
+
+
+def load() -> None:
+    """Import now what a lookup would import on first use: the asyncio backend and the record
+    types an answer to A or AAAA carries (egressd.admission.resolve loads this at start)."""
+    dns.asyncbackend.set_default_backend("asyncio")  # no sniffing of the running loop either
+    for rdtype in ("A", "AAAA", "CNAME", "DNAME", "NS", "SOA", "OPT"):
+        dns.rdata.get_rdata_class(dns.rdataclass.IN, dns.rdatatype.from_text(rdtype))
+
+
+def retry_interval(timeout: float) -> float:
+    """How long a try waits for its answer alone before the next try joins it."""
+    return min(timeout, max(0.5, timeout / 4))
 
 
 async def resolve(name: str, nameservers: Sequence[tuple[str, int]], timeout: float) -> list[IPAddress]:
@@ -69,8 +95,9 @@ async def resolve(name: str, nameservers: Sequence[tuple[str, int]], timeout: fl
             addresses.extend(result)
     if addresses:
         return addresses
-    if any(e.reason == "dns_timeout" for e in errors):
-        raise next(e for e in errors if e.reason == "dns_timeout")
+    for reason in ("overloaded", "dns_timeout"):  # what a retry may cure comes first
+        if any(e.reason == reason for e in errors):
+            raise next(e for e in errors if e.reason == reason)
     if errors:
         raise errors[0]
     raise ResolveError("dns_error", f"{name}: no A or AAAA records")
@@ -107,21 +134,69 @@ def _forget(key: _QueryKey, done: asyncio.Future[list[IPAddress] | ResolveError]
 async def _query(
     resolver: dns.asyncresolver.Resolver, name: str, rdtype: dns.rdatatype.RdataType
 ) -> list[IPAddress] | ResolveError:
+    """The first answer of staggered tries (see the module's docstring), or why there was none
+    within the resolver's lifetime (dns_timeout)."""
+    loop = asyncio.get_running_loop()
+    lifetime = float(resolver.lifetime)
+    start = loop.time()
+    deadline = start + lifetime
+    interval = retry_interval(lifetime)
+    servers = list(resolver.nameservers)
+    tries: set[asyncio.Future[list[IPAddress] | ResolveError | None]] = set()
+    started = 0
+    try:
+        while (now := loop.time()) < deadline:
+            if started < MAX_TRIES and now >= start + started * interval:
+                one = copy.copy(resolver)  # the next nameserver first: a silent one holds up no try
+                shift = started % len(servers) if servers else 0
+                one.nameservers = servers[shift:] + servers[:shift]
+                tries.add(asyncio.ensure_future(_try(one, name, rdtype, deadline - now)))
+                started += 1
+            wake = min(deadline, start + started * interval) if started < MAX_TRIES else deadline
+            if not tries:  # every try heard nothing (their clock ran out a moment before ours)
+                await asyncio.sleep(wake - now)
+                continue
+            done, tries = await asyncio.wait(tries, timeout=wake - now, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                if (outcome := finished.result()) is not None:
+                    return outcome
+        return ResolveError("dns_timeout", f"{name}: no DNS answer within {lifetime:g}s")
+    finally:
+        for pending in tries:
+            pending.cancel()
+
+
+async def _try(
+    resolver: dns.asyncresolver.Resolver, name: str, rdtype: dns.rdatatype.RdataType, budget: float
+) -> list[IPAddress] | ResolveError | None:
+    """One try: the answer, a definite failure (NXDOMAIN, every nameserver failed), or None when
+    it heard nothing within its budget (another try may)."""
+    resolver.lifetime = resolver.timeout = budget
     try:
         answer = await resolver.resolve(name, rdtype, search=False, raise_on_no_answer=False)
     except dns.resolver.NXDOMAIN:
         return ResolveError("dns_error", f"{name}: no such host (NXDOMAIN)")
     except dns.resolver.LifetimeTimeout:
-        return ResolveError("dns_timeout", f"{name}: no DNS answer within {resolver.lifetime:g}s")
+        return None
     except dns.resolver.NoNameservers as e:
+        if any(_out_of_descriptors(error) for *_, error, _ in e.kwargs.get("errors") or ()):
+            return ResolveError("overloaded", f"{name}: no socket left to ask the nameserver")
         return ResolveError("dns_error", f"{name}: DNS server failure ({_short(e)})")
     except dns.exception.DNSException as e:
+        return ResolveError("dns_error", f"{name}: {_short(e)}")
+    except OSError as e:
+        if _out_of_descriptors(e):
+            return ResolveError("overloaded", f"{name}: no socket left to ask the nameserver")
         return ResolveError("dns_error", f"{name}: {_short(e)}")
     out: list[IPAddress] = []
     if answer.rrset is not None:
         for rdata in answer.rrset:
             out.append(ipaddress.ip_address(rdata.address))
     return out
+
+
+def _out_of_descriptors(error: object) -> bool:
+    return isinstance(error, OSError) and error.errno in _OUT_OF_DESCRIPTORS
 
 
 def _short(exc: Exception) -> str:

@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from egressd.admission.descriptors import Room
 from egressd.policy import Policy, Program, join_host_port
 
 DEFAULT_USERNAME = "egressd"
@@ -93,6 +94,9 @@ class ConnState:
     # to (`egressd exec`'s credential-free listener): its pid is looked up when a request comes
     tree_only: bool = False
     identity: Identity | None = None  # who holds the client's socket, once looked up
+    # accepted within egressd's capacity ("serve"), or beyond it: its request is answered
+    # `overloaded` ("answer"), or that answer goes out at once ("answer_now")
+    room: Room = "serve"
 
     @property
     def profile(self) -> str | None:

@@ -79,11 +79,17 @@ def _url_target(url: object) -> tuple[str, int, str, str] | None:
 
 
 def refusal_text(refusal: Refusal, what: str) -> str:
-    """The line a user reads in the editor for one refusal."""
-    text = f"egressd refused {what}: {refusal.reason}"
+    """The line a user reads in the editor for one refusal (or failure: a network failure is told
+    as one, never as egressd refusing)."""
+    if refusal.is_network_failure:
+        text = f"egressd failed to reach {what}: {refusal.reason}"
+    else:
+        text = f"egressd refused {what}: {refusal.reason}"
     if refusal.detail:
         text += f" ({refusal.detail})"
-    if refusal.is_policy:
+    if refusal.is_network_failure:
+        text += ". Not egressd's policy: the network or the server failed; a retry may work."
+    elif refusal.is_policy:
         text += ". This is egressd's policy; retrying will not help."
         hint = refusal.allow_hint()
         if hint:

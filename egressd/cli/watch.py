@@ -8,6 +8,7 @@ import click
 
 from egressd.cli.instances import pid_option, select
 from egressd.control.client import ControlError
+from egressd.refusal import is_network_failure
 
 
 def _line(item: dict) -> str | None:
@@ -16,6 +17,8 @@ def _line(item: dict) -> str | None:
         if item.get("stage") == "connection" and item.get("allowed"):
             return None  # the decision line said it already
         verdict = "allow" if item.get("allowed") else "DENY "
+        if not item.get("allowed") and is_network_failure(str(item.get("reason") or "")):
+            verdict = "FAIL "  # the network or the upstream failed: nothing was refused
         where = f"{item.get('host')}:{item.get('port')}"
         request = f" {item['method']} {item['path']}" if item.get("path") else ""
         rule = item.get("rule") or "-"

@@ -142,11 +142,34 @@ class Upstream(_Writable, asyncio.Protocol):
         self.inbox = _Inbox()
         self.transport: asyncio.Transport | None = None
         self.server_id = ""
+        self.head_due = False  # a request went out and its final response head has not come yet
+        self.waiting: asyncio.TimerHandle | None = None  # timeouts.response, counting once the request ended
+        self.timed_out: float | None = None  # the timeout that ran out, when one did
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(high=HIGH_WATER)
         self.inbox.transport = self.transport
+
+    def expect_response(self, timeout: float) -> None:
+        """The request is out: its response head is due within `timeout` (timeouts.response)."""
+        self.answered()
+        self.waiting = asyncio.get_running_loop().call_later(timeout, self._no_response, timeout)
+
+    def answered(self, *, final: bool = True) -> None:
+        """A response head arrived (`final`: not an interim one) or the exchange ended."""
+        self.head_due = self.head_due and not final
+        if self.waiting is not None:
+            self.waiting.cancel()
+            self.waiting = None
+
+    def _no_response(self, timeout: float) -> None:
+        self.waiting = None
+        if self.inbox.events:  # the head came in this very turn of the loop: it is read next
+            return
+        self.timed_out = timeout
+        self.inbox.fail(None)
+        self.close()
 
     def data_received(self, data: bytes) -> None:
         self.client.count_down(len(data))
@@ -158,6 +181,7 @@ class Upstream(_Writable, asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.answered()
         if not self.inbox.closed and self.wire.in_head is False and not self.wire.fed_eof:
             self.eof_received()
         self.inbox.fail(None)
@@ -348,12 +372,14 @@ class PlainClient(_Writable, asyncio.Protocol):
                 return False
             upstream = opened
         self.busy = upstream
+        upstream.head_due = True
         out = _as_sent(head, admitted)
         sent = upstream.wire.request(out, upstream_headers(out, key[0], key[1], set(admitted.strip)))
         sending: asyncio.Task[None] | None = None
         if self.inbox.events and isinstance(self.inbox.events[0], End):  # no body: no task for it
             self.inbox.events.popleft()
             upstream.write(sent + upstream.wire.end())
+            upstream.expect_response(self.rt.policies.get().limits.response_timeout)
         else:
             upstream.write(sent)
             scan = PlaceholderStream(admitted.injection.body) if admitted.injection.body else None
@@ -362,6 +388,7 @@ class PlainClient(_Writable, asyncio.Protocol):
             mask = ValueMask(admitted.injection.values)
             outcome = await self._relay_response(upstream, head, key, url, mask)
         finally:
+            upstream.answered()
             if sending is not None and not sending.done():
                 sending.cancel()
         self.busy = None
@@ -392,6 +419,8 @@ class PlainClient(_Writable, asyncio.Protocol):
                         if scan is not None:
                             upstream.write(upstream.wire.body(scan.end()))
                         upstream.write(upstream.wire.end())
+                        if upstream.head_due:  # an answer that came before the body ended is not waited for
+                            upstream.expect_response(self.rt.policies.get().limits.response_timeout)
                         return
                     else:
                         raise WireError("the connection ended inside a request body")
@@ -425,6 +454,7 @@ class PlainClient(_Writable, asyncio.Protocol):
             if event is None:
                 return self._upstream_broke(upstream, started, LOST_MID_RESPONSE, request)
             if isinstance(event, ResponseHead):
+                upstream.answered(final=event.status >= 200 or event.status == 101)
                 if event.status < 200:
                     switched_to = [v.strip().lower() for v in event.values("upgrade")]
                     if event.status == 101 and not (request.upgrade and switched_to == ["websocket"]):
@@ -433,6 +463,8 @@ class PlainClient(_Writable, asyncio.Protocol):
                         return self._upstream_broke(upstream, started, why, request)
                     started = self.answering = True
                     self.write(self.wire.interim(masked_head(mask, event)))
+                    if event.status != 101 and not upstream.wire.sending:  # the final head is still due
+                        upstream.expect_response(self.rt.policies.get().limits.response_timeout)
                     continue
                 length = event.values("content-length")
                 if self.limit is not None and length and length[0].isdigit() and int(length[0]) > self.limit:
@@ -518,20 +550,31 @@ class PlainClient(_Writable, asyncio.Protocol):
         self.busy = None
 
     def _upstream_broke(self, upstream: Upstream, started: bool, why: str, request: RequestHead) -> str:
-        """Broken framing from upstream: a 502 while nothing of the response went out, else both
-        sides close (a visible truncation, never a guess). `why` may quote the response: every
-        secret's value in it is masked before the child or a record sees it."""
+        """The upstream failed the exchange: no response head within timeouts.response (504
+        upstream_timeout) or an answer that is not HTTP/1, a half response among them (502
+        upstream_protocol_error). Recorded as a failure; answered while nothing of the response
+        went out, else both sides close (a visible truncation, never a guess). `why` may quote the
+        response: every secret's value in it is masked before the child or a record sees it."""
         why = self.rt.secrets.mask_text(why)
         self._forget(upstream)
         error = self.body_failed
         if error is not None and upstream.inbox.error is error:  # the child's body broke, not the server
             self._refuse_unreadable(error)
             return "closed"
-        logger.info("closing plain-HTTP exchange with %s:%s: %s", *upstream.key, why)
+        if upstream.timed_out is not None:
+            failure = Refusal(
+                "upstream_timeout",
+                f"no response from the server within {upstream.timed_out:g}s (timeouts.response)",
+                *upstream.key,
+            )
+        else:
+            failure = Refusal("upstream_protocol_error", f"HTTP/1 protocol error: {why}", *upstream.key)
+        logger.info("closing plain-HTTP exchange with %s:%s: %s", *upstream.key, failure.detail)
+        self.rt.upstream_failed(self.state, *upstream.key, failure.reason, failure.detail)
         if started:
             self.close()
         else:
-            self._refuse(Refusal("connect_error", f"HTTP/1 protocol error: {why}", *upstream.key))
+            self._refuse(failure)
         return "closed"
 
     def _become_relay(self, upstream: Upstream, rest: bytes) -> None:

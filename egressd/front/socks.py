@@ -122,6 +122,9 @@ class SocksProtocol(FrontProtocol):
         assert self.transport is not None
         self.transport.write(reply(reply_code(refusal.reason)))
 
+    def _answer_overloaded_now(self, refusal: Refusal) -> None:
+        """Before its greeting a SOCKS5 client can be told nothing: it is closed (and recorded)."""
+
     def _answer_handed_off_refusal(self, answer: bytes) -> None:
         assert self.transport is not None
         self.transport.write(reply(reply_code(_egressd_reason(answer))))

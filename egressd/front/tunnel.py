@@ -15,6 +15,8 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from egressd.admission.descriptors import out_of_descriptors
+from egressd.admission.limits import overloaded
 from egressd.admission.pipeline import Admitted, Ask
 from egressd.front.plain_http import REVOKED, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
@@ -71,6 +73,7 @@ class FrontProtocol(Pipe):
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
         self.tree_only = tree_only  # ... to the child's process tree only (ConnState.tree_only)
         self.handed_off_as: str | None = None  # this client's address as the embedded mitmproxy sees it
+        self.handoff_held: str | None = None  # the descriptors the hand-off to mitmproxy takes
         self.front = front
         self.kind = kind
         self.rt = front.rt
@@ -98,6 +101,22 @@ class FrontProtocol(Pipe):
         self.state = self.rt.open_conn(
             f"{peer[0]}:{peer[1]}", self.implicit, ends=ends, tree_only=self.tree_only
         )
+        if self.state.room == "answer_now":  # far beyond capacity: not even its head is waited for
+            self._overloaded_now()
+
+    def _overloaded_now(self) -> None:
+        """503 `overloaded` before the request is read (recorded), and closed."""
+        assert self.state is not None and self.transport is not None
+        refusal = overloaded()
+        stage = "socks" if self.kind == "socks" else "connect"
+        self.rt.refused_early(self.state, None, None, refusal.reason, refusal.detail, stage=stage)
+        self.stage = "done"
+        self._answer_overloaded_now(refusal)
+        self.transport.close()
+
+    def _answer_overloaded_now(self, refusal: Refusal) -> None:
+        assert self.transport is not None
+        self.transport.write(render(refusal))
 
     def close_idle(self) -> None:
         """limits.idle_timeout passed without a byte either way (the front's sweep)."""
@@ -168,6 +187,8 @@ class FrontProtocol(Pipe):
         self.front.clients.discard(self)
         if self.handed_off_as is not None:
             self.front.handoffs.remove(self.handed_off_as)
+        if self.handoff_held is not None:
+            self.rt.disconnected(self.handoff_held)
         if self.server_id is not None:
             self.rt.disconnected(self.server_id)
         if self.state is not None:
@@ -371,8 +392,14 @@ class FrontProtocol(Pipe):
     # -- inspection: the embedded mitmproxy --------------------------------------------------------
     def _hand_off(self, admitted: Admitted) -> None:
         """Relay a tunnel the pipeline admitted for inspection (CONNECT or SOCKS5) to the embedded
-        mitmproxy, whose addons decide each request inside it."""
+        mitmproxy, whose addons decide each request inside it (two more descriptors: egressd's
+        side and mitmproxy's)."""
         assert self.transport is not None and self.state is not None
+        held = f"{self.state.conn_id}-handoff"
+        if (refusal := self.rt.hold(held, 2)) is not None:
+            self._refuse(refusal)
+            return
+        self.handoff_held = held
         self.transport.pause_reading()
         target = join_host_port(admitted.host, admitted.port)
         pending = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
@@ -392,10 +419,14 @@ class FrontProtocol(Pipe):
             inner.transport.write(pending)
             answer = await answered
         except Exception as exc:  # noqa: BLE001 - the client is closed, never let through
-            logger.error("egressd could not hand a connection to mitmproxy: %r", exc)
+            if out_of_descriptors(exc):  # no descriptor left to start or reach mitmproxy
+                refusal = overloaded(handoff.tunnel.host, handoff.tunnel.port)
+            else:
+                logger.error("egressd could not hand a connection to mitmproxy: %r", exc)
+                refusal = Refusal("internal_error", f"proxy engine: {exc}")
             if self.transport is not None:
                 if not self.transport.is_closing():
-                    self._answer_refusal(Refusal("internal_error", f"proxy engine: {exc}"))
+                    self._answer_refusal(refusal)
                 self.transport.close()
             if inner.transport is not None:
                 inner.transport.close()

@@ -1,8 +1,8 @@
-"""Close a client connection from outside mitmproxy's layers (timeouts, limits)."""
+"""Close a client or upstream connection from outside mitmproxy's layers (timeouts, limits)."""
 
 from __future__ import annotations
 
-from mitmproxy import ctx
+from mitmproxy import connection, ctx
 
 
 def close_client(client_id: str) -> bool:
@@ -12,4 +12,14 @@ def close_client(client_id: str) -> bool:
     if handler is None:
         return False
     handler.close_connection(handler.client)
+    return True
+
+
+def close_server(client_id: str, server: connection.Server) -> bool:
+    """Close an upstream connection of this client's now; False when it is already gone."""
+    proxy = ctx.master.addons.get("proxyserver")
+    handler = proxy.connections.get(client_id) if proxy is not None else None
+    if handler is None or server not in handler.transports:
+        return False
+    handler.close_connection(server)
     return True

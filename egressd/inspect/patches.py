@@ -33,6 +33,13 @@ private part that the tests cover for exactly this version.
    nothing of them reaches the server unscanned.
 6. Error pages (2. above) may quote what the server sent (`Invalid header line: b'...'`): every
    secret's value in them is masked (`Pipeline.secrets`), as every response is.
+7. What failed on the upstream side: mitmproxy's HTTP/1 client reports a half response, a head it
+   cannot parse or a server that closed as a protocol error whose message is plain text, which
+   patch 2 would answer as a failed connect. Each such message from `_http1.Http1Client` gets
+   egressd's failure marker: `upstream_timeout` when egressd closed the connection itself because
+   no response head came within timeouts.response (the policy addon writes that marker on the
+   server connection's `error` first), else `upstream_protocol_error`. The child gets 504 or 502
+   with that reason, and the addon's error hook records it.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from egressd.admission.pinning import ConnectFailure, connect_pinned, current_pin
+from egressd.refusal import failure_message, parse_failure
 from egressd.wire.http_head import head_problem, leading_empty_lines
 
 if TYPE_CHECKING:
@@ -72,6 +80,7 @@ def install(pipeline: Pipeline | None = None) -> None:
     _install_error_responses()
     _install_interim_drop()
     _install_trailers()
+    _install_upstream_failures()
 
 
 def _wrap(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
@@ -312,3 +321,34 @@ def _install_trailers() -> None:
     _wrap(_http1, "make_body_reader", keep_trailers)
     _wrap(_http1.Http1Connection, "read_body", deliver_trailers)
     _wrap(_http1.Http1Server, "send", send_trailers)
+
+
+# -- 7. what failed on the upstream side ---------------------------------------------------------------
+def _install_upstream_failures() -> None:
+    from mitmproxy.proxy.layers.http import _http1
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
+    from mitmproxy.proxy.layers.http._events import ResponseProtocolError
+
+    def mark_failures(handle_event: Any) -> Any:
+        def handle_event_marked(self: Any, event: Any) -> Generator[Any, Any, None]:
+            def rewrite(command: Any) -> list[Any]:
+                if isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseProtocolError):
+                    failed = command.event
+                    message = upstream_failure(failed.message, self.conn.error)
+                    return [ReceiveHttp(ResponseProtocolError(failed.stream_id, message, failed.code))]
+                return [command]
+
+            yield from _rewritten(handle_event(self, event), rewrite)
+
+        return handle_event_marked
+
+    _wrap(_http1.Http1Client, "_handle_event", mark_failures)
+
+
+def upstream_failure(message: str, note: str | None) -> str:
+    """The marked message of a protocol error on the upstream side: egressd's own note on the
+    connection (a response timeout it acted on), else a protocol error of the upstream (marked in
+    front of the message, so bytes the server sent cannot pass for another marker)."""
+    if note and parse_failure(note) is not None:
+        return note
+    return failure_message("upstream_protocol_error", message)

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from egressd.admission.events import Closed, Decided, Event, Notice
 from egressd.observe.sink import LineSink
+from egressd.refusal import is_network_failure
 
 DECISION_KEYS: tuple[str, ...] = (
     "conn",
@@ -317,8 +318,11 @@ _STAGE_LABELS = {"connection": "connect", "tls": "TLS", "socks": "SOCKS"}
 
 
 def _decision_line(record: dict[str, Any]) -> str:
-    """`egressd: DENY  CONNECT evil.test:443  not_allowlisted (mode: enforce) - run: ...`."""
+    """`egressd: DENY  CONNECT evil.test:443  not_allowlisted (mode: enforce) - run: ...`; a
+    network failure is FAIL, never DENY (`egressd: FAIL  CONNECT up.test:443  dns_timeout - ...`)."""
     verdict = (record.get("decision") or "?").upper()
+    if verdict == "DENY" and is_network_failure(record.get("reason") or ""):
+        verdict = "FAIL"
     method = record.get("method") or _STAGE_LABELS.get(record.get("stage") or "", "CONNECT")
     host = record.get("host") or "?"
     port = record.get("port")
@@ -337,7 +341,7 @@ def _decision_line(record: dict[str, Any]) -> str:
         line += f"  [{os.path.basename(record.get('exe') or '?')} pid {record.get('pid') or '?'}]"
     if verdict == "DENY" and record.get("reason") in _HINTED:
         line += f" - run: egressd exec --allow {host} ..."
-    elif verdict == "DENY" and record.get("detail"):
+    elif verdict in ("DENY", "FAIL") and record.get("detail"):
         line += f" - {record['detail']}"
     if record.get("connected"):
         line += f" -> {record['connected']}"

@@ -4,7 +4,9 @@ Most clients show a refused HTTPS CONNECT as "403" or less (curl, pip, git, npm,
 the body never reaches the person or the model. So egressd says it itself, on stderr (never stdout:
 MCP and ACP children speak JSON-RPC there): one line the first time a host is refused for a reason,
 and when the child exits one summary naming every refused host and the `--allow` flags that would
-admit them. `--quiet` turns both off. An observer of the pipeline's events like the audit.
+admit them. A network failure (DNS, a refused or timed-out connection, a broken answer) is told as
+"failed to reach", never as a refusal: no edit of the policy would help it. `--quiet` turns both
+off. An observer of the pipeline's events like the audit.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 from typing import TextIO
 
 from egressd.admission.events import Decided, Event
+from egressd.refusal import is_network_failure
 
 # refusals a person lifts with --allow HOST (the others need another edit, or none can help)
 LIFTABLE = frozenset({"not_allowlisted", "no_approver", "ask_refused", "ask_timeout"})
@@ -24,6 +27,19 @@ SUMMARY_HOSTS = 20  # named in the summary; the rest are counted
 def _printable(text: str) -> str:
     """A hostile host name must not drive the user's terminal."""
     return text if text.isprintable() else "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
+def _hosts(verb: str, seen: dict[str, dict[str, int | None]], failed: bool) -> str:
+    """`refused 3 hosts: a.example (not_allowlisted), ...` for the refusals (or, `failed`, the
+    network failures) of `seen`; "" when there are none."""
+    hosts = {h: [r for r in reasons if is_network_failure(r) == failed] for h, reasons in seen.items()}
+    hosts = {host: reasons for host, reasons in hosts.items() if reasons}
+    if not hosts:
+        return ""
+    named = [f"{host} ({', '.join(reasons)})" for host, reasons in list(hosts.items())[:SUMMARY_HOSTS]]
+    text = f"{verb} {len(hosts)} host{'s' if len(hosts) != 1 else ''}: " + ", ".join(named)
+    more = len(hosts) - len(named)
+    return text + f" and {more} more" if more else text
 
 
 def allow_flag(host: str, port: int | None) -> str:
@@ -65,11 +81,13 @@ class RefusalReport:
 
     @staticmethod
     def line(host: str, port: int | None, reason: str, detail: str) -> str:
-        """`egressd: refused a.example:443 (not_allowlisted) - allow with: --allow a.example`."""
+        """`egressd: refused a.example:443 (not_allowlisted) - allow with: --allow a.example`, or
+        `egressd: failed to reach a.example:443 (dns_timeout) - ...` for a network failure."""
         where = f"[{host}]" if ":" in host else host
         if port is not None:
             where += f":{port}"
-        text = f"egressd: refused {where} ({reason})"
+        verb = "failed to reach" if is_network_failure(reason) else "refused"
+        text = f"egressd: {verb} {where} ({reason})"
         if reason in LIFTABLE:
             text += f" - allow with: --allow {allow_flag(host, port)}"
         elif detail:
@@ -77,21 +95,20 @@ class RefusalReport:
         return _printable(text)
 
     def summary(self) -> str | None:
-        """`egressd: refused 3 hosts: a.example (not_allowlisted), ... allow with: --allow a.example`,
-        or None when nothing was refused."""
+        """`egressd: refused 3 hosts: a.example (not_allowlisted), ... allow with: --allow a.example`
+        (and `failed to reach 1 host: b.example (dns_timeout)` for network failures), or None when
+        nothing was refused and nothing failed."""
         with self._lock:
             refused = {host: dict(reasons) for host, reasons in self._refused.items()}
             dropped = self._dropped
         if not refused:
             return None
-        count = len(refused)
-        named = [f"{host} ({', '.join(reasons)})" for host, reasons in list(refused.items())[:SUMMARY_HOSTS]]
-        more = count - len(named)
-        text = f"egressd: refused {count} host{'s' if count != 1 else ''}: " + ", ".join(named)
-        if more:
-            text += f" and {more} more"
+        parts = [
+            _hosts(verb, refused, failed) for verb, failed in (("refused", False), ("failed to reach", True))
+        ]
+        text = "egressd: " + "; ".join(part for part in parts if part)
         if dropped:
-            text += f" (and {dropped} refusals of hosts not remembered)"
+            text += f" (and {dropped} refusals or failures of hosts not remembered)"
         flags: list[str] = []
         for host, reasons in refused.items():
             for reason, port in reasons.items():

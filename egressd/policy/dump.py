@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .model import Policy
+from .model import Limits, Policy
 from .rules import HostRule, RuleSet
 from .secrets import secret_to_data
 
@@ -90,6 +90,10 @@ def policy_to_data(policy: Policy) -> dict[str, Any]:
         "secrets": [secret_to_data(spec) for spec in policy.secrets],
         "audit": {"on_failure": policy.audit.on_failure, "max_queue_bytes": policy.audit.max_queue_bytes},
     }
+    if policy.limits.response_timeout != Limits().response_timeout:
+        # the other timeouts keep their older spelling above, and this one is written only when set:
+        # a remote egressd that predates `timeouts:` still loads a pushed policy that does not use it
+        data["timeouts"] = {"response": policy.limits.response_timeout}
     parent = policy.upstream_proxy
     if parent is not None:  # where its credentials are, never what they are
         url_host = f"[{parent.host}]" if ":" in parent.host else parent.host

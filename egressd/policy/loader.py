@@ -64,6 +64,7 @@ _TOP_KEYS = (
     "ports",
     "credentials",
     "limits",
+    "timeouts",
     "resolver",
     "profiles",
     "websocket",
@@ -371,7 +372,7 @@ def parse_policy(data: object, source: str) -> Policy:
         if not isinstance(header, str) or not _HEADER.fullmatch(header):
             raise reader.fail(f"{strip_key}[{index}]", "not a valid header name", header)
         headers.append(header.lower())
-    defaults = Limits()
+    timeouts = _timeouts(top, limits, reader)
     nameservers = tuple(
         parse_nameserver(entry, source, f"resolver.nameservers[{i}]")
         for i, entry in enumerate(reader.list(resolver.get("nameservers"), "resolver.nameservers"))
@@ -397,19 +398,11 @@ def parse_policy(data: object, source: str) -> Policy:
         ports=reader.ports(top.get("ports"), "ports"),
         credentials=Credentials(strip_on_host_change=tuple(dict.fromkeys(headers))),
         limits=Limits(
-            connect_timeout=reader.positive(
-                limits.get("connect_timeout"), "limits.connect_timeout", defaults.connect_timeout
-            ),
-            dns_timeout=reader.positive(
-                limits.get("dns_timeout"), "limits.dns_timeout", defaults.dns_timeout
-            ),
-            idle_timeout=reader.positive(
-                limits.get("idle_timeout"), "limits.idle_timeout", defaults.idle_timeout
-            ),
+            connect_timeout=timeouts["connect"],
+            dns_timeout=timeouts["dns"],
+            idle_timeout=timeouts["idle"],
             max_response_bytes=reader.count(limits.get("max_response_bytes"), "limits.max_response_bytes"),
-            header_timeout=reader.positive(
-                limits.get("header_timeout"), "limits.header_timeout", defaults.header_timeout
-            ),
+            header_timeout=timeouts["header"],
             max_connections=reader.count(limits.get("max_connections"), "limits.max_connections"),
             requests_per_second=(
                 None
@@ -417,12 +410,13 @@ def parse_policy(data: object, source: str) -> Policy:
                 else reader.positive(limits.get("requests_per_second"), "limits.requests_per_second", 1)
             ),
             burst=reader.count(limits.get("burst"), "limits.burst"),
+            response_timeout=timeouts["response"],
         ),
         resolver=ResolverConfig(nameservers=nameservers),
         profiles={name: _parse_profile(name, value, reader) for name, value in (profiles or {}).items()},
         websocket=reader.bool(top.get("websocket"), "websocket", True),
         refusal_pages=cast(RefusalPages, refusal_pages),
-        ask_timeout=reader.positive(top.get("ask_timeout"), "ask_timeout", 60),
+        ask_timeout=timeouts["ask"],
         upstream_proxy=parse_upstream_proxy(top.get("upstream_proxy"), source),
         preset=_parse_preset(top.get("preset"), reader),
         providers=_parse_providers(top.get("providers"), reader),
@@ -430,6 +424,36 @@ def parse_policy(data: object, source: str) -> Policy:
         audit=_parse_audit(top.get("audit"), reader),
         source=source,
     )
+
+
+# timeouts: NAME -> (the other place it may be written, from before `timeouts:`; its default)
+_LIMITS = Limits()
+_TIMEOUTS: dict[str, tuple[str | None, float]] = {
+    "connect": ("limits.connect_timeout", _LIMITS.connect_timeout),
+    "dns": ("limits.dns_timeout", _LIMITS.dns_timeout),
+    "header": ("limits.header_timeout", _LIMITS.header_timeout),
+    "response": (None, _LIMITS.response_timeout),
+    "idle": ("limits.idle_timeout", _LIMITS.idle_timeout),
+    "ask": ("ask_timeout", 60),
+}
+
+
+def _timeouts(top: Mapping[str, Any], limits: Mapping[str, Any], reader: _Reader) -> dict[str, float]:
+    """Every timeout in seconds: from `timeouts:`, or its other spelling (`limits.dns_timeout`,
+    `ask_timeout`, ...), never both (two values for one timeout would leave a reader guessing)."""
+    given = reader.mapping(top.get("timeouts"), "timeouts", tuple(_TIMEOUTS))
+    out: dict[str, float] = {}
+    for name, (other, default) in _TIMEOUTS.items():
+        key, value = f"timeouts.{name}", given.get(name)
+        if other is not None:
+            section, _, field_name = other.rpartition(".")
+            written = (limits if section else top).get(field_name)
+            if value is not None and written is not None:
+                raise reader.fail(key, f"also given as {other}: write one of them", value)
+            if value is None:
+                key, value = other, written
+        out[name] = reader.positive(value, key, default)
+    return out
 
 
 def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

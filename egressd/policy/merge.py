@@ -155,6 +155,7 @@ def _limits(policies: Sequence[Policy]) -> Limits:
         max_connections=least_count("max_connections"),
         requests_per_second=_least(limit.requests_per_second for limit in limits),
         burst=least_count("burst"),
+        response_timeout=least("response_timeout"),
     )
 
 

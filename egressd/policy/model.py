@@ -103,6 +103,8 @@ class Limits:
     max_connections: int | None = None  # concurrent upstream connections (tunnels); beyond: 429
     requests_per_second: float | None = None  # per child (credentials): CONNECTs, requests, SOCKS
     burst: int | None = None  # token-bucket depth for requests_per_second (default: 2x the rate)
+    # an upstream that accepted a request must send its response head within this (timeouts.response)
+    response_timeout: float = 300
 
 
 @dataclass(frozen=True)

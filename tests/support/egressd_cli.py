@@ -58,10 +58,12 @@ def egressd_exec(
 
 
 class EgressdRun:
-    """`egressd run` in the background; `env` holds the export lines it printed."""
+    """`egressd run` in the background; `env` holds the export lines it printed. `wrapper`: a
+    command that runs it (`prlimit --nofile=256:256 --`)."""
 
-    def __init__(self, options: Sequence[str]) -> None:
+    def __init__(self, options: Sequence[str], wrapper: Sequence[str] = ()) -> None:
         self.options = list(options)
+        self.wrapper = list(wrapper)
         self.proc: subprocess.Popen[str] | None = None
         self.env: dict[str, str] = {}
         self._stderr: list[str] = []
@@ -84,7 +86,7 @@ class EgressdRun:
 
     def _spawn(self) -> None:
         self.proc = subprocess.Popen(
-            [*EGRESSD, "run", *self.options],
+            [*self.wrapper, *EGRESSD, "run", *self.options],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,

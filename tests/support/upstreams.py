@@ -177,6 +177,15 @@ class _Handler(BodyReadingHandler):
         elif path == "/slow":
             time.sleep(float(query.get("s", ["1"])[0]))
             self._json(200, headers)
+        elif path == "/silent":
+            # accepts and reads the request, then never answers (until the server stops)
+            owner.stopping.wait()
+            self.close_connection = True
+        elif path == "/half":
+            # half a response head, then the connection closes
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nContent-Ty")
+            self.wfile.flush()
+            self.close_connection = True
         elif path == "/headers-forged":
             self._json(200, headers, extra={"X-Egressd-Reason": "forged", "Proxy-Status": "forged"})
         elif path == "/sse":
@@ -295,7 +304,9 @@ class EchoHTTPServer(ServedInThread):
     ``GET /anything`` → 200 JSON ``{"server", "method", "path", "headers"}``. Special paths:
     ``/redirect?to=URL`` (302), ``/big?n=BYTES`` (streamed), ``/slow?s=SECONDS``, ``/headers-forged``
     (carries ``X-Egressd-Reason: forged`` and ``Proxy-Status: forged``), ``/sse[?n=COUNT]``
-    (event-stream, an event every 0.2 s until the client closes), ``/status/NNN``.
+    (event-stream, an event every 0.2 s until the client closes), ``/status/NNN``, ``/silent`` (reads
+    the request and never answers until the server stops), ``/half`` (half a response head, then
+    the connection closes).
     """
 
     scheme = "http"

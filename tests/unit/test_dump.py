@@ -38,6 +38,7 @@ RICH = {
         "requests_per_second": 2.5,
         "burst": 10,
     },
+    "timeouts": {"response": 45},
     "resolver": {"nameservers": ["127.0.0.1:5353", "[::1]:53"]},
     "profiles": {"ci": {"allow": ["up.test"], "deny": [], "ports": [443]}},
     "websocket": False,

@@ -421,3 +421,52 @@ def test_ask_timeout(tmp_path: Path) -> None:
     for bad in (0, -1, "60", True, float("inf")):
         with pytest.raises(PolicyError, match="ask_timeout"):
             parse_policy({"version": 1, "ask_timeout": bad}, "t")
+
+
+def test_timeouts_section_and_the_older_spellings() -> None:
+    """`timeouts:` holds every timeout; `limits.*_timeout` and `ask_timeout` still load."""
+    default = parse_policy({"version": 1}, "t")
+    assert default.limits.response_timeout == 300
+    both = parse_policy(
+        {
+            "version": 1,
+            "timeouts": {"connect": 1, "dns": 2, "header": 3, "response": 4, "idle": 5, "ask": 6},
+        },
+        "t",
+    )
+    limits = both.limits
+    assert (limits.connect_timeout, limits.dns_timeout, limits.header_timeout) == (1, 2, 3)
+    assert (limits.response_timeout, limits.idle_timeout, both.ask_timeout) == (4, 5, 6)
+    older = parse_policy(
+        {
+            "version": 1,
+            "limits": {"connect_timeout": 1, "dns_timeout": 2, "header_timeout": 3, "idle_timeout": 5},
+            "ask_timeout": 6,
+            "timeouts": {"response": 4},
+        },
+        "t",
+    )
+    assert older == both
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "message"),
+    [
+        (
+            {"timeouts": {"dns": 1}, "limits": {"dns_timeout": 1}},
+            "timeouts.dns",
+            "also given as limits.dns_timeout",
+        ),
+        ({"timeouts": {"ask": 1}, "ask_timeout": 2}, "timeouts.ask", "also given as ask_timeout"),
+        ({"timeouts": {"response": 0}}, "timeouts.response", "positive"),
+        ({"timeouts": {"response": "300"}}, "timeouts.response", "number"),
+        ({"timeouts": {"response": float("nan")}}, "timeouts.response", "positive"),
+        ({"timeouts": {"read": 1}}, "timeouts.read", "unknown key"),
+        ({"timeouts": [1]}, "timeouts", "mapping"),
+        ({"limits": {"dns_timeout": -1}}, "limits.dns_timeout", "positive"),
+    ],
+)
+def test_timeouts_errors_name_the_key(data: dict, key: str, message: str) -> None:
+    with pytest.raises(PolicyError) as caught:
+        parse_policy({"version": 1, **data}, "t")
+    assert caught.value.key == key and message in str(caught.value)
