@@ -281,7 +281,8 @@ def writable_roots(mounts: Sequence[Mount], cache: str | None) -> tuple[str, ...
     """The outermost writable mounts but the --cache directory: where the project's hooks and
     what the run leaves are looked for."""
     writable = [m.path for m in mounts if m.writable and m.path != cache]
-    return tuple(p for p in writable if not any(within(p, q) and p != q for q in writable))
+    outermost = [p for p in writable if not any(within(p, q) and p != q for q in writable)]
+    return tuple(p for p in outermost if os.path.isdir(p))  # a --rw file holds no project
 
 
 def _placeholders(wanted: Mapping[str, Placeholder], covers: Sequence[Cover]) -> tuple[Placeholder, ...]:

@@ -137,7 +137,8 @@ def test_a_nested_symlinked_git_is_left_to_the_summary(repo: Path) -> None:
 def _layout(repo: Path, monkeypatch, **kwargs):
     monkeypatch.setenv("HOME", str(repo.parent))
     options = SessionOptions(config_dir=repo.parent / "egressd-home")
-    return plan_layout(options, workdir=str(repo), rw=[], environ={}, **kwargs)
+    kwargs.setdefault("rw", [])
+    return plan_layout(options, workdir=str(repo), environ={}, **kwargs)
 
 
 def test_the_layout_covers_them_and_pins_the_git_directory(repo: Path, monkeypatch) -> None:
@@ -165,6 +166,13 @@ def test_allow_project_hooks_protects_none_but_still_looks(repo: Path, monkeypat
     assert layout.hooks == () and layout.placeholders == ()
     assert not any(c.path.startswith(f"{repo}/.") for c in layout.covers)
     assert layout.before is not None and layout.before.roots == (str(repo),)
+
+
+def test_a_writable_file_is_no_root(repo: Path, tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    layout = _layout(repo, monkeypatch, ro=[], rw=[str(tmp_path / "notes.txt")])
+    assert layout.before is not None and layout.before.roots == (str(repo),)
+    assert not any(p.path.startswith(f"{tmp_path}/notes.txt/") for p in layout.placeholders)
 
 
 def test_seatbelt_denies_writing_and_creating_them(repo: Path, monkeypatch) -> None:
