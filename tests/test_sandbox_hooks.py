@@ -164,6 +164,14 @@ def cases(user: User) -> dict[str, Case]:
             f'{p("commondir")}; echo "$PWD/evil" > .git/commondir',
             {"commondir"},
         ),
+        "included-config": Case(
+            # the repository's configuration includes a file of the project's
+            f"{REPO} && printf '[user]\\n\\tname = T\\n' > shared.gitconfig && "
+            "git config include.path ../shared.gitconfig",
+            f"printf '[core]\\n\\tfsmonitor = %s\\n' {p('included')} >> shared.gitconfig",
+            {"included"},
+            unchanged=("shared.gitconfig",),
+        ),
         "info-attributes": Case(
             # a filter driver of the user's own configuration, chosen by the child's attributes
             f"{REPO} && git config filter.user.clean {p('attributes')} && echo data > data.txt",
@@ -238,6 +246,7 @@ CASES = [
     "replace-git",
     "symlink-git",
     "commondir",
+    "included-config",
     "info-attributes",
     "worktree",
     "submodule",

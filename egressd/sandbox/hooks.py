@@ -10,7 +10,8 @@ back. This module is the one list of them, used by bubblewrap, Seatbelt and `--e
 - `IN_GIT_DIR`, relative to every git directory found at start: the project's `.git`, the
   directory a `.git` file names (a linked worktree, a submodule's checkout), a worktree's common
   directory, the submodules' git directories under `modules/`, those of the nested repositories
-  the start-up walk finds (exit_summary.py), and `core.hooksPath` where it leads into the project.
+  the start-up walk finds (exit_summary.py), `core.hooksPath` where it leads into the project,
+  and the files the configuration includes (include.path, includeIf) that lie in the project.
 
 An entry marked `create` is protected whether or not it exists: Seatbelt's rule on the path
 covers its creation, and on Linux a missing one gets an empty read-only placeholder (a directory,
@@ -127,6 +128,8 @@ IN_GIT_DIR: tuple[Entry, ...] = (
     Entry("info/attributes", "selects the filter and diff drivers git runs on files", create=True),
 )
 HOOKS_PATH = Entry("core.hooksPath", "the hooks git runs (core.hooksPath)", directory=True, create=True)
+# Protected when it exists: a placeholder file in the project would be picked up by `git add -A`.
+INCLUDED = Entry("include.path", "a file git reads as configuration (include.path, includeIf)")
 # A linked worktree's own directory (<common>/worktrees/NAME): its configuration and hooks are
 # the common directory's, but these two are its own.
 IN_WORKTREE_DIR: tuple[Entry, ...] = tuple(
@@ -279,6 +282,32 @@ def hooks_path(worktree: str, git: str | None) -> str | None:
     return os.path.realpath(os.path.join(worktree, lines[0]))
 
 
+def config_includes(config: str, git: str | None) -> list[str]:
+    """The files git reads as configuration because `config` includes them (include.path,
+    includeIf.*.path, at any depth), canonical; none without git. `git config` runs nothing."""
+    if git is None or read_small(config) is None:
+        return []
+    argv = [git, "config", "--file", config, "--includes", "--show-origin", "-z"]
+    argv += ["--get-regexp", r"^include(if\..*)?\.path$"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    try:
+        result = subprocess.run(
+            argv, capture_output=True, timeout=HOOKS_PATH_TIMEOUT, env=env, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    fields = result.stdout.split(b"\0")
+    found = []
+    for origin, entry in zip(fields[0::2], fields[1::2], strict=False):
+        where = os.fsdecode(origin.removeprefix(b"file:"))
+        value = os.fsdecode(entry.partition(b"\n")[2])
+        if value.startswith("~/"):
+            value = os.path.expanduser(value)
+        if value and os.path.isabs(where):
+            found.append(os.path.realpath(os.path.join(os.path.dirname(where), value)))
+    return found
+
+
 def find(
     roots: Sequence[str],
     nested: Iterable[str] = (),
@@ -323,6 +352,10 @@ def _add_repository(found: Found, dot_git: str, roots: Sequence[str], git: str |
     for inside, entries in _git_dirs_inside(common):
         for entry in entries:
             found.add(os.path.join(inside, entry.path), entry)
+    for config in (os.path.join(common, "config"), os.path.join(gitdir, "config.worktree")):
+        for included in config_includes(config, git):
+            if any(within(included, root) for root in roots):
+                found.add(included, INCLUDED)
     hooks = hooks_path(os.path.dirname(dot_git), git)
     if hooks is not None and any(within(hooks, root) for root in roots):
         found.add(hooks, HOOKS_PATH)
