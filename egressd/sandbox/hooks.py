@@ -324,9 +324,10 @@ def find(
                 found.add(os.path.join(root, entry.path), entry)
     for root in roots:
         _add_repository(found, os.path.join(root, ".git"), roots, git)
-    for dot_git in nested:
-        if not os.path.islink(dot_git):  # deep in the project: the summary names a re-pointed one
-            _add_repository(found, dot_git, roots, git)
+    # deep in the project: a symlink is left to the summary, and git is not asked about each one
+    # (core.hooksPath and includes there are for the summary too)
+    for dot_git in [n for n in nested if not os.path.islink(n)][:GIT_DIRS_LIMIT]:
+        _add_repository(found, dot_git, roots, None)
     _check(found, roots)
     return found
 
