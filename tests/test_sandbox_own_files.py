@@ -34,6 +34,9 @@ RECORDER = Path(__file__).parent / "support" / "opened_paths.py"
 POLICY = "version: 1\nallow: [up.test]\ninspect: [up.test]\n"
 # Devices the child shares by design: what is written there nobody reads back.
 SHARED_DEVICES = ("/dev/null", "/dev/tty")
+# The project's files the exit summary reads once the child ended, as untrusted input
+# (egressd/sandbox/exit_summary.py: a plain file of bounded size, its content only adds names).
+SUMMARY_READS = ("package.json",)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,7 @@ def _run(user: User, tmpdir: str) -> tuple[Layout, dict[str, str], list[str]]:
     out.unlink()
     (started,) = [e for e in entries if "layout" in e]
     paths = [os.path.realpath(os.path.join(e["cwd"], e["path"])) for e in entries if "path" in e]
+    paths = [p for p in paths if p not in {str(user.home / "proj" / name) for name in SUMMARY_READS}]
     assert any(p.endswith("upstream-roots.pem") for p in paths), "inspection was not set up"
     return _layout(started["layout"]), started["environ"], list(dict.fromkeys(paths))
 

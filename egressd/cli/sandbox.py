@@ -19,7 +19,7 @@ from egressd.cli.options import dashboard_option, fail, open_session, say, secre
 from egressd.cli.passthrough import passthrough_option, run_unwrapped
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
-from egressd.sandbox import narrow, preflight
+from egressd.sandbox import exit_summary, hooks, narrow, preflight
 from egressd.sandbox.explain import explain, home_hint
 from egressd.sandbox.layout import Layout, hide_more, option_links, pinned_options, plan_layout
 from egressd.sandbox.mounts import MountError
@@ -100,6 +100,13 @@ only. See docs/sandbox.md.""",
     "--rw-home",
     is_flag=True,
     help="Allow the working directory or a --rw path to be your home directory or hold it.",
+)
+@click.option(
+    hooks.ALLOW_FLAG,
+    "allow_project_hooks",
+    is_flag=True,
+    help="Let the child write the project's hooks: .git/hooks, .git/config, .envrc, editor and agent "
+    "settings (.vscode, .claude, ...), which run code outside the sandbox later (egressd warns).",
 )
 @click.option(
     "--env-clear",
@@ -185,6 +192,7 @@ def run_sandboxed(
     hide: tuple[str, ...],
     show: tuple[str, ...],
     rw_home: bool,
+    allow_project_hooks: bool,
     env_clear: bool,
     pass_env: tuple[str, ...],
     cache: str | None,
@@ -198,13 +206,19 @@ def run_sandboxed(
     """Everything `egressd sandbox` does after parsing; exits like the child."""
     if pass_env and not env_clear:
         fail("--pass-env works with --env-clear (without it the child gets egressd's whole environment)")
-    options, layout = _planned(options, rw=rw, ro=ro, hide=hide, show=show, rw_home=rw_home, cache=cache)
+    planning = {"rw": rw, "ro": ro, "hide": hide, "show": show, "rw_home": rw_home, "cache": cache}
+    options, layout = _planned(options, allow_project_hooks=allow_project_hooks, **planning)
     try:
         only_rules = narrow.parse_only(only)
     except PolicyError as exc:
         fail(str(exc))
     for path in layout.shown:
         say(f"warning: --show {path}: the sandboxed command can read it")
+    if allow_project_hooks:
+        say(
+            f"warning: {hooks.ALLOW_FLAG}: the sandboxed command can write the project's git hooks and "
+            "configuration, .envrc, editor and agent settings, which run code outside the sandbox later"
+        )
     env_base = child_base_env(os.environ, pass_env) if env_clear else None
     bwrap, disable_userns, sandbox_exec = "", True, ""
     probe = None
@@ -266,10 +280,21 @@ def run_sandboxed(
     if outcome.error:
         say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
         sys.exit(2)
+    for line in left_behind(layout):
+        say(line)
     hint = home_hint(layout, command, outcome.returncode, os.environ.get("PATH"))
     if hint and options.report:
         say(hint)
     process.exit_like(outcome.returncode, fast=True)  # the session is closed: audit flushed
+
+
+def left_behind(layout: Layout) -> list[str]:
+    """The exit summary: what the run created or changed that runs code later (exit_summary.py)."""
+    if layout.before is None:
+        return []
+    after = exit_summary.walk(layout.before.roots)
+    ignore = [p.path for p in layout.placeholders]  # one a concurrent sandbox still holds
+    return exit_summary.summary(exit_summary.changes(layout.before, after, ignore), after, cwd=os.getcwd())
 
 
 def _planned(
@@ -281,6 +306,7 @@ def _planned(
     show: tuple[str, ...],
     rw_home: bool,
     cache: str | None,
+    allow_project_hooks: bool,
     **_others: object,
 ) -> tuple[SessionOptions, Layout]:
     """The options with the policy and audit paths pinned, and the sandbox's layout (exit 2 with
@@ -302,6 +328,7 @@ def _planned(
             cache=cache,
             links=links,
             private=PRIVATE if sys.platform != "darwin" else (),
+            project_hooks=not allow_project_hooks,
         )
     except (MountError, PolicyError) as exc:
         fail(str(exc))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from egressd.sandbox.mounts import Mount, order
+from egressd.sandbox.mounts import Mount, depth, order
 from egressd.sandbox.shields import Cover, inside_view, ordered_with
 
 NAMESPACES: tuple[str, ...] = (
@@ -52,13 +52,24 @@ class BwrapSpec:
     covers: tuple[Cover, ...] = ()  # shields.plan_covers: what the child must not change or read
     disable_userns: bool = True  # bubblewrap >= 0.8: the child cannot make user namespaces
     info_fd: int | None = None  # bubblewrap writes the sandbox's PID there (egressd sets up capture)
+    binds: tuple[Bind, ...] = ()  # files shown read-only at a path in place of the host's there
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A file of egressd's shown read-only at `path` (which exists on the host) inside."""
+
+    source: str
+    path: str
 
 
 def _hides(cover: Cover) -> bool:
     return cover.kind in ("tmpfs", "empty", "mask")
 
 
-def _mount_args(item: Mount | Cover) -> list[str]:
+def _mount_args(item: Mount | Cover | Bind) -> list[str]:
+    if isinstance(item, Bind):
+        return ["--ro-bind", item.source, item.path]
     if isinstance(item, Mount):
         return ["--bind" if item.writable else "--ro-bind", item.path, item.path]
     if item.kind in ("tmpfs", "mask"):
@@ -76,7 +87,7 @@ def security_options(disable_userns: bool) -> list[str]:
     return options
 
 
-def mount_plan(spec: BwrapSpec) -> list[Mount | Cover]:
+def mount_plan(spec: BwrapSpec) -> list[Mount | Cover | Bind]:
     """The user's mounts, the covers and egressd's own needed paths, in bubblewrap's order (parents
     first), after its base mounts."""
     # a cover that only hides is left out where the base layout's fresh /tmp or /run already hides
@@ -84,7 +95,10 @@ def mount_plan(spec: BwrapSpec) -> list[Mount | Cover]:
     covers = [c for c in spec.covers if not (_hides(c) and inside_view(c.path, spec.mounts, ()) == "hidden")]
     # egressd's own paths where nothing else shows them (under /tmp, the masked home, a hidden path)
     needed = [Cover(p, "ro") for p in spec.needed if inside_view(p, spec.mounts, covers) == "hidden"]
-    return ordered_with(spec.mounts, [*covers, *needed])
+    return sorted(
+        [*ordered_with(spec.mounts, [*covers, *needed]), *spec.binds],
+        key=lambda m: depth(m.path),
+    )
 
 
 def bwrap_argv(spec: BwrapSpec) -> list[str]:

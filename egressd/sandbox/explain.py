@@ -64,6 +64,14 @@ def explain(layout: Layout, needed: Sequence[str], *, workdir: str, kind: str) -
     for path in needed:
         if layout.hides(path):  # shown for egressd's launcher: nothing else shows it
             lines.append(_line(path, "egressd's Python, package or CA bundle"))
+    lines += ["", "Read-only: the project's hooks (they run code outside the sandbox later)"]
+    covered = {c.path for c in layout.covers if c.kind == "ro"}
+    missing = {p.path for p in layout.placeholders}
+    for path, why in layout.hooks:
+        if path in covered:
+            lines.append(_line(path, f"{why}{'; missing: cannot be created' if path in missing else ''}"))
+    if not layout.hooks:
+        lines.append("  none: with --allow-project-hooks the child can write them")
     lines += ["", "Hidden:"]
     if home:
         lines.append(_line(home, "your home: empty and read-only but for the paths above"))

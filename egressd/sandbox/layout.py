@@ -22,6 +22,9 @@ import egressd
 from egressd import ca
 from egressd.policy import PolicyError, builtin_policy_path
 from egressd.policy.loader import preset_dirs
+from egressd.sandbox import exit_summary, hooks
+from egressd.sandbox.exit_summary import Walk
+from egressd.sandbox.hooks import Placeholder
 from egressd.sandbox.mounts import Mount, MountError, plan_mounts, within
 from egressd.sandbox.shields import (
     HARMLESS,
@@ -54,6 +57,13 @@ class Layout:
     notes: tuple[tuple[str, str], ...] = ()  # (path, what it is) for --explain
     private: tuple[str, ...] = PRIVATE  # what the sandbox makes private whatever the covers say
     absent: tuple[str, ...] = ()  # listed credentials that do not exist at start (Seatbelt hides them)
+    # the project's hooks (hooks.py) write-protected: (path, why); none with --allow-project-hooks
+    hooks: tuple[tuple[str, str], ...] = ()
+    # of those, the missing ones bubblewrap mounts a placeholder on (egressd makes it, then removes it)
+    placeholders: tuple[Placeholder, ...] = ()
+    # the candidates for the exit summary, as the run found them (exit_summary.py)
+    before: Walk | None = None
+    own_home: str | None = None  # egressd's home: where it records the placeholders it made
 
     def hides(self, path: str) -> bool:
         """The child sees nothing of the host's at the canonical `path`."""
@@ -196,10 +206,12 @@ def plan_layout(
     environ: Mapping[str, str] | None = None,
     links: Sequence[tuple[str, str, str]] = (),
     private: Sequence[str] = PRIVATE,
+    project_hooks: bool = True,
 ) -> Layout:
     """Mounts and covers for `options` (already pinned_options; `links` from option_links before
     that); MountError names the fix. `private`: what the sandbox itself makes private (bubblewrap's
-    /tmp, /run, /dev, /proc; nothing under Seatbelt)."""
+    /tmp, /run, /dev, /proc; nothing under Seatbelt). `project_hooks`: write-protect the project's
+    hooks (hooks.py); False is --allow-project-hooks."""
     environ = os.environ if environ is None else environ
     home = os.path.realpath(os.path.expanduser("~"))
     given = [("--rw", p) for p in rw] + [("--ro", p) for p in ro] + ([("--cache", cache)] if cache else [])
@@ -235,7 +247,13 @@ def plan_layout(
     harmless, withheld = harmless_files(home) if masked else ((), ())
     revealed = (*inside, *harmless)
     hidden = (*own, *credentials)
-    covers = plan_covers(mounts, guarded, hidden, masked=masked, shown=revealed, private=private)
+    roots = writable_roots(mounts, cache_dir)
+    before = exit_summary.walk(roots)
+    found = hooks.find(roots, before.gits, git=hooks.system_git()) if project_hooks else hooks.Found()
+    project = {p: why for p, why in found.protected.items() if not any(within(p, h) for h in hidden)}
+    covers = plan_covers(
+        mounts, {**guarded, **project}, hidden, masked=masked, shown=revealed, private=private
+    )
     notes = [*guarded.items(), *((p, "egressd's own home or sockets") for p in own)]
     notes += [(p, "a credential, or a path --hide names") for p in credentials]
     return Layout(
@@ -252,7 +270,25 @@ def plan_layout(
         notes=tuple(notes),
         private=tuple(private),
         absent=absent_credentials(home, environ),
+        hooks=tuple(project.items()),
+        placeholders=_placeholders(found.placeholders, covers),
+        before=before,
+        own_home=own[0],
     )
+
+
+def writable_roots(mounts: Sequence[Mount], cache: str | None) -> tuple[str, ...]:
+    """The outermost writable mounts but the --cache directory: where the project's hooks and
+    what the run leaves are looked for."""
+    writable = [m.path for m in mounts if m.writable and m.path != cache]
+    outermost = [p for p in writable if not any(within(p, q) and p != q for q in writable)]
+    return tuple(p for p in outermost if os.path.isdir(p))  # a --rw file holds no project
+
+
+def _placeholders(wanted: Mapping[str, Placeholder], covers: Sequence[Cover]) -> tuple[Placeholder, ...]:
+    """The placeholders a read-only cover lies on (elsewhere the path is read-only or hidden)."""
+    covered = {c.path for c in covers if c.kind == "ro"}
+    return tuple(p for path, p in wanted.items() if path in covered)
 
 
 def hide_more(layout: Layout, paths: Mapping[str, str]) -> Layout:
@@ -270,16 +306,25 @@ def hide_more(layout: Layout, paths: Mapping[str, str]) -> Layout:
     if not new:
         return layout
     hidden = (*layout.hidden, *new)
+    project = {p: why for p, why in layout.hooks if not any(within(p, h) for h in new)}
     covers = plan_covers(
         layout.mounts,
-        dict.fromkeys(layout.guarded, "egressd's own"),
+        {**dict.fromkeys(layout.guarded, "egressd's own"), **project},
         hidden,
         masked=layout.masked,
         shown=layout.revealed,
         private=layout.private,
     )
     notes = (*layout.notes, *((p, paths[p]) for p in new))
-    return replace(layout, covers=covers, hidden=hidden, notes=notes)
+    placeholders = _placeholders({p.path: p for p in layout.placeholders}, covers)
+    return replace(
+        layout,
+        covers=covers,
+        hidden=hidden,
+        notes=notes,
+        hooks=tuple(project.items()),
+        placeholders=placeholders,
+    )
 
 
 # A line of a configuration file that looks like it holds a credential: a key named like one, a

@@ -45,10 +45,11 @@ from egressd.sandbox import (
     BRIDGE_OPEN_PORT,
     BRIDGE_SOCKS_PORT,
     capture,
+    hooks,
     leftovers,
     preflight,
 )
-from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv, launcher_command
+from egressd.sandbox.bwrap import Bind, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import within
 from egressd.sandbox.sbpl import UnquotablePath
@@ -310,7 +311,8 @@ def run_bwrap(
 ) -> Outcome:
     """bubblewrap with the launcher inside; the proxy's listeners it hands over served by the
     proxy; capture installed; signals forwarded; status read. `capture_direct`: redirect
-    connections that skip the proxy to it."""
+    connections that skip the proxy to it. The placeholders of the project's missing hooks exist
+    while bubblewrap runs (it mounts them read-only), and are gone when this returns."""
     assert session.proxy is not None
     http = f"{BRIDGE_HOST}:{BRIDGE_HTTP_PORT}"
     listens = [(http, "http"), (f"{BRIDGE_HOST}:{BRIDGE_OPEN_PORT}", "open")]
@@ -329,6 +331,16 @@ def run_bwrap(
         layout.cache,
         (BRIDGE_HOST, BRIDGE_OPEN_PORT),
     )
+    held = contextlib.ExitStack()
+    try:
+        roots = layout.before.roots if layout.before else ()
+        existing = [path for path, _ in layout.hooks]
+        registry = os.path.join(layout.own_home, "placeholders") if layout.own_home else None
+        standing = held.enter_context(hooks.placeholders(layout.placeholders, existing, registry))
+        excluded = held.enter_context(hooks.excludes(standing, roots, layout.own_home))
+    except hooks.PlaceholderError as exc:
+        held.close()
+        return Outcome(EXIT_CANNOT_RUN, started=False, error=str(exc))
     control_r, control_w, status_r, status_w = _pipe_pair()
     info_r, info_w = os.pipe()
     setup_r, setup_w = os.pipe()
@@ -357,6 +369,7 @@ def run_bwrap(
             covers=layout.covers,
             disable_userns=disable_userns,
             info_fd=info_w,
+            binds=tuple(Bind(source, path) for source, path in excluded),
         )
         _keep_only_inherited(inherited)
         try:
@@ -393,6 +406,7 @@ def run_bwrap(
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        held.close()  # the sandbox is gone: its placeholders go too
 
 
 # -- macOS: Seatbelt -----------------------------------------------------------------------------

@@ -266,12 +266,20 @@ def _write_rules(layout: Layout, temp: Sequence[str], terminals: Sequence[str]) 
     for mount in order(layout.mounts):
         action = "allow" if mount.writable else "deny"
         lines += _rule(f"{action} file-write*", _paths("subpath", [mount.path]))
-    ro = [c.path for c in layout.covers if c.kind == "ro"]
+    project = {path for path, _ in layout.hooks}
+    ro = [c.path for c in layout.covers if c.kind == "ro" and c.path not in project]
     guarded = _unique([*layout.guarded, *ro])
     if guarded:
         lines += [
             ";; Never written: egressd's code and Python, the policy, the audit; --show paths.",
             *_rule("deny file-write*", _paths("subpath", guarded)),
+        ]
+    hooks = [c.path for c in layout.covers if c.kind == "ro" and c.path in project]
+    if hooks:
+        lines += [
+            ";; Never written or created: the project's hooks (.git/hooks, .git/config, editor and agent",
+            ";; settings), which run code outside the sandbox later (hooks.py).",
+            *_rule("deny file-write*", _paths("subpath", hooks)),
         ]
     return lines
 
