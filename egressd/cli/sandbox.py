@@ -277,14 +277,16 @@ def run_sandboxed(
                     catcher=catcher,
                     serve=serve,
                 )
+        if not outcome.error:
+            # said before the session closes, so its summary of refusals stays the last line
+            for line in left_behind(layout):
+                say(line)
+            hint = home_hint(layout, command, outcome.returncode, os.environ.get("PATH"))
+            if hint and options.report:
+                say(hint)
     if outcome.error:
         say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
         sys.exit(2)
-    for line in left_behind(layout):
-        say(line)
-    hint = home_hint(layout, command, outcome.returncode, os.environ.get("PATH"))
-    if hint and options.report:
-        say(hint)
     process.exit_like(outcome.returncode, fast=True)  # the session is closed: audit flushed
 
 
