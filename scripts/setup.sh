@@ -111,21 +111,26 @@ fi
 # the tests start would otherwise compile its ~100 modules again (~0.4 s of CPU each time). A module
 # edited later is recompiled from its source as usual (the .pyc records the source's mtime).
 "$VENV/bin/python" -m compileall -q egressd addons >/dev/null
-# tests/test_mcp.py: a real npm MCP server. Installed here, not by the tests: they run in a network
-# namespace with no way to the registry.
-MCP_NPM="$REPO/.cache/mcp-npm"
-MCP_EVERYTHING="@modelcontextprotocol/server-everything@2026.8.31"
-if [[ ! -x "$MCP_NPM/node_modules/.bin/mcp-server-everything" ]] \
-  || [[ "$(cat "$MCP_NPM/.installed" 2>/dev/null)" != "$MCP_EVERYTHING" ]]; then
-  log "installing $MCP_EVERYTHING into $MCP_NPM"
-  mkdir -p "$MCP_NPM"
-  if ! (cd "$MCP_NPM" && npm install --no-audit --no-fund --silent --no-save "$MCP_EVERYTHING" >npm-install.log 2>&1); then
-    cat "$MCP_NPM/npm-install.log" >&2
-    log "ERROR: npm install $MCP_EVERYTHING failed (log: $MCP_NPM/npm-install.log)"
-    exit 1
+# npm packages the tests use, pinned, each set in its own folder under .cache/. Installed here, not by
+# the tests: they run in network namespaces with no way to the registry.
+npm_into() {
+  local dir="$REPO/.cache/$1"
+  shift
+  if [[ "$(cat "$dir/.installed" 2>/dev/null)" != "$*" ]]; then
+    log "installing $* into $dir"
+    mkdir -p "$dir"
+    if ! (cd "$dir" && npm install --no-audit --no-fund --silent --no-save "$@" >npm-install.log 2>&1); then
+      cat "$dir/npm-install.log" >&2
+      log "ERROR: npm install $* failed (log: $dir/npm-install.log)"
+      exit 1
+    fi
+    printf '%s\n' "$*" >"$dir/.installed"
   fi
-  printf '%s\n' "$MCP_EVERYTHING" >"$MCP_NPM/.installed"
-fi
+}
+# tests/test_mcp.py: a real npm MCP server.
+npm_into mcp-npm @modelcontextprotocol/server-everything@2026.8.31
+# tests/test_export_istio.py: the models of Istio's CRDs and of Kubernetes, with their validation.
+npm_into kube-models @kubernetes-models/istio@3.0.1 kubernetes-models@5.1.0
 # The compose gateway (docker-compose.yml) and its tests: the images, built here from Debian packages
 # and a local wheelhouse (no registry), cached by recipe hash (seconds when nothing changed). The tests
 # rebuild egressd's image offline when its source changed.
