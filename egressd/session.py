@@ -357,6 +357,11 @@ class ProxySession:
             upstream_ca=self.options.upstream_ca,
             identify=bool(self.options.identify),
         )
+        if gateway is not None:
+            from egressd.refusal import GatewayHints
+
+            where = str(resolve_policy_path(self.options.policy_file)) if self.options.policy_file else None
+            self.proxy.pipeline.gateway_hints = GatewayHints(where)
         self._start_approvals(self.proxy)
         self.proxy.pipeline.secrets.update(self.policy.secrets, self._secret_values)
         if self.policy.secrets:
