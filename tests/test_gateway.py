@@ -12,6 +12,7 @@ import base64
 import json
 import re
 import socket
+import ssl
 import stat
 import subprocess
 import threading
@@ -368,6 +369,61 @@ def test_gateway_refusal_hint_names_the_policy_file(gateway_env: dict[str, Path]
     with GatewayRun(options) as run:  # no policy file: the operator needs one
         status, _headers, body = curl(run.url_for("agent1", token), "http://nope.test/")
         assert status == 403 and "restarts it with --policy FILE, 'nope.test'" in body.decode()
+
+
+def test_gateway_tls_listener(
+    gateway_env: dict[str, Path], upstream: EchoHTTPServer, dns: DnsServer, egressd_home: Path, tmp_path: Path
+) -> None:
+    """--tls-name: the proxy port speaks TLS with a certificate from egressd's CA, so a client's
+    token never crosses the network in clear: real curl with `--proxy https://`, plain HTTP and a
+    CONNECT tunnel inside it; a client speaking clear text gets no HTTP answer at all; a client that
+    does not trust egressd's CA stops at the handshake, before its token is sent."""
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    token = add_token(tokens, "agent1")
+    port = free_port()
+    options = ["--gateway", "--listen", f"127.0.0.1:{port}", "--tokens", str(tokens), "--policy", str(policy)]
+    options += ["--nameserver", dns.nameserver, "--tls-name", "127.0.0.1", "--tls-name", "gateway.test"]
+    url = f"http://up.test:{upstream.port}/hello"
+    with GatewayRun(options) as run:
+        assert run.scheme == "https", run.stderr
+        ca = ("--proxy-cacert", str(egressd_home / "public" / "egressd-ca-cert.pem"))
+        proxy = run.url_for("agent1", token)
+        assert proxy.startswith("https://")
+        assert curl(proxy, url, *ca)[0] == 200  # absolute-form HTTP inside TLS
+        assert curl(proxy, url, *ca, "--proxytunnel")[0] == 200  # CONNECT inside TLS
+        status, headers, _ = curl(proxy, f"http://denied.test:{upstream.port}/", *ca)
+        assert status == 403 and headers.get("x-egressd-reason") == "denylist"
+        assert curl(run.url_for("agent1", "wrong"), url, *ca)[0] == 407
+        # the certificate names what clients dial: the name too, verified against egressd's CA
+        context = ssl.create_default_context(cafile=ca[1])
+        with (
+            socket.create_connection(run.address, timeout=10) as raw,
+            context.wrap_socket(raw, server_hostname="gateway.test") as tls,
+        ):
+            assert tls.version() in ("TLSv1.2", "TLSv1.3")
+        # a client in clear text: no HTTP answer (TLS alert or close), so nothing it sent was read
+        credentials = base64.b64encode(f"agent1:{token}".encode()).decode()
+        with socket.create_connection(run.address, timeout=10) as raw:
+            raw.sendall(f"GET {url} HTTP/1.1\r\nProxy-Authorization: Basic {credentials}\r\n\r\n".encode())
+            answer = b"".join(iter(lambda: raw.recv(4096), b""))
+        assert not answer.startswith(b"HTTP/"), answer[:80]
+        # a client that does not trust egressd's CA refuses the handshake: curl exits 35/60, no answer
+        done = subprocess.run(
+            ["curl", "-sS", "--max-time", "20", "--proxy", proxy, url], capture_output=True, timeout=60
+        )
+        assert done.returncode in (35, 60) and done.stdout == b"", done
+    assert run.proc is not None and run.proc.returncode == 0, run.stderr
+
+
+def test_gateway_tls_options(tmp_path: Path) -> None:
+    """--tls-cert needs --tls-key, does not mix with --tls-name, and every --tls-* needs --gateway."""
+    for args, error in (
+        (["--gateway", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["--gateway", "--tls-cert", "c", "--tls-key", "k", "--tls-name", "x"], "not with --tls-cert"),
+        (["--tls-name", "x"], "--tls-name only with --gateway"),
+    ):
+        done = subprocess.run([*EGRESSD, "run", *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and error in done.stderr, (args, done.stderr)
 
 
 @pytest.mark.parametrize("own_address", ["127.0.0.1", netns.UPSTREAM_V4[0]], ids=["loopback", "interface"])
