@@ -30,6 +30,8 @@ from egressd.listeners import register
 from egressd.policy import Policy, join_host_port
 
 if TYPE_CHECKING:
+    import ssl
+
     from mitmproxy.master import Master
 
     from egressd.front.server import FastFront
@@ -61,6 +63,7 @@ class EgressProxy:
         credentials: CredentialStore | None = None,
         health: bool = False,
         identify: bool = False,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """`socks_listen`: where SOCKS5 listens (default: the HTTP port's host, any free port);
         `credentials`: who may connect (default: the children this proxy issues credentials to);
@@ -79,6 +82,7 @@ class EgressProxy:
         self.socks = socks
         self.socks_listen = socks_listen
         self.health = health
+        self.tls = tls  # the HTTP proxy port speaks TLS with this context (the gateway's --tls-*)
         self.http_address: tuple[str, int] = ("", 0)
         self.socks_address: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
@@ -215,7 +219,7 @@ class EgressProxy:
         self._front = FastFront(
             self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context, health=self.health
         )
-        self.http_address = await self._front.start(host, port)
+        self.http_address = await self._front.start(host, port, ssl=self.tls)
         if self.socks:
             socks_host, socks_port = self.socks_listen or (host, 0)
             self.socks_address = await self._front.start(socks_host, socks_port, kind="socks")

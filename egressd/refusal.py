@@ -118,6 +118,14 @@ _MARKER = re.compile(r"egressd\[(?P<reason>[a-z_]+)\]: (?P<detail>.*)", re.DOTAL
 
 
 @dataclass(frozen=True)
+class GatewayHints:
+    """Under `egressd run --gateway` the client is another machine, whose user cannot run egressd:
+    the hint names what the gateway's operator edits instead."""
+
+    policy_file: str | None  # the policy file the gateway watches (None: it runs without one)
+
+
+@dataclass(frozen=True)
 class Refusal:
     """A refusal ready to be rendered for any protocol."""
 
@@ -127,6 +135,7 @@ class Refusal:
     port: int | None = None
     rule: str | None = None
     retry_after: int | None = None  # seconds, for 429 and overloaded answers
+    gateway: GatewayHints | None = None  # set by the pipeline of `run --gateway`
 
     @property
     def is_policy(self) -> bool:
@@ -217,9 +226,11 @@ class Refusal:
         """The command that would allow this target, when an edit of the allowlist can."""
         if not self.host or self.reason in {"forbidden_address", "self", "invalid_target", "sni_mismatch"}:
             return None
+        rule = self.host if self.port in (None, 80, 443) else self.target
+        if self.gateway is not None and self.reason not in {"denylist", "exe_not_allowed", "builtin_path"}:
+            return self._gateway_hint(rule)
         if self.reason == "mode_off":
             return "egressd exec --mode enforce --allow <host> -- <command>"
-        rule = self.host if self.port in (None, 80, 443) else self.target
         if self.reason == "denylist":
             return f"remove the deny rule '{self.rule or self.host}' from the policy"
         if self.reason == "resolved_forbidden":
@@ -231,6 +242,19 @@ class Refusal:
         if self.reason == "exe_not_allowed":
             return f"add this program to the exe list of the allow rule '{self.rule or self.host}'"
         return f"egressd exec --allow {rule} -- <command>   (or add '{rule}' to the policy's allow list)"
+
+    def _gateway_hint(self, rule: str) -> str:
+        assert self.gateway is not None
+        who, where = "the gateway's operator", self.gateway.policy_file
+        if where is None:
+            return f"{who} restarts it with --policy FILE, '{rule}' in that file's allow list"
+        if self.reason == "mode_off":
+            return f"{who} sets mode: enforce in {where} and adds '{rule}' to its allow list"
+        if self.reason == "needs_inspection":
+            return f"{who} lets egressd inspect {self.host} (no --no-inspect): {where} names its paths"
+        if self.reason == "resolved_forbidden":
+            rule = f"{rule}' and '<CIDR of the address>"
+        return f"{who} adds '{rule}' to the allow list in {where} (a saved edit applies at once)"
 
 
 def _quote(text: str) -> str:

@@ -28,6 +28,7 @@ from egressd.policy import (
 from egressd.secret_values import EnvVault, SecretError, hidden_variables, not_dumpable, read_values
 
 if TYPE_CHECKING:
+    import ssl
     from collections.abc import Callable, Mapping, Sequence
 
     from egressd.admission.asks import AskBroker
@@ -120,12 +121,39 @@ class Loaded:
 
 
 @dataclass(frozen=True)
+class ListenerTLS:
+    """The gateway's proxy port over TLS, so the clients' tokens do not cross a shared network in
+    clear: a certificate and key of the operator's, or one minted for `names` from egressd's CA."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    names: tuple[str, ...] = ()
+
+    def context(self, config_dir: Path | None) -> ssl.SSLContext:
+        import ssl
+
+        if self.cert is not None and self.key is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.set_alpn_protocols(["http/1.1"])
+            context.load_cert_chain(self.cert, self.key)
+            return context
+        from egressd import ca
+        from egressd.inspect.refusal_certs import listener_context
+
+        config = config_dir or ca.config_dir()
+        ca.ensure_ca(config)
+        return listener_context(ca.ca_dir(config), list(self.names), config)
+
+
+@dataclass(frozen=True)
 class GatewayOptions:
     """`egressd run --gateway`: clients on other machines, named by the tokens in `tokens`."""
 
     tokens: Path
     allow_from: tuple[str, ...] = ()  # source networks (CIDR) every client must come from
     socks_listen: tuple[str, int] | None = None  # SOCKS5 listener (none without it)
+    tls: ListenerTLS | None = None  # the proxy port speaks TLS (https:// proxy URLs)
 
 
 def gateway_policy(policy: Policy) -> Policy:
@@ -154,6 +182,7 @@ class SessionOptions:
     upstream_ca: tuple[str, ...] = ()
     config_dir: Path | None = None  # egressd's config dir (the CA); None = EGRESSD_HOME or ~/.config
     metrics: tuple[str, int] | None = None  # --metrics HOST:PORT (checked by the CLI)
+    metrics_token_file: str | None = None  # --metrics answers only `Authorization: Bearer` its token
     report: bool = False  # the refusal lines and summary on stderr (the CLI's default; --quiet: off)
     approve_all: bool = False  # --approve-all: every ask approved at once (explicit only, loud)
     prompt: bool = True  # ask on /dev/tty when there is one; --no-prompt: the control API only
@@ -343,6 +372,16 @@ class ProxySession:
             raise SessionError(f"--audit {self.options.audit_path}: {exc.strerror or exc}") from exc
         self.audit.event("policy", traced=False, **_settings(self.policy))
         gateway = self.options.gateway
+        tls = None
+        if gateway is not None and gateway.tls is not None:
+            import ssl
+
+            from egressd.ca import CAError
+
+            try:
+                tls = gateway.tls.context(self.options.config_dir)
+            except (OSError, ssl.SSLError, CAError) as exc:
+                raise SessionError(f"the TLS listener: {exc}") from exc
         self.proxy = EgressProxy(
             self.policy,
             listen=self.options.listen,
@@ -350,6 +389,7 @@ class ProxySession:
             socks_listen=gateway.socks_listen if gateway is not None else None,
             credentials=self.gateway,
             health=gateway is not None,
+            tls=tls,
             # no audit file and no trace: the proxy skips building records it would throw away
             audit=self.audit if self.audit.enabled else None,
             inspect=self.options.inspect,
@@ -357,6 +397,11 @@ class ProxySession:
             upstream_ca=self.options.upstream_ca,
             identify=bool(self.options.identify),
         )
+        if gateway is not None:
+            from egressd.refusal import GatewayHints
+
+            where = str(resolve_policy_path(self.options.policy_file)) if self.options.policy_file else None
+            self.proxy.pipeline.gateway_hints = GatewayHints(where)
         self._start_approvals(self.proxy)
         self.proxy.pipeline.secrets.update(self.policy.secrets, self._secret_values)
         if self.policy.secrets:
@@ -399,8 +444,19 @@ class ProxySession:
         from egressd.observe.metrics import MetricsServer
 
         assert self.metrics is not None and self.proxy is not None
+        token = None
+        if self.options.metrics_token_file is not None:
+            try:
+                token = Path(self.options.metrics_token_file).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                self.close()
+                raise SessionError(f"--metrics-token-file: {exc}") from exc
+            if len(token) < 16:
+                self.close()
+                where = self.options.metrics_token_file
+                raise SessionError(f"--metrics-token-file {where}: a token of 16 characters or more")
         try:
-            self.metrics_server = MetricsServer(self.metrics, host, port)
+            self.metrics_server = MetricsServer(self.metrics, host, port, token=token)
         except OSError as exc:
             self.close()
             raise SessionError(f"--metrics {host}:{port}: {exc.strerror or exc}") from exc

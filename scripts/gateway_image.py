@@ -63,7 +63,7 @@ EGRESSD_REPO = "egressd"
 AGENT_REPO = "egressd-agent"
 LABEL = "org.egressd.recipe"
 # What egressd's wheel is built from (copied to a scratch directory: the checkout stays untouched).
-SOURCE_PARTS = ["pyproject.toml", "README.md", "egressd", "addons"]
+SOURCE_PARTS = ["pyproject.toml", "setup.py", "README.md", "egressd", "addons"]
 DOCKERD_LOG = Path("/var/log/egressd-dockerd.log")
 
 

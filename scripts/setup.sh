@@ -1,16 +1,45 @@
 #!/usr/bin/env bash
-# Idempotent set-up of a fresh Debian machine (run as root) for egressd: system packages, the
-# Python 3.12 venv in .venv and an editable install with the test extras. Safe to re-run: it only
-# touches apt when a package is missing and pip only when pyproject.toml changed.
+# Idempotent set-up of a fresh Debian machine (run as root) for egressd, for what it is set up for:
+#
+#   bash scripts/setup.sh [demo|test|gateway|bench]...   (default: test)
+#
+#   demo     curl, Python >= 3.12 (3.12 when there is one) in .venv, egressd (scripts/demo.sh)
+#   gateway  demo's, plus Docker, docker-compose and mmdebstrap, and the gateway's images
+#   bench    demo's, plus wrk and a C compiler (bench/run.py installs the rest it compares)
+#   test     everything the test suite needs: every system package below, Python 3.12 with the
+#            test extras, the npm packages the tests run, the gateway's images
+#
+# Safe to re-run: it only touches apt when a package is missing and pip only when pyproject.toml or
+# the extras changed.
 set -euo pipefail
 
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.."
 REPO="$(pwd)"
 VENV="$REPO/.venv"
 
+PURPOSES=("$@")
+((${#PURPOSES[@]})) || PURPOSES=(test)
+for purpose in "${PURPOSES[@]}"; do
+  case "$purpose" in
+    demo | test | gateway | bench) ;;
+    *)
+      printf 'setup: unknown purpose %q (demo, test, gateway or bench)\n' "$purpose" >&2
+      exit 2
+      ;;
+  esac
+done
+wants() { [[ " ${PURPOSES[*]} " == *" $1 "* ]]; }
+
 # System packages: "package" or "package:command" (skip the package when the command already exists,
 # e.g. npm ships inside NodeSource's nodejs and Debian's npm package would conflict with it).
-APT_PACKAGES=(
+DEMO_PACKAGES=(curl ca-certificates)
+GATEWAY_PACKAGES=(
+  docker.io:dockerd  # the compose gateway (docker-compose.yml)
+  docker-compose
+  mmdebstrap  # the gateway's base image, made from Debian packages (no image registry)
+)
+BENCH_PACKAGES=(wrk gcc:gcc libc6-dev)
+TEST_PACKAGES=(
   curl
   wget:wget  # tests: wget through an inspected tunnel (it reads a wgetrc, not SSL_CERT_FILE)
   nodejs:node
@@ -28,14 +57,59 @@ APT_PACKAGES=(
   libc6-dev
   squid  # tests: the exported squid.conf, loaded and served by Debian's squid
   chromium  # tests: the dashboard in a real headless browser (Playwright drives /usr/bin/chromium)
-  docker.io:dockerd  # the compose gateway (docker-compose.yml), tested on a real engine
-  docker-compose
-  mmdebstrap  # the gateway's base image, made from Debian packages (no image registry)
+  "${GATEWAY_PACKAGES[@]}"
   logrotate:logrotate  # tests: the audit log rotated by docs/audit.md's logrotate example
   tinyscheme  # tests: every generated Seatbelt profile evaluated by a real Scheme reader
 )
+APT_PACKAGES=("${DEMO_PACKAGES[@]}")
+wants gateway && APT_PACKAGES+=("${GATEWAY_PACKAGES[@]}")
+wants bench && APT_PACKAGES+=("${BENCH_PACKAGES[@]}")
+wants test && APT_PACKAGES+=("${TEST_PACKAGES[@]}")
 
 log() { printf 'setup: %s\n' "$*" >&2; }
+
+# The venv's interpreter: Python 3.12 for the test suite (what CI runs); for the other purposes a
+# newer one does too (Debian 13's python3 is 3.13), installed from Debian when no 3.12 is found.
+minor() { "$1" -c 'import sys; print(sys.version_info[1] if sys.version_info[0] == 3 else 0)' 2>/dev/null; }
+if wants test; then MINORS="12"; else MINORS="12 13 14"; fi
+venv_ok() {
+  [[ -x "$VENV/bin/python" ]] && [[ " $MINORS " == *" $(minor "$VENV/bin/python") "* ]]
+}
+
+find_python() {
+  local py v
+  if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    command -v python3.12 && return 0
+  fi
+  if command -v pyenv >/dev/null 2>&1; then
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -V -r); do
+      py="$(PYENV_VERSION="$v" pyenv which python3 2>/dev/null)" && [[ -x "$py" ]] && echo "$py" && return 0
+    done
+  fi
+  for py in "$HOME"/.pyenv/versions/3.12*/bin/python3; do
+    [[ -x "$py" ]] && echo "$py" && return 0
+  done
+  wants test && return 1
+  for py in python3.14 python3.13 python3; do
+    if command -v "$py" >/dev/null 2>&1 && [[ " $MINORS " == *" $(minor "$py") "* ]] \
+      && "$py" -c 'import venv, ensurepip' >/dev/null 2>&1; then
+      command -v "$py" && return 0
+    fi
+  done
+  return 1
+}
+
+debian_python_fits() {
+  # Debian's python3 is new enough (Debian 13's 3.13; not Debian 12's 3.11): install it with venv.
+  local version
+  version="$(apt-cache policy python3 2>/dev/null | sed -n 's/^ *Candidate: \([0-9]*\.[0-9]*\).*/\1/p')"
+  [[ " $MINORS " == *" ${version#3.} "* ]]
+}
+
+need_python=0
+if ! wants test && ! venv_ok && ! find_python >/dev/null; then
+  need_python=1
+fi
 
 missing=()
 for entry in "${APT_PACKAGES[@]}"; do
@@ -51,56 +125,51 @@ for entry in "${APT_PACKAGES[@]}"; do
   missing+=("$pkg")
 done
 
-if ((${#missing[@]})); then
+if ((${#missing[@]} + need_python)); then
   if [[ "$(id -u)" != 0 ]]; then
-    log "missing system packages: ${missing[*]} (run this script as root to install them)"
+    log "missing system packages: ${missing[*]:-python3 >= 3.12} (run this script as root to install them)"
     exit 1
   fi
-  log "installing: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" </dev/null
+  if ((need_python)) && debian_python_fits; then
+    missing+=(python3 python3-venv)
+  fi
+  if ((${#missing[@]})); then
+    log "installing: ${missing[*]}"
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" </dev/null
+  fi
 fi
 
-# Python 3.12 interpreter for the venv.
-venv_ok() {
-  [[ -x "$VENV/bin/python" ]] &&
-    "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null
-}
-
-make_venv() {
-  if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import venv' >/dev/null 2>&1; then
-    python3.12 -m venv "$VENV" && return 0
-  fi
-  if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -V -r); do
-      PYENV_VERSION="$v" pyenv exec python3 -m venv "$VENV" && return 0
-    done
-  fi
-  for py in "$HOME"/.pyenv/versions/3.12*/bin/python3; do
-    [[ -x "$py" ]] && "$py" -m venv "$VENV" && return 0
-  done
-  return 1
-}
-
 if ! venv_ok; then
-  log "creating $VENV with Python 3.12"
   rm -rf "$VENV"
-  if ! make_venv || ! venv_ok; then
+  python="$(find_python)" || python=""
+  if [[ -z "$python" ]] || ! "$python" -m venv "$VENV" || ! venv_ok; then
     log "ERROR: no Python 3.12 found (tried python3.12, pyenv 3.12.x, ~/.pyenv/versions/3.12*)."
     log "Install Python 3.12 (e.g. 'pyenv install 3.12') and re-run."
     exit 1
   fi
+  log "created $VENV with $("$VENV/bin/python" -V)"
 fi
 
-# Editable install with test extras, only when pyproject.toml changed since the last install.
+# Editable install (with the test extras for `test`), only when pyproject.toml or the extras changed.
+target="."
+wants test && target=".[test]"
 stamp="$VENV/.egressd-install-stamp"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
-if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
+sources="$(sha256sum pyproject.toml setup.py | sha256sum | cut -d' ' -f1)"
+want="$sources $target"
+have="$(cat "$stamp" 2>/dev/null || true)"
+[[ "$have" == "$sources .[test]" ]] && want="$have"  # the test extras hold everything the rest needs
+if [[ "$have" != "$want" ]] \
   || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("egressd")' 2>/dev/null; then
-  log "installing egressd (editable, with test extras) into $VENV"
+  log "installing egressd (editable: $target) into $VENV"
   pip_log="$VENV/pip-install.log"
-  if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]' >"$pip_log" 2>&1; then
+  # no bytecode for the dependencies outside `test` (seconds on a first run; Python compiles what it
+  # imports); egressd's own is compiled below
+  compile=(--no-compile)
+  wants test && compile=()
+  if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${compile[@]}" -e "$target" \
+    >"$pip_log" 2>&1; then
     cat "$pip_log" >&2
     log "ERROR: pip install failed (log: $pip_log)"
     exit 1
@@ -111,26 +180,33 @@ fi
 # the tests start would otherwise compile its ~100 modules again (~0.4 s of CPU each time). A module
 # edited later is recompiled from its source as usual (the .pyc records the source's mtime).
 "$VENV/bin/python" -m compileall -q egressd addons >/dev/null
-# tests/test_mcp.py: a real npm MCP server. Installed here, not by the tests: they run in a network
-# namespace with no way to the registry.
-MCP_NPM="$REPO/.cache/mcp-npm"
-MCP_EVERYTHING="@modelcontextprotocol/server-everything@2026.8.31"
-if [[ ! -x "$MCP_NPM/node_modules/.bin/mcp-server-everything" ]] \
-  || [[ "$(cat "$MCP_NPM/.installed" 2>/dev/null)" != "$MCP_EVERYTHING" ]]; then
-  log "installing $MCP_EVERYTHING into $MCP_NPM"
-  mkdir -p "$MCP_NPM"
-  if ! (cd "$MCP_NPM" && npm install --no-audit --no-fund --silent --no-save "$MCP_EVERYTHING" >npm-install.log 2>&1); then
-    cat "$MCP_NPM/npm-install.log" >&2
-    log "ERROR: npm install $MCP_EVERYTHING failed (log: $MCP_NPM/npm-install.log)"
-    exit 1
+# npm packages the tests use, pinned, each set in its own folder under .cache/. Installed here, not by
+# the tests: they run in network namespaces with no way to the registry.
+npm_into() {
+  local dir="$REPO/.cache/$1"
+  shift
+  if [[ "$(cat "$dir/.installed" 2>/dev/null)" != "$*" ]]; then
+    log "installing $* into $dir"
+    mkdir -p "$dir"
+    if ! (cd "$dir" && npm install --no-audit --no-fund --silent --no-save "$@" >npm-install.log 2>&1); then
+      cat "$dir/npm-install.log" >&2
+      log "ERROR: npm install $* failed (log: $dir/npm-install.log)"
+      exit 1
+    fi
+    printf '%s\n' "$*" >"$dir/.installed"
   fi
-  printf '%s\n' "$MCP_EVERYTHING" >"$MCP_NPM/.installed"
+}
+if wants test; then
+  # tests/test_mcp.py: a real npm MCP server.
+  npm_into mcp-npm @modelcontextprotocol/server-everything@2026.8.31
+  # tests/test_export_istio.py: the models of Istio's CRDs and of Kubernetes, with their validation.
+  npm_into kube-models @kubernetes-models/istio@3.0.1 kubernetes-models@5.1.0
 fi
 # The compose gateway (docker-compose.yml) and its tests: the images, built here from Debian packages
 # and a local wheelhouse (no registry), cached by recipe hash (seconds when nothing changed). The tests
 # rebuild egressd's image offline when its source changed.
-if ! "$VENV/bin/python" scripts/gateway_image.py >/dev/null; then
+if (wants test || wants gateway) && ! "$VENV/bin/python" scripts/gateway_image.py >/dev/null; then
   log "ERROR: the gateway's images could not be built (scripts/gateway_image.py)"
   exit 1
 fi
-log "ok ($("$VENV/bin/python" -V))"
+log "ok: ${PURPOSES[*]} ($("$VENV/bin/python" -V))"

@@ -127,8 +127,9 @@ def test_agent_reaches_an_allowed_upstream_through_the_gateway(lab: ComposeProje
         [
             "python3",
             "-c",
-            "import urllib.request as u; print(u.build_opener("
-            "u.ProxyHandler({})).open('http://127.0.0.1:9090/metrics').read().decode())",
+            "import urllib.request as u; token = open('/var/lib/egressd/metrics.token').read().strip(); "
+            "print(u.build_opener(u.ProxyHandler({})).open(u.Request('http://127.0.0.1:9090/metrics', "
+            "headers={'Authorization': 'Bearer ' + token})).read().decode())",
         ],
     )
     assert metrics.returncode == 0, metrics.stderr
@@ -186,16 +187,55 @@ def test_the_agent_has_no_way_out_but_the_gateway(lab: ComposeProject) -> None:
 
 
 def test_a_container_without_a_token_gets_407(lab: ComposeProject) -> None:
+    insecure = "--proxy-insecure"  # the stranger has not egressd's CA: it still gets no further
     status, headers, _ = agent_curl(
-        lab, "-x", "http://egressd:3128", "http://up.test:8080/anon", service="stranger"
+        lab, insecure, "-x", "https://egressd:3128", "http://up.test:8080/anon", service="stranger"
     )
     assert status == 407
     assert "proxy-authenticate" in headers
-    status, _, _ = agent_curl(
-        lab, "-x", "http://agent:not-the-token@egressd:3128", "http://up.test:8080/forged", service="stranger"
-    )
+    forged = "https://agent:not-the-token@egressd:3128"
+    status, _, _ = agent_curl(lab, insecure, "-x", forged, "http://up.test:8080/forged", service="stranger")
     assert status == 407
     assert not [r for r in upstream_requests(lab) if r["path"] in ("/anon", "/forged")]
+
+
+def test_the_proxy_port_speaks_only_tls(lab: ComposeProject) -> None:
+    """The agents' proxy URL is https:// and verified against egressd's CA (the entrypoint's
+    bundle); a client speaking clear text, as a token sniffer on the network would see it, gets no
+    HTTP answer, and one that does not trust egressd's CA stops at the handshake."""
+    done = lab.exec("agent", [ENTRYPOINT, "sh", "-c", 'printf %s "$HTTPS_PROXY" | cut -d: -f1'])
+    assert done.stdout.strip() == "https", done
+    clear = [
+        "curl",
+        "-sS",
+        "-i",
+        "--max-time",
+        "10",
+        "-x",
+        "http://egressd:3128",
+        "http://up.test:8080/clear",
+    ]
+    done = lab.exec("stranger", clear)
+    assert done.returncode != 0 and not done.stdout.startswith("HTTP/"), done
+    untrusted = ["curl", "-sS", "--max-time", "10", "-x", "https://egressd:3128", "http://up.test:8080/x"]
+    done = lab.exec("stranger", untrusted)
+    assert done.returncode in (35, 60), done  # the certificate is not one it trusts
+    assert not [r for r in upstream_requests(lab) if r["path"] in ("/clear", "/x")]
+
+
+def test_agents_cannot_read_the_metrics(lab: ComposeProject) -> None:
+    """The agents share a network with the gateway's metrics port: without the token in egressd's
+    volume (which no agent mounts) it answers 401 and shows nothing."""
+    for service in ("agent", "stranger"):
+        argv = ["curl", "-sS", "-i", "--noproxy", "*", "--max-time", "10", "http://egressd:9090/metrics"]
+        done = lab.exec(service, argv)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("HTTP/1.0 401") or done.stdout.startswith("HTTP/1.1 401"), done.stdout
+        assert "egressd_" not in done.stdout
+        guessed = [*argv[:-1], "-H", "Authorization: Bearer agent", argv[-1]]
+        assert " 401 " in lab.exec(service, guessed).stdout.splitlines()[0]
+    listing = lab.exec("agent", ["sh", "-c", "ls -a /run/egressd"])
+    assert "metrics.token" not in listing.stdout
 
 
 def test_a_policy_edit_on_the_host_applies_without_a_restart(lab: ComposeProject) -> None:
@@ -238,3 +278,5 @@ def test_compose_file_keeps_the_gateway_shape() -> None:
     assert "audit:/var/log/egressd" in volumes
     assert "healthcheck" in gateway and any("9090" in p for p in gateway["ports"])
     assert "--gateway" in gateway["command"]
+    assert "--tls-name=egressd" in gateway["command"]  # the agents' tokens never in clear
+    assert any(c.startswith("--metrics-token-file=") for c in gateway["command"])

@@ -17,60 +17,24 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from egressd.export.report import measured_losses
 from egressd.policy import Client, Decision, decide, load_policy
 from tests.support.corpus import ProxyClient, Response, ServerSet, tunnel_get
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun
-from tests.support.spellings import ALLOWED_V4, CASES, DNS_NAMES, POLICY, SERVER_HOSTS
+from tests.support.export_targets import EXTRA_NAMES, HOSTS, policy_text, target_kind
+from tests.support.spellings import ALLOWED_V4, DNS_NAMES, SERVER_HOSTS
 from tests.support.squid import base_conf, wait_port
 from tests.support.upstreams import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("squid") is None, reason="squid is not installed")
 
 SQUID_DNS = "127.0.0.53"  # squid asks port 53 only: the test DNS server listens there
-
-# The export's own rule kinds, next to the corpus policy's (names resolve to the allowed server).
-EXTRA_ALLOW = """\
-  - "*.wild.test"   # subdomains only: squid's .wild.test would match wild.test too
-  - porty.test:1    # another port than the servers'
-  - {host: pathy.test, paths: [/ok]}   # needs the path: dropped by the export
-  - cidr.test
-  - cidrdenied.test
-  - 192.0.2.0/24    # licenses cidr.test's private address
-"""
-EXTRA_DENY = """\
-  - 192.0.2.128/25  # deny wins for names resolving into it too (cidrdenied.test)
-  - "*.sub.wild.test"
-"""
-EXTRA_NAMES = {
-    "wild.test": ALLOWED_V4,
-    "a.wild.test": ALLOWED_V4,
-    "x.y.wild.test": ALLOWED_V4,
-    "q.sub.wild.test": ALLOWED_V4,
-    "sub.wild.test": ALLOWED_V4,
-    "porty.test": ALLOWED_V4,
-    "pathy.test": ALLOWED_V4,
-    "cidr.test": "192.0.2.1",
-    "cidrdenied.test": "192.0.2.200",
-    # allowed names resolving where the address guard refuses: never connected to, by either
-    "meta.allowed.test": "169.254.169.254",
-    "loop.allowed.test": "127.0.0.1",
-    "loop6.allowed.test": "::1",
-    "private.allowed.test": "10.1.2.3",
-    "mixed.allowed.test": "192.0.2.1",  # private, but licensed by the 192.0.2.0/24 rule: both admit it
-}
-EXTRA_HOSTS = [*EXTRA_NAMES, "192.0.2.1", "192.0.2.200"]
-
-
-def _policy_text() -> str:
-    return POLICY.replace("allow:\n", "allow:\n" + EXTRA_ALLOW, 1).replace(
-        "deny:\n", "deny:\n" + EXTRA_DENY, 1
-    )
 
 
 @dataclass
@@ -103,6 +67,7 @@ class Lab:
     egressd: ProxyClient
     squid: ProxyClient
     servers: ServerSet
+    kinds: dict[str, dict[str, set[str]]] = field(default_factory=dict)  # front -> kind -> how it differed
 
     @property
     def port(self) -> int:
@@ -113,6 +78,10 @@ class Lab:
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     with open_lab(tmp_path_factory.mktemp("squid"), _policy_text(), SQUID_DNS) as opened:
         yield opened
+
+
+def _policy_text() -> str:
+    return policy_text()
 
 
 @contextlib.contextmanager
@@ -232,9 +201,6 @@ def _same_host_allowed(lab: Lab, host: str, front: str) -> bool:
     return reading != host and decide(target, Client(), load_policy(lab.policy_file)).allowed
 
 
-HOSTS = list(dict.fromkeys([c.host for c in CASES if len(c.host.encode()) <= 255] + EXTRA_HOSTS))
-
-
 @pytest.mark.parametrize("front", ["get", "connect"])
 def test_squid_decides_like_egressd(lab: Lab, front: str) -> None:
     """One table per front: every target through both; differences must be predicted and narrower."""
@@ -253,13 +219,31 @@ def test_squid_decides_like_egressd(lab: Lab, front: str) -> None:
                 _predicted(lab, host, front) if theirs is None else _same_host_allowed(lab, host, front)
             )
             rows.append((host, mine, theirs, predicted))
-    table = "\n".join(f"{h!r}: egressd={m} squid={t} predicted={p}" for h, m, t, p in rows)
+    policy = load_policy(lab.policy_file)
+    kinds = {h: target_kind(policy, h, lab.port) for h, *_ in rows}
+    table = "\n".join(f"{kinds[h]:28} {h!r}: egressd={m} squid={t} predicted={p}" for h, m, t, p in rows)
     print(f"{front}: {len(HOSTS)} targets, {len(rows)} differences\n{table}")
     assert all(p for *_, p in rows), "unpredicted differences:\n" + table
     wider = [
         h for h, m, t, _ in rows if m is None and t is not None and not _same_host_allowed(lab, h, front)
     ]
     assert not wider, "squid is wider:\n" + table
+    seen: dict[str, set[str]] = {}
+    for h, mine, _theirs, _p in rows:
+        seen.setdefault(kinds[h], set()).add("narrower" if mine is not None else "reads the host it names")
+    lab.kinds[front] = seen
+
+
+def test_loss_report_says_what_squid_does(lab: Lab) -> None:
+    """Per target kind, the differences both fronts showed are exactly what the loss report says
+    (runs after the differential of each front, which records them)."""
+    if set(lab.kinds) != {"get", "connect"}:
+        pytest.skip("needs both runs of test_squid_decides_like_egressd in this session")
+    seen: dict[str, set[str]] = {}
+    for front_kinds in lab.kinds.values():
+        for kind, hows in front_kinds.items():
+            seen.setdefault(kind, set()).update(hows)
+    assert seen == measured_losses("squid")
 
 
 def test_export_report_is_machine_readable(lab: Lab) -> None:

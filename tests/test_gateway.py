@@ -12,6 +12,7 @@ import base64
 import json
 import re
 import socket
+import ssl
 import stat
 import subprocess
 import threading
@@ -95,7 +96,10 @@ def gateway_env(tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer) -> dic
 
 def test_token_cli_prints_the_token_once_and_stores_only_its_hash(tmp_path: Path) -> None:
     tokens = tmp_path / "gw" / "tokens.json"
-    done = token_cli("add", "agent1", "--profile", "narrow", "--from", "10.0.0.0/8", tokens=tokens)
+    policy = str(write_policy(tmp_path, GATEWAY_POLICY))
+    done = token_cli(
+        "add", "agent1", "--profile", "narrow", "--policy", policy, "--from", "10.0.0.0/8", tokens=tokens
+    )
     assert done.returncode == 0, done.stderr
     token = done.stdout.strip()
     assert done.stdout == token + "\n" and len(token) >= 40  # the token and nothing else on stdout
@@ -121,6 +125,25 @@ def test_token_cli_prints_the_token_once_and_stores_only_its_hash(tmp_path: Path
         assert refused.returncode == 2 and refused.stdout == "", bad
     bad_net = token_cli("add", "agent3", "--from", "10.0.0.0/33", tokens=tokens)
     assert bad_net.returncode == 2 and "CIDR" in bad_net.stderr
+
+
+def test_token_add_refuses_a_profile_the_policy_does_not_define(tmp_path: Path) -> None:
+    """A typo in --profile is refused at once, naming the profiles there are; nothing is added (the
+    gateway would otherwise refuse that client everything, later and without saying why)."""
+    tokens = tmp_path / "gw" / "tokens.json"
+    policy = str(write_policy(tmp_path, GATEWAY_POLICY))
+    for extra in (("--policy", policy), ()):  # the gateway's policy, or the built-in one
+        typo = token_cli("add", "ci", "--profile", "narow", *extra, tokens=tokens)
+        assert typo.returncode == 2 and typo.stdout == "", typo.stderr
+        assert "profile 'narow' is not defined" in typo.stderr
+        assert not tokens.exists() or "ci" not in json.loads(tokens.read_text())["clients"]
+    typo = token_cli("add", "ci", "--profile", "narow", "--policy", policy, tokens=tokens)
+    assert "(profiles: narrow)" in typo.stderr and policy in typo.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("version: 1\nallow: [\n")
+    refused = token_cli("add", "ci", "--profile", "narrow", "--policy", str(broken), tokens=tokens)
+    assert refused.returncode == 2 and str(broken) in refused.stderr
+    assert add_token(tokens, "ci", "--profile", "narrow", "--policy", policy)
 
 
 def test_default_tokens_file_is_under_egressd_home(egressd_home: Path) -> None:
@@ -153,7 +176,7 @@ def test_gateway_names_each_client_and_refuses_the_rest(
 ) -> None:
     tokens, policy, audit = gateway_env["tokens"], gateway_env["policy"], gateway_env["audit"]
     token = add_token(tokens, "agent1")
-    narrow = add_token(tokens, "ci", "--profile", "narrow")
+    narrow = add_token(tokens, "ci", "--profile", "narrow", "--policy", str(policy))
     socks_port = free_port()
     options = [
         "--gateway",
@@ -317,6 +340,90 @@ def test_gateway_source_networks(
         # both apply: the token's own network and the gateway's
         assert curl(run.url_for("pinned", pinned), url, *from_second)[0] == 407
         assert curl(run.url_for("pinned", pinned), url)[0] == 407
+
+
+def test_gateway_refusal_hint_names_the_policy_file(gateway_env: dict[str, Path], dns: DnsServer) -> None:
+    """A gateway's client cannot run `egressd exec`: the refusal names the gateway's policy file and
+    the rule its operator adds, over plain HTTP and inside a refused CONNECT's answer alike."""
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    token = add_token(tokens, "agent1")
+    options = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
+    with GatewayRun([*options, "--policy", str(policy), "--nameserver", dns.nameserver]) as run:
+        proxy = run.url_for("agent1", token)
+        for url, rule in (("http://nope.test/", "nope.test"), ("http://nope.test:8080/", "nope.test:8080")):
+            status, _headers, body = curl(proxy, url)
+            text = body.decode()
+            assert status == 403 and "egressd exec" not in text, text
+            assert f"adds '{rule}' to the allow list in {policy}" in text, text
+        credentials = base64.b64encode(f"agent1:{token}".encode()).decode()
+        with socket.create_connection(run.address, timeout=10) as raw:
+            raw.sendall(
+                b"CONNECT nope.test:443 HTTP/1.1\r\nHost: nope.test:443\r\n"
+                + f"Proxy-Authorization: Basic {credentials}\r\n\r\n".encode()
+            )
+            answer = b"".join(iter(lambda: raw.recv(4096), b""))
+        assert (
+            answer.startswith(b"HTTP/1.1 403")
+            and f"adds 'nope.test' to the allow list in {policy}".encode() in answer
+        )
+    with GatewayRun(options) as run:  # no policy file: the operator needs one
+        status, _headers, body = curl(run.url_for("agent1", token), "http://nope.test/")
+        assert status == 403 and "restarts it with --policy FILE, 'nope.test'" in body.decode()
+
+
+def test_gateway_tls_listener(
+    gateway_env: dict[str, Path], upstream: EchoHTTPServer, dns: DnsServer, egressd_home: Path, tmp_path: Path
+) -> None:
+    """--tls-name: the proxy port speaks TLS with a certificate from egressd's CA, so a client's
+    token never crosses the network in clear: real curl with `--proxy https://`, plain HTTP and a
+    CONNECT tunnel inside it; a client speaking clear text gets no HTTP answer at all; a client that
+    does not trust egressd's CA stops at the handshake, before its token is sent."""
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    token = add_token(tokens, "agent1")
+    port = free_port()
+    options = ["--gateway", "--listen", f"127.0.0.1:{port}", "--tokens", str(tokens), "--policy", str(policy)]
+    options += ["--nameserver", dns.nameserver, "--tls-name", "127.0.0.1", "--tls-name", "gateway.test"]
+    url = f"http://up.test:{upstream.port}/hello"
+    with GatewayRun(options) as run:
+        assert run.scheme == "https", run.stderr
+        ca = ("--proxy-cacert", str(egressd_home / "public" / "egressd-ca-cert.pem"))
+        proxy = run.url_for("agent1", token)
+        assert proxy.startswith("https://")
+        assert curl(proxy, url, *ca)[0] == 200  # absolute-form HTTP inside TLS
+        assert curl(proxy, url, *ca, "--proxytunnel")[0] == 200  # CONNECT inside TLS
+        status, headers, _ = curl(proxy, f"http://denied.test:{upstream.port}/", *ca)
+        assert status == 403 and headers.get("x-egressd-reason") == "denylist"
+        assert curl(run.url_for("agent1", "wrong"), url, *ca)[0] == 407
+        # the certificate names what clients dial: the name too, verified against egressd's CA
+        context = ssl.create_default_context(cafile=ca[1])
+        with (
+            socket.create_connection(run.address, timeout=10) as raw,
+            context.wrap_socket(raw, server_hostname="gateway.test") as tls,
+        ):
+            assert tls.version() in ("TLSv1.2", "TLSv1.3")
+        # a client in clear text: no HTTP answer (TLS alert or close), so nothing it sent was read
+        credentials = base64.b64encode(f"agent1:{token}".encode()).decode()
+        with socket.create_connection(run.address, timeout=10) as raw:
+            raw.sendall(f"GET {url} HTTP/1.1\r\nProxy-Authorization: Basic {credentials}\r\n\r\n".encode())
+            answer = b"".join(iter(lambda: raw.recv(4096), b""))
+        assert not answer.startswith(b"HTTP/"), answer[:80]
+        # a client that does not trust egressd's CA refuses the handshake: curl exits 35/60, no answer
+        done = subprocess.run(
+            ["curl", "-sS", "--max-time", "20", "--proxy", proxy, url], capture_output=True, timeout=60
+        )
+        assert done.returncode in (35, 60) and done.stdout == b"", done
+    assert run.proc is not None and run.proc.returncode == 0, run.stderr
+
+
+def test_gateway_tls_options(tmp_path: Path) -> None:
+    """--tls-cert needs --tls-key, does not mix with --tls-name, and every --tls-* needs --gateway."""
+    for args, error in (
+        (["--gateway", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["--gateway", "--tls-cert", "c", "--tls-key", "k", "--tls-name", "x"], "not with --tls-cert"),
+        (["--tls-name", "x"], "--tls-name only with --gateway"),
+    ):
+        done = subprocess.run([*EGRESSD, "run", *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and error in done.stderr, (args, done.stderr)
 
 
 @pytest.mark.parametrize("own_address", ["127.0.0.1", netns.UPSTREAM_V4[0]], ids=["loopback", "interface"])

@@ -279,3 +279,29 @@ def until_found(find: Callable[[], tuple[Path, list]]) -> list:
     found: list = []
     until(lambda: bool(found.extend(find()[1]) or found))
     return found
+
+
+def test_metrics_token_file_requires_the_bearer_token(tmp_path: Path) -> None:
+    """--metrics-token-file: without `Authorization: Bearer TOKEN` (or with another token, or a
+    prefix of it) the metrics port answers 401 and shows nothing; with it, the metrics."""
+    token_file = tmp_path / "metrics.token"
+    token = "m" * 12 + "etrics-token-4f2a"
+    token_file.write_text(token + "\n")
+    with EgressdRun(["--metrics", "127.0.0.1:0", "--metrics-token-file", str(token_file)]) as run:
+        found = re.search(r"metrics on (\S+)", run.stderr)
+        assert found is not None, run.stderr
+        url = found.group(1)
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {token[:-1]}"}):
+            refused = requests.get(url, headers=headers, timeout=10)
+            assert refused.status_code == 401 and "egressd_" not in refused.text, headers
+        served = requests.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert served.status_code == 200 and "egressd_" in served.text
+    short = tmp_path / "short.token"
+    short.write_text("abc")
+    done = subprocess.run(
+        [*EGRESSD, "run", "--metrics", "127.0.0.1:0", "--metrics-token-file", str(short)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "16 characters" in done.stderr

@@ -48,7 +48,7 @@ from egressd.policy import (
     classify,
     join_host_port,
 )
-from egressd.refusal import Refusal, outcome
+from egressd.refusal import GatewayHints, Refusal, outcome
 
 if TYPE_CHECKING:
     from egressd.admission.approver import Approver
@@ -139,6 +139,7 @@ class Pipeline:
         if audit is not None:
             self.events.subscribe(audit.observe)
         self.inspection = False  # TLS inspection available (CA ready); off with --no-inspect
+        self.gateway_hints: GatewayHints | None = None  # `run --gateway`: hints for its operator
         # look up every connection's program (pid, exe in the audit), not only where a rule needs it
         self.identify = identify
         # the pid of the child each token was issued to: its process tree is searched first
@@ -206,11 +207,14 @@ class Pipeline:
     async def admit(self, conn: ConnState, ask: Ask) -> Admitted | Refusal:
         """The steps, in order; never raises (a bug refuses with internal_error)."""
         try:
-            return await self._admit(conn, ask)
+            answer = await self._admit(conn, ask)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
             return self.internal_error(f"admit ({ask.stage})", exc)
+        if self.gateway_hints is not None and isinstance(answer, Refusal) and answer.is_policy:
+            return dataclasses.replace(answer, gateway=self.gateway_hints)
+        return answer
 
     async def _admit(self, conn: ConnState, ask: Ask) -> Admitted | Refusal:
         conn.head_seen = True

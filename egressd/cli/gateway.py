@@ -28,7 +28,7 @@ def _path(tokens_file: str | None) -> Path:
 
 _EXAMPLE = """\b
 Example:
-  egressd gateway token add agent1 --profile ci > agent1.token
+  egressd gateway token add agent1 --profile ci --policy policy.yaml > agent1.token
   egressd gateway token list
   egressd gateway token remove agent1"""
 
@@ -52,11 +52,23 @@ def token_group() -> None:
     "add",
     epilog="""\b
 Example:
-  egressd gateway token add agent1 --profile ci --from 172.28.0.0/16 > agent1.token
+  egressd gateway token add agent1 --profile ci --policy policy.yaml --from 172.28.0.0/16 > agent1.token
   HTTPS_PROXY=http://agent1:$(cat agent1.token)@gateway:3128 pip install requests""",
 )
 @click.argument("name")
-@click.option("--profile", metavar="P", help="Apply policy profile P (`profiles.P`) to this client.")
+@click.option(
+    "--profile",
+    metavar="P",
+    help="Apply policy profile P (`profiles.P`) to this client; P must be in the --policy files.",
+)
+@click.option(
+    "--policy",
+    "policy_files",
+    multiple=True,
+    metavar="FILE",
+    help="The gateway's policy file or preset (repeatable, as `run --policy`): --profile is checked "
+    "against it (default: the built-in policy).",
+)
 @click.option(
     "--from",
     "sources",
@@ -65,8 +77,16 @@ Example:
     help="Accept this client from this network only (repeatable).",
 )
 @_TOKENS
-def token_add(name: str, profile: str | None, sources: tuple[str, ...], tokens_file: str | None) -> None:
+def token_add(
+    name: str,
+    profile: str | None,
+    policy_files: tuple[str, ...],
+    sources: tuple[str, ...],
+    tokens_file: str | None,
+) -> None:
     """Add client NAME (replacing its token if it exists); print the token once on stdout."""
+    if profile is not None:
+        _check_profile(profile, policy_files)
     path = _path(tokens_file)
     try:
         token = add_clients(path, [name], profile=profile, sources=sources)[name]
@@ -74,6 +94,27 @@ def token_add(name: str, profile: str | None, sources: tuple[str, ...], tokens_f
         fail(str(exc))
     click.echo(token)
     say(f"client {name} added to {path} (the token above is not stored; keep it)")
+
+
+def _check_profile(profile: str, policy_files: tuple[str, ...]) -> None:
+    """A profile the gateway's policy does not define would refuse the client everything, later
+    and silently: refuse it now, naming what is defined."""
+    from egressd.policy import PolicyError
+    from egressd.session import base_policy
+
+    defined: set[str] = set()
+    try:
+        for policy_file in policy_files or (None,):
+            defined |= set(base_policy(policy_file).profiles)
+    except PolicyError as exc:
+        fail(str(exc))
+    if profile not in defined:
+        where = ", ".join(policy_files) or "the built-in policy (no --policy given)"
+        known = ", ".join(sorted(defined)) or "none"
+        fail(
+            f"profile {profile!r} is not defined in {where} (profiles: {known}); add it under "
+            "`profiles:` there, or name the gateway's policy with --policy FILE"
+        )
 
 
 @token_group.command("list", epilog=_EXAMPLE)

@@ -25,6 +25,7 @@ from egressd.policy.model import MODES
 from egressd.policy.secrets import secrets_from_options
 from egressd.session import (
     GatewayOptions,
+    ListenerTLS,
     Overrides,
     ProxySession,
     SessionError,
@@ -120,6 +121,12 @@ def proxy_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Allow --metrics on a non-loopback address (other machines can then read them).",
         ),
         click.option(
+            "--metrics-token-file",
+            metavar="FILE",
+            help="--metrics answers only requests with `Authorization: Bearer TOKEN`, TOKEN the "
+            "content of FILE (read at start).",
+        ),
+        click.option(
             "--upstream-proxy",
             metavar="URL",
             help="Send admitted connections through this parent proxy (http://HOST:PORT, HTTP "
@@ -209,6 +216,9 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
         metrics = parse_metrics_address(metrics_text, any_address=metrics_any)
     elif metrics_any:
         raise click.BadParameter("--metrics-any needs --metrics HOST:PORT", param_hint="--metrics-any")
+    metrics_token = params.pop("metrics_token_file")
+    if metrics_token is not None and metrics is None:
+        raise click.BadParameter("needs --metrics HOST:PORT", param_hint="--metrics-token-file")
     gateway = _pop_gateway_options(params)
     if gateway is not None and overrides.profile is not None:
         raise click.UsageError(
@@ -218,6 +228,7 @@ def _pop_session_options(params: dict[str, Any]) -> SessionOptions:
     return SessionOptions(
         gateway=gateway,
         metrics=metrics,
+        metrics_token_file=metrics_token,
         report=not params.pop("quiet"),
         policy_file=first_policy(policies),
         overrides=overrides,
@@ -333,8 +344,35 @@ def gateway_options(func: Callable[..., Any]) -> Callable[..., Any]:
             metavar="HOST:PORT",
             help="Gateway: also serve SOCKS5 (user/password = name/token) on this address.",
         ),
+        click.option(
+            "--tls-cert",
+            metavar="FILE",
+            help="Gateway: the proxy port speaks TLS (https:// proxy URLs) with this certificate "
+            "chain (PEM); needs --tls-key.",
+        ),
+        click.option("--tls-key", metavar="FILE", help="Gateway: the private key of --tls-cert (PEM)."),
+        click.option(
+            "--tls-name",
+            "tls_names",
+            multiple=True,
+            metavar="NAME",
+            help="Gateway: the proxy port speaks TLS with a certificate for NAME (repeatable: every "
+            "name clients reach it by) from egressd's CA (`egressd ca path`).",
+        ),
     ]
     return _with_options(func, options)
+
+
+def _tls_options(cert: str | None, key: str | None, names: tuple[str, ...]) -> ListenerTLS | None:
+    if (cert is None) != (key is None):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    if cert is not None and names:
+        raise click.UsageError("--tls-name mints a certificate: not with --tls-cert")
+    if cert is None and not names:
+        return None
+    from pathlib import Path
+
+    return ListenerTLS(cert=Path(cert) if cert else None, key=Path(key) if key else None, names=tuple(names))
 
 
 def _pop_gateway_options(params: dict[str, Any]) -> GatewayOptions | None:
@@ -348,12 +386,11 @@ def _pop_gateway_options(params: dict[str, Any]) -> GatewayOptions | None:
         params.pop("allow_from"),
         params.pop("socks_listen"),
     )
+    tls = (params.pop("tls_cert"), params.pop("tls_key"), params.pop("tls_names"))
     if not gateway:
-        given = [
-            name
-            for name, value in (("--tokens", tokens), ("--allow-from", allow_from), ("--socks-listen", socks))
-            if value
-        ]
+        pairs = (("--tokens", tokens), ("--allow-from", allow_from), ("--socks-listen", socks))
+        pairs += (("--tls-cert", tls[0]), ("--tls-key", tls[1]), ("--tls-name", tls[2]))
+        given = [name for name, value in pairs if value]
         if given:
             raise click.UsageError(f"{', '.join(given)} only with --gateway")
         return None
@@ -371,6 +408,7 @@ def _pop_gateway_options(params: dict[str, Any]) -> GatewayOptions | None:
         tokens=Path(tokens) if tokens else default_tokens_path(),
         allow_from=tuple(allow_from),
         socks_listen=parse_listen(socks, gateway=True, option="--socks-listen") if socks else None,
+        tls=_tls_options(*tls),
     )
 
 

@@ -90,7 +90,8 @@ def _announce_gateway(session: ProxySession) -> None:
     _close_stdout()
     assert session.proxy is not None and session.gateway is not None and session.options.gateway is not None
     host, port = session.proxy.http_address
-    where = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if session.options.gateway.tls is not None else "http"
+    where = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
     socks = session.proxy.socks_address
     socks_note = f", SOCKS5 on {socks[0]}:{socks[1]}" if socks else ""
     sources = session.options.gateway.allow_from

@@ -92,6 +92,29 @@ def _allow(item: Rule, findings: list[Finding], flags: list[str], ports: tuple[i
         return []
     if r.network is not None:
         flags.append(f"--allow-range={r.network}")  # egressd: the rule licenses private addresses too
+        if r.network.version == 6:
+            findings.append(
+                Finding(
+                    item.setting,
+                    r.text,
+                    "dropped",
+                    "smokescreen refuses every destination written as an IPv6 address; "
+                    "only names resolving to it are admitted (by their own allow rules)",
+                    (item.decides,),
+                )
+            )
+            return []
+        if r.network.num_addresses == 1:
+            findings.append(
+                Finding(
+                    item.setting,
+                    r.text,
+                    "narrowed",
+                    "only the address's canonical spelling is matched (smokescreen reads other "
+                    "spellings of an address as names)",
+                    (item.decides,),
+                )
+            )
         if r.network.num_addresses > 1:
             findings.append(
                 Finding(
@@ -104,6 +127,30 @@ def _allow(item: Rule, findings: list[Finding], flags: list[str], ports: tuple[i
                 )
             )
     return _globs(item)
+
+
+def _carve(flags: list[str]) -> list[str]:
+    """Smokescreen checks --allow-range before --deny-range: an allowed range would lift a deny
+    range inside it, where egressd's deny wins. Allow only what is left of each range."""
+    denied = [ipaddress.ip_network(f.split("=", 1)[1]) for f in flags if f.startswith("--deny-range=")]
+    out: list[str] = []
+    for flag in flags:
+        if not flag.startswith("--allow-range="):
+            out.append(flag)
+            continue
+        parts = [ipaddress.ip_network(flag.split("=", 1)[1])]
+        for deny in denied:
+            parts = [
+                rest
+                for part in parts
+                for rest in (
+                    ([] if part.subnet_of(deny) else part.address_exclude(deny))  # type: ignore[arg-type]
+                    if part.version == deny.version and part.overlaps(deny)  # type: ignore[arg-type]
+                    else [part]
+                )
+            ]
+        out += [f"--allow-range={p}" for p in ipaddress.collapse_addresses(parts)]  # type: ignore[arg-type]
+    return out
 
 
 def export_smokescreen(policy: Policy) -> Export:
@@ -129,6 +176,7 @@ def export_smokescreen(policy: Policy) -> Export:
             allow += _allow(item, findings, flags, policy.ports)
     findings += origins_dropped(policy, "smokescreen has no exact origins (scheme, port): left out")
     guard = FORBIDDEN + LOOPBACK + ((), PRIVATE)[not policy.private.allow]
+    flags = _carve(flags)
     licensed = [ipaddress.ip_network(f.split("=", 1)[1]) for f in flags if f.startswith("--allow-range=")]
     guard_flags = [f"--deny-range={n}" for n in guard]
     findings.append(

@@ -18,6 +18,8 @@ from egressd.front.tunnel import FrontProtocol, MitmproxyAddress, RefusalContext
 from egressd.listeners import register
 
 if TYPE_CHECKING:
+    import ssl as ssl_module
+
     from egressd.admission.credentials import ProxyCredentials
     from egressd.admission.pipeline import Pipeline
     from egressd.inspect.handoffs import Handoffs
@@ -60,12 +62,21 @@ class FastFront:
             return SocksProtocol(self, implicit)
         return FrontProtocol(self, kind, implicit=implicit, tree_only=tree_only)
 
-    async def start(self, host: str, port: int, kind: str = "http") -> tuple[str, int]:
-        """Listen for `kind` clients: "http" (the proxy port) or "socks" (SOCKS5)."""
+    async def start(
+        self, host: str, port: int, kind: str = "http", ssl: ssl_module.SSLContext | None = None
+    ) -> tuple[str, int]:
+        """Listen for `kind` clients: "http" (the proxy port) or "socks" (SOCKS5); over TLS with `ssl`."""
         _check_kind(kind)
         loop = asyncio.get_running_loop()
         self._sweep_from_now()
-        server = await loop.create_server(lambda: self._protocol(kind), host, port, backlog=4096)
+        server = await loop.create_server(
+            lambda: self._protocol(kind),
+            host,
+            port,
+            backlog=4096,
+            ssl=ssl,
+            ssl_handshake_timeout=10 if ssl else None,
+        )
         return self._own(server)
 
     async def serve(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:

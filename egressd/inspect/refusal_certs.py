@@ -41,8 +41,6 @@ class RefusalCerts:
         return await asyncio.get_running_loop().run_in_executor(None, self._mint, host)
 
     def _mint(self, host: str) -> ssl.SSLContext:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import serialization
         from mitmproxy.certs import CertStore
 
         with self._lock:
@@ -51,24 +49,45 @@ class RefusalCerts:
                 return found
             if self._store is None:
                 self._store = CertStore.from_store(self.confdir, MITMPROXY_BASENAME, KEY_SIZE)
-            try:
-                san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
-            except ValueError:
-                san = x509.DNSName(host)
-            entry = self._store.get_cert(host, [san])
-            key = entry.privatekey.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.TraditionalOpenSSL,
-                serialization.NoEncryption(),
-            )
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.set_alpn_protocols(["http/1.1"])  # the page is HTTP/1.1: never offer h2
-            _load_chain(context, entry.cert.to_pem() + key, self.confdir)
+            context = minted_context(self._store, [host], self.confdir)
             if len(self._contexts) >= MAX_CACHED:
                 self._contexts.clear()
             self._contexts[host] = context
             return context
+
+
+def minted_context(store: Any, names: list[str], scratch: Path) -> ssl.SSLContext:
+    """A TLS server context (HTTP/1.1 only) with a certificate for `names` from egressd's CA; its key
+    passes through a private file under `scratch` (see _load_chain)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    sans: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            sans.append(x509.DNSName(name))
+    entry = store.get_cert(names[0], sans)
+    key = entry.privatekey.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["http/1.1"])  # egressd speaks HTTP/1.1: never offer h2
+    _load_chain(context, entry.cert.to_pem() + key, scratch)
+    return context
+
+
+def listener_context(confdir: Path, names: list[str], scratch: Path) -> ssl.SSLContext:
+    """The context of a TLS proxy listener (`run --gateway --tls-name`): a certificate for the names
+    clients reach it by, from egressd's CA (the bundle they trust already). `scratch`: egressd's own
+    private directory (the CA's may be mounted read-only, as in the compose file)."""
+    from mitmproxy.certs import CertStore
+
+    return minted_context(CertStore.from_store(confdir, MITMPROXY_BASENAME, KEY_SIZE), names, scratch)
 
 
 def _load_chain(context: ssl.SSLContext, pem: bytes, confdir: Path) -> None:

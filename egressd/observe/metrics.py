@@ -22,10 +22,11 @@ and an integer addition or a dict insert is atomic under the GIL.
 from __future__ import annotations
 
 import bisect
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from egressd.admission.events import Asked, Closed, Decided, Event, Notice, Resolved
 from egressd.policy.model import MODES
@@ -363,12 +364,15 @@ class _Live:
 class MetricsServer:
     """prometheus_client's WSGI server for one registry, in a daemon thread."""
 
-    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+    def __init__(self, metrics: Metrics, host: str, port: int, *, token: str | None = None) -> None:
         from prometheus_client import start_http_server
 
         self._server: WSGIServer
         self._thread: threading.Thread
-        self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
+        if token is None:
+            self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
+        else:
+            self._server, self._thread = _serve_with_token(metrics, host, port, token)
         bound = self._server.server_address
         self.address: tuple[str, int] = (str(bound[0]), int(bound[1]))
 
@@ -381,3 +385,38 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def _serve_with_token(
+    metrics: Metrics, host: str, port: int, token: str
+) -> tuple[WSGIServer, threading.Thread]:
+    """prometheus_client's WSGI app behind `Authorization: Bearer TOKEN` (compared in constant
+    time): on a network shared with the clients (the compose gateway), only whoever holds the
+    token sees what they do."""
+    import hmac
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client.exposition import ThreadingWSGIServer, WSGIRequestHandler, make_wsgi_app
+
+    app = make_wsgi_app(metrics.registry)
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
+        given = str(environ.get("HTTP_AUTHORIZATION", "")).encode("latin-1", "replace")
+        if not hmac.compare_digest(given, expected):
+            challenge = ("WWW-Authenticate", 'Bearer realm="egressd metrics"')
+            start_response("401 Unauthorized", [challenge, ("Content-Length", "0")])
+            return [b""]
+        return app(environ, start_response)
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+            return
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = make_server(host, port, guarded, Server, handler_class=Quiet)
+    thread = threading.Thread(target=server.serve_forever, name="egressd-metrics", daemon=True)
+    thread.start()
+    return server, thread  # type: ignore[return-value]

@@ -154,7 +154,8 @@ class GatewayRun(EgressdRun):
     """`egressd run --gateway` in the background: it prints nothing on stdout; `address` is where
     its stderr says it listens."""
 
-    LISTENING = re.compile(r"gateway listening on http://\[?([0-9a-fA-F.:]+)\]?:(\d+)")
+    LISTENING = re.compile(r"gateway listening on (https?)://\[?([0-9a-fA-F.:]+)\]?:(\d+)")
+    scheme = "http"
 
     def start(self, timeout: float = 30) -> Self:
         self._spawn()
@@ -165,9 +166,9 @@ class GatewayRun(EgressdRun):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"egressd run --gateway did not start; stderr: {self.stderr}")
             time.sleep(0.05)
-        self.address = (found.group(1), int(found.group(2)))
+        self.scheme, self.address = found.group(1), (found.group(2), int(found.group(3)))
         return self
 
     def url_for(self, name: str, token: str) -> str:
         host, port = self.address
-        return f"http://{name}:{token}@{host}:{port}"
+        return f"{self.scheme}://{name}:{token}@{host}:{port}"

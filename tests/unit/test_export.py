@@ -1,38 +1,32 @@
-"""`egressd policy export`, pure: the guard lists against the classifier, and the Smokescreen and
-Envoy matching (simulated from their sources) against `decide` on the bypass corpus.
+"""`egressd policy export`, pure: the guard lists against the classifier, refusals, the report, and
+the loss tables docs/scale.md shows.
 
-Why: Squid is run for real (tests/test_export_squid.py); Smokescreen and Envoy are not installable
-here, so their matching rules — Smokescreen's HostMatchesGlob and Decide order (acl.go), Envoy's
-RBAC full-match regexes on :authority — are simulated exactly as their sources state, and every
-target they admit must be one egressd admits (never wider); where egressd admits and they do not,
-a finding must name the rule.
+Why: each engine's decisions are checked on one target table elsewhere (tests/test_export_squid.py
+on the real Squid, tests/test_export_envoy.py and tests/test_export_smokescreen.py on Envoy's API
+types and Smokescreen's documented rules); these are the parts that need no engine at all.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
-import re
 import subprocess
 import sys
 from ipaddress import IPv4Address, IPv6Address
+from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from egressd.export import ExportRefused, export_policy
 from egressd.export.guards import FORBIDDEN, NON_GLOBAL, PRIVATE
+from egressd.export.report import LOSSES, TARGET_KINDS, loss_table_markdown
 from egressd.policy import (
     AddressClass,
-    Client,
     Policy,
-    TargetError,
     classify,
-    decide,
     parse_policy,
-    parse_target,
 )
 from tests.support.spellings import CASES
 
@@ -105,96 +99,6 @@ def test_private_list_covers_no_global_ipv4() -> None:
             assert classify(net.network_address) is not AddressClass.GLOBAL, net
 
 
-# -- Smokescreen, simulated from stripe/smokescreen pkg/smokescreen/acl/v1/acl.go ------------------
-def _glob_match(host: str, glob: str) -> bool:
-    h, wildcard = host.lower().rstrip("."), glob.startswith("*.")
-    g = glob[2:] if wildcard else glob
-    return h.endswith("." + g) if wildcard else h == g
-
-
-def _smokescreen_allows(acl: dict, host: str) -> bool:
-    rule = acl["default"]
-    if any(_glob_match(host, g) for g in rule.get("allowed_domains") or []):
-        return True
-    if any(_glob_match(host, g) for g in acl["global_deny_list"]):
-        return False
-    if any(_glob_match(host, g) for g in acl["global_allow_list"]):
-        return True
-    return rule["action"] in ("open", "report")
-
-
-def _egressd(host: str, port: int = 443) -> tuple[bool, str]:
-    decision = decide(f"{host}:{port}", Client(), POLICY)
-    return decision.allowed, decision.rule or ""
-
-
-def _canonical(host: str) -> str | None:
-    """The name both engines would see (smokescreen normalizes names as egressd does); None: skip."""
-    try:
-        target = parse_target(f"{host}:443")
-    except TargetError:
-        return None
-    return target.host.name
-
-
-def _predicted(result_findings: list, rule: str) -> bool:
-    return any(rule == d or rule.startswith(d + " ") for f in result_findings for d in f.decides)
-
-
-def test_smokescreen_never_wider_and_differences_predicted() -> None:
-    result = export_policy(POLICY, "smokescreen")
-    acl = yaml.safe_load(result.text)
-    for host in NAMES:
-        name = _canonical(host)
-        if name is None or name == "localhost" or name.endswith(".localhost"):
-            continue
-        allowed, rule = _egressd(name)
-        theirs = _smokescreen_allows(acl, name)
-        assert not (theirs and not allowed), (host, "smokescreen is wider")
-        if allowed and not theirs:
-            assert _predicted(result.findings, rule), (host, rule)
-
-
-# -- Envoy, simulated: RBAC DENY then ALLOW, full-match regexes on :authority --------------------
-def _envoy_allows(boot: dict, authority: str) -> bool:
-    filters = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    for f in filters["http_filters"]:
-        if f["name"] != "envoy.filters.http.rbac":
-            continue
-        rules = f["typed_config"]["rules"]
-        regexes = [
-            p["permissions"][0]["header"]["string_match"]["safe_regex"]["regex"]
-            for p in rules["policies"].values()
-        ]
-        hit = any(re.fullmatch(rx, authority) for rx in regexes)
-        if rules["action"] == "DENY" and hit:
-            return False
-        if rules["action"] == "ALLOW" and not hit:
-            return False
-    return True
-
-
-@pytest.mark.parametrize("port", [443, 8443])
-def test_envoy_never_wider_and_differences_predicted(port: int) -> None:
-    result = export_policy(POLICY, "envoy")
-    boot = yaml.safe_load(result.text)
-    for host in NAMES:
-        if any(c in host for c in " \t\r\n") or not host.isascii():
-            continue  # not a valid :authority: Envoy's codec refuses it
-        authority = f"{host}:{port}"
-        allowed, rule = _egressd(host, port)
-        theirs = _envoy_allows(boot, authority)
-        if theirs and not allowed:
-            # Envoy admits spellings egressd refuses as unparseable (the report's `target` finding):
-            # only ones that are, or are under, a name egressd admits (a trailing dot, bad punycode).
-            name = host.rstrip(".").lower()
-            parent = name.partition(".")[2]
-            assert decide(f"{host}:{port}", Client(), POLICY).reason == "invalid_target", authority
-            assert _egressd(name, port)[0] or _egressd(parent, port)[0], (authority, "envoy is wider")
-        if allowed and not theirs:
-            assert _predicted(result.findings, rule), (authority, rule)
-
-
 # -- refusals and the report ---------------------------------------------------------------------
 def test_refused_when_only_wider_is_possible() -> None:
     wide = parse_policy({"version": 1, "allow": ["0.0.0.0/0"]}, "wide")
@@ -259,3 +163,17 @@ def test_profiles_and_learn_are_reported() -> None:
     for target in ("squid", "smokescreen", "cilium", "istio", "envoy"):
         findings = export_policy(policy, target).findings
         assert any(f.setting == "profiles.ci" for f in findings), target
+
+
+def test_scale_doc_shows_the_loss_tables() -> None:
+    """docs/scale.md shows the loss report's tables as they are (a change to one changes both)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "scale.md").read_text()
+    assert loss_table_markdown() in doc
+
+
+def test_report_json_has_the_losses_per_kind() -> None:
+    data = json.loads(export_policy(POLICY, "envoy").report_json())
+    assert {"how": "narrower", "detail": LOSSES["envoy"]["address spelling"][0].detail} in data["kinds"][
+        "address spelling"
+    ]
+    assert set(data["kinds"]) <= set(TARGET_KINDS)

@@ -1,4 +1,4 @@
-"""`python -m egressd.demo`: egressd allowing loopback and refusing the rest, in one screen.
+"""scripts/demo.py (run by scripts/demo.sh): egressd allowing loopback, refusing the rest, on one screen.
 
 It runs the real command line (`egressd exec ... -- sh -c 'curl ...; curl ...'`) against a test
 server on 127.0.0.1, so what it shows is what a user gets. The resolver is pointed at a local
