@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from egressd.sandbox import capture
 from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import write_policy
@@ -578,8 +579,9 @@ def test_without_nft_the_child_runs_confined_and_egressd_says_so(
 UNDO = """
     import json, socket, subprocess, sys
     out = {}
-    route = ["ip", "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "local"]
-    for name, argv in (("nft_flush", ["nft", "flush", "ruleset"]), ("route_del", route)):
+    nft, ip = sys.argv[2:4]  # where they are (an ordinary user's PATH has no sbin)
+    route = [ip, "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "local"]
+    for name, argv in (("nft_flush", [nft, "flush", "ruleset"]), ("route_del", route)):
         out[name] = subprocess.run(argv, capture_output=True).returncode
     # the transparent listener itself, asked directly: closed without a word
     try:
@@ -605,7 +607,8 @@ def test_the_child_cannot_undo_or_skip_the_capture(
     """The rules and route are out of the child's reach (it has no capabilities); the listener
     asked directly answers nothing; after the attempts, decisions are still the proxy's."""
     dns.add("up.test", upstream.host)
-    command = [PY, "-c", textwrap.dedent(UNDO), str(upstream.port)]
+    tools = [str(capture.find_tool(name)) for name in ("nft", "ip")]
+    command = [PY, "-c", textwrap.dedent(UNDO), str(upstream.port), *tools]
     seen = output(run_captured(tmp_path, dns, audit, command, work))
     assert seen["nft_flush"] != 0 and seen["route_del"] != 0
     assert seen["direct_listener"] in ("", "ConnectionResetError", "BrokenPipeError")

@@ -53,6 +53,13 @@ def _write(path: str, text: str) -> None:
     Path(path).write_text(text)
 
 
+def _map_ids(uid_map: str, gid_map: str) -> None:
+    with contextlib.suppress(OSError):  # kernels before 3.19 have no setgroups file
+        _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", uid_map)
+    _write("/proc/self/gid_map", gid_map)
+
+
 def _unshare() -> str:
     """Enter a new network namespace (as root) or a user+network namespace (otherwise)."""
     if not hasattr(os, "unshare"):
@@ -73,11 +80,24 @@ def _unshare() -> str:
         if root_error is not None:
             detail = f"unshare(CLONE_NEWNET) as root: {root_error}; {detail}"
         raise NetnsError(detail) from exc
-    with contextlib.suppress(OSError):  # kernels before 3.19 have no setgroups file
-        _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"0 {uid} 1")
-    _write("/proc/self/gid_map", f"0 {gid} 1")
-    return f"user namespace (uid {uid} mapped to 0) + new network namespace"
+    _map_ids(f"0 {uid} 1", f"0 {gid} 1")
+    if uid != 0:
+        _state["unprivileged"] = f"{uid}:{gid}"
+    return f"user namespace (uid {uid}) + new network namespace"
+
+
+def _be_the_user_again() -> None:
+    """Back to the caller's own uid, with no capability over the test namespace.
+
+    The first user namespace maps the caller to uid 0 only so the namespace can be configured;
+    a test process that stayed uid 0 there would run egressd as "root" (every sandbox and capture
+    path of an ordinary user untested). A nested user namespace maps the caller's uid back: its
+    processes hold no capability in the namespace that owns the test network, exactly as a user's
+    egressd holds none on the host.
+    """
+    uid, _, gid = _state["unprivileged"].partition(":")
+    os.unshare(os.CLONE_NEWUSER)
+    _map_ids(f"{uid} 0 1", f"{gid} 0 1")
 
 
 def _ip_batch(commands: list[str]) -> None:
@@ -101,6 +121,9 @@ def _configure_addresses() -> None:
             ipv6_off.write_text("0")
         except OSError as exc:
             raise NetnsError(f"cannot enable IPv6 on lo: {exc}") from exc
+    if "unprivileged" in _state:
+        # the user's own servers (sshd on 22) bind low ports in this namespace, as root's would
+        Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").write_text("0")
     cmds = ["link set lo up"]
     for net in LOCAL_V4_NETWORKS:
         first = net.replace(".0/24", ".1/24")
@@ -144,6 +167,8 @@ def enter_test_netns() -> str:
             raise NetnsError(f"other threads are already running ({', '.join(others)})")
         how = _unshare()
         _configure_addresses()
+        if "unprivileged" in _state:
+            _be_the_user_again()
         os.environ[ENV_FLAG] = "1"
         desc = (
             f"{how}; lo up with {', '.join(LOCAL_V4_NETWORKS)}, "
@@ -151,6 +176,16 @@ def enter_test_netns() -> str:
         )
         _state["description"] = desc
         return desc
+
+
+def real_root() -> bool:
+    """Root of the initial user namespace (named network namespaces, mounts, useradd, docker need
+    it), not a uid 0 mapped in a user namespace."""
+    try:
+        first = Path("/proc/self/uid_map").read_text().split()
+    except OSError:
+        return False
+    return os.geteuid() == 0 and first[:2] == ["0", "0"]
 
 
 def links() -> list[str]:
