@@ -174,6 +174,28 @@ def test_git_clone_over_ssh_inside_the_sandbox(
     assert _connections(git_server) == 1
 
 
+def test_git_clone_over_ssh_without_the_helper_is_captured(
+    tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
+) -> None:
+    """git with an ssh command of its own (no ProxyCommand): the capture sends its connection to
+    the proxy, which decides git.test:22 by name."""
+    dns.add("git.test", SSH_HOST)
+    audit = tmp_path / "audit.jsonl"
+    policy = write_policy(tmp_path, f"version: 1\nallow: [git.test:22, {SSH_HOST}:22]\n")
+    result = egressd_sandbox(
+        ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)],
+        ["env", f"GIT_SSH_COMMAND=ssh -F {git_server.ssh_config}", "git", "clone", "-q", git_server.url, "c"],
+        cwd=work_dir,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert (work_dir / "c" / "README").read_text() == "cloned through egressd\n"
+    assert _connections(git_server) == 1
+    assert any(
+        r.get("event") == "decision" and r["host"] == "git.test" and r["decision"] == "allow"
+        for r in audit_records(audit)
+    )
+
+
 def test_git_clone_over_ssh_refused_with_the_reason(
     tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
 ) -> None:

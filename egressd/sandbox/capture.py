@@ -12,12 +12,14 @@ egressd (host side, owner of the sandbox's user namespace) installs, before the 
 
 The bridge then asks the proxy with a CONNECT for the name the address stands for: the decision
 stays in the proxy. This module decides nothing either; it only sets the plumbing: `nft` and `ip`
-run through util-linux's `nsenter`, in the sandbox's user and network namespaces (joining a user
-namespace needs a single-threaded process, which egressd is not; nsenter starts in milliseconds).
+run through util-linux's `nsenter`, in the sandbox's network namespace and the user namespace that
+owns it (joining a user namespace needs a single-threaded process, which egressd is not; nsenter
+starts in milliseconds).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -29,6 +31,7 @@ SYNTHETIC_NET = "198.18.0.0/15"
 TOOL_DIRS = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
 INSTALL_TIMEOUT = 30.0
 HINT = "apt-get install nftables iproute2 util-linux"
+NS_GET_USERNS = 0xB701  # linux/nsfs.h: _IO(0xb7, 0x1)
 
 
 def ruleset(tcp_port: int, dns_port: int) -> str:
@@ -69,17 +72,49 @@ def find_tool(name: str, environ: Mapping[str, str] | None = None) -> str | None
     return shutil.which(name, path=os.pathsep.join(TOOL_DIRS))
 
 
+def _namespace_fds(pid: int) -> tuple[int, ...]:
+    """The sandbox's network namespace and, for an ordinary user, the user namespace that owns it.
+
+    An ordinary user holds CAP_NET_ADMIN in the sandbox's network only from inside the user
+    namespace that owns it (root holds it in every one below its own). That is not the namespace
+    of the sandbox's processes: bubblewrap's --disable-userns moves them one user namespace
+    deeper, where the network belongs to the parent. The kernel names the owner (NS_GET_USERNS).
+    """
+    net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    if os.geteuid() == 0:
+        return (net,)
+    try:
+        owner = fcntl.ioctl(net, NS_GET_USERNS)
+    except OSError:
+        os.close(net)
+        raise
+    return (net, owner)
+
+
 def install(pid: int, tcp_port: int, dns_port: int) -> str | None:
     """Install the capture in the network namespace of `pid`; None when done, else why not."""
     tools = {name: find_tool(name) for name in ("nft", "ip", "nsenter")}
     missing = [name for name, found in tools.items() if found is None]
     if missing:
         return f"{' and '.join(missing)} not found; {HINT}"
-    enter = [str(tools["nsenter"]), f"--target={pid}", "--net"]
-    if os.geteuid() != 0:
-        # an ordinary user holds CAP_NET_ADMIN only inside the user namespace that owns the
-        # sandbox's network (root holds it in every one below its own)
-        enter += ["--user", "--preserve-credentials"]
+    try:
+        fds = _namespace_fds(pid)
+    except OSError as exc:
+        return f"cannot open the sandbox's network namespace: {exc}"
+    try:
+        return _run_steps(tools, fds, tcp_port, dns_port)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _run_steps(
+    tools: Mapping[str, str | None], fds: tuple[int, ...], tcp_port: int, dns_port: int
+) -> str | None:
+    # the descriptors, not /proc/PID: the namespaces stay the sandbox's whatever that PID becomes
+    enter = [str(tools["nsenter"]), f"--net=/proc/self/fd/{fds[0]}"]
+    if len(fds) > 1:
+        enter += [f"--user=/proc/self/fd/{fds[1]}", "--preserve-credentials"]
     env = {"PATH": os.pathsep.join(TOOL_DIRS), "LC_ALL": "C"}
     # the rules first: a route without them would deliver every address to the sandbox's own
     # loopback instead of "network unreachable"; then every IPv4 address is local, so no
@@ -97,6 +132,7 @@ def install(pid: int, tcp_port: int, dns_port: int) -> str | None:
                 capture_output=True,
                 text=True,
                 timeout=INSTALL_TIMEOUT,
+                pass_fds=fds,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"cannot run {argv[0]} in the sandbox: {exc}"
