@@ -20,6 +20,7 @@ MODULES=(
   tests/test_sandbox_integration.py
   tests/test_sandbox_narrow.py
   tests/test_sandbox_ssh.py
+  tests/test_sandbox_syscalls.py
   tests/test_exec_integration.py
   tests/test_exec_startup.py
   tests/test_attach.py
@@ -30,6 +31,7 @@ MODULES=(
   tests/test_mcp.py
   tests/unit/test_bwrap_argv.py
   tests/unit/test_capture_units.py
+  tests/unit/test_seccomp.py
   tests/unit/test_shields.py
   tests/unit/test_identity_units.py
   tests/unit/test_peer.py

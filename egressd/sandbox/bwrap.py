@@ -12,7 +12,8 @@ Layout inside the sandbox, in mount order (later mounts cover earlier ones):
 - the masked home remounted read-only, once everything inside it is mounted.
 Namespaces: user (all capabilities dropped), PID, network (only `lo`, which bubblewrap brings
 up), IPC, UTS, cgroup; a new session (no controlling terminal: no TIOCSTI injection into the
-user's shell). The command is the launcher (see launcher.py), which runs the child.
+user's shell); the seccomp filter of seccomp.py. The command is the launcher (see launcher.py),
+the PID namespace's first process, which runs the child.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class BwrapSpec:
     disable_userns: bool = True  # bubblewrap >= 0.8: the child cannot make user namespaces
     info_fd: int | None = None  # bubblewrap writes the sandbox's PID there (egressd sets up capture)
     binds: tuple[Bind, ...] = ()  # files shown read-only at a path in place of the host's there
+    seccomp_fd: int | None = None  # the seccomp filter bubblewrap loads (seccomp.py)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,9 @@ def security_options(disable_userns: bool) -> list[str]:
     options = list(NAMESPACES)
     if disable_userns:
         options.append("--disable-userns")
-    options += ["--cap-drop", "ALL", "--die-with-parent", "--new-session"]
+    # --as-pid-1: the launcher, not dumpable, is the sandbox's first process; no bubblewrap init
+    # (dumpable, the child's uid) stays inside for the child to ptrace or write through /proc/1/mem
+    options += ["--cap-drop", "ALL", "--die-with-parent", "--new-session", "--as-pid-1"]
     return options
 
 
@@ -114,6 +118,8 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
             argv += ["--remount-ro", item.path]
     if spec.info_fd is not None:
         argv += ["--info-fd", str(spec.info_fd)]
+    if spec.seccomp_fd is not None:
+        argv += ["--seccomp", str(spec.seccomp_fd)]
     argv += ["--chdir", spec.workdir, "--", *spec.command]
     return argv
 

@@ -19,8 +19,10 @@ launcher fills those gaps, and hands egressd the proxy's listeners, over what it
   so nothing it sends escapes the capture, and the credentials never pass through argv or the
   environment, which the child could read.
 
-When the launcher exits, bubblewrap's init ends the sandbox's PID namespace, and with it the
-capture's bridge and anything the child left running.
+The launcher is the sandbox's PID 1 (bubblewrap's --as-pid-1): it reaps what the child leaves
+behind, and when it exits the kernel ends the PID namespace, and with it the capture's bridge and
+anything the child left running. Before anything else it makes itself not dumpable and joins a new
+session keyring (the user's stays outside).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import functools
 import json
 import os
@@ -40,7 +43,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
 from egressd.exits import FORWARDED_SIGNALS, exec_failure
-from egressd.sandbox import BRIDGE_HOST, bridge
+from egressd.sandbox import BRIDGE_HOST, bridge, seccomp
 
 STOP_GRACE = 5.0
 PR_SET_DUMPABLE = 4
@@ -167,6 +170,36 @@ def _not_dumpable() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
+def _own_session_keyring() -> None:
+    """Replace the session keyring inherited from the user with a new, empty one.
+
+    The user's session keyring may hold Kerberos, AFS or CIFS credentials, and the kernel searches
+    it on the child's behalf (a network file system's look-ups); the child's own keyring calls are
+    refused by the seccomp filter, which lets exactly this one through. A kernel without keyrings
+    has nothing to hide.
+    """
+    arch = seccomp.native_arch()
+    if arch is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    keyctl = ctypes.c_long(arch.calls["keyctl"])
+    join = ctypes.c_long(seccomp.KEYCTL_JOIN_SESSION_KEYRING)
+    if libc.syscall(keyctl, join, ctypes.c_void_p(None)) < 0:
+        code = ctypes.get_errno()
+        if code != errno.ENOSYS:
+            raise OSError(code, os.strerror(code))
+
+
+def _wait_reaping(pid: int) -> int:
+    """The child's wait status. The launcher is the PID namespace's first process: every process
+    the child leaves behind becomes its child, and is reaped here (else a zombie for good)."""
+    while True:
+        done, wait_status = os.waitpid(-1, 0)
+        if done == pid:
+            return wait_status
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = _arguments(argv)
     control, status = args.control_fd, args.status_fd
@@ -176,6 +209,11 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         _not_dumpable()
     except OSError as exc:
         _report(status, f"error cannot protect the launcher from the child: {exc}")
+        os._exit(1)
+    try:
+        _own_session_keyring()
+    except OSError as exc:
+        _report(status, f"error cannot give the sandbox a session keyring of its own: {exc}")
         os._exit(1)
     for signo in FORWARDED_SIGNALS:
         signal.signal(signo, signal.SIG_IGN)  # only egressd's control pipe signals the launcher's child
@@ -208,8 +246,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         bridge.start_thread(capture)
     _report(status, "started")
     threading.Thread(target=_relay_signals, args=(control, _signaller(pid)), daemon=True).start()
-    _, wait_status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(wait_status)
+    code = os.waitstatus_to_exitcode(_wait_reaping(pid))
     _report(status, f"exit {code}")
     sys.stderr.flush()
     os._exit(code if code >= 0 else 128 - code)

@@ -48,6 +48,7 @@ from egressd.sandbox import (
     hooks,
     leftovers,
     preflight,
+    seccomp,
 )
 from egressd.sandbox.bwrap import Bind, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.layout import Layout
@@ -279,6 +280,21 @@ def _set_up_network(
         os.write(setup_w, json.dumps(setup).encode() + b"\n")
 
 
+def _seccomp_filter(warn: Callable[[str], None]) -> int:
+    """An inheritable descriptor bubblewrap reads the seccomp filter from; -1 (with a warning)
+    on a machine egressd has no filter for."""
+    data = seccomp.program()
+    if data is None:
+        warn(
+            f"no seccomp filter for {os.uname().machine}: inside the sandbox every socket family "
+            "and the keyring calls stay open"
+        )
+        return -1
+    fd = seccomp.write_to(data)
+    os.set_inheritable(fd, True)
+    return fd
+
+
 def _say(message: str) -> None:
     print(f"egressd: {message}", file=sys.stderr, flush=True)
 
@@ -345,10 +361,11 @@ def run_bwrap(
     info_r, info_w = os.pipe()
     setup_r, setup_w = os.pipe()
     handover, handover_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    seccomp_r = _seccomp_filter(warn)
     os.set_inheritable(info_w, True)
     os.set_inheritable(setup_r, True)
     os.set_inheritable(handover_child.fileno(), True)
-    inherited = (control_r, status_w, info_w, setup_r, handover_child.fileno())
+    inherited = (control_r, status_w, info_w, setup_r, handover_child.fileno(), seccomp_r)
     try:
         spec = BwrapSpec(
             bwrap=bwrap,
@@ -370,6 +387,7 @@ def run_bwrap(
             disable_userns=disable_userns,
             info_fd=info_w,
             binds=tuple(Bind(source, path) for source, path in excluded),
+            seccomp_fd=seccomp_r if seccomp_r >= 0 else None,
         )
         _keep_only_inherited(inherited)
         try:
@@ -378,8 +396,9 @@ def run_bwrap(
         except OSError as exc:
             return Outcome(exec_failure(bwrap, exc), started=False, error=f"cannot run {bwrap}")
         finally:
-            for fd in (control_r, status_w, info_w, setup_r):
-                os.close(fd)  # the sandbox holds these ends now
+            for fd in (control_r, status_w, info_w, setup_r, seccomp_r):
+                if fd >= 0:
+                    os.close(fd)  # the sandbox holds these ends now
             handover_child.close()
         problem = None
         try:

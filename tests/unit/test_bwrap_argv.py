@@ -21,6 +21,7 @@ SECURITY = [
     "--cap-drop", "ALL",
     "--die-with-parent",
     "--new-session",
+    "--as-pid-1",
 ]  # fmt: skip
 BASE = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/run"]
 
