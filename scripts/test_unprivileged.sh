@@ -17,6 +17,7 @@ REPO="$(pwd)"
 MODULES=(
   tests/test_sandbox_capture.py
   tests/test_sandbox_escapes.py
+  tests/test_sandbox_host_services.py
   tests/test_sandbox_integration.py
   tests/test_sandbox_narrow.py
   tests/test_sandbox_ssh.py

@@ -6,25 +6,26 @@ anything outside this process tree. Child processes (curl, node, egressd) inheri
 
 Addressing findings (measured on Linux 6.x):
 
-* Adding ``198.51.100.1/24`` to ``lo`` installs a ``local 198.51.100.0/24`` route, exactly like
+* Adding ``198.51.100.254/24`` to ``lo`` installs a ``local 198.51.100.0/24`` route, exactly like
   ``127.0.0.0/8``: every address of the /24 can be bound and connected to. So the IPv4 documentation
-  ranges are added as whole /24s.
+  ranges are added as whole /24s, with .254 as the interface address.
 * IPv6 has no such behaviour for binding (a /64 on ``lo`` does not make its addresses bindable without
   ``IP_FREEBIND``), so each IPv6 address is added as its own /128 with ``nodad`` (no duplicate address
   detection delay, usable at once).
 * Connections from ``127.0.0.1`` to one of these addresses get the address of the matching ``lo``
-  route as source (e.g. ``198.51.100.1``), not ``127.0.0.1``.
+  route as source (e.g. ``198.51.100.254``), not ``127.0.0.1``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 #: IPv4 "upstream hosts": 198.51.100.0/24 (TEST-NET-2) is local as a whole; these are the named ones.
@@ -38,6 +39,10 @@ UPSTREAM_V6: list[str] = [f"2001:db8::{i:x}" for i in range(1, 17)]
 
 #: Whole prefixes that are local inside the namespace.
 LOCAL_V4_NETWORKS: list[str] = ["198.51.100.0/24", "203.0.113.0/24", "192.0.2.0/24"]
+#: The namespace's own IPv4 interface addresses (on lo, making their /24 local): the last of each
+#: prefix, so the upstream hosts above are reached as other machines, not as this one's own
+#: addresses (which a sandbox or a gateway treats as its loopback).
+INTERFACE_V4: list[str] = [net.replace(".0/24", ".254") for net in LOCAL_V4_NETWORKS]
 
 ENV_FLAG = "EGRESSD_TEST_NETNS"
 
@@ -100,12 +105,17 @@ def _be_the_user_again() -> None:
     _map_ids(f"{uid} 0 1", f"{gid} 0 1")
 
 
-def _ip_batch(commands: list[str]) -> None:
+def _ip() -> str:
     ip = shutil.which("ip") or next(
         (p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip") if os.path.exists(p)), None
     )
     if ip is None:
         raise NetnsError("the `ip` command (iproute2) is not installed")
+    return ip
+
+
+def _ip_batch(commands: list[str]) -> None:
+    ip = _ip()
     proc = subprocess.run(
         [ip, "-batch", "-"], input="\n".join(commands) + "\n", capture_output=True, text=True, check=False
     )
@@ -125,9 +135,8 @@ def _configure_addresses() -> None:
         # the user's own servers (sshd on 22) bind low ports in this namespace, as root's would
         Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").write_text("0")
     cmds = ["link set lo up"]
-    for net in LOCAL_V4_NETWORKS:
-        first = net.replace(".0/24", ".1/24")
-        cmds.append(f"addr add {first} dev lo")
+    for address in INTERFACE_V4:
+        cmds.append(f"addr add {address}/24 dev lo")
     for addr in UPSTREAM_V6:
         cmds.append(f"addr add {addr}/128 dev lo nodad")
     _ip_batch(cmds)
@@ -176,6 +185,26 @@ def enter_test_netns() -> str:
         )
         _state["description"] = desc
         return desc
+
+
+def in_a_namespace_of_its_own(addresses: Sequence[str], argv: Sequence[str]) -> list[str]:
+    """`argv` run in a new network namespace whose interface `eg0` has `addresses` (CIDR), as the
+    test's own user (root stays root): a host with addresses of its own (a LAN address, a Docker
+    bridge's) where nothing leads to any real network. eg0 is one end of a veth pair whose other
+    end stays in the namespace too (kernels without the dummy driver have veth).
+
+    An ordinary user configures it as root of a user namespace of its own, then maps itself back
+    to its uid (as the session's namespace does), so `argv` holds no capability there.
+    """
+    ip = shlex.quote(_ip())
+    steps = ["link set lo up", "link add eg0 type veth peer name eg1", "link set eg1 up", "link set eg0 up"]
+    steps += [f"addr add {shlex.quote(a)} dev eg0" + (" nodad" if ":" in a else "") for a in addresses]
+    script = " && ".join(f"{ip} {step}" for step in steps)
+    if "unprivileged" not in _state:
+        return ["unshare", "--net", "--", "sh", "-c", f'{script} && exec "$@"', "sh", *argv]
+    back = f'exec unshare --user --map-user={os.getuid()} --map-group={os.getgid()} -- "$@"'
+    unshare = ["unshare", "--user", "--map-root-user", "--net", "--"]
+    return [*unshare, "sh", "-c", f"{script} && {back}", "sh", *argv]
 
 
 def real_root() -> bool:
