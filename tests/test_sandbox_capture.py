@@ -650,3 +650,35 @@ def test_plain_http_to_a_host_with_path_rules_is_decided_per_request(
     assert seen["/v2/no"] == 403 and refused_in_audit(audit, "up.test", "builtin_path")
     assert seen["/v1/fronted"] in (400, 403) and refused_in_audit(audit, "up.test", "host_mismatch")
     assert [r["path"] for r in upstream.requests] == ["/v1/ok"]
+
+
+def test_node_and_go_reach_the_host_loopback_port_the_policy_names(
+    tmp_path: Path, dns: DnsServer, ca_file: Path, audit: Path, work: Path, go_client: Path
+) -> None:
+    """node's fetch and Go never use a proxy for 127.0.0.1: their connection to the port the
+    policy names for the host's loopback is captured and goes through the proxy to the host's
+    service; another port stays the sandbox's own loopback (nothing there)."""
+    with (
+        EchoHTTPServer("127.0.0.1", name="host-service") as named,
+        EchoHTTPServer("127.0.0.1", name="host-other") as other,
+    ):
+        urls = [f"http://127.0.0.1:{named.port}/named", f"http://127.0.0.1:{other.port}/other"]
+        options = [
+            "--allow-loopback-port",
+            str(named.port),
+            "--ro",
+            str(go_client.parent),
+            "--ro",
+            str(ca_file.parent),
+        ]
+        node = output(
+            run_captured(tmp_path, dns, audit, ["node", "-e", textwrap.dedent(NODE), *urls], work, *options)
+        )
+        go = output(run_captured(tmp_path, dns, audit, [str(go_client), str(ca_file), *urls], work, *options))
+        assert other.connections == 0
+    for seen, prefixes in ((node, ("fetch ", "get ")), (go, ("",))):
+        for prefix in prefixes:
+            assert seen[prefix + urls[0]] == [200, "/named"], seen
+            assert seen[prefix + urls[1]][0] == "error", seen
+    assert [r["path"] for r in named.requests] == ["/named"] * 3
+    assert any(r.get("host") == "127.0.0.1" and r.get("decision") == "allow" for r in records(audit))

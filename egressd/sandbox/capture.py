@@ -23,7 +23,7 @@ import fcntl
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 # Addresses the bridge's DNS responder hands out, one per name (RFC 2544 benchmarking range: never
 # a real destination). Inside the sandbox every IPv4 address is local, these included.
@@ -34,21 +34,27 @@ HINT = "apt-get install nftables iproute2 util-linux"
 NS_GET_USERNS = 0xB701  # linux/nsfs.h: _IO(0xb7, 0x1)
 
 
-def ruleset(tcp_port: int, dns_port: int) -> str:
+def ruleset(tcp_port: int, dns_port: int, host_ports: Sequence[int] = ()) -> str:
     """The nftables rules for the sandbox (pure: tested as text).
 
     nat/output runs before the route is final: DNS first (a resolv.conf naming 127.0.0.53 is
-    captured too), then the sandbox's own loopback stays untouched, then every other TCP connection
-    goes to the transparent listener. filter/output drops whatever is left that is not loopback:
-    UDP other than DNS, ICMP, every other protocol, and all IPv6 but ::1.
+    captured too), then the loopback ports the policy names for the host (`host_ports`: a client
+    that never uses a proxy for 127.0.0.1, node's fetch or Go's, still reaches the host's service
+    there, through the proxy), then the sandbox's own loopback stays untouched, then every other
+    TCP connection goes to the transparent listener. filter/output drops whatever is left that is
+    not loopback: UDP other than DNS, ICMP, every other protocol, and all IPv6 but ::1.
     """
+    host = ""
+    if host_ports:
+        ports = ", ".join(str(port) for port in sorted(set(host_ports)))
+        host = f"        ip daddr 127.0.0.0/8 tcp dport {{ {ports} }} redirect to :{tcp_port}\n"
     return f"""\
 table inet egressd_capture {{
     chain nat_out {{
         type nat hook output priority -100; policy accept;
         meta nfproto ipv4 udp dport 53 redirect to :{dns_port}
         meta nfproto ipv4 tcp dport 53 redirect to :{dns_port}
-        ip daddr 127.0.0.0/8 accept
+{host}        ip daddr 127.0.0.0/8 accept
         meta nfproto ipv4 meta l4proto tcp redirect to :{tcp_port}
     }}
     chain filter_out {{
@@ -91,8 +97,9 @@ def _namespace_fds(pid: int) -> tuple[int, ...]:
     return (net, owner)
 
 
-def install(pid: int, tcp_port: int, dns_port: int) -> str | None:
-    """Install the capture in the network namespace of `pid`; None when done, else why not."""
+def install(pid: int, tcp_port: int, dns_port: int, host_ports: Sequence[int] = ()) -> str | None:
+    """Install the capture in the network namespace of `pid`; None when done, else why not.
+    `host_ports`: the host's loopback ports the policy names (see ruleset)."""
     tools = {name: find_tool(name) for name in ("nft", "ip", "nsenter")}
     missing = [name for name, found in tools.items() if found is None]
     if missing:
@@ -102,15 +109,13 @@ def install(pid: int, tcp_port: int, dns_port: int) -> str | None:
     except OSError as exc:
         return f"cannot open the sandbox's network namespace: {exc}"
     try:
-        return _run_steps(tools, fds, tcp_port, dns_port)
+        return _run_steps(tools, fds, ruleset(tcp_port, dns_port, host_ports))
     finally:
         for fd in fds:
             os.close(fd)
 
 
-def _run_steps(
-    tools: Mapping[str, str | None], fds: tuple[int, ...], tcp_port: int, dns_port: int
-) -> str | None:
+def _run_steps(tools: Mapping[str, str | None], fds: tuple[int, ...], rules: str) -> str | None:
     # the descriptors, not /proc/PID: the namespaces stay the sandbox's whatever that PID becomes
     enter = [str(tools["nsenter"]), f"--net=/proc/self/fd/{fds[0]}"]
     if len(fds) > 1:
@@ -120,7 +125,7 @@ def _run_steps(
     # loopback instead of "network unreachable"; then every IPv4 address is local, so no
     # "network unreachable" comes before the redirect sees the packet
     steps = (
-        ([str(tools["nft"]), "-f", "-"], ruleset(tcp_port, dns_port)),
+        ([str(tools["nft"]), "-f", "-"], rules),
         ([str(tools["ip"]), "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "local"], ""),
     )
     for argv, stdin in steps:

@@ -163,15 +163,18 @@ async def _proxy_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 class Capture:
     """The bridge's DNS responder and transparent listener; they share one name table."""
 
-    def __init__(self, proxy: tuple[str, int], auth: str) -> None:
+    def __init__(self, proxy: tuple[str, int], auth: str, port: int) -> None:
         self.proxy = proxy  # the proxy's listener on the sandbox's loopback
         self.auth = auth
+        self.port = port  # the transparent listener's own
         self.table = NameTable()
 
     def target(self, address: ipaddress.IPv4Address, port: int) -> tuple[str, int] | None:
         """What to CONNECT to for a captured destination; None to close it unasked."""
-        if address in LOOPBACK:  # not redirected: a direct connection to the listener itself
-            return None
+        if address in LOOPBACK:
+            # a loopback port the policy names for the host (only those are redirected), or a
+            # direct connection to the listener itself (closed)
+            return (str(address), port) if port != self.port else None
         if address in SYNTHETIC:
             name = self.table.name_for(address)
             return (name, port) if name is not None else None

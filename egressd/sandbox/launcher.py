@@ -112,7 +112,7 @@ def _bind_capture(spec: str) -> Callable[[str], Awaitable[None]]:
     def serve(auth: str) -> Awaitable[None]:
         from egressd.sandbox import intercept
 
-        return intercept.Capture(proxy, auth).serve(tcp, dns_udp, dns_tcp)
+        return intercept.Capture(proxy, auth, tcp_port).serve(tcp, dns_udp, dns_tcp)
 
     return serve
 

@@ -252,7 +252,12 @@ def _sandbox_pid(info_fd: int, timeout: float = INFO_TIMEOUT) -> int | None:
 
 
 def _set_up_network(
-    info_r: int, setup_w: int, creds: ProxyCredentials, want_capture: bool, warn: Callable[[str], None]
+    info_r: int,
+    setup_w: int,
+    creds: ProxyCredentials,
+    want_capture: bool,
+    warn: Callable[[str], None],
+    host_ports: Sequence[int] = (),
 ) -> None:
     """Install the capture in the sandbox's network namespace, then let the launcher start the child.
 
@@ -262,7 +267,7 @@ def _set_up_network(
     if want_capture:
         pid = _sandbox_pid(info_r)
         problem = (
-            capture.install(pid, BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT)
+            capture.install(pid, BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, host_ports)
             if pid is not None
             else "bubblewrap did not report the sandbox's PID"
         )
@@ -278,6 +283,18 @@ def _set_up_network(
         setup["auth"] = f"{creds.username}:{creds.token}"
     with contextlib.suppress(OSError):  # the launcher is gone: its status tells why
         os.write(setup_w, json.dumps(setup).encode() + b"\n")
+
+
+# the sandbox's own listeners: never sent to the host, whatever the policy names
+SANDBOX_PORTS = frozenset(
+    {BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT, BRIDGE_OPEN_PORT, BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT}
+)
+
+
+def _host_ports(session: ProxySession) -> tuple[int, ...]:
+    """The host's loopback ports the policy names at start (loopback.ports, --allow-loopback-port):
+    captured to the proxy even when the client never uses a proxy for 127.0.0.1."""
+    return tuple(p for p in session.policy.loopback.ports if p not in SANDBOX_PORTS)
 
 
 def _seccomp_filter(warn: Callable[[str], None]) -> int:
@@ -411,7 +428,7 @@ def run_bwrap(
             except EngineError as exc:
                 problem = str(exc)  # EOF on setup below: the launcher stops without the child
             else:
-                _set_up_network(info_r, setup_w, creds, capture_direct, warn)
+                _set_up_network(info_r, setup_w, creds, capture_direct, warn, _host_ports(session))
         finally:
             os.close(setup_w)  # EOF: the launcher never waits for more
             setup_w = -1

@@ -69,13 +69,15 @@ def test_a_full_table_fails_instead_of_growing() -> None:
 
 
 def test_where_a_captured_connection_goes() -> None:
-    capture = Capture("/run/egressd/http.sock", "egressd:token")
+    capture = Capture(("127.0.0.1", 3128), "egressd:token", 3129)
     known = capture.table.address_for("up.test")
     assert known is not None
     assert capture.target(known, 443) == ("up.test", 443)
     assert capture.target(ipaddress.IPv4Address("198.51.100.7"), 80) == ("198.51.100.7", 80)
     assert capture.target(known + 1, 443) is None  # a synthetic address nobody asked for
-    assert capture.target(ipaddress.IPv4Address("127.0.0.1"), 3129) is None  # not redirected
+    assert capture.target(ipaddress.IPv4Address("127.0.0.1"), 3129) is None  # the listener itself
+    # redirected only for the host's loopback ports the policy names: the proxy decides them
+    assert capture.target(ipaddress.IPv4Address("127.0.0.1"), 8080) == ("127.0.0.1", 8080)
 
 
 def test_connect_head_carries_the_childs_credentials() -> None:
@@ -92,6 +94,15 @@ def test_ruleset_redirects_tcp_and_dns_and_drops_the_rest() -> None:
     assert "policy drop;" in rules
     # DNS is redirected before the loopback exemption, TCP after it
     assert rules.index("dport 53") < rules.index("ip daddr 127.0.0.0/8 accept") < rules.index(":3129")
+
+
+def test_ruleset_sends_the_named_host_loopback_ports_to_the_proxy() -> None:
+    rules = ruleset(3129, 1053, [8080, 5432, 8080])
+    named = "ip daddr 127.0.0.0/8 tcp dport { 5432, 8080 } redirect to :3129"
+    assert named in rules
+    # after DNS, before the sandbox's own loopback is let alone
+    assert rules.index("dport 53") < rules.index(named) < rules.index("ip daddr 127.0.0.0/8 accept")
+    assert "tcp dport {" not in ruleset(3129, 1053)
 
 
 def test_launcher_and_bwrap_arguments_for_capture() -> None:
