@@ -22,6 +22,7 @@ MODULES=(
   tests/test_sandbox_narrow.py
   tests/test_sandbox_ssh.py
   tests/test_sandbox_syscalls.py
+  tests/test_sandbox_workloads.py
   tests/test_exec_integration.py
   tests/test_exec_startup.py
   tests/test_attach.py

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from egressd.sandbox.mounts import Mount, depth, order
+from egressd.sandbox.mounts import Mount, depth, order, within
 from egressd.sandbox.shields import Cover, inside_view, ordered_with
 
 NAMESPACES: tuple[str, ...] = (
@@ -55,6 +55,19 @@ class BwrapSpec:
     info_fd: int | None = None  # bubblewrap writes the sandbox's PID there (egressd sets up capture)
     binds: tuple[Bind, ...] = ()  # files shown read-only at a path in place of the host's there
     seccomp_fd: int | None = None  # the seccomp filter bubblewrap loads (seccomp.py)
+    # directories the child expects in the private /tmp or /run (its $TMPDIR): made there, empty
+    private_dirs: tuple[str, ...] = ()
+    # (directory, view): the directory made private and writable (a tmpfs), the host's read-only
+    # at `view` (in the private /tmp); the launcher fills the directory with links into the view
+    private_views: tuple[tuple[str, str], ...] = ()
+
+
+PRIVATE_EMPTY = ("/tmp", "/run")
+
+
+def privately_empty(path: str, mounts: Sequence[Mount]) -> bool:
+    """Inside, `path` lies in the sandbox's own empty /tmp or /run (no mount shows the host's)."""
+    return any(within(path, top) for top in PRIVATE_EMPTY) and inside_view(path, mounts, ()) == "hidden"
 
 
 @dataclass(frozen=True)
@@ -108,9 +121,16 @@ def mount_plan(spec: BwrapSpec) -> list[Mount | Cover | Bind]:
 def bwrap_argv(spec: BwrapSpec) -> list[str]:
     argv = [spec.bwrap, *security_options(spec.disable_userns)]
     argv += BASE_MOUNTS
+    for path in spec.private_dirs:
+        if privately_empty(path, spec.mounts):
+            argv += ["--perms", "0700", "--dir", path]
+    for path, view in spec.private_views:
+        argv += ["--ro-bind", path, view]
     plan = mount_plan(spec)
     for item in plan:
         argv += _mount_args(item)
+    for path, _view in spec.private_views:
+        argv += ["--tmpfs", path]
     # a masked directory (the home) turns read-only once everything shown in it is mounted: the
     # child can then neither plant files nor rename a directory on the way to a mount in it
     for item in plan:
@@ -153,6 +173,7 @@ def launcher_command(
     *,
     setup_fd: int | None = None,
     capture: tuple[int, int, str] | None = None,
+    views: Sequence[tuple[str, str]] = (),
 ) -> tuple[str, ...]:
     """`python -I -S -c LAUNCHER_BOOT IMPORT_PATH ... -- CHILD`; listens are (HOST:PORT, "http",
     "socks" or "open"), the proxy's listeners the launcher binds and hands over; capture is
@@ -174,4 +195,6 @@ def launcher_command(
         argv += ["--listen", f"{address}={kind}"]
     if capture is not None:
         argv += ["--capture", f"{capture[0]},{capture[1]}={capture[2]}"]
+    for path, view in views:
+        argv += ["--link-view", f"{path}={view}"]
     return (*argv, "--", *child)

@@ -151,6 +151,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--listen", action="append", default=[], metavar="HOST:PORT=http|socks|open")
     parser.add_argument("--setup-fd", type=int, default=None)
     parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT=PROXY_HOST:PORT")
+    parser.add_argument("--link-view", action="append", default=[], metavar="DIRECTORY=VIEW")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -191,6 +192,16 @@ def _own_session_keyring() -> None:
             raise OSError(code, os.strerror(code))
 
 
+def _link_views(pairs: Sequence[str]) -> None:
+    """Fill each private, writable directory with links to the entries of the host's read-only
+    view of it: the child sees what the host has, and whatever it writes there stays its own."""
+    for pair in pairs:
+        directory, _, view = pair.partition("=")
+        for name in os.listdir(view):
+            with contextlib.suppress(FileExistsError):
+                os.symlink(os.path.join(view, name), os.path.join(directory, name))
+
+
 def _wait_reaping(pid: int) -> int:
     """The child's wait status. The launcher is the PID namespace's first process: every process
     the child leaves behind becomes its child, and is reaped here (else a zombie for good)."""
@@ -214,6 +225,11 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         _own_session_keyring()
     except OSError as exc:
         _report(status, f"error cannot give the sandbox a session keyring of its own: {exc}")
+        os._exit(1)
+    try:
+        _link_views(args.link_view)
+    except OSError as exc:
+        _report(status, f"error cannot make a private copy of {exc.filename}: {exc.strerror}")
         os._exit(1)
     for signo in FORWARDED_SIGNALS:
         signal.signal(signo, signal.SIG_IGN)  # only egressd's control pipe signals the launcher's child

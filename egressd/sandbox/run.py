@@ -49,6 +49,7 @@ from egressd.sandbox import (
     leftovers,
     preflight,
     seccomp,
+    workloads,
 )
 from egressd.sandbox.bwrap import Bind, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.layout import Layout
@@ -364,6 +365,8 @@ def run_bwrap(
         layout.cache,
         (BRIDGE_HOST, BRIDGE_OPEN_PORT),
     )
+    shown = workloads.command_paths(command, env, layout.mounts, warn)
+    views = workloads.private_views(env)
     held = contextlib.ExitStack()
     try:
         roots = layout.before.roots if layout.before else ()
@@ -398,13 +401,15 @@ def run_bwrap(
                 command,
                 setup_fd=setup_r,
                 capture=(BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, http) if capture_direct else None,
+                views=views,
             ),
-            needed=needed_paths(session.ca_bundle),
+            needed=(*needed_paths(session.ca_bundle), *shown),
             covers=layout.covers,
             disable_userns=disable_userns,
             info_fd=info_w,
             binds=tuple(Bind(source, path) for source, path in excluded),
             seccomp_fd=seccomp_r if seccomp_r >= 0 else None,
+            private_views=views,
         )
         _keep_only_inherited(inherited)
         try:
