@@ -25,6 +25,8 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 
+from egressd.sandbox import BRIDGE_SOURCE
+
 # Addresses the bridge's DNS responder hands out, one per name (RFC 2544 benchmarking range: never
 # a real destination). Inside the sandbox every IPv4 address is local, these included.
 SYNTHETIC_NET = "198.18.0.0/15"
@@ -40,14 +42,19 @@ def ruleset(tcp_port: int, dns_port: int, host_ports: Sequence[int] = ()) -> str
     nat/output runs before the route is final: DNS first (a resolv.conf naming 127.0.0.53 is
     captured too), then the loopback ports the policy names for the host (`host_ports`: a client
     that never uses a proxy for 127.0.0.1, node's fetch or Go's, still reaches the host's service
-    there, through the proxy), then the sandbox's own loopback stays untouched, then every other
+    there, through the proxy, unless a server in the sandbox listens on it: the bridge tries that
+    first, from BRIDGE_SOURCE), then the sandbox's own loopback stays untouched, then every other
     TCP connection goes to the transparent listener. filter/output drops whatever is left that is
     not loopback: UDP other than DNS, ICMP, every other protocol, and all IPv6 but ::1.
     """
     host = ""
     if host_ports:
         ports = ", ".join(str(port) for port in sorted(set(host_ports)))
-        host = f"        ip daddr 127.0.0.0/8 tcp dport {{ {ports} }} redirect to :{tcp_port}\n"
+        # not the bridge's own connections (from BRIDGE_SOURCE): it tries the sandbox's loopback first
+        host = (
+            f"        ip saddr != {BRIDGE_SOURCE} ip daddr 127.0.0.0/8 tcp dport {{ {ports} }} "
+            f"redirect to :{tcp_port}\n"
+        )
     return f"""\
 table inet egressd_capture {{
     chain nat_out {{

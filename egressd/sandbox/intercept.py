@@ -21,6 +21,7 @@ import re
 import socket
 import struct
 
+from egressd.sandbox import BRIDGE_SOURCE
 from egressd.sandbox.splice import close_quietly, splice
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
@@ -198,6 +199,8 @@ class Capture:
         if target is None:
             await close_quietly(writer)
             return
+        if address in LOOPBACK and await self._own_loopback(address, port, reader, writer):
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.proxy)
         except OSError:
@@ -215,6 +218,22 @@ class Capture:
         if rest:
             writer.write(rest)
         await splice((reader, writer), (up_reader, up_writer))
+
+    async def _own_loopback(
+        self,
+        address: ipaddress.IPv4Address,
+        port: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
+        """A server in the sandbox on a loopback port the policy names for the host is the one the
+        child reaches there: spliced to it when it accepts (True), else the host's (False)."""
+        try:
+            local = await asyncio.open_connection(str(address), port, local_addr=(BRIDGE_SOURCE, 0))
+        except OSError:
+            return False
+        await splice((reader, writer), local)
+        return True
 
     async def serve(self, tcp: socket.socket, dns_udp: socket.socket, dns_tcp: socket.socket) -> None:
         """Serve the transparent listener and the DNS responder forever."""

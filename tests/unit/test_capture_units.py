@@ -98,7 +98,7 @@ def test_ruleset_redirects_tcp_and_dns_and_drops_the_rest() -> None:
 
 def test_ruleset_sends_the_named_host_loopback_ports_to_the_proxy() -> None:
     rules = ruleset(3129, 1053, [8080, 5432, 8080])
-    named = "ip daddr 127.0.0.0/8 tcp dport { 5432, 8080 } redirect to :3129"
+    named = "ip saddr != 127.255.255.254 ip daddr 127.0.0.0/8 tcp dport { 5432, 8080 } redirect to :3129"
     assert named in rules
     # after DNS, before the sandbox's own loopback is let alone
     assert rules.index("dport 53") < rules.index(named) < rules.index("ip daddr 127.0.0.0/8 accept")
