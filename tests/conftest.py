@@ -204,6 +204,13 @@ def upstream_v6() -> Iterator[EchoHTTPServer]:
 
 
 @pytest.fixture
+def public_upstream() -> Iterator[EchoHTTPServer]:
+    """Plain HTTP echo server on 3fff::1, an address SSRF-guarded clients take for a public one."""
+    with EchoHTTPServer(netns.PUBLIC_V6[0], name="public-upstream") as server:
+        yield server
+
+
+@pytest.fixture
 def tcp_echo() -> Iterator[TcpEchoServer]:
     """Raw TCP echo server on 198.51.100.3."""
     with TcpEchoServer(netns.UPSTREAM_V4[2]) as server:

@@ -174,6 +174,7 @@ def launcher_command(
     setup_fd: int | None = None,
     capture: tuple[int, int, str] | None = None,
     views: Sequence[tuple[str, str]] = (),
+    names_fd: int | None = None,
 ) -> tuple[str, ...]:
     """`python -I -S -c LAUNCHER_BOOT IMPORT_PATH ... -- CHILD`; listens are (HOST:PORT, "http",
     "socks" or "open"), the proxy's listeners the launcher binds and hands over; capture is
@@ -195,6 +196,8 @@ def launcher_command(
         argv += ["--listen", f"{address}={kind}"]
     if capture is not None:
         argv += ["--capture", f"{capture[0]},{capture[1]}={capture[2]}"]
+    if names_fd is not None:
+        argv += ["--names-fd", str(names_fd)]
     for path, view in views:
         argv += ["--link-view", f"{path}={view}"]
     return (*argv, "--", *child)

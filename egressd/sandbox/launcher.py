@@ -101,9 +101,10 @@ def _read_setup(fd: int) -> dict[str, object]:
     return setup if isinstance(setup, dict) else {}
 
 
-def _bind_capture(spec: str) -> Callable[[str], Awaitable[None]]:
+def _bind_capture(spec: str, names_fd: int | None) -> Callable[[str], Awaitable[None]]:
     """Bind the capture's listeners now (before the child starts); return what serves them, given
-    the child's credentials, once the bridge's thread runs."""
+    the child's credentials, once the bridge's thread runs. `names_fd`: where egressd answers the
+    names the child's DNS asks for (front/names.py)."""
     tcp_port, dns_port, proxy = _parse_capture(spec)
     tcp = bridge.listen((BRIDGE_HOST, tcp_port))
     dns_udp = bridge.bind_udp((BRIDGE_HOST, dns_port))
@@ -112,7 +113,8 @@ def _bind_capture(spec: str) -> Callable[[str], Awaitable[None]]:
     def serve(auth: str) -> Awaitable[None]:
         from egressd.sandbox import intercept
 
-        return intercept.Capture(proxy, auth, tcp_port).serve(tcp, dns_udp, dns_tcp)
+        names = socket.socket(fileno=names_fd) if names_fd is not None else None
+        return intercept.Capture(proxy, auth, tcp_port, names).serve(tcp, dns_udp, dns_tcp)
 
     return serve
 
@@ -152,6 +154,7 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--setup-fd", type=int, default=None)
     parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT=PROXY_HOST:PORT")
     parser.add_argument("--link-view", action="append", default=[], metavar="DIRECTORY=VIEW")
+    parser.add_argument("--names-fd", type=int, default=None)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -214,7 +217,8 @@ def _wait_reaping(pid: int) -> int:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = _arguments(argv)
     control, status = args.control_fd, args.status_fd
-    for fd in (control, status, args.handover_fd, *([args.setup_fd] if args.setup_fd is not None else [])):
+    optional = [fd for fd in (args.setup_fd, args.names_fd) if fd is not None]
+    for fd in (control, status, args.handover_fd, *optional):
         os.set_inheritable(fd, False)  # the child gets none of the pipes
     try:
         _not_dumpable()
@@ -247,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         auth = setup.get("auth")
         if args.capture and setup.get("capture") and isinstance(auth, str):
             try:
-                serve = _bind_capture(args.capture)
+                serve = _bind_capture(args.capture, args.names_fd)
             except (OSError, ValueError) as exc:
                 _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
                 os._exit(1)

@@ -381,11 +381,23 @@ def run_bwrap(
     info_r, info_w = os.pipe()
     setup_r, setup_w = os.pipe()
     handover, handover_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    # the capture's questions for the child's DNS (front/names.py): the launcher's end only
+    names: socket.socket | None
+    names, names_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     seccomp_r = _seccomp_filter(warn)
     os.set_inheritable(info_w, True)
     os.set_inheritable(setup_r, True)
     os.set_inheritable(handover_child.fileno(), True)
-    inherited = (control_r, status_w, info_w, setup_r, handover_child.fileno(), seccomp_r)
+    os.set_inheritable(names_child.fileno(), True)
+    inherited = (
+        control_r,
+        status_w,
+        info_w,
+        setup_r,
+        handover_child.fileno(),
+        names_child.fileno(),
+        seccomp_r,
+    )
     try:
         spec = BwrapSpec(
             bwrap=bwrap,
@@ -402,6 +414,7 @@ def run_bwrap(
                 setup_fd=setup_r,
                 capture=(BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, http) if capture_direct else None,
                 views=views,
+                names_fd=names_child.fileno() if capture_direct else None,
             ),
             needed=(*needed_paths(session.ca_bundle), *shown),
             covers=layout.covers,
@@ -422,6 +435,7 @@ def run_bwrap(
                 if fd >= 0:
                     os.close(fd)  # the sandbox holds these ends now
             handover_child.close()
+            names_child.close()
         problem = None
         try:
             try:
@@ -430,6 +444,9 @@ def run_bwrap(
                     # child's alone, in its own network namespace
                     implicit = creds if kind == "open" else None
                     session.proxy.serve_socket(sock, "http" if kind == "open" else kind, implicit)
+                if capture_direct:
+                    session.proxy.serve_names(names, creds.profile)  # the proxy's loop owns it now
+                    names = None
             except EngineError as exc:
                 problem = str(exc)  # EOF on setup below: the launcher stops without the child
             else:
@@ -443,6 +460,8 @@ def run_bwrap(
         return _outcome(_read_status(status_r), bwrap_code)
     finally:
         handover.close()
+        if names is not None:
+            names.close()
         for fd in (control_w, status_r, info_r, setup_w):
             if fd >= 0:
                 with contextlib.suppress(OSError):

@@ -9,7 +9,7 @@
 - pyenv's shims directory: `pyenv rehash` (run by pyenv after every `pip install`) rewrites it,
   and fails when it is read-only ("cannot rehash: ... isn't writable", and pip's exit status with
   it). Inside it is private and writable, filled with links to the host's shims (shown read-only
-  under /run): the child's shims never reach the user's, and nothing is copied.
+  in the private /tmp): the child's shims never reach the user's, and nothing is copied.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from egressd.sandbox.bwrap import privately_empty
 from egressd.sandbox.mounts import Mount
 
-SHIMS_VIEW = "/run/egressd/pyenv-shims"
+SHIMS_VIEW = "/tmp/.egressd-pyenv-shims"  # beside the private caches (run.PRIVATE_CACHE)
 
 
 def private_dirs(env: Mapping[str, str]) -> tuple[str, ...]:

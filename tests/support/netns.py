@@ -37,6 +37,13 @@ EXTRA_V4: list[str] = [f"192.0.2.{i}" for i in range(1, 11)]
 #: IPv6 "upstream hosts" (each a /128 on lo, nodad).
 UPSTREAM_V6: list[str] = [f"2001:db8::{i:x}" for i in range(1, 17)]
 
+#: Hosts that clients with their own SSRF guard take for public ones: 3fff::/20 is IPv6's newer
+#: documentation prefix (RFC 9637, never routed), which Python 3.12's ipaddress and such guards still
+#: count as global (egressd counts it as the documentation range it is). Local by a route, bindable
+#: by a sysctl of the namespace, and none of them an interface address (not the host's own).
+PUBLIC_V6: list[str] = [f"3fff::{i:x}" for i in range(1, 5)]
+PUBLIC_V6_NET = "3fff::/64"
+
 #: Whole prefixes that are local inside the namespace.
 LOCAL_V4_NETWORKS: list[str] = ["198.51.100.0/24", "203.0.113.0/24", "192.0.2.0/24"]
 #: The namespace's own IPv4 interface addresses (on lo, making their /24 local): the last of each
@@ -134,11 +141,13 @@ def _configure_addresses() -> None:
     if "unprivileged" in _state:
         # the user's own servers (sshd on 22) bind low ports in this namespace, as root's would
         Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").write_text("0")
+    Path("/proc/sys/net/ipv6/ip_nonlocal_bind").write_text("1")  # PUBLIC_V6: no interface has them
     cmds = ["link set lo up"]
     for address in INTERFACE_V4:
         cmds.append(f"addr add {address}/24 dev lo")
     for addr in UPSTREAM_V6:
         cmds.append(f"addr add {addr}/128 dev lo nodad")
+    cmds.append(f"route add local {PUBLIC_V6_NET} dev lo")
     _ip_batch(cmds)
 
 

@@ -191,7 +191,7 @@ def test_a_tmpdir_in_the_private_tmp_is_made_and_pyenv_shims_get_a_private_view(
         (Mount("/w", True), Mount("/tmp/shown", False)),
         ("true",),
         private_dirs=("/tmp/user-1000", "/tmp/shown/t", "/home/u/tmp", "/run/user/1000", "/proc/x"),
-        private_views=(("/home/u/.pyenv/shims", "/run/egressd/pyenv-shims"),),
+        private_views=(("/home/u/.pyenv/shims", "/tmp/.egressd-pyenv-shims"),),
     )
     argv = bwrap_argv(spec)
     made = [argv[i + 1] for i, word in enumerate(argv) if word == "--dir"]
@@ -202,10 +202,10 @@ def test_a_tmpdir_in_the_private_tmp_is_made_and_pyenv_shims_get_a_private_view(
         "0700",
         "--dir",
     ]
-    view = argv.index("/run/egressd/pyenv-shims")
-    assert argv[view - 2 : view + 1] == ["--ro-bind", "/home/u/.pyenv/shims", "/run/egressd/pyenv-shims"]
+    view = argv.index("/tmp/.egressd-pyenv-shims")
+    assert argv[view - 2 : view + 1] == ["--ro-bind", "/home/u/.pyenv/shims", "/tmp/.egressd-pyenv-shims"]
     tmpfs = len(argv) - 1 - argv[::-1].index("--tmpfs")
     assert argv[tmpfs + 1] == "/home/u/.pyenv/shims" and tmpfs > view  # over everything else
     command = launcher_command("/py", "/r", 5, 7, 8, [], ["x"], views=spec.private_views)
     assert "--link-view" in command
-    assert command[command.index("--link-view") + 1] == "/home/u/.pyenv/shims=/run/egressd/pyenv-shims"
+    assert command[command.index("--link-view") + 1] == "/home/u/.pyenv/shims=/tmp/.egressd-pyenv-shims"
