@@ -17,9 +17,11 @@ REPO="$(pwd)"
 MODULES=(
   tests/test_sandbox_capture.py
   tests/test_sandbox_escapes.py
+  tests/test_sandbox_home.py
   tests/test_sandbox_host_services.py
   tests/test_sandbox_integration.py
   tests/test_sandbox_narrow.py
+  tests/test_sandbox_own_files.py
   tests/test_sandbox_ssh.py
   tests/test_sandbox_syscalls.py
   tests/test_sandbox_workloads.py

@@ -55,8 +55,6 @@ class BwrapSpec:
     info_fd: int | None = None  # bubblewrap writes the sandbox's PID there (egressd sets up capture)
     binds: tuple[Bind, ...] = ()  # files shown read-only at a path in place of the host's there
     seccomp_fd: int | None = None  # the seccomp filter bubblewrap loads (seccomp.py)
-    # directories the child expects in the private /tmp or /run (its $TMPDIR): made there, empty
-    private_dirs: tuple[str, ...] = ()
     # (directory, view): the directory made private and writable (a tmpfs), the host's read-only
     # at `view` (in the private /tmp); the launcher fills the directory with links into the view
     private_views: tuple[tuple[str, str], ...] = ()
@@ -121,9 +119,6 @@ def mount_plan(spec: BwrapSpec) -> list[Mount | Cover | Bind]:
 def bwrap_argv(spec: BwrapSpec) -> list[str]:
     argv = [spec.bwrap, *security_options(spec.disable_userns)]
     argv += BASE_MOUNTS
-    for path in spec.private_dirs:
-        if privately_empty(path, spec.mounts):
-            argv += ["--perms", "0700", "--dir", path]
     for path, view in spec.private_views:
         argv += ["--ro-bind", path, view]
     plan = mount_plan(spec)

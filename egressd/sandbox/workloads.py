@@ -1,7 +1,5 @@
 """What everyday commands expect to find inside the sandbox, and how egressd provides it.
 
-- `$TMPDIR` under `/tmp` or `/run`: both are the sandbox's own, empty. A TMPDIR the host has there
-  (`/tmp/user-1000`) would not exist inside, and `mktemp` fails: it is made, empty and private.
 - A virtual environment under `/tmp` or `/run` (the one `$VIRTUAL_ENV` names, or the one the
   command's program lives in) would vanish inside (`python: not found`): it is shown read-only.
   Any other program the command names there cannot be found inside: egressd says so, and how
@@ -22,12 +20,6 @@ from egressd.sandbox.bwrap import privately_empty
 from egressd.sandbox.mounts import Mount
 
 SHIMS_VIEW = "/tmp/.egressd-pyenv-shims"  # beside the private caches (run.PRIVATE_CACHE)
-
-
-def private_dirs(env: Mapping[str, str]) -> tuple[str, ...]:
-    """The child's $TMPDIR, to be made inside when it lies in the sandbox's own /tmp or /run."""
-    tmpdir = env.get("TMPDIR", "")
-    return (os.path.normpath(tmpdir),) if os.path.isabs(tmpdir) else ()
 
 
 def _venv_root(program: str) -> str | None:
