@@ -101,6 +101,7 @@ class EgressProxy:
         self._mitm_run: asyncio.Future[None] | None = None
         self._mitm_addresses: dict[str, tuple[str, int]] = {}
         self._workdir: Path | None = None  # egressd's own files while it runs, in its hidden home
+        self._background: set[asyncio.Task[None]] = set()  # tasks nothing else holds (serve_names)
 
     # -- policy and credentials ----------------------------------------------------------------
     @property
@@ -345,6 +346,21 @@ class EgressProxy:
         assert self._front is not None
         future = asyncio.run_coroutine_threadsafe(self._front.serve(sock, kind, implicit), loop)
         future.result(timeout=START_TIMEOUT)
+
+    def serve_names(self, sock: socket.socket, profile: str | None) -> None:
+        """Answer a sandbox's capture's name questions on `sock` (front/names.py) for a child of
+        `profile`, on the proxy's loop, until the sandbox hangs up."""
+        loop = self._loop
+        if loop is None or self._thread is None or not self._thread.is_alive():
+            raise EngineError("the proxy is not running")
+        from egressd.front.names import serve_names
+
+        def start() -> None:  # the loop keeps only weak references to its tasks
+            task = loop.create_task(serve_names(self.pipeline, sock, profile))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+        loop.call_soon_threadsafe(start)
 
     def drain(self, timeout: float) -> None:
         """Refuse new connections, let in-flight ones finish within timeout, then stop."""

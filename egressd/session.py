@@ -156,17 +156,24 @@ class GatewayOptions:
     tls: ListenerTLS | None = None  # the proxy port speaks TLS (https:// proxy URLs)
 
 
-def gateway_policy(policy: Policy) -> Policy:
-    """A gateway's clients are other machines: the gateway host's own services — its loopback and
-    its interface addresses (a container's own IP) — are reachable only on the ports the policy
-    names in `loopback.ports` (none when it names none), never all of them. Computed at each load,
-    so the addresses are current."""
+def host_loopback(policy: Policy, ports: Sequence[int] = ()) -> Policy:
+    """The host's own services — on its loopback and on its own interface addresses (a LAN
+    address, a Docker bridge's, a container's own IP) — reachable only on the ports the policy
+    names in `loopback.ports` and `ports`, never all of them (none when none are named).
+
+    For clients that are not the host's own processes: a gateway's (other machines) and a
+    sandboxed child (its own network). A service listening on 0.0.0.0 answers on every interface
+    address, so those count as loopback. Computed at each load, so the addresses are current.
+    """
     from dataclasses import replace
 
     from egressd.remote.interfaces import local_addresses
 
     own = frozenset(ip for ip in local_addresses() if not ip.is_loopback)
-    loopback = replace(policy.loopback, named_ports_only=True, addresses=policy.loopback.addresses | own)
+    named = tuple(dict.fromkeys((*policy.loopback.ports, *ports)))
+    loopback = replace(
+        policy.loopback, ports=named, named_ports_only=True, addresses=policy.loopback.addresses | own
+    )
     return replace(policy, loopback=loopback)
 
 
@@ -241,7 +248,7 @@ class ProxySession:
         policies, secrets, the parent proxy's credentials) through `read`."""
         policy = self.options.overrides.apply(policy, read)
         if self.options.gateway is not None:
-            policy = gateway_policy(policy)
+            policy = host_loopback(policy)
         policy = self._transform(policy) if self._transform else policy
         if policy.upstream_proxy is not None:  # its credentials are read now: at start, on reload
             from egressd.admission.upstream import with_credentials

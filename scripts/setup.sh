@@ -60,6 +60,7 @@ TEST_PACKAGES=(
   "${GATEWAY_PACKAGES[@]}"
   logrotate:logrotate  # tests: the audit log rotated by docs/audit.md's logrotate example
   tinyscheme  # tests: every generated Seatbelt profile evaluated by a real Scheme reader
+  acl:setfacl  # scripts/test_unprivileged.sh: the test user reaches the checkout and the interpreter
 )
 APT_PACKAGES=("${DEMO_PACKAGES[@]}")
 wants gateway && APT_PACKAGES+=("${GATEWAY_PACKAGES[@]}")

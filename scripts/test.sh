@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Run the whole check: set-up (idempotent), ruff, then pytest with the given arguments.
-# Both always run. Exit code: pytest's when it failed, else 1 if ruff failed, else 0.
-# pytest's "no tests collected" (5) counts as a failure.
+# Run the whole check: set-up (idempotent), ruff, pytest with the given arguments, then (as root)
+# the confinement tests again as an ordinary user (scripts/test_unprivileged.sh). All always run.
+# Exit code: the root run's pytest code when it failed, else the unprivileged run's, else 1 if ruff
+# failed, else 0. pytest's "no tests collected" (5) counts as a failure.
 set -euo pipefail
 
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.."
@@ -19,10 +20,19 @@ rc=0
 .venv/bin/pytest "$@" || rc=$?
 if [[ "$rc" == 5 ]]; then
   echo "test.sh: pytest collected no tests — treating as a failure" >&2
-  exit 1
+  rc=1
+fi
+
+user_rc=0
+if [[ "$(id -u)" == 0 ]]; then
+  bash scripts/test_unprivileged.sh "$@" || user_rc=$?
 fi
 if [[ "$rc" != 0 ]]; then
   exit "$rc"
+fi
+if [[ "$user_rc" != 0 ]]; then
+  echo "test.sh: the confinement tests failed as an ordinary user (exit $user_rc)" >&2
+  exit "$user_rc"
 fi
 
 if [[ "$lint_rc" != 0 ]]; then

@@ -67,6 +67,11 @@ UPSTREAM_TLS_NAMES = ["up.test", "other.test", "198.51.100.2"]
 def pytest_configure(config: pytest.Config) -> None:
     """Enter the isolated namespace before anything starts a thread; refuse to run outside it."""
     config.addinivalue_line("markers", "slow: a slow test (deselect with -m 'not slow')")
+    config.addinivalue_line(
+        "markers",
+        "needs_root(reason): needs root of the host, for the reason given (network namespaces of its "
+        "own, mounts, useradd, docker); a run as an ordinary user deselects it: -m 'not needs_root'",
+    )
     if netns.in_test_netns():
         return
     try:
@@ -78,6 +83,23 @@ def pytest_configure(config: pytest.Config) -> None:
         ) from exc
     for var in _PROXY_VARS:
         os.environ.pop(var, None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A needs_root mark must say why: the reason is what a reviewer checks before trusting that the
+    unprivileged run may leave the test out."""
+    for item in items:
+        for mark in item.iter_markers("needs_root"):
+            if len(mark.args) != 1 or not isinstance(mark.args[0], str) or not mark.args[0].strip():
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.needs_root needs its reason")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Run as an ordinary user, a test that needs root fails with its reason (never a silent skip):
+    the unprivileged run deselects exactly these with -m 'not needs_root'."""
+    mark = item.get_closest_marker("needs_root")
+    if mark is not None and not netns.real_root():
+        pytest.fail(f"needs root: {mark.args[0]} (as an ordinary user, deselect with -m 'not needs_root')")
 
 
 def pytest_asyncio_loop_factories(
@@ -178,6 +200,13 @@ def upstream_tls(ca: trustme.CA) -> Iterator[EchoHTTPSServer]:
 def upstream_v6() -> Iterator[EchoHTTPServer]:
     """Plain HTTP echo server on 2001:db8::1."""
     with EchoHTTPServer(netns.UPSTREAM_V6[0], name="upstream-v6") as server:
+        yield server
+
+
+@pytest.fixture
+def public_upstream() -> Iterator[EchoHTTPServer]:
+    """Plain HTTP echo server on 3fff::1, an address SSRF-guarded clients take for a public one."""
+    with EchoHTTPServer(netns.PUBLIC_V6[0], name="public-upstream") as server:
         yield server
 
 

@@ -42,7 +42,8 @@ from tests.support.egressd_cli import EGRESSD  # noqa: E402
 from tests.support.upstreams import EchoHTTPServer, RefusingPort  # noqa: E402
 
 AGENT = str(Path(__file__).parent / "support" / "acp_agent.py")
-FETCH_SERVER = [sys.executable, "-m", "mcp_server_fetch", "--ignore-robots-txt", "--allow-private-ips"]
+# its SSRF guard on: it resolves every URL's host itself and refuses any address that is not public
+FETCH_SERVER = [sys.executable, "-m", "mcp_server_fetch", "--ignore-robots-txt"]
 FETCH_SERVER += ["--user-agent", "egressd-test"]
 STDERR: dict[str, Any] = {"stderr": None}  # egressd's and the agent's stderr: the test log
 
@@ -269,16 +270,23 @@ async def test_stdio_passes_byte_for_byte_and_big_messages(
 
 
 async def test_sandboxed_agent_mcp_server_uses_the_sandbox_bridge(
-    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer, work: Path
+    tmp_path: Path, dns: DnsServer, public_upstream: EchoHTTPServer, work: Path
 ) -> None:
     """--sandbox: the agent and the MCP servers it starts are inside; their proxy is the sandbox's
-    loopback bridge, and the refusal still reaches the client."""
+    loopback bridge, the fetch server's SSRF guard accepts the real address the name has inside,
+    and the refusal still reaches the client."""
     from tests.test_sandbox_integration import sandbox_env
 
+    dns.add("pub.test", public_upstream.host)
+    up = public_upstream
     client = EditorClient()
     servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER[1:], env=[])]
-    secret = "secrets:\n  - {name: upkey, from: {env: ACP_TEST_UPKEY}, hosts: [up.test], env: UPKEY}\n"
-    command = _egressd_acp(_policy(tmp_path, up, secret), dns, tmp_path / "audit.jsonl", "--sandbox")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "version: 1\nallow: [pub.test, '3fff::/20']\n"
+        "secrets:\n  - {name: upkey, from: {env: ACP_TEST_UPKEY}, hosts: [pub.test], env: UPKEY}\n"
+    )
+    command = _egressd_acp(policy, dns, tmp_path / "audit.jsonl", "--sandbox")
     env = {**sandbox_env(work), "ACP_TEST_UPKEY": "sk-acp-value-33c1"}
     async with spawn_agent_process(
         client, command[0], *command[1:], cwd=work, env=env, transport_kwargs=STDERR
@@ -288,9 +296,11 @@ async def test_sandboxed_agent_mcp_server_uses_the_sandbox_bridge(
         assert "@127.0.0.1:3128" in client.texts()  # the bridge inside the sandbox
         assert "UPKEY=egressd-secret-upkey-" in client.texts()  # the MCP server's secret: a placeholder
         assert "sk-acp-value-33c1" not in client.texts()
-        await _prompt(conn, session_id, f"fetch http://up.test:{up.port}/inside\nfetch http://refused.test/x")
+        await _prompt(
+            conn, session_id, f"fetch http://pub.test:{up.port}/inside\nfetch http://refused.test/x"
+        )
         texts = client.texts()
-        assert f"fetch http://up.test:{up.port}/inside -> isError=False" in texts
+        assert f"fetch http://pub.test:{up.port}/inside -> isError=False" in texts
         assert "fetch http://refused.test/x -> isError=True" in texts
         assert await _until(lambda: "not_allowlisted" in client.texts())
 

@@ -78,7 +78,7 @@ def client(run: GatewayRun, name: str, token: str, socks_port: int | None = None
 @pytest.fixture
 def upstream() -> Iterator[EchoHTTPServer]:
     """The upstream of these tests, on an address of the namespace that is not one of its interface
-    addresses: a gateway counts those (198.51.100.1, the conftest's upstream) as its own host."""
+    addresses: a gateway counts those (netns.INTERFACE_V4) as its own host."""
     with EchoHTTPServer(netns.UPSTREAM_V4[4], name="gateway-upstream") as server:
         yield server
 
@@ -426,7 +426,7 @@ def test_gateway_tls_options(tmp_path: Path) -> None:
         assert done.returncode == 2 and error in done.stderr, (args, done.stderr)
 
 
-@pytest.mark.parametrize("own_address", ["127.0.0.1", netns.UPSTREAM_V4[0]], ids=["loopback", "interface"])
+@pytest.mark.parametrize("own_address", ["127.0.0.1", netns.INTERFACE_V4[0]], ids=["loopback", "interface"])
 def test_gateway_refuses_its_own_host_unless_named(tmp_path: Path, own_address: str) -> None:
     """The gateway host's loopback and interface addresses are not its clients': only the ports
     `loopback.ports` names."""
@@ -559,7 +559,7 @@ def test_gateway_on_every_address_refuses_itself(
     options = ["--gateway", "--listen", f"0.0.0.0:{port}", "--tokens", str(tokens)]
     options += ["--policy", str(policy), "--nameserver", dns.nameserver]
     with GatewayRun(options) as run:
-        own = netns.UPSTREAM_V4[0]  # an interface address of the namespace: the gateway's own
+        own = netns.INTERFACE_V4[0]  # an interface address of the namespace: the gateway's own
         for host in ("127.0.0.1", own):
             with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=10) as health:
                 assert health.status == 200

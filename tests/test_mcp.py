@@ -30,7 +30,8 @@ from tests.support.upstreams import EchoHTTPServer, RefusingPort  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 EVERYTHING = REPO / ".cache" / "mcp-npm" / "node_modules" / ".bin" / "mcp-server-everything"
-FETCH = [sys.executable, "-m", "mcp_server_fetch", "--ignore-robots-txt", "--allow-private-ips"]
+# its SSRF guard on: it resolves every URL's host itself and refuses any address that is not public
+FETCH = [sys.executable, "-m", "mcp_server_fetch", "--ignore-robots-txt"]
 FETCH += ["--user-agent", "egressd-test"]
 
 
@@ -303,18 +304,24 @@ def test_mcp_run_passes_stdio_byte_for_byte(tmp_path: Path) -> None:
 
 
 async def test_wrap_sandbox_one_server(
-    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, work: Path
+    tmp_path: Path, dns: DnsServer, public_upstream: EchoHTTPServer, work: Path
 ) -> None:
     """wrap --sandbox --server fetch: only that server is wrapped, and it runs confined; the
-    allowed fetch works through the sandbox's bridge and the refused one carries egressd's reason."""
+    allowed fetch works through the sandbox's bridge with the server's SSRF guard on (inside, the
+    name resolves to its real address, which the guard accepts), and the refused one carries
+    egressd's reason (the name has no address inside, so the guard leaves it to the proxy)."""
     from tests.test_sandbox_integration import sandbox_env
 
-    dns.add("up.test", upstream.host)
+    dns.add("pub.test", public_upstream.host)
     config = tmp_path / ".mcp.json"
     everything = {"command": "node", "args": [str(EVERYTHING), "stdio"]}
     fetch = {"command": FETCH[0], "args": FETCH[1:], "env": {"KEEP": "1"}}
     config.write_text(json.dumps({"mcpServers": {"fetch": fetch, "everything": everything}}, indent=2) + "\n")
-    policy = write_policy(tmp_path, upstream, nameserver=dns.nameserver)
+    policy = tmp_path / "mcp-policy.yaml"
+    policy.write_text(
+        f"version: 1\nallow: [pub.test, '3fff::/20']\nresolver: {{nameservers: ['{dns.nameserver}']}}\n"
+        "profiles:\n  fetch: {allow: [pub.test, '3fff::/20']}\n"
+    )
     mcp("wrap", str(config), "--policy", str(policy), "--sandbox", "--server", "fetch")
     servers = json.loads(config.read_text())["mcpServers"]
     assert servers["everything"] == everything
@@ -323,7 +330,7 @@ async def test_wrap_sandbox_one_server(
     params = StdioServerParameters(
         command=servers["fetch"]["command"], args=servers["fetch"]["args"], env=env, cwd=work
     )
-    is_error, text = await _call(params, "fetch", {"url": f"http://up.test:{upstream.port}/confined"})
+    is_error, text = await _call(params, "fetch", {"url": f"http://pub.test:{public_upstream.port}/confined"})
     assert not is_error and "/confined" in text, text
     is_error, text = await _call(params, "fetch", {"url": "http://refused.test/x"})
     assert is_error and "not_allowlisted" in text, text

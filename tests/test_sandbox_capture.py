@@ -14,7 +14,6 @@ warns and the child stays confined; --no-capture keeps the old "nothing gets out
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import socket
@@ -26,11 +25,12 @@ from typing import Any
 
 import pytest
 
+from egressd.sandbox import capture
 from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import write_policy
 from tests.support.netns import UPSTREAM_V4
-from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
+from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer, TcpEchoServer
 from tests.test_sandbox_integration import PY, egressd_sandbox, python_inside, sandbox_env
 
 # No proxy configuration at all in the child: every variable egressd sets for it is removed.
@@ -450,15 +450,24 @@ PROBE = """
                 out[name] = "ANSWERED"
             except OSError as exc:
                 out[name] = type(exc).__name__
-    # a ClientHello naming another host than the name the address stands for is closed
+    # up.test and other.test share an address: a ClientHello naming a name nobody looked up for
+    # it is closed; one naming either of the two is that name's
     context = ssl.create_default_context(cafile=ca)
     try:
         with socket.create_connection(("up.test", int(tls_port)), timeout=30) as raw:
-            with context.wrap_socket(raw, server_hostname="other.test") as tls:
-                tls.sendall(b"GET / HTTP/1.1\\r\\nHost: other.test\\r\\n\\r\\n")
+            with context.wrap_socket(raw, server_hostname="never-asked.test") as tls:
+                tls.sendall(b"GET / HTTP/1.1\\r\\nHost: never-asked.test\\r\\n\\r\\n")
                 out["sni_mismatch"] = "ANSWERED " + repr(tls.recv(100))
     except (OSError, ssl.SSLError) as exc:
         out["sni_mismatch"] = type(exc).__name__
+    try:
+        with socket.create_connection(("up.test", int(tls_port)), timeout=30) as raw:
+            with context.wrap_socket(raw, server_hostname="other.test") as tls:
+                head = "GET /sni-other HTTP/1.1\\r\\nHost: other.test\\r\\nConnection: close\\r\\n\\r\\n"
+                tls.sendall(head.encode())
+                out["sni_other"] = tls.recv(100).split(b"\\r\\n")[0].decode()
+    except (OSError, ssl.SSLError) as exc:
+        out["sni_other"] = type(exc).__name__
     # the same name in the ClientHello works
     try:
         with socket.create_connection(("up.test", int(tls_port)), timeout=30) as raw:
@@ -493,20 +502,18 @@ def test_dns_udp_and_sni_inside_the_capture(
         with pytest.raises(TimeoutError):
             udp.recvfrom(512)
         assert outside_dns.queries == []
-    synthetic = ipaddress.ip_network("198.18.0.0/15")
-    (up,) = seen["up"]
-    assert ipaddress.ip_address(up) in synthetic
-    assert seen["up_again"] == [up]  # one address per name, whatever its spelling
-    assert seen["other"] != [up] and ipaddress.ip_address(seen["other"][0]) in synthetic
-    assert seen["aaaa"] == "no address"
+    # the real addresses egressd resolved, whatever the spelling asked
+    assert seen["up"] == seen["up_again"] == seen["other"] == [upstream_tls.host], seen
+    up = upstream_tls.host
+    assert seen["aaaa"] == "no address"  # the name has IPv4: capture is IPv4
     assert seen["dns_udp_53"] == seen["dns_tcp_53"] == [up]
     # dropped on the way out of the sender: sendto() itself fails (EPERM)
     assert seen["udp"] == seen["dns_other_port"] == "PermissionError"
     assert not seen["sni_mismatch"].startswith("ANSWERED"), seen
-    assert seen["sni_same"] == "HTTP/1.0 200 OK" or seen["sni_same"].endswith(" 200 OK"), seen
-    assert refused_in_audit(audit, "up.test", "sni_mismatch")
+    assert seen["sni_other"].endswith(" 200 OK") and seen["sni_same"].endswith(" 200 OK"), seen
+    assert refused_in_audit(audit, "other.test", "sni_mismatch")  # the newest name for the address
     assert dns.queries, "the proxy resolved the names it decided"
-    assert [r["path"] for r in upstream_tls.requests] == ["/sni-ok"]
+    assert sorted(r["path"] for r in upstream_tls.requests) == ["/sni-ok", "/sni-other"]
 
 
 LITERAL = """
@@ -578,8 +585,9 @@ def test_without_nft_the_child_runs_confined_and_egressd_says_so(
 UNDO = """
     import json, socket, subprocess, sys
     out = {}
-    route = ["ip", "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "local"]
-    for name, argv in (("nft_flush", ["nft", "flush", "ruleset"]), ("route_del", route)):
+    nft, ip = sys.argv[2:4]  # where they are (an ordinary user's PATH has no sbin)
+    route = [ip, "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "local"]
+    for name, argv in (("nft_flush", [nft, "flush", "ruleset"]), ("route_del", route)):
         out[name] = subprocess.run(argv, capture_output=True).returncode
     # the transparent listener itself, asked directly: closed without a word
     try:
@@ -605,12 +613,13 @@ def test_the_child_cannot_undo_or_skip_the_capture(
     """The rules and route are out of the child's reach (it has no capabilities); the listener
     asked directly answers nothing; after the attempts, decisions are still the proxy's."""
     dns.add("up.test", upstream.host)
-    command = [PY, "-c", textwrap.dedent(UNDO), str(upstream.port)]
+    tools = [str(capture.find_tool(name)) for name in ("nft", "ip")]
+    command = [PY, "-c", textwrap.dedent(UNDO), str(upstream.port), *tools]
     seen = output(run_captured(tmp_path, dns, audit, command, work))
     assert seen["nft_flush"] != 0 and seen["route_del"] != 0
     assert seen["direct_listener"] in ("", "ConnectionResetError", "BrokenPipeError")
     assert seen["up.test"].endswith("200 OK")
-    assert seen["elsewhere.test"] in ("", "ConnectionResetError", "BrokenPipeError")
+    assert seen["elsewhere.test"] == "gaierror"  # a name the policy refuses has no address inside
     assert refused_in_audit(audit, "elsewhere.test", "not_allowlisted")
     assert [r["path"] for r in upstream.requests] == ["/after"]
 
@@ -647,3 +656,122 @@ def test_plain_http_to_a_host_with_path_rules_is_decided_per_request(
     assert seen["/v2/no"] == 403 and refused_in_audit(audit, "up.test", "builtin_path")
     assert seen["/v1/fronted"] in (400, 403) and refused_in_audit(audit, "up.test", "host_mismatch")
     assert [r["path"] for r in upstream.requests] == ["/v1/ok"]
+
+
+def test_node_and_go_reach_the_host_loopback_port_the_policy_names(
+    tmp_path: Path, dns: DnsServer, ca_file: Path, audit: Path, work: Path, go_client: Path
+) -> None:
+    """node's fetch and Go never use a proxy for 127.0.0.1: their connection to the port the
+    policy names for the host's loopback is captured and goes through the proxy to the host's
+    service; another port stays the sandbox's own loopback (nothing there)."""
+    with (
+        EchoHTTPServer("127.0.0.1", name="host-service") as named,
+        EchoHTTPServer("127.0.0.1", name="host-other") as other,
+    ):
+        urls = [f"http://127.0.0.1:{named.port}/named", f"http://127.0.0.1:{other.port}/other"]
+        options = [
+            "--allow-loopback-port",
+            str(named.port),
+            "--ro",
+            str(go_client.parent),
+            "--ro",
+            str(ca_file.parent),
+        ]
+        node = output(
+            run_captured(tmp_path, dns, audit, ["node", "-e", textwrap.dedent(NODE), *urls], work, *options)
+        )
+        go = output(run_captured(tmp_path, dns, audit, [str(go_client), str(ca_file), *urls], work, *options))
+        assert other.connections == 0
+    for seen, prefixes in ((node, ("fetch ", "get ")), (go, ("",))):
+        for prefix in prefixes:
+            assert seen[prefix + urls[0]] == [200, "/named"], seen
+            assert seen[prefix + urls[1]][0] == "error", seen
+    assert [r["path"] for r in named.requests] == ["/named"] * 3
+    assert any(r.get("host") == "127.0.0.1" and r.get("decision") == "allow" for r in records(audit))
+
+
+# -- the child's DNS holds the real addresses; a connection is decided by the name behind it ----------
+BY_NAME = """
+    import json, socket, ssl, sys
+    tls_port, plain_port, echo_host, echo_port, ca = sys.argv[1:6]
+    context = ssl.create_default_context(cafile=ca)
+    out = {}
+    def get(host, path):
+        return f"GET /{path} HTTP/1.1\\r\\nHost: {host}\\r\\nConnection: close\\r\\n\\r\\n".encode()
+    def lookup(name):
+        try:
+            return sorted({i[4][0] for i in socket.getaddrinfo(name, 80, type=socket.SOCK_STREAM)})
+        except socket.gaierror as exc:
+            return str(exc)
+    def tls(address, sni):
+        try:
+            with socket.create_connection((address, int(tls_port)), timeout=30) as raw:
+                with context.wrap_socket(raw, server_hostname=sni) as conn:
+                    conn.sendall(get(sni, sni))
+                    return conn.recv(100).split(b"\\r\\n")[0].decode()
+        except (OSError, ssl.SSLError) as exc:
+            return type(exc).__name__
+    def plain(address, port, host):
+        try:
+            with socket.create_connection((address, int(port)), timeout=30) as conn:
+                conn.sendall(get(host, host))
+                return conn.recv(100).split(b"\\r\\n")[0].decode() or "closed"
+        except OSError as exc:
+            return type(exc).__name__
+    for name in ("up.test", "denied.test", "rotate.test"):
+        out[name] = lookup(name)
+    (up,) = out["up.test"]
+    out["up by its name"] = tls(up, "up.test")
+    # the same address, a ClientHello for a name that resolves there too but was refused
+    out["denied on up's address"] = tls(up, "denied.test")
+    # an address the child never had an answer for, though a server listens there
+    out["never resolved"] = plain(echo_host, echo_port, echo_host)
+    # rotate.test answers another address on every later query: the connection goes where the
+    # child was told, with no second lookup
+    (rotated,) = out["rotate.test"]
+    out["rotate by its name"] = plain(rotated, plain_port, "rotate.test")
+    print(json.dumps(out))
+"""
+
+
+def test_connections_are_decided_by_the_name_that_resolved_to_their_address(
+    tmp_path: Path,
+    dns: DnsServer,
+    upstream: EchoHTTPServer,
+    upstream_tls: EchoHTTPSServer,
+    tcp_echo: TcpEchoServer,
+    ca_file: Path,
+    audit: Path,
+    work: Path,
+) -> None:
+    dns.add("up.test", upstream_tls.host)
+    dns.add("denied.test", upstream_tls.host)  # a refused name pointed at an allowed one's address
+    dns.add_sequence("rotate.test", [[upstream.host], [UPSTREAM_V4[9]]])
+    policy = write_policy(
+        tmp_path,
+        "version: 1\nprivate: {allow: true}\nallow: [up.test, rotate.test]\ndeny: [denied.test]\n",
+    )
+    options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)]
+    ports = [str(upstream_tls.port), str(upstream.port), *map(str, tcp_echo.address)]
+    command = [PY, "-c", textwrap.dedent(BY_NAME), *ports, str(ca_file)]
+    result = egressd_sandbox(
+        [*options, "--ro", str(ca_file.parent)], [*NO_PROXY_CONFIG, *command], cwd=work, timeout=TIMEOUT
+    )
+    seen = output(result)
+    assert seen["up.test"] == [upstream_tls.host]  # real, what an SSRF guard can judge
+    assert seen["rotate.test"] == [upstream.host]
+    assert "not known" in seen["denied.test"], seen  # a refused name is never looked up: no address
+    assert dns.count("denied.test") == 0
+    assert any(
+        r.get("stage") == "dns" and r.get("host") == "denied.test" and r.get("reason") == "denylist"
+        for r in records(audit)
+    )
+    assert seen["up by its name"].endswith(" 200 OK"), seen
+    assert not seen["denied on up's address"].endswith(" 200 OK"), seen
+    assert refused_in_audit(audit, "up.test", "sni_mismatch")
+    assert seen["never resolved"] in ("closed", "ConnectionResetError", "BrokenPipeError"), seen
+    assert refused_in_audit(audit, tcp_echo.address[0], "not_allowlisted") and tcp_echo.connections == 0
+    assert seen["rotate by its name"].endswith(" 200 OK"), seen
+    assert dns.count("rotate.test", "A") == 1  # the connection took the answer the child had
+    assert [r["path"] for r in upstream_tls.requests] == ["/up.test"]
+    assert [r["path"] for r in upstream.requests] == ["/rotate.test"]

@@ -749,7 +749,7 @@ def test_home_as_the_working_directory_is_refused_without_rw_home(user_home: Pat
 
 @pytest.mark.parametrize("directory", ["/etc", "/usr", "/var", "/usr/share"])
 def test_a_system_directory_is_never_writable(directory: str, work: Path) -> None:
-    result = egressd_sandbox(["--rw-home"], ["true"], cwd=Path(directory))
+    result = egressd_sandbox(["--rw-home"], ["true"], cwd=Path(directory), env=sandbox_env(work))
     assert result.returncode == 2
     assert directory.encode() in result.stderr
 

@@ -36,7 +36,10 @@ from tests.support.egressd_cli import EGRESSD
 from tests.support.ssh_lab import INTERNET, PROBE, SshLab
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [
+    pytest.mark.timeout(90),
+    pytest.mark.needs_root("creates named network namespaces (`ip netns add`) and runs sshd in one"),
+]
 
 POLICY = f"""\
 version: 1
@@ -61,11 +64,6 @@ POLICY_UP_DENIED = POLICY.replace("  - denied.test\n", "  - denied.test\n  - up.
 # -- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    if not ssh_lab.real_root():
-        pytest.skip(
-            "the SSH tests need real root: they create named network namespaces (`ip netns add`) "
-            "and run sshd in one; this session runs as an unprivileged user (user namespace)"
-        )
     with SshLab(tmp_path_factory.mktemp("ssh-lab")) as built:
         yield built
 

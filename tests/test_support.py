@@ -185,7 +185,7 @@ def test_http_upstream_with_curl_and_requests(upstream: EchoHTTPServer) -> None:
     assert r.status_code == 200 and r.json()["method"] == "POST"
     assert upstream.connections == 2
     assert upstream.requests[-1]["body"] == b"payload"
-    assert upstream.requests[-1]["peer"][0] == "198.51.100.1"  # source address of the lo route
+    assert upstream.requests[-1]["peer"][0] == netns.INTERFACE_V4[0]  # source address of the lo route
 
 
 def test_http_upstream_ipv6(upstream_v6: EchoHTTPServer) -> None:

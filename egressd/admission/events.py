@@ -20,12 +20,13 @@ from typing import Literal, NamedTuple
 
 logger = logging.getLogger(__name__)
 
-Stage = Literal["connect", "socks", "request", "inner", "connection", "tls"]
+Stage = Literal["connect", "socks", "request", "inner", "connection", "tls", "dns"]
 
 
 class Decided(NamedTuple):
-    """One decision: a CONNECT, SOCKS5 connect or request (allowed or refused), or an upstream
-    connection (stage "connection": opened, with its resolved and connected addresses, or not)."""
+    """One decision: a CONNECT, SOCKS5 connect or request (allowed or refused), an upstream
+    connection (stage "connection": opened, with its resolved and connected addresses, or not), or
+    a name a sandboxed child's DNS asked for that the policy refuses (stage "dns", no port)."""
 
     conn: str | None
     client: str | None

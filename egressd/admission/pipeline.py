@@ -30,6 +30,7 @@ from egressd.admission.credentials import CredentialStore, Presented, ProxyCrede
 from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
 from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Resolved, Stage
 from egressd.admission.grants import GrantStore
+from egressd.admission.handed import HandedOut, candidate_ports
 from egressd.admission.http_rules import request_refusal
 from egressd.admission.identity import identify
 from egressd.admission.limits import Limits, overloaded
@@ -46,6 +47,7 @@ from egressd.policy import (
     Target,
     canonical_host,
     classify,
+    filter_addresses,
     join_host_port,
 )
 from egressd.refusal import GatewayHints, Refusal, outcome
@@ -112,6 +114,11 @@ class Connections:
     served: int = 0  # of them, those within egressd's capacity (the others are answered overloaded)
 
 
+# Refusals of a name that hold for every connection to it: its DNS question gets no address. Any
+# other (an exe rule, a grant, an approver could still allow it) gets a stand-in address.
+NO_ANSWER_REASONS = frozenset({"not_allowlisted", "denylist", "mode_off", "profile", "port"})
+
+
 class Pipeline:
     def __init__(
         self,
@@ -132,6 +139,7 @@ class Pipeline:
         self.approver = approver
         self.grants = grants if grants is not None else GrantStore()
         self.redirects = RedirectMemory()
+        self.handed = HandedOut()  # the addresses sandboxed children's DNS was given, per name
         self.secrets = SecretBook()
         self.events = EventBus()
         # the audit log: under audit.on_failure: refuse, nothing is acted upon that it did not take
@@ -348,6 +356,49 @@ class Pipeline:
         )
         return refusal
 
+    async def addresses_for(self, name: str, profile: str | None) -> tuple[IPAddress, ...] | None:
+        """The real addresses to answer a sandboxed child's DNS question with; () for none (the
+        policy refuses the name: recorded, stage "dns"); None for a stand-in, decided by the name
+        when a connection is made (a name only a person, a grant or the program could allow).
+
+        Decided before anything is resolved, as a CONNECT is (a name the policy does not allow is
+        never looked up: no DNS channel out), on the ports a client would use
+        (handed.candidate_ports); then resolved and filtered by egressd's own resolver and address
+        filter, and recorded, so the connection goes to these addresses.
+        """
+        policy = self.policies.get()
+        if self.secrets and self.secrets.needles.find(name) is not None:
+            return self._refused_name(name, "secret_exfiltration", "the name holds a secret's placeholder")
+        decisions = [self.decider.decide(name, port, profile) for port in candidate_ports(policy)]
+        allowed = next((d for d in decisions if d.allowed and not d.ask and d.needs_resolution), None)
+        if allowed is None:
+            refused = decisions[0]
+            final = all(d.reason in NO_ANSWER_REASONS for d in decisions) and not self.grants
+            return self._refused_name(name, refused.reason, refused.detail) if final else None
+        assert allowed.target is not None and allowed.target.host.name is not None
+        canonical = allowed.target.host.name
+        resolver = await resolution.resolver_module()
+        started = time.monotonic()
+        try:
+            addresses = await resolver.resolve(
+                canonical, policy.resolver.nameservers, policy.limits.dns_timeout
+            )
+        except resolver.ResolveError as exc:
+            if self.events.observed:
+                self.events.emit(Resolved(time.monotonic() - started, exc.reason))
+            return None  # the connection's own lookup reports it, with its reason
+        if self.events.observed:
+            self.events.emit(Resolved(time.monotonic() - started, "ok"))
+        kept, _ = filter_addresses(allowed, addresses, policy)
+        if not kept:
+            return None
+        self.handed.record(canonical, kept)
+        return tuple(kept)
+
+    def _refused_name(self, name: str, reason: str, detail: str) -> tuple[IPAddress, ...]:
+        self.refused_early(None, self._recorded_path(name), None, reason, detail, stage="dns")
+        return ()
+
     def _granted(self, conn: ConnState, ask: Ask, decision: Decision) -> Decision:
         """The decision a grant makes of a `not_allowlisted` or `ask` one, or the same decision.
 
@@ -427,7 +478,9 @@ class Pipeline:
 
     async def _pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
         """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""
-        pinned = await resolution.pin(admitted.decision, self.policies.get())
+        target = admitted.decision.target
+        known = self.handed.get(target.host.name) if self.handed and target and target.host.name else None
+        pinned = await resolution.pin(admitted.decision, self.policies.get(), known)
         if pinned.lookup is not None and self.events.observed:
             self.events.emit(Resolved(*pinned.lookup))
         admitted.decision, admitted.pin, admitted.resolved = pinned.decision, pinned.pin, pinned.resolved

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
 
@@ -68,11 +69,25 @@ def _load(done: concurrent.futures.Future[ModuleType]) -> None:
     done.set_result(resolver)
 
 
-async def pin(decision: Decision, policy: Policy) -> Pinned:
+async def resolver_module() -> ModuleType:
+    """The resolver module, once loaded (waits for the load started at start)."""
+    return _resolver if _resolver is not None else await asyncio.wrap_future(load_resolver())
+
+
+async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | None = None) -> Pinned:
+    """`known`: the addresses a sandboxed child's DNS was given for this name (handed.py): taken
+    instead of a new lookup, and filtered as one would be."""
     target = decision.target
     assert decision.allowed and target is not None
     lookup: tuple[float, str] | None = None
-    if decision.needs_resolution:
+    if decision.needs_resolution and known is not None:
+        addresses = list(known)
+        kept, verdicts = filter_addresses(decision, addresses, policy)
+        if not kept:
+            refused = resolution_refusal(decision, verdicts)
+            return Pinned(refused, None, refusal_for(refused), tuple(addresses))
+        resolved = tuple(addresses)
+    elif decision.needs_resolution:
         resolver = _resolver
         if resolver is None:
             try:

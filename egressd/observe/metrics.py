@@ -56,7 +56,7 @@ ALLOW_REASONS = frozenset(
 )
 ASK_REASONS = frozenset({"ask_refused", "ask_timeout", "no_approver"})
 REASONS = ALLOW_REASONS | ASK_REASONS | POLICY_REASONS | FAILURE_REASONS
-STAGES = frozenset({"connect", "socks", "request", "inner", "connection", "tls"})
+STAGES = frozenset({"connect", "socks", "request", "inner", "connection", "tls", "dns"})
 MODE_NAMES = frozenset(MODES)
 NOTICES = frozenset(
     {

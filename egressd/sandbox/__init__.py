@@ -19,3 +19,6 @@ BRIDGE_OPEN_PORT = 3130
 # Capture (clients that ignore the proxy variables): the transparent listener and DNS responder.
 BRIDGE_CAPTURE_PORT = 3129
 BRIDGE_DNS_PORT = 1053
+# The source address of the bridge's own connections to the sandbox's loopback: the capture never
+# redirects them (a child that uses it too reaches only the sandbox's own loopback).
+BRIDGE_SOURCE = "127.255.255.254"

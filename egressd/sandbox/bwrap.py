@@ -12,7 +12,8 @@ Layout inside the sandbox, in mount order (later mounts cover earlier ones):
 - the masked home remounted read-only, once everything inside it is mounted.
 Namespaces: user (all capabilities dropped), PID, network (only `lo`, which bubblewrap brings
 up), IPC, UTS, cgroup; a new session (no controlling terminal: no TIOCSTI injection into the
-user's shell). The command is the launcher (see launcher.py), which runs the child.
+user's shell); the seccomp filter of seccomp.py. The command is the launcher (see launcher.py),
+the PID namespace's first process, which runs the child.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from egressd.sandbox.mounts import Mount, depth, order
+from egressd.sandbox.mounts import Mount, depth, order, within
 from egressd.sandbox.shields import Cover, inside_view, ordered_with
 
 NAMESPACES: tuple[str, ...] = (
@@ -53,6 +54,18 @@ class BwrapSpec:
     disable_userns: bool = True  # bubblewrap >= 0.8: the child cannot make user namespaces
     info_fd: int | None = None  # bubblewrap writes the sandbox's PID there (egressd sets up capture)
     binds: tuple[Bind, ...] = ()  # files shown read-only at a path in place of the host's there
+    seccomp_fd: int | None = None  # the seccomp filter bubblewrap loads (seccomp.py)
+    # (directory, view): the directory made private and writable (a tmpfs), the host's read-only
+    # at `view` (in the private /tmp); the launcher fills the directory with links into the view
+    private_views: tuple[tuple[str, str], ...] = ()
+
+
+PRIVATE_EMPTY = ("/tmp", "/run")
+
+
+def privately_empty(path: str, mounts: Sequence[Mount]) -> bool:
+    """Inside, `path` lies in the sandbox's own empty /tmp or /run (no mount shows the host's)."""
+    return any(within(path, top) for top in PRIVATE_EMPTY) and inside_view(path, mounts, ()) == "hidden"
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,9 @@ def security_options(disable_userns: bool) -> list[str]:
     options = list(NAMESPACES)
     if disable_userns:
         options.append("--disable-userns")
-    options += ["--cap-drop", "ALL", "--die-with-parent", "--new-session"]
+    # --as-pid-1: the launcher, not dumpable, is the sandbox's first process; no bubblewrap init
+    # (dumpable, the child's uid) stays inside for the child to ptrace or write through /proc/1/mem
+    options += ["--cap-drop", "ALL", "--die-with-parent", "--new-session", "--as-pid-1"]
     return options
 
 
@@ -104,9 +119,13 @@ def mount_plan(spec: BwrapSpec) -> list[Mount | Cover | Bind]:
 def bwrap_argv(spec: BwrapSpec) -> list[str]:
     argv = [spec.bwrap, *security_options(spec.disable_userns)]
     argv += BASE_MOUNTS
+    for path, view in spec.private_views:
+        argv += ["--ro-bind", path, view]
     plan = mount_plan(spec)
     for item in plan:
         argv += _mount_args(item)
+    for path, _view in spec.private_views:
+        argv += ["--tmpfs", path]
     # a masked directory (the home) turns read-only once everything shown in it is mounted: the
     # child can then neither plant files nor rename a directory on the way to a mount in it
     for item in plan:
@@ -114,6 +133,8 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
             argv += ["--remount-ro", item.path]
     if spec.info_fd is not None:
         argv += ["--info-fd", str(spec.info_fd)]
+    if spec.seccomp_fd is not None:
+        argv += ["--seccomp", str(spec.seccomp_fd)]
     argv += ["--chdir", spec.workdir, "--", *spec.command]
     return argv
 
@@ -147,6 +168,8 @@ def launcher_command(
     *,
     setup_fd: int | None = None,
     capture: tuple[int, int, str] | None = None,
+    views: Sequence[tuple[str, str]] = (),
+    names_fd: int | None = None,
 ) -> tuple[str, ...]:
     """`python -I -S -c LAUNCHER_BOOT IMPORT_PATH ... -- CHILD`; listens are (HOST:PORT, "http",
     "socks" or "open"), the proxy's listeners the launcher binds and hands over; capture is
@@ -168,4 +191,8 @@ def launcher_command(
         argv += ["--listen", f"{address}={kind}"]
     if capture is not None:
         argv += ["--capture", f"{capture[0]},{capture[1]}={capture[2]}"]
+    if names_fd is not None:
+        argv += ["--names-fd", str(names_fd)]
+    for path, view in views:
+        argv += ["--link-view", f"{path}={view}"]
     return (*argv, "--", *child)

@@ -12,16 +12,20 @@ egressd (host side, owner of the sandbox's user namespace) installs, before the 
 
 The bridge then asks the proxy with a CONNECT for the name the address stands for: the decision
 stays in the proxy. This module decides nothing either; it only sets the plumbing: `nft` and `ip`
-run through util-linux's `nsenter`, in the sandbox's user and network namespaces (joining a user
-namespace needs a single-threaded process, which egressd is not; nsenter starts in milliseconds).
+run through util-linux's `nsenter`, in the sandbox's network namespace and the user namespace that
+owns it (joining a user namespace needs a single-threaded process, which egressd is not; nsenter
+starts in milliseconds).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+from egressd.sandbox import BRIDGE_SOURCE
 
 # Addresses the bridge's DNS responder hands out, one per name (RFC 2544 benchmarking range: never
 # a real destination). Inside the sandbox every IPv4 address is local, these included.
@@ -29,23 +33,35 @@ SYNTHETIC_NET = "198.18.0.0/15"
 TOOL_DIRS = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
 INSTALL_TIMEOUT = 30.0
 HINT = "apt-get install nftables iproute2 util-linux"
+NS_GET_USERNS = 0xB701  # linux/nsfs.h: _IO(0xb7, 0x1)
 
 
-def ruleset(tcp_port: int, dns_port: int) -> str:
+def ruleset(tcp_port: int, dns_port: int, host_ports: Sequence[int] = ()) -> str:
     """The nftables rules for the sandbox (pure: tested as text).
 
     nat/output runs before the route is final: DNS first (a resolv.conf naming 127.0.0.53 is
-    captured too), then the sandbox's own loopback stays untouched, then every other TCP connection
-    goes to the transparent listener. filter/output drops whatever is left that is not loopback:
-    UDP other than DNS, ICMP, every other protocol, and all IPv6 but ::1.
+    captured too), then the loopback ports the policy names for the host (`host_ports`: a client
+    that never uses a proxy for 127.0.0.1, node's fetch or Go's, still reaches the host's service
+    there, through the proxy, unless a server in the sandbox listens on it: the bridge tries that
+    first, from BRIDGE_SOURCE), then the sandbox's own loopback stays untouched, then every other
+    TCP connection goes to the transparent listener. filter/output drops whatever is left that is
+    not loopback: UDP other than DNS, ICMP, every other protocol, and all IPv6 but ::1.
     """
+    host = ""
+    if host_ports:
+        ports = ", ".join(str(port) for port in sorted(set(host_ports)))
+        # not the bridge's own connections (from BRIDGE_SOURCE): it tries the sandbox's loopback first
+        host = (
+            f"        ip saddr != {BRIDGE_SOURCE} ip daddr 127.0.0.0/8 tcp dport {{ {ports} }} "
+            f"redirect to :{tcp_port}\n"
+        )
     return f"""\
 table inet egressd_capture {{
     chain nat_out {{
         type nat hook output priority -100; policy accept;
         meta nfproto ipv4 udp dport 53 redirect to :{dns_port}
         meta nfproto ipv4 tcp dport 53 redirect to :{dns_port}
-        ip daddr 127.0.0.0/8 accept
+{host}        ip daddr 127.0.0.0/8 accept
         meta nfproto ipv4 meta l4proto tcp redirect to :{tcp_port}
     }}
     chain filter_out {{
@@ -69,23 +85,54 @@ def find_tool(name: str, environ: Mapping[str, str] | None = None) -> str | None
     return shutil.which(name, path=os.pathsep.join(TOOL_DIRS))
 
 
-def install(pid: int, tcp_port: int, dns_port: int) -> str | None:
-    """Install the capture in the network namespace of `pid`; None when done, else why not."""
+def _namespace_fds(pid: int) -> tuple[int, ...]:
+    """The sandbox's network namespace and, for an ordinary user, the user namespace that owns it.
+
+    An ordinary user holds CAP_NET_ADMIN in the sandbox's network only from inside the user
+    namespace that owns it (root holds it in every one below its own). That is not the namespace
+    of the sandbox's processes: bubblewrap's --disable-userns moves them one user namespace
+    deeper, where the network belongs to the parent. The kernel names the owner (NS_GET_USERNS).
+    """
+    net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    if os.geteuid() == 0:
+        return (net,)
+    try:
+        owner = fcntl.ioctl(net, NS_GET_USERNS)
+    except OSError:
+        os.close(net)
+        raise
+    return (net, owner)
+
+
+def install(pid: int, tcp_port: int, dns_port: int, host_ports: Sequence[int] = ()) -> str | None:
+    """Install the capture in the network namespace of `pid`; None when done, else why not.
+    `host_ports`: the host's loopback ports the policy names (see ruleset)."""
     tools = {name: find_tool(name) for name in ("nft", "ip", "nsenter")}
     missing = [name for name, found in tools.items() if found is None]
     if missing:
         return f"{' and '.join(missing)} not found; {HINT}"
-    enter = [str(tools["nsenter"]), f"--target={pid}", "--net"]
-    if os.geteuid() != 0:
-        # an ordinary user holds CAP_NET_ADMIN only inside the user namespace that owns the
-        # sandbox's network (root holds it in every one below its own)
-        enter += ["--user", "--preserve-credentials"]
+    try:
+        fds = _namespace_fds(pid)
+    except OSError as exc:
+        return f"cannot open the sandbox's network namespace: {exc}"
+    try:
+        return _run_steps(tools, fds, ruleset(tcp_port, dns_port, host_ports))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _run_steps(tools: Mapping[str, str | None], fds: tuple[int, ...], rules: str) -> str | None:
+    # the descriptors, not /proc/PID: the namespaces stay the sandbox's whatever that PID becomes
+    enter = [str(tools["nsenter"]), f"--net=/proc/self/fd/{fds[0]}"]
+    if len(fds) > 1:
+        enter += [f"--user=/proc/self/fd/{fds[1]}", "--preserve-credentials"]
     env = {"PATH": os.pathsep.join(TOOL_DIRS), "LC_ALL": "C"}
     # the rules first: a route without them would deliver every address to the sandbox's own
     # loopback instead of "network unreachable"; then every IPv4 address is local, so no
     # "network unreachable" comes before the redirect sees the packet
     steps = (
-        ([str(tools["nft"]), "-f", "-"], ruleset(tcp_port, dns_port)),
+        ([str(tools["nft"]), "-f", "-"], rules),
         ([str(tools["ip"]), "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "local"], ""),
     )
     for argv, stdin in steps:
@@ -97,6 +144,7 @@ def install(pid: int, tcp_port: int, dns_port: int) -> str | None:
                 capture_output=True,
                 text=True,
                 timeout=INSTALL_TIMEOUT,
+                pass_fds=fds,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"cannot run {argv[0]} in the sandbox: {exc}"

@@ -1,26 +1,38 @@
 """Inside the sandbox: the bridge's side of capture (see capture.py for the rules that feed it).
 
-- A DNS responder (UDP and TCP, on the sandbox's loopback) answers every A query with a synthetic
-  address from 198.18.0.0/15, one per name and stable for the run, AAAA with no data (the
-  sandbox has no IPv6 way out) and anything else with no data. It resolves nothing: the proxy
-  resolves the name when it decides.
+- A DNS responder (UDP and TCP, on the sandbox's loopback) asks egressd for each name (over the
+  launcher's own socket, front/names.py) and answers with the real addresses egressd resolved and
+  kept after its own guards, so a client with an SSRF guard of its own judges the real address. A
+  name the policy refuses gets NXDOMAIN (egressd records why); a name only a person, a grant or the
+  program could allow gets a stand-in address from 198.18.0.0/15, stable for the run, and is decided
+  when a connection is made. An A query gets IPv4 addresses, an AAAA query IPv6 ones only for a name
+  without IPv4 (capture is IPv4); anything else no data.
 - A transparent TCP listener takes each redirected connection, recovers where the child meant to
-  go (SO_ORIGINAL_DST), maps a synthetic address back to its name (an IP literal stays a literal)
-  and asks the proxy, at its listener on the sandbox's loopback and with the child's credentials, for
-  `CONNECT name:port`. The proxy decides it as any CONNECT (policy, audit, the SNI rule); on a
-  refusal the bridge closes the connection, and the audit says why. The bridge reads only the
-  proxy's answer, never the child's bytes.
+  go (SO_ORIGINAL_DST) and asks the proxy, at its listener on the sandbox's loopback and with the
+  child's credentials, for `CONNECT name:port` where name is the one whose answer led to that
+  address: of several (a shared CDN address), the one the client's first bytes name (TLS SNI, HTTP
+  Host), which the proxy then holds the TLS to; a stand-in maps back to its name; an address no
+  answer held stays a literal. The proxy decides it as any CONNECT (policy, audit, the SNI rule)
+  and pins it to the addresses the child was given; on a refusal the bridge closes the
+  connection, and the audit says why. Of the child's bytes the bridge reads at most the first
+  ones, to choose among names, and only for an address several names share.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import ipaddress
+import itertools
 import re
 import socket
 import struct
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
 
+from egressd.sandbox import BRIDGE_SOURCE
 from egressd.sandbox.splice import close_quietly, splice
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
@@ -37,6 +49,12 @@ LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
 # Names handed an address: hostname characters only (IDNA arrives as xn--). Anything else would
 # reach the proxy's CONNECT line as dnspython's escapes; refusing it here keeps that line plain.
 HOSTNAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+HOST_HEADER = re.compile(rb"\r\nhost:[ \t]*([A-Za-z0-9_.-]+)", re.IGNORECASE)
+NAMES_TIMEOUT = 4.0  # egressd's answer for a name (it resolves within its dns_timeout, 5 s by default)
+MAX_DNS_IN_FLIGHT = 256
+PEEK_BYTES = 16384
+PEEK_TIMEOUT = 2.0  # a client that speaks first (TLS, HTTP) has by then; one that waits (SSH) goes on
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class NameTable:
@@ -65,8 +83,34 @@ class NameTable:
         return self._by_address.get(address)
 
 
-def answer(table: NameTable, wire: bytes) -> bytes | None:
-    """The DNS answer to one query message; None for bytes that are not a query (dropped)."""
+def question(wire: bytes) -> tuple[str, int] | None:
+    """(name, record type) of a query egressd may answer with real addresses, else None."""
+    import dns.exception
+    import dns.message
+    import dns.rdataclass
+    import dns.rdatatype
+
+    try:
+        query = dns.message.from_wire(wire)
+    except (dns.exception.DNSException, ValueError):
+        return None
+    if len(query.question) != 1:
+        return None
+    asked = query.question[0]
+    name = asked.name.to_text(omit_final_dot=True)
+    if asked.rdclass != dns.rdataclass.IN or asked.rdtype not in (dns.rdatatype.A, dns.rdatatype.AAAA):
+        return None
+    if len(name) > MAX_NAME or not HOSTNAME.fullmatch(name):
+        return None
+    return name.lower(), asked.rdtype
+
+
+def answer(table: NameTable, wire: bytes, real: Sequence[Address] | None = None) -> bytes | None:
+    """The DNS answer to one query message; None for bytes that are not a query (dropped).
+
+    `real`: the addresses egressd resolved for the name (an A query gets its IPv4 ones, an AAAA
+    query its IPv6 ones when it has no IPv4: capture is IPv4); [] for a name the policy refuses
+    (NXDOMAIN); None: a stand-in address."""
     import dns.exception
     import dns.flags
     import dns.message
@@ -85,40 +129,147 @@ def answer(table: NameTable, wire: bytes) -> bytes | None:
     if len(query.question) != 1:
         response.set_rcode(dns.rcode.FORMERR)
         return response.to_wire()
-    question = query.question[0]
-    name = question.name.to_text(omit_final_dot=True)
-    if question.rdclass != dns.rdataclass.IN or len(name) > MAX_NAME or not HOSTNAME.fullmatch(name):
+    asked = query.question[0]
+    name = asked.name.to_text(omit_final_dot=True)
+    if asked.rdclass != dns.rdataclass.IN or len(name) > MAX_NAME or not HOSTNAME.fullmatch(name):
         response.set_rcode(dns.rcode.REFUSED)
         return response.to_wire()
-    if question.rdtype == dns.rdatatype.A:
-        address = table.address_for(name)
-        if address is None:
-            response.set_rcode(dns.rcode.SERVFAIL)
-            return response.to_wire()
-        response.answer.append(dns.rrset.from_text(question.name, TTL, "IN", "A", str(address)))
-    return response.to_wire()  # AAAA and every other type: no data
+    v4 = [str(a) for a in real or () if a.version == 4]
+    v6 = [str(a) for a in real or () if a.version == 6]
+    if real is not None and not real:  # the policy refuses the name: it has no address here
+        response.set_rcode(dns.rcode.NXDOMAIN)
+        return response.to_wire()
+    if asked.rdtype == dns.rdatatype.A:
+        if real is None:
+            address = table.address_for(name)
+            if address is None:
+                response.set_rcode(dns.rcode.SERVFAIL)
+                return response.to_wire()
+            v4 = [str(address)]
+        if v4:
+            response.answer.append(dns.rrset.from_text_list(asked.name, TTL, "IN", "A", v4))
+    elif asked.rdtype == dns.rdatatype.AAAA and v6 and not v4:
+        response.answer.append(dns.rrset.from_text_list(asked.name, TTL, "IN", "AAAA", v6))
+    return response.to_wire()  # every other type: no data
+
+
+class Names:
+    """The bridge's side of egressd's names service (front/names.py), and what it answered: the
+    real addresses of each name for TTL seconds, and the names each address was given for."""
+
+    def __init__(self, sock: socket.socket | None) -> None:
+        self.sock = sock
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[str, asyncio.Future[list[Address] | None]] = {}
+        self._ids = itertools.count(1)
+        self._answers: dict[str, tuple[float, list[Address] | None]] = {}
+        self._asking: dict[str, asyncio.Future[list[Address] | None]] = {}
+        self._names: OrderedDict[Address, list[str]] = OrderedDict()
+
+    async def start(self) -> None:
+        if self.sock is not None:
+            reader, self._writer = await asyncio.open_connection(sock=self.sock)
+            self._reading = asyncio.create_task(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(ConnectionError, OSError, ValueError):
+            while line := await reader.readline():
+                ident, _, rest = line.decode("ascii", "replace").strip().partition(" ")
+                waiter = self._pending.pop(ident, None)
+                if waiter is None or waiter.done():
+                    continue
+                try:
+                    words = [] if rest == "!" else rest.split()
+                    found = None if rest == "-" else [ipaddress.ip_address(a) for a in words]
+                except ValueError:
+                    found = None
+                waiter.set_result(found)
+        self._writer = None
+
+    async def lookup(self, name: str) -> list[Address] | None:
+        """egressd's real addresses for name, [] when the policy refuses it, or None (a stand-in
+        then). Questions for one name at the same moment (a resolver's A and AAAA) share one
+        answer: two answers could differ, and the connection goes where the last one says."""
+        cached = self._answers.get(name)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        shared = self._asking.get(name)
+        if shared is None:
+            shared = asyncio.ensure_future(self._ask(name))
+            self._asking[name] = shared
+            shared.add_done_callback(lambda _: self._asking.pop(name, None))
+        return await asyncio.shield(shared)
+
+    async def _ask(self, name: str) -> list[Address] | None:
+        now = time.monotonic()
+        found: list[Address] | None = None
+        if self._writer is not None:
+            ident = str(next(self._ids))
+            waiter: asyncio.Future[list[Address] | None] = asyncio.get_running_loop().create_future()
+            self._pending[ident] = waiter
+            try:
+                self._writer.write(f"{ident} {name}\n".encode())
+                found = await asyncio.wait_for(waiter, NAMES_TIMEOUT)
+            except (TimeoutError, ConnectionError, OSError):
+                found = None
+            finally:
+                self._pending.pop(ident, None)
+        if len(self._answers) >= MAX_NAMES:
+            self._answers.clear()
+        self._answers[name] = (now + TTL, found)
+        for address in found or ():
+            names = self._names.pop(address, [])
+            self._names[address] = [n for n in names if n != name][-7:] + [name]  # newest last
+            if len(self._names) > MAX_NAMES:
+                self._names.popitem(last=False)
+        return found
+
+    def names_for(self, address: Address) -> list[str]:
+        """The names whose answers held address, newest last."""
+        return list(self._names.get(address, ()))
+
+
+def first_name(data: bytes) -> str | None:
+    """The name the client's first bytes ask for: a TLS ClientHello's SNI, an HTTP Host header."""
+    if data[:1] == b"\x16":
+        from egressd.wire.client_hello import HelloReader, parse_message
+
+        try:
+            hello = parse_message(HelloReader().feed(data))
+        except ValueError:
+            return None
+        return hello.sni.lower().rstrip(".") if hello is not None and hello.sni else None
+    found = HOST_HEADER.search(data.partition(b"\r\n\r\n")[0])
+    return found.group(1).decode("ascii", "replace").lower().rstrip(".") if found else None
 
 
 class _DnsUdp(asyncio.DatagramProtocol):
-    def __init__(self, table: NameTable) -> None:
-        self.table = table
+    def __init__(self, capture: Capture) -> None:
+        self.capture = capture
         self.transport: asyncio.DatagramTransport | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.DatagramTransport)
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        reply = answer(self.table, data)
+        if len(self.tasks) < MAX_DNS_IN_FLIGHT:
+            task = asyncio.create_task(self._reply(data, addr))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _reply(self, data: bytes, addr: tuple[str, int]) -> None:
+        reply = await self.capture.respond(data)
         if reply is not None and self.transport is not None:
             self.transport.sendto(reply, addr)
 
 
-async def _dns_tcp(table: NameTable, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _dns_tcp(capture: Capture, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while True:
             size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), DNS_TCP_TIMEOUT))[0]
-            reply = answer(table, await asyncio.wait_for(reader.readexactly(size), DNS_TCP_TIMEOUT))
+            reply = await capture.respond(await asyncio.wait_for(reader.readexactly(size), DNS_TCP_TIMEOUT))
             if reply is None:
                 break
             writer.write(struct.pack("!H", len(reply)) + reply)
@@ -163,15 +314,27 @@ async def _proxy_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 class Capture:
     """The bridge's DNS responder and transparent listener; they share one name table."""
 
-    def __init__(self, proxy: tuple[str, int], auth: str) -> None:
+    def __init__(
+        self, proxy: tuple[str, int], auth: str, port: int, names: socket.socket | None = None
+    ) -> None:
         self.proxy = proxy  # the proxy's listener on the sandbox's loopback
         self.auth = auth
-        self.table = NameTable()
+        self.port = port  # the transparent listener's own
+        self.table = NameTable()  # stand-ins, for names egressd gave no real answer for
+        self.names = Names(names)
+
+    async def respond(self, wire: bytes) -> bytes | None:
+        """The answer to one DNS message: egressd's real addresses where it gives them."""
+        asked = question(wire)
+        real = await self.names.lookup(asked[0]) if asked is not None else None
+        return answer(self.table, wire, real)
 
     def target(self, address: ipaddress.IPv4Address, port: int) -> tuple[str, int] | None:
         """What to CONNECT to for a captured destination; None to close it unasked."""
-        if address in LOOPBACK:  # not redirected: a direct connection to the listener itself
-            return None
+        if address in LOOPBACK:
+            # a loopback port the policy names for the host (only those are redirected), or a
+            # direct connection to the listener itself (closed)
+            return (str(address), port) if port != self.port else None
         if address in SYNTHETIC:
             name = self.table.name_for(address)
             return (name, port) if name is not None else None
@@ -191,9 +354,22 @@ class Capture:
         except (OSError, ValueError, struct.error):
             await close_quietly(writer)
             return
-        target = self.target(address, port)
+        first = b""
+        names = self.names.names_for(address) if address not in LOOPBACK else []
+        if names:
+            # an address egressd resolved for this sandbox: decided by the name that led here; of
+            # several (a shared CDN address), the one the client's first bytes name (SNI, Host),
+            # which the proxy then holds the TLS to
+            if len(names) > 1:
+                first = await self._first_bytes(reader)
+            named = first_name(first) if first else None
+            target: tuple[str, int] | None = (named if named in names else names[-1], port)
+        else:
+            target = self.target(address, port)
         if target is None:
             await close_quietly(writer)
+            return
+        if address in LOOPBACK and await self._own_loopback(address, port, reader, writer):
             return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.proxy)
@@ -211,14 +387,40 @@ class Capture:
             return
         if rest:
             writer.write(rest)
+        if first:
+            up_writer.write(first)
         await splice((reader, writer), (up_reader, up_writer))
+
+    async def _first_bytes(self, reader: asyncio.StreamReader) -> bytes:
+        """What the client sends first, if it speaks first (TLS, HTTP) within PEEK_TIMEOUT."""
+        try:
+            return await asyncio.wait_for(reader.read(PEEK_BYTES), PEEK_TIMEOUT)
+        except (TimeoutError, ConnectionError, OSError):
+            return b""
+
+    async def _own_loopback(
+        self,
+        address: ipaddress.IPv4Address,
+        port: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
+        """A server in the sandbox on a loopback port the policy names for the host is the one the
+        child reaches there: spliced to it when it accepts (True), else the host's (False)."""
+        try:
+            local = await asyncio.open_connection(str(address), port, local_addr=(BRIDGE_SOURCE, 0))
+        except OSError:
+            return False
+        await splice((reader, writer), local)
+        return True
 
     async def serve(self, tcp: socket.socket, dns_udp: socket.socket, dns_tcp: socket.socket) -> None:
         """Serve the transparent listener and the DNS responder forever."""
         loop = asyncio.get_running_loop()
-        await loop.create_datagram_endpoint(lambda: _DnsUdp(self.table), sock=dns_udp)
+        await self.names.start()
+        await loop.create_datagram_endpoint(lambda: _DnsUdp(self), sock=dns_udp)
         servers = [
             await asyncio.start_server(self.handle, sock=tcp),
-            await asyncio.start_server(lambda r, w: _dns_tcp(self.table, r, w), sock=dns_tcp),
+            await asyncio.start_server(lambda r, w: _dns_tcp(self, r, w), sock=dns_tcp),
         ]
         await asyncio.gather(*(server.serve_forever() for server in servers))

@@ -19,8 +19,10 @@ launcher fills those gaps, and hands egressd the proxy's listeners, over what it
   so nothing it sends escapes the capture, and the credentials never pass through argv or the
   environment, which the child could read.
 
-When the launcher exits, bubblewrap's init ends the sandbox's PID namespace, and with it the
-capture's bridge and anything the child left running.
+The launcher is the sandbox's PID 1 (bubblewrap's --as-pid-1): it reaps what the child leaves
+behind, and when it exits the kernel ends the PID namespace, and with it the capture's bridge and
+anything the child left running. Before anything else it makes itself not dumpable and joins a new
+session keyring (the user's stays outside).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import functools
 import json
 import os
@@ -40,7 +43,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
 from egressd.exits import FORWARDED_SIGNALS, exec_failure
-from egressd.sandbox import BRIDGE_HOST, bridge
+from egressd.sandbox import BRIDGE_HOST, bridge, seccomp
 
 STOP_GRACE = 5.0
 PR_SET_DUMPABLE = 4
@@ -98,9 +101,10 @@ def _read_setup(fd: int) -> dict[str, object]:
     return setup if isinstance(setup, dict) else {}
 
 
-def _bind_capture(spec: str) -> Callable[[str], Awaitable[None]]:
+def _bind_capture(spec: str, names_fd: int | None) -> Callable[[str], Awaitable[None]]:
     """Bind the capture's listeners now (before the child starts); return what serves them, given
-    the child's credentials, once the bridge's thread runs."""
+    the child's credentials, once the bridge's thread runs. `names_fd`: where egressd answers the
+    names the child's DNS asks for (front/names.py)."""
     tcp_port, dns_port, proxy = _parse_capture(spec)
     tcp = bridge.listen((BRIDGE_HOST, tcp_port))
     dns_udp = bridge.bind_udp((BRIDGE_HOST, dns_port))
@@ -109,7 +113,8 @@ def _bind_capture(spec: str) -> Callable[[str], Awaitable[None]]:
     def serve(auth: str) -> Awaitable[None]:
         from egressd.sandbox import intercept
 
-        return intercept.Capture(proxy, auth).serve(tcp, dns_udp, dns_tcp)
+        names = socket.socket(fileno=names_fd) if names_fd is not None else None
+        return intercept.Capture(proxy, auth, tcp_port, names).serve(tcp, dns_udp, dns_tcp)
 
     return serve
 
@@ -148,6 +153,8 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--listen", action="append", default=[], metavar="HOST:PORT=http|socks|open")
     parser.add_argument("--setup-fd", type=int, default=None)
     parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT=PROXY_HOST:PORT")
+    parser.add_argument("--link-view", action="append", default=[], metavar="DIRECTORY=VIEW")
+    parser.add_argument("--names-fd", type=int, default=None)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -167,15 +174,66 @@ def _not_dumpable() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
+def _own_session_keyring() -> None:
+    """Replace the session keyring inherited from the user with a new, empty one.
+
+    The user's session keyring may hold Kerberos, AFS or CIFS credentials, and the kernel searches
+    it on the child's behalf (a network file system's look-ups); the child's own keyring calls are
+    refused by the seccomp filter, which lets exactly this one through. A kernel without keyrings
+    has nothing to hide.
+    """
+    arch = seccomp.native_arch()
+    if arch is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    keyctl = ctypes.c_long(arch.calls["keyctl"])
+    join = ctypes.c_long(seccomp.KEYCTL_JOIN_SESSION_KEYRING)
+    if libc.syscall(keyctl, join, ctypes.c_void_p(None)) < 0:
+        code = ctypes.get_errno()
+        if code != errno.ENOSYS:
+            raise OSError(code, os.strerror(code))
+
+
+def _link_views(pairs: Sequence[str]) -> None:
+    """Fill each private, writable directory with links to the entries of the host's read-only
+    view of it: the child sees what the host has, and whatever it writes there stays its own."""
+    for pair in pairs:
+        directory, _, view = pair.partition("=")
+        for name in os.listdir(view):
+            with contextlib.suppress(FileExistsError):
+                os.symlink(os.path.join(view, name), os.path.join(directory, name))
+
+
+def _wait_reaping(pid: int) -> int:
+    """The child's wait status. The launcher is the PID namespace's first process: every process
+    the child leaves behind becomes its child, and is reaped here (else a zombie for good)."""
+    while True:
+        done, wait_status = os.waitpid(-1, 0)
+        if done == pid:
+            return wait_status
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = _arguments(argv)
     control, status = args.control_fd, args.status_fd
-    for fd in (control, status, args.handover_fd, *([args.setup_fd] if args.setup_fd is not None else [])):
+    optional = [fd for fd in (args.setup_fd, args.names_fd) if fd is not None]
+    for fd in (control, status, args.handover_fd, *optional):
         os.set_inheritable(fd, False)  # the child gets none of the pipes
     try:
         _not_dumpable()
     except OSError as exc:
         _report(status, f"error cannot protect the launcher from the child: {exc}")
+        os._exit(1)
+    try:
+        _own_session_keyring()
+    except OSError as exc:
+        _report(status, f"error cannot give the sandbox a session keyring of its own: {exc}")
+        os._exit(1)
+    try:
+        _link_views(args.link_view)
+    except OSError as exc:
+        _report(status, f"error cannot make a private copy of {exc.filename}: {exc.strerror}")
         os._exit(1)
     for signo in FORWARDED_SIGNALS:
         signal.signal(signo, signal.SIG_IGN)  # only egressd's control pipe signals the launcher's child
@@ -193,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         auth = setup.get("auth")
         if args.capture and setup.get("capture") and isinstance(auth, str):
             try:
-                serve = _bind_capture(args.capture)
+                serve = _bind_capture(args.capture, args.names_fd)
             except (OSError, ValueError) as exc:
                 _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
                 os._exit(1)
@@ -208,8 +266,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         bridge.start_thread(capture)
     _report(status, "started")
     threading.Thread(target=_relay_signals, args=(control, _signaller(pid)), daemon=True).start()
-    _, wait_status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(wait_status)
+    code = os.waitstatus_to_exitcode(_wait_reaping(pid))
     _report(status, f"exit {code}")
     sys.stderr.flush()
     os._exit(code if code >= 0 else 128 - code)

@@ -159,15 +159,17 @@ class Narrowing:
 
 
 class LoopbackConfinement:
-    """A ProxySession transform: inside the sandbox the host's loopback (another proxy, a database,
-    the Docker API on TCP) is reachable only on the ports the policy's `loopback.ports` or
-    `--allow-loopback-port` name: every other host port would be a way out of the sandbox."""
+    """A ProxySession transform: inside the sandbox the host's services (another proxy, a database,
+    the Docker API on TCP), on its loopback and on its own interface addresses alike, are reachable
+    only on the ports the policy's `loopback.ports` or `--allow-loopback-port` name: every other
+    host port would be a way out of the sandbox."""
 
     def __init__(self, ports: Sequence[int], then: Callable[[Policy], Policy] | None = None) -> None:
         self.ports = tuple(ports)
         self.then = then
 
     def __call__(self, policy: Policy) -> Policy:
-        ports = tuple(dict.fromkeys((*policy.loopback.ports, *self.ports)))
-        policy = replace(policy, loopback=replace(policy.loopback, ports=ports, named_ports_only=True))
+        from egressd.session import host_loopback
+
+        policy = host_loopback(policy, self.ports)
         return self.then(policy) if self.then else policy

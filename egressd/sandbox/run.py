@@ -48,6 +48,8 @@ from egressd.sandbox import (
     hooks,
     leftovers,
     preflight,
+    seccomp,
+    workloads,
 )
 from egressd.sandbox.bwrap import Bind, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.layout import Layout
@@ -251,7 +253,12 @@ def _sandbox_pid(info_fd: int, timeout: float = INFO_TIMEOUT) -> int | None:
 
 
 def _set_up_network(
-    info_r: int, setup_w: int, creds: ProxyCredentials, want_capture: bool, warn: Callable[[str], None]
+    info_r: int,
+    setup_w: int,
+    creds: ProxyCredentials,
+    want_capture: bool,
+    warn: Callable[[str], None],
+    host_ports: Sequence[int] = (),
 ) -> None:
     """Install the capture in the sandbox's network namespace, then let the launcher start the child.
 
@@ -261,7 +268,7 @@ def _set_up_network(
     if want_capture:
         pid = _sandbox_pid(info_r)
         problem = (
-            capture.install(pid, BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT)
+            capture.install(pid, BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, host_ports)
             if pid is not None
             else "bubblewrap did not report the sandbox's PID"
         )
@@ -277,6 +284,33 @@ def _set_up_network(
         setup["auth"] = f"{creds.username}:{creds.token}"
     with contextlib.suppress(OSError):  # the launcher is gone: its status tells why
         os.write(setup_w, json.dumps(setup).encode() + b"\n")
+
+
+# the sandbox's own listeners: never sent to the host, whatever the policy names
+SANDBOX_PORTS = frozenset(
+    {BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT, BRIDGE_OPEN_PORT, BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT}
+)
+
+
+def _host_ports(session: ProxySession) -> tuple[int, ...]:
+    """The host's loopback ports the policy names at start (loopback.ports, --allow-loopback-port):
+    captured to the proxy even when the client never uses a proxy for 127.0.0.1."""
+    return tuple(p for p in session.policy.loopback.ports if p not in SANDBOX_PORTS)
+
+
+def _seccomp_filter(warn: Callable[[str], None]) -> int:
+    """An inheritable descriptor bubblewrap reads the seccomp filter from; -1 (with a warning)
+    on a machine egressd has no filter for."""
+    data = seccomp.program()
+    if data is None:
+        warn(
+            f"no seccomp filter for {os.uname().machine}: inside the sandbox every socket family "
+            "and the keyring calls stay open"
+        )
+        return -1
+    fd = seccomp.write_to(data)
+    os.set_inheritable(fd, True)
+    return fd
 
 
 def _say(message: str) -> None:
@@ -331,6 +365,8 @@ def run_bwrap(
         layout.cache,
         (BRIDGE_HOST, BRIDGE_OPEN_PORT),
     )
+    shown = workloads.command_paths(command, env, layout.mounts, warn)
+    views = workloads.private_views(env)
     held = contextlib.ExitStack()
     try:
         roots = layout.before.roots if layout.before else ()
@@ -345,10 +381,23 @@ def run_bwrap(
     info_r, info_w = os.pipe()
     setup_r, setup_w = os.pipe()
     handover, handover_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    # the capture's questions for the child's DNS (front/names.py): the launcher's end only
+    names: socket.socket | None
+    names, names_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    seccomp_r = _seccomp_filter(warn)
     os.set_inheritable(info_w, True)
     os.set_inheritable(setup_r, True)
     os.set_inheritable(handover_child.fileno(), True)
-    inherited = (control_r, status_w, info_w, setup_r, handover_child.fileno())
+    os.set_inheritable(names_child.fileno(), True)
+    inherited = (
+        control_r,
+        status_w,
+        info_w,
+        setup_r,
+        handover_child.fileno(),
+        names_child.fileno(),
+        seccomp_r,
+    )
     try:
         spec = BwrapSpec(
             bwrap=bwrap,
@@ -364,12 +413,16 @@ def run_bwrap(
                 command,
                 setup_fd=setup_r,
                 capture=(BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, http) if capture_direct else None,
+                views=views,
+                names_fd=names_child.fileno() if capture_direct else None,
             ),
-            needed=needed_paths(session.ca_bundle),
+            needed=(*needed_paths(session.ca_bundle), *shown),
             covers=layout.covers,
             disable_userns=disable_userns,
             info_fd=info_w,
             binds=tuple(Bind(source, path) for source, path in excluded),
+            seccomp_fd=seccomp_r if seccomp_r >= 0 else None,
+            private_views=views,
         )
         _keep_only_inherited(inherited)
         try:
@@ -378,9 +431,11 @@ def run_bwrap(
         except OSError as exc:
             return Outcome(exec_failure(bwrap, exc), started=False, error=f"cannot run {bwrap}")
         finally:
-            for fd in (control_r, status_w, info_w, setup_r):
-                os.close(fd)  # the sandbox holds these ends now
+            for fd in (control_r, status_w, info_w, setup_r, seccomp_r):
+                if fd >= 0:
+                    os.close(fd)  # the sandbox holds these ends now
             handover_child.close()
+            names_child.close()
         problem = None
         try:
             try:
@@ -389,10 +444,13 @@ def run_bwrap(
                     # child's alone, in its own network namespace
                     implicit = creds if kind == "open" else None
                     session.proxy.serve_socket(sock, "http" if kind == "open" else kind, implicit)
+                if capture_direct:
+                    session.proxy.serve_names(names, creds.profile)  # the proxy's loop owns it now
+                    names = None
             except EngineError as exc:
                 problem = str(exc)  # EOF on setup below: the launcher stops without the child
             else:
-                _set_up_network(info_r, setup_w, creds, capture_direct, warn)
+                _set_up_network(info_r, setup_w, creds, capture_direct, warn, _host_ports(session))
         finally:
             os.close(setup_w)  # EOF: the launcher never waits for more
             setup_w = -1
@@ -402,6 +460,8 @@ def run_bwrap(
         return _outcome(_read_status(status_r), bwrap_code)
     finally:
         handover.close()
+        if names is not None:
+            names.close()
         for fd in (control_w, status_r, info_r, setup_w):
             if fd >= 0:
                 with contextlib.suppress(OSError):

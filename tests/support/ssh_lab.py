@@ -80,15 +80,6 @@ class LabError(RuntimeError):
     """The lab cannot be built here; the message says what is missing."""
 
 
-def real_root() -> bool:
-    """Root in the initial user namespace (named network namespaces need it), not a mapped uid 0."""
-    try:
-        first = Path("/proc/self/uid_map").read_text().split()
-    except OSError:
-        return False
-    return os.geteuid() == 0 and first[:2] == ["0", "0"]
-
-
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(list(argv), capture_output=True, text=True, check=False)
     if check and proc.returncode != 0:

@@ -21,6 +21,7 @@ SECURITY = [
     "--cap-drop", "ALL",
     "--die-with-parent",
     "--new-session",
+    "--as-pid-1",
 ]  # fmt: skip
 BASE = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/run"]
 
@@ -181,3 +182,21 @@ def test_working_directory_root_refused() -> None:
 def test_order_is_stable_within_a_depth() -> None:
     mounts = [Mount("/a/b", False), Mount("/z", True), Mount("/a", True), Mount("/y", False)]
     assert order(mounts) == (Mount("/z", True), Mount("/a", True), Mount("/y", False), Mount("/a/b", False))
+
+
+def test_pyenv_shims_get_a_private_view() -> None:
+    spec = BwrapSpec(
+        "bwrap",
+        "/w",
+        (Mount("/w", True),),
+        ("true",),
+        private_views=(("/home/u/.pyenv/shims", "/tmp/.egressd-pyenv-shims"),),
+    )
+    argv = bwrap_argv(spec)
+    view = argv.index("/tmp/.egressd-pyenv-shims")
+    assert argv[view - 2 : view + 1] == ["--ro-bind", "/home/u/.pyenv/shims", "/tmp/.egressd-pyenv-shims"]
+    tmpfs = len(argv) - 1 - argv[::-1].index("--tmpfs")
+    assert argv[tmpfs + 1] == "/home/u/.pyenv/shims" and tmpfs > view  # over everything else
+    command = launcher_command("/py", "/r", 5, 7, 8, [], ["x"], views=spec.private_views)
+    assert "--link-view" in command
+    assert command[command.index("--link-view") + 1] == "/home/u/.pyenv/shims=/tmp/.egressd-pyenv-shims"

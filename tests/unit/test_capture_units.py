@@ -18,7 +18,9 @@ import dns.rcode
 import dns.rdatatype
 import trustme
 
+from egressd.admission.handed import HandedOut, candidate_ports
 from egressd.ca import JKS_PASSWORD, java_truststore
+from egressd.policy import parse_policy
 from egressd.sandbox.bwrap import LAUNCHER_BOOT, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.capture import ruleset
 from egressd.sandbox.intercept import SYNTHETIC, Capture, NameTable, answer, connect_head
@@ -69,13 +71,15 @@ def test_a_full_table_fails_instead_of_growing() -> None:
 
 
 def test_where_a_captured_connection_goes() -> None:
-    capture = Capture("/run/egressd/http.sock", "egressd:token")
+    capture = Capture(("127.0.0.1", 3128), "egressd:token", 3129)
     known = capture.table.address_for("up.test")
     assert known is not None
     assert capture.target(known, 443) == ("up.test", 443)
     assert capture.target(ipaddress.IPv4Address("198.51.100.7"), 80) == ("198.51.100.7", 80)
     assert capture.target(known + 1, 443) is None  # a synthetic address nobody asked for
-    assert capture.target(ipaddress.IPv4Address("127.0.0.1"), 3129) is None  # not redirected
+    assert capture.target(ipaddress.IPv4Address("127.0.0.1"), 3129) is None  # the listener itself
+    # redirected only for the host's loopback ports the policy names: the proxy decides them
+    assert capture.target(ipaddress.IPv4Address("127.0.0.1"), 8080) == ("127.0.0.1", 8080)
 
 
 def test_connect_head_carries_the_childs_credentials() -> None:
@@ -92,6 +96,15 @@ def test_ruleset_redirects_tcp_and_dns_and_drops_the_rest() -> None:
     assert "policy drop;" in rules
     # DNS is redirected before the loopback exemption, TCP after it
     assert rules.index("dport 53") < rules.index("ip daddr 127.0.0.0/8 accept") < rules.index(":3129")
+
+
+def test_ruleset_sends_the_named_host_loopback_ports_to_the_proxy() -> None:
+    rules = ruleset(3129, 1053, [8080, 5432, 8080])
+    named = "ip saddr != 127.255.255.254 ip daddr 127.0.0.0/8 tcp dport { 5432, 8080 } redirect to :3129"
+    assert named in rules
+    # after DNS, before the sandbox's own loopback is let alone
+    assert rules.index("dport 53") < rules.index(named) < rules.index("ip daddr 127.0.0.0/8 accept")
+    assert "tcp dport {" not in ruleset(3129, 1053)
 
 
 def test_launcher_and_bwrap_arguments_for_capture() -> None:
@@ -119,3 +132,69 @@ def test_java_truststore_holds_every_certificate_of_the_bundle() -> None:
     assert store[12:16] == struct.pack(">i", 2)  # a trusted-certificate entry
     body, digest = store[:-20], store[-20:]
     assert digest == hashlib.sha1(JKS_PASSWORD.encode("utf-16-be") + b"Mighty Aphrodite" + body).digest()
+
+
+def test_real_answers_none_and_stand_ins() -> None:
+    table = NameTable()
+    v4, v6 = ipaddress.ip_address("198.51.100.2"), ipaddress.ip_address("3fff::1")
+
+    def reply(name: str, rdtype: str, real: list[ipaddress.IPv4Address | ipaddress.IPv6Address] | None):
+        wire = answer(table, dns.message.make_query(name, rdtype).to_wire(), real)
+        assert wire is not None
+        return dns.message.from_wire(wire)
+
+    assert addresses(reply("up.test", "A", [v4, v6])) == ["198.51.100.2"]
+    assert reply("up.test", "AAAA", [v4, v6]).answer == []  # IPv4 there: capture is IPv4
+    assert addresses(reply("v6only.test", "AAAA", [v6])) == ["3fff::1"]
+    assert reply("v6only.test", "A", [v6]).answer == []
+    refused = reply("refused.test", "A", [])
+    assert refused.rcode() == dns.rcode.NXDOMAIN and refused.answer == []
+    assert reply("refused.test", "AAAA", []).rcode() == dns.rcode.NXDOMAIN
+    (stand_in,) = addresses(reply("asked.test", "A", None))
+    assert ipaddress.ip_address(stand_in) in SYNTHETIC
+    assert table.name_for(ipaddress.IPv4Address(stand_in)) == "asked.test"
+
+
+def test_handed_out_addresses_are_bounded_and_expire() -> None:
+    handed = HandedOut(limit=2, keep=10.0)
+    one, two = ipaddress.ip_address("198.51.100.1"), ipaddress.ip_address("198.51.100.2")
+    handed.record("a.test", [one], now=0.0)
+    handed.record("b.test", [two], now=1.0)
+    assert handed.get("a.test", now=5.0) == (one,)
+    handed.record("c.test", [two], now=2.0)  # the oldest answer goes
+    assert handed.get("a.test", now=5.0) is None and handed.get("c.test", now=5.0) == (two,)
+    assert handed.get("b.test", now=11.5) is None  # kept 10 s after its answer
+    handed.record("c.test", [one], now=3.0)  # a newer answer replaces the older
+    assert handed.get("c.test", now=5.0) == (one,)
+
+
+def test_names_are_decided_on_the_ports_clients_use_and_those_the_policy_names() -> None:
+    policy = parse_policy(
+        {
+            "version": 1,
+            "allow": ["git.test:22", "db.test:5432", "web.test"],
+            "ports": [443, 8443],
+            "profiles": {"ci": {"allow": ["x.test:9000"]}},
+        },
+        "p.yaml",
+    )
+    assert candidate_ports(policy) == (443, 80, 8443, 22, 5432, 9000)
+
+
+async def test_a_known_answer_is_filtered_like_a_lookup() -> None:
+    """The addresses a child was given are pinned without a lookup, and still pass the filter for
+    the connection's own port: a known loopback address is refused unless the port is named."""
+    from egressd.admission.resolve import pin
+    from egressd.policy import decide, parse_target
+    from egressd.policy.decision import Client
+
+    policy = parse_policy(
+        {"version": 1, "allow": ["up.test"], "private": {"allow": True}, "loopback": {"ports": [8080]}},
+        "p.yaml",
+    )
+    decision = decide(parse_target("up.test:443"), Client(), policy)
+    pinned = await pin(decision, policy, (ipaddress.ip_address("198.51.100.2"),))
+    assert pinned.pin is not None and [str(a) for a in pinned.pin.addresses] == ["198.51.100.2"]
+    assert pinned.lookup is None
+    looped = await pin(decision, policy, (ipaddress.ip_address("127.0.0.1"),))
+    assert looped.pin is None and looped.refusal is not None and looped.refusal.reason == "resolved_forbidden"
