@@ -18,6 +18,7 @@ MODULES=(
   tests/test_sandbox_capture.py
   tests/test_sandbox_escapes.py
   tests/test_sandbox_home.py
+  tests/test_sandbox_hooks.py
   tests/test_sandbox_host_services.py
   tests/test_sandbox_integration.py
   tests/test_sandbox_narrow.py
