@@ -19,6 +19,7 @@ MODULES=(
   tests/test_sandbox_escapes.py
   tests/test_sandbox_home.py
   tests/test_sandbox_hooks.py
+  tests/test_seatbelt_run.py
   tests/test_sandbox_host_services.py
   tests/test_sandbox_integration.py
   tests/test_sandbox_narrow.py
@@ -38,6 +39,7 @@ MODULES=(
   tests/unit/test_capture_units.py
   tests/unit/test_seccomp.py
   tests/unit/test_shields.py
+  tests/unit/test_project_hooks.py
   tests/unit/test_identity_units.py
   tests/unit/test_peer.py
 )
