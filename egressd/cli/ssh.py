@@ -210,7 +210,10 @@ def _remote_egress(
     if options.overrides.profile:
         agent += ["--profile", options.overrides.profile]
     host, port = options.listen
-    if (host, port) != ("127.0.0.1", 0):
+    # the ports the command connects to, bound and held by the session's guard (reaper.py); in the
+    # sandbox the command reaches the proxy through listeners made inside it instead
+    listen = [{"name": "http", "host": host, "port": port}, {"name": "socks", "host": host, "port": 0}]
+    if sandbox and (host, port) != ("127.0.0.1", 0):
         agent += ["--listen", join_host_port(host, port)]
     if options.trace:
         agent.append("--trace")
@@ -221,7 +224,15 @@ def _remote_egress(
     agent += sandbox
     return run_over_ssh(
         lambda c: RemoteEgress(
-            c, local, words, agent, say=say, announce=options.trace, audit=audit, files=files
+            c,
+            local,
+            words,
+            agent,
+            listen=() if sandbox else listen,
+            say=say,
+            announce=options.trace,
+            audit=audit,
+            files=files,
         ),
         connection(),
         command,
@@ -268,8 +279,10 @@ def agent_run(
         )
     address = parse_listen(listen)
     catcher = process.child_signal_catcher().install()
-    from egressd.remote.agent import Agent, AgentError, SandboxPlan
+    from egressd.remote.agent import Agent, AgentError, SandboxPlan, inherited_sockets
     from egressd.remote.channel import LineChannel
+
+    sockets = inherited_sockets()
 
     plan = None
     if sandbox:
@@ -294,6 +307,7 @@ def agent_run(
         inspect=not no_inspect,
         upstream_ca=upstream_ca,
         sandbox=plan,
+        sockets=sockets,
     )
     try:
         returncode = agent.run(command, catcher)
@@ -303,6 +317,17 @@ def agent_run(
     finally:
         channel.close()
     process.exit_like(returncode)
+
+
+@remote_agent.command("guard", context_settings=CONTEXT)
+@click.argument("directory")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def agent_guard(directory: str, command: tuple[str, ...]) -> None:
+    """Run COMMAND (the agent) under the session's guard: the ports it serves stay held, and all
+    it starts is ended, whenever it or the SSH session ends (egressd/remote/reaper.py)."""
+    from egressd.remote import reaper
+
+    reaper.guard(directory, list(command))
 
 
 @remote_agent.command("feed")

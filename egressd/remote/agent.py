@@ -7,6 +7,11 @@ channel ends — the client went away or SSH dropped — the command and everyth
 detached or not, is hung up (SIGHUP, SIGKILL 5 s later; the agent is their subreaper): none may
 run on under a policy its client can no longer change. What is left when the command exits ends
 the same way, since the proxy it would use goes with the agent.
+
+The agent runs under the session's guard (reaper.py, `egressd remote-agent guard`), which bound
+the proxy's ports and handed them over (LISTEN_FDS): if the agent dies (SIGKILL, the OOM killer, a
+crash), the command dies with it (its parent-death signal), the guard ends whatever the command
+left, and nobody else can bind the ports meanwhile, because the guard still holds them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -27,6 +33,7 @@ from egressd.observe.audit import AuditLog
 from egressd.policy import Policy, PolicyError
 from egressd.remote import reaper
 from egressd.remote.channel import ChannelError, LineChannel, read_policy
+from egressd.remote.spawn import tethered
 from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
@@ -64,6 +71,22 @@ class ChannelAudit(AuditLog):
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         return self._forward(super().event(kind, **fields))
+
+
+def inherited_sockets(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, socket.socket]:
+    """The listening sockets the session's guard handed over ({"http": ..., "socks": ...}), by
+    systemd's convention (LISTEN_PID, LISTEN_FDS from fd 3, LISTEN_FDNAMES); the variables are
+    removed, and the command inherits none of the sockets."""
+    pid, count = environ.pop("LISTEN_PID", None), environ.pop("LISTEN_FDS", "0")
+    names = environ.pop("LISTEN_FDNAMES", "").split(":")
+    if pid != str(os.getpid()) or not count.isdigit():
+        return {}
+    found = {}
+    for index, name in enumerate(names[: int(count)]):
+        fd = 3 + index
+        os.set_inheritable(fd, False)
+        found[name] = socket.socket(fileno=fd)
+    return found
 
 
 def _check_profile(policy: Policy, profile: str | None) -> Policy:
@@ -143,8 +166,10 @@ class Agent:
         inspect: bool = True,
         upstream_ca: Sequence[str] = (),
         sandbox: SandboxPlan | None = None,
+        sockets: dict[str, socket.socket] | None = None,
     ) -> None:
         self.channel = channel
+        self.sockets = sockets or {}
         self.sandbox = sandbox
         self.inspect = inspect
         self.upstream_ca = tuple(upstream_ca)
@@ -212,6 +237,7 @@ class Agent:
             audit=self.audit,
             inspect=self.inspect,
             upstream_ca=self.upstream_ca,
+            sockets=self.sockets,
         )
         try:
             self.proxy.start()
@@ -231,7 +257,8 @@ class Agent:
                 returncode = self._run_sandboxed(self.sandbox, command, creds, policy, catcher)
             else:
                 try:
-                    pid = process.spawn(command, env, catcher)
+                    # dies with the agent: no command runs on without its proxy and policy
+                    pid = process.spawn(tethered(command, signo=signal.SIGKILL), env, catcher)
                 except OSError as exc:
                     returncode = exec_failure(command[0], exc)
                 else:

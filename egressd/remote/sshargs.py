@@ -157,10 +157,15 @@ class SshCommand:
     def check(self) -> list[str]:
         return self.control("check")
 
-    def forward_remote(self, target_host: str, target_port: int, listen_host: str = "127.0.0.1") -> list[str]:
-        """Reverse forward from a port sshd chooses (0) on the remote's loopback; prints the port."""
-        target = f"[{target_host}]" if ":" in target_host else target_host
-        return self.control("forward", "-R", f"{listen_host}:0:{target}:{target_port}")
+    def forward_sockets(self, forwards: Sequence[tuple[str, str, int]]) -> list[str]:
+        """Reverse forwards from Unix sockets on the remote (paths) to (host, port) here."""
+        specs = []
+        for path, host, port in forwards:
+            if ":" in path or any(ch.isspace() for ch in path):
+                raise ValueError(f"a forward's socket path must not hold ':' or whitespace: {path!r}")
+            target = f"[{host}]" if ":" in host else host
+            specs += ["-R", f"{path}:{target}:{port}"]
+        return self.control("forward", *specs)
 
     def exit(self) -> list[str]:
         return self.control("exit")

@@ -63,6 +63,12 @@ def supervise(
         reported = exit_report(2.0)
         if reported is not None:
             return Outcome(reported)
+        if rc == SSH_FAILURE:  # the guard died like the agent did: of a signal, with no report
+            return Outcome(
+                SSH_FAILURE,
+                note=f"egressd on {connection.name} ended without saying how the command ended (it was "
+                "killed or crashed); the command and everything it started there were ended",
+            )
     if rc < 0:
         return Outcome(SSH_FAILURE, note=f"the local ssh client of the session was {describe_status(rc)}")
     if rc == SSH_FAILURE and delivered is not None:
