@@ -19,6 +19,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -33,7 +34,7 @@ from tests.support import ssh_lab
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD
 from tests.support.ssh_lab import SshLab
-from tests.support.ssh_session import POLICY, Running, wait_for
+from tests.support.ssh_session import POLICY, Running, listening, wait_for
 from tests.support.upstreams import EchoHTTPServer
 from tests.support.users import User, created_users
 
@@ -383,6 +384,56 @@ def test_remote_egress_agent_killed_ends_the_command_and_keeps_its_ports(
     assert not list(workdir.glob("egressd-ssh-*"))
     assert lab.remote_tmp is not None
     assert not [p for p in lab.remote_tmp.iterdir() if p.owner() == users.remote.name]
+
+
+# -- no forward but egressd's own ------------------------------------------------------------------
+CONNECTS = r"""
+import socket, sys
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=3).close()
+    print("open", flush=True)
+except OSError:
+    print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["RemoteForward", "LocalForward", "DynamicForward"])
+def test_forwards_in_the_users_ssh_config_are_not_opened(
+    lab: SshLab, users: Users, workdir: Path, policy: Path, names: DnsServer, kind: str
+) -> None:
+    """A forward in the client user's ~/.ssh/config would be a path the policy never decides (a
+    RemoteForward to this machine's loopback service, which the relay refuses as loopback_disabled).
+    The master and every multiplexed client clear them: none is open while the command runs."""
+    service = EchoHTTPServer("127.0.0.1", name="client-loopback-service").start()
+    try:
+        port = _free_port()
+        spec = {
+            "RemoteForward": f"127.0.0.1:{port} 127.0.0.1:{service.port}",
+            "LocalForward": f"127.0.0.1:{port} 127.0.0.1:22",
+            "DynamicForward": f"127.0.0.1:{port}",
+        }[kind]
+        config = users.client.home / ".ssh" / "config"
+        lab.client_options(users.client)  # creates ~/.ssh
+        config.write_text(f"Host *\n    {kind} {spec}\n")
+        users.client.chown(config)
+        script = f"python3 -c {shlex.quote(CONNECTS)} {port}; read _done"
+        options = ["--policy", str(policy), "--nameserver", names.nameserver]
+        argv = client_argv(lab, users, options, ["sh", "-c", script])
+        with Running(argv, env=client_env(users, workdir)) as run:
+            assert run.line() == "closed\n", run.stderr  # nothing on the remote's side
+            assert not listening(port)  # nor on this side
+            run.send(b"done\n")
+            assert run.finish() == 0, run.stderr
+        assert service.requests == []
+    finally:
+        service.stop()
+        (users.client.home / ".ssh" / "config").unlink(missing_ok=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # -- relay mode needs the remote's python3 ---------------------------------------------------------

@@ -13,14 +13,18 @@ from dataclasses import dataclass
 
 from egressd.remote.destination import Destination
 
-# The master must stay our child in the foreground (no fork, no persistence), must treat a
-# failed forward as fatal and must open no forward of the user's config: only egressd's relay.
+# The master must stay our child in the foreground (no fork, no persistence) and must treat a
+# failed forward as fatal.
 MASTER_FORCED: tuple[str, ...] = (
     "ControlMaster=yes",
     "ControlPersist=no",
     "ExitOnForwardFailure=yes",
-    "ClearAllForwardings=yes",
 )
+# No forward of the user's config (LocalForward, RemoteForward, DynamicForward): every ssh that
+# reads one — the master and each multiplexed client, which asks the master to open the forwards
+# its own config names — clears them. Only the client that opens egressd's relay forward cannot
+# (the option clears the command line's -R too): it reads no config file at all (`-F none`).
+NO_FORWARDS = "ClearAllForwardings=yes"
 # Forwardings that hand the remote authority on THIS machine (the ssh agent's keys, the X
 # display, a network tunnel): off for the master and every multiplexed client (a mux client's own
 # config decides what its session requests), as flags and options placed before anything a
@@ -130,6 +134,8 @@ class SshCommand:
             self.control_path,
             "-o",
             "ControlMaster=no",
+            "-o",
+            NO_FORWARDS,
             *NO_AUTHORITY_FLAGS,
             *_opts(NO_AUTHORITY),
         ]
@@ -144,6 +150,8 @@ class SshCommand:
             self.control_path,
             *NO_AUTHORITY_FLAGS,
             *_opts(MASTER_FORCED),
+            "-o",
+            NO_FORWARDS,
             *_opts(NO_AUTHORITY),
             *_opts(self.options),
             *_opts(MASTER_DEFAULTS),
@@ -158,14 +166,18 @@ class SshCommand:
         return self.control("check")
 
     def forward_sockets(self, forwards: Sequence[tuple[str, str, int]]) -> list[str]:
-        """Reverse forwards from Unix sockets on the remote (paths) to (host, port) here."""
+        """Reverse forwards from Unix sockets on the remote (paths) to (host, port) here.
+
+        No config file is read (`-F none`): the master would open every forward it names.
+        """
         specs = []
         for path, host, port in forwards:
             if ":" in path or any(ch.isspace() for ch in path):
                 raise ValueError(f"a forward's socket path must not hold ':' or whitespace: {path!r}")
             target = f"[{host}]" if ":" in host else host
             specs += ["-R", f"{path}:{target}:{port}"]
-        return self.control("forward", *specs)
+        mux = [self.program, "-F", "none", "-S", self.control_path, "-o", "ControlMaster=no"]
+        return [*mux, "-O", "forward", *specs, *self._tail()]
 
     def exit(self) -> list[str]:
         return self.control("exit")

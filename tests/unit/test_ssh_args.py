@@ -131,7 +131,8 @@ def test_master_argv_forced_then_user_then_defaults() -> None:
 
 
 MUX = [
-    "ssh", "-S", CP, "-o", "ControlMaster=no", "-a", "-x", *NO_AUTHORITY_OPTS,
+    "ssh", "-S", CP, "-o", "ControlMaster=no", "-o", "ClearAllForwardings=yes", "-a", "-x",
+    *NO_AUTHORITY_OPTS,
 ]  # fmt: skip
 
 
@@ -140,8 +141,9 @@ def test_control_argvs() -> None:
     assert cmd.check() == [*MUX, "-O", "check", "--", "box"]
     assert cmd.exit() == [*MUX, "-O", "exit", "--", "box"]
     forwards = [("/tmp/d/http.sock", "127.0.0.1", 8080), ("/tmp/d/socks.sock", "::1", 1080)]
+    # the one client that must not clear forwards (its own -R) reads no config file instead
     assert cmd.forward_sockets(forwards) == [
-        *MUX, "-O", "forward",
+        "ssh", "-F", "none", "-S", CP, "-o", "ControlMaster=no", "-O", "forward",
         "-R", "/tmp/d/http.sock:127.0.0.1:8080", "-R", "/tmp/d/socks.sock:[::1]:1080", "--", "box",
     ]  # fmt: skip
     for bad in ("/tmp/a:b/http.sock", "/tmp/a b/http.sock"):
