@@ -436,7 +436,55 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# -- relay mode needs the remote's python3 ---------------------------------------------------------
+# -- a compromised remote does not steer the client ------------------------------------------------
+FAKE_EGRESSD = r"""
+import json, sys, time
+CONTROL = "\x1b]0;owned\x07\x1b[2J\x1b[31m\u202e"
+args = sys.argv[1:]
+broken = args[:1] == ["broken"]
+args = args[1:] if broken else args
+if args == ["--version"]:
+    if broken:
+        sys.stderr.write(CONTROL + "no egressd here\n")
+        sys.exit(1)
+    print("egressd 9.9.9 (fake)")
+elif args[:2] == ["remote-agent", "feed"]:
+    print(json.dumps({"type": "listening"}), flush=True)
+    seq = json.loads(sys.stdin.readline())["seq"]
+    print(json.dumps({"type": "rejected", "seq": seq, "error": CONTROL + "refused"}), flush=True)
+    print(json.dumps({"type": "exit", "returncode": -19}), flush=True)  # SIGSTOP
+    sys.stdin.read()
+elif args[:2] == ["remote-agent", "guard"]:
+    time.sleep(1)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("variant", ["speaks", "broken"])
+def test_a_compromised_remote_cannot_stop_the_client_or_drive_its_terminal(
+    lab: SshLab, users: Users, workdir: Path, policy: Path, variant: str
+) -> None:
+    """The remote egressd is the remote's: a compromised one reports SIGSTOP as the command's
+    status (egressd would stop itself) and writes escape sequences in what egressd prints. Only
+    0-255 and terminating signals are taken; what the remote sends is printed with its control
+    characters escaped."""
+    fake = users.remote.home / "fake_egressd.py"
+    fake.write_text(FAKE_EGRESSD)
+    users.remote.chown(fake)
+    remote = f"python3 {fake}" + (" broken" if variant == "broken" else "")
+    options = ["--egress", "remote", "--remote-egressd", remote, "--policy", str(policy)]
+    done = run_client(lab, users, workdir, options, ["true"])  # a stopped client would time out here
+    stderr = done.stderr.decode(errors="replace")
+    assert not any(ch in stderr for ch in "\x1b\x07\u202e"), stderr
+    if variant == "broken":
+        assert done.returncode == 2, stderr
+        assert "egressd is not installed on" in stderr and "\\x1b]0;owned" in stderr, stderr
+    else:
+        assert done.returncode == 3, stderr  # the session's own status, not the reported SIGSTOP
+        assert "refused the policy" in stderr and "\\x1b[31m" in stderr, stderr
+        assert "reported an exit status egressd does not take (-19)" in stderr, stderr
+
+
 def test_relay_without_python3_on_the_remote_runs_nothing(
     lab: SshLab, users: Users, workdir: Path, policy: Path, names: DnsServer, tmp_path: Path
 ) -> None:

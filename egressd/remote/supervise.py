@@ -22,6 +22,29 @@ from egressd.remote.connection import SshConnection, describe_status
 from egressd.remote.spawn import Child
 
 SSH_FAILURE = 255
+# Signals whose default action ends a process: what a remote command can have died of, and so
+# what egressd may die of in turn. Not SIGSTOP, SIGTSTP, SIGCONT, SIGCHLD, ... (a remote that
+# reported those would stop or confuse this end), nor real-time signals.
+TERMINATING_SIGNALS: frozenset[int] = frozenset(
+    int(getattr(signal, name))
+    for name in (
+        "SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGKILL",
+        "SIGUSR1", "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGXCPU", "SIGXFSZ",
+        "SIGVTALRM", "SIGPROF", "SIGSYS",
+    )
+    if hasattr(signal, name)
+)  # fmt: skip
+
+
+def accepted_status(value: object) -> int | None:
+    """A remote-reported exit status egressd may exit like: 0-255, or minus a terminating signal."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    if 0 <= value <= 255 or -value in TERMINATING_SIGNALS:
+        return value
+    return None
+
+
 # how long the master may take to exit after its session client reported 255 (a drop)
 _DROP_GRACE = 1.0
 

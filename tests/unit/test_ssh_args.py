@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from egressd.remote.channel import ChannelError, decode, encode, policy_message,
 from egressd.remote.connection import control_directory
 from egressd.remote.destination import Destination, DestinationError, parse_destination
 from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option, option_name, requests_tty
+from egressd.remote.supervise import accepted_status
 
 CP = "/tmp/egressd-ssh-x/ctl"
 
@@ -298,3 +300,18 @@ def test_channel_refuses_garbage() -> None:
     for line in (b"not json", b"[1]", b'{"no": "type"}'):
         with pytest.raises(ChannelError):
             decode(line)
+
+
+@pytest.mark.parametrize(
+    ("reported", "accepted"),
+    [
+        (0, 0), (3, 3), (255, 255), (-signal.SIGTERM, -signal.SIGTERM), (-signal.SIGKILL, -signal.SIGKILL),
+        (-signal.SIGSEGV, -signal.SIGSEGV), (-signal.SIGPIPE, -signal.SIGPIPE),
+        (-signal.SIGSTOP, None), (-signal.SIGTSTP, None), (-signal.SIGTTIN, None), (-signal.SIGCONT, None),
+        (-signal.SIGCHLD, None), (-signal.SIGWINCH, None), (-signal.SIGRTMIN, None), (-0, 0), (256, None),
+        (-256, None), (10**30, None), (True, None), (1.0, None), ("0", None), (None, None), ([0], None),
+    ],
+)  # fmt: skip
+def test_remote_exit_status_taken_only_when_ordinary(reported: object, accepted: int | None) -> None:
+    """What egressd exits like (and so what it may do to itself) when the remote reports it."""
+    assert accepted_status(reported) == accepted
