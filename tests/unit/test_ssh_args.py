@@ -11,15 +11,17 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
 from egressd.policy import load_policy
 from egressd.remote import scripts
-from egressd.remote.channel import ChannelError, decode, encode, policy_message, read_policy
+from egressd.remote.channel import ChannelError, LineChannel, decode, encode, policy_message, read_policy
 from egressd.remote.connection import control_directory
 from egressd.remote.destination import Destination, DestinationError, parse_destination
 from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option, option_name, requests_tty
@@ -143,8 +145,8 @@ def test_control_argvs() -> None:
     cmd = _cmd(dest="box")
     assert cmd.check() == [*MUX, "-O", "check", "--", "box"]
     assert cmd.exit() == [*MUX, "-O", "exit", "--", "box"]
-    forwards = [("/tmp/d/http.sock", "127.0.0.1", 8080), ("/tmp/d/socks.sock", "::1", 1080)]
     # the one client that must not clear forwards (its own -R) reads no config file instead
+    forwards = [("/tmp/d/http.sock", "127.0.0.1", 8080), ("/tmp/d/socks.sock", "::1", 1080)]
     assert cmd.forward_sockets(forwards) == [
         "ssh", "-F", "none", "-S", CP, "-o", "ControlMaster=no", "-O", "forward",
         "-R", "/tmp/d/http.sock:127.0.0.1:8080", "-R", "/tmp/d/socks.sock:[::1]:1080", "--", "box",
@@ -300,6 +302,28 @@ def test_channel_refuses_garbage() -> None:
     for line in (b"not json", b"[1]", b'{"no": "type"}'):
         with pytest.raises(ChannelError):
             decode(line)
+
+
+def test_channel_closed_by_this_end_ends_a_waiting_receive_quietly() -> None:
+    """The agent closes the channel while its listener thread waits in receive(): that is the end
+    of the channel (None), never an error (`policy channel failed: Bad file descriptor`)."""
+    for _ in range(300):
+        mine, theirs = socket.socketpair()
+        channel = LineChannel(mine)
+        outcome: list[object] = []
+
+        def listen(channel: LineChannel = channel, outcome: list[object] = outcome) -> None:
+            try:
+                outcome.append(channel.receive())
+            except (OSError, ChannelError) as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=listen)
+        thread.start()
+        channel.close()
+        thread.join(5)
+        theirs.close()
+        assert outcome == [None]
 
 
 @pytest.mark.parametrize(
