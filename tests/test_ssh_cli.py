@@ -36,6 +36,8 @@ def egressd(*args: str) -> subprocess.CompletedProcess[str]:
         (["--egress", "elsewhere", "host"], "'elsewhere' is not one of"),
         (["--sandbox", "host"], "it needs --egress remote"),
         (["--rw", "/tmp", "--egress", "remote", "host"], "--rw is for --sandbox"),
+        (["--show", "~/.gitconfig", "--egress", "remote", "host"], "--show is for --sandbox"),
+        (["--hide", "/srv/x", "--egress", "remote", "host"], "--hide is for --sandbox"),
     ],
 )
 def test_bad_arguments_exit_2_before_connecting(args: list[str], message: str, tmp_path: Path) -> None:

@@ -511,3 +511,40 @@ def test_relay_without_python3_on_the_remote_runs_nothing(
     assert done.returncode == 2, done.stderr
     assert b"relay mode needs python3" in done.stderr and b"--egress remote" in done.stderr
     assert not marker.exists()
+
+
+# -- the remote sandbox masks the remote home, as the local sandbox masks yours ---------------------------
+def test_remote_sandbox_masks_the_remote_home(
+    lab: SshLab, users: Users, workdir: Path, policy: Path, remote_dns: DnsServer, tmp_path: Path
+) -> None:
+    """`egressd ssh --egress remote --sandbox` as an ordinary user: the command starts in the
+    remote home, which is empty but for the harmless configuration and what --show names (all
+    read-only); --rw paths are writable, --hide hides one more path."""
+    home = users.remote.home
+    (home / ".bash_history").write_text("export TOKEN=secret-history\n")
+    (home / ".gitconfig").write_text("[user]\n\tname = remote\n")
+    (home / "notes.txt").write_text("shown notes\n")
+    project = home / "project"
+    project.mkdir()
+    (project / "private.key").write_text("project secret\n")
+    users.remote.chown(
+        home / ".bash_history", home / ".gitconfig", home / "notes.txt", project, project / "private.key"
+    )
+    script = (
+        'pwd; ls -A; cat .bash_history 2>/dev/null || echo "history hidden"; cat notes.txt; '
+        "cat project/private.key 2>/dev/null || echo 'key hidden'; "
+        "touch planted 2>/dev/null && echo planted || echo 'home read-only'; "
+        "touch project/made && echo 'project writable'"
+    )
+    options = ["--egress", "remote", "--remote-egressd", ssh_lab.remote_egressd()]
+    options += ["--policy", str(policy), "--nameserver", remote_dns.nameserver, "--sandbox"]
+    options += ["--rw", str(project), "--show", "~/notes.txt", "--hide", str(project / "private.key")]
+    done = run_client(lab, users, workdir, options, ["sh", "-c", script])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.decode().splitlines()
+    assert lines[0] == str(home)
+    assert lines[1:] == [
+        ".gitconfig", "notes.txt", "project", "history hidden", "shown notes", "key hidden", "home read-only",
+        "project writable",
+    ], lines  # fmt: skip
+    assert (project / "made").exists() and not (home / "planted").exists()

@@ -104,12 +104,13 @@ class SandboxPlan:
     layout: Layout
 
     @classmethod
-    def prepare(cls, rw: Sequence[str]) -> SandboxPlan:
+    def prepare(cls, rw: Sequence[str], show: Sequence[str] = (), hide: Sequence[str] = ()) -> SandboxPlan:
         """Check before anything runs: the command never runs unconfined (AgentError instead).
 
-        The working directory (the remote login's home) is read-only inside: a writable home
-        would let the command plant start-up files (~/.bashrc, ~/.ssh/authorized_keys) that run
-        later outside the sandbox. `--rw` paths are writable.
+        The layout is the local sandbox's (egressd sandbox), with the remote working directory
+        as its project — except the login's home, the usual working directory of an SSH session,
+        which stays masked as every home is: empty but for a short list of harmless configuration
+        and what --show names (read-only), and `--rw`/`--ro` paths. The command starts there.
         """
         from egressd.sandbox import preflight
         from egressd.sandbox.layout import plan_layout
@@ -118,12 +119,17 @@ class SandboxPlan:
 
         if not sys.platform.startswith("linux"):
             raise AgentError(f"--sandbox on the remote needs Linux (bubblewrap), not {sys.platform}")
+        cwd = os.path.realpath(os.getcwd())
+        project = None if cwd == os.path.realpath(os.path.expanduser("~")) else cwd
         try:
+            # a project other than the home is read-only: the command writes where --rw says
             layout = plan_layout(
                 SessionOptions(),
-                workdir=os.getcwd(),
+                workdir=project,
                 rw=rw,
-                ro=(os.getcwd(),),
+                ro=(project,) if project is not None else (),
+                show=show,
+                hide=hide,
             )
             # never a bwrap an earlier sandboxed command could have written (a --rw path on PATH)
             bwrap = preflight.locate_bwrap(writable=[m.path for m in layout.mounts if m.writable])
