@@ -382,7 +382,8 @@ def _start(command: list[str], env: dict[str, str], handed: list[Listener]) -> i
 def guard(directory: str, command: list[str]) -> None:
     """Run command under the plan in `directory`; end all it started when it or the session ends.
 
-    Exits like the command. When the session ends first: 255, once the tree is gone.
+    Exits like the command, or with 255 when the session ends first, once the tree is gone and the
+    session directory removed (in either case: the client may no longer be there to remove it).
     The guard lets go of stdin/stdout/stderr once the command runs, so the command's end-of-file
     on them reaches the client as before.
     """
@@ -440,6 +441,7 @@ def guard(directory: str, command: list[str]) -> None:
             os.read(wake_read, 512)
     end_tree(os.getpid(), group, grace=LEFTOVER_GRACE)  # what the command left behind
     ports.close()
+    shutil.rmtree(directory, ignore_errors=True)  # the client may not be there to remove it
     _die_like(code)
 
 
