@@ -1,14 +1,16 @@
 """One SSH connection: an OpenSSH control master plus the multiplexed commands egressd needs.
 
-Why a master: the remote forward's port is only known once sshd chose it, and the remote command
-must be started with that port in its environment. The master authenticates once (keys, agents,
-~/.ssh/config, prompts on the terminal all work as with plain ssh); the forward, the set-up, the
-user's session and signal delivery then run as fast multiplexed clients over it.
+Why a master: the remote forward can only be opened into the session directory once that exists
+on the remote, and several short commands (set-up, upload, signal delivery) run before and beside
+the user's session. The master authenticates once (keys, agents, ~/.ssh/config, prompts on the
+terminal all work as with plain ssh); the forward, the set-up, the user's session and signal
+delivery then run as fast multiplexed clients over it.
 
 The master runs in egressd's process group (so it can prompt on the terminal) with SIGINT and
 SIGQUIT ignored: Ctrl-C is for the remote command, and egressd delivers it there itself. It is
 tethered to egressd (it gets SIGTERM when egressd dies, even of SIGKILL, on Linux): with it go the
-reverse forward and every multiplexed session, so nothing can take over the freed proxy port.
+reverse forward and every multiplexed session, which ends the remote session (its guard then ends
+the command's tree), and the control socket's directory is removed when it ends.
 """
 
 from __future__ import annotations

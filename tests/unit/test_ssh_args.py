@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -196,13 +197,21 @@ def test_remote_command_is_one_shell_safe_line() -> None:
         scripts.remote_command("echo 'quoted'")
 
 
-def test_setup_kill_cleanup_round_trip(tmp_path: Path) -> None:
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+@pytest.fixture
+def remote_tmp() -> Iterator[Path]:
+    """A remote TMPDIR short enough for the session's sockets (SETUP passes a deeper one over)."""
+    path = Path(tempfile.mkdtemp(prefix="egt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_setup_kill_cleanup_round_trip(remote_tmp: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(remote_tmp)}
     plan = scripts.session_plan({"HTTP_PROXY": "http://u:t@127.0.0.1:1"})
     done = _sh(scripts.remote_command(scripts.SETUP), input=plan.encode(), env=env)
     assert done.returncode == 0, done.stderr
     directory = scripts.parse_directory(done.stdout.decode())
-    assert Path(directory).parent == tmp_path
+    assert Path(directory).parent == remote_tmp
     assert oct(Path(directory).stat().st_mode & 0o777) == "0o700"
     assert oct((Path(directory) / "env").stat().st_mode & 0o777) == "0o600"
     assert (Path(directory) / "env").read_text() == plan
@@ -230,19 +239,19 @@ def test_setup_passes_over_a_tmpdir_too_deep_for_sockets(tmp_path: Path) -> None
         shutil.rmtree(directory)
 
 
-def test_setup_removes_directories_of_sessions_that_are_gone(tmp_path: Path) -> None:
+def test_setup_removes_directories_of_sessions_that_are_gone(remote_tmp: Path) -> None:
     """An SSH drop leaves a session directory behind; the next set-up removes it, and only it."""
     gone = subprocess.Popen(["true"])
     gone.wait()
-    dirs = {name: tmp_path / f"egressd-ssh.{name}" for name in ("gone", "live", "starting", "garbage")}
+    dirs = {name: remote_tmp / f"egressd-ssh.{name}" for name in ("gone", "live", "starting", "garbage")}
     for path in dirs.values():
         path.mkdir()
     (dirs["gone"] / "pid").write_text(f"{gone.pid}\n")
     (dirs["live"] / "pid").write_text(f"{os.getpid()}\n")
     (dirs["garbage"] / "pid").write_text("not a pid\n")
-    done = _sh(scripts.remote_command(scripts.SETUP), env={**os.environ, "TMPDIR": str(tmp_path)})
+    done = _sh(scripts.remote_command(scripts.SETUP), env={**os.environ, "TMPDIR": str(remote_tmp)})
     assert done.returncode == 0, done.stderr
-    left = {p.name.removeprefix("egressd-ssh.") for p in tmp_path.iterdir()}
+    left = {p.name.removeprefix("egressd-ssh.") for p in remote_tmp.iterdir()}
     assert {"live", "starting", "garbage"} <= left and "gone" not in left
 
 
