@@ -18,6 +18,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -616,12 +617,16 @@ def test_remote_egress_sandbox_leaves_the_proxy_as_the_only_way_out(
     lab: SshLab, remote_dns: DnsServer, routed: None, internet: EchoHTTPServer, policy: Path, tmp_path: Path
 ) -> None:
     """--sandbox: CMD runs in bubblewrap on the remote; the remote's own route is gone for it, the
-    remote egressd's proxy still decides, and the remote home is read-only while --rw paths are not."""
+    remote egressd's proxy still decides, and the remote home is read-only while --rw paths are not.
+
+    The probe runs with the remote egressd's own interpreter: the sandbox shows that read-only,
+    while root's `python3` here is a pyenv shim in its home, which the sandbox masks."""
     url = f"http://up.test:{internet.port}"
     requests = probe(
         f"up={url}/boxed",
         f"denied=http://denied.test:{internet.port}/",
         f"direct:direct=http://{INTERNET}:{internet.port}/direct",
+        python=sys.executable,
     )
     writable = tmp_path / "rw"
     writable.mkdir()

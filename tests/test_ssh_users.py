@@ -35,10 +35,16 @@ from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD
 from tests.support.ssh_lab import SshLab
 from tests.support.ssh_session import POLICY, Running, listening, wait_for
+from tests.support.unprivileged import User, unprivileged_user
 from tests.support.upstreams import EchoHTTPServer
-from tests.support.users import User, created_users
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.needs_root(
+        "creates the users (useradd) and the lab's named network namespaces; the clients and the "
+        "remote commands themselves run as those ordinary users"
+    ),
+]
 pytest_plugins = ("tests.support.ssh_fixtures",)
 
 # Sessions run at once per attack; each is one "run" of the attack. The remote-egress variants of
@@ -121,9 +127,10 @@ class Users:
 
 @pytest.fixture(scope="module")
 def users(lab: SshLab) -> Iterator[Users]:
-    with created_users(["client", "remote", "attacker"]) as made:
-        lab.allow_login(made["remote"])
-        yield Users(made["client"], made["remote"], made["attacker"])
+    with unprivileged_user() as client, unprivileged_user() as remote, unprivileged_user() as attacker:
+        remote.home.chmod(0o700)
+        lab.allow_login(remote)
+        yield Users(client, remote, attacker)
 
 
 @pytest.fixture
@@ -131,7 +138,7 @@ def workdir(users: Users) -> Iterator[Path]:
     """The client user's own directory for this test: its policy, TMPDIR (short: the control
     socket lives there) and whatever else the test gives it."""
     path = Path(tempfile.mkdtemp(prefix="egu-", dir="/tmp"))
-    users.client.chown(path)
+    users.client.own(path)
     try:
         yield path
     finally:
@@ -142,23 +149,27 @@ def workdir(users: Users) -> Iterator[Path]:
 def policy(workdir: Path, users: Users) -> Path:
     path = workdir / "policy.yaml"
     path.write_text(POLICY)
-    users.client.chown(path)
+    users.client.own(path)
     return path
 
 
-def client_argv(lab: SshLab, users: Users, options: Sequence[str], command: Sequence[str]) -> list[str]:
+def client_argv(
+    lab: SshLab, users: Users, workdir: Path, options: Sequence[str], command: Sequence[str]
+) -> list[str]:
+    """`egressd ssh` run as the client user, in place (the pid is egressd's), with TMPDIR=workdir."""
     argv = [*EGRESSD, "ssh", *options, *lab.client_options(users.client)]
-    return users.client.argv(*argv, lab.destination_of(users.remote), "--", *command)
+    argv += [lab.destination_of(users.remote), "--", *command]
+    return users.client.exec(argv, client_env(users, workdir))
 
 
 def client_env(users: Users, workdir: Path) -> dict[str, str]:
-    return users.client.env(TMPDIR=str(workdir))
+    return users.client.env({"TMPDIR": str(workdir)})
 
 
 def run_client(
     lab: SshLab, users: Users, workdir: Path, options: Sequence[str], command: Sequence[str]
 ) -> subprocess.CompletedProcess[bytes]:
-    argv = client_argv(lab, users, options, command)
+    argv = client_argv(lab, users, workdir, options, command)
     return subprocess.run(
         argv, env=client_env(users, workdir), capture_output=True, timeout=90, stdin=subprocess.DEVNULL
     )
@@ -233,7 +244,7 @@ def sessions(
     with ExitStack() as stack:
         runs = []
         for _ in range(count):
-            argv = client_argv(lab, users, options, ["sh", "-c", script])
+            argv = client_argv(lab, users, workdir, options, ["sh", "-c", script])
             runs.append(stack.enter_context(Running(argv, env=client_env(users, workdir))))
         started = []
         for run in runs:
@@ -434,10 +445,10 @@ def test_forwards_in_the_users_ssh_config_are_not_opened(
         config = users.client.home / ".ssh" / "config"
         lab.client_options(users.client)  # creates ~/.ssh
         config.write_text(f"Host *\n    {kind} {spec}\n")
-        users.client.chown(config)
+        users.client.own(config)
         script = f"python3 -c {shlex.quote(CONNECTS)} {port}; read _done"
         options = ["--policy", str(policy), "--nameserver", names.nameserver]
-        argv = client_argv(lab, users, options, ["sh", "-c", script])
+        argv = client_argv(lab, users, workdir, options, ["sh", "-c", script])
         with Running(argv, env=client_env(users, workdir)) as run:
             assert run.line() == "closed\n", run.stderr  # nothing on the remote's side
             assert not listening(port)  # nor on this side
@@ -489,7 +500,7 @@ def test_a_compromised_remote_cannot_stop_the_client_or_drive_its_terminal(
     characters escaped."""
     fake = users.remote.home / "fake_egressd.py"
     fake.write_text(FAKE_EGRESSD)
-    users.remote.chown(fake)
+    users.remote.own(fake)
     remote = f"python3 {fake}" + (" broken" if variant == "broken" else "")
     options = ["--egress", "remote", "--remote-egressd", remote, "--policy", str(policy)]
     done = run_client(lab, users, workdir, options, ["true"])  # a stopped client would time out here
@@ -517,7 +528,8 @@ def test_relay_without_python3_on_the_remote_runs_nothing(
             (tools / tool).symlink_to(found)
     environment = users.remote.home / ".ssh" / "environment"
     environment.write_text(f"PATH={tools}\n")
-    users.remote.chown(tools, environment)
+    for path in (tools, environment):
+        users.remote.own(path)
     marker = users.remote.home / "ran"
     try:
         options = ["--policy", str(policy), "--nameserver", names.nameserver]
@@ -538,15 +550,11 @@ def test_remote_sandbox_masks_the_remote_home(
     remote home, which is empty but for the harmless configuration and what --show names (all
     read-only); --rw paths are writable, --hide hides one more path."""
     home = users.remote.home
-    (home / ".bash_history").write_text("export TOKEN=secret-history\n")
-    (home / ".gitconfig").write_text("[user]\n\tname = remote\n")
-    (home / "notes.txt").write_text("shown notes\n")
-    project = home / "project"
-    project.mkdir()
-    (project / "private.key").write_text("project secret\n")
-    users.remote.chown(
-        home / ".bash_history", home / ".gitconfig", home / "notes.txt", project, project / "private.key"
-    )
+    users.remote.write(".bash_history", "export TOKEN=secret-history\n")
+    users.remote.write(".gitconfig", "[user]\n\tname = remote\n", 0o644)
+    users.remote.write("notes.txt", "shown notes\n")
+    project = users.remote.mkdir("project")
+    users.remote.write("project/private.key", "project secret\n")
     script = (
         'pwd; ls -A; cat .bash_history 2>/dev/null || echo "history hidden"; cat notes.txt; '
         "cat project/private.key 2>/dev/null || echo 'key hidden'; "

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from egressd.exits import alive
-from tests.support.users import User, kill_until_gone
+from tests.support.unprivileged import User
 
 CLIENT_TO_REMOTE = "198.18.0.1"
 REMOTE = "198.18.0.2"
@@ -95,7 +95,14 @@ def netns_pids(name: str) -> list[int]:
 
 def _delete_netns(name: str) -> None:
     """Kill what runs in the namespace (the lab started all of it), then remove the namespace."""
-    kill_until_gone(lambda: netns_pids(name))
+    for _ in range(50):
+        pids = netns_pids(name)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
     _run("ip", "netns", "del", name, check=False)
 
 
@@ -293,7 +300,8 @@ Match LocalPort {GATEWAY_PORTS_PORT}
         keys = ssh_dir / "authorized_keys"
         keys.write_text(Path(f"{self.key}.pub").read_text())
         keys.chmod(0o600)
-        user.chown(ssh_dir, keys)
+        for path in (ssh_dir, keys):
+            user.own(path)
 
     def client_options(self, user: User) -> list[str]:
         """`--ssh-option` arguments for `user` running the client: the lab's key and host key,
@@ -304,7 +312,8 @@ Match LocalPort {GATEWAY_PORTS_PORT}
         shutil.copyfile(self.key, key)
         shutil.copyfile(self.known_hosts, known)
         key.chmod(0o600)
-        user.chown(ssh_dir, key, known)
+        for path in (ssh_dir, key, known):
+            user.own(path)
         options = self.ssh_options()
         mine = {"IdentityFile": str(key), "UserKnownHostsFile": str(known)}
         return [_replaced(option, mine) for option in options]
@@ -312,7 +321,7 @@ Match LocalPort {GATEWAY_PORTS_PORT}
     def run_as(self, user: User, *argv: str, **popen: Any) -> subprocess.Popen[bytes]:
         """A process of `user` in the remote namespace, outside any SSH session (another user of
         the remote host)."""
-        return subprocess.Popen(["ip", "netns", "exec", self.remote, *user.argv(*argv)], **popen)
+        return subprocess.Popen(["ip", "netns", "exec", self.remote, *user.exec(argv, user.env())], **popen)
 
     def in_remote[T](self, fn: Callable[[], T]) -> T:
         return call_in_netns(self.remote, fn)

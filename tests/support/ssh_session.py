@@ -31,9 +31,9 @@ deny:
 """
 
 
-def probe(*requests: str) -> list[str]:
+def probe(*requests: str, python: str = "python3") -> list[str]:
     """The remote python3 probe (see ssh_lab.PROBE) as a command."""
-    return ["python3", "-c", PROBE, *requests]
+    return [python, "-c", PROBE, *requests]
 
 
 def results(stdout: bytes) -> dict[str, dict[str, Any]]:
