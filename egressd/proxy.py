@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,10 +64,13 @@ class EgressProxy:
         health: bool = False,
         identify: bool = False,
         tls: ssl.SSLContext | None = None,
+        sockets: Mapping[str, socket.socket] | None = None,
     ) -> None:
         """`socks_listen`: where SOCKS5 listens (default: the HTTP port's host, any free port);
         `credentials`: who may connect (default: the children this proxy issues credentials to);
-        `health`: answer `GET /healthz` on the HTTP port without credentials (the gateway's)."""
+        `health`: answer `GET /healthz` on the HTTP port without credentials (the gateway's);
+        `sockets`: listening sockets made elsewhere to serve as the "http" and "socks" ports instead
+        of binding new ones (a remote session's guard keeps copies: the ports outlive this process)."""
         if nameservers:
             policy = policy.with_overrides(nameservers=[join_host_port(h, p) for h, p in nameservers])
         self.pipeline = Pipeline(
@@ -83,6 +86,7 @@ class EgressProxy:
         self.socks_listen = socks_listen
         self.health = health
         self.tls = tls  # the HTTP proxy port speaks TLS with this context (the gateway's --tls-*)
+        self.sockets = dict(sockets or {})
         self.http_address: tuple[str, int] = ("", 0)
         self.socks_address: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
@@ -220,10 +224,19 @@ class EgressProxy:
         self._front = FastFront(
             self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context, health=self.health
         )
-        self.http_address = await self._front.start(host, port, ssl=self.tls)
+        self.http_address = await self._listen("http", host, port, self.tls)
         if self.socks:
             socks_host, socks_port = self.socks_listen or (host, 0)
-            self.socks_address = await self._front.start(socks_host, socks_port, kind="socks")
+            self.socks_address = await self._listen("socks", socks_host, socks_port)
+
+    async def _listen(
+        self, kind: str, host: str, port: int, tls: ssl.SSLContext | None = None
+    ) -> tuple[str, int]:
+        assert self._front is not None
+        sock = self.sockets.get(kind)
+        if sock is None:
+            return await self._front.start(host, port, kind=kind, ssl=tls)
+        return await self._front.adopt(sock, kind, ssl=tls)
 
     async def _mitmproxy_address(self, kind: str) -> tuple[str, int]:
         """The internal address of mitmproxy's listener of `kind` ("http"), starting mitmproxy once.

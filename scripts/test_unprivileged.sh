@@ -32,6 +32,7 @@ MODULES=(
   tests/test_attach.py
   tests/test_identity.py
   tests/test_ssh_cli.py
+  tests/test_ssh_guard.py
   tests/test_ssh_integration.py
   tests/test_acp.py
   tests/test_mcp.py
@@ -39,6 +40,7 @@ MODULES=(
   tests/unit/test_capture_units.py
   tests/unit/test_seccomp.py
   tests/unit/test_shields.py
+  tests/unit/test_ssh_args.py
   tests/unit/test_project_hooks.py
   tests/unit/test_identity_units.py
   tests/unit/test_peer.py

@@ -8,48 +8,38 @@ curl and python3. See tests/support/ssh_lab.py for the topology.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import pwd
-import queue
 import random
 import select
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
-import trustme
 
 from tests.support import ssh_lab
 from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD
-from tests.support.ssh_lab import INTERNET, PROBE, SshLab
+from tests.support.ssh_lab import INTERNET, SshLab
+from tests.support.ssh_session import POLICY, Running, listening, peers, probe, results, sleepers, wait_for
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
 
 pytestmark = [
     pytest.mark.timeout(90),
     pytest.mark.needs_root("creates named network namespaces (`ip netns add`) and runs sshd in one"),
 ]
+pytest_plugins = ("tests.support.ssh_fixtures",)  # the lab and its fixtures
 
-POLICY = f"""\
-version: 1
-mode: enforce
-allow:
-  - up.test
-  - {ssh_lab.INTERNET_NET}
-deny:
-  - denied.test
-"""
 # up.test over HTTPS for /ok only: egressd must intercept TLS to see the path
 POLICY_INSPECT = f"""\
 version: 1
@@ -59,43 +49,6 @@ allow:
   - {ssh_lab.INTERNET_NET}
 """
 POLICY_UP_DENIED = POLICY.replace("  - denied.test\n", "  - denied.test\n  - up.test\n")
-
-
-# -- fixtures ------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    with SshLab(tmp_path_factory.mktemp("ssh-lab")) as built:
-        yield built
-
-
-@pytest.fixture
-def internet(lab: SshLab) -> Iterator[EchoHTTPServer]:
-    """An HTTP echo server inside the internet namespace (on 198.18.0.6)."""
-    server = lab.in_internet(lambda: EchoHTTPServer(INTERNET, name="internet").start())
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def internet_tls(lab: SshLab, ca: trustme.CA) -> Iterator[EchoHTTPSServer]:
-    """An HTTPS echo server inside the internet namespace, certificate for up.test (session CA)."""
-    server = lab.in_internet(
-        lambda: EchoHTTPSServer(INTERNET, name="internet-tls", ca=ca, hostnames=["up.test"]).start()
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def names(dns: DnsServer) -> DnsServer:
-    """The client's DNS: every test name points at the internet namespace's server."""
-    for name in ("up.test", "denied.test", "nope.test"):
-        dns.add(name, INTERNET)
-    return dns
 
 
 @pytest.fixture
@@ -131,86 +84,6 @@ def egressd_ssh(
     )
 
 
-def probe(*requests: str) -> list[str]:
-    """The remote python3 probe (see ssh_lab.PROBE) as a command."""
-    return ["python3", "-c", PROBE, *requests]
-
-
-def results(stdout: bytes) -> dict[str, dict[str, Any]]:
-    out = {}
-    for line in stdout.decode().splitlines():
-        if line.startswith("{"):
-            item = json.loads(line)
-            out[item["name"]] = item
-    return out
-
-
-def peers(server: EchoHTTPServer) -> set[str]:
-    return {request["peer"][0] for request in server.requests}
-
-
-class Running:
-    """`egressd ssh` in the background, its stdout read line by line and stderr collected."""
-
-    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
-        )
-        self._lines: queue.Queue[bytes] = queue.Queue()
-        self._stderr: list[bytes] = []
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._stderr.append(line)
-
-    @property
-    def stderr(self) -> str:
-        return b"".join(self._stderr).decode(errors="replace")
-
-    def line(self, timeout: float = 30) -> str:
-        try:
-            return self._lines.get(timeout=timeout).decode()
-        except queue.Empty:
-            raise AssertionError(f"no output line within {timeout}s; stderr: {self.stderr}") from None
-
-    def wait_stderr(self, text: str, timeout: float = 15) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.stderr:
-            assert time.monotonic() < deadline, f"{text!r} not on stderr: {self.stderr}"
-            time.sleep(0.05)
-
-    def send(self, data: bytes) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()
-
-    def finish(self, timeout: float = 30) -> int:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-
-    def __enter__(self) -> Running:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def relay_options(policy: Path, dns: DnsServer, *extra: str) -> list[str]:
     return ["--policy", str(policy), "--nameserver", dns.nameserver, *extra]
 
@@ -227,7 +100,7 @@ def test_relay_allowed_only_through_the_client_refused_with_reason(
         f"direct:direct=http://{INTERNET}:{internet.port}/direct",
     )
     curl = f"curl -sS --max-time 10 -o /dev/null -w 'curl %{{http_code}}\\n' {url}/curl"
-    script = f"{curl} && exec {_quoted(requests)}"
+    script = f"{curl} && exec {shlex.join(requests)}"
     audit = policy.parent / "audit.jsonl"
     result = egressd_ssh(lab, relay_options(policy, names, "--audit", str(audit)), ["sh", "-c", script])
     assert result.returncode == 0, result.stderr
@@ -383,7 +256,7 @@ def test_relay_policy_edit_applies_to_the_running_session(
     lab: SshLab, names: DnsServer, internet: EchoHTTPServer, policy: Path
 ) -> None:
     url = f"http://up.test:{internet.port}"
-    script = f"{_quoted(probe(f'before={url}/1'))}; read _go; exec {_quoted(probe(f'after={url}/2'))}"
+    script = f"{shlex.join(probe(f'before={url}/1'))}; read _go; exec {shlex.join(probe(f'after={url}/2'))}"
     with Running(ssh_argv(lab, relay_options(policy, names, "--trace"), ["sh", "-c", script])) as run:
         assert json.loads(run.line())["status"] == 200
         policy.write_text(POLICY_UP_DENIED)
@@ -479,7 +352,7 @@ def test_relay_ssh_killed_mid_session_ends_the_run_cleanly(
     ) as run:
         assert run.line() == "ready\n"
         local = ssh_lab.descendants(run.proc.pid)
-        masters = [pid for pid in local if "ControlMaster=yes" in ssh_lab.cmdline(pid)]
+        masters = ssh_lab.ssh_masters(local)
         assert len(masters) == 1 and len(local) >= 2, [ssh_lab.cmdline(p) for p in local]
         if what == "remote sshd":
             lab.drop_connections()
@@ -494,61 +367,97 @@ def test_relay_ssh_killed_mid_session_ends_the_run_cleanly(
     assert not [pid for pid in local if ssh_lab.cmdline(pid)], "local processes left running"
     assert list(workdir.iterdir()) == []
     # on the remote, the session's reaper ended the command and removed the session directory
-    _wait_for(lambda: not _sleepers(tag), "the remote command to end after SSH dropped", timeout=20)
+    wait_for(lambda: not sleepers(tag), "the remote command to end after SSH dropped", timeout=20)
     assert lab.remote_tmp is not None
-    _wait_for(lambda: not list(lab.remote_tmp.iterdir()), "the remote session directory to go")
+    wait_for(lambda: not list(lab.remote_tmp.iterdir()), "the remote session directory to go")
 
 
-def test_relay_egressd_killed_takes_its_ssh_and_the_forward_along(
+def test_relay_egressd_killed_takes_its_ssh_and_the_port_along(
     lab: SshLab, policy: Path, names: DnsServer, request: pytest.FixtureRequest
 ) -> None:
-    """SIGKILL to egressd: its ssh master and session go too, and with them the remote forward.
-
-    Otherwise the forward stays open with no proxy behind it, and another user of this machine
-    who binds the freed proxy port receives the remote command's requests, credentials included.
-    """
+    """SIGKILL to egressd: its ssh master and session go too, the remote session ends and its
+    port closes, and the control socket's private directory here is removed (nothing is left
+    in TMPDIR)."""
     request.addfinalizer(lab.kill_sessions)
+    workdir = Path(tempfile.mkdtemp(prefix="eg-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
     script = 'printf "%s\\n" "$HTTP_PROXY"; exec sleep 60'
-    with Running(ssh_argv(lab, relay_options(policy, names), ["sh", "-c", script])) as run:
+    argv = ssh_argv(lab, relay_options(policy, names), ["sh", "-c", script])
+    with Running(argv, env={**os.environ, "TMPDIR": str(workdir)}) as run:
         port = int(run.line().strip().rpartition(":")[2])
         local = ssh_lab.descendants(run.proc.pid)
-        assert any("ControlMaster=yes" in ssh_lab.cmdline(pid) for pid in local), local
-        assert lab.in_remote(lambda: _listening(port))
+        assert ssh_lab.ssh_masters(local), local
+        assert lab.in_remote(lambda: listening(port))
+        assert [p.name.startswith("egressd-ssh-") for p in workdir.iterdir()] == [True]
         run.proc.kill()
         run.proc.wait()
-        _wait_for(
+        wait_for(
             lambda: not [pid for pid in local if ssh_lab.cmdline(pid)],
             "egressd's ssh processes to end after it was killed",
             timeout=20,
         )
-        _wait_for(
-            lambda: not lab.in_remote(lambda: _listening(port)),
-            "the remote forward to close after egressd was killed",
+        wait_for(
+            lambda: not lab.in_remote(lambda: listening(port)),
+            "the remote port to close after egressd was killed",
             timeout=20,
         )
+        assert list(workdir.iterdir()) == []
 
 
-@pytest.mark.parametrize(
-    ("port", "words"),
-    [
-        (ssh_lab.NO_FORWARDING_PORT, [b"remote forward", b"failed"]),
-        # GatewayPorts yes: sshd binds the forward on every address, other hosts would reach it
-        (ssh_lab.GATEWAY_PORTS_PORT, [b"GatewayPorts", b"0.0.0.0:"]),
-    ],
-)
-def test_relay_forward_failure_is_fatal_before_the_command_runs(
-    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path, port: int, words: list[bytes]
+def test_relay_forward_refused_is_fatal_before_the_command_runs(
+    lab: SshLab, policy: Path, names: DnsServer, tmp_path: Path
 ) -> None:
     marker = tmp_path / "ran"
     result = egressd_ssh(
         lab,
         relay_options(policy, names),
         ["touch", str(marker)],
-        destination=f"ssh://root@{ssh_lab.REMOTE}:{port}",
+        destination=f"ssh://root@{ssh_lab.REMOTE}:{ssh_lab.NO_FORWARDING_PORT}",
     )
     assert result.returncode == 2, result.stderr
-    assert all(word in result.stderr for word in words), result.stderr
+    assert b"remote forward" in result.stderr and b"failed" in result.stderr, result.stderr
+    assert b"AllowStreamLocalForwarding" in result.stderr
     assert not marker.exists()
+
+
+def test_relay_port_is_on_the_remotes_loopback_even_with_gateway_ports(
+    lab: SshLab, policy: Path, names: DnsServer, internet: EchoHTTPServer
+) -> None:
+    """sshd with GatewayPorts yes binds TCP forwards on every address; the port the command connects
+    to is the guard's own, on 127.0.0.1, and sshd's end of the relay is a Unix socket: no other host
+    reaches the proxy whatever sshd_config says."""
+    listeners = "cat /proc/net/tcp /proc/net/tcp6"
+    script = f'printf "%s\\n" "$HTTP_PROXY"; {listeners}; exec {shlex.join(probe(f"up=http://up.test:{internet.port}/gw"))}'
+    result = egressd_ssh(
+        lab,
+        relay_options(policy, names),
+        ["sh", "-c", script],
+        destination=f"ssh://root@{ssh_lab.REMOTE}:{ssh_lab.GATEWAY_PORTS_PORT}",
+    )
+    assert result.returncode == 0, result.stderr
+    url, *table = result.stdout.decode().splitlines()
+    assert json.loads(table.pop())["status"] == 200
+    port = int(url.rpartition(":")[2])
+    listening = _listening_sockets("\n".join(table))
+    assert ("127.0.0.1", port) in listening
+    sshd = {
+        (ssh_lab.REMOTE, p)
+        for p in (ssh_lab.SSH_PORT, ssh_lab.NO_FORWARDING_PORT, ssh_lab.GATEWAY_PORTS_PORT)
+    }
+    assert {entry for entry in listening if entry[0] != "127.0.0.1"} <= sshd, listening
+
+
+def _listening_sockets(proc_net_tcp: str) -> set[tuple[str, int]]:
+    """(address, port) of the listening sockets in /proc/net/tcp{,6} text."""
+    found = set()
+    for line in proc_net_tcp.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3] == "0A" and ":" in fields[1]:
+            address, _, port = fields[1].partition(":")
+            raw = bytes.fromhex(address)
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((str(ipaddress.ip_address(words)), int(port, 16)))
+    return found
 
 
 def test_config_files_cannot_forward_the_agent(
@@ -597,24 +506,6 @@ def test_connect_failure_exits_255_without_running(
 
 
 # -- remote egress mode ----------------------------------------------------------------------------
-@pytest.fixture
-def remote_dns(lab: SshLab) -> Iterator[DnsServer]:
-    """A DNS server INSIDE the remote namespace (127.0.0.1 there): the remote egressd resolves."""
-    server = lab.in_remote(lambda: DnsServer("127.0.0.1").start())
-    for name in ("up.test", "denied.test"):
-        server.add(name, INTERNET)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def routed(lab: SshLab) -> Iterator[None]:
-    with lab.direct_route():
-        yield
-
-
 def remote_options(policy: Path, dns: DnsServer, *extra: str) -> list[str]:
     return [
         "--egress",
@@ -635,7 +526,7 @@ def test_remote_egress_enforces_the_pushed_policy_and_follows_changes(
     audit = tmp_path / "audit.jsonl"
     url = f"http://up.test:{internet.port}"
     first = probe(f"up={url}/1", f"denied=http://denied.test:{internet.port}/")
-    script = f"{_quoted(first)}; read _go; exec {_quoted(probe(f'again={url}/2'))}"
+    script = f"{shlex.join(first)}; read _go; exec {shlex.join(probe(f'again={url}/2'))}"
     options = remote_options(policy, remote_dns, "--trace", "--audit", str(audit))
     with Running(ssh_argv(lab, options, ["sh", "-c", script])) as run:
         up, denied = json.loads(run.line()), json.loads(run.line())
@@ -688,13 +579,11 @@ def test_remote_egress_hangs_up_the_command_when_ssh_drops(
     script = f"echo ready; exec sleep 61.{os.getpid()}"
     with Running(ssh_argv(lab, remote_options(policy, remote_dns), ["sh", "-c", script])) as run:
         assert run.line() == "ready\n"
-        _wait_for(lambda: _sleepers(f"61.{os.getpid()}"), "the remote command to start")
+        wait_for(lambda: sleepers(f"61.{os.getpid()}"), "the remote command to start")
         lab.drop_connections()
         assert run.finish(timeout=20) == 255
         assert "was lost" in run.stderr
-    _wait_for(
-        lambda: not _sleepers(f"61.{os.getpid()}"), "the remote command to be hung up after SSH dropped"
-    )
+    wait_for(lambda: not sleepers(f"61.{os.getpid()}"), "the remote command to be hung up after SSH dropped")
 
 
 def test_remote_egress_never_carries_secrets(lab: SshLab, remote_dns: DnsServer, tmp_path: Path) -> None:
@@ -728,12 +617,16 @@ def test_remote_egress_sandbox_leaves_the_proxy_as_the_only_way_out(
     lab: SshLab, remote_dns: DnsServer, routed: None, internet: EchoHTTPServer, policy: Path, tmp_path: Path
 ) -> None:
     """--sandbox: CMD runs in bubblewrap on the remote; the remote's own route is gone for it, the
-    remote egressd's proxy still decides, and the remote home is read-only while --rw paths are not."""
+    remote egressd's proxy still decides, and the remote home is read-only while --rw paths are not.
+
+    The probe runs with the remote egressd's own interpreter: the sandbox shows that read-only,
+    while root's `python3` here is a pyenv shim in its home, which the sandbox masks."""
     url = f"http://up.test:{internet.port}"
     requests = probe(
         f"up={url}/boxed",
         f"denied=http://denied.test:{internet.port}/",
         f"direct:direct=http://{INTERNET}:{internet.port}/direct",
+        python=sys.executable,
     )
     writable = tmp_path / "rw"
     writable.mkdir()
@@ -741,7 +634,7 @@ def test_remote_egress_sandbox_leaves_the_proxy_as_the_only_way_out(
     script = (
         'echo "sandbox=${EGRESSD_SANDBOX:-none}"; '
         f"touch {planted.name} 2>/dev/null && echo home-writable; "
-        f"touch {writable}/made && echo rw-writable; exec {_quoted(requests)}"
+        f"touch {writable}/made && echo rw-writable; exec {shlex.join(requests)}"
     )
     options = remote_options(policy, remote_dns, "--sandbox", "--rw", str(writable))
     try:
@@ -776,10 +669,10 @@ def test_remote_egress_sandbox_ends_when_ssh_drops(
     options = remote_options(policy, remote_dns, "--sandbox", "--rw", str(tmp_path))
     with Running(ssh_argv(lab, options, ["sh", "-c", script])) as run:
         assert run.line() == "ready\n"
-        _wait_for(lambda: len(_sleepers(tag)) == 2 and marker.exists(), "the command and its detached child")
+        wait_for(lambda: len(sleepers(tag)) == 2 and marker.exists(), "the command and its detached child")
         lab.drop_connections()
         assert run.finish(timeout=20) == 255
-    _wait_for(lambda: not _sleepers(tag), "the sandboxed processes to end after SSH dropped", timeout=20)
+    wait_for(lambda: not sleepers(tag), "the sandboxed processes to end after SSH dropped", timeout=20)
     size = marker.stat().st_size
     time.sleep(0.3)
     assert marker.stat().st_size == size
@@ -831,53 +724,27 @@ def test_ssh_drop_ends_what_the_command_detached(
         options = remote_options(policy, request.getfixturevalue("remote_dns"))
     with Running(ssh_argv(lab, options, ["sh", "-c", script])) as run:
         assert run.line() == "ready\n"
-        _wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, "both detached children")
+        wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, "both detached children")
         detached = [int(pid) for pid in pids.read_text().split()]
         assert all(ssh_lab.cmdline(pid) for pid in detached)
         if what == "remote sshd":
             lab.drop_connections()
         else:
-            masters = [
-                p for p in ssh_lab.descendants(run.proc.pid) if "ControlMaster=yes" in ssh_lab.cmdline(p)
-            ]
-            os.kill(masters[0], signal.SIGKILL)
+            [master] = ssh_lab.ssh_masters(ssh_lab.descendants(run.proc.pid))
+            os.kill(master, signal.SIGKILL)
         assert run.finish(timeout=20) == 255
-    _wait_for(
+    wait_for(
         lambda: not [pid for pid in detached if ssh_lab.cmdline(pid)],
         "the detached children to end after SSH dropped",
         timeout=20,
     )
-    _wait_for(lambda: not _sleepers(f"64.{os.getpid()}"), "the command to end after SSH dropped")
+    wait_for(lambda: not sleepers(f"64.{os.getpid()}"), "the command to end after SSH dropped")
     size = marker.stat().st_size
     time.sleep(0.3)
     assert marker.stat().st_size == size  # nobody writes it any more
 
 
 # -- small helpers -------------------------------------------------------------------------------
-def _quoted(argv: Sequence[str]) -> str:
-    return shlex.join(argv)
-
-
-def _sleepers(tag: str) -> list[int]:
-    return [pid for pid, line in ssh_lab.all_cmdlines() if line == f"sleep {tag}"]
-
-
-def _listening(port: int) -> bool:
-    """Something accepts on 127.0.0.1:port (call inside the remote namespace)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
-def _wait_for(condition: Callable[[], object], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _on_terminal(argv: Sequence[str], wait_for: bytes, keys: bytes) -> tuple[bytes, int]:
     """Run argv as the foreground job of a fresh terminal; type `keys` once `wait_for` appeared."""
     master, slave = os.openpty()

@@ -91,7 +91,20 @@ traffic leaves from there.""",
     multiple=True,
     metavar="PATH",
     help="With --sandbox: this remote path is writable in the sandbox (repeatable; the remote "
-    "working directory is read-only there).",
+    "home is masked there, as in `egressd sandbox`).",
+)
+@click.option(
+    "--show",
+    multiple=True,
+    metavar="PATH",
+    help="With --sandbox: let the command read this remote path in the masked home, or a "
+    "credential hidden by default (repeatable; quote a leading ~ so the remote expands it).",
+)
+@click.option(
+    "--hide",
+    multiple=True,
+    metavar="PATH",
+    help="With --sandbox: also hide this remote path (repeatable).",
 )
 @click.argument("destination")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
@@ -104,6 +117,8 @@ def ssh_command(
     client_loopback: bool,
     sandbox: bool,
     rw: tuple[str, ...],
+    show: tuple[str, ...],
+    hide: tuple[str, ...],
     options: SessionOptions,
 ) -> None:
     """Run CMD on DESTINATION ([user@]host or ssh://[user@]host[:port]) under this machine's policy.
@@ -123,8 +138,9 @@ def ssh_command(
             "--sandbox runs CMD in egressd's sandbox on the remote host: it needs --egress remote "
             "(in relay mode no egressd runs there)"
         )
-    if rw and not sandbox:
-        raise click.BadParameter("--rw is for --sandbox")
+    for name, given in (("--rw", rw), ("--show", show), ("--hide", hide)):
+        if given and not sandbox:
+            raise click.BadParameter(f"{name} is for --sandbox")
     if shutil.which(SSH_PROGRAM) is None:
         fail("egressd ssh needs the OpenSSH client (`ssh`) on PATH")
     # Before any thread starts: every thread must inherit the blocked signal mask.
@@ -160,9 +176,15 @@ def ssh_command(
         command=command,
         catcher=catcher,
         connection=connection,
-        sandbox=("--sandbox", *(arg for path in rw for arg in ("--rw", path))) if sandbox else (),
+        sandbox=_sandbox_options(rw=rw, show=show, hide=hide) if sandbox else (),
     )
     process.exit_like(returncode)
+
+
+def _sandbox_options(**paths: tuple[str, ...]) -> tuple[str, ...]:
+    """`remote-agent run` options for --sandbox and its paths (remote paths, passed as given)."""
+    given = [arg for name, values in paths.items() for path in values for arg in (f"--{name}", path)]
+    return ("--sandbox", *given)
 
 
 def _remote_egress(
@@ -210,7 +232,10 @@ def _remote_egress(
     if options.overrides.profile:
         agent += ["--profile", options.overrides.profile]
     host, port = options.listen
-    if (host, port) != ("127.0.0.1", 0):
+    # the ports the command connects to, bound and held by the session's guard (reaper.py); in the
+    # sandbox the command reaches the proxy through listeners made inside it instead
+    listen = [{"name": "http", "host": host, "port": port}, {"name": "socks", "host": host, "port": 0}]
+    if sandbox and (host, port) != ("127.0.0.1", 0):
         agent += ["--listen", join_host_port(host, port)]
     if options.trace:
         agent.append("--trace")
@@ -221,7 +246,15 @@ def _remote_egress(
     agent += sandbox
     return run_over_ssh(
         lambda c: RemoteEgress(
-            c, local, words, agent, say=say, announce=options.trace, audit=audit, files=files
+            c,
+            local,
+            words,
+            agent,
+            listen=() if sandbox else listen,
+            say=say,
+            announce=options.trace,
+            audit=audit,
+            files=files,
         ),
         connection(),
         command,
@@ -245,6 +278,8 @@ def remote_agent() -> None:
 @click.option("--upstream-ca", multiple=True, metavar="FILE", help="Also trust this CA for upstreams.")
 @click.option("--sandbox", is_flag=True, help="Run COMMAND in the sandbox (bubblewrap).")
 @click.option("--rw", multiple=True, metavar="PATH", help="With --sandbox: writable in the sandbox.")
+@click.option("--show", multiple=True, metavar="PATH", help="With --sandbox: shown in the masked home.")
+@click.option("--hide", multiple=True, metavar="PATH", help="With --sandbox: also hidden.")
 @click.option("--policy", "policy_file", hidden=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def agent_run(
@@ -257,6 +292,8 @@ def agent_run(
     upstream_ca: tuple[str, ...],
     sandbox: bool,
     rw: tuple[str, ...],
+    show: tuple[str, ...],
+    hide: tuple[str, ...],
     policy_file: str | None,
     command: tuple[str, ...],
 ) -> None:
@@ -268,13 +305,15 @@ def agent_run(
         )
     address = parse_listen(listen)
     catcher = process.child_signal_catcher().install()
-    from egressd.remote.agent import Agent, AgentError, SandboxPlan
+    from egressd.remote.agent import Agent, AgentError, SandboxPlan, inherited_sockets
     from egressd.remote.channel import LineChannel
+
+    sockets = inherited_sockets()
 
     plan = None
     if sandbox:
         try:
-            plan = SandboxPlan.prepare(rw)
+            plan = SandboxPlan.prepare(rw, show, hide)
         except AgentError as exc:  # before the channel: the client hears it and nothing runs
             _remote_say(str(exc))
             sys.exit(2)
@@ -294,6 +333,7 @@ def agent_run(
         inspect=not no_inspect,
         upstream_ca=upstream_ca,
         sandbox=plan,
+        sockets=sockets,
     )
     try:
         returncode = agent.run(command, catcher)
@@ -303,6 +343,17 @@ def agent_run(
     finally:
         channel.close()
     process.exit_like(returncode)
+
+
+@remote_agent.command("guard", context_settings=CONTEXT)
+@click.argument("directory")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def agent_guard(directory: str, command: tuple[str, ...]) -> None:
+    """Run COMMAND (the agent) under the session's guard: the ports it serves stay held, and all
+    it starts is ended, whenever it or the SSH session ends (egressd/remote/reaper.py)."""
+    from egressd.remote import reaper
+
+    reaper.guard(directory, list(command))
 
 
 @remote_agent.command("feed")

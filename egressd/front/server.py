@@ -79,6 +79,17 @@ class FastFront:
         )
         return self._own(server)
 
+    async def adopt(
+        self, sock: socket.socket, kind: str, ssl: ssl_module.SSLContext | None = None
+    ) -> tuple[str, int]:
+        """Listen for `kind` clients on a socket of this machine bound elsewhere (a remote
+        session's guard binds the agent's ports and keeps them): egressd's own, as start()'s are."""
+        _check_kind(kind)
+        self._sweep_from_now()
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: self._protocol(kind), sock=sock, backlog=4096, ssl=ssl)
+        return self._own(server)
+
     async def serve(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
         """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket):
         in the sandbox's network namespace, so not an address of this one (never registered)."""

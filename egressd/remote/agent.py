@@ -7,6 +7,11 @@ channel ends — the client went away or SSH dropped — the command and everyth
 detached or not, is hung up (SIGHUP, SIGKILL 5 s later; the agent is their subreaper): none may
 run on under a policy its client can no longer change. What is left when the command exits ends
 the same way, since the proxy it would use goes with the agent.
+
+The agent runs under the session's guard (reaper.py, `egressd remote-agent guard`), which bound
+the proxy's ports and handed them over (LISTEN_FDS): if the agent dies (SIGKILL, the OOM killer, a
+crash), the command dies with it (its parent-death signal), the guard ends whatever the command
+left, and nobody else can bind the ports meanwhile, because the guard still holds them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -27,6 +33,7 @@ from egressd.observe.audit import AuditLog
 from egressd.policy import Policy, PolicyError
 from egressd.remote import reaper
 from egressd.remote.channel import ChannelError, LineChannel, read_policy
+from egressd.remote.spawn import tethered
 from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
@@ -66,6 +73,22 @@ class ChannelAudit(AuditLog):
         return self._forward(super().event(kind, **fields))
 
 
+def inherited_sockets(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, socket.socket]:
+    """The listening sockets the session's guard handed over ({"http": ..., "socks": ...}), by
+    systemd's convention (LISTEN_PID, LISTEN_FDS from fd 3, LISTEN_FDNAMES); the variables are
+    removed, and the command inherits none of the sockets."""
+    pid, count = environ.pop("LISTEN_PID", None), environ.pop("LISTEN_FDS", "0")
+    names = environ.pop("LISTEN_FDNAMES", "").split(":")
+    if pid != str(os.getpid()) or not count.isdigit():
+        return {}
+    found = {}
+    for index, name in enumerate(names[: int(count)]):
+        fd = 3 + index
+        os.set_inheritable(fd, False)
+        found[name] = socket.socket(fileno=fd)
+    return found
+
+
 def _check_profile(policy: Policy, profile: str | None) -> Policy:
     if profile is not None and profile not in policy.profiles:
         raise PolicyError(policy.source, "--profile", profile, "no such profile in the pushed policy")
@@ -81,12 +104,13 @@ class SandboxPlan:
     layout: Layout
 
     @classmethod
-    def prepare(cls, rw: Sequence[str]) -> SandboxPlan:
+    def prepare(cls, rw: Sequence[str], show: Sequence[str] = (), hide: Sequence[str] = ()) -> SandboxPlan:
         """Check before anything runs: the command never runs unconfined (AgentError instead).
 
-        The working directory (the remote login's home) is read-only inside: a writable home
-        would let the command plant start-up files (~/.bashrc, ~/.ssh/authorized_keys) that run
-        later outside the sandbox. `--rw` paths are writable.
+        The layout is the local sandbox's (egressd sandbox), with the remote working directory
+        as its project — except the login's home, the usual working directory of an SSH session,
+        which stays masked as every home is: empty but for a short list of harmless configuration
+        and what --show names (read-only), and `--rw`/`--ro` paths. The command starts there.
         """
         from egressd.sandbox import preflight
         from egressd.sandbox.layout import plan_layout
@@ -95,12 +119,17 @@ class SandboxPlan:
 
         if not sys.platform.startswith("linux"):
             raise AgentError(f"--sandbox on the remote needs Linux (bubblewrap), not {sys.platform}")
+        cwd = os.path.realpath(os.getcwd())
+        project = None if cwd == os.path.realpath(os.path.expanduser("~")) else cwd
         try:
+            # a project other than the home is read-only: the command writes where --rw says
             layout = plan_layout(
                 SessionOptions(),
-                workdir=os.getcwd(),
+                workdir=project,
                 rw=rw,
-                ro=(os.getcwd(),),
+                ro=(project,) if project is not None else (),
+                show=show,
+                hide=hide,
             )
             # never a bwrap an earlier sandboxed command could have written (a --rw path on PATH)
             bwrap = preflight.locate_bwrap(writable=[m.path for m in layout.mounts if m.writable])
@@ -143,8 +172,10 @@ class Agent:
         inspect: bool = True,
         upstream_ca: Sequence[str] = (),
         sandbox: SandboxPlan | None = None,
+        sockets: dict[str, socket.socket] | None = None,
     ) -> None:
         self.channel = channel
+        self.sockets = sockets or {}
         self.sandbox = sandbox
         self.inspect = inspect
         self.upstream_ca = tuple(upstream_ca)
@@ -212,6 +243,7 @@ class Agent:
             audit=self.audit,
             inspect=self.inspect,
             upstream_ca=self.upstream_ca,
+            sockets=self.sockets,
         )
         try:
             self.proxy.start()
@@ -231,7 +263,8 @@ class Agent:
                 returncode = self._run_sandboxed(self.sandbox, command, creds, policy, catcher)
             else:
                 try:
-                    pid = process.spawn(command, env, catcher)
+                    # dies with the agent: no command runs on without its proxy and policy
+                    pid = process.spawn(tethered(command, signo=signal.SIGKILL), env, catcher)
                 except OSError as exc:
                     returncode = exec_failure(command[0], exc)
                 else:

@@ -67,6 +67,7 @@ class LineChannel:
         self.sock = sock
         self._buffer = b""
         self._send_lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def connect(cls, path: str, timeout: float = 10.0) -> LineChannel:
@@ -87,9 +88,10 @@ class LineChannel:
         return True
 
     def receive(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """The next message; None at EOF. socket.timeout (TimeoutError) after `timeout`."""
-        self.sock.settimeout(timeout)
+        """The next message; None at EOF, or once this end closed the channel (another thread may
+        be waiting here then). socket.timeout (TimeoutError) after `timeout`."""
         try:
+            self.sock.settimeout(timeout)
             while b"\n" not in self._buffer:
                 if len(self._buffer) > MAX_LINE:
                     raise ChannelError("channel message too long")
@@ -97,12 +99,18 @@ class LineChannel:
                 if not block:
                     return None
                 self._buffer += block
+        except OSError:
+            if self._closed:
+                return None
+            raise
         finally:
-            self.sock.settimeout(None)
+            with contextlib.suppress(OSError):
+                self.sock.settimeout(None)
         line, _, self._buffer = self._buffer.partition(b"\n")
         return decode(line)
 
     def close(self) -> None:
+        self._closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()

@@ -1,14 +1,16 @@
 """One SSH connection: an OpenSSH control master plus the multiplexed commands egressd needs.
 
-Why a master: the remote forward's port is only known once sshd chose it, and the remote command
-must be started with that port in its environment. The master authenticates once (keys, agents,
-~/.ssh/config, prompts on the terminal all work as with plain ssh); the forward, the set-up, the
-user's session and signal delivery then run as fast multiplexed clients over it.
+Why a master: the remote forward can only be opened into the session directory once that exists
+on the remote, and several short commands (set-up, upload, signal delivery) run before and beside
+the user's session. The master authenticates once (keys, agents, ~/.ssh/config, prompts on the
+terminal all work as with plain ssh); the forward, the set-up, the user's session and signal
+delivery then run as fast multiplexed clients over it.
 
 The master runs in egressd's process group (so it can prompt on the terminal) with SIGINT and
 SIGQUIT ignored: Ctrl-C is for the remote command, and egressd delivers it there itself. It is
 tethered to egressd (it gets SIGTERM when egressd dies, even of SIGKILL, on Linux): with it go the
-reverse forward and every multiplexed session, so nothing can take over the freed proxy port.
+reverse forward and every multiplexed session, which ends the remote session (its guard then ends
+the command's tree), and the control socket's directory is removed when it ends.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from egressd import process
@@ -59,9 +61,16 @@ class Interrupted(Exception):
         self.signo = signo
 
 
+def remote_text(text: str) -> str:
+    """Text the remote host sent, fit for this terminal: one line, control characters escaped
+    (a compromised remote must not drive the user's terminal with escape sequences)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in " ".join(text.split()))
+
+
 def _first_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    """The last non-empty line of the remote's stderr (the one that says why), made printable."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return remote_text(lines[-1]) if lines else ""
 
 
 class SshConnection:
@@ -85,7 +94,12 @@ class SshConnection:
     def connect(self, catcher: process.SignalCatcher) -> None:
         """Start the master and wait until it accepts multiplexed clients."""
         self.master = self.spawner.spawn(
-            self.ssh.master(), stdin=DEVNULL, stdout=DEVNULL, ignore=("INT", "QUIT"), tether=True
+            self.ssh.master(),
+            stdin=DEVNULL,
+            stdout=DEVNULL,
+            ignore=("INT", "QUIT"),
+            tether=True,
+            remove=self._workdir,
         )
         stops = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
         while True:
@@ -102,18 +116,22 @@ class SshConnection:
         return self.master is not None and self.master.poll() is None
 
     # -- multiplexed commands ------------------------------------------------------------------
-    def forward(self, target_host: str, target_port: int) -> int:
-        """A reverse forward from a loopback port sshd picks on the remote; returns that port."""
-        done = self.spawner.run(self.ssh.forward_remote(target_host, target_port), timeout=HELPER_TIMEOUT)
-        port = done.stdout.strip()
-        if not done.ok or not port.isdigit():
+    def forward_sockets(self, forwards: Sequence[tuple[str, str, int]]) -> None:
+        """Reverse forwards from Unix sockets on the remote (path, in a private directory) to
+        (host, port) here; SshError (exit 2) when sshd refuses them."""
+        try:
+            argv = self.ssh.forward_sockets(forwards)
+        except ValueError as exc:
+            raise SshError(f"the remote forward on {self.name} failed: {exc}", exit_code=2) from exc
+        done = self.spawner.run(argv, timeout=HELPER_TIMEOUT)
+        if not done.ok:
             why = _first_line(done.stderr) or f"ssh exited with status {done.returncode}"
             raise SshError(
-                f"the remote forward on {self.name} failed: {why} (the server must allow TCP "
-                "forwarding: AllowTcpForwarding yes)",
+                f"the remote forward on {self.name} failed: {why} (the server must allow "
+                "forwarding to Unix sockets: AllowStreamLocalForwarding yes or remote, the default). "
+                "--egress remote needs no forward. Nothing was run.",
                 exit_code=2,
             )
-        return int(port)
 
     def helper(
         self, remote_command: str, *, input: bytes | None = None, timeout: float = HELPER_TIMEOUT

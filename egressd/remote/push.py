@@ -21,8 +21,9 @@ from egressd.policy import Policy, PolicyError
 from egressd.reload import FileWatcher, UnsettledError
 from egressd.remote import scripts
 from egressd.remote.channel import ChannelError, decode, encode, policy_message
-from egressd.remote.connection import SshConnection, SshError
+from egressd.remote.connection import SshConnection, SshError, remote_text
 from egressd.remote.spawn import PIPE, Child
+from egressd.remote.supervise import accepted_status
 from egressd.session import Overrides, SessionError, base_policy, file_policy, resolve_policy_path
 
 LISTEN_TIMEOUT = 30.0
@@ -184,12 +185,18 @@ class PolicyFeed:
         if kind == "applied" and isinstance(seq, int) and seq > 1 and self.announce:
             self.say(f"{self.connection.name} applied the policy from {source}")
         elif kind == "rejected":
-            error = " ".join(str(message.get("error")).split())
+            error = remote_text(str(message.get("error")))
             self.say(f"{self.connection.name} refused the policy from {source}: {error}")
         elif kind == "audit" and self.audit is not None and isinstance(message.get("record"), dict):
             self.audit.write(message["record"])
-        elif kind == "exit" and isinstance(message.get("returncode"), int):
-            self._exit = message["returncode"]
+        elif kind == "exit":
+            status = accepted_status(message.get("returncode"))
+            if status is None:
+                self.say(
+                    f"{self.connection.name} reported an exit status egressd does not take "
+                    f"({remote_text(repr(message.get('returncode')))[:40]}); using the session's own"
+                )
+            self._exit = status
             self._done.set()
 
     def exit_report(self, timeout: float) -> int | None:

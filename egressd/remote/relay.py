@@ -1,24 +1,27 @@
 """Relay mode: the remote child's traffic comes back through the SSH connection to the local proxy.
 
-The remote child's proxy variables point at `127.0.0.1:<port>` ON THE REMOTE, a reverse forward
-sshd opened (port of its choice) that leads to egressd's loopback proxy here. Other users of the
-remote host can connect to that port too, which is why the child's credentials matter: they get
-407. The credentials reach the remote in a private file, never in a command line.
+The remote child's proxy variables point at `127.0.0.1:<port>` ON THE REMOTE, a port the
+session's guard (reaper.py, run by the remote's python3) binds and holds for as long as anything
+the command started runs. The guard relays each connection to a Unix socket in the session's
+private directory, the remote end of a reverse forward sshd opened, which leads to egressd's
+loopback proxy here. Other users of the remote host can connect to that port too, which is why
+the child's credentials matter: they get 407. They can never bind it: when the session ends, the
+guard freezes the command's tree, ends it, and only then lets go of the port. The credentials
+reach the remote in a private file, never in a command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from egressd import process
 from egressd.child_env import CA_BUNDLE_VARS, proxy_exports
 from egressd.policy import Policy
 from egressd.remote import reaper, scripts
-from egressd.remote.connection import SshConnection, SshError
+from egressd.remote.connection import SshConnection, SshError, remote_text
 from egressd.remote.interfaces import local_addresses
 from egressd.remote.supervise import Outcome, supervise
 from egressd.session import ProxySession
@@ -48,38 +51,6 @@ def relay_policy(policy: Policy, *, client_loopback: bool = False) -> Policy:
     return dataclasses.replace(policy, loopback=loopback, source=source)
 
 
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
-
-
-def _proc_address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """A /proc/net/tcp{,6} address: 32-bit words in host (little-endian) order."""
-    raw = bytes.fromhex(text)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return ipaddress.ip_address(words)
-
-
-def exposed_listeners(proc_net_tcp: str, ports: Collection[int]) -> list[str]:
-    """Listening sockets on `ports` bound to a non-loopback address, from /proc/net/tcp{,6} text.
-
-    sshd binds a remote forward on every address, whatever the client asked, when its
-    GatewayPorts is `yes`: then other hosts reach egressd's proxy port.
-    """
-    found = []
-    for line in proc_net_tcp.splitlines():
-        fields = line.split()
-        if len(fields) < 4 or fields[3] != _LISTEN or ":" not in fields[1]:
-            continue
-        address, _, port = fields[1].partition(":")
-        try:
-            ip, number = _proc_address(address), int(port, 16)
-        except ValueError:
-            continue
-        mapped = getattr(ip, "ipv4_mapped", None)
-        if number in ports and not (mapped or ip).is_loopback:
-            found.append(f"[{ip}]:{number}" if ip.version == 6 else f"{ip}:{number}")
-    return found
-
-
 class Relay:
     """One relayed run; `directory` is the remote session directory once it exists."""
 
@@ -91,66 +62,64 @@ class Relay:
         self.say = say
         self.directory: str | None = None
 
-    def check_loopback_only(self, ports: Collection[int]) -> None:
-        """Refuse (exit 2) when sshd bound a forward beyond the remote's loopback (GatewayPorts)."""
-        done = self.connection.helper(scripts.remote_command(scripts.LISTENERS))
-        if not done.ok or "local_address" not in done.stdout:
-            self.say(
-                f"cannot check which address {self.connection.name} binds the forward on (no "
-                "/proc/net/tcp there); if its sshd has GatewayPorts yes, other hosts reach this proxy port"
-            )
-            return
-        exposed = exposed_listeners(done.stdout, ports)
-        if exposed:
-            raise SshError(
-                f"sshd on {self.connection.name} binds the reverse forward on {', '.join(exposed)}, not "
-                "only on its loopback (GatewayPorts yes in its sshd_config): other hosts could reach "
-                "egressd's proxy port. Set GatewayPorts no or clientspecified there. Nothing was run.",
-                exit_code=2,
-            )
-
-    def environment(self) -> tuple[str, bytes | None]:
-        """Forward the proxy's ports; the env file text and the CA bundle to upload (if any)."""
+    def plan(self) -> tuple[str, bytes | None]:
+        """The session plan (the command's variables, the ports the guard holds and the sockets it
+        relays them to) and the CA bundle to upload (if any)."""
         proxy = self.session.proxy
         assert proxy is not None, "start the session first"
         creds = self.session.credentials()
-        http_port = self.connection.forward(*proxy.http_address)
-        ports = [http_port]
+        listen = [{"name": "http", "host": REMOTE_LOOPBACK, "port": 0, "relay": "http.sock"}]
+        http_url = f"http://{creds.username}:{creds.token}@{REMOTE_LOOPBACK}:{reaper.port_mark('http')}"
         socks_url = None
         if proxy.socks_address is not None:
-            socks_port = self.connection.forward(*proxy.socks_address)
-            socks_url = creds.proxy_url(REMOTE_LOOPBACK, socks_port, scheme="socks5h")
-            ports.append(socks_port)
-        self.check_loopback_only(ports)
-        exports = proxy_exports(
-            creds.proxy_url(REMOTE_LOOPBACK, http_port), socks_url, placeholders=self.session.placeholders()
-        )
+            listen.append({"name": "socks", "host": REMOTE_LOOPBACK, "port": 0, "relay": "socks.sock"})
+            socks_url = (
+                f"socks5h://{creds.username}:{creds.token}@{REMOTE_LOOPBACK}:{reaper.port_mark('socks')}"
+            )
+        exports = proxy_exports(http_url, socks_url, placeholders=self.session.placeholders())
         bundle = self.session.ca_bundle
         if bundle is None:
-            return scripts.env_file(exports), None
+            return scripts.session_plan(exports, listen=listen), None
         try:
             data = Path(bundle).read_bytes()
         except OSError as exc:
             raise SshError(f"cannot read the CA bundle {bundle}: {exc.strerror or exc}", 2) from exc
-        return scripts.env_file(exports, dict.fromkeys(CA_BUNDLE_VARS, CA_NAME)), data
+        files = dict.fromkeys(CA_BUNDLE_VARS, CA_NAME)
+        return scripts.session_plan(exports, files, listen=listen), data
+
+    def forwards(self, directory: str) -> list[tuple[str, str, int]]:
+        """(remote socket, local host, local port) for the proxy's ports."""
+        proxy = self.session.proxy
+        assert proxy is not None
+        forwards = [(f"{directory}/http.sock", *proxy.http_address)]
+        if proxy.socks_address is not None:
+            forwards.append((f"{directory}/socks.sock", *proxy.socks_address))
+        return forwards
 
     def run(self, command: Sequence[str], catcher: process.SignalCatcher) -> Outcome:
-        env_text, bundle = self.environment()
-        self.directory = directory = self.connection.make_directory(env_text)
+        plan, bundle = self.plan()
+        self.directory = directory = self.connection.make_directory(plan)
+        done = self.connection.helper(
+            scripts.prepare_relay_command(directory), input=Path(reaper.__file__).read_bytes()
+        )
+        if not done.ok:
+            why = remote_text(done.stderr) or f"exit status {done.returncode}"
+            raise SshError(
+                f"relay mode needs python3 ({'.'.join(map(str, scripts.MIN_PYTHON))} or later) on "
+                f"{self.connection.name}: it runs the small guard that holds the port the command "
+                f"connects to, and ends all the command started when the session ends ({why}). "
+                "Install python3 there, or use --egress remote. Nothing was run.",
+                exit_code=2,
+            )
         if bundle is not None:
             done = self.connection.helper(scripts.put_command(directory, CA_NAME), input=bundle)
             if not done.ok:
                 raise SshError(
-                    f"cannot copy the CA bundle to {self.connection.name}: {done.stderr.strip()}", 2
+                    f"cannot copy the CA bundle to {self.connection.name}: {remote_text(done.stderr)}", 2
                 )
-        # the remote end of the session ends all the command started when SSH drops (reaper.py)
-        done = self.connection.helper(
-            scripts.put_command(directory, scripts.REAPER_NAME), input=Path(reaper.__file__).read_bytes()
-        )
-        if not done.ok:
-            raise SshError(f"cannot prepare the session on {self.connection.name}: {done.stderr.strip()}", 2)
+        self.connection.forward_sockets(self.forwards(directory))
         # With a terminal on stdin the ssh client must stay in the foreground group to read it.
-        child = self.connection.start(scripts.relay_wrapped(directory, command), new_group=not os.isatty(0))
+        child = self.connection.start(scripts.relay_guarded(directory, command), new_group=not os.isatty(0))
         try:
             return supervise(child, self.connection, directory, catcher)
         finally:

@@ -1,9 +1,11 @@
 """Remote egress mode: egressd runs on the remote host and the traffic leaves from there.
 
 The client checks that egressd is installed there (before anything runs), starts the policy
-feed, pushes its policy, then runs `egressd remote-agent run -- CMD` as the session. Every change
+feed, pushes its policy, then runs `egressd remote-agent guard DIR egressd remote-agent run -- CMD`
+as the session: the guard (reaper.py) binds the proxy's ports and hands them to the agent, so they
+stay held until everything the command started has ended, even when the agent dies. Every change
 of the local policy file is pushed at once; the remote's own policy files and EGRESSD_MODE are
-never consulted.
+never consulted: the remote egressd decides with the client's policy, but it decides.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from egressd import process
 from egressd.policy import Policy
 from egressd.remote import scripts
-from egressd.remote.connection import SshConnection, SshError
+from egressd.remote.connection import SshConnection, SshError, remote_text
 from egressd.remote.push import AuditFile, LocalPolicy, PolicyFeed
 from egressd.remote.supervise import Outcome, supervise
 
@@ -31,6 +33,7 @@ class RemoteEgress:
         egressd: Sequence[str],
         agent_options: Sequence[str],
         *,
+        listen: Sequence[Mapping[str, object]] = (),
         say: Callable[[str], None],
         announce: bool,
         audit: AuditFile | None,
@@ -41,6 +44,7 @@ class RemoteEgress:
         self.local = local
         self.egressd = list(egressd)
         self.agent_options = list(agent_options)
+        self.listen = list(listen)
         self.say = say
         self.announce = announce
         self.audit = audit
@@ -52,8 +56,8 @@ class RemoteEgress:
         done = self.connection.helper(scripts.version_command(self.egressd))
         lines = [line for line in done.stdout.splitlines() if line.startswith("egressd ")]
         if done.ok and lines:
-            return lines[-1]
-        why = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
+            return remote_text(lines[-1])
+        why = remote_text(done.stderr) or f"exit status {done.returncode}"
         raise SshError(
             f"egressd is not installed on {self.connection.name} (`{shlex.join(self.egressd)} --version` "
             f"failed there: {why}). --egress remote runs egressd on the remote host: install it there "
@@ -71,7 +75,7 @@ class RemoteEgress:
 
     def run(self, command: Sequence[str], catcher: process.SignalCatcher) -> Outcome:
         self.check_installed()
-        self.directory = directory = self.connection.make_directory("")
+        self.directory = directory = self.connection.make_directory(scripts.session_plan(listen=self.listen))
         agent_files: list[str] = []
         for name, data in self.files.items():  # --upstream-ca files, for the remote proxy
             done = self.connection.helper(scripts.put_command(directory, name), input=data)
@@ -87,6 +91,11 @@ class RemoteEgress:
         agent = [
             *self.egressd,
             "remote-agent",
+            "guard",
+            directory,
+            "--",
+            *self.egressd,
+            "remote-agent",
             "run",
             "--channel",
             scripts.channel_path(directory),
@@ -95,7 +104,7 @@ class RemoteEgress:
             "--",
             *command,
         ]
-        child = self.connection.start(scripts.wrapped(directory, agent), new_group=not os.isatty(0))
+        child = self.connection.start(scripts.exec_command(agent), new_group=not os.isatty(0))
         try:
             return supervise(child, self.connection, directory, catcher, exit_report=feed.exit_report)
         finally:

@@ -1,14 +1,15 @@
-"""The few shell snippets egressd runs on the remote host, and the env file it hands over there.
+"""The few shell snippets egressd runs on the remote host, and the session plan it hands over there.
 
 Every remote command is one line `exec sh -c 'SCRIPT' egressd ARGS...`: the user's login shell
 (bash, zsh, fish, csh, ...) only has to run `exec`, and the script always runs under POSIX sh.
 The proxy credentials travel in a 0600 file inside a 0700 directory (never in a command line,
-which other users of the remote host can read in the process list); the wrapper sources it,
-deletes it and execs the command, so the command keeps the pid the wrapper recorded for signals.
+which other users of the remote host can read in the process list): the session plan, which the
+session's guard (reaper.py) reads and deletes before it starts the command.
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 import shlex
@@ -16,12 +17,12 @@ from collections.abc import Mapping, Sequence
 
 # One list of inherited proxy settings for local and remote children alike.
 from egressd.child_env import _STRIP_LOWER as _INHERITED_PROXY_SETTINGS
+from egressd.remote.reaper import PID_NAME, PLAN_NAME
 
 DIR_PREFIX = "egressd-ssh."
-ENV_NAME = "env"
-PID_NAME = "pid"
 CHANNEL_NAME = "policy.sock"
 REAPER_NAME = "reaper.py"
+MIN_PYTHON = (3, 7)
 
 # Remove this user's session directories whose command is gone (an SSH drop leaves them behind);
 # one without a pid file yet is a session still starting, and is kept.
@@ -31,37 +32,35 @@ _COLLECT = (
     + PID_NAME
     + '" && [ "$p" -gt 1 ] 2>/dev/null && ! kill -0 "$p" 2>/dev/null && rm -rf -- "$o"; done; '
 )
-# stdin → "$d/env"; prints the new private directory.
+# stdin → "$d/env" (the plan); prints the new private directory. A TMPDIR too deep for the Unix
+# sockets the directory holds (sun_path: 104 bytes on macOS) is passed over for /tmp.
 SETUP = (
-    'umask 077 && t="${TMPDIR:-/tmp}" && ' + _COLLECT + 'd=$(mktemp -d "$t/' + DIR_PREFIX + 'XXXXXXXXXX") '
-    '&& cat > "$d/' + ENV_NAME + '" && printf "%s\\n" "$d"'
+    'umask 077 && t="${TMPDIR:-/tmp}" && { [ "${#t}" -le 64 ] || t=/tmp; } && '
+    + _COLLECT
+    + 'd=$(mktemp -d "$t/'
+    + DIR_PREFIX
+    + 'XXXXXXXXXX") && cat > "$d/'
+    + PLAN_NAME
+    + '" && printf "%s\\n" "$d"'
 )
-# $1 = the directory, then the command: record the pid, take the environment, exec.
-WRAPPER = (
-    'd=$1; shift; printf "%s\\n" "$$" > "$d/' + PID_NAME + '" '
-    '&& . "$d/' + ENV_NAME + '" && rm -f "$d/' + ENV_NAME + '" && exec "$@"'
+# Relay mode, $1 = the directory: stdin → the guard (reaper.py); fails unless python3 >= 3.7 runs.
+PREPARE_RELAY = (
+    'cat > "$1/' + REAPER_NAME + '" && exec python3 -I -S -c '
+    f'"import sys; sys.exit(sys.version_info < {MIN_PYTHON!r})"'
 )
-# Relay mode: the same, but under the reaper (egressd/remote/reaper.py, uploaded as "$d/reaper.py")
-# with the remote's python3, which ends everything the command started when the session ends.
-# Without python3 (3.7 or later) the command runs as WRAPPER runs it, and stderr says so.
-RELAY_WRAPPER = (
-    'd=$1; shift; . "$d/' + ENV_NAME + '" && rm -f "$d/' + ENV_NAME + '" && '
-    'if python3 -I -S -c "import sys; sys.exit(sys.version_info < (3, 7))" >/dev/null 2>&1; '
-    'then exec python3 -I -S "$d/' + REAPER_NAME + '" "$d" "$@"; fi; '
-    'echo "egressd: no python3 here: what the command detaches outlives a dropped SSH connection" >&2; '
-    'printf "%s\\n" "$$" > "$d/' + PID_NAME + '" && exec "$@"'
-)
-# $1 = signal name, $2 = the directory: signal the command the wrapper became (a signal that
+# Relay mode, $1 = the directory, then the command: run it under the guard, by the remote's python3.
+RELAY_GUARDED = 'd=$1; shift; exec python3 -I -S "$d/' + REAPER_NAME + '" "$d" "$@"'
+# $1 = signal name, $2 = the directory: signal the command the guard started (a signal that
 # arrives while the session is still starting waits up to 3 s for the pid).
 KILL = (
     'i=0; while [ ! -s "$2/' + PID_NAME + '" ] && [ "$i" -lt 30 ]; do sleep 0.1; i=$((i+1)); done; '
     'read p < "$2/' + PID_NAME + '" && kill -s "$1" "$p"'
 )
-# the remote's listening TCP sockets (Linux), to see where sshd bound the forwards
-LISTENERS = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; true"
 # $1 = the directory, $2 = a file name: stdin → that file
 PUT = 'cat > "$1/$2"'
 CLEANUP = 'rm -rf -- "$1"'
+# a command given as its words
+EXEC = 'exec "$@"'
 # the remote egressd command (one or more words), asked for its version
 VERSION = '"$@" --version'
 
@@ -81,20 +80,27 @@ def unset_names() -> list[str]:
     return sorted({n for name in _INHERITED_PROXY_SETTINGS for n in (name, name.upper())})
 
 
-def env_file(exports: Mapping[str, str], files: Mapping[str, str] | None = None) -> str:
-    """sh source text: drop inherited proxy settings, then export egressd's variables.
+def session_plan(
+    exports: Mapping[str, str] | None = None,
+    files: Mapping[str, str] | None = None,
+    listen: Sequence[Mapping[str, object]] = (),
+) -> str:
+    """The session plan for the guard (reaper.py), as JSON.
 
-    `files` maps variables to names of files uploaded into the session directory (the CA bundle):
-    their value is the file's remote path, known only when the wrapper runs (`$d`).
+    `exports` are the command's variables (inherited proxy settings are dropped first), where
+    "\0NAME\0" stands for the port of listener NAME; `files` maps variables to names of files
+    uploaded into the session directory (the CA bundle), whose path is known only there; `listen`
+    are the loopback ports the guard holds ({"name", "host", "port", "relay"?}).
     """
-    lines = [f"unset {' '.join(unset_names())}"] if exports or files else []
-    for key, value in exports.items():
-        lines.append(f"export {_name(key)}={shlex.quote(value)}")
-    for key, name in (files or {}).items():
+    for key in [*(exports or {}), *(files or {})]:
+        _name(key)
+    for name in (files or {}).values():
         if not _FILE.fullmatch(name):
             raise ValueError(f"not a plain file name: {name!r}")
-        lines.append(f'export {_name(key)}="$d/{name}"')
-    return "".join(line + "\n" for line in lines)
+    plan: dict[str, object] = {"listen": [dict(item) for item in listen]}
+    if exports or files:
+        plan.update(unset=unset_names(), set=dict(exports or {}), files=dict(files or {}))
+    return json.dumps(plan)
 
 
 def _name(key: str) -> str:
@@ -103,14 +109,17 @@ def _name(key: str) -> str:
     return key
 
 
-def wrapped(directory: str, command: Sequence[str]) -> str:
-    """The session command: the wrapper around the user's (or the agent's) command."""
-    return remote_command(WRAPPER, directory, *command)
+def relay_guarded(directory: str, command: Sequence[str]) -> str:
+    """The relay session command: the user's command under the guard (reaper.py)."""
+    return remote_command(RELAY_GUARDED, directory, *command)
 
 
-def relay_wrapped(directory: str, command: Sequence[str]) -> str:
-    """The relay session command: the user's command under the reaper (see RELAY_WRAPPER)."""
-    return remote_command(RELAY_WRAPPER, directory, *command)
+def exec_command(argv: Sequence[str]) -> str:
+    return remote_command(EXEC, *argv)
+
+
+def prepare_relay_command(directory: str) -> str:
+    return remote_command(PREPARE_RELAY, directory)
 
 
 def kill_command(directory: str, signal_name: str) -> str:

@@ -27,36 +27,92 @@ _RESET = tuple(s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SI
 
 
 # Runs in a fresh interpreter between spawn and exec (posix_spawn runs no code of ours there):
-# argv = PARENT_PID IGNORED_SIGNALS PROGRAM ARGS... On Linux the program gets SIGTERM when
-# egressd dies, even of SIGKILL (PR_SET_PDEATHSIG survives exec); a parent already gone ends it.
-# Python ignores SIGPIPE/SIGXFSZ at start-up: they are put back before exec.
+# argv = PARENT_PID SIGNAL IGNORED_SIGNALS REMOVE PROGRAM ARGS... The program gets SIGNAL when
+# egressd dies, even of SIGKILL (PR_SET_PDEATHSIG survives exec; Linux); a parent already gone ends
+# it. Python ignores SIGPIPE/SIGXFSZ at start-up: they are put back before exec. With REMOVE (a
+# directory), the interpreter stays as the program's parent and removes REMOVE when it ends (a
+# program that exits 0 and leaves something there forked away and still uses it), then exits
+# like it; SIGTERM and SIGHUP it passes on.
 _TETHER = """\
-import os, signal, sys
-if sys.platform.startswith("linux"):
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(255)
+import os, shutil, signal, sys
+parent, signo, remove, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[4], sys.argv[5:]
+def tether(parent):
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signo)
+    if os.getppid() != parent:
+        os._exit(255)
+def run():
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        sys.stderr.write(f"egressd: {argv[0]}: {exc.strerror}\\n")
+        sys.stderr.flush()
+        os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
+tether(parent)
 for name in ("SIGPIPE", "SIGXFSZ"):
     if hasattr(signal, name):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
-for name in filter(None, sys.argv[2].split(",")):
+for name in filter(None, sys.argv[3].split(",")):
     signal.signal(getattr(signal, "SIG" + name), signal.SIG_IGN)
+if not remove:
+    run()
+child, pending = [0], []
+def forward(got, frame):
+    if child[0]:
+        try:
+            os.kill(child[0], got)
+        except OSError:
+            pass
+    else:
+        pending.append(got)
+for got in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(got, forward)
+shim = os.getpid()
+pid = os.fork()
+if pid == 0:
+    for got in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(got, signal.SIG_DFL)
+    tether(shim)
+    run()
+child[0] = pid
+for got in pending:
+    forward(got, None)
+status = 0
 try:
-    os.execvp(sys.argv[3], sys.argv[3:])
-except OSError as exc:
-    sys.stderr.write(f"cannot run {sys.argv[3]}: {exc.strerror}\\n")
-    sys.exit(127)
+    status = os.waitpid(pid, 0)[1]
+finally:
+    if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and os.listdir(remove)):
+        shutil.rmtree(remove, ignore_errors=True)
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+sys.exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 255)
 """
 
 
-def tethered(argv: Sequence[str], ignore: Sequence[str] = ()) -> list[str]:
-    """argv run so that it dies with egressd (Linux), with `ignore` (INT, QUIT) ignored.
+def tethered(
+    argv: Sequence[str], ignore: Sequence[str] = (), *, signo: int = signal.SIGTERM, remove: str | None = None
+) -> list[str]:
+    """argv run so that it gets `signo` when egressd dies (Linux), with `ignore` (INT, QUIT) ignored;
+    `remove`: a directory removed when argv ends, whoever ends it.
 
-    Why: the ssh master holds the reverse forward; if it outlived a SIGKILLed egressd, another
-    local user could bind the freed proxy port and receive the remote command's requests.
+    Why: the ssh master holds the reverse forward; if it outlived a SIGKILLed egressd, it would
+    carry the remote command's requests to a proxy port nobody holds any more. And the control
+    socket's private directory would be left behind.
     """
-    return [sys.executable, "-I", "-S", "-c", _TETHER, str(os.getpid()), ",".join(ignore), *argv]
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        _TETHER,
+        str(os.getpid()),
+        str(int(signo)),
+        ",".join(ignore),
+        remove or "",
+        *argv,
+    ]
 
 
 class SpawnError(OSError):
@@ -151,11 +207,12 @@ class Spawner:
         new_group: bool = False,
         ignore: Sequence[str] = (),
         tether: bool = False,
+        remove: str | None = None,
     ) -> Child:
         """Start argv; `ignore` names signals (INT, QUIT) the process starts with ignored;
-        `tether`: the process dies with egressd (see `tethered`)."""
+        `tether`: the process dies with egressd, and `remove` goes when it ends (see `tethered`)."""
         if tether:
-            argv = tethered(argv, ignore)
+            argv = tethered(argv, ignore, remove=remove)
         elif ignore:
             # an ignored disposition survives exec; `trap ''` sets it without touching egressd's own
             argv = ["sh", "-c", f"trap '' {' '.join(ignore)}; exec \"$@\"", "sh", *argv]

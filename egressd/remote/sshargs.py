@@ -13,14 +13,18 @@ from dataclasses import dataclass
 
 from egressd.remote.destination import Destination
 
-# The master must stay our child in the foreground (no fork, no persistence), must treat a
-# failed forward as fatal and must open no forward of the user's config: only egressd's relay.
+# The master must stay our child in the foreground (no fork, no persistence) and must treat a
+# failed forward as fatal.
 MASTER_FORCED: tuple[str, ...] = (
     "ControlMaster=yes",
     "ControlPersist=no",
     "ExitOnForwardFailure=yes",
-    "ClearAllForwardings=yes",
 )
+# No forward of the user's config (LocalForward, RemoteForward, DynamicForward): every ssh that
+# reads one — the master and each multiplexed client, which asks the master to open the forwards
+# its own config names — clears them. Only the client that opens egressd's relay forward cannot
+# (the option clears the command line's -R too): it reads no config file at all (`-F none`).
+NO_FORWARDS = "ClearAllForwardings=yes"
 # Forwardings that hand the remote authority on THIS machine (the ssh agent's keys, the X
 # display, a network tunnel): off for the master and every multiplexed client (a mux client's own
 # config decides what its session requests), as flags and options placed before anything a
@@ -42,43 +46,121 @@ MASTER_DEFAULTS: tuple[str, ...] = (
     "ConnectTimeout=30",
 )
 # Options egressd sets itself; a --ssh-option naming one is refused rather than silently ignored.
-MANAGED_OPTIONS: frozenset[str] = frozenset(
-    {
-        "controlmaster",
-        "controlpath",
-        "controlpersist",
-        "exitonforwardfailure",
-        "clearallforwardings",
-        "forkafterauthentication",
-        "sessiontype",
-        "stdinnull",
-        "localforward",
-        "remoteforward",
-        "dynamicforward",
-    }
+_MANAGED: tuple[str, ...] = (
+    "ControlMaster",
+    "ControlPath",
+    "ControlPersist",
+    "ExitOnForwardFailure",
+    "ClearAllForwardings",
+    "ForkAfterAuthentication",
+    "SessionType",
+    "StdinNull",
+    "LocalForward",
+    "RemoteForward",
+    "DynamicForward",
 )
+MANAGED_OPTIONS: dict[str, str] = {name.lower(): name for name in _MANAGED}
+
+# How OpenSSH splits a configuration line, which each `-o` value is read as
+_WHITESPACE = " \t\r\n"
 
 
 class SshOptionError(ValueError):
     """A --ssh-option value egressd cannot pass on."""
 
 
+def _strdelim(text: str) -> tuple[str | None, str | None]:
+    """(token, rest) as OpenSSH's strdelim(): a token ends at whitespace or one `=`; a `"` anywhere
+    in it is dropped and the token then runs to the next `"` (None: no closing quote)."""
+    cut = next((i for i, ch in enumerate(text) if ch in _WHITESPACE + '"='), None)
+    if cut is None:
+        return text, None
+    if text[cut] == '"':
+        text = text[:cut] + text[cut + 1 :]
+        end = text.find('"', cut)
+        if end < 0:
+            return None, None
+        return text[:end], text[end + 1 :].lstrip(_WHITESPACE)
+    token, rest = text[:cut], text[cut + 1 :].lstrip(_WHITESPACE)
+    if text[cut] != "=" and rest.startswith("="):
+        rest = rest[1:].lstrip(_WHITESPACE)
+    return token, rest
+
+
+def _argv_split(text: str) -> list[str] | None:
+    """The arguments after the keyword, as OpenSSH's argv_split() reads them (quotes, escapes,
+    a `#` that starts a word ends the line); None for an unclosed quote (ssh refuses the line)."""
+    words: list[str] = []
+    i = 0
+    while i < len(text):
+        if text[i] in " \t":
+            i += 1
+            continue
+        if text[i] == "#":
+            break
+        word: list[str] = []
+        quote = ""
+        while i < len(text):
+            ch = text[i]
+            if (
+                ch == "\\"
+                and i + 1 < len(text)
+                and (text[i + 1] in "'\"\\" or (not quote and text[i + 1] == " "))
+            ):
+                i += 1
+                word.append(text[i])
+            elif not quote and ch in " \t":
+                break
+            elif not quote and ch in "\"'":
+                quote = ch
+            elif quote and ch == quote:
+                quote = ""
+            else:
+                word.append(ch)
+            i += 1
+        if quote:
+            return None
+        words.append("".join(word))
+    return words
+
+
+def parse_option(option: str) -> tuple[str, list[str]] | None:
+    """(keyword in lower case, arguments) as ssh reads `-o OPTION`; None for a line ssh ignores
+    (empty, a comment, an unclosed quote in the keyword) or refuses (no argument, bad quotes).
+
+    The same spelling must mean the same option here as there: `"RemoteForward" x`, `Remote"Forward" x`,
+    `remoteforward=x` and ` RemoteForward = x` are all RemoteForward to ssh.
+    """
+    line = option
+    while len(line) > 1 and line[-1] in _WHITESPACE + "\f":
+        line = line[:-1]
+    keyword, rest = _strdelim(line)
+    if keyword == "" and rest is not None:
+        keyword, rest = _strdelim(rest)
+    if not keyword or keyword[0] in "\n#":
+        return None
+    rest = (rest or "").lstrip(_WHITESPACE)
+    args = _argv_split(rest) if rest else None
+    if not args:
+        return None
+    return keyword.lower(), args
+
+
 def option_name(option: str) -> str:
-    """`Port=2222` / `Port 2222` → `port` (ssh option names are case-insensitive)."""
-    for sep in ("=", " ", "\t"):
-        if sep in option:
-            return option.split(sep, 1)[0].strip().lower()
-    return option.strip().lower()
+    """`Port=2222` / `"Port" 2222` → `port` (what ssh reads; "" for a line it ignores or refuses)."""
+    parsed = parse_option(option)
+    return parsed[0] if parsed is not None else ""
 
 
 def check_ssh_option(option: str) -> str:
     """Validate one --ssh-option (`Key=Value`); return it unchanged."""
-    name = option_name(option)
-    if not name or option.startswith("-") or ("=" not in option and " " not in option.strip()):
-        raise SshOptionError(f"{option!r}: expected KEY=VALUE, e.g. Port=2222 or IdentityFile=~/.ssh/id")
     if any(ch in option for ch in "\r\n\0"):
         raise SshOptionError(f"{option!r}: contains a line break or NUL")
-    if name in AUTHORITY_OPTIONS and _value(option).lower() not in _OFF:
+    parsed = parse_option(option)
+    if parsed is None or option.startswith("-"):
+        raise SshOptionError(f"{option!r}: expected KEY=VALUE, e.g. Port=2222 or IdentityFile=~/.ssh/id")
+    name, args = parsed
+    if name in AUTHORITY_OPTIONS and args[0].lower() not in _OFF:
         raise SshOptionError(
             f"{option!r}: egressd ssh never forwards the ssh agent, X11 or a tunnel: they would give "
             "the remote command authority on this machine that no policy decides (ForwardAgent, "
@@ -86,23 +168,18 @@ def check_ssh_option(option: str) -> str:
         )
     if name in MANAGED_OPTIONS:
         raise SshOptionError(
-            f"{option!r}: egressd ssh manages {option.split('=', 1)[0].strip()} itself "
+            f"{option!r}: egressd ssh manages {MANAGED_OPTIONS[name]} itself "
             "(one control master per run, no other forwards)"
         )
     return option
 
 
-def _value(option: str) -> str:
-    """`Key=Value` / `Key Value` → `Value` (stripped)."""
-    value = option.replace("=", " ", 1).split(None, 1)[1:] or [""]
-    return value[0].strip()
-
-
 def requests_tty(options: Sequence[str]) -> bool:
     """The user asked for a pseudo-terminal (`RequestTTY=yes|force`), as with `ssh -t`."""
     for option in options:
-        if option_name(option) == "requesttty":
-            return _value(option).lower() in {"yes", "force"}
+        parsed = parse_option(option)
+        if parsed is not None and parsed[0] == "requesttty":
+            return parsed[1][0].lower() in {"yes", "force"}
     return False
 
 
@@ -130,6 +207,8 @@ class SshCommand:
             self.control_path,
             "-o",
             "ControlMaster=no",
+            "-o",
+            NO_FORWARDS,
             *NO_AUTHORITY_FLAGS,
             *_opts(NO_AUTHORITY),
         ]
@@ -144,6 +223,8 @@ class SshCommand:
             self.control_path,
             *NO_AUTHORITY_FLAGS,
             *_opts(MASTER_FORCED),
+            "-o",
+            NO_FORWARDS,
             *_opts(NO_AUTHORITY),
             *_opts(self.options),
             *_opts(MASTER_DEFAULTS),
@@ -157,10 +238,19 @@ class SshCommand:
     def check(self) -> list[str]:
         return self.control("check")
 
-    def forward_remote(self, target_host: str, target_port: int, listen_host: str = "127.0.0.1") -> list[str]:
-        """Reverse forward from a port sshd chooses (0) on the remote's loopback; prints the port."""
-        target = f"[{target_host}]" if ":" in target_host else target_host
-        return self.control("forward", "-R", f"{listen_host}:0:{target}:{target_port}")
+    def forward_sockets(self, forwards: Sequence[tuple[str, str, int]]) -> list[str]:
+        """Reverse forwards from Unix sockets on the remote (paths) to (host, port) here.
+
+        No config file is read (`-F none`): the master would open every forward it names.
+        """
+        specs = []
+        for path, host, port in forwards:
+            if ":" in path or any(ch.isspace() for ch in path):
+                raise ValueError(f"a forward's socket path must not hold ':' or whitespace: {path!r}")
+            target = f"[{host}]" if ":" in host else host
+            specs += ["-R", f"{path}:{target}:{port}"]
+        mux = [self.program, "-F", "none", "-S", self.control_path, "-o", "ControlMaster=no"]
+        return [*mux, "-O", "forward", *specs, *self._tail()]
 
     def exit(self) -> list[str]:
         return self.control("exit")

@@ -22,6 +22,29 @@ from egressd.remote.connection import SshConnection, describe_status
 from egressd.remote.spawn import Child
 
 SSH_FAILURE = 255
+# Signals whose default action ends a process: what a remote command can have died of, and so
+# what egressd may die of in turn. Not SIGSTOP, SIGTSTP, SIGCONT, SIGCHLD, ... (a remote that
+# reported those would stop or confuse this end), nor real-time signals.
+TERMINATING_SIGNALS: frozenset[int] = frozenset(
+    int(getattr(signal, name))
+    for name in (
+        "SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGKILL",
+        "SIGUSR1", "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGXCPU", "SIGXFSZ",
+        "SIGVTALRM", "SIGPROF", "SIGSYS",
+    )
+    if hasattr(signal, name)
+)  # fmt: skip
+
+
+def accepted_status(value: object) -> int | None:
+    """A remote-reported exit status egressd may exit like: 0-255, or minus a terminating signal."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    if 0 <= value <= 255 or -value in TERMINATING_SIGNALS:
+        return value
+    return None
+
+
 # how long the master may take to exit after its session client reported 255 (a drop)
 _DROP_GRACE = 1.0
 
@@ -63,6 +86,12 @@ def supervise(
         reported = exit_report(2.0)
         if reported is not None:
             return Outcome(reported)
+        if rc == SSH_FAILURE:  # the guard died like the agent did: of a signal, with no report
+            return Outcome(
+                SSH_FAILURE,
+                note=f"egressd on {connection.name} ended without saying how the command ended (it was "
+                "killed or crashed); the command and everything it started there were ended",
+            )
     if rc < 0:
         return Outcome(SSH_FAILURE, note=f"the local ssh client of the session was {describe_status(rc)}")
     if rc == SSH_FAILURE and delivered is not None:

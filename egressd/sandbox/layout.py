@@ -196,7 +196,7 @@ def control_run_dir() -> str | None:
 def plan_layout(
     options: SessionOptions,
     *,
-    workdir: str,
+    workdir: str | None,
     rw: Sequence[str],
     ro: Sequence[str],
     hide: Sequence[str] = (),
@@ -211,7 +211,8 @@ def plan_layout(
     """Mounts and covers for `options` (already pinned_options; `links` from option_links before
     that); MountError names the fix. `private`: what the sandbox itself makes private (bubblewrap's
     /tmp, /run, /dev, /proc; nothing under Seatbelt). `project_hooks`: write-protect the project's
-    hooks (hooks.py); False is --allow-project-hooks."""
+    hooks (hooks.py); False is --allow-project-hooks. `workdir` None: no working directory mount
+    (see plan_mounts)."""
     environ = os.environ if environ is None else environ
     home = os.path.realpath(os.path.expanduser("~"))
     given = [("--rw", p) for p in rw] + [("--ro", p) for p in ro] + ([("--cache", cache)] if cache else [])
@@ -221,7 +222,8 @@ def plan_layout(
     cache_dir = _checked("--cache", [cache])[0] if cache else None
     rw = [*rw, cache_dir] if cache_dir else rw
     mounts = plan_mounts(workdir, rw, ro, home=home, rw_home=rw_home)
-    _check_links([os.path.realpath(workdir), *(m.path for m in mounts if m.writable)], links)
+    cwd = [os.path.realpath(workdir)] if workdir is not None else []
+    _check_links([*cwd, *(m.path for m in mounts if m.writable)], links)
     _check_single_links(mounts, options)
     guarded = egressd_code()
     for policy in _policy_values(options):

@@ -87,7 +87,7 @@ def order(mounts: Iterable[Mount]) -> tuple[Mount, ...]:
 
 
 def plan_mounts(
-    workdir: str,
+    workdir: str | None,
     rw: Sequence[str],
     ro: Sequence[str],
     *,
@@ -97,9 +97,10 @@ def plan_mounts(
     """The working directory (writable) plus `--rw` and `--ro`, checked and ordered.
 
     `home`: the user's home directory (canonical), which nothing writable may be or hold unless
-    `rw_home`.
+    `rw_home`. `workdir` None: no working directory is mounted (a remote session's, which is the
+    login's home: it stays masked).
     """
-    if os.path.realpath(workdir) == "/":
+    if workdir is not None and os.path.realpath(workdir) == "/":
         raise MountError(
             "the working directory is /, which would make the whole file system writable in the "
             "sandbox; cd to the project directory first"
@@ -112,8 +113,8 @@ def plan_mounts(
             if previous is not None and previous.writable != writable:
                 raise MountError(f"{full} is given both as --rw and --ro; choose one")
             chosen[full] = Mount(full, writable)
-    cwd = os.path.realpath(workdir)
-    if cwd not in chosen:  # an explicit --ro of the working directory wins over the default
+    cwd = os.path.realpath(workdir) if workdir is not None else None
+    if cwd is not None and cwd not in chosen:  # an explicit --ro of the working directory wins
         chosen[cwd] = Mount(cwd, True)
     for mount in chosen.values():
         if mount.writable:

@@ -29,11 +29,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from egressd.exits import alive
+from tests.support.unprivileged import User
 
 CLIENT_TO_REMOTE = "198.18.0.1"
 REMOTE = "198.18.0.2"
@@ -200,6 +201,7 @@ class SshLab:
         # remote sessions keep their directories here, not in the machine's /tmp (short: a Unix
         # socket lives inside, and its path must stay under ~100 bytes)
         self.remote_tmp = Path(tempfile.mkdtemp(prefix="egressd-lab-", dir="/tmp"))
+        self.remote_tmp.chmod(0o1777)  # like /tmp: the remote's users share it
         config = self.workdir / "sshd_config"
         config.write_text(
             f"""\
@@ -208,7 +210,7 @@ Port {NO_FORWARDING_PORT}
 Port {GATEWAY_PORTS_PORT}
 ListenAddress {REMOTE}
 HostKey {host_key}
-AuthorizedKeysFile {authorized}
+AuthorizedKeysFile {authorized} .ssh/authorized_keys
 PidFile {self.workdir / "sshd.pid"}
 PermitRootLogin yes
 StrictModes no
@@ -219,10 +221,16 @@ AllowTcpForwarding yes
 GatewayPorts no
 X11Forwarding no
 PrintMotd no
-SetEnv TMPDIR={self.remote_tmp} EGRESSD_HOME={self.remote_tmp / "egressd-home"}
+PermitUserEnvironment PATH
 LogLevel VERBOSE
+MaxStartups 200
+Match User root
+    SetEnv TMPDIR={self.remote_tmp} EGRESSD_HOME={self.remote_tmp / "egressd-home"}
+Match all
+    SetEnv TMPDIR={self.remote_tmp}
 Match LocalPort {NO_FORWARDING_PORT}
     AllowTcpForwarding no
+    AllowStreamLocalForwarding no
 Match LocalPort {GATEWAY_PORTS_PORT}
     GatewayPorts yes
 """
@@ -282,6 +290,39 @@ Match LocalPort {GATEWAY_PORTS_PORT}
         ]
         return [arg for option in options for arg in ("--ssh-option", option)]
 
+    def destination_of(self, user: User) -> str:
+        return f"ssh://{user.name}@{REMOTE}:{SSH_PORT}"
+
+    def allow_login(self, user: User) -> None:
+        """`user` may log in to the remote with the lab's key (its own ~/.ssh/authorized_keys)."""
+        ssh_dir = user.home / ".ssh"
+        ssh_dir.mkdir(mode=0o700, exist_ok=True)
+        keys = ssh_dir / "authorized_keys"
+        keys.write_text(Path(f"{self.key}.pub").read_text())
+        keys.chmod(0o600)
+        for path in (ssh_dir, keys):
+            user.own(path)
+
+    def client_options(self, user: User) -> list[str]:
+        """`--ssh-option` arguments for `user` running the client: the lab's key and host key,
+        copied into its own ~/.ssh (the lab's files are root's)."""
+        ssh_dir = user.home / ".ssh"
+        ssh_dir.mkdir(mode=0o700, exist_ok=True)
+        key, known = ssh_dir / "lab_key", ssh_dir / "lab_known_hosts"
+        shutil.copyfile(self.key, key)
+        shutil.copyfile(self.known_hosts, known)
+        key.chmod(0o600)
+        for path in (ssh_dir, key, known):
+            user.own(path)
+        options = self.ssh_options()
+        mine = {"IdentityFile": str(key), "UserKnownHostsFile": str(known)}
+        return [_replaced(option, mine) for option in options]
+
+    def run_as(self, user: User, *argv: str, **popen: Any) -> subprocess.Popen[bytes]:
+        """A process of `user` in the remote namespace, outside any SSH session (another user of
+        the remote host)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.remote, *user.exec(argv, user.env())], **popen)
+
     def in_remote[T](self, fn: Callable[[], T]) -> T:
         return call_in_netns(self.remote, fn)
 
@@ -304,6 +345,13 @@ Match LocalPort {GATEWAY_PORTS_PORT}
         for pid in self.connection_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def link_down(self) -> None:
+        """The network between the client and the remote drops (neither end closes anything)."""
+        _run("ip", "link", "set", self._veth_remote, "down")
+
+    def link_up(self) -> None:
+        _run("ip", "link", "set", self._veth_remote, "up")
 
     def kill_sessions(self) -> None:
         """SIGKILL everything in the remote namespace but sshd's listener (left-over commands).
@@ -349,6 +397,11 @@ Match LocalPort {GATEWAY_PORTS_PORT}
             _run("ip", "-n", self.remote, "link", "del", "direct0", check=False)
 
 
+def _replaced(option: str, values: dict[str, str]) -> str:
+    key = option.partition("=")[0]
+    return f"{key}={values[key]}" if key in values else option
+
+
 def _ppid(pid: int) -> int | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -381,6 +434,11 @@ def cmdline(pid: int) -> list[str]:
     except OSError:
         return []
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def ssh_masters(pids: Iterable[int]) -> list[int]:
+    """The ssh control masters among pids (not the small process that waits for one)."""
+    return [pid for pid in pids if cmdline(pid)[:1] == ["ssh"] and "ControlMaster=yes" in cmdline(pid)]
 
 
 def all_cmdlines() -> Iterator[tuple[int, str]]:

@@ -62,6 +62,24 @@ class User:
             return list(argv)
         return ["runuser", "-u", self.name, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
 
+    def exec(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+        """`argv` run as this user with exactly `env`, in place: its pid is the caller's child's
+        (runuser stays as a parent; a test that signals the process itself needs this)."""
+        if not self.switch:
+            return list(argv)
+        ids = [f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups"]
+        return ["setpriv", *ids, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
+
+    def processes(self) -> list[int]:
+        """The pids of this user's processes."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if entry.stat().st_uid == self.uid:
+                        found.append(int(entry.name))
+        return found
+
     def run(
         self,
         argv: Sequence[str],
@@ -127,7 +145,8 @@ def unprivileged_user() -> Iterator[User]:
             shutil.rmtree(home, ignore_errors=True)
         return
     name = f"egh{secrets.token_hex(5)}"
-    subprocess.run(["useradd", "-m", "-s", "/bin/sh", name], check=True, capture_output=True)
+    # password "*": none to log in with, yet not a locked account (sshd refuses a locked one's keys)
+    subprocess.run(["useradd", "-m", "-s", "/bin/sh", "-p", "*", name], check=True, capture_output=True)
     info = pwd.getpwnam(name)
     user = User(name, Path(info.pw_dir), info.pw_uid, info.pw_gid, switch=True)
     try:

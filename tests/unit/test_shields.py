@@ -137,6 +137,17 @@ def test_home_and_its_ancestors_need_rw_home(tmp_path: object) -> None:
     assert plan_mounts(str(home / "project"), rw=[], ro=[], home=str(home))  # below it is fine
 
 
+def test_no_working_directory_mounts_only_what_is_named(tmp_path: Path) -> None:
+    """A remote sandbox's working directory is the login's home: it is not mounted (it stays
+    masked); only --rw and --ro paths are."""
+    (tmp_path / "rw").mkdir()
+    (tmp_path / "ro").mkdir()
+    rw, ro = str(tmp_path / "rw"), str(tmp_path / "ro")
+    mounts = plan_mounts(None, rw=[rw], ro=[ro], home=str(tmp_path))
+    assert {(m.path, m.writable) for m in mounts} == {(rw, True), (ro, False)}
+    assert plan_mounts(None, rw=[], ro=[]) == ()
+
+
 def test_followed_links_names_every_symlink_on_the_way(tmp_path: Path) -> None:
     from egressd.sandbox.layout import followed_links
 

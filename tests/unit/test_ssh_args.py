@@ -7,22 +7,26 @@ with the local /bin/sh (they are plain POSIX sh), without ssh.
 
 from __future__ import annotations
 
+import json
 import os
-import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from egressd.policy import load_policy
-from egressd.remote import reaper, scripts
-from egressd.remote.channel import ChannelError, decode, encode, policy_message, read_policy
+from egressd.remote import scripts
+from egressd.remote.channel import ChannelError, LineChannel, decode, encode, policy_message, read_policy
 from egressd.remote.connection import control_directory
 from egressd.remote.destination import Destination, DestinationError, parse_destination
-from egressd.remote.relay import exposed_listeners
 from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option, option_name, requests_tty
+from egressd.remote.supervise import accepted_status
 
 CP = "/tmp/egressd-ssh-x/ctl"
 
@@ -90,7 +94,8 @@ def test_ssh_options_checked() -> None:
         ("Port", "expected KEY=VALUE"),
         ("-oPort=1", "expected KEY=VALUE"),
         ("ControlPath=/tmp/x", "manages ControlPath itself"),
-        ("controlmaster=auto", "manages controlmaster itself"),
+        ("controlmaster=auto", "manages ControlMaster itself"),
+        ('"RemoteForward" 1 2:3', "manages RemoteForward itself"),
         ("RemoteForward=1 2", "manages RemoteForward"),
         ("ForkAfterAuthentication yes", "manages"),
         ("Port=1\nProxyCommand=x", "line break"),
@@ -131,25 +136,29 @@ def test_master_argv_forced_then_user_then_defaults() -> None:
     ]  # fmt: skip
 
 
+MUX = [
+    "ssh", "-S", CP, "-o", "ControlMaster=no", "-o", "ClearAllForwardings=yes", "-a", "-x",
+    *NO_AUTHORITY_OPTS,
+]  # fmt: skip
+
+
 def test_control_argvs() -> None:
     cmd = _cmd(dest="box")
-    mux = ["ssh", "-S", CP, "-o", "ControlMaster=no", "-a", "-x", *NO_AUTHORITY_OPTS]
-    assert cmd.check() == [*mux, "-O", "check", "--", "box"]
-    assert cmd.exit() == [*mux, "-O", "exit", "--", "box"]
-    assert cmd.forward_remote("127.0.0.1", 8080) == [
-        *mux,
-        "-O",
-        "forward",
-        "-R",
-        "127.0.0.1:0:127.0.0.1:8080",
-        "--",
-        "box",
-    ]
-    assert cmd.forward_remote("::1", 8080)[-3] == "127.0.0.1:0:[::1]:8080"
+    assert cmd.check() == [*MUX, "-O", "check", "--", "box"]
+    assert cmd.exit() == [*MUX, "-O", "exit", "--", "box"]
+    # the one client that must not clear forwards (its own -R) reads no config file instead
+    forwards = [("/tmp/d/http.sock", "127.0.0.1", 8080), ("/tmp/d/socks.sock", "::1", 1080)]
+    assert cmd.forward_sockets(forwards) == [
+        "ssh", "-F", "none", "-S", CP, "-o", "ControlMaster=no", "-O", "forward",
+        "-R", "/tmp/d/http.sock:127.0.0.1:8080", "-R", "/tmp/d/socks.sock:[::1]:1080", "--", "box",
+    ]  # fmt: skip
+    for bad in ("/tmp/a:b/http.sock", "/tmp/a b/http.sock"):
+        with pytest.raises(ValueError):
+            cmd.forward_sockets([(bad, "127.0.0.1", 1)])
 
 
 def test_session_and_helper_argvs() -> None:
-    mux = ["ssh", "-S", CP, "-o", "ControlMaster=no", "-a", "-x", *NO_AUTHORITY_OPTS]
+    mux = MUX
     plain = _cmd("Port=1", dest="box")
     assert plain.session("CMD") == [*mux, "-T", "-e", "none", "-o", "Port=1", "--", "box", "CMD"]
     tty = _cmd("RequestTTY=yes", dest="box")
@@ -188,32 +197,28 @@ def test_remote_command_is_one_shell_safe_line() -> None:
         scripts.remote_command("echo 'quoted'")
 
 
-def test_setup_wrapper_kill_cleanup_round_trip(tmp_path: Path) -> None:
-    env = {**os.environ, "TMPDIR": str(tmp_path), "HTTP_PROXY": "http://inherited:1", "no_proxy": "*"}
-    env_text = scripts.env_file(
-        {"HTTP_PROXY": "http://u:t0k'en@127.0.0.1:4242", "NO_PROXY": ""}, {"SSL_CERT_FILE": "ca.pem"}
-    )
-    done = _sh(scripts.remote_command(scripts.SETUP), input=env_text.encode(), env=env)
+@pytest.fixture
+def remote_tmp() -> Iterator[Path]:
+    """A remote TMPDIR short enough for the session's sockets (SETUP passes a deeper one over)."""
+    path = Path(tempfile.mkdtemp(prefix="egt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_setup_kill_cleanup_round_trip(remote_tmp: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(remote_tmp)}
+    plan = scripts.session_plan({"HTTP_PROXY": "http://u:t@127.0.0.1:1"})
+    done = _sh(scripts.remote_command(scripts.SETUP), input=plan.encode(), env=env)
     assert done.returncode == 0, done.stderr
     directory = scripts.parse_directory(done.stdout.decode())
-    assert Path(directory).parent == tmp_path
+    assert Path(directory).parent == remote_tmp
     assert oct(Path(directory).stat().st_mode & 0o777) == "0o700"
     assert oct((Path(directory) / "env").stat().st_mode & 0o777) == "0o600"
-    # the wrapper: pid recorded, environment taken (inherited proxy settings gone), env file deleted
-    show = ["sh", "-c", 'echo "$$ $HTTP_PROXY|${no_proxy-unset}|$NO_PROXY|$SSL_CERT_FILE"']
-    run = _sh(scripts.wrapped(directory, show), env=env)
-    pid, rest = run.stdout.decode().strip().split(" ", 1)
-    assert rest == f"http://u:t0k'en@127.0.0.1:4242|unset||{directory}/ca.pem"
-    assert (Path(directory) / "pid").read_text().strip() == pid
-    assert not (Path(directory) / "env").exists()
-    # kill: the recorded pid gets the signal
-    (Path(directory) / "env").write_text("")
-    sleeper = subprocess.Popen(["sh", "-c", scripts.wrapped(directory, ["sleep", "30"])], env=env)
+    assert (Path(directory) / "env").read_text() == plan
+    # kill: the pid the guard recorded gets the signal
+    sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        for _ in range(100):
-            if (Path(directory) / "pid").read_text().strip() == str(sleeper.pid):
-                break
-            subprocess.run(["sleep", "0.05"])
+        (Path(directory) / "pid").write_text(f"{sleeper.pid}\n")
         assert _sh(scripts.kill_command(directory, "TERM")).returncode == 0
         assert sleeper.wait(10) == -15
     finally:
@@ -222,27 +227,32 @@ def test_setup_wrapper_kill_cleanup_round_trip(tmp_path: Path) -> None:
     assert not Path(directory).exists()
 
 
-def test_setup_removes_directories_of_sessions_that_are_gone(tmp_path: Path) -> None:
+def test_setup_passes_over_a_tmpdir_too_deep_for_sockets(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 70)
+    deep.mkdir()
+    done = _sh(scripts.remote_command(scripts.SETUP), env={**os.environ, "TMPDIR": str(deep)})
+    assert done.returncode == 0, done.stderr
+    directory = scripts.parse_directory(done.stdout.decode())
+    try:
+        assert Path(directory).parent == Path("/tmp")
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_setup_removes_directories_of_sessions_that_are_gone(remote_tmp: Path) -> None:
     """An SSH drop leaves a session directory behind; the next set-up removes it, and only it."""
     gone = subprocess.Popen(["true"])
     gone.wait()
-    dirs = {name: tmp_path / f"egressd-ssh.{name}" for name in ("gone", "live", "starting", "garbage")}
+    dirs = {name: remote_tmp / f"egressd-ssh.{name}" for name in ("gone", "live", "starting", "garbage")}
     for path in dirs.values():
         path.mkdir()
     (dirs["gone"] / "pid").write_text(f"{gone.pid}\n")
     (dirs["live"] / "pid").write_text(f"{os.getpid()}\n")
     (dirs["garbage"] / "pid").write_text("not a pid\n")
-    done = _sh(scripts.remote_command(scripts.SETUP), env={**os.environ, "TMPDIR": str(tmp_path)})
+    done = _sh(scripts.remote_command(scripts.SETUP), env={**os.environ, "TMPDIR": str(remote_tmp)})
     assert done.returncode == 0, done.stderr
-    left = {p.name.removeprefix("egressd-ssh.") for p in tmp_path.iterdir()}
+    left = {p.name.removeprefix("egressd-ssh.") for p in remote_tmp.iterdir()}
     assert {"live", "starting", "garbage"} <= left and "gone" not in left
-
-
-def test_wrapper_refuses_to_run_without_its_environment(tmp_path: Path) -> None:
-    marker = tmp_path / "ran"
-    (tmp_path / "egressd-ssh.x").mkdir()
-    done = _sh(scripts.wrapped(str(tmp_path / "egressd-ssh.x"), ["touch", str(marker)]))
-    assert done.returncode != 0 and not marker.exists()
 
 
 @pytest.mark.parametrize(
@@ -259,17 +269,23 @@ def test_parse_directory_skips_shell_noise() -> None:
     assert scripts.parse_directory("Welcome!\n/tmp/egressd-ssh.AbC123\n") == "/tmp/egressd-ssh.AbC123"
 
 
-def test_env_file_quotes_and_unsets() -> None:
-    text = scripts.env_file({"HTTP_PROXY": "http://a:b@127.0.0.1:1"})
-    first, second = text.splitlines()
-    assert first.startswith("unset ") and {"http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY"} <= set(
-        first.split()
+def test_session_plan_unsets_sets_and_names_files() -> None:
+    plan = json.loads(
+        scripts.session_plan(
+            {"HTTP_PROXY": "http://a:b@127.0.0.1:\0http\0"},
+            {"SSL_CERT_FILE": "ca.pem"},
+            listen=[{"name": "http", "host": "127.0.0.1", "port": 0, "relay": "http.sock"}],
+        )
     )
-    assert shlex.split(second) == ["export", "HTTP_PROXY=http://a:b@127.0.0.1:1"]
+    assert {"http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY"} <= set(plan["unset"])
+    assert plan["set"] == {"HTTP_PROXY": "http://a:b@127.0.0.1:\0http\0"}
+    assert plan["files"] == {"SSL_CERT_FILE": "ca.pem"}
+    assert plan["listen"] == [{"name": "http", "host": "127.0.0.1", "port": 0, "relay": "http.sock"}]
+    assert json.loads(scripts.session_plan(listen=[])) == {"listen": []}
     with pytest.raises(ValueError):
-        scripts.env_file({"BAD NAME": "x"})
+        scripts.session_plan({"BAD NAME": "x"})
     with pytest.raises(ValueError):
-        scripts.env_file({}, {"X": "../ca.pem"})
+        scripts.session_plan({}, {"X": "../ca.pem"})
 
 
 # -- the policy channel --------------------------------------------------------------------------------
@@ -297,48 +313,38 @@ def test_channel_refuses_garbage() -> None:
             decode(line)
 
 
-PROC_NET_TCP = """\
-  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0100007F:A000 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1
-   1: 00000000:A001 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 2 1
-   2: 020012C6:A002 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3 1
-   3: 0100007F:A003 0100007F:9000 01 00000000:00000000 00:00000000 00000000     0        0 4 1
-  sl  local_address                         remote_address                        st
-   0: 00000000000000000000000001000000:A004 00000000000000000000000000000000:0000 0A
-   1: 0000000000000000FFFF00000100007F:A005 00000000000000000000000000000000:0000 0A
-   2: 00000000000000000000000000000000:A006 00000000000000000000000000000000:0000 0A
-"""
+def test_channel_closed_by_this_end_ends_a_waiting_receive_quietly() -> None:
+    """The agent closes the channel while its listener thread waits in receive(): that is the end
+    of the channel (None), never an error (`policy channel failed: Bad file descriptor`)."""
+    for _ in range(300):
+        mine, theirs = socket.socketpair()
+        channel = LineChannel(mine)
+        outcome: list[object] = []
+
+        def listen(channel: LineChannel = channel, outcome: list[object] = outcome) -> None:
+            try:
+                outcome.append(channel.receive())
+            except (OSError, ChannelError) as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=listen)
+        thread.start()
+        channel.close()
+        thread.join(5)
+        theirs.close()
+        assert outcome == [None]
 
 
-def test_exposed_listeners_reads_proc_net_tcp() -> None:
-    """Loopback binds (127.0.0.1, ::1, ::ffff:127.0.0.1) are fine; a wildcard or LAN bind is not."""
-    ports = range(0xA000, 0xA007)
-    assert exposed_listeners(PROC_NET_TCP, ports) == ["0.0.0.0:40961", "198.18.0.2:40962", "[::]:40966"]
-    assert exposed_listeners(PROC_NET_TCP, [0xA000, 0xA003, 0xA004, 0xA005]) == []
-
-
-def test_relay_wrapper_runs_the_command_under_the_reaper(tmp_path: Path) -> None:
-    """With python3: the command's pid is recorded, its status passes through, and a child it
-    detached is ended when it exits. Without python3: it still runs, and stderr says what is lost."""
-    directory = tmp_path / "egressd-ssh.x"
-    directory.mkdir()
-    (directory / "reaper.py").write_bytes(Path(reaper.__file__).read_bytes())
-    pids = tmp_path / "pids"
-    detach = f"setsid sh -c 'echo $$ >> {pids}; exec sleep 30' </dev/null >/dev/null 2>&1 &"
-    command = ["sh", "-c", f'{detach} echo "$$"; while [ ! -s {pids} ]; do sleep 0.05; done; exit 3']
-    (directory / "env").write_text("")
-    done = _sh(scripts.relay_wrapped(str(directory), command))
-    assert done.returncode == 3, done.stderr
-    assert (directory / "pid").read_text().strip() == done.stdout.decode().strip()
-    assert not Path(f"/proc/{pids.read_text().strip()}").exists()  # ended and reaped by the reaper
-    # no python3 on PATH: the plain wrapper, with a warning
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool in ("sh", "rm", "echo", "printf"):
-        found = shutil.which(tool)
-        if found:
-            (bin_dir / tool).symlink_to(found)
-    (directory / "env").write_text("")
-    done = _sh(scripts.relay_wrapped(str(directory), ["sh", "-c", "exit 4"]), env={"PATH": str(bin_dir)})
-    assert done.returncode == 4
-    assert b"no python3 here" in done.stderr
+@pytest.mark.parametrize(
+    ("reported", "accepted"),
+    [
+        (0, 0), (3, 3), (255, 255), (-signal.SIGTERM, -signal.SIGTERM), (-signal.SIGKILL, -signal.SIGKILL),
+        (-signal.SIGSEGV, -signal.SIGSEGV), (-signal.SIGPIPE, -signal.SIGPIPE),
+        (-signal.SIGSTOP, None), (-signal.SIGTSTP, None), (-signal.SIGTTIN, None), (-signal.SIGCONT, None),
+        (-signal.SIGCHLD, None), (-signal.SIGWINCH, None), (-signal.SIGRTMIN, None), (-0, 0), (256, None),
+        (-256, None), (10**30, None), (True, None), (1.0, None), ("0", None), (None, None), ([0], None),
+    ],
+)  # fmt: skip
+def test_remote_exit_status_taken_only_when_ordinary(reported: object, accepted: int | None) -> None:
+    """What egressd exits like (and so what it may do to itself) when the remote reports it."""
+    assert accepted_status(reported) == accepted
