@@ -238,6 +238,12 @@ class ProxySession:
         self._tokens_watcher: FileWatcher[TokenTable] | None = None
         self._vault = EnvVault()
         self._secret_values: dict[str, str] = {}  # read with the policy that names them
+        # the files the policy is read from, as absolute paths (`ps`, the dashboard): named once,
+        # while the working directory is the one they were given in
+        named = [options.policy_file] if options.policy_file is not None else []
+        self.policy_paths = [
+            str(resolve_policy_path(n).absolute()) for n in (*named, *options.overrides.policies)
+        ]
         self.policy = self._load()
         if options.gateway is not None:
             self._load_gateway(options.gateway)
@@ -539,7 +545,7 @@ class ProxySession:
                 entries = raw.get(which) if isinstance(raw, dict) else None
                 own[which] = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
         return {
-            "source": self.policy.source,
+            "source": " + ".join(self.policy_paths) or "built-in default",
             "writable": self._writable_policy(),
             "effective": policy_to_data(self.policy),
             "file": own,
@@ -606,7 +612,8 @@ class ProxySession:
         return {
             "pid": os.getpid(),
             "command": list(self.command),
-            "policy": policy.source,
+            "policy": " + ".join(self.policy_paths) or "built-in default",
+            "policies": list(self.policy_paths),
             "policy_writable": self._writable_policy(),
             "mode": policy.mode,
             "ask_timeout": policy.ask_timeout,

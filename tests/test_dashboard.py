@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.control import ask_policy, cli_json, wait_for
+from tests.support.control import ask_policy, ps_rows, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun
 from tests.support.upstreams import EchoHTTPServer
@@ -114,7 +114,7 @@ def csp_violations(page: Any) -> list[str]:
 
 
 def approver_attached() -> bool:
-    rows = cli_json("ps", "--json")
+    rows = ps_rows()
     return bool(rows) and rows[0]["approvers"]["can_answer"]
 
 

@@ -5,6 +5,9 @@ nor read an answer from there; the controlling terminal (/dev/tty) is the user's
 child's stdio goes. One question at a time, in the order they came; one line answers it (a key,
 then Enter: the terminal stays in the mode the user and the child left it). A question answered
 elsewhere (the control API, a dashboard) or expired is withdrawn from the terminal.
+
+The asks come from an `Answerer`: egressd's own ask broker, or every running egressd followed
+over the control API (`egressd pending --interactive`, for agents run without a terminal).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import shlex
 import threading
 from typing import Any
 
-from egressd.admission.asks import AskBroker, AskError
+from egressd.admission.asks import Answerer, AskError
 
 KEYS = {"o": "once", "r": "run", "a": "always", "d": "deny", "D": "deny-always"}
 TTY = "/dev/tty"
@@ -31,9 +34,10 @@ def _clean(value: object) -> str:
 class TtyPrompter:
     """Prompts on the controlling terminal; `open` answers None when there is none."""
 
-    def __init__(self, broker: AskBroker, fd: int) -> None:
+    def __init__(self, broker: Answerer, fd: int, by: str = "the terminal") -> None:
         self.broker = broker
         self.fd = fd
+        self.by = by  # who answered, as the audit and the other surfaces say
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue()
         self._ended: set[str] = set()
         self._lock = threading.Lock()
@@ -42,7 +46,7 @@ class TtyPrompter:
         self._thread = threading.Thread(target=self._run, name="egressd-prompt", daemon=True)
 
     @classmethod
-    def open(cls, broker: AskBroker, path: str = TTY) -> TtyPrompter | None:
+    def open(cls, broker: Answerer, path: str = TTY, by: str = "the terminal") -> TtyPrompter | None:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
         except OSError:
@@ -50,7 +54,7 @@ class TtyPrompter:
         if not os.isatty(fd):
             os.close(fd)
             return None
-        return cls(broker, fd)
+        return cls(broker, fd, by)
 
     def foreground(self) -> bool:
         """egressd's process group owns the terminal now. A background egressd (`egressd run &`)
@@ -118,7 +122,7 @@ class TtyPrompter:
                 self._say(f"egressd:   {self._keys(info)}\n")
                 continue
             try:
-                self.broker.answer(ask_id, kind, by="the terminal")
+                self.broker.answer(ask_id, kind, by=self.by)
             except AskError as exc:
                 self._say(f"egressd:   {exc}\n")
                 if exc.status == 404:
@@ -134,7 +138,9 @@ class TtyPrompter:
             scheme = info.get("scheme") if info.get("scheme") in ("http", "https") else None
             url = f"{scheme}://{what}{_clean(info['path'])}" if scheme else _clean(info["path"])
             what += f" ({_clean(info['method'])} {url})"
-        command = shlex.join(info.get("command") or []) or "the child"
+        # the program that asked, when egressd looked it up; else the command egressd runs
+        first = (info.get("requests") or [{}])[0]
+        command = shlex.join(first.get("cmdline") or info.get("command") or []) or "the child"
         waiting = f"{info['waiting']} waiting, " if int(info.get("waiting", 1)) > 1 else ""
         return (
             f"\negressd: ask {info['id']}: {_clean(command)} wants {what}"
