@@ -8,7 +8,10 @@ columns (`--json`: one array)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import select
+import shutil
 import subprocess
 import threading
 import time
@@ -262,3 +265,32 @@ def test_ps_absolute_policy_paths_aligned_columns_and_one_json_array(tmp_path: P
         end = header.index(heading) + len(heading)
         assert all(line[end - 1].isdigit() and line[end : end + 2] == "  " for line in lines[1:]), text
     assert str(short / "policy.yaml") in lines[1] + lines[2]
+
+
+def test_watch_never_writes_a_programs_escape_sequences(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """The child names its own executables: one called with a terminal escape sequence in its
+    name shows in `watch` with the escape spelled out, never sent to the user's terminal."""
+    evil = tmp_path / "cu\x1b]0;owned\x07rl\x1b[2J"
+    shutil.copy("/usr/bin/curl", evil)
+    with ask_run(tmp_path / "a", dns) as run:
+        watch = subprocess.Popen([*EGRESSD, "watch", "--pid", str(run.proc.pid)], stdout=subprocess.PIPE)
+        try:
+            out = b""
+
+            def seen() -> bool:
+                nonlocal out
+                subprocess.run([str(evil), "-s", "-o", "/dev/null", f"http://allowed.test:{up.port}/x"],
+                               env=run.child_env(), timeout=30)  # fmt: skip
+                ready, _, _ = select.select([watch.stdout], [], [], 1)
+                if ready:
+                    out += os.read(watch.stdout.fileno(), 65536)  # type: ignore[union-attr]
+                return b"/x" in out and b"owned" in out
+
+            wait_for(seen, what="the decision on the watch (once it attached, programs are looked up)")
+        finally:
+            watch.terminate()
+            watch.wait(10)
+    assert b"\x1b" not in out and b"\x07" not in out
+    assert b"cu\\x1b]0;owned\\x07rl\\x1b[2J" in out

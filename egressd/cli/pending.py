@@ -10,6 +10,7 @@ import click
 from egressd.cli.instances import call, instances, pid_option, say_follow
 from egressd.cli.options import fail
 from egressd.control.client import ControlError
+from egressd.control.prompt import printable
 
 
 def ask_line(ask: dict) -> str:
@@ -20,7 +21,7 @@ def ask_line(ask: dict) -> str:
     client = ask.get("client") or "-"
     line = f"{ask['id']}  {what}  (client {client}, {waiting} waiting, {ask['expires_in']:g}s left)"
     command = shlex.join(ask.get("command") or [])
-    return f"{line}  {command}" if command else line
+    return printable(f"{line}  {command}" if command else line)
 
 
 @click.command(

@@ -55,6 +55,7 @@ def watch_command(pid: int | None, as_json: bool) -> None:
     happens, until interrupted; each line starts with the pid of the egressd that made it. With
     --pid, only that one: watch waits for it to start and ends when it does."""
     from egressd.control.follow import Follow
+    from egressd.control.prompt import printable
 
     try:
         for item in say_follow(Follow("/v1/events", pid), pid):
@@ -62,8 +63,8 @@ def watch_command(pid: int | None, as_json: bool) -> None:
                 click.echo(json.dumps({**item.data, "egressd_pid": item.pid}))
                 continue
             line = _line(item.data)
-            if line is not None:
-                click.echo(f"{item.pid:>7}  {line}")
+            if line is not None:  # an executable's name is the child's to choose: no escapes
+                click.echo(f"{item.pid:>7}  {printable(line)}")
     except ControlError as exc:
         fail(str(exc))
     except KeyboardInterrupt:

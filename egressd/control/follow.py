@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from egressd.admission.asks import AskError, ask_instance
+from egressd.control import paths
 from egressd.control.client import ControlClient, ControlError, find_instances
 
 SCAN = 0.5  # seconds between two looks at the run directory
+RESCAN = 5.0  # and between two probes of its sockets when no name changed
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Follow:
         self._following: dict[int, tuple[int, int]] = {}  # pid -> the socket's (device, inode)
         self._ended: set[tuple[int, int, int]] = set()  # (pid, device, inode) of ended streams
         self._stop = threading.Event()
+        self._names: frozenset[str] | None = None  # the run directory's names at the last probe
+        self._probed = 0.0
 
     def stop(self) -> None:
         self._stop.set()
@@ -81,7 +85,16 @@ class Follow:
 
     def _look(self) -> None:
         """Start a stream for every instance not followed yet (an ended one only if its socket is
-        a new one: the same pid started again)."""
+        a new one: the same pid started again). The sockets are probed (a connection each) only
+        when the run directory's names changed, or every RESCAN seconds."""
+        directory = paths.run_dir() if self.directory is None else self.directory
+        try:
+            names = frozenset(os.listdir(directory))
+        except OSError:
+            names = frozenset()
+        if names == self._names and time.monotonic() - self._probed < RESCAN:
+            return
+        self._names, self._probed = names, time.monotonic()
         _directory, found = find_instances(self.directory)
         for instance in found:
             if self.pid is not None and instance.pid != self.pid:

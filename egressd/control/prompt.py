@@ -26,8 +26,9 @@ KEYS = {"o": "once", "r": "run", "a": "always", "d": "deny", "D": "deny-always"}
 TTY = "/dev/tty"
 
 
-def _clean(value: object) -> str:
-    """Text from the child (a path) shown on the user's terminal: no escape sequences."""
+def printable(value: object) -> str:
+    """Text from the child (a path, a program's name) shown on the user's terminal: no escape
+    sequences."""
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(value))
 
 
@@ -132,18 +133,18 @@ class TtyPrompter:
             return
 
     def _question(self, info: dict[str, Any]) -> str:
-        host, port = _clean(info["host"]), info["port"]
+        host, port = printable(info["host"]), info["port"]
         what = f"{host}:{port}"
         if info.get("method") and info.get("path"):
             scheme = info.get("scheme") if info.get("scheme") in ("http", "https") else None
-            url = f"{scheme}://{what}{_clean(info['path'])}" if scheme else _clean(info["path"])
-            what += f" ({_clean(info['method'])} {url})"
+            url = f"{scheme}://{what}{printable(info['path'])}" if scheme else printable(info["path"])
+            what += f" ({printable(info['method'])} {url})"
         # the program that asked, when egressd looked it up; else the command egressd runs
         first = (info.get("requests") or [{}])[0]
         command = shlex.join(first.get("cmdline") or info.get("command") or []) or "the child"
         waiting = f"{info['waiting']} waiting, " if int(info.get("waiting", 1)) > 1 else ""
         return (
-            f"\negressd: ask {info['id']}: {_clean(command)} wants {what}"
+            f"\negressd: ask {info['id']}: {printable(command)} wants {what}"
             f" [{waiting}refused in {info['expires_in']:g}s]\n"
             f"egressd:   {self._keys(info)}\n"
         )
