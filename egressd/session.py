@@ -559,11 +559,11 @@ class ProxySession:
         if self.control_path is None:
             self._say("dashboard off: it needs the control API")
             return
-        from egressd.dashboard.server import Dashboard
+        from egressd.dashboard.server import WHILE_OPEN, Dashboard
 
         assert self.proxy is not None
         self._dashboard = Dashboard(self.control_path, self.proxy.pipeline.decider)
-        self._say(f"dashboard: {self._dashboard.start()}")
+        self._say(f"dashboard: {self._dashboard.start()}  ({WHILE_OPEN})")
 
     def _start_control(self, proxy: EgressProxy) -> None:
         """The control API on the user's socket; egressd runs without it (and says so) when the
@@ -582,8 +582,8 @@ class ProxySession:
         except (paths.RunDirError, OSError) as exc:
             self._say(f"control API off: {exc}")
             return
-        self._counts = Counts()
-        proxy.pipeline.events.subscribe(self._counts.observe)
+        self._counts = counts = Counts()
+        proxy.pipeline.events.subscribe(counts.observe)
         self.children = Children(self._children_issuer())
         server = ControlServer(
             path,
@@ -597,6 +597,7 @@ class ProxySession:
             children=self.children,
             watched=self._identify_from_now_on,
             own=proxy.pipeline.decider,
+            recent=lambda: list(counts.recent),
         )
         server.start(sock)
         self._control, self.control_path = server, path

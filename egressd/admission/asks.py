@@ -146,6 +146,7 @@ class PendingAsk:
             "command": list(command),
             "waiting": self.waiters,
             "requests": [dict(r) for r in self.requests],
+            "rule": self.rule,
             "created": self.created,
             "expires_in": round(left, 1),
             "answers": [a for a in ANSWERS if always or "always" not in a],
