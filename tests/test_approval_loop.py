@@ -11,6 +11,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import subprocess
 import threading
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.control import Follower, Terminal, ask_policy, cli, cli_json, ps_rows, wait_for
+from tests.support.control import ASK_POLICY, Follower, Terminal, ask_policy, cli, cli_json, ps_rows, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun
+from tests.support.unprivileged import unprivileged_user
 from tests.support.upstreams import EchoHTTPServer
 from tests.test_ask_mode import finish, start_curl
 
@@ -294,3 +296,48 @@ def test_watch_never_writes_a_programs_escape_sequences(
             watch.wait(10)
     assert b"\x1b" not in out and b"\x07" not in out
     assert b"cu\\x1b]0;owned\\x07rl\\x1b[2J" in out
+
+
+def test_the_loop_as_an_unprivileged_user(dns: DnsServer, up: EchoHTTPServer) -> None:
+    """A user who is not root, with a real home and no EGRESSD_HOME (the run directory is
+    ~/.config/egressd/run): their egressd asks, their `pending --follow` sees the ask with its
+    instance's pid, their `approve ID` answers it. Another user's `approve` of that ID finds no
+    such egressd: the ID leads only to the sockets of the user who runs it."""
+    with unprivileged_user() as user:
+        policy = user.write("policy.yaml", ASK_POLICY.format(timeout=30))
+        options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--no-prompt"]
+        run = user.popen([*EGRESSD, "run", *options], cwd=user.home)
+        follower = user.popen([*EGRESSD, "pending", "--follow", "--json"], cwd=user.home)
+        asks: list[dict] = []
+        threading.Thread(
+            target=lambda: asks.extend(json.loads(line) for line in follower.stdout or ()), daemon=True
+        ).start()
+        try:
+            assert run.stdout is not None
+            env = dict(os.environ)
+            while "http_proxy" not in env:  # (runuser keeps the pipe open: read up to what curl needs)
+                words = shlex.split(run.stdout.readline().decode() or "end=", comments=True)
+                assert words, "egressd run printed no proxy settings"
+                key, _, value = words[-1].partition("=")
+                env[key] = value
+            rows = lambda: json.loads(user.run([*EGRESSD, "ps", "--json"], cwd=user.home).stdout)  # noqa: E731
+            wait_for(lambda: any(r["approvers"]["can_answer"] for r in rows()), what="the user's follower")
+            [row] = rows()
+            pid = row["pid"]  # egressd's own (runuser runs it as a child)
+            assert row["socket"] == str(user.home / ".config/egressd/run" / f"{pid}.sock")
+            curl = subprocess.Popen(
+                ["curl", "-sS", "-i", "--max-time", "40", f"http://up.test:{up.port}/mine"],
+                env=env,
+                stdout=subprocess.PIPE,
+            )
+            ask = wait_for(lambda: asks[0] if asks else None, what="the ask on the user's follower")
+            assert ask["id"].startswith(f"{pid}-") and ask["egressd_pid"] == pid
+            other = cli("approve", ask["id"])  # root, with its own EGRESSD_HOME
+            assert other.returncode == 2 and f"no egressd with pid {pid}" in other.stderr
+            mine = user.run([*EGRESSD, "approve", ask["id"]], cwd=user.home)
+            assert mine.returncode == 0, mine.stderr
+            assert finish(curl)[0] == 200
+        finally:
+            for proc in (follower, run):
+                proc.terminate()
+                proc.wait(20)
