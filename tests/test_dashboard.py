@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -320,7 +321,7 @@ def test_the_sandboxed_child_cannot_reach_the_dashboard(served: Served, tmp_path
         "except OSError as e: print('unreachable', e)\n"
     )
     result = subprocess.run(
-        [*EGRESSD, "sandbox", "--allow", "example.test", "--", "python3", "-c", probe],
+        [*EGRESSD, "sandbox", "--allow", "example.test", "--", sys.executable, "-c", probe],
         capture_output=True,
         text=True,
         timeout=120,
