@@ -238,6 +238,12 @@ class ProxySession:
         self._tokens_watcher: FileWatcher[TokenTable] | None = None
         self._vault = EnvVault()
         self._secret_values: dict[str, str] = {}  # read with the policy that names them
+        # the files the policy is read from, as absolute paths (`ps`, the dashboard): named once,
+        # while the working directory is the one they were given in
+        named = [options.policy_file] if options.policy_file is not None else []
+        self.policy_paths = [
+            str(resolve_policy_path(n).absolute()) for n in (*named, *options.overrides.policies)
+        ]
         self.policy = self._load()
         if options.gateway is not None:
             self._load_gateway(options.gateway)
@@ -539,7 +545,7 @@ class ProxySession:
                 entries = raw.get(which) if isinstance(raw, dict) else None
                 own[which] = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
         return {
-            "source": self.policy.source,
+            "source": " + ".join(self.policy_paths) or "built-in default",
             "writable": self._writable_policy(),
             "effective": policy_to_data(self.policy),
             "file": own,
@@ -553,11 +559,11 @@ class ProxySession:
         if self.control_path is None:
             self._say("dashboard off: it needs the control API")
             return
-        from egressd.dashboard.server import Dashboard
+        from egressd.dashboard.server import WHILE_OPEN, Dashboard
 
         assert self.proxy is not None
         self._dashboard = Dashboard(self.control_path, self.proxy.pipeline.decider)
-        self._say(f"dashboard: {self._dashboard.start()}")
+        self._say(f"dashboard: {self._dashboard.start()}  ({WHILE_OPEN})")
 
     def _start_control(self, proxy: EgressProxy) -> None:
         """The control API on the user's socket; egressd runs without it (and says so) when the
@@ -576,8 +582,8 @@ class ProxySession:
         except (paths.RunDirError, OSError) as exc:
             self._say(f"control API off: {exc}")
             return
-        self._counts = Counts()
-        proxy.pipeline.events.subscribe(self._counts.observe)
+        self._counts = counts = Counts()
+        proxy.pipeline.events.subscribe(counts.observe)
         self.children = Children(self._children_issuer())
         server = ControlServer(
             path,
@@ -591,6 +597,7 @@ class ProxySession:
             children=self.children,
             watched=self._identify_from_now_on,
             own=proxy.pipeline.decider,
+            recent=lambda: list(counts.recent),
         )
         server.start(sock)
         self._control, self.control_path = server, path
@@ -606,7 +613,8 @@ class ProxySession:
         return {
             "pid": os.getpid(),
             "command": list(self.command),
-            "policy": policy.source,
+            "policy": " + ".join(self.policy_paths) or "built-in default",
+            "policies": list(self.policy_paths),
             "policy_writable": self._writable_policy(),
             "mode": policy.mode,
             "ask_timeout": policy.ask_timeout,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.control import Follower, Terminal, ask_policy, cli, cli_json, wait_for
+from tests.support.control import Follower, Terminal, ask_policy, cli, cli_json, ps_rows, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun
 from tests.support.upstreams import EchoHTTPServer
@@ -206,7 +206,7 @@ def test_a_grant_answers_the_requests_waiting_that_it_covers(
         for ask in pending():
             assert cli("deny", ask["id"]).returncode == 0
         assert [finish(c) for c in curls if c not in done] == [(403, "ask_refused")] * (len(curls) - admitted)
-        grants = cli_json("ps", "--json")[0]["counts"]["grants"]
+        grants = ps_rows()[0]["counts"]["grants"]
         assert grants == (0 if admitted else 1)  # a grant that admitted a request is used up
 
 

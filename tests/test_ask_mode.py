@@ -15,7 +15,7 @@ import pytest
 import trustme
 
 from tests.support.audit_log import audit_records
-from tests.support.control import Follower, Terminal, ask_policy, cli, cli_json, wait_for
+from tests.support.control import Follower, Terminal, ask_policy, cli, cli_json, ps_rows, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
@@ -45,7 +45,7 @@ def finish(curl: subprocess.Popen[bytes]) -> tuple[int, str | None]:
 
 
 def attached() -> bool:
-    rows = cli_json("ps", "--json")
+    rows = ps_rows()
     return bool(rows) and rows[0]["approvers"]["can_answer"]
 
 

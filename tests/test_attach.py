@@ -63,7 +63,7 @@ def test_attached_child_is_decided_audited_and_counted_as_itself(
         refused = attach("--", *curl("http://elsewhere.test/"))
         status, headers, _ = parse_http(refused.stdout)
         assert status == 403 and headers["x-egressd-reason"] == "not_allowlisted"
-        info = json.loads(subprocess.run([*EGRESSD, "ps", "--json"], capture_output=True, text=True).stdout)
+        [info] = json.loads(subprocess.run([*EGRESSD, "ps", "--json"], capture_output=True, text=True).stdout)
         assert info["pid"] == run.proc.pid  # type: ignore[union-attr]
         curls = {name: c for name, c in info["clients"].items() if name.startswith("curl[")}
         assert sorted((c["allowed"], c["refused"]) for c in curls.values()) == [(0, 1), (1, 0)]

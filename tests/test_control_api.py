@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from tests.support.control import ask_policy, cli, cli_json, wait_for
+from tests.support.control import ask_policy, cli, ps_rows, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
@@ -46,7 +46,7 @@ def enforce_run(tmp_path: Path, dns: DnsServer, *, private: bool = True) -> Egre
 def test_ps_shows_the_instance_and_its_counts(tmp_path: Path, dns: DnsServer, up: EchoHTTPServer) -> None:
     with enforce_run(tmp_path, dns) as run:
         assert finish(start_curl(run, f"http://up.test:{up.port}/"))[1] == "not_allowlisted"
-        [row] = cli_json("ps", "--json")
+        [row] = ps_rows()
         assert row["pid"] == run.proc.pid and row["mode"] == "enforce"
         assert row["policy"] == str(tmp_path / "policy.yaml")
         assert row["command"][:2] == ["egressd", "run"]
@@ -168,16 +168,18 @@ def test_stale_sockets_are_cleaned_and_pid_selects(
     leftover.close()
     (tmp_path / "b").mkdir()
     with enforce_run(tmp_path, dns) as one, enforce_run(tmp_path / "b", dns) as two:
-        rows = cli_json("ps", "--json")
+        rows = ps_rows()
         assert sorted(r["pid"] for r in rows) == sorted([one.proc.pid, two.proc.pid])
         assert not stale.exists()
-        ambiguous = cli("pending")
+        ambiguous = cli("grant", "some.test")  # a grant is for one instance: which one?
         assert ambiguous.returncode == 2
         assert "choose one with --pid" in ambiguous.stderr
         assert str(one.proc.pid) in ambiguous.stderr and str(two.proc.pid) in ambiguous.stderr
+        assert cli("grant", "some.test", "--pid", str(two.proc.pid)).returncode == 0
+        assert cli("pending").returncode == 0  # the asks of both
         assert cli("pending", "--pid", str(two.proc.pid)).returncode == 0
         assert "no egressd with pid" in cli("pending", "--pid", str(dead.pid)).stderr
-    assert cli("ps", "--json").stdout == ""
+    assert ps_rows() == []
     assert "no egressd is running" in cli("pending").stderr
 
 
@@ -263,9 +265,9 @@ def test_a_grant_never_lifts_deny_forbidden_or_private_guards(
 
 def test_grant_errors_are_clear(tmp_path: Path, dns: DnsServer) -> None:
     with enforce_run(tmp_path, dns):
-        bad = cli("grant", "http://user@x.test/", "--once")
+        bad = cli("grant", "http://user@x.test/")
         assert bad.returncode == 1 and "userinfo" in bad.stderr
-        assert cli("grant", "x.test").returncode == 2  # --once is required
+        assert cli("grant", "x.test", "--ttl", "0").returncode == 2
 
 
 def test_an_https_url_grant_admits_that_path_only_through_inspection(

@@ -7,11 +7,13 @@ origin. Policy edits from the page are validated like a file edit."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.control import ask_policy, cli_json, wait_for
+from egressd.dashboard.server import WHILE_OPEN
+from tests.support.control import ask_policy, ps_rows, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun
 from tests.support.upstreams import EchoHTTPServer
@@ -88,9 +91,9 @@ def served(tmp_path: Path, dns: DnsServer, up: EchoHTTPServer) -> Iterator[Serve
         yield Served(run, policy)
 
 
-@pytest.fixture
-def page(served: Served) -> Iterator[Any]:
-    """A headless Chromium page opened at the printed URL, collecting console messages."""
+@contextlib.contextmanager
+def open_page(url: str) -> Iterator[Any]:
+    """A headless Chromium page opened at `url`, collecting its console messages (type, text, url)."""
     with playwright_sync.sync_playwright() as pw:
         browser = pw.chromium.launch(
             executable_path=CHROMIUM,
@@ -100,21 +103,34 @@ def page(served: Served) -> Iterator[Any]:
         try:
             context = browser.new_context(viewport={"width": 1200, "height": 800})
             page = context.new_page()
-            page.console_messages = []  # type: ignore[attr-defined]
-            page.on("console", lambda msg: page.console_messages.append(msg.text))  # type: ignore[attr-defined]
-            page.goto(served.url)
+            messages: list[tuple[str, str, str]] = []
+            page.console_messages = messages  # type: ignore[attr-defined]
+            page.on("console", lambda msg: messages.append((msg.type, msg.text, msg.location.get("url", ""))))
+            page.goto(url)
             page.wait_for_selector("#status.live", timeout=10_000)
             yield page
         finally:
             browser.close()
 
 
+@pytest.fixture
+def page(served: Served) -> Iterator[Any]:
+    with open_page(served.url) as opened:
+        yield opened
+
+
 def csp_violations(page: Any) -> list[str]:
-    return [m for m in page.console_messages if "Content Security Policy" in m or "CSP" in m]
+    """Violations of the CSP, and any other error in the console (a resource that failed: 404) but
+    the API's refusals the page shows as its message (a bad rule: 400)."""
+    return [
+        f"{text} ({url})"
+        for kind, text, url in page.console_messages
+        if "Content Security Policy" in text or (kind == "error" and "/api/" not in url)
+    ]
 
 
 def approver_attached() -> bool:
-    rows = cli_json("ps", "--json")
+    rows = ps_rows()
     return bool(rows) and rows[0]["approvers"]["can_answer"]
 
 
@@ -285,9 +301,10 @@ def test_the_url_goes_to_stderr_never_stdout(tmp_path: Path, dns: DnsServer) -> 
     )
     assert result.returncode == 0, result.stderr
     assert "child-done" in result.stdout
-    found = re.search(r"dashboard: http://127\.0\.0\.1:(\d+)/\?token=(\S+)", result.stderr)
+    found = re.search(r"dashboard: http://127\.0\.0\.1:(\d+)/\?token=(\S+)  \((.*)\)$", result.stderr, re.M)
     assert found, result.stderr
-    port, token = found.groups()
+    assert found.group(3) == WHILE_OPEN == "asks wait for an answer only while a page is open"
+    port, token, _ = found.groups()
     assert token not in result.stdout  # neither printed on stdout nor in the child's environment
     assert f"127.0.0.1:{port}" not in result.stdout
 
@@ -304,7 +321,7 @@ def test_the_sandboxed_child_cannot_reach_the_dashboard(served: Served, tmp_path
         "except OSError as e: print('unreachable', e)\n"
     )
     result = subprocess.run(
-        [*EGRESSD, "sandbox", "--allow", "example.test", "--", "python3", "-c", probe],
+        [*EGRESSD, "sandbox", "--allow", "example.test", "--", sys.executable, "-c", probe],
         capture_output=True,
         text=True,
         timeout=120,
@@ -331,24 +348,15 @@ def test_egressd_dashboard_attaches_to_a_running_instance(
             line = dash.stderr.readline()
             found = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/\?token=\S+)", line)
             assert found, line
-            with playwright_sync.sync_playwright() as pw:
-                browser = pw.chromium.launch(
-                    executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--no-proxy-server"]
-                )
-                try:
-                    page = browser.new_page()
-                    page.goto(found.group(1))
-                    page.wait_for_selector("#status.live", timeout=10_000)
-                    wait_for(approver_attached, what="the page to count as an approver")
-                    curl = start_curl(run, f"http://up.test:{up.port}/first")
-                    page.locator("#asks li.ask button[data-answer=run]").click(timeout=10_000)
-                    assert finish(curl)[0] == 200
-                    assert finish(start_curl(run, f"http://up.test:{up.port}/second"))[0] == 200
-                    page.wait_for_selector(
-                        "#grants code:text-is('up.test:" + str(up.port) + "')", timeout=10_000
-                    )
-                finally:
-                    browser.close()
+            assert WHILE_OPEN in line
+            with open_page(found.group(1)) as page:
+                wait_for(approver_attached, what="the page to count as an approver")
+                curl = start_curl(run, f"http://up.test:{up.port}/first")
+                page.locator("#asks li.ask button[data-answer=run]").click(timeout=10_000)
+                assert finish(curl)[0] == 200
+                assert finish(start_curl(run, f"http://up.test:{up.port}/second"))[0] == 200
+                page.wait_for_selector("#grants code:text-is('up.test:" + str(up.port) + "')", timeout=10_000)
+                assert csp_violations(page) == []
         finally:
             dash.terminate()
             dash.wait(timeout=10)
@@ -419,4 +427,80 @@ def test_each_path_is_its_own_card_and_allow_once_releases_that_one(
     assert finish(curls["/admin/delete"]) == (403, "ask_refused")
     assert finish(curls["/secrets/upload"]) == (403, "ask_refused")
     assert [r["path"] for r in up.requests] == ["/public"]
+    assert csp_violations(page) == []
+
+
+# -- what the page shows -----------------------------------------------------------------------------
+def test_the_page_opens_with_the_recent_decisions(served: Served, up: EchoHTTPServer) -> None:
+    """Decisions made before the page opened are listed when it opens (each once), beside the
+    counters that count them; the page loads without one console error (no 404: it has its icon)."""
+    for path in ("/a", "/b", "/c"):
+        assert finish(start_curl(served.run, f"http://allowed.test:{up.port}{path}"))[0] == 200
+    assert finish(start_curl(served.run, f"http://refused.test:{up.port}/")) == (403, "no_approver")
+    with open_page(served.url) as page:
+        rows = page.locator("#decisions tbody tr")
+        wait_for(lambda: rows.count() >= 4, timeout=10, what="the backlog")
+        targets = [rows.nth(i).locator("td").nth(3).inner_text() for i in range(rows.count())]
+        assert targets == [
+            f"refused.test:{up.port} GET /",
+            *(f"allowed.test:{up.port} GET {path}" for path in ("/c", "/b", "/a")),
+        ]
+        assert page.locator("#decisions tr.refused[data-reason='no_approver']").count() == 1
+        page.wait_for_selector("#clients tbody tr", timeout=5_000)
+        assert "decisions 4 · allowed 3 · refused 1" in page.inner_text("#totals")
+        # a new decision comes after the backlog, once
+        assert finish(start_curl(served.run, f"http://allowed.test:{up.port}/d"))[0] == 200
+        wait_for(lambda: rows.count() == 5, timeout=10, what="the live decision")
+        assert rows.first.locator("td").nth(3).inner_text() == f"allowed.test:{up.port} GET /d"
+        assert csp_violations(page) == []
+    status, headers, _ = served.request(
+        "GET", "/static/icon.svg", headers={"Host": f"127.0.0.1:{served.port}", "Cookie": served.login()}
+    )
+    assert status == 200 and headers["content-type"].startswith("image/svg+xml")
+
+
+def test_an_ask_card_says_time_left_who_asks_what_it_covers_and_what_always_writes(
+    served: Served, page: Any, up: EchoHTTPServer, dns: DnsServer
+) -> None:
+    """The card of a question two requests wait on: the time left counting down, the program that
+    asked, each waiting request with its program, and for each button what it covers — "Always"
+    the exact rule it writes and what that rule matches, which is then what it admits (a subdomain
+    too)."""
+    wait_for(approver_attached, what="the open page to count as an approver")
+    url = f"http://up.test:{up.port}/same"
+    curls = [start_curl(served.run, url) for _ in range(2)]
+    other = start_curl(served.run, f"http://up.test:{up.port}/other")
+    card = page.locator("#asks li.ask", has=page.locator(".target", has_text=" GET /same"))
+    wait_for(lambda: card.count() == 1 and ", 2 waiting" in card.inner_text(), what="one card, 2 waiting")
+    left = card.locator(".left")
+    first = int(re.fullmatch(r"refused in (\d+) s unless answered", left.inner_text()).group(1))  # type: ignore[union-attr]
+    assert 20 <= first <= 30  # ask_timeout: 30
+    wait_for(lambda: int(re.findall(r"\d+", left.inner_text())[0]) < first, timeout=5, what="the countdown")
+    assert (
+        "asked by" in card.locator(".who").inner_text() and "curl" in card.locator(".who code").inner_text()
+    )
+    requests = card.locator(".requests li")
+    assert requests.count() == 2
+    pids = sorted(int(re.search(r"\(pid (\d+)\)", requests.nth(i).inner_text()).group(1)) for i in range(2))  # type: ignore[union-attr]
+    assert pids == sorted(c.pid for c in curls)
+    scope = {key: card.locator(f"dd[data-answer={key}]").inner_text() for key in ("once", "run", "always")}
+    assert scope["once"] == "these 2 waiting requests only; the next one is asked again."
+    assert scope["run"] == (
+        f"every request to up.test:{up.port} (this exact host, not its subdomains) until egressd exits"
+        " — the other ask to it waiting now too: GET /other."
+    )
+    assert scope["always"] == (
+        f"adds the rule up.test:{up.port} to the allow list of {served.policy}: it matches up.test and "
+        f"every name under it (*.up.test) on port {up.port}, for every child, from now on."
+    )
+    labels = card.locator("button").all_inner_texts()
+    assert labels == ["Allow once", "Allow for this run", "Always allow", "Deny"]
+    form_label = page.locator("#grant-form button").inner_text()
+    assert form_label == "Grant one request" and form_label not in labels  # two buttons, two names
+    card.locator("button[data-answer=always]").click()
+    assert [finish(c)[0] for c in (*curls, other)] == [200, 200, 200]
+    assert f"  - up.test:{up.port}\n" in served.policy.read_text()  # the rule it said, written
+    page.wait_for_selector(f"#allow code:text-is('up.test:{up.port}')", timeout=10_000)  # reloaded
+    dns.add("sub.up.test", "127.0.0.1")
+    assert finish(start_curl(served.run, f"http://sub.up.test:{up.port}/")) == (200, None)
     assert csp_violations(page) == []

@@ -96,8 +96,9 @@ def test_watch_says_fail(tmp_path: Path, dns: DnsServer, refusing_port: Refusing
         finally:
             watch.terminate()
             watch.wait(10)
+    # each line: the pid of the egressd that decided, then the decision
     by_reason = {
-        reason: line
+        reason: line.split(maxsplit=1)[1]
         for line in lines
         for reason in ("dns_error", "connect_refused", "not_allowlisted")
         if f"  {reason}  " in line

@@ -24,6 +24,7 @@ pytest.importorskip("mcp_server_fetch")
 from mcp import ClientSession  # noqa: E402
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
+from egressd.agents import jsonc  # noqa: E402
 from tests.support.dns_server import DnsServer  # noqa: E402
 from tests.support.egressd_cli import EGRESSD  # noqa: E402
 from tests.support.upstreams import EchoHTTPServer, RefusingPort  # noqa: E402
@@ -149,7 +150,7 @@ def test_wrap_unwrap_formats(
 def test_wrap_refuses_without_touching(tmp_path: Path, upstream: EchoHTTPServer) -> None:
     policy = write_policy(tmp_path, upstream)
     cases = {
-        "comments.json": '{\n  // a comment\n  "servers": {}\n}\n',
+        "comment.json": '{\n  /* a comment that never ends\n  "servers": {}\n}\n',
         "garbage.json": "{not json",
         "dupes.json": '{"mcpServers": {"a": {"command": "x"}, "a": {"command": "y"}}}',
         "noservers.json": '{"other": {}}',
@@ -171,6 +172,90 @@ def test_wrap_refuses_without_touching(tmp_path: Path, upstream: EchoHTTPServer)
     assert path.read_text() == CURSOR.replace('"fetch"', '"github"')
     result = mcp("wrap", str(path), "--policy", str(policy), "--server", "nope", check=False)
     assert result.returncode == 2 and "no such server" in result.stderr
+
+
+VSCODE_JSONC = """// .vscode/mcp.json: VS Code reads JSON with comments
+{
+  "servers": {
+    // the reference server, from npm
+    "everything": {
+      "type": "stdio",
+      "command": "node",
+      "args": [
+        "EVERYTHING", // the script
+        "stdio"
+      ],
+    },
+    /* a remote server: the client connects to it itself */
+    "remote": {"type": "http", "url": "https://mcp.example/mcp"},
+    "events": {"type": "sse", "url": "http://localhost:3000/sse"},
+  },
+}
+"""
+
+
+async def test_wrap_jsonc_keeps_its_comments_and_the_server_runs(
+    tmp_path: Path, upstream: EchoHTTPServer
+) -> None:
+    """VS Code's mcp.json with comments and trailing commas: wrap says which servers it skipped
+    and why, keeps every comment, and writes what wrapping the same file without comments writes;
+    the MCP SDK's stdio client runs the wrapped server; unwrap restores the bytes and removes the
+    backup that holds the same bytes."""
+    if not EVERYTHING.exists():
+        pytest.fail(f"{EVERYTHING} is missing: run scripts/setup.sh (it npm-installs the server)")
+    policy = write_policy(tmp_path, upstream, profiles="profiles:\n  everything: {allow: []}\n")
+    text = VSCODE_JSONC.replace("EVERYTHING", str(EVERYTHING))
+    config = tmp_path / "mcp.json"
+    config.write_text(text)
+    plain = tmp_path / "plain.json"  # the same servers as strict JSON, no comment
+    plain.write_text(
+        json.dumps(
+            {
+                "servers": {
+                    "everything": {"type": "stdio", "command": "node", "args": [str(EVERYTHING), "stdio"]},
+                    "remote": {"type": "http", "url": "https://mcp.example/mcp"},
+                    "events": {"type": "sse", "url": "http://localhost:3000/sse"},
+                }
+            },
+            indent=2,
+        )
+    )
+    result = mcp("wrap", str(config), "--policy", str(policy))
+    assert f"wrapped everything; the file as it was is kept in {config}.egressd-backup" in result.stderr
+    assert "skipped remote: a remote server (type http)" in result.stderr, result.stderr
+    assert "skipped events: a remote server (type sse)" in result.stderr
+    assert "the MCP client connects to it itself" in result.stderr
+    wrapped = config.read_text()
+    for comment in ("// .vscode/mcp.json", "// the reference server", "// the script", "/* a remote server"):
+        assert comment in wrapped
+    mcp("wrap", str(plain), "--policy", str(policy))
+    expected = json.loads(plain.read_text())["servers"]["everything"]
+    entry = jsonc.parse(wrapped).value["servers"]["everything"]
+    assert entry == expected
+    params = StdioServerParameters(command=entry["command"], args=entry["args"])
+    is_error, answer = await _call(params, "echo", {"message": "through egressd"})
+    assert not is_error and "through egressd" in answer, answer
+    result = mcp("unwrap", str(config))
+    assert config.read_text() == text  # byte for byte, comments and trailing commas too
+    assert f"its backup {config}.egressd-backup held the same bytes and is removed" in result.stderr
+    assert not (tmp_path / "mcp.json.egressd-backup").exists()
+
+
+def test_unwrap_says_where_the_backup_is_when_it_differs(tmp_path: Path, upstream: EchoHTTPServer) -> None:
+    """A comment edited while wrapped: unwrap keeps the edit, and the backup (the file before
+    wrap) stays, named; with no backup, unwrap says none is left."""
+    policy = write_policy(tmp_path, upstream, profiles="profiles:\n  fetch: {allow: []}\n")
+    config = tmp_path / "cursor-mcp.json"
+    config.write_text("// mine\n" + CURSOR)
+    mcp("wrap", str(config), "--policy", str(policy))
+    config.write_text(config.read_text().replace("// mine", "// mine, edited"))
+    result = mcp("unwrap", str(config))
+    assert config.read_text() == "// mine, edited\n" + CURSOR
+    backup = tmp_path / "cursor-mcp.json.egressd-backup"
+    assert backup.read_text() == "// mine\n" + CURSOR
+    assert f"the backup {backup} is kept" in result.stderr and "differs from the file now" in result.stderr
+    backup.unlink()
+    assert "no backup is left" in mcp("unwrap", str(config)).stderr
 
 
 # -- real servers through the wrapped config ------------------------------------------------------

@@ -8,7 +8,9 @@ endpoint egressd printed; the policy file is edited to count a reload.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -141,7 +143,7 @@ def test_metrics_move_with_real_traffic(
     assert sample(text, decisions, stage="request", mode="enforce", reason="not_allowlisted") == 3
     # an allowed tunnel is recorded with its upstream connection (stage "connection"), like the pool's
     assert sample(text, decisions, stage="connection", decision="allow", reason="allowlist") >= 2
-    assert sample(text, "egressd_tunnels_active") == 1
+    assert sample(text, "egressd_tunnels_open") == 1
     # upstream connections: pooled plain HTTP (at least one) plus the tunnel's
     assert sample(text, "egressd_connections_total", direction="outbound") >= 2
     assert sample(text, "egressd_dns_lookup_seconds_count", outcome="ok") >= 2
@@ -184,7 +186,7 @@ def test_metrics_count_asks_and_refused_tunnels(
     text = run.scrape()
     assert sample(text, "egressd_ask_wait_seconds_count", outcome="no_approver") == 1, text
     assert sample(text, "egressd_decisions_total", stage="connect", mode="ask", reason="no_approver") == 1
-    assert sample(text, "egressd_tunnels_active") == 0
+    assert sample(text, "egressd_tunnels_open") == 0
     done.touch()
     assert run.proc.wait(30) == 0
     assert "refused" not in run.stderr  # --quiet
@@ -305,3 +307,94 @@ def test_metrics_token_file_requires_the_bearer_token(tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode != 0 and "16 characters" in done.stderr
+
+
+# -- names and conventions ------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parent.parent
+GAUGES = {
+    "egressd_build_info",
+    "egressd_audit_writable",
+    "egressd_audit_queue_bytes",
+    "egressd_client_connections_open",
+    "egressd_tunnels_open",
+    "egressd_upstream_connections_open",
+}
+
+
+def families(text: str) -> dict[str, str]:
+    """name -> type, from the `# TYPE` lines of a scrape."""
+    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.MULTILINE))
+
+
+def sample_names(text: str) -> list[tuple[str, str]]:
+    """(name, labels) of every sample line."""
+    return re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ", text, flags=re.MULTILINE)
+
+
+def reference_created(disable: bool) -> bool:
+    """Whether prometheus_client's own Counter and Histogram show `_created` (in a fresh process:
+    the library reads PROMETHEUS_DISABLE_CREATED_SERIES once, when imported)."""
+    code = (
+        "from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest\n"
+        "r = CollectorRegistry()\n"
+        "Counter('c', 'c', ['x'], registry=r).labels('1').inc()\n"
+        "Histogram('h', 'h', registry=r).observe(1)\n"
+        "t = generate_latest(r).decode()\n"
+        "print(('c_created{' in t) + ('h_created ' in t))\n"
+    )
+    env = {**os.environ, "PROMETHEUS_DISABLE_CREATED_SERIES": "True" if disable else "False"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return {"2": True, "0": False}[out.stdout.strip()]
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_metric_names_follow_prometheus_client(monkeypatch: pytest.MonkeyPatch, disable: bool) -> None:
+    """A scrape of `egressd run --metrics` after traffic: `egressd_build_info` names the versions;
+    every counter and histogram series has its `_created` exactly when prometheus_client's own
+    Counter and Histogram have one (PROMETHEUS_DISABLE_CREATED_SERIES switches both off), a gauge
+    never; the gauges of what is open now all end in `_open`; and docs/metrics.md lists exactly
+    the families scraped, with their types."""
+    from egressd import __version__
+
+    monkeypatch.setenv("PROMETHEUS_DISABLE_CREATED_SERIES", "True" if disable else "False")
+    with EgressdRun(["--metrics", "127.0.0.1:0", "--no-prompt"]) as run:
+        assert run.wait_for_stderr("metrics on http"), run.stderr
+        url = run.stderr.split("metrics on ", 1)[1].split()[0]
+        requests.get("http://refused.test/", proxies={"http": run.proxy_url}, timeout=10)
+        text = requests.get(url, timeout=10, proxies={"http": ""}).text
+    types = families(text)
+    created_families = {n for n in types if n.endswith("_created")}
+    own = {n: t for n, t in types.items() if n not in created_families}
+    assert {n for n, t in own.items() if t == "gauge"} == GAUGES, own
+    assert sorted(n for n in GAUGES if "connections" in n or "tunnels" in n) == [
+        n for n in sorted(GAUGES) if n.endswith("_open")
+    ]
+    info = re.search(r"^egressd_build_info\{([^}]*)\} 1\.0$", text, flags=re.MULTILINE)
+    assert info, text
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+    assert labels["version"] == __version__ and labels["python"] == platform.python_version()
+    assert labels["mitmproxy"] == importlib.metadata.version("mitmproxy")
+
+    expected = reference_created(disable)
+    samples = sample_names(text)
+    for name, kind in own.items():
+        base = name.removesuffix("_total")
+        if kind == "gauge":
+            assert not [s for s in samples if s[0] == f"{base}_created"], name
+            continue
+        count = f"{base}_count" if kind == "histogram" else name
+        series = {labels for sample_name, labels in samples if sample_name == count}
+        created = {labels for sample_name, labels in samples if sample_name == f"{base}_created"}
+        assert created == (series if expected else set()), (name, series, created)
+    assert any(s[0] == "egressd_decisions_created" for s in samples) == expected
+
+    documented = dict(
+        re.findall(
+            r"^\| `(egressd_[a-z_]+)` \| (counter|gauge|histogram) \|",
+            (REPO / "docs/metrics.md").read_text(),
+            re.M,
+        )
+    )
+    scraped = {n: t for n, t in own.items()}
+    gateway_only = {"egressd_gateway_client_decisions_total": "counter"}
+    assert documented == {**scraped, **gateway_only}

@@ -26,7 +26,7 @@ import trustme
 
 from egressd.child_env import CA_BUNDLE_VARS
 from tests.support.audit_log import audit_records
-from tests.support.control import cli_json, wait_for
+from tests.support.control import ps_rows, wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, egressd_exec, write_policy
 from tests.support.https_app import AppHTTPSServer, Reply, Request
@@ -416,7 +416,7 @@ def test_reload_applies_a_new_value_and_the_control_api_never_shows_it(
             [found] = find_instances()[1]
             view = json.dumps(ControlClient(found.path).call("GET", "/v1/policy"))
             assert '"api"' in view and str(key_file) in view
-            info = json.dumps(cli_json("ps", "--json"))
+            info = json.dumps(ps_rows())
         finally:
             watch.terminate()
             watch.wait(10)

@@ -19,6 +19,11 @@ A grant made while requests wait (`egressd grant`, or a `run` answer to another 
 the questions it covers: each waiting request checks the grants again, as the pipeline did before
 asking (a one-shot grant admits one of them), and leaves the question when a grant admits it.
 
+An ask's ID names its egressd: `PID-RANDOM-N` (`4242-9f3a-1`), the pid of the instance whose
+control socket answers it, a random part of this broker's own (a later egressd that gets the same
+pid never takes an ID of the earlier one) and a counter. `egressd approve ID` finds the instance
+from the ID alone, so an answer never lands on another program's question.
+
 Answers: `once` (the waiting requests only), `run` (an exact host:port grant until egressd exits),
 `always` (an allow rule written to the policy file; the reload applies it, a run grant bridges the
 moment until it does), `deny` (the waiting requests), `deny-always` (a deny rule written to the
@@ -31,11 +36,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import re
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from egressd.admission.approver import NO_APPROVER, Answer, Recheck
 from egressd.admission.events import EventBus, Notice
@@ -50,6 +58,25 @@ POLL_GRACE = 30.0  # a client that listed the pending asks this recently counts 
 
 Listener = Callable[[str, dict[str, object]], None]  # (kind, ask as JSON); must not block
 RuleWriter = Callable[[str, str], str]  # (list: "allow"/"deny", rule) -> what was written where
+_ASK_ID = re.compile(r"([1-9][0-9]{0,9})-[0-9a-f]{4}-[1-9][0-9]*")
+
+
+def ask_instance(ask_id: str) -> int | None:
+    """The pid of the egressd an ask ID belongs to; None when the text is no ask ID."""
+    found = _ASK_ID.fullmatch(ask_id)
+    return int(found.group(1)) if found else None
+
+
+class Answerer(Protocol):
+    """What an interface (the terminal prompt, the editor's dialog, `pending --interactive`) needs
+    of the asks: hear each one and its end, and answer. AskBroker is one; the CLI's view of every
+    running instance (egressd.control.follow) is another."""
+
+    def attach(
+        self, listener: Callable[[str, dict[str, Any]], None], *, approver: bool | Callable[[], bool]
+    ) -> Callable[[], None]: ...
+
+    def answer(self, ask_id: str, kind: str, *, by: str = ...) -> dict[str, object]: ...
 
 
 class AskError(Exception):
@@ -92,7 +119,12 @@ class PendingAsk:
     wake: asyncio.Future[None] | None = None
     created: float = field(default_factory=time.time)
     started: float = field(default_factory=time.monotonic)
-    waiters: int = 1
+    # each request waiting on the question: its connection and, when known, the program holding it
+    requests: list[dict[str, object]] = field(default_factory=list)
+
+    @property
+    def waiters(self) -> int:
+        return len(self.requests)
 
     @property
     def rule(self) -> str:
@@ -113,6 +145,8 @@ class PendingAsk:
             "conn": self.conn,
             "command": list(command),
             "waiting": self.waiters,
+            "requests": [dict(r) for r in self.requests],
+            "rule": self.rule,
             "created": self.created,
             "expires_in": round(left, 1),
             "answers": [a for a in ANSWERS if always or "always" not in a],
@@ -132,7 +166,9 @@ class AskBroker:
         approve_all: bool = False,
         events: EventBus | None = None,
         poll_grace: float = POLL_GRACE,
+        instance: int | None = None,
     ) -> None:
+        """`instance`: the pid whose control socket answers these asks (this process's)."""
         self.grants = grants
         self.timeout = timeout
         self.command = tuple(command)
@@ -148,7 +184,7 @@ class AskBroker:
         self._listeners: dict[int, tuple[Listener, bool | Callable[[], bool]]] = {}
         self._tokens = itertools.count(1)
         self._last_poll: float | None = None
-        self._prefix = secrets.token_hex(2)
+        self._prefix = f"{os.getpid() if instance is None else instance}-{secrets.token_hex(2)}-"
         self._ids = itertools.count(1)
         grants.added(self._granted)
 
@@ -200,7 +236,7 @@ class AskBroker:
         with self._lock:
             pending = self._by_key.get(key)
             if pending is not None and not pending.future.done():
-                pending.waiters += 1
+                pending.requests.append(_request(client))
                 created = False
             else:
                 pending = self._new(key, decision, client)
@@ -208,12 +244,12 @@ class AskBroker:
         if created:
             self._notify("ask", pending)
         try:
-            return await self._wait(pending, recheck)
+            return await self._wait(pending, recheck, client.conn_id)
         except asyncio.CancelledError:
-            self._leave(pending, "withdrawn")
+            self._leave(pending, client.conn_id, "withdrawn")
             raise
 
-    async def _wait(self, pending: PendingAsk, recheck: Recheck | None) -> Answer | Decision:
+    async def _wait(self, pending: PendingAsk, recheck: Recheck | None, conn: str) -> Answer | Decision:
         """The question's answer, or the decision of a grant made meanwhile that admits this
         request. Grants are checked once on joining too: one made between the pipeline's grants
         step and this question's registration woke nobody."""
@@ -222,7 +258,7 @@ class AskBroker:
             if recheck is not None and self.grants:
                 granted = recheck()
                 if granted is not None:
-                    self._leave(pending, "answered", answer="grant", by=granted.rule or "a grant")
+                    self._leave(pending, conn, "answered", answer="grant", by=granted.rule or "a grant")
                     return granted
             assert wake is not None
             await asyncio.wait((pending.future, wake), return_when=asyncio.FIRST_COMPLETED)
@@ -244,7 +280,7 @@ class AskBroker:
         loop = asyncio.get_running_loop()
         timeout = float(self.timeout())
         pending = PendingAsk(
-            id=f"a{self._prefix}{next(self._ids)}",
+            id=f"{self._prefix}{next(self._ids)}",
             key=key,
             host=target.host.text,
             port=target.port,
@@ -258,6 +294,7 @@ class AskBroker:
             loop=loop,
             future=loop.create_future(),
             wake=loop.create_future(),
+            requests=[_request(client)],
         )
         self._pending[pending.id] = pending
         self._by_key[key] = pending
@@ -272,11 +309,14 @@ class AskBroker:
         _settle(pending.future, Answer(False, "ask_timeout", detail, "mode: ask (ask_timeout)"))
         self._notify("expired", pending)
 
-    def _leave(self, pending: PendingAsk, kind: str, **extra: object) -> None:
+    def _leave(self, pending: PendingAsk, conn: str, kind: str, **extra: object) -> None:
         """A waiting request went away (`withdrawn`) or a grant admitted it (`answered`); the
         question goes with the last one."""
         with self._lock:
-            pending.waiters -= 1
+            for i, request in enumerate(pending.requests):
+                if request["conn"] == conn:
+                    del pending.requests[i]
+                    break
             gone = pending.waiters <= 0 and self._pending.get(pending.id) is pending
         if gone and self._pop(pending.id) is not None:
             self._notify(kind, pending, **extra)
@@ -350,11 +390,23 @@ class AskBroker:
                 logger.exception("egressd: an ask listener failed")
         if self.events is not None:
             # the audit records asks too: the query redacted, as in its decision records
-            fields = {k: v for k, v in info.items() if k not in ("command", "answers", "expires_in")}
+            # (not the waiting programs' command lines: an argument may be a secret)
+            skip = ("command", "answers", "expires_in", "requests")
+            fields = {k: v for k, v in info.items() if k not in skip}
             path = fields.get("path")
             if isinstance(path, str) and "?" in path:
                 fields["path"] = path.partition("?")[0] + "?<redacted>"
             self.events.emit(Notice(f"ask_{kind}" if kind != "ask" else "ask", fields))
+
+
+def _request(client: ConnState) -> dict[str, object]:
+    """One waiting request as an ask shows it: its connection, and the program holding it when the
+    identity step looked it up (pid, executable, command line)."""
+    who = client.identity
+    request: dict[str, object] = {"conn": client.conn_id}
+    if who is not None and who.pid is not None:
+        request.update(pid=who.pid, exe=who.exe, cmdline=list(who.cmdline))
+    return request
 
 
 def _settle[T](future: asyncio.Future[T] | None, answer: T) -> None:

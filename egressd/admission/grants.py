@@ -1,7 +1,7 @@
 """Grants: the user's consent for targets the policy would otherwise refuse or ask about.
 
 Two kinds, both held in memory only (never written to the policy):
-- one-shot grants (`egressd grant TARGET --once`): admit exactly ONE matching request or
+- one-shot grants (`egressd grant TARGET`): admit exactly ONE matching request or
   connection within their TTL, consumed atomically (two racing requests: one is admitted);
 - run grants (an ask answered "for this run"): an exact host and port, until egressd exits.
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
+from egressd.admission.asks import Answerer
 from egressd.agents.acp import CANCELLED, AcpBridge
 
 # ACP's permission option kinds -> the ask broker's answers. A dismissed dialog (`cancelled`) is a
@@ -30,16 +31,6 @@ ANSWERS = {
 FALLBACK = {"always": "run", "deny-always": "deny"}
 
 
-class Broker(Protocol):
-    """What egressd.admission.asks.AskBroker offers its interfaces."""
-
-    def attach(
-        self, listener: Callable[[str, dict[str, Any]], None], *, approver: bool | Callable[[], bool]
-    ) -> Callable[[], None]: ...
-
-    def answer(self, ask_id: str, kind: str, *, by: str = ...) -> dict[str, object]: ...
-
-
 def describe(ask: dict[str, Any]) -> str:
     """What the editor shows: the request, and who asks."""
     host, port = ask.get("host"), ask.get("port")
@@ -51,7 +42,7 @@ def describe(ask: dict[str, Any]) -> str:
     return where + (f" (asked by {command}" + (f", profile {who}" if who else "") + ")" if command else "")
 
 
-def attach(broker: Broker, bridge: AcpBridge, warn: Callable[[str], None]) -> Callable[[], None]:
+def attach(broker: Answerer, bridge: AcpBridge, warn: Callable[[str], None]) -> Callable[[], None]:
     """Make the editor an approver of `broker`; returns the function that detaches it."""
 
     def ask_editor(ask: dict[str, Any]) -> None:

@@ -24,13 +24,13 @@ def dashboard_command(pid: int | None, open_browser: bool) -> None:
     happen, its pending asks (with their answers), grants, policy and per-child counters. The URL
     carries a random token and is printed on stderr only; stop with Ctrl-C. While a page is open,
     asks wait for its answer."""
-    from egressd.dashboard.server import Dashboard
+    from egressd.dashboard.server import WHILE_OPEN, Dashboard
 
     client = select(pid)
     call(client, "GET", "/v1/info")  # fail now, with the reason, if it does not answer
     dashboard = Dashboard(client.path, _Registered(client))
     url = dashboard.start()
-    say(f"dashboard: {url}")
+    say(f"dashboard: {url}  ({WHILE_OPEN})")
     if open_browser:
         import webbrowser
 

@@ -1,4 +1,4 @@
-"""`egressd grant TARGET --once`: consent to one request or connection, never written anywhere."""
+"""`egressd grant TARGET`: consent to one request or connection, never written anywhere."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ from egressd.cli.instances import call, pid_option, select
     short_help="Admit one request or connection the policy refuses, within a TTL.",
     epilog="""\b
 Example:
-  egressd grant pypi.org --once                       # the next connection to pypi.org:443 or :80
-  egressd grant api.example.com:8443 --once --ttl 30
-  egressd grant http://mirror.test/pkg.tar.gz --once  # that path only""",
+  egressd grant pypi.org                       # the next connection to pypi.org:443 or :80
+  egressd grant api.example.com:8443 --ttl 30
+  egressd grant http://mirror.test/pkg.tar.gz  # that path only""",
 )
 @pid_option
 @click.argument("target", metavar="HOST[:PORT]|URL")
-@click.option("--once", is_flag=True, required=True, help="One request or connection (required).")
+@click.option(
+    "--once", is_flag=True, default=True, help="One request or connection: what every grant is (the default)."
+)
 @click.option(
     "--ttl",
     type=click.FloatRange(min=0, min_open=True, max=MAX_TTL),
@@ -34,7 +36,7 @@ def grant_command(pid: int | None, target: str, once: bool, ttl: float) -> None:
     the next identical request is decided normally. It never lifts a deny rule, an always-refused
     address or the private-address guard. HOST without a port means 443 or 80; a URL with a path
     admits that path only (for https that needs TLS inspection)."""
-    grant = call(select(pid), "POST", "/v1/grants", {"target": target, "ttl": ttl, "once": once})
+    grant = call(select(pid), "POST", "/v1/grants", {"target": target, "ttl": ttl, "once": True})
     ports = ",".join(str(p) for p in grant["ports"])
     scope = f" path {grant['path']}" if grant.get("path") else ""
     click.echo(f"{grant['id']}: once, {grant['host']} port {ports}{scope}, for {grant['expires_in']:g}s")

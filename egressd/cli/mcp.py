@@ -68,11 +68,13 @@ def wrap_command(config: str, policy_file: str, sandbox: bool, servers: tuple[st
     """Rewrite CONFIG so each stdio MCP server runs under egressd with its own profile.
 
     Server NAME runs with --profile NAME: `profiles.NAME` in the policy says what it may reach,
-    so one server cannot use another's allowances. Wrapping twice is wrapping once; the file
-    before the change is kept as CONFIG.egressd-backup; the file is replaced atomically, and a
+    so one server cannot use another's allowances. Wrapping twice is wrapping once. Only the
+    wrapped entries' command and args change: comments (JSON with comments, as VS Code's mcp.json),
+    spacing and every other byte stay. Remote (http/sse) servers are skipped, and wrap says so. The
+    file before the change is kept as CONFIG.egressd-backup; the file is replaced atomically, and a
     file egressd cannot parse is left alone (exit 2).
     """
-    path, document, key, text = _load(config)
+    path, _document, key, text = _load(config)
     try:
         policy = base_policy(policy_file)
     except PolicyError as exc:
@@ -85,7 +87,7 @@ def wrap_command(config: str, policy_file: str, sandbox: bool, servers: tuple[st
         egressd_command(), str(resolve_policy_path(policy_file).resolve()), sandbox, servers
     )
     try:
-        wrapped = mcp_config.wrap(document, key, options)
+        new_text, wrapped, skipped = mcp_config.wrap(text, key, options)
     except mcp_config.ConfigError as exc:
         fail(f"{path}: {exc}; the file was not changed")
     missing = [name for name in wrapped if mcp_config.profile_name(name) not in policy.profiles]
@@ -95,10 +97,16 @@ def wrap_command(config: str, policy_file: str, sandbox: bool, servers: tuple[st
             f"{policy_file} has no profile for {', '.join(missing)}; a wrapped server runs only under its "
             f"own profile. Add to the policy:\nprofiles:{snippet}\n{path} was not changed"
         )
-    new_text = text if mcp_config.same(document, text) else mcp_config.render(document, text)
-    changed = mcp_config.save(path, text, new_text)
-    what = ", ".join(wrapped) or "no stdio servers"
-    say(f"{path}: wrapped {what}" + ("" if changed else " (already wrapped; unchanged)"))
+    changed = mcp_config.save(path, text, new_text, backup=True)
+    if changed:
+        kept = f"the file as it was is kept in {mcp_config.backup_path(path)}"
+        say(f"{path}: wrapped {', '.join(wrapped)}; {kept}")
+    elif wrapped:
+        say(f"{path}: wrapped {', '.join(wrapped)} (already wrapped; unchanged)")
+    else:
+        say(f"{path}: no stdio server to wrap; unchanged")
+    for name, why in skipped:
+        say(f"{path}: skipped {name}: {why}")
 
 
 @mcp_group.command(
@@ -109,15 +117,14 @@ def wrap_command(config: str, policy_file: str, sandbox: bool, servers: tuple[st
 @click.argument("config", metavar="CONFIG")
 @click.option("--server", "servers", multiple=True, metavar="NAME", help="Only this server (repeatable).")
 def unwrap_command(config: str, servers: tuple[str, ...]) -> None:
-    """Restore CONFIG's servers as they were before `egressd mcp wrap` (byte for byte when
-    nothing else changed since)."""
-    path, document, key, text = _load(config)
-    restored = mcp_config.unwrap(document, key, servers)
-    new_text = text if not restored else mcp_config.render(document, text)
-    if restored and not servers:
-        new_text = mcp_config.restored_text(path, document, new_text)
-    changed = mcp_config.save(path, text, new_text)
-    say(f"{path}: unwrapped {', '.join(restored) or 'nothing'}" + ("" if changed else " (unchanged)"))
+    """Restore CONFIG's servers as they were before `egressd mcp wrap`, byte for byte (comments
+    and everything else edited since are kept). The backup wrap left (CONFIG.egressd-backup) is
+    removed when it holds exactly the restored file; otherwise unwrap says it is kept."""
+    path, _document, key, text = _load(config)
+    new_text, restored = mcp_config.unwrap(text, key, servers)
+    changed = mcp_config.save(path, text, new_text, backup=False)
+    done = f"{path}: unwrapped {', '.join(restored) or 'nothing'}" + ("" if changed else " (unchanged)")
+    say(f"{done}; {mcp_config.settle_backup(path, new_text)}")
 
 
 @with_sandbox_options

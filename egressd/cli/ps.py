@@ -16,13 +16,13 @@ from egressd.control.client import ControlClient, ControlError, find_instances
     epilog="""\b
 Example:
   egressd ps
-  egressd ps --json | jq .counts""",
+  egressd ps --json | jq '.[].counts'""",
     short_help="List the running egressd instances: pid, mode, counts, policy, command.",
 )
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per instance, one per line.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array, one object per instance.")
 def ps_command(as_json: bool) -> None:
-    """List the running egressd instances of this user: pid, command, policy, mode and counts
-    (decisions allowed/refused, asks pending, grants, open connections)."""
+    """List the running egressd instances of this user: pid, command, policy (absolute paths),
+    mode and counts (decisions allowed/refused, asks pending, grants, open connections)."""
     try:
         directory, found = find_instances()
     except ControlError as exc:
@@ -34,18 +34,44 @@ def ps_command(as_json: bool) -> None:
         except ControlError as exc:
             rows.append({"pid": instance.pid, "error": str(exc)})
     if as_json:
-        for row in rows:
-            click.echo(json.dumps(row))
+        click.echo(json.dumps(rows))
         return
     if not rows:
         click.echo(f"no egressd running (control sockets in {directory})", err=True)
         return
-    click.echo(f"{'PID':>7}  {'MODE':7}  {'ALLOWED':>7}  {'REFUSED':>7}  {'PENDING':>7}  POLICY  COMMAND")
+    for line in table(rows):
+        click.echo(line)
+
+
+COLUMNS = ("PID", "MODE", "ALLOWED", "REFUSED", "PENDING", "POLICY", "COMMAND")
+NUMERIC = frozenset({"PID", "ALLOWED", "REFUSED", "PENDING"})
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The rows under their headings, every column as wide as its widest cell (numbers to the
+    right); the last column runs free. An instance that did not answer says why instead."""
+    cells = []
     for row in rows:
         if "error" in row:
-            click.echo(f"{row['pid']:>7}  ?  {row['error']}")
+            cells.append([str(row["pid"]), "?", "", "", "", "", row["error"]])
             continue
         counts = row.get("counts", {})
-        numbers = "  ".join(f"{counts.get(k, 0):>7}" for k in ("allowed", "refused", "pending"))
-        command = shlex.join(row.get("command") or [])
-        click.echo(f"{row['pid']:>7}  {row['mode']:7}  {numbers}  {row['policy']}  {command}")
+        cells.append(
+            [
+                str(row["pid"]),
+                str(row.get("mode", "?")),
+                *(str(counts.get(k, 0)) for k in ("allowed", "refused", "pending")),
+                str(row.get("policy", "")),
+                shlex.join(row.get("command") or []),
+            ]
+        )
+    widths = [max(len(c[i]) for c in [list(COLUMNS), *cells]) for i in range(len(COLUMNS))]
+
+    def line(values: list[str]) -> str:
+        parts = [
+            v.rjust(w) if name in NUMERIC else v.ljust(w)
+            for name, v, w in zip(COLUMNS[:-1], values[:-1], widths[:-1], strict=True)
+        ]
+        return "  ".join([*parts, values[-1]]).rstrip()
+
+    return [line(list(COLUMNS)), *(line(c) for c in cells)]

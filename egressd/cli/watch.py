@@ -6,7 +6,8 @@ import json
 
 import click
 
-from egressd.cli.instances import pid_option, select
+from egressd.cli.instances import pid_option, say_follow
+from egressd.cli.options import fail
 from egressd.control.client import ControlError
 from egressd.refusal import is_network_failure
 
@@ -40,21 +41,31 @@ def _line(item: dict) -> str | None:
 Example:
   egressd watch
   egressd watch --json --pid 4242""",
-    short_help="Show the decisions of a running egressd live.",
+    short_help="Show the decisions of every running egressd live.",
 )
 @pid_option
-@click.option("--json", "as_json", is_flag=True, help="Every event as one JSON object per line.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Every event as one JSON object per line (with egressd_pid: the egressd that sent it).",
+)
 def watch_command(pid: int | None, as_json: bool) -> None:
-    """Show every decision of a running egressd as it happens (and its asks), until interrupted."""
-    client = select(pid)
+    """Show every decision (and ask) of every egressd running now or started later, as it
+    happens, until interrupted; each line starts with the pid of the egressd that made it. With
+    --pid, only that one: watch waits for it to start and ends when it does."""
+    from egressd.control.follow import Follow
+    from egressd.control.prompt import printable
+
     try:
-        for item in client.stream("/v1/events"):
-            if item.get("event") == "keepalive":
+        for item in say_follow(Follow("/v1/events", pid), pid):
+            if as_json:
+                click.echo(json.dumps({**item.data, "egressd_pid": item.pid}))
                 continue
-            line = json.dumps(item) if as_json else _line(item)
-            if line is not None:
-                click.echo(line)
+            line = _line(item.data)
+            if line is not None:  # an executable's name is the child's to choose: no escapes
+                click.echo(f"{item.pid:>7}  {printable(line)}")
     except ControlError as exc:
-        raise click.ClickException(str(exc)) from exc
+        fail(str(exc))
     except KeyboardInterrupt:
         pass

@@ -66,8 +66,10 @@ class Handlers:
         children: Children | None = None,
         watched: Callable[[], None] | None = None,
         own: OwnAddresses | None = None,
+        recent: Callable[[], list[Event]] | None = None,
     ) -> None:
         self.own = own
+        self.recent = recent
         self.children = children
         self.metrics = metrics
         self.watched = watched  # a watch stream attached: decisions should name their program
@@ -269,13 +271,24 @@ class Handlers:
         )
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
+        """Every event from now on; with `backlog=N`, the last N decisions first (marked
+        `"backlog": true`), so a reader that starts late sees what happened before it came."""
+        try:
+            backlog = max(0, int(request.query.get("backlog", "0")))
+        except ValueError:
+            return _error(400, "backlog must be a number of decisions")
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_LINES)
         observer = _EventHandOff(asyncio.get_running_loop(), queue)
         self.events.subscribe(observer)
+        # read after subscribing: a decision made in between is in both, and the hand-off drops
+        # it (by identity) — heard once, never lost
+        earlier = self.recent()[-backlog:] if backlog and self.recent is not None else []
+        observer.skip.update(id(event) for event in earlier)
         if self.watched is not None:
             self.watched()
         try:
-            return await self._stream(request, queue, [])
+            initial = [{**event_json(event), "backlog": True} for event in earlier]
+            return await self._stream(request, queue, initial)
         finally:
             self.events.unsubscribe(observer)
 
@@ -332,6 +345,7 @@ class _EventHandOff:
         self.loop, self.queue = loop, queue
         self.pending: collections.deque[Event] = collections.deque()
         self.scheduled = False
+        self.skip: set[int] = set()  # ids of events the reader got already (the backlog)
 
     def __call__(self, event: Event) -> None:  # on the proxy's thread
         self.pending.append(event)
@@ -343,7 +357,11 @@ class _EventHandOff:
     def _drain(self) -> None:  # on the control loop
         self.scheduled = False  # first: an event appended from now on schedules the next drain
         while self.pending:
-            _offer(self.queue, event_json(self.pending.popleft()))
+            event = self.pending.popleft()
+            if self.skip and id(event) in self.skip:
+                self.skip.discard(id(event))
+                continue
+            _offer(self.queue, event_json(event))
 
 
 def _line(item: dict[str, Any]) -> bytes:

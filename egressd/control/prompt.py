@@ -5,6 +5,9 @@ nor read an answer from there; the controlling terminal (/dev/tty) is the user's
 child's stdio goes. One question at a time, in the order they came; one line answers it (a key,
 then Enter: the terminal stays in the mode the user and the child left it). A question answered
 elsewhere (the control API, a dashboard) or expired is withdrawn from the terminal.
+
+The asks come from an `Answerer`: egressd's own ask broker, or every running egressd followed
+over the control API (`egressd pending --interactive`, for agents run without a terminal).
 """
 
 from __future__ import annotations
@@ -17,23 +20,25 @@ import shlex
 import threading
 from typing import Any
 
-from egressd.admission.asks import AskBroker, AskError
+from egressd.admission.asks import Answerer, AskError
 
 KEYS = {"o": "once", "r": "run", "a": "always", "d": "deny", "D": "deny-always"}
 TTY = "/dev/tty"
 
 
-def _clean(value: object) -> str:
-    """Text from the child (a path) shown on the user's terminal: no escape sequences."""
+def printable(value: object) -> str:
+    """Text from the child (a path, a program's name) shown on the user's terminal: no escape
+    sequences."""
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(value))
 
 
 class TtyPrompter:
     """Prompts on the controlling terminal; `open` answers None when there is none."""
 
-    def __init__(self, broker: AskBroker, fd: int) -> None:
+    def __init__(self, broker: Answerer, fd: int, by: str = "the terminal") -> None:
         self.broker = broker
         self.fd = fd
+        self.by = by  # who answered, as the audit and the other surfaces say
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue()
         self._ended: set[str] = set()
         self._lock = threading.Lock()
@@ -42,7 +47,7 @@ class TtyPrompter:
         self._thread = threading.Thread(target=self._run, name="egressd-prompt", daemon=True)
 
     @classmethod
-    def open(cls, broker: AskBroker, path: str = TTY) -> TtyPrompter | None:
+    def open(cls, broker: Answerer, path: str = TTY, by: str = "the terminal") -> TtyPrompter | None:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
         except OSError:
@@ -50,7 +55,7 @@ class TtyPrompter:
         if not os.isatty(fd):
             os.close(fd)
             return None
-        return cls(broker, fd)
+        return cls(broker, fd, by)
 
     def foreground(self) -> bool:
         """egressd's process group owns the terminal now. A background egressd (`egressd run &`)
@@ -118,7 +123,7 @@ class TtyPrompter:
                 self._say(f"egressd:   {self._keys(info)}\n")
                 continue
             try:
-                self.broker.answer(ask_id, kind, by="the terminal")
+                self.broker.answer(ask_id, kind, by=self.by)
             except AskError as exc:
                 self._say(f"egressd:   {exc}\n")
                 if exc.status == 404:
@@ -128,16 +133,18 @@ class TtyPrompter:
             return
 
     def _question(self, info: dict[str, Any]) -> str:
-        host, port = _clean(info["host"]), info["port"]
+        host, port = printable(info["host"]), info["port"]
         what = f"{host}:{port}"
         if info.get("method") and info.get("path"):
             scheme = info.get("scheme") if info.get("scheme") in ("http", "https") else None
-            url = f"{scheme}://{what}{_clean(info['path'])}" if scheme else _clean(info["path"])
-            what += f" ({_clean(info['method'])} {url})"
-        command = shlex.join(info.get("command") or []) or "the child"
+            url = f"{scheme}://{what}{printable(info['path'])}" if scheme else printable(info["path"])
+            what += f" ({printable(info['method'])} {url})"
+        # the program that asked, when egressd looked it up; else the command egressd runs
+        first = (info.get("requests") or [{}])[0]
+        command = shlex.join(first.get("cmdline") or info.get("command") or []) or "the child"
         waiting = f"{info['waiting']} waiting, " if int(info.get("waiting", 1)) > 1 else ""
         return (
-            f"\negressd: ask {info['id']}: {_clean(command)} wants {what}"
+            f"\negressd: ask {info['id']}: {printable(command)} wants {what}"
             f" [{waiting}refused in {info['expires_in']:g}s]\n"
             f"egressd:   {self._keys(info)}\n"
         )

@@ -9,6 +9,7 @@ and the 0600 socket. Endpoints: docs/control-api.md.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -31,19 +32,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_CLIENTS = 256  # per-child counters kept; beyond it the rest are counted under "other"
+RECENT = 200  # decisions kept for a follower that starts late (the dashboard's backlog)
 
 
 class Counts:
     """Decisions seen on the bus (for `ps` and the dashboard's per-child counters): a few integer
     additions on the proxy's thread. Children are a handful per egressd; the table is bounded all
-    the same, so a child minting names cannot grow it."""
+    the same, so a child minting names cannot grow it. The last RECENT decisions it counts are kept
+    as they came (a deque append), so a page opened late shows what its counters count."""
 
     def __init__(self) -> None:
         self.decisions = self.allowed = self.refused = 0
         self.by_client: dict[str, list[int]] = {}  # client -> [allowed, refused]
+        self.recent: collections.deque[Decided] = collections.deque(maxlen=RECENT)
 
     def observe(self, event: Event) -> None:
         if isinstance(event, Decided) and event.stage != "connection":
+            self.recent.append(event)
             self.decisions += 1
             name = event.client or "-"
             row = self.by_client.get(name)
@@ -79,8 +84,10 @@ class ControlServer:
         children: Children | None = None,
         watched: Callable[[], None] | None = None,
         own: OwnAddresses | None = None,
+        recent: Callable[[], list[Event]] | None = None,
     ) -> None:
         self.path = path
+        self.recent = recent  # GET /v1/events?backlog=N: the last decisions first
         self.own = own  # POST /v1/listeners: a listener of `egressd dashboard` is egressd's own
         self.children = children  # POST /v1/children: exec --attach
         self.watched = watched
@@ -170,6 +177,7 @@ class ControlServer:
             self.children,
             self.watched,
             self.own,
+            self.recent,
         ).app()
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
         await runner.setup()

@@ -19,6 +19,7 @@ from egressd.dashboard.guard import PageGuard as Dashboard
 from egressd.dashboard.guard import static_file as _static_file
 
 QUEUE = 1000  # SSE items buffered per page; beyond it they are dropped and counted
+BACKLOG = 200  # decisions shown when a page opens (the page keeps as many rows)
 
 
 def make_app(dash: Dashboard, stop: asyncio.Event) -> web.Application:
@@ -177,7 +178,8 @@ class Routes:
         )
         await response.prepare(request)
         pumps = [
-            asyncio.ensure_future(pump("/v1/events", "events")),
+            # the recent decisions first: a page opened late is not empty while its counters count
+            asyncio.ensure_future(pump(f"/v1/events?backlog={BACKLOG}", "events")),
             asyncio.ensure_future(pump("/v1/asks?follow=1&peek=1", "asks")),
         ]
         stopping = asyncio.ensure_future(self._stop.wait())

@@ -28,7 +28,7 @@ SECURITY_HEADERS = {
     "Cross-Origin-Opener-Policy": "same-origin",
     "Cross-Origin-Resource-Policy": "same-origin",
 }
-STATIC = {"app.js": "text/javascript", "style.css": "text/css"}
+STATIC = {"app.js": "text/javascript", "style.css": "text/css", "icon.svg": "image/svg+xml"}
 SAFE_METHODS = ("GET", "HEAD")
 SSE_KEEPALIVE = 2.0  # a page that went away is noticed by then (a browser may not close at once)
 

@@ -29,6 +29,9 @@ from egressd.listeners import OwnAddresses, listen
 
 logger = logging.getLogger(__name__)
 
+# said beside the printed URL: with no page open, an ask is refused at once (no_approver)
+WHILE_OPEN = "asks wait for an answer only while a page is open"
+
 
 class Dashboard(PageGuard):
     """Serve the dashboard of the egressd whose control socket is `control_path`, until stop().

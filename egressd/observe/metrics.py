@@ -17,11 +17,18 @@ prometheus_client call per event. prometheus_client itself is imported with the 
 `--metrics`): a child's start does not wait for it. The cells are written on the proxy's event-loop
 thread (the fronts and the embedded mitmproxy share it); reloads come from the watcher's thread,
 and an integer addition or a dict insert is atomic under the GIL.
+
+Samples follow prometheus_client's own conventions, so the text reads like any client's: every
+counter and histogram series has its `_created` timestamp (when the series began) exactly when
+prometheus_client's own Counter would (not with PROMETHEUS_DISABLE_CREATED_SERIES), a gauge never
+has one; the gauges of what is open now end in `_open`; `egressd_build_info` is the usual info
+gauge (value 1, the versions as labels).
 """
 
 from __future__ import annotations
 
 import bisect
+import platform
 import socket
 import threading
 import time
@@ -112,7 +119,7 @@ class _Series:
         counts[bisect.bisect_left(self.bounds, seconds)] += 1  # le: a value on a bound is in it
         totals[0] += seconds
 
-    def family(self) -> Metric:
+    def family(self, created_series: bool) -> Metric:
         from prometheus_client.core import HistogramMetricFamily
         from prometheus_client.utils import floatToGoString
 
@@ -123,7 +130,8 @@ class _Series:
                 running += count
                 buckets.append((floatToGoString(bound), running))
             family.add_metric((outcome,), buckets, total)
-            family.add_sample(f"{self.name}_created", {"outcome": outcome}, created)
+            if created_series:
+                family.add_sample(f"{self.name}_created", {"outcome": outcome}, created)
         return family
 
 
@@ -156,8 +164,8 @@ class Metrics:
             "How long a decision in mode: ask waited for its answer, by outcome.",
             ASK_BUCKETS,
         )
-        # the counters: [count] cells by label values, read by _Hot at scrape time
-        self.decided: dict[tuple[str, str, bool, str], list[int]] = {}
+        # the counters: [count, created] cells by label values, read by _Hot at scrape time
+        self.decided: dict[tuple[str, str, bool, str], list[float]] = {}
         self.inbound = 0  # client connections closed (that named a target)
         self.outbound = 0  # upstream connections opened
         self.bytes_up = 0
@@ -166,7 +174,8 @@ class Metrics:
         self.notices: dict[str, list[float]] = {}  # kind -> [count, created]
         self.started = time.time()
         self._clients = clients
-        self.by_client: dict[tuple[str | None, bool], list[int]] = {}
+        self.by_client: dict[tuple[str | None, bool], list[float]] = {}
+        self.created_series = True  # as prometheus_client's own counters (set with the registry)
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -175,10 +184,11 @@ class Metrics:
             if self._registry is None:
                 from prometheus_client import CollectorRegistry
 
+                self.created_series = _created_series()
                 registry = CollectorRegistry(auto_describe=True)
                 registry.register(_Hot(self))
                 if self._pipeline is not None:
-                    registry.register(_Live(self._pipeline))
+                    registry.register(_Live(self._pipeline, self))
                 self._registry = registry
             return self._registry
 
@@ -208,14 +218,14 @@ class Metrics:
         elif kind is Notice:
             self._notice(event)  # type: ignore[arg-type]
 
-    def _cell(self, key: tuple[str, str, bool, str]) -> list[int]:
+    def _cell(self, key: tuple[str, str, bool, str]) -> list[float]:
         """The cell of a label combination seen first now; values outside the fixed sets share
         the "other" cell, so the table stays bounded whatever a reason code says."""
         stage, mode, allowed, reason = key
         bounded = (_bounded(stage, STAGES), _bounded(mode, MODE_NAMES), allowed, _bounded(reason, REASONS))
         cell = self.decided.get(bounded)
         if cell is None:
-            cell = self.decided[bounded] = [0]
+            cell = self.decided[bounded] = [0, time.time()]
         return cell  # an unbounded key is never stored: its lookups miss and land here again
 
     def _count_client(self, event: Decided) -> None:
@@ -227,7 +237,7 @@ class Metrics:
             bounded = (event.client if known else OTHER, event.allowed)
             cell = self.by_client.get(bounded)
             if cell is None:
-                cell = self.by_client[bounded] = [0]
+                cell = self.by_client[bounded] = [0, time.time()]
             if known:
                 self.by_client[key] = cell
         cell[0] += 1
@@ -250,6 +260,16 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def _created_series() -> bool:
+    """Whether prometheus_client's own counters show `_created` here (PROMETHEUS_DISABLE_CREATED_SERIES
+    turns them off): asked of a real, unregistered Counter, so egressd's series follow whatever
+    switch the library honours."""
+    from prometheus_client import Counter
+
+    probe = Counter("egressd_probe", "probe", registry=None)
+    return any(sample.name.endswith("_created") for family in probe.collect() for sample in family.samples)
+
+
 class _Hot:
     """Every counter and histogram of Metrics as Prometheus samples, at scrape time (a collector)."""
 
@@ -263,24 +283,30 @@ class _Hot:
         from prometheus_client.core import CounterMetricFamily
 
         m = self.metrics
-        yield m.dns.family()
-        yield m.asks.family()
+        created = m.created_series
+
+        def when(value: float) -> float | None:
+            return value if created else None
+
+        yield m.dns.family(created)
+        yield m.asks.family(created)
         for name, help_text, cells in (
             ("egressd_reloads", "Policy reloads, by outcome (ok, failed).", m.reloads),
             ("egressd_notices", "Other events of the pipeline, by kind.", m.notices),
         ):
             label = "outcome" if name == "egressd_reloads" else "kind"
             family = CounterMetricFamily(name, help_text, labels=(label,))
-            for value, (count, created) in sorted(list(cells.items())):
-                family.add_metric((value,), count, created=created)
+            for value, (count, began) in sorted(list(cells.items())):
+                family.add_metric((value,), count, created=when(began))
             yield family
         decisions = CounterMetricFamily(
             "egressd_decisions",
             "Decisions of the admission pipeline, by stage, mode, verdict and reason code.",
             labels=("stage", "mode", "decision", "reason"),
         )
-        for (stage, mode, allowed, reason), cell in sorted(list(m.decided.items())):
-            decisions.add_metric((stage, mode, "allow" if allowed else "deny", reason), cell[0])
+        for (stage, mode, allowed, reason), (count, began) in sorted(list(m.decided.items())):
+            labels = (stage, mode, "allow" if allowed else "deny", reason)
+            decisions.add_metric(labels, count, created=when(began))
         yield decisions
         if m.by_client:
             per_client = CounterMetricFamily(
@@ -288,10 +314,11 @@ class _Hot:
                 "The gateway's decisions by client (the names in its token file; others: other) and verdict.",
                 labels=("client", "decision"),
             )
-            for (client, allowed), cell in sorted(
+            for (client, allowed), (count, began) in sorted(
                 list(m.by_client.items()), key=lambda kv: (str(kv[0][0]), kv[0][1])
             ):
-                per_client.add_metric((str(client), "allow" if allowed else "deny"), cell[0])
+                verdict = "allow" if allowed else "deny"
+                per_client.add_metric((str(client), verdict), count, created=when(began))
             yield per_client
         connections = CounterMetricFamily(
             "egressd_connections",
@@ -299,8 +326,8 @@ class _Hot:
             "they close), outbound = upstream connections egressd opened.",
             labels=("direction",),
         )
-        connections.add_metric(("inbound",), m.inbound)
-        connections.add_metric(("outbound",), m.outbound)
+        connections.add_metric(("inbound",), m.inbound, created=when(m.started))
+        connections.add_metric(("outbound",), m.outbound, created=when(m.started))
         yield connections
         relayed = CounterMetricFamily(
             "egressd_bytes",
@@ -308,16 +335,17 @@ class _Hot:
             "client connection closes).",
             labels=("direction",),
         )
-        relayed.add_metric(("up",), m.bytes_up)
-        relayed.add_metric(("down",), m.bytes_down)
+        relayed.add_metric(("up",), m.bytes_up, created=when(m.started))
+        relayed.add_metric(("down",), m.bytes_down, created=when(m.started))
         yield relayed
 
 
 class _Live:
     """Gauges read from the pipeline at scrape time: nothing to count per connection (a collector)."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, metrics: Metrics) -> None:
         self.pipeline = pipeline
+        self.metrics = metrics
 
     def describe(self) -> list[Metric]:
         return []
@@ -327,12 +355,16 @@ class _Live:
 
         pipeline = self.pipeline
         audit = pipeline.audit
-        yield CounterMetricFamily(
+        yield _build_info()
+        dropped = CounterMetricFamily(
             "egressd_audit_records_dropped",
             "Audit records that could not be written (a full disk, a reader that stopped reading), "
             "since the start: each one is counted.",
-            audit.lost if audit is not None else 0,
+            labels=(),
         )
+        began = self.metrics.started if self.metrics.created_series else None
+        dropped.add_metric((), audit.lost if audit is not None else 0, created=began)
+        yield dropped
         yield GaugeMetricFamily(
             "egressd_audit_writable",
             "1 while the audit log takes records, 0 while it cannot (then audit.on_failure: refuse "
@@ -349,7 +381,7 @@ class _Live:
             "egressd_client_connections_open", "Client connections to egressd open now.", len(conns)
         )
         yield GaugeMetricFamily(
-            "egressd_tunnels_active",
+            "egressd_tunnels_open",
             "Admitted CONNECT and SOCKS5 tunnels open now.",
             sum(1 for state in conns if state.tunnel),
         )
@@ -358,6 +390,27 @@ class _Live:
             "Upstream connections egressd holds open now.",
             len(pipeline.limits.upstreams),
         )
+
+
+def _build_info() -> Metric:
+    """egressd_build_info: which egressd, on which Python and mitmproxy, answers (value 1)."""
+    from importlib import metadata
+
+    from prometheus_client.core import GaugeMetricFamily
+
+    from egressd import __version__
+
+    try:
+        mitmproxy = metadata.version("mitmproxy")
+    except metadata.PackageNotFoundError:
+        mitmproxy = "none"
+    info = GaugeMetricFamily(
+        "egressd_build_info",
+        "Always 1: the versions of egressd, Python and mitmproxy as labels.",
+        labels=("version", "python", "mitmproxy"),
+    )
+    info.add_metric((__version__, platform.python_version(), mitmproxy), 1)
+    return info
 
 
 # -- the TCP endpoint (--metrics HOST:PORT) ---------------------------------------------------------

@@ -51,6 +51,15 @@ def cli_json(*args: str) -> Any:
     return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
 
 
+def ps_rows() -> list[dict[str, Any]]:
+    """`egressd ps --json`: one JSON array, an object per running instance."""
+    result = cli("ps", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert isinstance(rows, list), result.stdout
+    return rows
+
+
 def wait_for(check: Callable[[], Any], timeout: float = 20, what: str = "condition") -> Any:
     """Poll `check` until it answers something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -60,11 +60,54 @@ async function refresh() {
 function render(state) {
   const info = state.info || {};
   $("instance").textContent = "pid " + info.pid + " · mode " + info.mode + " · " + (info.command || []).join(" ");
+  if (state.policy) lastPolicy = state.policy;
   renderAsks(state.asks || []);
   renderClients(info);
   renderGrants(state.grants || []);
   renderPolicy(state.policy);
 }
+
+function isAddress(host) {
+  return /^[0-9.]+$/.test(host) || host.includes(":");
+}
+
+function words(list) {
+  return (list || []).join(" ");
+}
+
+// What each answer covers, in the words the policy uses: a host rule matches its subdomains.
+function scopes(ask, others, policy) {
+  const where = (isAddress(ask.host) && ask.host.includes(":") ? "[" + ask.host + "]" : ask.host) + ":" + ask.port;
+  const n = ask.waiting;
+  const lines = [
+    ["once", "Allow once", (n === 1 ? "this waiting request" : "these " + n + " waiting requests") +
+      " only; the next one is asked again."],
+  ];
+  let run = "every request to " + where + " (this exact host, not its subdomains) until egressd exits";
+  if (others.length) {
+    run += " — the " + (others.length === 1 ? "other ask" : others.length + " other asks") + " to it waiting now too: " +
+      others.map((o) => (o.method && o.path ? o.method + " " + o.path : "a tunnel")).join(", ");
+  }
+  lines.push(["run", "Allow for this run", run + "."]);
+  if ((ask.answers || []).includes("always")) {
+    const file = policy && policy.source ? policy.source : "the policy file";
+    const matches = isAddress(ask.host)
+      ? "it matches the address " + ask.host + " on port " + ask.port + " only"
+      : "it matches " + ask.host + " and every name under it (*." + ask.host + ") on port " + ask.port;
+    lines.push(["always", "Always allow", "adds the rule " + ask.rule + " to the allow list of " + file + ": " +
+      matches + ", for every child, from now on."]);
+  }
+  lines.push(["deny", "Deny", (n === 1 ? "this waiting request is" : "these " + n + " waiting requests are") +
+    " refused (ask_refused); the next one is asked again."]);
+  return lines;
+}
+
+function timeLeft(node) {
+  const left = Math.max(0, Math.round((Number(node.dataset.deadline) - Date.now()) / 1000));
+  node.textContent = left > 0 ? "refused in " + left + " s unless answered" : "refused now (ask_timeout)";
+}
+
+let lastPolicy = null;
 
 function renderAsks(asks) {
   const list = $("asks");
@@ -75,28 +118,51 @@ function renderAsks(asks) {
     const item = el("li", null, "ask");
     item.dataset.id = ask.id;
     item.appendChild(el("span", target(ask), "target"));
+    const left = el("span", null, "left");
+    left.dataset.deadline = String(Date.now() + Number(ask.expires_in || 0) * 1000);
+    timeLeft(left);
+    item.appendChild(left);
     item.appendChild(el("span", "client " + (ask.client || "-") + ", " + ask.waiting + " waiting", "muted"));
-    const buttons = [["once", "Allow once", "allow"], ["run", "Allow for this run", "allow"]];
-    if ((ask.answers || []).includes("always")) buttons.push(["always", "Always", "allow"]);
-    buttons.push(["deny", "Deny", "deny"]);
-    for (const [answer, label, cls] of buttons) {
-      const button = el("button", label, cls);
+    const first = (ask.requests || [])[0] || {};
+    const who = el("div", null, "who");
+    who.append(el("span", first.cmdline && first.cmdline.length ? "asked by " : "egressd runs "),
+      el("code", words(first.cmdline && first.cmdline.length ? first.cmdline : ask.command) || "?", "command"));
+    item.appendChild(who);
+    const requests = el("ul", null, "requests");
+    for (const request of ask.requests || []) {
+      const program = request.pid ? words(request.cmdline) + " (pid " + request.pid + ")" : "its program not looked up";
+      requests.appendChild(el("li", "connection " + request.conn + ": " + program));
+    }
+    item.appendChild(requests);
+    const others = asks.filter((o) => o.id !== ask.id && o.host === ask.host && o.port === ask.port);
+    const help = el("dl", null, "scopes");
+    for (const [answer, label, text] of scopes(ask, others, lastPolicy)) {
+      const button = el("button", label, answer === "deny" ? "deny" : "allow");
       button.dataset.answer = answer;
+      button.title = text;
       button.addEventListener("click", async () => {
         button.disabled = true;
         try {
           const done = await post("/api/asks/" + encodeURIComponent(ask.id), { answer });
-          message(ask.host + ":" + ask.port + ": " + answer + " (" + done.released + " released)");
+          message(ask.host + ":" + ask.port + ": " + answer + " (" + done.released + " released)" +
+            (done.written ? "; " + done.written : ""));
         } catch (e) {
           message(e.message, true);
         }
         refresh();
       });
       item.appendChild(button);
+      const term = el("dt", label);
+      const desc = el("dd", text);
+      desc.dataset.answer = answer;
+      help.append(term, desc);
     }
+    item.appendChild(help);
     list.appendChild(item);
   }
 }
+
+setInterval(() => { for (const node of document.querySelectorAll("#asks .left")) timeLeft(node); }, 1000);
 
 function renderClients(info) {
   const body = $("clients").tBodies[0];
@@ -183,7 +249,11 @@ function addDecision(event) {
 let counting = null;
 function connect() {
   const source = new EventSource("/api/stream");
-  source.onopen = () => { $("status").textContent = "live"; $("status").className = "status live"; refresh(); };
+  source.onopen = () => {
+    $("status").textContent = "live"; $("status").className = "status live";
+    $("decisions").tBodies[0].replaceChildren();  // the stream starts with the recent decisions again
+    refresh();
+  };
   source.onerror = () => { $("status").textContent = "reconnecting…"; $("status").className = "status down"; };
   source.onmessage = (message) => {
     let event;
@@ -191,6 +261,7 @@ function connect() {
     if (event.source === "asks") { refresh(); return; }
     if (event.event === "decision" && event.stage !== "connection") {
       addDecision(event);
+      if (event.backlog) return;  // from before the page opened: the counters have it
       if (!counting) counting = setTimeout(() => { counting = null; refresh(); }, 500);
     } else if (event.event === "gone") {
       $("status").textContent = "egressd stopped"; $("status").className = "status down";
@@ -204,7 +275,7 @@ $("grant-form").addEventListener("submit", async (e) => {
   const targetText = $("grant-target").value.trim();
   try {
     const grant = await post("/api/grants", { target: targetText, ttl: Number($("grant-ttl").value) || 300 });
-    message("granted once: " + grant.target);
+    message("granted one request: " + grant.target);
     $("grant-target").value = "";
   } catch (err) { message(err.message, true); }
   refresh();
