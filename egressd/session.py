@@ -773,14 +773,15 @@ class ProxySession:
 
 
 def load_policy_data(path: str | os.PathLike[str]) -> Any:
-    """The policy file as plain data (YAML or JSON; None when unreadable), for listing the rules it
-    holds itself — the reload reports a broken file, this only shows less."""
-    import yaml
+    """The policy file as plain data (None when unreadable or not a policy's mapping), for listing
+    the rules it holds itself — the reload reports a broken file, this only shows less. Decoded
+    like the loader decodes it, so a file the loader refuses (duplicate keys) lists nothing."""
+    from egressd.policy.loader import policy_data
 
+    source = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as handle:
-            return yaml.safe_load(handle)
-    except (OSError, ValueError, yaml.YAMLError):
+        return policy_data(Path(source).read_bytes(), source)
+    except (OSError, PolicyError):
         return None
 
 
