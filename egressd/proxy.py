@@ -55,7 +55,6 @@ class EgressProxy:
         socks: bool = True,
         audit: AuditLog | None = None,
         nameservers: Sequence[tuple[str, int]] = (),
-        require_auth: bool = True,
         inspect: bool = True,
         config_dir: Path | None = None,
         upstream_ca: Sequence[str] = (),
@@ -77,7 +76,6 @@ class EgressProxy:
             PolicyHolder(policy),
             credentials=credentials,
             audit=audit,
-            require_auth=require_auth,
             identify=identify,
         )
         self.handoffs = Handoffs()  # the connections the front hands to mitmproxy

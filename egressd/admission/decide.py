@@ -7,7 +7,6 @@ import dataclasses
 import ipaddress
 import logging
 
-from egressd.admission import faults
 from egressd.admission.state import PolicyHolder
 from egressd.policy import Client, Decision, IPAddress, Mode, Policy, Program, decide_written
 from egressd.refusal import Refusal
@@ -61,7 +60,6 @@ class Decider:
         if not remember:
             policy = dataclasses.replace(policy, mode=mode)
         try:
-            faults.maybe_fail("decide")
             if not remember:
                 return self._decide(host, port, profile, scheme, method, path, program, policy)
             own = self.self_addresses

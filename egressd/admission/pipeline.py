@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from egressd.admission import approver as approvals
-from egressd.admission import faults
 from egressd.admission import resolve as resolution
 from egressd.admission.credentials import CredentialStore, Presented, ProxyCredentials, authenticate
 from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
@@ -126,14 +125,12 @@ class Pipeline:
         *,
         credentials: CredentialStore | None = None,
         audit: AuditLog | None = None,
-        require_auth: bool = True,
         approver: Approver | None = None,
         grants: GrantStore | None = None,
         identify: bool = False,
     ) -> None:
         self.policies = policies
         self.credentials = credentials or CredentialStore()
-        self.require_auth = require_auth
         self.decider = Decider(policies)
         self.limits = Limits(policies)
         self.approver = approver
@@ -225,8 +222,6 @@ class Pipeline:
         return answer
 
     async def _admit(self, conn: ConnState, ask: Ask) -> Admitted | Refusal:
-        conn.head_seen = True
-        faults.maybe_fail("hook")
         if ask.stage == "inner" and not conn.tunnel:
             return self.internal_error("admit", RuntimeError("a request inside a tunnel nobody admitted"))
         # 1. credentials (the child-only listener's: the program holding the socket is the child's)
@@ -234,7 +229,7 @@ class Pipeline:
             root = self.children.get(conn.implicit.token)
             if root is not None:  # not yet started: nobody is the child yet (407)
                 identify(conn, root, tree_only=True)
-        if not authenticate(self.credentials, conn, ask.credentials, require_auth=self.require_auth):
+        if not authenticate(self.credentials, conn, ask.credentials):
             return self._auth_refusal(conn)
         # 1a. nothing new while the audit cannot take its records (audit.on_failure: refuse)
         if self.audit is not None and not self.audit.writable and (refused := self.audit_refusal()):
@@ -474,7 +469,7 @@ class Pipeline:
     def authenticate(self, conn: ConnState, presented: Presented) -> bool:
         """The credentials step alone, for a protocol that answers it before its request arrives
         (SOCKS5's RFC 1929 sub-negotiation); admit() runs it again on the same credentials."""
-        return authenticate(self.credentials, conn, presented, require_auth=self.require_auth)
+        return authenticate(self.credentials, conn, presented)
 
     async def _pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
         """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""

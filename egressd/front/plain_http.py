@@ -355,7 +355,6 @@ class PlainClient(_Writable, asyncio.Protocol):
         self.phase = "exchange"
         self.answering = False
         self.requests += 1
-        self.state.head_seen = True
         admitted = await self._admit(head)
         if isinstance(admitted, Refusal):
             self._refuse(admitted)

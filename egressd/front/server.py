@@ -60,7 +60,7 @@ class FastFront:
         """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5)."""
         if kind == "socks":
             return SocksProtocol(self, implicit)
-        return FrontProtocol(self, kind, implicit=implicit, tree_only=tree_only)
+        return FrontProtocol(self, implicit=implicit, tree_only=tree_only)
 
     async def start(
         self, host: str, port: int, kind: str = "http", ssl: ssl_module.SSLContext | None = None

@@ -54,10 +54,12 @@ def reply_code(reason: str) -> Reply:
 class SocksProtocol(FrontProtocol):
     """One SOCKS5 client of egressd's front."""
 
+    early_stage = "socks"
+
     def __init__(self, front: Listeners, implicit: ProxyCredentials | None = None) -> None:
-        super().__init__(front, "socks", implicit=implicit)
-        # NO AUTH where the listener grants credentials, or where none are required at all
-        self.parser = Socks5Server(allow_no_auth=implicit is not None or not front.rt.require_auth)
+        super().__init__(front, implicit=implicit)
+        # NO AUTH only where the listener grants credentials
+        self.parser = Socks5Server(allow_no_auth=implicit is not None)
         self.presented: Presented = None  # the user and password the client sent, if it did
 
     # -- the handshake (stage "head": header_timeout bounds it) -----------------------------------

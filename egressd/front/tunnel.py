@@ -61,10 +61,11 @@ class Listeners(Protocol):
 class FrontProtocol(Pipe):
     """The client side: reads the request head, then becomes one side of a relay."""
 
+    early_stage = "connect"  # the stage of a refusal made before the head is read
+
     def __init__(
         self,
         front: Listeners,
-        kind: str = "http",
         implicit: ProxyCredentials | None = None,
         *,
         tree_only: bool = False,
@@ -75,7 +76,6 @@ class FrontProtocol(Pipe):
         self.handed_off_as: str | None = None  # this client's address as the embedded mitmproxy sees it
         self.handoff_held: str | None = None  # the descriptors the hand-off to mitmproxy takes
         self.front = front
-        self.kind = kind
         self.rt = front.rt
         self.buffer = bytearray()
         self.stage = "head"
@@ -108,8 +108,7 @@ class FrontProtocol(Pipe):
         """503 `overloaded` before the request is read (recorded), and closed."""
         assert self.state is not None and self.transport is not None
         refusal = overloaded()
-        stage = "socks" if self.kind == "socks" else "connect"
-        self.rt.refused_early(self.state, None, None, refusal.reason, refusal.detail, stage=stage)
+        self.rt.refused_early(self.state, None, None, refusal.reason, refusal.detail, stage=self.early_stage)
         self.stage = "done"
         self._answer_overloaded_now(refusal)
         self.transport.close()
