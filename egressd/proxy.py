@@ -121,8 +121,7 @@ class EgressProxy:
         return self.pipeline.credentials.issue(profile, label)
 
     def revoke(self, creds: ProxyCredentials) -> None:
-        self.pipeline.credentials.revoke(creds)
-        self.pipeline.children.pop(creds.token, None)  # an attached child's pid, if it was one
+        self.pipeline.revoke(creds)
 
     def close_revoked(self) -> None:
         """Close the client connections whose credentials are no longer valid (the gateway's token

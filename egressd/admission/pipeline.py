@@ -208,6 +208,14 @@ class Pipeline:
         with self._conns.lock:
             return list(self._conns.open.values())
 
+    def revoke(self, creds: ProxyCredentials) -> None:
+        """These credentials admit nothing more, and what was kept for them goes: a token is issued
+        per child (every attached child has its own), so anything kept per token must be dropped
+        here or it grows with every child started."""
+        self.credentials.revoke(creds)
+        self.children.pop(creds.token, None)  # an attached child's pid, if it was one
+        self.limits.buckets.forget(creds.token)
+
     # -- admission ---------------------------------------------------------------------------------
     async def admit(self, conn: ConnState, ask: Ask) -> Admitted | Refusal:
         """The steps, in order; never raises (a bug refuses with internal_error)."""
