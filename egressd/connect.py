@@ -66,10 +66,6 @@ def proxy_from_env(env: Mapping[str, str]) -> Proxy:
     )
 
 
-def connect_request(host: str, port: int, proxy: Proxy) -> bytes:
-    return ConnectClient(host, port, proxy.authorization()).request
-
-
 def open_tunnel(host: str, port: int, proxy: Proxy, timeout: float = 30.0) -> tuple[socket.socket, bytes]:
     """Connect to the proxy and CONNECT; return the socket and any tunnel bytes already read."""
     try:

@@ -78,10 +78,6 @@ class RequestHead:
         WebSocket handshake, by the request rules)."""
         return upgrade_protocols(self.headers) is not None
 
-    @property
-    def has_body(self) -> bool:
-        return bool(self.values("transfer-encoding")) or self.values("content-length") not in ([], ["0"])
-
 
 @dataclass(frozen=True)
 class ResponseHead:

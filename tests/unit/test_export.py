@@ -21,13 +21,14 @@ from hypothesis import strategies as st
 
 from egressd.export import ExportRefused, export_policy
 from egressd.export.guards import FORBIDDEN, NON_GLOBAL, PRIVATE
-from egressd.export.report import LOSSES, TARGET_KINDS, loss_table_markdown
+from egressd.export.report import LOSSES, NARROWER, READS, TARGET_KINDS, WIDER
 from egressd.policy import (
     AddressClass,
     Policy,
     classify,
     parse_policy,
 )
+from tests.support.export_targets import MEASURED
 from tests.support.spellings import CASES
 
 POLICY = parse_policy(
@@ -51,6 +52,27 @@ NAMES = [c.host for c in CASES] + [
     "port.test",
     "a.port.test",
 ]
+
+
+def loss_table_markdown() -> str:
+    """docs/scale.md's tables: per kind of target, what each engine decides differently, then why."""
+    targets = ("squid", "smokescreen", "envoy", "cilium", "istio")
+    short = {NARROWER: "narrower", READS: "reads the host", WIDER: "**wider**"}
+    lines = ["| target kind | " + " | ".join(targets) + " |", "|---|" + "---|" * len(targets)]
+    for kind in TARGET_KINDS:
+        cells = [
+            ", ".join(dict.fromkeys(short[x.how] for x in LOSSES[t].get(kind, ()))) or "same" for t in targets
+        ]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    lines += ["", "| target kind | what it is |", "|---|---|"]
+    lines += [f"| {kind} | {what} |" for kind, what in TARGET_KINDS.items()]
+    lines.append("")
+    for target in targets:
+        for kind in TARGET_KINDS:
+            for loss in LOSSES[target].get(kind, ()):
+                seen = " (not on the test table)" if target in MEASURED and not loss.in_table else ""
+                lines.append(f"- {target}, {kind}: {loss.how}: {loss.detail}{seen}")
+    return "\n".join(lines) + "\n"
 
 
 def _special_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
