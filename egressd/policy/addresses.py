@@ -65,6 +65,7 @@ _V6_PRIVATE: tuple[IPv6Network, ...] = tuple(
         "2001:db8::/32",
         "64:ff9b:1::/48",
         "100::/64",
+        "100:0:0:1::/64",  # the dummy prefix (RFC 9780); Python 3.12's ipaddress calls it global
         "2001::/23",
         "::ffff:0:0/96",
         "::/96",

@@ -28,6 +28,7 @@ from egressd.policy import (
     classify,
     parse_policy,
 )
+from tests.support import reference as ref
 from tests.support.export_targets import MEASURED
 from tests.support.spellings import CASES
 
@@ -76,8 +77,10 @@ def loss_table_markdown() -> str:
 
 
 def _special_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    """Every network the standard library's is_global consults, plus the guard lists."""
+    """Every network the standard library's is_global consults, the IANA special-purpose registries'
+    blocks (tests/support/reference.py), and the guard lists."""
     found: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = list(NON_GLOBAL)
+    found += [block for block, _, _ in (*ref.V4_SPECIAL, *ref.V6_SPECIAL)]
     for constants in (ipaddress._IPv4Constants, ipaddress._IPv6Constants):  # type: ignore[attr-defined]
         for value in vars(constants).values():
             for item in value if isinstance(value, list | tuple) else (value,):
