@@ -219,7 +219,7 @@ def tcp_echo() -> Iterator[TcpEchoServer]:
 
 @pytest.fixture
 def echo_engine(tcp_echo: TcpEchoServer) -> Iterator[EgressProxy]:
-    """An in-process engine (lean paths on) whose policy allows only the TCP echo server."""
+    """An in-process engine whose policy allows only the TCP echo server."""
     host, port = tcp_echo.address
     yield from _engine({"allow": [f"{host}:{port}"]})
 

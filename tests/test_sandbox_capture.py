@@ -9,7 +9,7 @@ with its reason in the audit; UDP other than DNS gets nothing; a ClientHello nam
 than the DNS name is closed (sni_mismatch); an IP literal is decided as that literal; plain HTTP
 to a host with path rules is decided request by request; with inspection on, the JVM trusts
 egressd's CA through JAVA_TOOL_OPTIONS; the child cannot undo the capture; without nft egressd
-warns and the child stays confined; --no-capture keeps the old "nothing gets out".
+warns and the child stays confined; --no-capture means nothing gets out.
 """
 
 from __future__ import annotations

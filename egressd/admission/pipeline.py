@@ -67,8 +67,8 @@ class Ask(NamedTuple):
     request) or "inner" (a request inside an admitted, inspected tunnel: the tunnel's connection is
     already pinned, so nothing is resolved).
 
-    A named tuple, as the events are: immutable, and built for every request in a quarter of a
-    frozen dataclass's time."""
+    A named tuple, as the events are: immutable, and built for every request without a frozen
+    dataclass's per-field __setattr__."""
 
     stage: Stage
     host: str

@@ -124,7 +124,7 @@ class FastFront:
     async def _sweep(self) -> None:
         """limits.header_timeout for request heads and SOCKS5 handshakes, limits.idle_timeout for
         relayed tunnels: one sweep a second, not a timer per connection (a timer set and cancelled
-        for every tunnel cost more than the sweep). A limit is kept to within a second late."""
+        for every tunnel would cost more than the sweep). A limit is kept to within a second late."""
         while True:
             await asyncio.sleep(SWEEP)
             limits = self.rt.policies.get().limits

@@ -196,8 +196,8 @@ class FrontProtocol(Pipe):
 
     def _unlink(self) -> None:
         """Let go of what points back here (the tunnel, the far side): a finished connection's
-        objects are then freed at once, not on the cyclic garbage collector's next pass (which
-        cost a tenth of a short tunnel's instructions)."""
+        objects are then freed at once, not on the cyclic garbage collector's next pass (a walk over
+        every live object, which a busy front would pay for again and again)."""
         peer, self.peer = self.peer, None
         if peer is not None:
             peer.peer = None
