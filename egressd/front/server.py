@@ -33,7 +33,7 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown listener kind {kind!r}")
 
 
-class FastFront:
+class Front:
     """egressd's listeners: the HTTP proxy port (CONNECT and absolute-form HTTP) and SOCKS5."""
 
     def __init__(
@@ -91,7 +91,7 @@ class FastFront:
         return self._own(server)
 
     async def serve(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
-        """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket):
+        """Also accept `kind` clients on a listening socket made elsewhere (ProxyServer.serve_socket):
         in the sandbox's network namespace, so not an address of this one (never registered)."""
         _check_kind(kind)
         loop = asyncio.get_running_loop()
