@@ -21,7 +21,7 @@ from mitmproxy import connection, http
 from mitmproxy.proxy import server_hooks
 
 from egressd.admission.pinning import current_pin
-from egressd.admission.pipeline import Admitted, Ask, Pipeline
+from egressd.admission.pipeline import Admitted, Attempt, Pipeline
 from egressd.admission.state import ConnState
 from egressd.inspect import response_limit
 from egressd.inspect.connections import close_client, close_server
@@ -131,7 +131,7 @@ class PolicyGate:
         tunnel = handoff.tunnel
         # inside the admitted tunnel: its target, whatever the request says (the request rules
         # refuse a Host header that names another)
-        ask = Ask(
+        attempt = Attempt(
             "inner",
             tunnel.host,
             tunnel.port,
@@ -140,7 +140,7 @@ class PolicyGate:
             path=request.path,
             headers=list(request.headers.items(multi=True)),
         )
-        admitted = await self.rt.admit(handoff.conn, ask)
+        admitted = await self.rt.admit(handoff.conn, attempt)
         if isinstance(admitted, Refusal):
             self._refuse(flow, admitted)
             return

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
-from egressd.admission.pipeline import Admitted, Ask
+from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.relay import HIGH_WATER, Pipe, Tunnel
 from egressd.refusal import Refusal
 from egressd.wire.http1 import (
@@ -501,7 +501,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         """The request through the admission pipeline, as every front's requests go (credentials,
         limits, the decision, the request rules, the records)."""
         authorization = request.values("proxy-authorization")
-        ask = Ask(
+        attempt = Attempt(
             "request",
             request.host,
             request.port,
@@ -511,7 +511,7 @@ class PlainClient(_Writable, asyncio.Protocol):
             credentials=authorization[0] if authorization else None,
             headers=request.headers,
         )
-        return await self.rt.admit(self.state, ask)
+        return await self.rt.admit(self.state, attempt)
 
     async def _open(self, admitted: Admitted, key: Key) -> Upstream | Refusal:
         """A new upstream connection to the addresses the pipeline pins for this request."""

@@ -3,7 +3,7 @@ the admission pipeline exactly as an HTTP CONNECT is.
 
 A SOCKS5 client is a FrontProtocol whose request head is a SOCKS5 handshake. Its credentials are
 answered in the RFC 1929 sub-negotiation by the pipeline's credentials step; its request becomes an
-Ask of stage "socks" for FrontProtocol._open_tunnel — admission (credentials, limits, decision,
+Attempt of stage "socks" for FrontProtocol._open_tunnel — admission (credentials, limits, decision,
 approver, inspection choice, resolution, pinning), the connect, the TLS SNI check of the client's
 first bytes, the relay or the hand-off to mitmproxy for inspection, the records. Only the answers
 differ: SOCKS5 reply codes instead of HTTP statuses.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from egressd.admission.credentials import Presented
-from egressd.admission.pipeline import Ask
+from egressd.admission.pipeline import Attempt
 from egressd.front.relay import Pipe
 from egressd.front.tunnel import FrontProtocol, Listeners
 from egressd.refusal import POLICY_REASONS, Refusal
@@ -100,8 +100,8 @@ class SocksProtocol(FrontProtocol):
         return self.rt.authenticate(self.state, self.presented)
 
     def _on_request(self, request: Request) -> None:
-        ask = Ask("socks", request.host, request.port, scheme="socks5", credentials=self.presented)
-        self._start_tunnel(ask)
+        attempt = Attempt("socks", request.host, request.port, scheme="socks5", credentials=self.presented)
+        self._start_tunnel(attempt)
 
     def _refuse_handshake(self, error: Socks5Error) -> None:
         """A handshake egressd does not serve: its reply, then close. Recorded, unless it only lacks

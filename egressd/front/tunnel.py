@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from egressd.admission.descriptors import out_of_descriptors
 from egressd.admission.limits import overloaded
-from egressd.admission.pipeline import Admitted, Ask
+from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
 from egressd.front.relay import COALESCE, Pipe, Tunnel, render
@@ -222,7 +222,7 @@ class FrontProtocol(Pipe):
         except WireError as exc:
             self._refuse_unreadable(Refusal("bad_request", exc.detail))
             return
-        ask = Ask(
+        attempt = Attempt(
             "connect",
             connect.host,
             connect.port,
@@ -230,7 +230,7 @@ class FrontProtocol(Pipe):
             method="CONNECT",
             credentials=connect.authorization,
         )
-        self._start_tunnel(ask)
+        self._start_tunnel(attempt)
 
     def _health_check(self) -> bool:
         """`GET /healthz` (the gateway's): answered 200 "ok" and closed. True while the bytes so far
@@ -246,15 +246,15 @@ class FrontProtocol(Pipe):
         self.transport.close()
         return True
 
-    def _start_tunnel(self, ask: Ask) -> None:
+    def _start_tunnel(self, attempt: Attempt) -> None:
         """Admit and open the tunnel whose request was read (CONNECT or SOCKS5): reading paused
         until it is open, header_timeout over with the stage (connect_timeout bounds the rest)."""
         assert self.transport is not None
         self.stage = "admit"  # bytes read meanwhile stay in the buffer
         self.transport.pause_reading()
-        self.task = asyncio.get_running_loop().create_task(self._open_tunnel(ask))
+        self.task = asyncio.get_running_loop().create_task(self._open_tunnel(attempt))
 
-    async def _open_tunnel(self, ask: Ask) -> None:
+    async def _open_tunnel(self, attempt: Attempt) -> None:
         """Admit a tunnel (CONNECT or SOCKS5) and open it: relayed here, or handed to mitmproxy to
         inspect. Only the answers differ between the protocols (_established, _answer_refusal).
         A bug refuses (fail closed), caught here rather than by a wrapping coroutine: one frame
@@ -262,9 +262,9 @@ class FrontProtocol(Pipe):
         try:
             state = self.state
             assert state is not None
-            admitted = await self.rt.admit(state, ask)
+            admitted = await self.rt.admit(state, attempt)
             if isinstance(admitted, Refusal):
-                if self._page_inside_tls(admitted, ask):
+                if self._page_inside_tls(admitted, attempt):
                     await self._refuse_inside_tls(admitted)
                 else:
                     self._refuse(admitted)
@@ -344,7 +344,7 @@ class FrontProtocol(Pipe):
         assert self.transport is not None
         self.transport.write(answer)
 
-    def _page_inside_tls(self, refusal: Refusal, ask: Ask) -> bool:
+    def _page_inside_tls(self, refusal: Refusal, attempt: Attempt) -> bool:
         """refusal_pages: tls, with inspection on (the child trusts egressd's CA), for a refused
         HTTPS CONNECT whose client sent nothing after its head yet."""
         return (
@@ -353,7 +353,7 @@ class FrontProtocol(Pipe):
             and not self.buffer
             and bool(refusal.host)
             and self.rt.policies.get().refusal_pages == "tls"
-            and wants_page(refusal, ask.stage, ask.port)
+            and wants_page(refusal, attempt.stage, attempt.port)
         )
 
     async def _refuse_inside_tls(self, refusal: Refusal) -> None:

@@ -7,7 +7,7 @@ when the token is revoked, or a long-running egressd grows with every child it e
 
 from __future__ import annotations
 
-from egressd.admission.pipeline import Ask, Pipeline
+from egressd.admission.pipeline import Attempt, Pipeline
 from egressd.admission.state import PolicyHolder
 from egressd.policy import parse_policy
 from egressd.refusal import Refusal
@@ -22,15 +22,17 @@ async def test_a_revoked_childs_rate_limit_bucket_is_dropped() -> None:
     children = [pipeline.credentials.issue(label=f"curl[{pid}]") for pid in range(100, 150)]
     for creds in [kept, *children]:
         conn = pipeline.open_conn("127.0.0.1:40000")
-        ask = Ask("connect", "refused.test", 443, credentials=basic(creds.username, creds.token))
-        answer = await pipeline.admit(conn, ask)
+        attempt = Attempt("connect", "refused.test", 443, credentials=basic(creds.username, creds.token))
+        answer = await pipeline.admit(conn, attempt)
         assert isinstance(answer, Refusal) and answer.reason == "not_allowlisted"  # its token was taken
         pipeline.close_conn(conn)
     for creds in children:
         pipeline.revoke(creds)
     assert set(pipeline.limits.buckets._buckets) == {kept.token}  # the one still issued
     conn = pipeline.open_conn("127.0.0.1:40001")
-    ask = Ask("connect", "refused.test", 443, credentials=basic(children[0].username, children[0].token))
-    answer = await pipeline.admit(conn, ask)
+    attempt = Attempt(
+        "connect", "refused.test", 443, credentials=basic(children[0].username, children[0].token)
+    )
+    answer = await pipeline.admit(conn, attempt)
     assert isinstance(answer, Refusal) and answer.reason == "proxy_auth_required"
     assert set(pipeline.limits.buckets._buckets) == {kept.token}
