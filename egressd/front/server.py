@@ -45,7 +45,7 @@ class Front:
         *,
         health: bool = False,
     ) -> None:
-        self.rt = pipeline
+        self.pipeline = pipeline
         self.health = health  # GET /healthz answered on the HTTP port, no credentials (the gateway)
         self.mitmproxy_address = mitmproxy_address
         self.handoffs = handoffs
@@ -113,7 +113,7 @@ class Front:
     def _own(self, server: asyncio.Server) -> tuple[str, int]:
         """A listener of this machine's: every socket it bound is egressd's own (`self`)."""
         self.servers.append(server)
-        register(self.rt.decider, [sock.getsockname() for sock in server.sockets])
+        register(self.pipeline.decider, [sock.getsockname() for sock in server.sockets])
         address = server.sockets[0].getsockname()
         return address[0], address[1]
 
@@ -127,7 +127,7 @@ class Front:
         for every tunnel would cost more than the sweep). A limit is kept to within a second late."""
         while True:
             await asyncio.sleep(SWEEP)
-            limits = self.rt.policies.get().limits
+            limits = self.pipeline.policies.get().limits
             now = time.monotonic()
             idle_cutoff, head_cutoff = now - limits.idle_timeout, now - limits.header_timeout
             for client in list(self.clients):

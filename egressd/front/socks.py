@@ -76,7 +76,7 @@ class SocksProtocol(FrontProtocol):
         for event in events:
             if isinstance(event, Greeting):
                 self.transport.write(event.reply)
-                if event.method == NO_AUTH and not self.rt.authenticate(self.state, None):
+                if event.method == NO_AUTH and not self.pipeline.authenticate(self.state, None):
                     self.transport.close()  # the listener's credentials were revoked
                     return
             elif isinstance(event, Credentials):
@@ -97,7 +97,7 @@ class SocksProtocol(FrontProtocol):
             return False
         assert self.state is not None
         self.presented = (credentials.username, credentials.password)
-        return self.rt.authenticate(self.state, self.presented)
+        return self.pipeline.authenticate(self.state, self.presented)
 
     def _on_request(self, request: Request) -> None:
         attempt = Attempt("socks", request.host, request.port, scheme="socks5", credentials=self.presented)
@@ -107,7 +107,7 @@ class SocksProtocol(FrontProtocol):
         """A handshake egressd does not serve: its reply, then close. Recorded, unless it only lacks
         credentials (a CONNECT without them is answered 407 and not recorded either)."""
         if error.reason != "proxy_auth_required":
-            self.rt.refused_early(self.state, None, None, error.reason, str(error), stage="socks")
+            self.pipeline.refused_early(self.state, None, None, error.reason, str(error), stage="socks")
         if self.transport is not None and not self.transport.is_closing():
             if error.reply:
                 self.transport.write(error.reply)
