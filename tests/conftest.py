@@ -248,8 +248,8 @@ def inspected_echo(tcp_echo: TcpEchoServer) -> Iterator[TcpEchoServer]:
 def inspecting_engine(tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer) -> Iterator[ProxyServer]:
     """An in-process engine that allows both echo servers and inspects inspected_echo: a tunnel to
     it is handed to the embedded mitmproxy (the one thing that starts it), one to tcp_echo is not."""
-    lean, inspected = (f"{h}:{p}" for h, p in (tcp_echo.address, inspected_echo.address))
-    yield from _engine({"allow": [lean, inspected], "inspect": [inspected]})
+    relayed, inspected = (f"{h}:{p}" for h, p in (tcp_echo.address, inspected_echo.address))
+    yield from _engine({"allow": [relayed, inspected], "inspect": [inspected]})
 
 
 @pytest.fixture

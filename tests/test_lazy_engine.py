@@ -1,4 +1,4 @@
-"""mitmproxy is imported and started only when a connection needs it (the lean front serves the rest)."""
+"""mitmproxy is imported and started only when a connection needs it (egressd's own front serves the rest)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_a_tunnel_or_socks5_does_not_start_mitmproxy_a_tunnel_to_inspect_does(
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         sock.sendall(b"ping")
         assert sock.recv(4) == b"ping"
-    assert engine._master is None, "a lean-path tunnel started mitmproxy"
+    assert engine._master is None, "a relayed tunnel started mitmproxy"
 
     assert engine.socks_address is not None
     with socket.create_connection(engine.socks_address, timeout=10) as sock:
