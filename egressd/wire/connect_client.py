@@ -1,7 +1,8 @@
 """The client side of one CONNECT through egressd's proxy, sans-I/O on h11's client role.
 
-egressd opens tunnels through its own proxy where a program cannot (the SSH ProxyCommand,
-`egressd.connect`; the sandbox's capture of clients that ignore the proxy, `sandbox/intercept.py`).
+egressd opens tunnels through a proxy: its own, where a program cannot (the SSH ProxyCommand,
+`egressd.connect`; the sandbox's capture of clients that ignore the proxy, `sandbox/intercept.py`),
+and a parent proxy it is told to go through (`admission/upstream.py`).
 Both need the same two things: the request, and where the proxy's answer ends — a `200`'s head,
 after which every byte is the tunnel's, or a refusal with its reason and text. h11 frames the
 answer, so a body or a head split across reads is read the same way the front writes it.
@@ -42,6 +43,7 @@ class ConnectClient:
         self.request = self._h11.send(h11.Request(method="CONNECT", target=target, headers=headers))
         self._h11.send(h11.EndOfMessage())
         self.status = 0  # the answer's status once its head was read
+        self.reason = ""
         self.status_line = ""
         self.headers: dict[str, str] = {}
         self.body = bytearray()  # a refusal's text (at most MAX_BODY)
@@ -88,8 +90,8 @@ class ConnectClient:
 
     def _head(self, response: h11.Response) -> None:
         self.status = response.status_code
-        version, reason = response.http_version.decode(), response.reason.decode("latin-1")
-        self.status_line = f"HTTP/{version} {self.status} {reason}".rstrip()
+        self.reason = response.reason.decode("latin-1")
+        self.status_line = f"HTTP/{response.http_version.decode()} {self.status} {self.reason}".rstrip()
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in response.headers}
 
     def refusal(self) -> str:
