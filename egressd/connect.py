@@ -114,9 +114,9 @@ def relay(sock: socket.socket, early: bytes, stdin: int = 0, stdout: int = 1) ->
     """Copy both ways until the socket closes; stdin's end half-closes it.
 
     The relay of egressd's small blocking processes (this ProxyCommand, the remote's policy
-    channel feeder): a thread per direction, and a blocking write holds its reader back. The event
-    loops' relay is egressd.front.relay; it cannot serve here without an event loop in a process
-    that starts per SSH connection, nor read a stdin that is a plain file."""
+    channel feeder): a thread per direction, and a blocking write holds its reader back. The proxy's
+    event loop relays with egressd.front.relay, which cannot serve here: it needs an event loop in a
+    process that starts per SSH connection, and cannot read a stdin that is a plain file."""
     threading.Thread(target=_copy_in, args=(sock, stdin), daemon=True).start()
     with contextlib.suppress(OSError):
         if early:
