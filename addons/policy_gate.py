@@ -21,7 +21,7 @@ from mitmproxy import connection, http
 from mitmproxy.proxy import server_hooks
 
 from egressd.admission.pinning import current_pin
-from egressd.admission.pipeline import Admitted, Ask, Pipeline
+from egressd.admission.pipeline import Admitted, Attempt, Pipeline
 from egressd.admission.state import ConnState
 from egressd.inspect import response_limit
 from egressd.inspect.connections import close_client, close_server
@@ -75,7 +75,7 @@ def fail_closed(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 class PolicyGate:
     def __init__(self, pipeline: Pipeline, handoffs: Handoffs) -> None:
-        self.rt = pipeline
+        self.pipeline = pipeline
         self.handoffs = handoffs
         self._clients: dict[str, Handoff] = {}  # by mitmproxy's client id
         self._waiting: dict[str, asyncio.TimerHandle] = {}  # timeouts.response, by flow id
@@ -131,7 +131,7 @@ class PolicyGate:
         tunnel = handoff.tunnel
         # inside the admitted tunnel: its target, whatever the request says (the request rules
         # refuse a Host header that names another)
-        ask = Ask(
+        attempt = Attempt(
             "inner",
             tunnel.host,
             tunnel.port,
@@ -140,7 +140,7 @@ class PolicyGate:
             path=request.path,
             headers=list(request.headers.items(multi=True)),
         )
-        admitted = await self.rt.admit(handoff.conn, ask)
+        admitted = await self.pipeline.admit(handoff.conn, attempt)
         if isinstance(admitted, Refusal):
             self._refuse(flow, admitted)
             return
@@ -175,7 +175,7 @@ class PolicyGate:
             ):
                 flow.metadata[_SCAN] = injection.body  # read whole, scanned in request(): a clean 403
             else:
-                request.stream = _BodyScan(self.rt, handoff, flow, PlaceholderStream(injection.body))
+                request.stream = _BodyScan(self.pipeline, handoff, flow, PlaceholderStream(injection.body))
         if injection.values:
             flow.metadata[_MASK] = ValueMask(injection.values)
 
@@ -189,9 +189,9 @@ class PolicyGate:
             name = needles.find(flow.request.raw_content or b"")
             if name is not None:
                 handoff = self.handoff(flow.client_conn)
-                self._refuse(flow, _secret_in_body(self.rt, handoff, flow, name))
+                self._refuse(flow, _secret_in_body(self.pipeline, handoff, flow, name))
         if not flow.metadata.get(_REFUSED) and flow.response is None:
-            self._expect_response(flow, self.rt.policies.get().limits.response_timeout)
+            self._expect_response(flow, self.pipeline.policies.get().limits.response_timeout)
 
     # -- timeouts.response: the upstream must send its response head in time ---------------------
     def _expect_response(self, flow: http.HTTPFlow, timeout: float) -> None:
@@ -230,8 +230,8 @@ class PolicyGate:
         conn = self.handoff(flow.client_conn).conn
         location = response.headers.get("location")
         if 300 <= response.status_code < 400 and location:
-            self.rt.redirects.remember(conn.client_key, flow.request.url, location)
-        limit = self.rt.policies.get().limits.max_response_bytes
+            self.pipeline.redirects.remember(conn.client_key, flow.request.url, location)
+        limit = self.pipeline.policies.get().limits.max_response_bytes
         if limit is not None:
             response_limit.apply(flow, limit, self._on_response_cut(flow, conn, limit))
         mask = flow.metadata.get(_MASK)
@@ -262,7 +262,7 @@ class PolicyGate:
         def cut(seen: int) -> None:
             request = flow.request
             where = {"host": request.host, "port": request.port, "path": _child_path(flow)}
-            self.rt.notice(conn, "response_cut", **where, limit=limit, bytes=seen)
+            self.pipeline.notice(conn, "response_cut", **where, limit=limit, bytes=seen)
 
         return cut
 
@@ -277,8 +277,8 @@ class PolicyGate:
             return
         tunnel, (reason, detail) = handoff.tunnel, failure
         # the detail may quote what the server sent, and with it a secret's value it echoed
-        self.rt.upstream_failed(
-            handoff.conn, tunnel.host, tunnel.port, reason, self.rt.secrets.mask_text(detail)
+        self.pipeline.upstream_failed(
+            handoff.conn, tunnel.host, tunnel.port, reason, self.pipeline.secrets.mask_text(detail)
         )
 
     # -- every upstream connection: to the pinned addresses only --------------------------------
@@ -296,10 +296,10 @@ class PolicyGate:
             data.server.error = failure_message("internal_error", f"{where} was not admitted")
             return
         # counted before mitmproxy takes a descriptor for it (a reconnect inside the tunnel, too)
-        if (limited := self.rt.reserve_upstream(data.server.id)) is not None:
+        if (limited := self.pipeline.reserve_upstream(data.server.id)) is not None:
             data.server.error = failure_message(limited.reason, limited.detail)
             return
-        if (unrecorded := self.rt.audit_refusal()) is not None:  # nothing opened that is not recorded
+        if (unrecorded := self.pipeline.audit_refusal()) is not None:  # nothing opened that is not recorded
             data.server.error = failure_message(unrecorded.reason, unrecorded.detail)
             return
         # each connection to the tunnel's pin keeps its own attempts
@@ -313,27 +313,27 @@ class PolicyGate:
         handoff = self._clients.get(data.client.id)
         connection = handoff.connections.get(data.server.id) if handoff is not None else None
         recorded = connection is None or handoff is None
-        if not recorded and self.rt.connection_record(handoff.conn, connection, None) is not None:
+        if not recorded and self.pipeline.connection_record(handoff.conn, connection, None) is not None:
             close_client(data.client.id)  # its record was not written: the tunnel ends here
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
-        self.rt.disconnected(data.server.id)
+        self.pipeline.disconnected(data.server.id)
         handoff = self._clients.get(data.client.id)
         if handoff is not None:
             handoff.connections.pop(data.server.id, None)
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
-        self.rt.disconnected(data.server.id)
+        self.pipeline.disconnected(data.server.id)
         handoff = self._clients.get(data.client.id)
         connection = handoff.connections.get(data.server.id) if handoff is not None else None
         if connection is not None and handoff is not None and connection.pin is not None:
             failure = connection.pin.failure or ("connect_error", str(data.server.error))
-            self.rt.connection_record(handoff.conn, connection, failure)
+            self.pipeline.connection_record(handoff.conn, connection, failure)
 
     # -- faults ------------------------------------------------------------------------------
     def internal_error(self, hook: str, argument: Any, exc: BaseException) -> None:
         """A bug while deciding refuses (never allows) and is recorded."""
-        refusal = self.rt.internal_error(hook, exc)
+        refusal = self.pipeline.internal_error(hook, exc)
         if isinstance(argument, http.HTTPFlow):
             argument.metadata[_REFUSED] = True
             argument.response = refusal_response(refusal)
@@ -351,8 +351,10 @@ class _BodyScan:
     """A request body streamed through the placeholder scan (mitmproxy's request.stream hook): a
     find records the refusal and closes the client before any byte of the placeholder is sent."""
 
-    def __init__(self, rt: Pipeline, handoff: Handoff, flow: http.HTTPFlow, scan: PlaceholderStream) -> None:
-        self.rt, self.handoff, self.flow, self.scan = rt, handoff, flow, scan
+    def __init__(
+        self, pipeline: Pipeline, handoff: Handoff, flow: http.HTTPFlow, scan: PlaceholderStream
+    ) -> None:
+        self.pipeline, self.handoff, self.flow, self.scan = pipeline, handoff, flow, scan
         self.refused = False
 
     def __call__(self, chunk: bytes) -> Iterable[bytes]:
@@ -362,17 +364,17 @@ class _BodyScan:
             return [self.scan.feed(chunk) if chunk else self.scan.end()]
         except PlaceholderFound as found:
             self.refused = True
-            _secret_in_body(self.rt, self.handoff, self.flow, found.name)
+            _secret_in_body(self.pipeline, self.handoff, self.flow, found.name)
             close_client(self.flow.client_conn.id)
             return []
 
 
-def _secret_in_body(rt: Pipeline, handoff: Handoff, flow: http.HTTPFlow, name: str) -> Refusal:
+def _secret_in_body(pipeline: Pipeline, handoff: Handoff, flow: http.HTTPFlow, name: str) -> Refusal:
     """A body carried a placeholder its host may not get: recorded; the refusal to answer with."""
     request, tunnel = flow.request, handoff.tunnel
-    refusal = rt.secret_refusal(tunnel.host, tunnel.port, name)
+    refusal = pipeline.secret_refusal(tunnel.host, tunnel.port, name)
     where = {"method": _method(request), "scheme": request.scheme, "path": _child_path(flow)}
-    rt.refused_early(
+    pipeline.refused_early(
         handoff.conn, tunnel.host, tunnel.port, refusal.reason, refusal.detail, stage="inner", **where
     )
     return refusal

@@ -51,7 +51,7 @@ class TunnelGuard(NextLayer):
 
     def __init__(self, pipeline: Pipeline, gate: PolicyGate) -> None:
         super().__init__()
-        self.rt = pipeline
+        self.pipeline = pipeline
         self.gate = gate
         # the SNI check of each tunnel whose layer is not chosen yet (gone with its NextLayer)
         self._starts: weakref.WeakKeyDictionary[layer.NextLayer, _Start] = weakref.WeakKeyDictionary()
@@ -118,14 +118,14 @@ class TunnelGuard(NextLayer):
     def _intercept(self, context: Any) -> bool:
         """Only tunnels the pipeline admitted for inspection are handed to mitmproxy."""
         handoff = self.gate.find(context.client)
-        return self.rt.inspection and handoff is not None and handoff.tunnel.inspect
+        return self.pipeline.inspection and handoff is not None and handoff.tunnel.inspect
 
     def _refuse(self, nextlayer: layer.NextLayer, problem: str, reason: str = "sni_mismatch") -> None:
         context = nextlayer.context
         host, port = context.server.address
         handoff = self.gate.find(context.client)
         conn = handoff.conn if handoff is not None else None
-        self.rt.refused_early(conn, host, port, reason, problem, stage="tls")
+        self.pipeline.refused_early(conn, host, port, reason, problem, stage="tls")
         nextlayer.layer = RefuseTunnel(context)
 
 

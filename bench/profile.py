@@ -14,7 +14,7 @@ import sysconfig
 from collections import Counter
 from pathlib import Path
 
-_PROXY_THREAD = "EgressProxy._thread_main"
+_PROXY_THREAD = "ProxyServer._thread_main"
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 
 

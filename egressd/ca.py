@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from egressd.files import replace_atomically
+
 # mitmproxy's TlsConfig looks for "<confdir>/mitmproxy-ca.pem"; egressd points confdir at its CA dir
 MITMPROXY_BASENAME = "mitmproxy"
 KEY_SIZE = 2048
@@ -123,12 +125,12 @@ def ensure_ca(config: Path) -> Path:
         cert_pem = (key_dir / f"{MITMPROXY_BASENAME}-ca-cert.pem").read_bytes()
         public = public_dir(config)
         public.mkdir(parents=True, exist_ok=True, mode=0o755)
-        _write_atomic(ca_cert_path(config), cert_pem, 0o644)
+        replace_atomically(ca_cert_path(config), cert_pem, mode=0o644)
         roots = system_roots()
         system = roots.read_bytes() if roots else b""
         bundle = _join_pem(system, cert_pem)
-        _write_atomic(bundle_path(config), bundle, 0o644)
-        _write_atomic(java_truststore_path(bundle_path(config)), java_truststore(bundle), 0o644)
+        replace_atomically(bundle_path(config), bundle, mode=0o644)
+        replace_atomically(java_truststore_path(bundle_path(config)), java_truststore(bundle), mode=0o644)
     except OSError as exc:
         raise CAError(f"cannot set up egressd's CA in {config}: {exc.strerror or exc}") from exc
     return ca_cert_path(config)
@@ -170,21 +172,9 @@ def upstream_trust_file(extra: Sequence[str | os.PathLike[str]], directory: Path
         except OSError as exc:
             raise CAError(f"--upstream-ca {path}: {exc.strerror or exc}") from exc
     target = directory / "upstream-roots.pem"
-    _write_atomic(target, _join_pem(*parts), 0o644)
+    replace_atomically(target, _join_pem(*parts), mode=0o644)
     return target
 
 
 def _join_pem(*parts: bytes) -> bytes:
     return b"\n".join(p.rstrip(b"\n") for p in parts if p.strip()) + b"\n"
-
-
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -2,7 +2,7 @@
 
 A function of the inherited environment and the proxy address, so it is easy to test and the CLI
 stays thin; the fixes for clients that need to be looked at first (node's version, the user's
-wgetrc) are in client_env.py. See DESIGN.md "Child environment".
+wgetrc) are in client_env.py. What a child gets: docs/architecture.md, "The child's environment".
 """
 
 from __future__ import annotations

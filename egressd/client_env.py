@@ -109,11 +109,9 @@ def write_wgetrc(base: Mapping[str, str], ca_bundle: str) -> str | None:
     path = Path(ca_bundle).parent / name
     try:
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            temp = path.with_name(f".{name}.{os.getpid()}")
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.replace(temp, path)
+            from egressd.files import replace_atomically
+
+            replace_atomically(path, text, mode=0o600)
     except OSError:
         return None
     return str(path)

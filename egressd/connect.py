@@ -4,13 +4,12 @@ An SSH `ProxyCommand` (git over SSH, `ssh`, `scp`): it reads the proxy URL and t
 credentials from HTTPS_PROXY/ALL_PROXY/HTTP_PROXY, sends `CONNECT HOST:PORT`, and once the proxy
 answers 200 copies stdin to the tunnel and the tunnel to stdout. So SSH needs no socat or nc, and
 the proxy decides the connection like any other. A refusal is explained on stderr (the reason
-egressd gave), never on stdout, which belongs to SSH. Standard library only: it starts fast.
+egressd gave), never on stdout, which belongs to SSH.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import os
 import socket
@@ -20,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from egressd.wire.connect_client import AnswerError, ConnectClient, basic
+
 PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy")
-MAX_HEADER = 64 * 1024
 CHUNK = 64 * 1024
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
@@ -39,10 +39,7 @@ class Proxy:
     password: str | None = None
 
     def authorization(self) -> str | None:
-        if self.username is None:
-            return None
-        raw = f"{self.username}:{self.password or ''}".encode()
-        return "Basic " + base64.b64encode(raw).decode("ascii")
+        return None if self.username is None else basic(self.username, self.password or "")
 
 
 def proxy_from_url(url: str) -> Proxy:
@@ -69,61 +66,33 @@ def proxy_from_env(env: Mapping[str, str]) -> Proxy:
     )
 
 
-def connect_request(host: str, port: int, proxy: Proxy) -> bytes:
-    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
-    auth = proxy.authorization()
-    if auth:
-        lines.append(f"Proxy-Authorization: {auth}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(4096)
-        if not chunk:
-            raise ConnectError("the proxy closed the connection without answering")
-        data += chunk
-        if len(data) > MAX_HEADER:
-            raise ConnectError("the proxy's answer is too long")
-    head, _, rest = data.partition(b"\r\n\r\n")
-    return head, rest
-
-
-def _refusal(head: bytes, sock: socket.socket, rest: bytes) -> str:
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    body = rest
-    with contextlib.suppress(OSError):
-        sock.settimeout(2.0)
-        while len(body) < 16 * 1024 and (chunk := sock.recv(4096)):
-            body += chunk
-    reason = headers.get("x-egressd-reason")
-    text = f"the proxy answered: {lines[0]}" + (f" (reason: {reason})" if reason else "")
-    detail = body.decode("utf-8", "replace").strip()
-    return text + (f"\n{detail}" if detail else "")
-
-
 def open_tunnel(host: str, port: int, proxy: Proxy, timeout: float = 30.0) -> tuple[socket.socket, bytes]:
     """Connect to the proxy and CONNECT; return the socket and any tunnel bytes already read."""
     try:
         sock = socket.create_connection((proxy.host, proxy.port), timeout=timeout)
     except OSError as exc:
         raise ConnectError(f"cannot reach the proxy at {proxy.host}:{proxy.port}: {exc}") from exc
+    client = ConnectClient(host, port, proxy.authorization())
     try:
-        sock.sendall(connect_request(host, port, proxy))
-        head, rest = _read_head(sock)
-        status = head.split(b"\r\n", 1)[0].split()
-        if len(status) < 2 or status[1] != b"200":
-            raise ConnectError(_refusal(head, sock, rest))
-    except (OSError, ConnectError) as exc:
+        sock.sendall(client.request)
+        try:
+            while not client.feed(sock.recv(4096)):
+                if client.status:  # a refusal's text: what arrives within 2 s of its head
+                    sock.settimeout(2.0)
+        except OSError:
+            if not client.status:
+                raise
+        if not client.admitted:
+            raise ConnectError(client.refusal())
+    except (OSError, AnswerError, ConnectError) as exc:
         sock.close()
         if isinstance(exc, ConnectError):
             raise
+        if isinstance(exc, AnswerError):
+            raise ConnectError(str(exc)) from exc
         raise ConnectError(f"talking to the proxy failed: {exc}") from exc
     sock.settimeout(None)
-    return sock, rest
+    return sock, client.tunnel
 
 
 def _copy_in(sock: socket.socket, fd: int) -> None:
@@ -142,7 +111,12 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def relay(sock: socket.socket, early: bytes, stdin: int = 0, stdout: int = 1) -> None:
-    """Copy both ways until the tunnel closes."""
+    """Copy both ways until the socket closes; stdin's end half-closes it.
+
+    The relay of egressd's small blocking processes (this ProxyCommand, the remote's policy
+    channel feeder): a thread per direction, and a blocking write holds its reader back. The proxy's
+    event loop relays with egressd.front.relay, which cannot serve here: it needs an event loop in a
+    process that starts per SSH connection, and cannot read a stdin that is a plain file."""
     threading.Thread(target=_copy_in, args=(sock, stdin), daemon=True).start()
     with contextlib.suppress(OSError):
         if early:

@@ -105,17 +105,22 @@ class Snapshot:
         self.versions[path] = Version(signature, hashlib.sha256(data).digest(), whole=whole)
 
 
-def replace_atomically(path: Path, text: str, *, check: Callable[[str], None] | None = None) -> None:
-    """Replace `path` by `text` with one rename; `check(temporary path)` may refuse by raising,
-    and then `path` is unchanged."""
-    try:
-        mode = path.stat().st_mode & 0o7777
-    except FileNotFoundError:
-        mode = 0o644  # a new file (`egressd provider add` creating a policy)
+def replace_atomically(
+    path: Path, data: str | bytes, *, mode: int | None = None, check: Callable[[str], None] | None = None
+) -> None:
+    """Replace `path` by `data` (text is written as UTF-8) with one rename; `check(temporary path)`
+    may refuse by raising, and then `path` is unchanged. `mode`: the file's permissions (default:
+    the file's own, 0644 for a new file); the temporary file is 0600 until it is complete, so a
+    private file is never readable by others, not even for a moment."""
+    if mode is None:
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o644  # a new file (`egressd provider add` creating a policy)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
             handle.flush()
             os.fsync(handle.fileno())
         if check is not None:

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from egressd.admission.tokens import TokenEntry, TokenFileError, TokenTable, make_entry, new_token
+from egressd.files import replace_atomically
 
 
 def default_tokens_path(env: Mapping[str, str] | None = None) -> Path:
@@ -60,21 +61,8 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _write(path: Path, table: TokenTable) -> None:
-    """Write beside, fsync, rename over: 0600 from the first byte."""
-    temp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(table.to_data(), handle, indent=1, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, 0o600)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+    text = json.dumps(table.to_data(), indent=1, sort_keys=True) + "\n"
+    replace_atomically(path, text, mode=0o600)
 
 
 def ensure_file(path: Path) -> None:

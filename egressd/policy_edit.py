@@ -50,12 +50,6 @@ def add_rule(path: str | os.PathLike[str], which: str, rule: str) -> str:
     return edit_rule(path, which, rule, remove=False)
 
 
-def remove_rule(path: str | os.PathLike[str], which: str, rule: str) -> str:
-    """Remove `rule` (as written) from the `which` list of the policy file; PolicyEditError when
-    it is not there."""
-    return edit_rule(path, which, rule, remove=True)
-
-
 def edit_rule(path: str | os.PathLike[str], which: str, rule: str, *, remove: bool) -> str:
     """Add or remove one rule, checked first (validate_rule), the result checked to load as a
     policy, the file replaced atomically; the line saying what was done."""

@@ -1,6 +1,6 @@
 """mitmproxy embedded: a plain Master with the minimal addons, in its own thread and event loop.
 
-The CLI (exec, run), the sandbox and the SSH relay start one EgressProxy and hand children the
+The CLI (exec, run), the sandbox and the SSH relay start one ProxyServer and hand children the
 credentials it issues; everything the children send is decided by the addons in `addons/`.
 """
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from mitmproxy.master import Master
 
-    from egressd.front.server import FastFront
+    from egressd.front.server import Front
     from egressd.observe.audit import AuditLog
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,10 @@ class EngineError(RuntimeError):
     """The proxy could not start (bad listen address, port in use, ...)."""
 
 
-class EgressProxy:
+class ProxyServer:
+    """The proxy while it runs: the admission pipeline, egressd's front and (on first need) the
+    embedded mitmproxy, on one thread with one event loop of its own."""
+
     def __init__(
         self,
         policy: Policy,
@@ -55,7 +58,6 @@ class EgressProxy:
         socks: bool = True,
         audit: AuditLog | None = None,
         nameservers: Sequence[tuple[str, int]] = (),
-        require_auth: bool = True,
         inspect: bool = True,
         config_dir: Path | None = None,
         upstream_ca: Sequence[str] = (),
@@ -77,7 +79,6 @@ class EgressProxy:
             PolicyHolder(policy),
             credentials=credentials,
             audit=audit,
-            require_auth=require_auth,
             identify=identify,
         )
         self.handoffs = Handoffs()  # the connections the front hands to mitmproxy
@@ -99,7 +100,7 @@ class EgressProxy:
         self.config_dir = config_dir
         self.upstream_ca = tuple(upstream_ca)
         self.ca_bundle: str | None = None
-        self._front: FastFront | None = None
+        self._front: Front | None = None
         self._stopping: asyncio.Event | None = None
         self._mitm_started: asyncio.Future[None] | None = None
         self._mitm_run: asyncio.Future[None] | None = None
@@ -123,8 +124,7 @@ class EgressProxy:
         return self.pipeline.credentials.issue(profile, label)
 
     def revoke(self, creds: ProxyCredentials) -> None:
-        self.pipeline.credentials.revoke(creds)
-        self.pipeline.children.pop(creds.token, None)  # an attached child's pid, if it was one
+        self.pipeline.revoke(creds)
 
     def close_revoked(self) -> None:
         """Close the client connections whose credentials are no longer valid (the gateway's token
@@ -214,14 +214,14 @@ class EgressProxy:
 
     async def _start_front(self, host: str, port: int) -> None:
         """The front listens on the public ports; mitmproxy starts when first needed."""
-        from egressd.front.server import FastFront
+        from egressd.front.server import Front
 
         refusal_context = None
         if self.pipeline.inspection:  # refusal_pages: tls needs the CA the child trusts
             from egressd.inspect.refusal_certs import RefusalCerts
 
             refusal_context = RefusalCerts(self._confdir).context
-        self._front = FastFront(
+        self._front = Front(
             self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context, health=self.health
         )
         self.http_address = await self._listen("http", host, port, self.tls)

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from egressd.observe.metrics import Metrics, MetricsServer
     from egressd.observe.refusals import RefusalReport
     from egressd.policy.secrets import SecretSpec
-    from egressd.proxy import EgressProxy
+    from egressd.proxy import ProxyServer
     from egressd.reload import FileWatcher
 
 _PRESET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
@@ -221,7 +221,7 @@ class ProxySession:
         self._announce = announce_reloads
         # a command may narrow every policy it loads (the sandbox's --only); applied after overrides
         self._transform = transform
-        self.proxy: EgressProxy | None = None
+        self.proxy: ProxyServer | None = None
         self.watcher: FileWatcher[Loaded] | None = None
         self.audit: AuditLog | None = None
         self.metrics: Metrics | None = None
@@ -372,7 +372,7 @@ class ProxySession:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> Self:
-        from egressd.proxy import EgressProxy, EngineError
+        from egressd.proxy import EngineError, ProxyServer
 
         try:
             self.audit = AuditLog(
@@ -395,7 +395,7 @@ class ProxySession:
                 tls = gateway.tls.context(self.options.config_dir)
             except (OSError, ssl.SSLError, CAError) as exc:
                 raise SessionError(f"the TLS listener: {exc}") from exc
-        self.proxy = EgressProxy(
+        self.proxy = ProxyServer(
             self.policy,
             listen=self.options.listen,
             socks=self.options.socks if gateway is None else gateway.socks_listen is not None,
@@ -478,7 +478,7 @@ class ProxySession:
         self._say(f"metrics on {self.metrics_server.url}")
 
     # -- ask mode, grants and the control API ------------------------------------------------------
-    def _start_approvals(self, proxy: EgressProxy) -> None:
+    def _start_approvals(self, proxy: ProxyServer) -> None:
         """The ask broker is the pipeline's approver; the terminal prompt one of its approvers."""
         from egressd.admission.asks import AskBroker
 
@@ -565,7 +565,7 @@ class ProxySession:
         self._dashboard = Dashboard(self.control_path, self.proxy.pipeline.decider)
         self._say(f"dashboard: {self._dashboard.start()}  ({WHILE_OPEN})")
 
-    def _start_control(self, proxy: EgressProxy) -> None:
+    def _start_control(self, proxy: ProxyServer) -> None:
         """The control API on the user's socket; egressd runs without it (and says so) when the
         run directory is not safe to use."""
         if not self.options.control:
@@ -773,14 +773,15 @@ class ProxySession:
 
 
 def load_policy_data(path: str | os.PathLike[str]) -> Any:
-    """The policy file as plain data (YAML or JSON; None when unreadable), for listing the rules it
-    holds itself — the reload reports a broken file, this only shows less."""
-    import yaml
+    """The policy file as plain data (None when unreadable or not a policy's mapping), for listing
+    the rules it holds itself — the reload reports a broken file, this only shows less. Decoded
+    like the loader decodes it, so a file the loader refuses (duplicate keys) lists nothing."""
+    from egressd.policy.loader import policy_data
 
+    source = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as handle:
-            return yaml.safe_load(handle)
-    except (OSError, ValueError, yaml.YAMLError):
+        return policy_data(Path(source).read_bytes(), source)
+    except (OSError, PolicyError):
         return None
 
 

@@ -28,7 +28,7 @@ import trustme  # noqa: E402
 from tests.support import netns  # noqa: E402
 
 if TYPE_CHECKING:
-    from egressd.proxy import EgressProxy
+    from egressd.proxy import ProxyServer
 from tests.support.dns_server import DnsServer  # noqa: E402
 from tests.support.loops import DEFAULT_LOOP, LOOP_FACTORIES  # noqa: E402
 from tests.support.npm_registry import NpmRegistry  # noqa: E402
@@ -218,18 +218,18 @@ def tcp_echo() -> Iterator[TcpEchoServer]:
 
 
 @pytest.fixture
-def echo_engine(tcp_echo: TcpEchoServer) -> Iterator[EgressProxy]:
-    """An in-process engine (lean paths on) whose policy allows only the TCP echo server."""
+def echo_engine(tcp_echo: TcpEchoServer) -> Iterator[ProxyServer]:
+    """An in-process engine whose policy allows only the TCP echo server."""
     host, port = tcp_echo.address
     yield from _engine({"allow": [f"{host}:{port}"]})
 
 
-def _engine(rules: dict[str, list[str]]) -> Iterator[EgressProxy]:
+def _engine(rules: dict[str, list[str]]) -> Iterator[ProxyServer]:
     """An in-process engine with these policy rules (mode enforce), stopped after the test."""
     from egressd.policy import parse_policy
-    from egressd.proxy import EgressProxy
+    from egressd.proxy import ProxyServer
 
-    engine = EgressProxy(parse_policy({"version": 1, "mode": "enforce", **rules}, "test"))
+    engine = ProxyServer(parse_policy({"version": 1, "mode": "enforce", **rules}, "test"))
     engine.start()
     try:
         yield engine
@@ -245,11 +245,11 @@ def inspected_echo(tcp_echo: TcpEchoServer) -> Iterator[TcpEchoServer]:
 
 
 @pytest.fixture
-def inspecting_engine(tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer) -> Iterator[EgressProxy]:
+def inspecting_engine(tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer) -> Iterator[ProxyServer]:
     """An in-process engine that allows both echo servers and inspects inspected_echo: a tunnel to
     it is handed to the embedded mitmproxy (the one thing that starts it), one to tcp_echo is not."""
-    lean, inspected = (f"{h}:{p}" for h, p in (tcp_echo.address, inspected_echo.address))
-    yield from _engine({"allow": [lean, inspected], "inspect": [inspected]})
+    relayed, inspected = (f"{h}:{p}" for h, p in (tcp_echo.address, inspected_echo.address))
+    yield from _engine({"allow": [relayed, inspected], "inspect": [inspected]})
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """Bypass corpus, pure core: the same spellings through `decide` (what `egressd check` answers), and
-table tests for the address-classification fixes the end-to-end corpus found.
+table tests of the address classes a spelling can hide behind.
 
-Why: the proxy, SOCKS and `egressd check` must agree (one decision function); and each fix in
-egressd/policy/addresses.py gets a table that pins it down without a network.
+Why: the proxy, SOCKS and `egressd check` must agree (one decision function); and each way an
+address can hide (an IPv6 form that carries it, a range Python calls global) gets a table that pins
+egressd/policy/addresses.py down without a network.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_check_agrees_with_the_proxy(case: Case) -> None:
         assert decision.reason in expected, (case.host, decision.reason, decision.detail)
 
 
-# -- fix 1: IPv4-mapped / -compatible loopback is LOOPBACK --------------------------------------
+# -- IPv4-mapped / -compatible loopback is LOOPBACK ------------------------------------------------
 @pytest.mark.parametrize(
     ("address", "klass"),
     [
@@ -74,8 +75,8 @@ def test_mapped_and_compatible_take_the_ipv4_class(address: str, klass: AddressC
 
 
 def test_name_resolving_to_mapped_loopback_obeys_loopback_rules() -> None:
-    """Before the fix, ::ffff:127.0.0.1 was PRIVATE: with private.allow it skipped loopback.allow,
-    loopback.ports and the check for egressd's own port, and the connection reached 127.0.0.1."""
+    """::ffff:127.0.0.1 is loopback, not private: taken for private, private.allow would skip
+    loopback.allow, loopback.ports and the check for egressd's own port, and reach 127.0.0.1."""
     policy = parse_policy(
         {"version": 1, "allow": ["*.lan.test"], "private": {"allow": True}, "loopback": {"allow": False}},
         "t.yaml",
@@ -92,7 +93,7 @@ def test_name_resolving_to_mapped_loopback_obeys_loopback_rules() -> None:
     assert kept == [] and "own listening address" in verdicts[0].why
 
 
-# -- fix 2: SIIT "IPv4-translated" addresses embed IPv4 too ----------------------------------------
+# -- SIIT "IPv4-translated" addresses embed IPv4 too -----------------------------------------------
 @pytest.mark.parametrize(
     ("address", "klass", "embedded"),
     [
@@ -116,7 +117,7 @@ def test_siit_metadata_literal_is_refused_whatever_the_policy() -> None:
     assert (decision.allowed, decision.reason) == (False, "forbidden_address")
 
 
-# -- fix 3: local-use NAT64 (64:ff9b:1::/48) with a /56 or /64 site prefix ------------------------
+# -- local-use NAT64 (64:ff9b:1::/48) with a /56 or /64 site prefix --------------------------------
 @pytest.mark.parametrize(
     ("address", "klass"),
     [
@@ -137,7 +138,7 @@ def test_local_use_nat64_suffix_rule() -> None:
     assert embedded_ipv4_candidates(ip("64:ff9b:1::102:304")) == (ip("1.2.3.4"),)
 
 
-# -- fix 4: IPv6 ranges Python 3.12's ipaddress still calls global --------------------------------
+# -- IPv6 ranges Python 3.12's ipaddress still calls global ----------------------------------------
 @pytest.mark.parametrize("address", ["3fff::1", "3fff:fff:ffff::1", "5f00::1"])
 def test_documentation_and_srv6_ranges_are_private(address: str) -> None:
     assert classify(ip(address)) is P
@@ -149,7 +150,7 @@ def test_parse_target_refuses_what_it_cannot_read() -> None:
             parse_target(text)
 
 
-# -- fix 5: raw non-UTF-8 bytes in a request path (found by fuzz/fuzz_request_head.py) -----------
+# -- raw non-UTF-8 bytes in a request path (fuzz/fuzz_request_head.py's) ---------------------------
 @pytest.mark.parametrize(
     ("raw", "normal"),
     [

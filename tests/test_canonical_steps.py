@@ -1,10 +1,11 @@
 """Every step after canonicalisation uses the canonical target: the choice to inspect, on every front.
 
-Why: outside testers reached path-restricted hosts uninspected by spelling the host differently on
-SOCKS5 (``API.TEST``, ``api.test.``): the decision canonicalised the name, but the choice to intercept
-compared the client's spelling, so the tunnel passed through and every path reached the server. And a
-policy whose only path rule is a ``deny`` never turned inspection on, so the proxy refused every
-connection (``needs_inspection``) while ``egressd check`` said allow. Real clients, a real
+Why: a step that compares the client's spelling instead of the canonical target lets a child reach
+a path-restricted host uninspected by spelling it differently on SOCKS5 (``API.TEST``,
+``api.test.``): the decision canonicalises the name, and a choice to intercept made on the spelling
+would pass the tunnel through, every path reaching the server. And a policy whose only path rule is
+a ``deny`` must turn inspection on, or the proxy refuses every connection (``needs_inspection``)
+while ``egressd check`` says allow. Real clients, a real
 `egressd run`, a real TLS upstream on 127.0.0.1 and the tests' own DNS server.
 """
 

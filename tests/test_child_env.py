@@ -19,7 +19,7 @@ def test_proxy_variables_all_point_at_the_http_proxy() -> None:
     env = child_environment({"PATH": "/usr/bin", "HOME": "/root"}, URL, SOCKS)
     for key in PROXY_VARS:
         assert env[key] == URL
-    assert env["ALL_PROXY"] == env["all_proxy"] == URL  # the HTTP URL, per DESIGN
+    assert env["ALL_PROXY"] == env["all_proxy"] == URL  # the HTTP URL there too
     assert env["NODE_USE_ENV_PROXY"] == "1"
     assert env[SOCKS_VAR] == SOCKS
     assert env["PATH"] == "/usr/bin" and env["HOME"] == "/root"

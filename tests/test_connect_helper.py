@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from egressd.connect import ConnectError, Proxy, connect_request, proxy_from_env, proxy_from_url
+from egressd.connect import ConnectError, Proxy, proxy_from_env, proxy_from_url
+from egressd.wire.connect_client import ConnectClient
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
 from tests.support.upstreams import TcpEchoServer
@@ -39,6 +40,10 @@ def test_proxy_url_errors() -> None:
     with pytest.raises(ConnectError, match="only an http:// proxy"):
         proxy_from_url("https://127.0.0.1:3128")
     assert proxy_from_url("127.0.0.1:8080") == Proxy("127.0.0.1", 8080)
+
+
+def connect_request(host: str, port: int, proxy: Proxy) -> bytes:
+    return ConnectClient(host, port, proxy.authorization()).request
 
 
 def test_connect_request_bytes() -> None:

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from egressd.export.report import measured_losses
 from egressd.policy import Client, Decision, decide, load_policy
 from tests.support.corpus import ProxyClient, Response, ServerSet, tunnel_get
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun
-from tests.support.export_targets import EXTRA_NAMES, HOSTS, policy_text, target_kind
+from tests.support.export_targets import EXTRA_NAMES, HOSTS, measured_losses, policy_text, target_kind
 from tests.support.spellings import ALLOWED_V4, DNS_NAMES, SERVER_HOSTS
 from tests.support.squid import base_conf, wait_port
 from tests.support.upstreams import free_port

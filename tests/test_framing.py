@@ -1,4 +1,4 @@
-"""Framing, authentication and audit defects from outside testers, through the real proxy.
+"""Framing, authentication and audit attacks, through the real proxy.
 
 Each test sends raw bytes from a real client socket to a real `egressd run` and watches a real
 upstream on 127.0.0.1: what the upstream received (never the smuggled request), what the client was

@@ -1,4 +1,4 @@
-"""mitmproxy is imported and started only when a connection needs it (the lean front serves the rest)."""
+"""mitmproxy is imported and started only when a connection needs it (egressd's own front serves the rest)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from egressd.policy import parse_policy
-from egressd.proxy import EgressProxy
+from egressd.proxy import ProxyServer
 from tests.support.egressd_cli import EGRESSD
 from tests.support.upstreams import TcpEchoServer
 
@@ -26,12 +26,12 @@ def test_exec_true_never_imports_mitmproxy_core() -> None:
         assert f"| {module}\n" not in imported and f" {module}\n" not in imported, module
 
 
-def _auth(proxy: EgressProxy) -> str:
+def _auth(proxy: ProxyServer) -> str:
     creds = proxy.issue_credentials()
     return base64.b64encode(f"{creds.username}:{creds.token}".encode()).decode()
 
 
-def _connect(proxy: EgressProxy, server: TcpEchoServer) -> socket.socket:
+def _connect(proxy: ProxyServer, server: TcpEchoServer) -> socket.socket:
     """A CONNECT to server sent (its answer not read yet)."""
     host, port = server.address
     sock = socket.create_connection(proxy.http_address, timeout=10)
@@ -42,14 +42,14 @@ def _connect(proxy: EgressProxy, server: TcpEchoServer) -> socket.socket:
 
 
 def test_a_tunnel_or_socks5_does_not_start_mitmproxy_a_tunnel_to_inspect_does(
-    inspecting_engine: EgressProxy, tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer
+    inspecting_engine: ProxyServer, tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer
 ) -> None:
     engine = inspecting_engine
     with _connect(engine, tcp_echo) as sock:
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         sock.sendall(b"ping")
         assert sock.recv(4) == b"ping"
-    assert engine._master is None, "a lean-path tunnel started mitmproxy"
+    assert engine._master is None, "a relayed tunnel started mitmproxy"
 
     assert engine.socks_address is not None
     with socket.create_connection(engine.socks_address, timeout=10) as sock:
@@ -66,7 +66,7 @@ def test_a_tunnel_or_socks5_does_not_start_mitmproxy_a_tunnel_to_inspect_does(
 
 
 def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(
-    inspecting_engine: EgressProxy, inspected_echo: TcpEchoServer
+    inspecting_engine: ProxyServer, inspected_echo: TcpEchoServer
 ) -> None:
     for _ in range(5):
         _connect(inspecting_engine, inspected_echo).close()  # and gone before mitmproxy answers
@@ -99,7 +99,7 @@ def test_a_failed_mitmproxy_start_is_tried_again(
     policy = parse_policy(
         {"version": 1, "mode": "enforce", "allow": [inspected], "inspect": [inspected]}, "test"
     )
-    engine = EgressProxy(policy)
+    engine = ProxyServer(policy)
     engine.start()
     try:
         with _connect(engine, inspected_echo) as sock:

@@ -245,7 +245,9 @@ def test_internal_error_refuses_and_is_audited(
     policy = write_policy(tmp_path)
     audit = tmp_path / "audit.jsonl"
     dns.add("up.test", upstream.host)
-    env = dict(os.environ, EGRESSD_FAULT_INJECTION=point)
+    # the fault is put in from outside: tests/support/faults/sitecustomize.py, loaded by Python's site
+    faults = str(Path(__file__).parent / "support" / "faults")
+    env = dict(os.environ, EGRESSD_TEST_FAULT=point, PYTHONPATH=faults)
     for url in (f"http://up.test:{upstream.port}/", f"https://up.test:{upstream.port}/"):
         result = egressd_exec(
             ["--policy", str(policy), "--nameserver", dns.nameserver, "--audit", str(audit)],

@@ -1,8 +1,8 @@
 """Limits apply before the decision, on every front: refused hosts cannot be probed without limit.
 
-Why: outside testers found that the lean CONNECT path took a rate-limit token only after an allow:
-with `requests_per_second: 1, burst: 1` three CONNECTs to a refused host answered 403, 403, 403
-there but 403, 429, 429 through mitmproxy, so a child could probe refused hosts as fast as it liked.
+Why: a front that took a rate-limit token only after an allow would let a child probe refused
+hosts as fast as it liked: with `requests_per_second: 1, burst: 1` three CONNECTs to a refused host
+must answer 403, 429, 429 on every front, never 403, 403, 403.
 Each front is driven by a real client against a real `egressd run`.
 """
 
@@ -79,8 +79,8 @@ def test_socks5_connect_to_a_refused_host_is_rate_limited(client: ProxyClient) -
 
 
 def test_an_inspected_tunnel_takes_one_token_per_request(tmp_path: Path, dns: DnsServer) -> None:
-    """The lean path hands a tunnel to inspect to mitmproxy, which limits and decides it again: the
-    CONNECT costs one token, not two. Burst 2 = the CONNECT plus one request inside it."""
+    """The front hands a tunnel to inspect to mitmproxy, whose requests inside are limited and
+    decided again: the CONNECT costs one token, not two. Burst 2 = the CONNECT plus one request inside it."""
     policy = write_policy(
         tmp_path,
         "version: 1\nallow:\n  - {host: ok.test, paths: [/v1/]}\nprivate: {allow: true}\n"

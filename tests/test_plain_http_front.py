@@ -1,6 +1,6 @@
-"""Plain HTTP served entirely by egressd's front (egressd.front.plain_http on h11): requests the old
-lean path handed to mitmproxy (any method, chunked bodies, Expect: 100-continue, WebSocket upgrades,
-HTTP/1.0), pooled upstream connections, and flow control of a large upload through a slow upstream.
+"""Plain HTTP served entirely by egressd's front (egressd.front.plain_http on h11): any method,
+chunked bodies, Expect: 100-continue, WebSocket upgrades, HTTP/1.0, pooled upstream connections,
+and flow control of a large upload through a slow upstream.
 Real clients (raw sockets, curl) against real servers on 127.0.0.1.
 """
 

@@ -190,6 +190,21 @@ def test_smokescreen_roles_must_be_chosen() -> None:
         import_policy("version: v2\n", "smokescreen", source="in")
 
 
+def test_a_smokescreen_acl_with_a_duplicate_key_is_refused() -> None:
+    """Two readers of one duplicated key may take different values: smokescreen's own YAML reader
+    refuses such an ACL, and so does the import, rather than pick the one it sees last."""
+    acl = (
+        "version: v1\n"
+        "default:\n"
+        "  project: p\n"
+        "  action: enforce\n"
+        "  allowed_domains: [narrow.test]\n"
+        "  allowed_domains: [wide.test]\n"
+    )
+    with pytest.raises(ImportError_, match="duplicate key"):
+        import_policy(acl, "smokescreen", source="in")
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(st.sampled_from(NAMES + [f"*.{n}" for n in NAMES]), max_size=5),

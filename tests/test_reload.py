@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from egressd.files import Snapshot
+from egressd.files import Snapshot, replace_atomically
 from egressd.policy import Policy, PolicyError, load_policy
 from egressd.reload import FileWatcher
 
@@ -365,3 +366,25 @@ def test_the_first_load_gives_up_on_a_file_that_never_holds_still(
     path.write_text(GOOD)
     with rewriting(path, [GOOD, GOOD2]), pytest.raises(reload.UnsettledError, match="replace it atomically"):
         policy_watcher(path, Recorder()).load()
+
+
+def test_replace_atomically_keeps_or_sets_the_mode_and_refuses_whole(tmp_path: Path) -> None:
+    """The one atomic replace every writer uses: a file keeps its permissions, a private one is
+    created private, bytes and text alike, and a refused check leaves the file as it was."""
+    kept = tmp_path / "policy.yaml"
+    kept.write_text("old\n")
+    kept.chmod(0o640)
+    replace_atomically(kept, "new\n")
+    assert kept.read_text() == "new\n" and stat.S_IMODE(kept.stat().st_mode) == 0o640
+    private = tmp_path / "tokens.json"
+    replace_atomically(private, b"{}\n", mode=0o600)
+    assert private.read_bytes() == b"{}\n" and stat.S_IMODE(private.stat().st_mode) == 0o600
+
+    def refuse(temp: str) -> None:
+        assert Path(temp).read_text() == "broken\n"
+        raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        replace_atomically(kept, "broken\n", check=refuse)
+    assert kept.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy.yaml", "tokens.json"]

@@ -9,7 +9,7 @@ with its reason in the audit; UDP other than DNS gets nothing; a ClientHello nam
 than the DNS name is closed (sni_mismatch); an IP literal is decided as that literal; plain HTTP
 to a host with path rules is decided request by request; with inspection on, the JVM trusts
 egressd's CA through JAVA_TOOL_OPTIONS; the child cannot undo the capture; without nft egressd
-warns and the child stays confined; --no-capture keeps the old "nothing gets out".
+warns and the child stays confined; --no-capture means nothing gets out.
 """
 
 from __future__ import annotations
@@ -539,6 +539,37 @@ def test_an_ip_literal_is_decided_as_a_literal(
     assert seen["status"].endswith("200 OK")
     assert upstream.requests[-1]["path"] == "/literal"
     assert any(r.get("host") == upstream.host and r.get("decision") == "allow" for r in records(audit))
+
+
+BULK = """
+    import hashlib, json, socket, sys, threading
+    host, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    data = bytes(range(256)) * (size // 256)
+    with socket.create_connection((host, port), timeout=60) as s:
+        def send():
+            s.sendall(data)
+        sender = threading.Thread(target=send)
+        sender.start()
+        got = hashlib.sha256()
+        count = 0
+        while count < size and (chunk := s.recv(65536)):
+            got.update(chunk)
+            count += len(chunk)
+        sender.join()
+    print(json.dumps({"count": count, "same": got.hexdigest() == hashlib.sha256(data).hexdigest()}))
+"""
+
+
+def test_a_captured_connection_carries_megabytes_both_ways(
+    tmp_path: Path, dns: DnsServer, tcp_echo: TcpEchoServer, audit: Path, work: Path
+) -> None:
+    """Once admitted, a captured connection is a byte relay: 16 MiB sent while the echo comes
+    back arrive whole and in order (the relay holds back a side whose peer cannot take more)."""
+    size = 16 << 20
+    command = [PY, "-c", textwrap.dedent(BULK), tcp_echo.host, str(tcp_echo.port), str(size)]
+    seen = output(run_captured(tmp_path, dns, audit, command, work))
+    assert seen == {"count": size, "same": True}
+    assert tcp_echo.received == size
 
 
 def test_no_capture_gets_nothing(

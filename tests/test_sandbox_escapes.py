@@ -1,6 +1,6 @@
 """A sandboxed child that has read the source tries to get out of `egressd sandbox`.
 
-Each test is one way out that outside testers found or that the same class suggests: descriptors
+Each test is one way out, of the classes a child that has read the source tries: descriptors
 it inherits, the launcher's pipes, egressd's own code, policy, audit and CA, the user's credentials,
 start-up files, other sandboxes' sockets, the host's loopback. Every test goes through the real
 command with real bubblewrap, and fails if the way out is open.

@@ -296,11 +296,11 @@ def test_a_client_that_never_finishes_is_cut_by_header_timeout(lab: Lab, sent: b
 # -- a listener that grants credentials (the sandbox's credential-free port) --------------------------
 def test_an_implicit_listener_accepts_no_auth_and_still_checks_sent_credentials() -> None:
     from egressd.policy import parse_policy
-    from egressd.proxy import EgressProxy
+    from egressd.proxy import ProxyServer
 
     with TcpEchoServer("127.0.0.1") as echo:
         policy = parse_policy({"version": 1, "mode": "enforce", "allow": []}, "test")  # loopback: allowed
-        engine = EgressProxy(policy, socks=False)
+        engine = ProxyServer(policy, socks=False)
         engine.start()
         try:
             creds = engine.issue_credentials()

@@ -1,4 +1,4 @@
-"""The lean path's tunnel relay: every byte in order both ways, read coalescing, back-pressure.
+"""The relay of an admitted tunnel: every byte in order both ways, read coalescing, back-pressure.
 
 The relay pauses a streaming side for one timer tick so the next read takes a batch (fewer wake-ups
 for both ends of the tunnel). These tests hold it to what a relay must never do: lose, reorder or
@@ -21,20 +21,20 @@ import pytest
 
 from egressd.admission.credentials import ProxyCredentials
 from egressd.front import relay
-from egressd.front.server import FastFront
-from egressd.proxy import EgressProxy
+from egressd.front.server import Front
+from egressd.proxy import ProxyServer
 from tests.support.loops import ON_EVERY_LOOP
 from tests.support.upstreams import TcpEchoServer
 
 RECORD = 16 * 1024 + 21  # a TLS record with its header and tag: the chunk a TLS sender writes
 
 
-def _tunnel(proxy: EgressProxy, tcp_echo: TcpEchoServer) -> socket.socket:
+def _tunnel(proxy: ProxyServer, tcp_echo: TcpEchoServer) -> socket.socket:
     """A tunnel to the echo server, with a fresh child's credentials."""
     return _tunnel_with(proxy, tcp_echo, proxy.issue_credentials())
 
 
-def _tunnel_with(proxy: EgressProxy, tcp_echo: TcpEchoServer, creds: ProxyCredentials) -> socket.socket:
+def _tunnel_with(proxy: ProxyServer, tcp_echo: TcpEchoServer, creds: ProxyCredentials) -> socket.socket:
     auth = base64.b64encode(f"{creds.username}:{creds.token}".encode()).decode()
     host, port = tcp_echo.address
     sock = socket.create_connection(proxy.http_address, timeout=30)
@@ -72,7 +72,7 @@ def _ping_pong(sock: socket.socket, rounds: int) -> None:
 
 
 def test_a_streamed_tunnel_keeps_every_byte_in_order_and_stays_interactive(
-    echo_engine: EgressProxy, tcp_echo: TcpEchoServer
+    echo_engine: ProxyServer, tcp_echo: TcpEchoServer
 ) -> None:
     """Full duplex through the echo upstream: TLS-record-sized writes up, echoes down, hashed."""
     total = 24 << 20
@@ -98,14 +98,14 @@ def test_a_streamed_tunnel_keeps_every_byte_in_order_and_stays_interactive(
         _ping_pong(sock, 50)
 
 
-def test_only_lean_tunnels_coalesce_not_the_hand_off_to_mitmproxy(
-    inspecting_engine: EgressProxy, tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer
+def test_only_relayed_tunnels_coalesce_not_the_hand_off_to_mitmproxy(
+    inspecting_engine: ProxyServer, tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer
 ) -> None:
     """On the hand-off the far side is the embedded mitmproxy on this same loop: no ticks there."""
     front = inspecting_engine._front
     assert front is not None
-    with _tunnel(inspecting_engine, tcp_echo) as lean, _tunnel(inspecting_engine, inspected_echo):
-        _ping_pong(lean, 1)
+    with _tunnel(inspecting_engine, tcp_echo) as relayed, _tunnel(inspecting_engine, inspected_echo):
+        _ping_pong(relayed, 1)
         pairs = [(client, client.peer) for client in front.clients]
         assert len(pairs) == 2 and all(peer is not None for _, peer in pairs)
         by_path = {client.server_id is not None: (client, peer) for client, peer in pairs}
@@ -114,19 +114,19 @@ def test_only_lean_tunnels_coalesce_not_the_hand_off_to_mitmproxy(
 
 
 @pytest.mark.parametrize("uvloop_on", ["1", "0"])
-def test_lean_path_sockets_have_nagle_off(
+def test_relayed_sockets_have_nagle_off(
     tcp_echo: TcpEchoServer, monkeypatch: pytest.MonkeyPatch, uvloop_on: str
 ) -> None:
     """Small heads and answers go out at once: both event loops set TCP_NODELAY on every TCP
-    transport, accepted (the client side) or connected (the pinned upstream), so the lean paths
-    do not set it again."""
+    transport, accepted (the client side) or connected (the pinned upstream), so the front does
+    not set it again."""
     from egressd.policy import parse_policy
-    from egressd.proxy import EgressProxy
+    from egressd.proxy import ProxyServer
 
     monkeypatch.setenv("EGRESSD_UVLOOP", uvloop_on)
     host, port = tcp_echo.address
     policy = parse_policy({"version": 1, "mode": "enforce", "allow": [f"{host}:{port}"]}, "test")
-    engine = EgressProxy(policy)
+    engine = ProxyServer(policy)
     engine.start()
     try:
         front = engine._front
@@ -143,7 +143,7 @@ def test_lean_path_sockets_have_nagle_off(
         engine.stop()
 
 
-def _buffered(front: FastFront) -> int:
+def _buffered(front: Front) -> int:
     """The most bytes any relay transport of the front holds in its write buffer right now."""
     most = 0
     for client in list(front.clients):
@@ -156,7 +156,7 @@ def _buffered(front: FastFront) -> int:
 
 @pytest.mark.parametrize("chunk", [RECORD, 256 * 1024])
 def test_a_side_that_does_not_read_stops_the_relay_from_reading(
-    echo_engine: EgressProxy, tcp_echo: TcpEchoServer, chunk: int
+    echo_engine: ProxyServer, tcp_echo: TcpEchoServer, chunk: int
 ) -> None:
     """The client sends and does not read the echoes: the echo server blocks, then the relay must stop
     reading (its buffers stay near the high-water mark, coalescing ticks or not) and the client stall."""
@@ -208,8 +208,8 @@ class _Front:
         self.finished.set()
 
 
-def _lean_pipes(tunnel: relay.Tunnel) -> tuple[relay.Pipe, relay.Pipe]:
-    """The two sides of a lean tunnel (client, upstream), as FrontProtocol sets them up."""
+def _relay_pipes(tunnel: relay.Tunnel) -> tuple[relay.Pipe, relay.Pipe]:
+    """The two sides of a relayed tunnel (client, upstream), as FrontProtocol sets them up."""
     return relay.Pipe(tunnel, False, coalesce=True), relay.Pipe(tunnel, True, coalesce=True)
 
 
@@ -231,7 +231,7 @@ async def _coalescing_on_real_sockets() -> None:
     loop = asyncio.get_running_loop()
     front = _Front()
     tunnel = relay.Tunnel(front)  # type: ignore[arg-type]
-    a_pipe, b_pipe = _lean_pipes(tunnel)
+    a_pipe, b_pipe = _relay_pipes(tunnel)
     a, a_far = socket.socketpair()
     b, b_far = socket.socketpair()
     b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)  # b's buffer fills sooner
@@ -321,7 +321,7 @@ async def test_without_coalescing_every_chunk_is_read_at_once(
 
     loop = asyncio.get_running_loop()
     tunnel = relay.Tunnel(_Front())  # type: ignore[arg-type]
-    a_pipe, b_pipe = _lean_pipes(tunnel)
+    a_pipe, b_pipe = _relay_pipes(tunnel)
     a, a_far = socket.socketpair()
     b, b_far = socket.socketpair()
     b_far.setblocking(False)
@@ -341,11 +341,10 @@ async def test_without_coalescing_every_chunk_is_read_at_once(
 
 
 def test_a_finished_tunnel_is_freed_without_the_cyclic_collector(
-    echo_engine: EgressProxy, tcp_echo: TcpEchoServer
+    echo_engine: ProxyServer, tcp_echo: TcpEchoServer
 ) -> None:
     """When a tunnel ends, its objects (the client side, the tunnel, the far side) stop pointing at
-    each other, so they are freed then and there: left to the cyclic garbage collector, they cost
-    a tenth of a short tunnel's set-up."""
+    each other, so they are freed then and there, not left to the cyclic garbage collector."""
     import gc
 
     from egressd.front.tunnel import FrontProtocol

@@ -1,10 +1,10 @@
 """The first client bytes of a tunnel: the SNI rule holds whoever speaks first, and costs little.
 
-Why: outside testers found (1) that an upstream that sends a banner first made mitmproxy choose a
-passthrough tunnel before the ClientHello was checked, so a ClientHello naming another host went
-through (SOCKS5, and CONNECT on the mitmproxy path); (2) that a ClientHello sent as thousands of
-1-byte TLS records was parsed again from its start on every read, which stalled other clients'
-CONNECTs for up to 1.5 s. Real clients, a real `egressd run`, real servers on 127.0.0.1.
+Why: (1) an upstream that sends a banner first must not let a tunnel pass before the ClientHello
+is checked, or a ClientHello naming another host goes through (SOCKS5 and CONNECT alike); (2) a
+ClientHello sent as thousands of 1-byte TLS records must not be parsed again from its start on
+every read, or one client stalls every other client's CONNECT. Real clients, a real `egressd run`,
+real servers on 127.0.0.1.
 """
 
 from __future__ import annotations

@@ -73,15 +73,13 @@ class CredentialStore:
 Presented = str | tuple[str, str] | None
 
 
-def authenticate(
-    store: CredentialStore, conn: ConnState, presented: Presented, *, require_auth: bool
-) -> bool:
+def authenticate(store: CredentialStore, conn: ConnState, presented: Presented) -> bool:
     """Whether a CONNECT, SOCKS5 connect or request with these credentials may go on, the same on
     every front. Each request is checked on its own: an earlier request on a kept-alive connection
     authenticates nothing. Requests inside a tunnel carry none: its CONNECT or SOCKS5 handshake
     counts. Sets conn.creds to whose request it is."""
     if conn.tunnel:
-        return conn.creds is not None or not require_auth
+        return conn.creds is not None
     if presented is None and conn.implicit is not None:
         if conn.tree_only and (conn.identity is None or not conn.identity.in_tree):
             conn.creds = None  # the child-only listener: held by someone outside the child's tree
@@ -94,6 +92,4 @@ def authenticate(
         conn.creds = store.check(*presented, peer=conn.peer)
     else:
         conn.creds = store.check_basic(presented, peer=conn.peer)
-    if presented is not None and conn.creds is None:
-        return False  # wrong credentials are refused even where none are required
-    return conn.creds is not None or not require_auth
+    return conn.creds is not None

@@ -7,7 +7,6 @@ import dataclasses
 import ipaddress
 import logging
 
-from egressd.admission import faults
 from egressd.admission.state import PolicyHolder
 from egressd.policy import Client, Decision, IPAddress, Mode, Policy, Program, decide_written
 from egressd.refusal import Refusal
@@ -25,8 +24,8 @@ class Decider:
     """The decide step, with the last decisions of the policy in force remembered.
 
     `decide_written` is a pure function of what the client wrote, who asks, the policy and egressd's
-    own addresses. A child asks the same few targets again and again, and deciding is a tenth of a
-    tunnel's set-up, so the answers are remembered by those inputs exactly as written (a spelling is
+    own addresses. A child asks the same few targets again and again, and deciding is the costliest
+    pure step of an admission, so the answers are remembered by those inputs exactly as written (a spelling is
     its own key, whose decision carries the canonical target) and all forgotten when the policy or
     the own addresses change. Decisions are frozen; a bug's refusal (internal_error) is never kept;
     a decision as another mode would make it (a grant's question) is not either."""
@@ -61,7 +60,6 @@ class Decider:
         if not remember:
             policy = dataclasses.replace(policy, mode=mode)
         try:
-            faults.maybe_fail("decide")
             if not remember:
                 return self._decide(host, port, profile, scheme, method, path, program, policy)
             own = self.self_addresses

@@ -6,8 +6,8 @@ made, a notice such as credentials stripped), and every observer — the audit l
 metrics, the refusal report, later a dashboard — subscribes to the bus. A failing observer is
 logged, never propagated: it must not change what was decided.
 
-Events are named tuples: immutable like frozen dataclasses, but built in a quarter of the time
-(a frozen dataclass sets each field through object.__setattr__; every tunnel builds two events).
+Events are named tuples: immutable like frozen dataclasses, without their cost (a frozen dataclass
+sets each field through object.__setattr__, and every tunnel builds two events).
 """
 
 from __future__ import annotations

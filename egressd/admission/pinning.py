@@ -41,8 +41,8 @@ class Pin:
 
 @functools.lru_cache(maxsize=4096)
 def address_text(address: IPAddress) -> str:
-    """An address as text, remembered: ipaddress spells it in Python, which cost a twentieth of a
-    short tunnel's set-up (each is spelled to connect and again for the record)."""
+    """An address as text, remembered: ipaddress spells it in Python, slowly, and each is spelled to
+    connect and again for the record."""
     return str(address)
 
 
@@ -157,7 +157,7 @@ async def try_addresses[T](
 class _Expiry:
     """One attempt's deadline, as asyncio.timeout keeps it (cancel the task, and tell that cancel
     from anyone else's by the task's cancel count) without its async context manager: entering and
-    leaving that are two coroutines, which cost a tunnel's set-up more than its connect."""
+    leaving that are two coroutines more for every attempt."""
 
     __slots__ = ("expired", "task")
 

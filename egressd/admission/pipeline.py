@@ -1,7 +1,7 @@
 """The one admission pipeline: every CONNECT, SOCKS5 connect and HTTP request, whichever front read
 it, is admitted here and nowhere else.
 
-`await pipeline.admit(conn, ask)` runs the steps in one fixed order —
+`await pipeline.admit(conn, attempt)` runs the steps in one fixed order —
 credentials → limits → decide → approver → request rules → inspection choice → resolve → filter →
 pin — and answers an `Admitted` or a `Refusal`. `await pipeline.connect(...)` opens the upstream
 connection to the pinned addresses only. Every step is its own module in this package; the fronts
@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from egressd.admission import approver as approvals
-from egressd.admission import faults
 from egressd.admission import resolve as resolution
 from egressd.admission.credentials import CredentialStore, Presented, ProxyCredentials, authenticate
 from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
@@ -61,15 +60,16 @@ logger = logging.getLogger(__name__)
 AUTH_REFUSAL = Refusal("proxy_auth_required", "missing or wrong proxy credentials")
 
 
-class Ask(NamedTuple):
-    """What a front asks admission for, as the client wrote it.
+class Attempt(NamedTuple):
+    """A client's attempt to reach a target, as the front read it and the client wrote it: what the
+    front asks admission for (not ask mode's question to a person: egressd.admission.asks).
 
     stage: "connect" (HTTP CONNECT), "socks" (SOCKS5 connect), "request" (an absolute-form HTTP
     request) or "inner" (a request inside an admitted, inspected tunnel: the tunnel's connection is
     already pinned, so nothing is resolved).
 
-    A named tuple, as the events are: immutable, and built for every request in a quarter of a
-    frozen dataclass's time."""
+    A named tuple, as the events are: immutable, and built for every request without a frozen
+    dataclass's per-field __setattr__."""
 
     stage: Stage
     host: str
@@ -83,7 +83,7 @@ class Ask(NamedTuple):
 
 @dataclass
 class Admitted:
-    """An allowed ask: its decision, whether its tunnel is inspected, and where it may connect."""
+    """An allowed attempt: its decision, whether its tunnel is inspected, and where it may connect."""
 
     decision: Decision
     inspect: bool = False
@@ -126,14 +126,12 @@ class Pipeline:
         *,
         credentials: CredentialStore | None = None,
         audit: AuditLog | None = None,
-        require_auth: bool = True,
         approver: Approver | None = None,
         grants: GrantStore | None = None,
         identify: bool = False,
     ) -> None:
         self.policies = policies
         self.credentials = credentials or CredentialStore()
-        self.require_auth = require_auth
         self.decider = Decider(policies)
         self.limits = Limits(policies)
         self.approver = approver
@@ -211,52 +209,58 @@ class Pipeline:
         with self._conns.lock:
             return list(self._conns.open.values())
 
+    def revoke(self, creds: ProxyCredentials) -> None:
+        """These credentials admit nothing more, and what was kept for them goes: a token is issued
+        per child (every attached child has its own), so anything kept per token must be dropped
+        here or it grows with every child started."""
+        self.credentials.revoke(creds)
+        self.children.pop(creds.token, None)  # an attached child's pid, if it was one
+        self.limits.buckets.forget(creds.token)
+
     # -- admission ---------------------------------------------------------------------------------
-    async def admit(self, conn: ConnState, ask: Ask) -> Admitted | Refusal:
+    async def admit(self, conn: ConnState, attempt: Attempt) -> Admitted | Refusal:
         """The steps, in order; never raises (a bug refuses with internal_error)."""
         try:
-            answer = await self._admit(conn, ask)
+            answer = await self._admit(conn, attempt)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
-            return self.internal_error(f"admit ({ask.stage})", exc)
+            return self.internal_error(f"admit ({attempt.stage})", exc)
         if self.gateway_hints is not None and isinstance(answer, Refusal) and answer.is_policy:
             return dataclasses.replace(answer, gateway=self.gateway_hints)
         return answer
 
-    async def _admit(self, conn: ConnState, ask: Ask) -> Admitted | Refusal:
-        conn.head_seen = True
-        faults.maybe_fail("hook")
-        if ask.stage == "inner" and not conn.tunnel:
+    async def _admit(self, conn: ConnState, attempt: Attempt) -> Admitted | Refusal:
+        if attempt.stage == "inner" and not conn.tunnel:
             return self.internal_error("admit", RuntimeError("a request inside a tunnel nobody admitted"))
         # 1. credentials (the child-only listener's: the program holding the socket is the child's)
-        if conn.tree_only and ask.credentials is None and conn.implicit is not None:
+        if conn.tree_only and attempt.credentials is None and conn.implicit is not None:
             root = self.children.get(conn.implicit.token)
             if root is not None:  # not yet started: nobody is the child yet (407)
                 identify(conn, root, tree_only=True)
-        if not authenticate(self.credentials, conn, ask.credentials, require_auth=self.require_auth):
+        if not authenticate(self.credentials, conn, attempt.credentials):
             return self._auth_refusal(conn)
         # 1a. nothing new while the audit cannot take its records (audit.on_failure: refuse)
         if self.audit is not None and not self.audit.writable and (refused := self.audit_refusal()):
-            return self._unrecorded(conn, ask, refused)
+            return self._unrecorded(conn, attempt, refused)
         # 1b. accepted beyond egressd's capacity: answered (never dropped), before any lookup
         if conn.room != "serve":
-            return self.overloaded(conn, ask)
+            return self.overloaded(conn, attempt)
         # 1c. identity: who holds the socket, when a rule or the audit needs it (once per connection)
         program = await self._program(conn)
         # 2. limits, before anything is decided: refused targets cost a child its rate too
-        tunnel = ask.stage in ("connect", "socks")
+        tunnel = attempt.stage in ("connect", "socks")
         limited = self.limits.rate(conn) or (self.limits.connections() if tunnel else None)
         if limited is not None:
             return limited
         # 3. the decision; every later step uses its canonical target, never the client's spelling
         decision = self.decider.decide(
-            ask.host,
-            ask.port,
+            attempt.host,
+            attempt.port,
             conn.profile,
-            scheme=ask.scheme,
-            method=ask.method,
-            path=ask.path,
+            scheme=attempt.scheme,
+            method=attempt.method,
+            path=attempt.path,
             program=program,
         )
         if decision.target is not None:
@@ -264,23 +268,27 @@ class Pipeline:
         # 3a. a secret's placeholder in the host name (to leak it through DNS or a wildcard rule):
         # refused before anyone is asked and before anything resolves it
         target = decision.target
-        if self.secrets and target is not None and (name := self.secrets.needles.find(ask.host)) is not None:
+        if (
+            self.secrets
+            and target is not None
+            and (name := self.secrets.needles.find(attempt.host)) is not None
+        ):
             refusal = secret_refusal(name, "host name", target.host, target.port, self.secrets.spec(name))
             redact = self.secrets.needles.redact
             refusal = dataclasses.replace(refusal, host=redact(refusal.host), detail=redact(refusal.detail))
             conn.host = refusal.host  # the closed record names it too
-            self._decided(conn, ask, decision, refusal)
+            self._decided(conn, attempt, decision, refusal)
             return refusal
         # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
         if (self.grants or conn.granted) and (decision.ask or decision.reason == "not_allowlisted"):
-            decision = self._granted(conn, ask, decision)
+            decision = self._granted(conn, attempt, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
             asked = time.monotonic()
             asked_about = decision
 
             def recheck() -> Decision | None:
-                granted = self._granted(conn, ask, asked_about)
+                granted = self._granted(conn, attempt, asked_about)
                 return None if granted.ask else granted
 
             decision = await approvals.answer(self.approver, decision, conn, recheck)
@@ -290,22 +298,22 @@ class Pipeline:
                 # approved for this connection: its requests, if inspected, are not asked again
                 conn.granted = (decision.target.host.text, decision.target.port)
         # 5. the request rules, and the choice to inspect; then the secrets step (requests only)
-        refusal, inspect = self._judge(conn, ask, decision)
+        refusal, inspect = self._judge(conn, attempt, decision)
         changes: tuple[frozenset[str], Injection] | None = None
         if refusal is None and not tunnel and decision.target is not None:
-            changes_or_refusal = self._request_changes(conn, ask, decision.target)
+            changes_or_refusal = self._request_changes(conn, attempt, decision.target)
             if isinstance(changes_or_refusal, Refusal):
                 refusal = changes_or_refusal
             else:
                 changes = changes_or_refusal
         # a tunnel allowed by mode: learn is recorded as such at once (with the reason enforce would
         # give), so the audit keeps it even when no upstream connection follows
-        if refusal is not None or ask.stage in ("request", "inner") or decision.would_be is not None:
-            unrecorded = self._decided(conn, ask, decision, refusal)
+        if refusal is not None or attempt.stage in ("request", "inner") or decision.would_be is not None:
+            unrecorded = self._decided(conn, attempt, decision, refusal)
             if unrecorded is not None:  # the allow's record was not written: refused instead
-                host, port = (conn.host, conn.port) if conn.host is not None else (ask.host, ask.port)
+                host, port = (conn.host, conn.port) if conn.host is not None else (attempt.host, attempt.port)
                 refusal = dataclasses.replace(unrecorded, host=host, port=port)
-                self._decided(conn, ask, decision, refusal)
+                self._decided(conn, attempt, decision, refusal)
         if refusal is not None:
             return refusal
         if not tunnel:
@@ -336,19 +344,19 @@ class Pipeline:
             "audit_unavailable", f"{what}{why} and refuses what it cannot record (audit.on_failure: refuse)"
         )
 
-    def _unrecorded(self, conn: ConnState, ask: Ask, refusal: Refusal) -> Refusal:
-        """An ask refused before its decision because the audit cannot record it; the refusal's own
+    def _unrecorded(self, conn: ConnState, attempt: Attempt, refusal: Refusal) -> Refusal:
+        """An attempt refused before its decision because the audit cannot record it; the refusal's own
         record is tried all the same (a refusal that cannot be recorded is still a refusal)."""
-        refusal = dataclasses.replace(refusal, host=ask.host, port=ask.port)
-        request = ask.stage in ("request", "inner")
+        refusal = dataclasses.replace(refusal, host=attempt.host, port=attempt.port)
+        request = attempt.stage in ("request", "inner")
         self._emit(
             conn,
-            stage=ask.stage,
-            method=ask.method,
-            scheme=ask.scheme if request else None,
-            host=self._recorded_path(ask.host),
-            port=ask.port,
-            path=self._recorded_path(ask.path) if request else None,
+            stage=attempt.stage,
+            method=attempt.method,
+            scheme=attempt.scheme if request else None,
+            host=self._recorded_path(attempt.host),
+            port=attempt.port,
+            path=self._recorded_path(attempt.path) if request else None,
             allowed=False,
             reason=refusal.reason,
             rule=None,
@@ -399,7 +407,7 @@ class Pipeline:
         self.refused_early(None, self._recorded_path(name), None, reason, detail, stage="dns")
         return ()
 
-    def _granted(self, conn: ConnState, ask: Ask, decision: Decision) -> Decision:
+    def _granted(self, conn: ConnState, attempt: Attempt, decision: Decision) -> Decision:
         """The decision a grant makes of a `not_allowlisted` or `ask` one, or the same decision.
 
         The grant answers only the mode's question: the decision is asked again as `mode: ask`
@@ -409,12 +417,12 @@ class Pipeline:
         candidate = decision
         if not decision.ask:
             candidate = self.decider.decide(
-                ask.host,
-                ask.port,
+                attempt.host,
+                attempt.port,
                 conn.profile,
-                scheme=ask.scheme,
-                method=ask.method,
-                path=ask.path,
+                scheme=attempt.scheme,
+                method=attempt.method,
+                path=attempt.path,
                 mode="ask",
                 program=conn.identity.program if conn.identity is not None else None,
             )
@@ -424,17 +432,17 @@ class Pipeline:
         if target.host.ip is not None and classify(target.host.ip) is not AddressClass.GLOBAL:
             return decision
         host, port = target.host.text, target.port
-        if ask.stage == "inner" and conn.granted == (host, port):
+        if attempt.stage == "inner" and conn.granted == (host, port):
             rule, inspect = "this tunnel's grant or approval", False
             upgrade = candidate.upgrade
         else:
-            taken = self.grants.take(ask.stage, host, port, ask.scheme, ask.path)
+            taken = self.grants.take(attempt.stage, host, port, attempt.scheme, attempt.path)
             if taken is None:
                 return decision
             grant, inspect = taken
             rule = f"grant {grant.id}: {grant.spec}"
             upgrade = candidate.upgrade and not grant.url_scoped  # a URL's grant is for that request
-            if ask.stage in ("connect", "socks") and not inspect:
+            if attempt.stage in ("connect", "socks") and not inspect:
                 conn.granted = (host, port)  # the requests inside, if inspected, are the tunnel's
         return dataclasses.replace(
             candidate,
@@ -474,7 +482,7 @@ class Pipeline:
     def authenticate(self, conn: ConnState, presented: Presented) -> bool:
         """The credentials step alone, for a protocol that answers it before its request arrives
         (SOCKS5's RFC 1929 sub-negotiation); admit() runs it again on the same credentials."""
-        return authenticate(self.credentials, conn, presented, require_auth=self.require_auth)
+        return authenticate(self.credentials, conn, presented)
 
     async def _pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
         """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""
@@ -489,20 +497,20 @@ class Pipeline:
         return pinned.refusal
 
     def _request_changes(
-        self, conn: ConnState, ask: Ask, target: Target
+        self, conn: ConnState, attempt: Attempt, target: Target
     ) -> Refusal | tuple[frozenset[str], Injection]:
         """What egressd changes in an allowed HTTP request, the same for plain HTTP and inside a
         tunnel: the credential headers of a redirect's follow-up to another origin (dropped before
         anything else looks at them), then the secrets step (refusal or injection)."""
         host, port = target.host, target.port
-        path = ask.path or "/"
-        url = f"{ask.scheme or 'http'}://{join_host_port(host.text, port)}{path}"
+        path = attempt.path or "/"
+        url = f"{attempt.scheme or 'http'}://{join_host_port(host.text, port)}{path}"
         strip: frozenset[str] = frozenset()
         origin = self.redirects.take(conn.client_key, url)
         if origin is not None:
             names = (*self.policies.get().credentials.strip_on_host_change, *self.secrets.header_names())
             strip = frozenset(name.lower() for name in names)
-            present = {n.lower() for n, _ in ask.headers or ()}
+            present = {n.lower() for n, _ in attempt.headers or ()}
             stripped = [n for n in dict.fromkeys(names) if n in present and n != "proxy-authorization"]
             self.notice(
                 conn,
@@ -512,26 +520,26 @@ class Pipeline:
                 port=port,
                 stripped=stripped,
             )
-        headers = [(n, v) for n, v in ask.headers or () if n.lower() not in strip]
-        judged = self.secrets.judge(host, port, ask.method, path, headers)
+        headers = [(n, v) for n, v in attempt.headers or () if n.lower() not in strip]
+        judged = self.secrets.judge(host, port, attempt.method, path, headers)
         if isinstance(judged, Refusal):
             return judged
         return strip, judged
 
-    def _judge(self, conn: ConnState, ask: Ask, decision: Decision) -> tuple[Refusal | None, bool]:
+    def _judge(self, conn: ConnState, attempt: Attempt, decision: Decision) -> tuple[Refusal | None, bool]:
         """(refusal, inspect) for a decision: refused ones, the request rules, inspection."""
         if not decision.allowed or decision.target is None:
             return refusal_for(decision), False
-        if ask.stage in ("request", "inner"):
+        if attempt.stage in ("request", "inner"):
             if decision.needs_inspection:
                 return needs_inspection_refusal(decision), False
             policy = self.policies.get()
             refusal = request_refusal(
                 decision.target,
-                ask.headers or (),
+                attempt.headers or (),
                 websocket=policy.websocket,
                 upgrade=decision.upgrade,
-                method=ask.method,
+                method=attempt.method,
             )
             return refusal, False
         inspect = self.wants_inspection(decision, conn)
@@ -619,20 +627,20 @@ class Pipeline:
         self.limits.upstreams.discard(upstream_id)
         self.limits.release(upstream_id)
 
-    def overloaded(self, conn: ConnState, ask: Ask) -> Refusal:
+    def overloaded(self, conn: ConnState, attempt: Attempt) -> Refusal:
         """The answer to a client accepted beyond egressd's capacity, recorded (no decision made)."""
-        refusal = overloaded(ask.host, ask.port)
-        request = ask.stage in ("request", "inner")
+        refusal = overloaded(attempt.host, attempt.port)
+        request = attempt.stage in ("request", "inner")
         self.refused_early(
             conn,
-            ask.host,
-            ask.port,
+            attempt.host,
+            attempt.port,
             refusal.reason,
             refusal.detail,
-            stage=ask.stage,
-            method=ask.method,
-            scheme=ask.scheme if request else None,
-            path=ask.path if request else None,
+            stage=attempt.stage,
+            method=attempt.method,
+            scheme=attempt.scheme if request else None,
+            path=attempt.path if request else None,
         )
         return refusal
 
@@ -704,18 +712,18 @@ class Pipeline:
         return self._unrecordable(audit, "egressd could not write this decision's audit record")
 
     def _decided(
-        self, conn: ConnState, ask: Ask, decision: Decision, refusal: Refusal | None
+        self, conn: ConnState, attempt: Attempt, decision: Decision, refusal: Refusal | None
     ) -> Refusal | None:
         target = decision.target
-        request = ask.stage in ("request", "inner")
+        request = attempt.stage in ("request", "inner")
         return self._emit(
             conn,
-            stage=ask.stage,
-            method=ask.method,
-            scheme=ask.scheme if request else None,
-            host=target.host.text if target else ask.host,
-            port=target.port if target else ask.port,
-            path=ask.path if request else None,
+            stage=attempt.stage,
+            method=attempt.method,
+            scheme=attempt.scheme if request else None,
+            host=target.host.text if target else attempt.host,
+            port=target.port if target else attempt.port,
+            path=attempt.path if request else None,
             allowed=refusal is None,
             reason=refusal.reason if refusal else decision.reason,
             rule=decision.rule,

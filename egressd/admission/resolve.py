@@ -5,7 +5,7 @@ share one query), every address is classified by the pure filter, and what survi
 is the Pin: the only addresses this connection will ever try. Nothing is resolved again.
 
 The resolver (dnspython, and what its lookups would import on first use) is loaded at start, in a
-thread of its own while the child starts (`load_resolver`, from EgressProxy.start): an import at
+thread of its own while the child starts (`load_resolver`, from ProxyServer.start): an import at
 the first lookup could meet a process out of file descriptors and fail, and it would hold up the
 event loop. A lookup that comes before the load is done waits for it.
 """

@@ -82,7 +82,6 @@ class ConnState:
     port: int | None = None
     bytes_up: int = 0
     bytes_down: int = 0
-    head_seen: bool = False  # a request head / CONNECT / SOCKS request arrived (header_timeout)
     tunnel: bool = False  # an admitted CONNECT / SOCKS5 tunnel: its set-up authenticated what is inside
     # credentials the listener grants: only the child can reach it (the sandbox's credential-free
     # port); a request without Proxy-Authorization counts as the child's, a wrong one is refused

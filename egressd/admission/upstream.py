@@ -24,6 +24,7 @@ from pathlib import Path
 
 from egressd.policy import AddressClass, Policy, PolicyError, Target, UpstreamProxy, classify
 from egressd.policy.upstream import DEFAULT_CREDENTIALS_ENV
+from egressd.wire.connect_client import AnswerError, ConnectClient
 
 MAX_HEAD = 16 * 1024  # the parent's answer to a CONNECT
 
@@ -128,7 +129,7 @@ async def dial(
             ) from None
         try:
             status, phrase = await asyncio.wait_for(
-                _handshake(sock, authority, parent.authorization),
+                _handshake(sock, target, port, parent.authorization),
                 timeout=max(0.1, min(connect_timeout, deadline - time.monotonic())),
             )
         except BaseException as exc:
@@ -184,26 +185,25 @@ async def _open_parent(parent: UpstreamProxy) -> socket.socket:
     raise error
 
 
-async def _handshake(sock: socket.socket, authority: str, authorization: str | None) -> tuple[int, str]:
+async def _handshake(
+    sock: socket.socket, target: str, port: int, authorization: str | None
+) -> tuple[int, str]:
     """Send the CONNECT, read the parent's answer head byte by byte — nothing after it is read, so
     the first bytes of the tunnel (a server that speaks first) stay in the socket for the relay."""
     loop = asyncio.get_running_loop()
-    lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
-    if authorization is not None:
-        lines.append(f"Proxy-Authorization: {authorization}")
-    await loop.sock_sendall(sock, ("\r\n".join(lines) + "\r\n\r\n").encode("ascii"))
-    head = bytearray()
-    while not head.endswith(b"\r\n\r\n"):
+    client = ConnectClient(target, port, authorization)
+    await loop.sock_sendall(sock, client.request)
+    read = 0
+    while not client.status:
         byte = await loop.sock_recv(sock, 1)
         if not byte:
             raise ParentFailure("upstream_proxy_unreachable", "closed the connection without answering")
-        head += byte
-        if len(head) > MAX_HEAD:
+        read += 1
+        if read > MAX_HEAD:
             raise ParentFailure("upstream_proxy_unreachable", "answered a head too long to read")
-    status_line = bytes(head).split(b"\r\n", 1)[0].decode("latin-1")
-    version, _, rest = status_line.partition(" ")
-    code, _, phrase = rest.partition(" ")
-    if not version.startswith("HTTP/1.") or not (len(code) == 3 and code.isdigit()):
-        raise ParentFailure("upstream_proxy_unreachable", "did not answer in HTTP/1")
-    safe = "".join(ch if 0x20 <= ord(ch) < 0x7F else "?" for ch in phrase)[:80]
-    return int(code), safe
+        try:
+            client.feed(byte)
+        except AnswerError:
+            raise ParentFailure("upstream_proxy_unreachable", "did not answer in HTTP/1") from None
+    safe = "".join(ch if 0x20 <= ord(ch) < 0x7F else "?" for ch in client.reason)[:80]
+    return client.status, safe

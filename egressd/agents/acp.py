@@ -105,7 +105,9 @@ class _Pending:
 
 
 @dataclass
-class _Ask:
+class _PermissionRequest:
+    """One session/request_permission egressd sent the editor for an ask, awaiting the option chosen."""
+
     done: threading.Event = field(default_factory=threading.Event)
     option: str | None = None
 
@@ -133,7 +135,7 @@ class AcpBridge:
         self.warn = warn
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}  # client request id (JSON) -> notices after its answer
-        self._asks: dict[str, _Ask] = {}  # egressd's own request id -> the waiting ask
+        self._asks: dict[str, _PermissionRequest] = {}  # egressd's own request id -> the waiting ask
         self._by_key: dict[str, str] = {}  # the ask broker's id -> egressd's request id
         self._retired: deque[str] = deque(maxlen=256)  # requests no longer waited for
         self._ids = itertools.count(1)
@@ -314,7 +316,7 @@ class AcpBridge:
             if session is None:
                 return None
             request_id = f"{self._prefix}{next(self._ids)}"
-            ask = self._asks[request_id] = _Ask()
+            ask = self._asks[request_id] = _PermissionRequest()
             if key:
                 self._by_key[key] = request_id
         request = {

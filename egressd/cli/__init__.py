@@ -63,7 +63,7 @@ def _mitmproxy_version() -> str:
 
 
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    """`--version`: the package metadata is read only when asked (it costs ~40 ms at start)."""
+    """`--version`: the package metadata is read only when asked (reading it slows every start)."""
     if not value or ctx.resilient_parsing:
         return
     click.echo(f"egressd {__version__} (mitmproxy {_mitmproxy_version()})")

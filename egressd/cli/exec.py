@@ -62,7 +62,7 @@ def exec_command(
     """
     if attach or pid is not None:
         _attach(options, attach, pid, command, listener=credentials_listener)
-    if options.identify is None:  # ~0.3 ms a connection through the child's tree: where it is kept
+    if options.identify is None:  # a lookup per connection: only where it is kept
         recorded = bool(options.audit_path or options.trace or options.dashboard)
         options = dataclasses.replace(options, identify=identity.SUPPORTED and recorded)
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.

@@ -16,7 +16,7 @@ from egressd import process
 from egressd.session import ProxySession, SessionOptions
 
 if TYPE_CHECKING:
-    from egressd.proxy import EgressProxy
+    from egressd.proxy import ProxyServer
 from egressd.cli.options import dashboard_option, gateway_options, open_session, say, session_options
 
 DRAIN_TIMEOUT = 10.0
@@ -125,7 +125,7 @@ def _serve(catcher: process.SignalCatcher, session: ProxySession, stops: Sequenc
             say("SIGHUP: no --policy file to reload")
 
 
-def _drain(proxy: EgressProxy, catcher: process.SignalCatcher, stops: Sequence[int]) -> None:
+def _drain(proxy: ProxyServer, catcher: process.SignalCatcher, stops: Sequence[int]) -> None:
     """drain() in a thread so a second SIGTERM/Ctrl-C can still cut it short."""
     worker = threading.Thread(target=proxy.drain, args=(DRAIN_TIMEOUT,), name="egressd-drain", daemon=True)
     worker.start()

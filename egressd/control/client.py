@@ -1,9 +1,11 @@
 """A small synchronous client of the control API (the CLI's `ps`, `pending`, `approve`, ...).
 
 No event loop and no aiohttp import, so a command answers in the time Python takes to start. One
-request (`call`) is written and read on the Unix socket directly — `egressd exec --attach` makes one
-per child it starts, and http.client alone (email, ssl) costs more to import than the request
-takes; the streams (`stream`) use http.client.
+request (`call`) is written and read on the Unix socket directly: `egressd exec --attach` makes one
+per child it starts, and neither http.client (email, ssl) nor h11 (typing) may load on that path
+(tests/test_attach.py checks it). The control API answers a request whole, with a Content-Length
+and `Connection: close`, so the answer is its head and the bytes up to the close; anything else is
+not the control API. The streams (`stream`) use http.client.
 """
 
 from __future__ import annotations
@@ -75,23 +77,11 @@ def _exchange(path: Path, timeout: float, method: str, url: str, data: bytes | N
     if not sep or len(status) < 2 or not status[0].startswith("HTTP/1.") or not status[1].isdigit():
         raise OSError("not an HTTP answer")
     fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    if fields.get("transfer-encoding", "").lower() == "chunked":
-        body = _unchunk(body)
-    elif fields.get("content-length", "").isdigit():
+    if "transfer-encoding" in fields:  # the control API sends every answer to a request whole
+        raise OSError("not an answer of egressd's control API")
+    if fields.get("content-length", "").isdigit():
         body = body[: int(fields["content-length"])]
     return int(status[1]), body
-
-
-def _unchunk(data: bytes) -> bytes:
-    out, rest = [], data
-    while rest:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line.split(b";", 1)[0] or b"0", 16)
-        if size == 0:
-            break
-        out.append(rest[:size])
-        rest = rest[size + 2 :]
-    return b"".join(out)
 
 
 class ControlClient:

@@ -1,9 +1,10 @@
 """egressd's address guards as plain network lists, for targets that filter by address.
 
-Why here: every target must refuse at least what egressd refuses by address class (DESIGN.md step 4
-and the resolved-address filter), or the export is wider. The lists are a superset of
-``egressd.policy.classify``: tests/unit/test_export_guards.py checks each network against the
-public classifier and samples addresses to prove nothing non-global falls outside them.
+Why here: every target must refuse at least what egressd refuses by address class (the
+always-refused and private classes of docs/architecture.md, and the resolved-address filter), or
+the export is wider. The lists are a superset of ``egressd.policy.classify``:
+tests/unit/test_export.py checks each network against the public classifier, walks the edges of
+every special-purpose block, and samples addresses to prove nothing non-global falls outside them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ PRIVATE: tuple[Network, ...] = _nets(
     "64:ff9b::/96",
     "64:ff9b:1::/48",
     "100::/64",
+    "100:0:0:1::/64",
     "2001::/23",
     "2001:db8::/32",
     "2002::/16",

@@ -182,17 +182,6 @@ LOSSES: dict[str, dict[str, tuple[Loss, ...]]] = {
         "loopback": _central("the egress gateway"),
     },
 }
-MEASURED = ("squid", "smokescreen", "envoy")  # the engines whose differential runs in the tests
-
-
-def measured_losses(target: str) -> dict[str, set[str]]:
-    """Per kind, the differences the differential test of ``target`` must see on its table."""
-    out: dict[str, set[str]] = {}
-    for kind, losses in LOSSES.get(target, {}).items():
-        hows = {loss.how for loss in losses if loss.in_table}
-        if hows:
-            out[kind] = hows
-    return out
 
 
 def loss_lines(target: str) -> list[str]:
@@ -202,24 +191,3 @@ def loss_lines(target: str) -> list[str]:
         for kind in TARGET_KINDS
         for loss in LOSSES.get(target, {}).get(kind, ())
     ]
-
-
-def loss_table_markdown() -> str:
-    """docs/scale.md's tables: per kind of target, what each engine decides differently, then why."""
-    targets = ("squid", "smokescreen", "envoy", "cilium", "istio")
-    short = {NARROWER: "narrower", READS: "reads the host", WIDER: "**wider**"}
-    lines = ["| target kind | " + " | ".join(targets) + " |", "|---|" + "---|" * len(targets)]
-    for kind in TARGET_KINDS:
-        cells = [
-            ", ".join(dict.fromkeys(short[x.how] for x in LOSSES[t].get(kind, ()))) or "same" for t in targets
-        ]
-        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    lines += ["", "| target kind | what it is |", "|---|---|"]
-    lines += [f"| {kind} | {what} |" for kind, what in TARGET_KINDS.items()]
-    lines.append("")
-    for target in targets:
-        for kind in TARGET_KINDS:
-            for loss in LOSSES[target].get(kind, ()):
-                seen = " (not on the test table)" if target in MEASURED and not loss.in_table else ""
-                lines.append(f"- {target}, {kind}: {loss.how}: {loss.detail}{seen}")
-    return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
-from egressd.admission.pipeline import Admitted, Ask
+from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.relay import HIGH_WATER, Pipe, Tunnel
 from egressd.refusal import Refusal
 from egressd.wire.http1 import (
@@ -205,7 +205,7 @@ class Owner(Protocol):
     """The client connection whose requests this path serves (egressd.front.tunnel.FrontProtocol):
     it took the connection first, and takes it back as a relay after an upgrade."""
 
-    rt: Pipeline
+    pipeline: Pipeline
     state: ConnState | None
     transport: asyncio.Transport | None
     tunnel: Tunnel
@@ -224,7 +224,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         _Writable.__init__(self)
         assert front.state is not None and front.transport is not None
         self.front = front
-        self.rt: Pipeline = front.rt
+        self.pipeline: Pipeline = front.pipeline
         self.state: ConnState = front.state
         self.transport: asyncio.Transport = front.transport
         self.wire = ClientSide()
@@ -238,14 +238,14 @@ class PlainClient(_Writable, asyncio.Protocol):
         self.requests = 0
         self.phase = "head"  # head | exchange | relay | closed
         self.answering = False  # the current exchange's response has started going to the child
-        self.limit = self.rt.policies.get().limits.max_response_bytes
+        self.limit = self.pipeline.policies.get().limits.max_response_bytes
         self.last_active = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
 
     # -- the client connection ---------------------------------------------------------------
     def start(self) -> None:
-        limits = self.rt.policies.get().limits
+        limits = self.pipeline.policies.get().limits
         left = limits.header_timeout - (time.monotonic() - self.state.started)
         self.timer = asyncio.get_running_loop().call_later(max(0.0, left), self._watch)
         self.task = asyncio.get_running_loop().create_task(self._serve())
@@ -256,12 +256,12 @@ class PlainClient(_Writable, asyncio.Protocol):
         """limits.header_timeout for the first head, limits.idle_timeout after it."""
         if self.phase in ("closed", "relay"):
             return
-        limits = self.rt.policies.get().limits
+        limits = self.pipeline.policies.get().limits
         now = time.monotonic()
         if self.requests == 0 and self.phase == "head":
             left = limits.header_timeout - (now - self.state.started)
             if left <= 0:
-                self.rt.header_timeout(self.state, limits.header_timeout)
+                self.pipeline.header_timeout(self.state, limits.header_timeout)
                 self.close()
                 return
         else:
@@ -355,7 +355,6 @@ class PlainClient(_Writable, asyncio.Protocol):
         self.phase = "exchange"
         self.answering = False
         self.requests += 1
-        self.state.head_seen = True
         admitted = await self._admit(head)
         if isinstance(admitted, Refusal):
             self._refuse(admitted)
@@ -379,7 +378,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         if self.inbox.events and isinstance(self.inbox.events[0], End):  # no body: no task for it
             self.inbox.events.popleft()
             upstream.write(sent + upstream.wire.end())
-            upstream.expect_response(self.rt.policies.get().limits.response_timeout)
+            upstream.expect_response(self.pipeline.policies.get().limits.response_timeout)
         else:
             upstream.write(sent)
             scan = PlaceholderStream(admitted.injection.body) if admitted.injection.body else None
@@ -420,12 +419,12 @@ class PlainClient(_Writable, asyncio.Protocol):
                             upstream.write(upstream.wire.body(scan.end()))
                         upstream.write(upstream.wire.end())
                         if upstream.head_due:  # an answer that came before the body ended is not waited for
-                            upstream.expect_response(self.rt.policies.get().limits.response_timeout)
+                            upstream.expect_response(self.pipeline.policies.get().limits.response_timeout)
                         return
                     else:
                         raise WireError("the connection ended inside a request body")
             except PlaceholderFound as found:
-                refusal = self.rt.secret_refusal(head.host, head.port, found.name)
+                refusal = self.pipeline.secret_refusal(head.host, head.port, found.name)
                 raise WireError(refusal.detail, refusal.status, reason=refusal.reason, head=head) from None
         except WireError as exc:
             self.body_error(upstream, exc)
@@ -464,7 +463,7 @@ class PlainClient(_Writable, asyncio.Protocol):
                     started = self.answering = True
                     self.write(self.wire.interim(masked_head(mask, event)))
                     if event.status != 101 and not upstream.wire.sending:  # the final head is still due
-                        upstream.expect_response(self.rt.policies.get().limits.response_timeout)
+                        upstream.expect_response(self.pipeline.policies.get().limits.response_timeout)
                     continue
                 length = event.values("content-length")
                 if self.limit is not None and length and length[0].isdigit() and int(length[0]) > self.limit:
@@ -472,7 +471,7 @@ class PlainClient(_Writable, asyncio.Protocol):
                     self._refuse(too_large_refusal(key, int(length[0]), self.limit))
                     return "closed"
                 if 300 <= event.status < 400 and (location := event.values("location")):
-                    self.rt.redirects.remember(self.state.client_key, url, location[0])
+                    self.pipeline.redirects.remember(self.state.client_key, url, location[0])
                 started = self.answering = True
                 self.write(self.wire.response(masked_head(mask, event)))
             elif isinstance(event, Body):
@@ -502,7 +501,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         """The request through the admission pipeline, as every front's requests go (credentials,
         limits, the decision, the request rules, the records)."""
         authorization = request.values("proxy-authorization")
-        ask = Ask(
+        attempt = Attempt(
             "request",
             request.host,
             request.port,
@@ -512,19 +511,19 @@ class PlainClient(_Writable, asyncio.Protocol):
             credentials=authorization[0] if authorization else None,
             headers=request.headers,
         )
-        return await self.rt.admit(self.state, ask)
+        return await self.pipeline.admit(self.state, attempt)
 
     async def _open(self, admitted: Admitted, key: Key) -> Upstream | Refusal:
         """A new upstream connection to the addresses the pipeline pins for this request."""
         upstream = Upstream(self, key)
         upstream.server_id = f"{self.state.conn_id}-up{self.requests}"
-        refusal = await self.rt.connect(self.state, admitted, upstream, upstream.server_id)
+        refusal = await self.pipeline.connect(self.state, admitted, upstream, upstream.server_id)
         return upstream if refusal is None else refusal
 
     def _audit_cut(self, key: Key, path: str, seen: int) -> None:
         assert self.limit is not None
         where = {"host": key[0], "port": key[1], "path": path}
-        self.rt.notice(self.state, "response_cut", **where, limit=self.limit, bytes=seen)
+        self.pipeline.notice(self.state, "response_cut", **where, limit=self.limit, bytes=seen)
 
     # -- upstream connections ------------------------------------------------------------------------
     def _keep(self, upstream: Upstream) -> None:
@@ -534,12 +533,12 @@ class PlainClient(_Writable, asyncio.Protocol):
         self.idle[upstream.key] = upstream
 
     def _forget(self, upstream: Upstream) -> None:
-        self.rt.disconnected(upstream.server_id)
+        self.pipeline.disconnected(upstream.server_id)
         upstream.close()
 
     def upstream_gone(self, upstream: Upstream) -> None:
         """An upstream connection closed: a kept-alive one leaves the pool."""
-        self.rt.disconnected(upstream.server_id)
+        self.pipeline.disconnected(upstream.server_id)
         if self.idle.get(upstream.key) is upstream:
             del self.idle[upstream.key]
 
@@ -555,7 +554,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         upstream_protocol_error). Recorded as a failure; answered while nothing of the response
         went out, else both sides close (a visible truncation, never a guess). `why` may quote the
         response: every secret's value in it is masked before the child or a record sees it."""
-        why = self.rt.secrets.mask_text(why)
+        why = self.pipeline.secrets.mask_text(why)
         self._forget(upstream)
         error = self.body_failed
         if error is not None and upstream.inbox.error is error:  # the child's body broke, not the server
@@ -570,7 +569,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         else:
             failure = Refusal("upstream_protocol_error", f"HTTP/1 protocol error: {why}", *upstream.key)
         logger.info("closing plain-HTTP exchange with %s:%s: %s", *upstream.key, failure.detail)
-        self.rt.upstream_failed(self.state, *upstream.key, failure.reason, failure.detail)
+        self.pipeline.upstream_failed(self.state, *upstream.key, failure.reason, failure.detail)
         if started:
             self.close()
         else:
@@ -611,7 +610,7 @@ class PlainClient(_Writable, asyncio.Protocol):
         """A request no reader may take: 400 (431 for a huge head), recorded before any decision."""
         head = exc.head
         where = (head.host, head.port) if head is not None else (None, None)
-        self.rt.refused_early(
+        self.pipeline.refused_early(
             self.state,
             *where,
             exc.reason,
@@ -627,7 +626,7 @@ class PlainClient(_Writable, asyncio.Protocol):
 
     def internal_error(self, exc: BaseException) -> None:
         """A bug here refuses (never forwards) and is audited, like fail_closed in the addons."""
-        refusal = self.rt.internal_error("plain_http", exc)
+        refusal = self.pipeline.internal_error("plain_http", exc)
         if self.busy is None and self.phase != "relay":
             self._refuse(refusal)
         else:

@@ -33,7 +33,7 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown listener kind {kind!r}")
 
 
-class FastFront:
+class Front:
     """egressd's listeners: the HTTP proxy port (CONNECT and absolute-form HTTP) and SOCKS5."""
 
     def __init__(
@@ -45,7 +45,7 @@ class FastFront:
         *,
         health: bool = False,
     ) -> None:
-        self.rt = pipeline
+        self.pipeline = pipeline
         self.health = health  # GET /healthz answered on the HTTP port, no credentials (the gateway)
         self.mitmproxy_address = mitmproxy_address
         self.handoffs = handoffs
@@ -60,7 +60,7 @@ class FastFront:
         """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5)."""
         if kind == "socks":
             return SocksProtocol(self, implicit)
-        return FrontProtocol(self, kind, implicit=implicit, tree_only=tree_only)
+        return FrontProtocol(self, implicit=implicit, tree_only=tree_only)
 
     async def start(
         self, host: str, port: int, kind: str = "http", ssl: ssl_module.SSLContext | None = None
@@ -91,7 +91,7 @@ class FastFront:
         return self._own(server)
 
     async def serve(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
-        """Also accept `kind` clients on a listening socket made elsewhere (EgressProxy.serve_socket):
+        """Also accept `kind` clients on a listening socket made elsewhere (ProxyServer.serve_socket):
         in the sandbox's network namespace, so not an address of this one (never registered)."""
         _check_kind(kind)
         loop = asyncio.get_running_loop()
@@ -113,7 +113,7 @@ class FastFront:
     def _own(self, server: asyncio.Server) -> tuple[str, int]:
         """A listener of this machine's: every socket it bound is egressd's own (`self`)."""
         self.servers.append(server)
-        register(self.rt.decider, [sock.getsockname() for sock in server.sockets])
+        register(self.pipeline.decider, [sock.getsockname() for sock in server.sockets])
         address = server.sockets[0].getsockname()
         return address[0], address[1]
 
@@ -124,10 +124,10 @@ class FastFront:
     async def _sweep(self) -> None:
         """limits.header_timeout for request heads and SOCKS5 handshakes, limits.idle_timeout for
         relayed tunnels: one sweep a second, not a timer per connection (a timer set and cancelled
-        for every tunnel cost more than the sweep). A limit is kept to within a second late."""
+        for every tunnel would cost more than the sweep). A limit is kept to within a second late."""
         while True:
             await asyncio.sleep(SWEEP)
-            limits = self.rt.policies.get().limits
+            limits = self.pipeline.policies.get().limits
             now = time.monotonic()
             idle_cutoff, head_cutoff = now - limits.idle_timeout, now - limits.header_timeout
             for client in list(self.clients):

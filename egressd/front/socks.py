@@ -3,7 +3,7 @@ the admission pipeline exactly as an HTTP CONNECT is.
 
 A SOCKS5 client is a FrontProtocol whose request head is a SOCKS5 handshake. Its credentials are
 answered in the RFC 1929 sub-negotiation by the pipeline's credentials step; its request becomes an
-Ask of stage "socks" for FrontProtocol._open_tunnel — admission (credentials, limits, decision,
+Attempt of stage "socks" for FrontProtocol._open_tunnel — admission (credentials, limits, decision,
 approver, inspection choice, resolution, pinning), the connect, the TLS SNI check of the client's
 first bytes, the relay or the hand-off to mitmproxy for inspection, the records. Only the answers
 differ: SOCKS5 reply codes instead of HTTP statuses.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from egressd.admission.credentials import Presented
-from egressd.admission.pipeline import Ask
+from egressd.admission.pipeline import Attempt
 from egressd.front.relay import Pipe
 from egressd.front.tunnel import FrontProtocol, Listeners
 from egressd.refusal import POLICY_REASONS, Refusal
@@ -54,10 +54,12 @@ def reply_code(reason: str) -> Reply:
 class SocksProtocol(FrontProtocol):
     """One SOCKS5 client of egressd's front."""
 
+    early_stage = "socks"
+
     def __init__(self, front: Listeners, implicit: ProxyCredentials | None = None) -> None:
-        super().__init__(front, "socks", implicit=implicit)
-        # NO AUTH where the listener grants credentials, or where none are required at all
-        self.parser = Socks5Server(allow_no_auth=implicit is not None or not front.rt.require_auth)
+        super().__init__(front, implicit=implicit)
+        # NO AUTH only where the listener grants credentials
+        self.parser = Socks5Server(allow_no_auth=implicit is not None)
         self.presented: Presented = None  # the user and password the client sent, if it did
 
     # -- the handshake (stage "head": header_timeout bounds it) -----------------------------------
@@ -74,7 +76,7 @@ class SocksProtocol(FrontProtocol):
         for event in events:
             if isinstance(event, Greeting):
                 self.transport.write(event.reply)
-                if event.method == NO_AUTH and not self.rt.authenticate(self.state, None):
+                if event.method == NO_AUTH and not self.pipeline.authenticate(self.state, None):
                     self.transport.close()  # the listener's credentials were revoked
                     return
             elif isinstance(event, Credentials):
@@ -95,17 +97,17 @@ class SocksProtocol(FrontProtocol):
             return False
         assert self.state is not None
         self.presented = (credentials.username, credentials.password)
-        return self.rt.authenticate(self.state, self.presented)
+        return self.pipeline.authenticate(self.state, self.presented)
 
     def _on_request(self, request: Request) -> None:
-        ask = Ask("socks", request.host, request.port, scheme="socks5", credentials=self.presented)
-        self._start_tunnel(ask)
+        attempt = Attempt("socks", request.host, request.port, scheme="socks5", credentials=self.presented)
+        self._start_tunnel(attempt)
 
     def _refuse_handshake(self, error: Socks5Error) -> None:
         """A handshake egressd does not serve: its reply, then close. Recorded, unless it only lacks
         credentials (a CONNECT without them is answered 407 and not recorded either)."""
         if error.reason != "proxy_auth_required":
-            self.rt.refused_early(self.state, None, None, error.reason, str(error), stage="socks")
+            self.pipeline.refused_early(self.state, None, None, error.reason, str(error), stage="socks")
         if self.transport is not None and not self.transport.is_closing():
             if error.reply:
                 self.transport.write(error.reply)

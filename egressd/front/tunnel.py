@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from egressd.admission.descriptors import out_of_descriptors
 from egressd.admission.limits import overloaded
-from egressd.admission.pipeline import Admitted, Ask
+from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
 from egressd.front.relay import COALESCE, Pipe, Tunnel, render
@@ -50,7 +50,7 @@ HEALTH_ANSWER = (
 class Listeners(Protocol):
     """What a client connection needs of the listeners that accepted it."""
 
-    rt: Pipeline
+    pipeline: Pipeline
     handoffs: Handoffs
     mitmproxy_address: MitmproxyAddress
     refusal_context: RefusalContext | None
@@ -61,10 +61,11 @@ class Listeners(Protocol):
 class FrontProtocol(Pipe):
     """The client side: reads the request head, then becomes one side of a relay."""
 
+    early_stage = "connect"  # the stage of a refusal made before the head is read
+
     def __init__(
         self,
         front: Listeners,
-        kind: str = "http",
         implicit: ProxyCredentials | None = None,
         *,
         tree_only: bool = False,
@@ -75,8 +76,7 @@ class FrontProtocol(Pipe):
         self.handed_off_as: str | None = None  # this client's address as the embedded mitmproxy sees it
         self.handoff_held: str | None = None  # the descriptors the hand-off to mitmproxy takes
         self.front = front
-        self.kind = kind
-        self.rt = front.rt
+        self.pipeline = front.pipeline
         self.buffer = bytearray()
         self.stage = "head"
         self.state: ConnState | None = None
@@ -91,14 +91,14 @@ class FrontProtocol(Pipe):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        if self.rt.draining:
+        if self.pipeline.draining:
             transport.close()
             return
         self.front.clients.add(self)
         peer = transport.get_extra_info("peername") or ("?", 0)
         local = transport.get_extra_info("sockname")
         ends = ((peer[0], peer[1]), (local[0], local[1])) if local and peer[0] != "?" else None
-        self.state = self.rt.open_conn(
+        self.state = self.pipeline.open_conn(
             f"{peer[0]}:{peer[1]}", self.implicit, ends=ends, tree_only=self.tree_only
         )
         if self.state.room == "answer_now":  # far beyond capacity: not even its head is waited for
@@ -108,8 +108,9 @@ class FrontProtocol(Pipe):
         """503 `overloaded` before the request is read (recorded), and closed."""
         assert self.state is not None and self.transport is not None
         refusal = overloaded()
-        stage = "socks" if self.kind == "socks" else "connect"
-        self.rt.refused_early(self.state, None, None, refusal.reason, refusal.detail, stage=stage)
+        self.pipeline.refused_early(
+            self.state, None, None, refusal.reason, refusal.detail, stage=self.early_stage
+        )
         self.stage = "done"
         self._answer_overloaded_now(refusal)
         self.transport.close()
@@ -142,7 +143,7 @@ class FrontProtocol(Pipe):
         the front's sweep calls this, once a second, instead of a timer per connection."""
         if self.stage == "head" and self.transport is not None:
             if self.state is not None:
-                self.rt.header_timeout(self.state, timeout)
+                self.pipeline.header_timeout(self.state, timeout)
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -188,17 +189,17 @@ class FrontProtocol(Pipe):
         if self.handed_off_as is not None:
             self.front.handoffs.remove(self.handed_off_as)
         if self.handoff_held is not None:
-            self.rt.disconnected(self.handoff_held)
+            self.pipeline.disconnected(self.handoff_held)
         if self.server_id is not None:
-            self.rt.disconnected(self.server_id)
+            self.pipeline.disconnected(self.server_id)
         if self.state is not None:
-            self.rt.close_conn(self.state)
+            self.pipeline.close_conn(self.state)
         self._unlink()
 
     def _unlink(self) -> None:
         """Let go of what points back here (the tunnel, the far side): a finished connection's
-        objects are then freed at once, not on the cyclic garbage collector's next pass (which
-        cost a tenth of a short tunnel's instructions)."""
+        objects are then freed at once, not on the cyclic garbage collector's next pass (a walk over
+        every live object, which a busy front would pay for again and again)."""
         peer, self.peer = self.peer, None
         if peer is not None:
             peer.peer = None
@@ -223,7 +224,7 @@ class FrontProtocol(Pipe):
         except WireError as exc:
             self._refuse_unreadable(Refusal("bad_request", exc.detail))
             return
-        ask = Ask(
+        attempt = Attempt(
             "connect",
             connect.host,
             connect.port,
@@ -231,7 +232,7 @@ class FrontProtocol(Pipe):
             method="CONNECT",
             credentials=connect.authorization,
         )
-        self._start_tunnel(ask)
+        self._start_tunnel(attempt)
 
     def _health_check(self) -> bool:
         """`GET /healthz` (the gateway's): answered 200 "ok" and closed. True while the bytes so far
@@ -247,15 +248,15 @@ class FrontProtocol(Pipe):
         self.transport.close()
         return True
 
-    def _start_tunnel(self, ask: Ask) -> None:
+    def _start_tunnel(self, attempt: Attempt) -> None:
         """Admit and open the tunnel whose request was read (CONNECT or SOCKS5): reading paused
         until it is open, header_timeout over with the stage (connect_timeout bounds the rest)."""
         assert self.transport is not None
         self.stage = "admit"  # bytes read meanwhile stay in the buffer
         self.transport.pause_reading()
-        self.task = asyncio.get_running_loop().create_task(self._open_tunnel(ask))
+        self.task = asyncio.get_running_loop().create_task(self._open_tunnel(attempt))
 
-    async def _open_tunnel(self, ask: Ask) -> None:
+    async def _open_tunnel(self, attempt: Attempt) -> None:
         """Admit a tunnel (CONNECT or SOCKS5) and open it: relayed here, or handed to mitmproxy to
         inspect. Only the answers differ between the protocols (_established, _answer_refusal).
         A bug refuses (fail closed), caught here rather than by a wrapping coroutine: one frame
@@ -263,9 +264,9 @@ class FrontProtocol(Pipe):
         try:
             state = self.state
             assert state is not None
-            admitted = await self.rt.admit(state, ask)
+            admitted = await self.pipeline.admit(state, attempt)
             if isinstance(admitted, Refusal):
-                if self._page_inside_tls(admitted, ask):
+                if self._page_inside_tls(admitted, attempt):
                     await self._refuse_inside_tls(admitted)
                 else:
                     self._refuse(admitted)
@@ -275,7 +276,7 @@ class FrontProtocol(Pipe):
                 return
             upstream = Pipe(self.tunnel, upstream=True, coalesce=True)
             server_id = f"{state.conn_id}-up"
-            refusal = await self.rt.connect(state, admitted, upstream, server_id)
+            refusal = await self.pipeline.connect(state, admitted, upstream, server_id)
             if refusal is not None:
                 self._refuse(refusal)
                 return
@@ -294,7 +295,7 @@ class FrontProtocol(Pipe):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
-            self._refuse(self.rt.internal_error("front", exc))
+            self._refuse(self.pipeline.internal_error("front", exc))
 
     # -- the TLS SNI check -------------------------------------------------------------------------
     def _on_hello_bytes(self, data: bytes) -> None:
@@ -313,7 +314,7 @@ class FrontProtocol(Pipe):
     def _close_tunnel(self, problem: str) -> None:
         state = self.state
         host, port = (state.host, state.port) if state else (None, None)
-        self.rt.refused_early(state, host, port, "sni_mismatch", problem, stage="tls")
+        self.pipeline.refused_early(state, host, port, "sni_mismatch", problem, stage="tls")
         if self.peer is not None and self.peer.transport is not None:
             self.peer.transport.close()
         if self.transport is not None:
@@ -345,16 +346,16 @@ class FrontProtocol(Pipe):
         assert self.transport is not None
         self.transport.write(answer)
 
-    def _page_inside_tls(self, refusal: Refusal, ask: Ask) -> bool:
+    def _page_inside_tls(self, refusal: Refusal, attempt: Attempt) -> bool:
         """refusal_pages: tls, with inspection on (the child trusts egressd's CA), for a refused
         HTTPS CONNECT whose client sent nothing after its head yet."""
         return (
             self.front.refusal_context is not None
-            and self.rt.inspection
+            and self.pipeline.inspection
             and not self.buffer
             and bool(refusal.host)
-            and self.rt.policies.get().refusal_pages == "tls"
-            and wants_page(refusal, ask.stage, ask.port)
+            and self.pipeline.policies.get().refusal_pages == "tls"
+            and wants_page(refusal, attempt.stage, attempt.port)
         )
 
     async def _refuse_inside_tls(self, refusal: Refusal) -> None:
@@ -370,7 +371,7 @@ class FrontProtocol(Pipe):
             return
         if transport.is_closing():
             return
-        timeout = self.rt.policies.get().limits.header_timeout
+        timeout = self.pipeline.policies.get().limits.header_timeout
         self.stage = "page"
         transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         page = RefusalPage(self, refusal, timeout)
@@ -386,7 +387,7 @@ class FrontProtocol(Pipe):
 
     def _refuse_unreadable(self, refusal: Refusal) -> None:
         """A CONNECT head refused before any decision: recorded, as every unreadable head is."""
-        self.rt.refused_early(self.state, None, None, refusal.reason, refusal.detail, stage="request")
+        self.pipeline.refused_early(self.state, None, None, refusal.reason, refusal.detail, stage="request")
         self._refuse(refusal)
 
     # -- inspection: the embedded mitmproxy --------------------------------------------------------
@@ -396,7 +397,7 @@ class FrontProtocol(Pipe):
         side and mitmproxy's)."""
         assert self.transport is not None and self.state is not None
         held = f"{self.state.conn_id}-handoff"
-        if (refusal := self.rt.hold(held, 2)) is not None:
+        if (refusal := self.pipeline.hold(held, 2)) is not None:
             self._refuse(refusal)
             return
         self.handoff_held = held

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from egressd.export.report import Finding
-from egressd.policy import PolicyError, parse_policy
+from egressd.policy import PolicyError, parse_policy, strict_yaml
 
 from .names import Pattern, parse_pattern, translate
 
@@ -180,8 +180,8 @@ def _role(data: Mapping[str, Any], role: str | None) -> tuple[str, Mapping[str, 
 
 def _smokescreen(text: str, role: str | None) -> Imported:
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        data = strict_yaml.load(text)  # smokescreen's yaml.v2 refuses duplicate keys too
+    except strict_yaml.YAMLError as exc:
         raise ImportError_(f"invalid YAML: {exc}") from None
     if not isinstance(data, Mapping):
         raise ImportError_("expected a Smokescreen ACL (a YAML mapping with version: v1)")

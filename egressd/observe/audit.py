@@ -11,7 +11,6 @@ belongs to the child (MCP/ACP speak JSON-RPC on it).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import sys
@@ -41,14 +40,6 @@ DECISION_KEYS: tuple[str, ...] = (
     "connected",
 )
 CLOSED_KEYS: tuple[str, ...] = ("conn", "host", "port", "bytes_up", "bytes_down", "duration")
-
-_conn_ids = itertools.count(1)
-
-
-def new_conn_id() -> str:
-    """A process-unique connection id (`c1`, `c2`, ...) tying decision and closed lines together."""
-    return f"c{next(_conn_ids)}"
-
 
 _second: tuple[int, str] = (-1, "")  # the last second formatted, shared by the records within it
 

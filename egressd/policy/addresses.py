@@ -65,6 +65,7 @@ _V6_PRIVATE: tuple[IPv6Network, ...] = tuple(
         "2001:db8::/32",
         "64:ff9b:1::/48",
         "100::/64",
+        "100:0:0:1::/64",  # the dummy prefix (RFC 9780); Python 3.12's ipaddress calls it global
         "2001::/23",
         "::ffff:0:0/96",
         "::/96",
@@ -109,7 +110,8 @@ def embedded_ipv4_candidates(ip: IPv6Address) -> tuple[IPv4Address, ...]:
         return (low32,)
     if ip in _NAT64_LOCAL:
         # The site picks the prefix length (/48 to /96), so every layout whose suffix is zero is a
-        # candidate (the /48 one always, as before); the zero fill of another layout is not.
+        # candidate (the /48 one always: a translator may ignore the suffix); the zero fill of another
+        # layout is not.
         raw = ip.packed
         first = IPv4Address(bytes(raw[i] for i in _NAT64_LOCAL_LAYOUTS[0][0]))
         layouts = [first]
@@ -227,7 +229,7 @@ def _classify_v4(ip: IPv4Address) -> tuple[AddressClass, str]:
 
 def _classify_v6(ip: IPv6Address) -> tuple[AddressClass, str]:
     plain, embeds = _V6_TABLE(int(ip))
-    if not embeds and isinstance(ip, IPv6Address):  # anything else fails below, as it always did
+    if not embeds and isinstance(ip, IPv6Address):  # anything else fails below
         return plain
     candidates = embedded_ipv4_candidates(ip)
     if candidates and (ip.ipv4_mapped is not None or int(ip) >> 32 == 0):

@@ -1,7 +1,8 @@
 """THE decision: one pure function of (target, client, policy), plus the post-resolution filter.
 
 The proxy engine, SOCKS, the sandbox bridge, the SSH relay and ``egressd check`` all call
-``decide``; none has a decision of its own. The order of the steps is the contract in DESIGN.md.
+``decide``; none has a decision of its own. The steps run in the order docs/policy.md lists ("How a
+target is decided"); the address classes are docs/architecture.md's.
 """
 
 from __future__ import annotations

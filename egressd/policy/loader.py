@@ -501,6 +501,13 @@ def load_policy(
 def policy_from_bytes(raw: bytes, source: str, env: Mapping[str, str] | None = None) -> Policy:
     """Validate and build the policy these bytes of file `source` hold: a watcher parses exactly
     the bytes it checked, never a second read that may catch the file half rewritten."""
+    policy = parse_policy(policy_data(raw, source), source)
+    return apply_env_mode(policy, env) if env is not None else policy
+
+
+def policy_data(raw: bytes, source: str) -> Mapping[str, Any]:
+    """The mapping these bytes of policy file `source` hold, before validation: UTF-8, JSON for a
+    `.json` file, else strict YAML (duplicate keys refused); PolicyError for anything else."""
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
@@ -512,8 +519,7 @@ def policy_from_bytes(raw: bytes, source: str, env: Mapping[str, str] | None = N
         raise PolicyError(source, None, message="empty policy file (no settings)")
     if not isinstance(data, Mapping):
         raise PolicyError(source, None, message=f"a policy must be a mapping, not {_type_name(data)}")
-    policy = parse_policy(data, source)
-    return apply_env_mode(policy, env) if env is not None else policy
+    return data
 
 
 def apply_env_mode(policy: Policy, env: Mapping[str, str]) -> Policy:

@@ -1,6 +1,6 @@
 """The YAML a policy file is read with: PyYAML's safe loader without YAML 1.1 surprises.
 
-Its own module so that PyYAML (~20 ms of imports) loads only when a policy file is read, not when
+Its own module so that PyYAML (slow to import) loads only when a policy file is read, not when
 egressd runs on its built-in default policy.
 """
 

@@ -233,10 +233,10 @@ class Agent:
 
     # -- the command -------------------------------------------------------------------------
     def run(self, command: Sequence[str], catcher: process.SignalCatcher) -> int:
-        from egressd.proxy import EgressProxy, EngineError
+        from egressd.proxy import EngineError, ProxyServer
 
         policy = self.first_policy()
-        self.proxy = EgressProxy(
+        self.proxy = ProxyServer(
             policy,
             listen=self.listen,
             socks=True,

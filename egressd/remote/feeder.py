@@ -12,22 +12,11 @@ import contextlib
 import os
 import socket
 import sys
-import threading
 
+from egressd.connect import relay
 from egressd.remote.channel import encode
 
 ACCEPT_TIMEOUT = 60.0
-
-
-def _pump(src: int, dst: socket.socket) -> None:
-    """stdin → socket until EOF, then half-close so the agent sees the end."""
-    try:
-        while block := os.read(src, 65536):
-            dst.sendall(block)
-    except OSError:
-        pass
-    with contextlib.suppress(OSError):
-        dst.shutdown(socket.SHUT_WR)
 
 
 def run_feeder(socket_path: str) -> int:
@@ -53,11 +42,5 @@ def run_feeder(socket_path: str) -> int:
         with contextlib.suppress(OSError):
             os.unlink(socket_path)
     conn.settimeout(None)
-    threading.Thread(target=_pump, args=(sys.stdin.fileno(), conn), name="feed-in", daemon=True).start()
-    try:
-        while block := conn.recv(65536):
-            out.write(block)
-            out.flush()
-    except OSError:
-        pass
+    relay(conn, b"", sys.stdin.fileno(), sys.stdout.fileno())
     return 0

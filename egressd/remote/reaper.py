@@ -385,7 +385,7 @@ def guard(directory: str, command: list[str]) -> None:
     Exits like the command, or with 255 when the session ends first, once the tree is gone and the
     session directory removed (in either case: the client may no longer be there to remove it).
     The guard lets go of stdin/stdout/stderr once the command runs, so the command's end-of-file
-    on them reaches the client as before.
+    on them reaches the client as if no guard were there.
     """
     parent = os.getppid()
     become_subreaper()

@@ -174,15 +174,6 @@ def check_ssh_option(option: str) -> str:
     return option
 
 
-def requests_tty(options: Sequence[str]) -> bool:
-    """The user asked for a pseudo-terminal (`RequestTTY=yes|force`), as with `ssh -t`."""
-    for option in options:
-        parsed = parse_option(option)
-        if parsed is not None and parsed[0] == "requesttty":
-            return parsed[1][0].lower() in {"yes", "force"}
-    return False
-
-
 def _opts(values: Sequence[str]) -> list[str]:
     return [arg for value in values for arg in ("-o", value)]
 

@@ -1,7 +1,7 @@
 """Capture, in the sandbox's network namespace, what a child sends without using the proxy.
 
 Why: many clients ignore the proxy variables (node's fetch, Java's HttpClient, aiohttp's default
-session, urllib3, Go with its own transport). In the sandbox they used to get nothing at all.
+session, urllib3, Go with its own transport). Without capture, in the sandbox they get nothing at all.
 egressd (host side, owner of the sandbox's user namespace) installs, before the child starts:
 
 - a route that makes every IPv4 address local to the sandbox's `lo` (so a connect() to any

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from egressd import ca
+from egressd.files import replace_atomically
 from egressd.sandbox.mounts import MountError, within
 
 ALLOW_FLAG = "--allow-project-hooks"
@@ -546,10 +547,7 @@ def _record(registry: str | None, path: str, made: Made) -> None:
         return
     with contextlib.suppress(OSError):
         os.makedirs(registry, mode=0o700, exist_ok=True)
-        entry = _registered(registry, path)
-        with open(entry + ".new", "w", encoding="ascii") as f:
-            f.write(" ".join(map(str, made)))
-        os.replace(entry + ".new", entry)
+        replace_atomically(Path(_registered(registry, path)), " ".join(map(str, made)))
 
 
 def _recorded(registry: str | None, path: str) -> Made | None:

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import ipaddress
 import itertools
@@ -34,13 +33,13 @@ from collections.abc import Sequence
 
 from egressd.sandbox import BRIDGE_SOURCE
 from egressd.sandbox.splice import close_quietly, splice
+from egressd.wire.connect_client import AnswerError, ConnectClient, basic
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 SYNTHETIC = ipaddress.IPv4Network("198.18.0.0/15")
 MAX_NAMES = 65536  # a child asking for more names gets SERVFAIL, never unbounded memory
 TTL = 60
 MAX_NAME = 253
-MAX_ANSWER_HEAD = 64 * 1024  # the proxy's answer to CONNECT (a refusal has a text body)
 # The proxy bounds resolving and connecting itself, and an ask-mode approval may wait for a person:
 # this only ends a hang (the proxy's default idle timeout).
 ANSWER_TIMEOUT = 3600.0
@@ -287,28 +286,16 @@ def original_destination(sock: socket.socket) -> tuple[ipaddress.IPv4Address, in
     return ipaddress.IPv4Address(raw[4:8]), port
 
 
-def connect_head(host: str, port: int, auth: str) -> bytes:
+def connect_client(host: str, port: int, auth: str) -> ConnectClient:
     """The CONNECT the bridge sends for a captured connection, with the child's credentials."""
-    authority = f"{host}:{port}"
-    token = base64.b64encode(auth.encode()).decode()
-    return (
-        f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\nProxy-Authorization: Basic {token}\r\n\r\n"
-    ).encode()
+    user, _, password = auth.partition(":")
+    return ConnectClient(host, port, basic(user, password))
 
 
-async def _proxy_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """The status of the proxy's answer and any bytes after its head (the tunnel's first bytes)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = await reader.read(4096)
-        if not chunk or len(data) > MAX_ANSWER_HEAD:
-            return 0, b""
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    parts = head.split(b"\r\n", 1)[0].split(b" ")
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        return 0, b""
-    return int(parts[1]), rest
+async def _proxy_answer(reader: asyncio.StreamReader, client: ConnectClient) -> None:
+    """Read the proxy's answer to the bridge's CONNECT (what follows a 200 is in client.tunnel)."""
+    while not client.feed(await reader.read(4096)):
+        pass
 
 
 class Capture:
@@ -376,17 +363,18 @@ class Capture:
         except OSError:
             await close_quietly(writer)
             return
+        client = connect_client(*target, self.auth)
         try:
-            up_writer.write(connect_head(*target, self.auth))
-            status, rest = await asyncio.wait_for(_proxy_answer(up_reader), ANSWER_TIMEOUT)
-        except (TimeoutError, ConnectionError, OSError):
-            status, rest = 0, b""
-        if status != 200:  # refused: the proxy's audit holds the reason
+            up_writer.write(client.request)
+            await asyncio.wait_for(_proxy_answer(up_reader, client), ANSWER_TIMEOUT)
+        except (TimeoutError, ConnectionError, OSError, AnswerError):
+            pass
+        if not client.admitted:  # refused: the proxy's audit holds the reason
             await close_quietly(up_writer)
             await close_quietly(writer)
             return
-        if rest:
-            writer.write(rest)
+        if client.tunnel:
+            writer.write(client.tunnel)
         if first:
             up_writer.write(first)
         await splice((reader, writer), (up_reader, up_writer))

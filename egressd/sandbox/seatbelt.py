@@ -13,7 +13,7 @@ host's /tmp or $TMPDIR.
 The known trap: `(allow network-outbound (local ip "localhost:*"))` reads like a local-only
 allowance, but it matches the connection's LOCAL endpoint, which every outbound connection has,
 so it opens outbound traffic to anywhere. This profile never filters network-outbound on the local
-endpoint; `outbound_rules()` lets the tests check that.
+endpoint (the tests check it on every profile).
 
 Seatbelt decides an operation by the rules naming it before those naming a wildcard holding it
 (`file-write-unlink` before `file-write*`), and among those by the last that matches; each
@@ -30,7 +30,6 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from egressd.sandbox import sbpl
 from egressd.sandbox.mounts import order, within
 from egressd.sandbox.sbpl import quote
 
@@ -390,28 +389,3 @@ def run_marker(token: str) -> str:
 
 def seatbelt_argv(profile: str, command: Sequence[str], sandbox_exec: str = SANDBOX_EXEC) -> list[str]:
     return [sandbox_exec, "-p", profile, "--", *command]
-
-
-def network_rules(profile: str) -> list[tuple[str, str, str]]:
-    """(action, operation, filters) for every rule on network operations (or `default`) in the
-    profile, read as SBPL, for checks and tests."""
-    rules = []
-    for form in sbpl.read(profile):
-        if not (isinstance(form, list) and form and form[0] in ("allow", "deny")):
-            continue
-        operations = [item for item in form[1:] if isinstance(item, str)]
-        filters = " ".join(sbpl.render(item) for item in form[1:] if not isinstance(item, str))
-        for operation in operations:
-            if operation == "default" or operation.startswith("network"):
-                rules.append((str(form[0]), operation, filters))
-    return rules
-
-
-def outbound_rules(profile: str) -> list[str]:
-    """The filters of every rule that ALLOWS an outbound connection (network-outbound, network*,
-    default)."""
-    return [
-        filt
-        for action, operation, filt in network_rules(profile)
-        if action == "allow" and operation in ("network-outbound", "network*", "default")
-    ]

@@ -87,14 +87,6 @@ class Hello:
     sni: str | None
 
 
-def parse_client_hello(data: bytes) -> Hello | None:
-    """The ClientHello at the start of data; None if it is not complete yet.
-
-    Raises ValueError for bytes that cannot be a ClientHello (as mitmproxy does).
-    """
-    return parse_message(HelloReader(limited=False).feed(data))
-
-
 def parse_message(message: bytes | None) -> Hello | None:
     """The Hello in a complete handshake message from HelloReader (None: not complete yet)."""
     if not message:

@@ -78,10 +78,6 @@ class RequestHead:
         WebSocket handshake, by the request rules)."""
         return upgrade_protocols(self.headers) is not None
 
-    @property
-    def has_body(self) -> bool:
-        return bool(self.values("transfer-encoding")) or self.values("content-length") not in ([], ["0"])
-
 
 @dataclass(frozen=True)
 class ResponseHead:
@@ -548,9 +544,9 @@ def read_connect(head: bytes) -> ConnectHead:
     """One complete CONNECT head (the raw-head guard already passed it) read by h11. Raises WireError.
 
     A child sends the same head again and again (one client library, one registry, one token), and
-    reading it is a tenth of a tunnel's set-up: the last heads read are remembered, by their exact
-    bytes. Reading is a pure function of those bytes, so a remembered answer is the answer; a head
-    that raises is read again each time; only short heads are kept (at most 256 of 2 KiB)."""
+    h11 reads it slowly next to the rest of a tunnel's set-up: the last heads read are remembered,
+    by their exact bytes. Reading is a pure function of those bytes, so a remembered answer is the
+    answer; a head that raises is read again each time; only short heads are kept (at most 256 of 2 KiB)."""
     if len(head) <= _REMEMBERED_HEAD:
         return _read_connect_remembered(head)
     return _read_connect(head)

@@ -99,8 +99,8 @@ def named_problem(head: bytes, *, complete: bool) -> tuple[int, str] | None:
 
 def _clean(head: bytes) -> bool:
     """No byte any check of _line_problem refuses: every CR and LF paired as CRLF, no control
-    character, no line that starts with SP or HTAB. Byte counts, not the lookbehind searches: the
-    head every client sends as it should costs a third (the searches then name what is wrong)."""
+    character, no line that starts with SP or HTAB. Byte counts, cheaper than the lookbehind searches,
+    for the head every client sends as it should (the searches then name what is wrong)."""
     pairs = head.count(b"\r\n")
     return (
         head.count(b"\n") == pairs

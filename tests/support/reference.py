@@ -1,11 +1,19 @@
-"""An independent reference for what egressd must never allow, written from DESIGN.md alone.
+"""An independent reference for what egressd must never allow, written from the RFCs' tables.
 
-Why: a property "egressd refuses what it should" needs a second opinion that shares no code with
-egressd/policy. This module imports nothing from egressd: it classifies addresses with the standard
-``ipaddress`` module and the ranges DESIGN.md names, interprets a policy *spec* (plain tuples, the
-same spec the tests turn into a YAML policy), and answers one question — may this be allowed? It
-over-approximates (it may say "may" where egressd refuses); it must never say "no" where egressd
-allows.
+Why: a property "egressd refuses what it should" needs a second opinion that shares no code and
+no table with egressd/policy, or a wrong network in egressd's tables would be copied into the test
+that should catch it. This module imports nothing from egressd. It classifies addresses from the
+IANA IPv4 and IPv6 Special-Purpose Address Registries (RFC 6890, with RFC 8190's "globally
+reachable" column, as the registries stand in 2025: each entry cites the RFC that assigned it),
+the address architecture (RFC 4291), the translation formats (RFC 6052, 6145, 3056, 4380, 8215),
+and egressd's own contract for the addresses no setting lifts (docs/architecture.md, "Address
+classes"). Where the registry leaves room (a globally reachable service inside a reserved block,
+an N/A entry) every class egressd may choose is accepted: egressd may be stricter than the
+registry, never looser.
+
+It also interprets a policy *spec* (plain tuples, the same spec the tests turn into a YAML policy)
+and answers one question — may this be allowed? It over-approximates (it may say "may" where
+egressd refuses); it must never say "no" where egressd allows.
 """
 
 from __future__ import annotations
@@ -27,34 +35,106 @@ class Klass(Enum):
     GLOBAL = "global"
 
 
-# DESIGN.md step 4: link-local incl. metadata, unspecified, multicast, broadcast, 240/4.
+# egressd's contract: refused in every mode, no setting lifts it. Link-local (RFC 3927, RFC 4291
+# §2.5.6) with the cloud metadata endpoints in and beside it (169.254.169.254; AWS's IPv6
+# fd00:ec2::254; Alibaba Cloud's 100.100.100.200; Azure's 168.63.129.16), unspecified ("this
+# network" RFC 791 §3.2, :: RFC 4291 §2.5.2), multicast (RFC 5771, RFC 4291 §2.7), limited
+# broadcast (RFC 919 §7) and the reserved 240.0.0.0/4 (RFC 1112 §4).
 V4_ALWAYS_REFUSED = tuple(
     IPv4Network(n)
     for n in (
         "0.0.0.0/8",
         "169.254.0.0/16",
-        "224.0.0.0/4",
-        "240.0.0.0/4",
         "100.100.100.200/32",
         "168.63.129.16/32",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+        "255.255.255.255/32",
     )
 )
-V6_ALWAYS_REFUSED = tuple(IPv6Network(n) for n in ("::/128", "fe80::/10", "ff00::/8", "fd00:ec2::254/128"))
-# DESIGN.md "Address classes": private.
-V4_PRIVATE = tuple(
-    IPv4Network(n)
-    for n in (
-        "10.0.0.0/8",
-        "172.16.0.0/12",
-        "192.168.0.0/16",
-        "100.64.0.0/10",
-        "198.18.0.0/15",
-        "192.0.2.0/24",
-        "198.51.100.0/24",
-        "203.0.113.0/24",
-    )
+V6_ALWAYS_REFUSED = tuple(IPv6Network(n) for n in ("::/128", "fe80::/10", "fd00:ec2::254/128", "ff00::/8"))
+V4_LOOPBACK = IPv4Network("127.0.0.0/8")  # RFC 1122 §3.2.1.3
+V6_LOOPBACK = IPv6Address("::1")  # RFC 4291 §2.5.3
+# RFC 3879 deprecated site-local unicast: never global; egressd may refuse it outright
+V6_SITE_LOCAL = IPv6Network("fec0::/10")
+# RFC 4291 §2.4, IANA's IPv6 Address Space registry: only 2000::/3 is given out as global unicast
+V6_GLOBAL_UNICAST = IPv6Network("2000::/3")
+
+Entry = tuple[Network, bool | None, str]
+
+
+def _registry(text: str) -> tuple[Entry, ...]:
+    """Rows of `block  globally-reachable  what and where`, as the registry lists them."""
+    entries = []
+    for line in text.strip().splitlines():
+        block, reachable, why = line.split(None, 2)
+        entries.append((ipaddress.ip_network(block), {"yes": True, "no": False}.get(reachable), why))
+    return tuple(entries)
+
+
+# IANA IPv4 Special-Purpose Address Registry: (block, globally reachable, what and where). The most
+# specific block holding an address decides; n/a is the registry's N/A.
+V4_SPECIAL = _registry(
+    """
+    0.0.0.0/8            no   this network, RFC 791 §3.2
+    10.0.0.0/8           no   private use, RFC 1918
+    100.64.0.0/10        no   shared address space (CGNAT), RFC 6598
+    127.0.0.0/8          no   loopback, RFC 1122
+    169.254.0.0/16       no   link local, RFC 3927
+    172.16.0.0/12        no   private use, RFC 1918
+    192.0.0.0/24         no   IETF protocol assignments, RFC 6890 §2.1
+    192.0.0.9/32         yes  port control protocol anycast, RFC 7723
+    192.0.0.10/32        yes  TURN anycast, RFC 8155
+    192.0.2.0/24         no   documentation (TEST-NET-1), RFC 5737
+    192.31.196.0/24      yes  AS112-v4, RFC 7535
+    192.52.193.0/24      yes  AMT, RFC 7450
+    192.88.99.0/24       n/a  deprecated 6to4 relay anycast, RFC 7526
+    192.168.0.0/16       no   private use, RFC 1918
+    192.175.48.0/24      yes  direct delegation AS112 service, RFC 7534
+    198.18.0.0/15        no   benchmarking, RFC 2544
+    198.51.100.0/24      no   documentation (TEST-NET-2), RFC 5737
+    203.0.113.0/24       no   documentation (TEST-NET-3), RFC 5737
+    240.0.0.0/4          no   reserved, RFC 1112 §4
+    255.255.255.255/32   no   limited broadcast, RFC 8190, RFC 919 §7
+    """
 )
-V6_PRIVATE = tuple(IPv6Network(n) for n in ("fc00::/7", "2001:db8::/32"))
+# IANA IPv6 Special-Purpose Address Registry, read the same way.
+V6_SPECIAL = _registry(
+    """
+    ::1/128              no   loopback, RFC 4291
+    ::/128               no   unspecified, RFC 4291
+    ::ffff:0:0/96        no   IPv4-mapped, RFC 4291
+    64:ff9b::/96         yes  IPv4-IPv6 translation, RFC 6052
+    64:ff9b:1::/48       no   IPv4-IPv6 translation for local use, RFC 8215
+    100::/64             no   discard-only, RFC 6666
+    100:0:0:1::/64       no   dummy IPv6 prefix, RFC 9780
+    2001::/23            no   IETF protocol assignments, RFC 2928
+    2001::/32            n/a  Teredo, RFC 4380, RFC 8190
+    2001:1::1/128        yes  port control protocol anycast, RFC 7723
+    2001:1::2/128        yes  TURN anycast, RFC 8155
+    2001:1::3/128        yes  DNS-SD service registration protocol anycast, RFC 9665
+    2001:2::/48          no   benchmarking, RFC 5180
+    2001:3::/32          yes  AMT, RFC 7450
+    2001:4:112::/48      yes  AS112-v6, RFC 7535
+    2001:10::/28         no   deprecated ORCHID, RFC 4843
+    2001:20::/28         yes  ORCHIDv2, RFC 7343
+    2001:30::/28         yes  drone remote ID entity tags, RFC 9374
+    2001:db8::/32        no   documentation, RFC 3849
+    2002::/16            n/a  6to4, RFC 3056
+    2620:4f:8000::/48    yes  direct delegation AS112 service, RFC 7534
+    3fff::/20            no   documentation, RFC 9637
+    5f00::/16            no   segment routing (SRv6) SIDs, RFC 9602
+    fc00::/7             no   unique local, RFC 4193
+    fe80::/10            no   link-local unicast, RFC 4291
+    """
+)
+
+
+def registry_entry(ip: Address) -> Entry | None:
+    """The most specific registry block holding ``ip``, or None when no entry names it."""
+    table = V4_SPECIAL if ip.version == 4 else V6_SPECIAL
+    found = [entry for entry in table if ip.version == entry[0].version and ip in entry[0]]
+    return max(found, key=lambda entry: entry[0].prefixlen) if found else None
 
 
 def _bits(value: int, start: int, length: int = 32) -> int:
@@ -72,10 +152,11 @@ _LOCAL_NAT64_LAYOUTS: tuple[tuple[tuple[tuple[int, int], ...], int], ...] = (
 )
 
 
-def embedded_v4(ip: IPv6Address) -> list[IPv4Address]:
+def embedded_v4(ip: IPv6Address, *, loose: bool = False) -> list[IPv4Address]:
     """Every IPv4 address an IPv6 address can stand for behind some translator (RFC 6052 NAT64,
     RFC 6145 SIIT, RFC 3056 6to4, RFC 4380 Teredo). Mapped/compatible are not here: they ARE the
-    IPv4 host (see ``folded``)."""
+    IPv4 host (see ``folded``). ``loose``: also the local-use layouts whose suffix is not zero (RFC
+    6052 §2.2 says it SHOULD be: a translator may ignore it)."""
     value = int(ip)
     if ip in IPv6Network("::ffff:0:0:0/96") or ip in IPv6Network("64:ff9b::/96"):
         return [IPv4Address(value & 0xFFFFFFFF)]
@@ -86,19 +167,19 @@ def embedded_v4(ip: IPv6Address) -> list[IPv4Address]:
     if ip in IPv6Network("64:ff9b:1::/48"):
         out: list[IPv4Address] = []
         for pieces, suffix in _LOCAL_NAT64_LAYOUTS:
-            if suffix < 128 and _bits(value, suffix, 128 - suffix):
-                continue  # not this layout: its suffix must be zero
+            if not loose and suffix < 128 and _bits(value, suffix, 128 - suffix):
+                continue  # not this layout: its suffix would be zero
             v4 = 0
             for start, length in pieces:
                 v4 = (v4 << length) | _bits(value, start, length)
-            if v4:  # an all-zero reading is the zero fill of another layout
-                out.append(IPv4Address(v4))
+            out.append(IPv4Address(v4))  # all zero: the zero fill of another layout, or 0.0.0.0
         return out
     return []
 
 
 def folded(ip: Address) -> Address:
-    """IPv4-mapped (::ffff:a.b.c.d) and IPv4-compatible (::a.b.c.d) IPv6 are the IPv4 host."""
+    """IPv4-mapped (::ffff:a.b.c.d) and IPv4-compatible (::a.b.c.d, RFC 4291 §2.5.5) IPv6 are the
+    IPv4 host: a dual-stack socket connecting to one reaches the other."""
     if isinstance(ip, IPv6Address):
         if ip.ipv4_mapped is not None:
             return ip.ipv4_mapped
@@ -107,28 +188,64 @@ def folded(ip: Address) -> Address:
     return ip
 
 
-def classify(ip: Address) -> Klass:
+FORBIDDEN = frozenset({Klass.FORBIDDEN})
+LOOPBACK = frozenset({Klass.LOOPBACK})
+PRIVATE = frozenset({Klass.PRIVATE})
+GLOBAL = frozenset({Klass.GLOBAL})
+SPECIAL_SERVICE = frozenset({Klass.GLOBAL, Klass.PRIVATE})  # reachable, but egressd may refuse it
+
+
+def _registry_classes(ip: Address) -> frozenset[Klass]:
+    entry = registry_entry(ip)
+    if entry is None:
+        if isinstance(ip, IPv6Address) and ip not in V6_GLOBAL_UNICAST:
+            return SPECIAL_SERVICE  # reserved by the IETF, never given out: either reading holds
+        return GLOBAL
+    return PRIVATE if entry[1] is False else SPECIAL_SERVICE
+
+
+def classes(ip: Address) -> frozenset[Klass]:
+    """Every class egressd may give ``ip``: one where the contract and the registries fix it, two
+    where the registry leaves egressd room to be stricter."""
     ip = folded(ip)
     if isinstance(ip, IPv4Address):
         if any(ip in n for n in V4_ALWAYS_REFUSED):
-            return Klass.FORBIDDEN
-        if ip in IPv4Network("127.0.0.0/8"):
-            return Klass.LOOPBACK
-        if any(ip in n for n in V4_PRIVATE) or not ip.is_global:
-            return Klass.PRIVATE
-        return Klass.GLOBAL
+            return FORBIDDEN
+        if ip in V4_LOOPBACK:
+            return LOOPBACK
+        return _registry_classes(ip)
     if any(ip in n for n in V6_ALWAYS_REFUSED):
-        return Klass.FORBIDDEN
-    inner = [classify(v4) for v4 in embedded_v4(ip)]
-    if Klass.FORBIDDEN in inner:
-        return Klass.FORBIDDEN
-    if ip == IPv6Address("::1"):
-        return Klass.LOOPBACK
-    if inner and any(k is not Klass.GLOBAL for k in inner):
-        return Klass.PRIVATE  # behind a translator: never loopback, but not global either
-    if any(ip in n for n in V6_PRIVATE) or not ip.is_global:
-        return Klass.PRIVATE
-    return Klass.GLOBAL
+        return FORBIDDEN
+    if ip == V6_LOOPBACK:
+        return LOOPBACK
+    own = frozenset({Klass.PRIVATE, Klass.FORBIDDEN}) if ip in V6_SITE_LOCAL else _registry_classes(ip)
+    readings = embedded_v4(ip)
+    inner = [classes(v4) for v4 in readings if int(v4)]
+    # what egressd may also refuse: a layout reading 0.0.0.0 (the unspecified host, or another
+    # layout's zero fill), and what a translator ignoring a non-zero suffix would reach
+    stricter: frozenset[Klass] = frozenset()
+    for v4 in embedded_v4(ip, loose=True):
+        reached = classes(v4) if int(v4) else FORBIDDEN
+        if Klass.FORBIDDEN in reached:
+            stricter |= FORBIDDEN
+        elif reached != GLOBAL:
+            stricter |= PRIVATE
+    if FORBIDDEN in inner:
+        return FORBIDDEN  # what a translator would reach is never reachable
+    if any(Klass.GLOBAL not in k for k in inner):
+        return PRIVATE | stricter  # behind a translator: never loopback, and not global either
+    if any(Klass.PRIVATE in k for k in inner):
+        return own | PRIVATE | stricter
+    return own | stricter
+
+
+def classify(ip: Address) -> Klass:
+    """The most permissive class egressd may give ``ip`` (the reference over-approximates)."""
+    allowed = classes(ip)
+    for klass in (Klass.GLOBAL, Klass.PRIVATE, Klass.LOOPBACK):
+        if klass in allowed:
+            return klass
+    return Klass.FORBIDDEN
 
 
 # -- a policy spec and the reference's reading of it ----------------------------------------------
@@ -216,7 +333,7 @@ def may_allow_ip(spec: Spec, ip: Address, port: int) -> bool:
         return False
     if klass is Klass.LOOPBACK:
         return _loopback_ok(spec, port)
-    # DESIGN.md step 10: allow and learn admit any literal, but a non-global one only with
+    # decision order, step 10: allow and learn admit any literal, but a non-global one only with
     # private.allow (the guard that holds in every mode) unless a rule names it
     by_mode = spec.mode in ("allow", "learn") and (klass is Klass.GLOBAL or spec.private_allow)
     if not (by_mode or any(r.matches_ip(ip, port) for r in spec.allow)):
@@ -253,7 +370,7 @@ def may_connect_resolved(spec: Spec, name_admitted_by_net_rule: bool, ip: Addres
 
 
 def refused_everywhere(ips: Iterable[Address]) -> list[Address]:
-    """The addresses no policy may ever connect to (DESIGN.md step 4)."""
+    """The addresses no policy may ever connect to (the always-refused class)."""
     return [ip for ip in ips if classify(ip) is Klass.FORBIDDEN]
 
 

@@ -23,7 +23,7 @@ from egressd.ca import JKS_PASSWORD, java_truststore
 from egressd.policy import parse_policy
 from egressd.sandbox.bwrap import LAUNCHER_BOOT, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.capture import ruleset
-from egressd.sandbox.intercept import SYNTHETIC, Capture, NameTable, answer, connect_head
+from egressd.sandbox.intercept import SYNTHETIC, Capture, NameTable, answer, connect_client
 
 
 def ask(table: NameTable, name: str, rdtype: str = "A") -> dns.message.Message:
@@ -83,7 +83,7 @@ def test_where_a_captured_connection_goes() -> None:
 
 
 def test_connect_head_carries_the_childs_credentials() -> None:
-    assert connect_head("up.test", 443, "egressd:tok") == (
+    assert connect_client("up.test", 443, "egressd:tok").request == (
         b"CONNECT up.test:443 HTTP/1.1\r\nHost: up.test:443\r\n"
         b"Proxy-Authorization: Basic ZWdyZXNzZDp0b2s=\r\n\r\n"
     )

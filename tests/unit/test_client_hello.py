@@ -11,11 +11,22 @@ from mitmproxy.proxy.layers.tls import parse_client_hello as mitm_parse_client_h
 from egressd.wire.client_hello import (
     MAX_CLIENT_HELLO,
     MAX_HELLO_RECORDS,
-    parse_client_hello,
+    Hello,
+    HelloReader,
+    parse_message,
     starts_like_tls_record,
 )
 from egressd.wire.sni import WAIT, TunnelStart
 from tests.support.tls_hello import client_hello, records
+
+
+def parse_client_hello(data: bytes) -> Hello | None:
+    """The ClientHello at the start of data, read without the front's record limit (mitmproxy's
+    reader has none); None if it is not complete yet.
+
+    Raises ValueError for bytes that cannot be a ClientHello (as mitmproxy does).
+    """
+    return parse_message(HelloReader(limited=False).feed(data))
 
 
 def outcome(parse: object, data: bytes) -> tuple[str, str | None]:

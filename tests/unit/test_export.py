@@ -21,13 +21,15 @@ from hypothesis import strategies as st
 
 from egressd.export import ExportRefused, export_policy
 from egressd.export.guards import FORBIDDEN, NON_GLOBAL, PRIVATE
-from egressd.export.report import LOSSES, TARGET_KINDS, loss_table_markdown
+from egressd.export.report import LOSSES, NARROWER, READS, TARGET_KINDS, WIDER
 from egressd.policy import (
     AddressClass,
     Policy,
     classify,
     parse_policy,
 )
+from tests.support import reference as ref
+from tests.support.export_targets import MEASURED
 from tests.support.spellings import CASES
 
 POLICY = parse_policy(
@@ -53,9 +55,32 @@ NAMES = [c.host for c in CASES] + [
 ]
 
 
+def loss_table_markdown() -> str:
+    """docs/scale.md's tables: per kind of target, what each engine decides differently, then why."""
+    targets = ("squid", "smokescreen", "envoy", "cilium", "istio")
+    short = {NARROWER: "narrower", READS: "reads the host", WIDER: "**wider**"}
+    lines = ["| target kind | " + " | ".join(targets) + " |", "|---|" + "---|" * len(targets)]
+    for kind in TARGET_KINDS:
+        cells = [
+            ", ".join(dict.fromkeys(short[x.how] for x in LOSSES[t].get(kind, ()))) or "same" for t in targets
+        ]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    lines += ["", "| target kind | what it is |", "|---|---|"]
+    lines += [f"| {kind} | {what} |" for kind, what in TARGET_KINDS.items()]
+    lines.append("")
+    for target in targets:
+        for kind in TARGET_KINDS:
+            for loss in LOSSES[target].get(kind, ()):
+                seen = " (not on the test table)" if target in MEASURED and not loss.in_table else ""
+                lines.append(f"- {target}, {kind}: {loss.how}: {loss.detail}{seen}")
+    return "\n".join(lines) + "\n"
+
+
 def _special_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    """Every network the standard library's is_global consults, plus the guard lists."""
+    """Every network the standard library's is_global consults, the IANA special-purpose registries'
+    blocks (tests/support/reference.py), and the guard lists."""
     found: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = list(NON_GLOBAL)
+    found += [block for block, _, _ in (*ref.V4_SPECIAL, *ref.V6_SPECIAL)]
     for constants in (ipaddress._IPv4Constants, ipaddress._IPv6Constants):  # type: ignore[attr-defined]
         for value in vars(constants).values():
             for item in value if isinstance(value, list | tuple) else (value,):

@@ -87,7 +87,7 @@ def test_every_other_spelling_is_refused(value: str | None) -> None:
     creds = store()
     assert creds.check_basic(value, "127.0.0.1:1") is None
     conn = ConnState("c1", "127.0.0.1:1")
-    assert not authenticate(creds, conn, value, require_auth=True)
+    assert not authenticate(creds, conn, value)
 
 
 def test_the_basic_scheme_is_case_insensitive_like_any_client_sends_it() -> None:

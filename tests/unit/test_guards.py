@@ -1,7 +1,7 @@
 """The address guards hold in every mode: a table of mode x address class x spelling.
 
 Why: `mode: allow` and `mode: learn` admit what is not allowlisted, but a literal must never reach
-what a NAME resolving to it could not (DESIGN.md step 10): private, CGNAT, ULA, documentation and
+what a NAME resolving to it could not (docs/policy.md, step 10): private, CGNAT, ULA, documentation and
 other non-global literals need private.allow, an explicit IP/CIDR rule or a private origin;
 loopback with loopback.allow false and the always-refused addresses stay refused whatever the mode.
 """

@@ -90,13 +90,13 @@ def test_child_only_listener_credentials() -> None:
     store = CredentialStore()
     creds = store.issue()
     conn = ConnState("c1", "peer", implicit=creds, tree_only=True)
-    assert not authenticate(store, conn, None, require_auth=True)  # not looked up: not the child's
+    assert not authenticate(store, conn, None)  # not looked up: not the child's
     conn.identity = identity.Identity(pid=5, exe="/usr/bin/curl", in_tree=False)
-    assert not authenticate(store, conn, None, require_auth=True)
+    assert not authenticate(store, conn, None)
     conn.identity = identity.Identity(pid=5, exe="/usr/bin/curl", in_tree=True)
-    assert authenticate(store, conn, None, require_auth=True) and conn.creds == creds
+    assert authenticate(store, conn, None) and conn.creds == creds
     store.revoke(creds)
-    assert not authenticate(store, conn, None, require_auth=True)  # revoked: nothing more
+    assert not authenticate(store, conn, None)  # revoked: nothing more
 
 
 def _decided(**extra: object) -> Decided:

@@ -302,6 +302,20 @@ def test_bad_json(tmp_path: Path, text: str, fragment: str) -> None:
     assert fragment in str(info.value)
 
 
+def test_the_rules_listed_from_the_file_are_read_as_strictly_as_the_policy(tmp_path: Path) -> None:
+    """The dashboard lists the rules the file holds itself; a file the loader refuses (a duplicate
+    key) lists none, never the rules of the copy of the key a lax reader would keep."""
+    from egressd.session import load_policy_data
+
+    good = write(tmp_path, "version: 1\nallow: [a.test]\n", "good.yaml")
+    assert load_policy_data(good) == {"version": 1, "allow": ["a.test"]}
+    twice = write(tmp_path, "version: 1\nallow: [a.test]\nallow: [b.test]\n", "twice.yaml")
+    assert load_policy_data(twice) is None
+    twice_json = write(tmp_path, '{"version": 1, "allow": ["a.test"], "allow": ["b.test"]}', "twice.json")
+    assert load_policy_data(twice_json) is None
+    assert load_policy_data(tmp_path / "missing.yaml") is None
+
+
 def test_unreadable_and_binary(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="cannot read"):
         load_policy(tmp_path / "missing.yaml")

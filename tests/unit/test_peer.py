@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import sys
 
 import pytest
 from hypothesis import given
@@ -15,6 +16,16 @@ from egressd.admission import peer
 
 ip = ipaddress.ip_address
 HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode"
+
+
+def format_address(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, byteorder: str = sys.byteorder
+) -> str:
+    """The inverse of parse_address: how the kernel prints this address and port."""
+    raw = address.packed
+    if byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return f"{raw.hex().upper()}:{port:04X}"
 
 
 def row(local: str, remote: str, *, state: str = "01", uid: int = 1000, inode: int = 4242) -> str:
@@ -41,7 +52,7 @@ def row(local: str, remote: str, *, state: str = "01", uid: int = 1000, inode: i
 )
 def test_addresses_in_either_byte_order(text: str, byteorder: str, address: str, port: int) -> None:
     assert peer.parse_address(text, byteorder) == (ip(address), port)
-    assert peer.format_address(ip(address), port, byteorder) == text
+    assert format_address(ip(address), port, byteorder) == text
 
 
 @pytest.mark.parametrize(
@@ -93,9 +104,9 @@ def test_the_clients_row_not_egressds_own_end() -> None:
     client, server = ("127.0.0.1", 50000), ("127.0.0.1", 8080)
     lines = [
         HEADER,
-        row(peer.format_address(ip("127.0.0.1"), 8080), "00000000:0000", state="0A", inode=1),  # listener
-        row(peer.format_address(ip("127.0.0.1"), 8080), peer.format_address(ip("127.0.0.1"), 50000), inode=2),
-        row(peer.format_address(ip("127.0.0.1"), 50000), peer.format_address(ip("127.0.0.1"), 8080), inode=3),
+        row(format_address(ip("127.0.0.1"), 8080), "00000000:0000", state="0A", inode=1),  # listener
+        row(format_address(ip("127.0.0.1"), 8080), format_address(ip("127.0.0.1"), 50000), inode=2),
+        row(format_address(ip("127.0.0.1"), 50000), format_address(ip("127.0.0.1"), 8080), inode=3),
     ]
     found = _find(lines, client, server)
     assert found is not None and found.inode == 3
@@ -103,26 +114,18 @@ def test_the_clients_row_not_egressds_own_end() -> None:
 
 def test_same_port_other_address_or_no_inode_is_not_the_client() -> None:
     client, server = ("127.0.0.1", 50000), ("127.0.0.1", 8080)
-    other = row(
-        peer.format_address(ip("127.0.0.2"), 50000), peer.format_address(ip("127.0.0.1"), 8080), inode=7
-    )
-    other_server = row(
-        peer.format_address(ip("127.0.0.1"), 50000), peer.format_address(ip("127.0.0.1"), 8081)
-    )
-    timewait = row(
-        peer.format_address(ip("127.0.0.1"), 50000), peer.format_address(ip("127.0.0.1"), 8080), inode=0
-    )
+    other = row(format_address(ip("127.0.0.2"), 50000), format_address(ip("127.0.0.1"), 8080), inode=7)
+    other_server = row(format_address(ip("127.0.0.1"), 50000), format_address(ip("127.0.0.1"), 8081))
+    timewait = row(format_address(ip("127.0.0.1"), 50000), format_address(ip("127.0.0.1"), 8080), inode=0)
     assert _find([other, other_server, timewait], client, server) is None
 
 
 def test_a_v4_mapped_view_matches_the_ipv4_row() -> None:
     """A dual-stack listener sees ::ffff:127.0.0.1; the client's socket is in the IPv4 table."""
-    line = row(
-        peer.format_address(ip("127.0.0.1"), 50000), peer.format_address(ip("127.0.0.1"), 8080), inode=5
-    )
+    line = row(format_address(ip("127.0.0.1"), 50000), format_address(ip("127.0.0.1"), 8080), inode=5)
     found = _find([line], ("::ffff:127.0.0.1", 50000), ("::ffff:127.0.0.1", 8080))
     assert found is not None and found.inode == 5
-    v6 = row(peer.format_address(ip("::1"), 50000), peer.format_address(ip("::1"), 8080), inode=6)
+    v6 = row(format_address(ip("::1"), 50000), format_address(ip("::1"), 8080), inode=6)
     found = _find([v6], ("::1", 50000), ("::1", 8080))
     assert found is not None and found.inode == 6
     assert _find([v6], ("127.0.0.1", 50000), ("127.0.0.1", 8080)) is None  # ::1 is not 127.0.0.1
@@ -145,8 +148,8 @@ def test_property_rows_round_trip_and_are_found(
     byteorder: str,
 ) -> None:
     line = row(
-        peer.format_address(local, lport, byteorder),
-        peer.format_address(remote, rport, byteorder),
+        format_address(local, lport, byteorder),
+        format_address(remote, rport, byteorder),
         inode=inode,
     )
     parsed = peer.parse_line(line, byteorder)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from egressd.policy import load_policy
-from egressd.policy_edit import PolicyEditError, add_rule, remove_rule, validate_rule
+from egressd.policy_edit import PolicyEditError, add_rule, edit_rule, validate_rule
 
 YAML = """\
 version: 1
@@ -84,14 +84,14 @@ def test_invalid_entries_are_refused_with_a_message(which: str, rule: object) ->
 def test_remove_keeps_the_rest_of_the_file(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(YAML)
-    assert "removed a.test from allow" in remove_rule(path, "allow", "a.test")
+    assert "removed a.test from allow" in edit_rule(path, "allow", "a.test", remove=True)
     assert path.read_text() == YAML.replace("  - a.test   # the first\n", "")
     with pytest.raises(PolicyEditError, match="not in allow"):
-        remove_rule(path, "allow", "a.test")
+        edit_rule(path, "allow", "a.test", remove=True)
     with pytest.raises(PolicyEditError, match="not in deny"):
-        remove_rule(path, "deny", "b.test")
+        edit_rule(path, "deny", "b.test", remove=True)
     assert [r.text for r in load_policy(path, env={}).allow.rules] == ["b.test"]
     json_path = tmp_path / "p.json"
     json_path.write_text(json.dumps({"version": 1, "allow": ["x.test", "y.test"]}))
-    remove_rule(json_path, "allow", "x.test")
+    edit_rule(json_path, "allow", "x.test", remove=True)
     assert json.loads(json_path.read_text())["allow"] == ["y.test"]

@@ -17,19 +17,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from egressd.sandbox import sbpl
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import Mount
-from egressd.sandbox.sbpl import String, UnquotablePath, quote
+from egressd.sandbox.sbpl import UnquotablePath, quote
 from egressd.sandbox.seatbelt import (
-    network_rules,
-    outbound_rules,
     run_marker,
     seatbelt_argv,
     seatbelt_profile,
     spellings,
 )
 from egressd.sandbox.shields import Cover
+from tests.support import sbpl_reader as sbpl
+from tests.support.sbpl_reader import String, network_rules, outbound_rules
 from tests.support.seatbelt_model import Model
 
 # A project with --ro .git, the policy inside it (so its directory is pinned), egressd installed by

@@ -25,7 +25,7 @@ from egressd.remote import scripts
 from egressd.remote.channel import ChannelError, LineChannel, decode, encode, policy_message, read_policy
 from egressd.remote.connection import control_directory
 from egressd.remote.destination import Destination, DestinationError, parse_destination
-from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option, option_name, requests_tty
+from egressd.remote.sshargs import SshCommand, SshOptionError, check_ssh_option, option_name
 from egressd.remote.supervise import accepted_status
 
 CP = "/tmp/egressd-ssh-x/ctl"
@@ -107,11 +107,6 @@ def test_ssh_options_checked() -> None:
     ]:
         with pytest.raises(SshOptionError, match=why):
             check_ssh_option(bad)
-
-
-def test_requests_tty() -> None:
-    assert requests_tty(["RequestTTY=yes"]) and requests_tty(["requesttty force"])
-    assert not requests_tty(["RequestTTY=no"]) and not requests_tty(["Port=22"])
 
 
 # -- ssh command lines (golden) --------------------------------------------------------------------

@@ -144,3 +144,61 @@ def test_merged_policies_keep_their_one_parent() -> None:
     other = policy({"url": "http://q.example:1"})
     with pytest.raises(PolicyError, match="different parent proxies"):
         merge_policies([mine, other])  # type: ignore[list-item]
+
+
+# -- the parent's answer to a CONNECT ---------------------------------------------------------------
+async def _answer_of_parent(answer: bytes) -> tuple[tuple[int, str] | str, bytes]:
+    """What _handshake makes of a parent that answers `answer` to the CONNECT, and what is left
+    in the socket afterwards (the tunnel's first bytes must be)."""
+    import asyncio
+    import socket
+
+    from egressd.admission import upstream
+
+    ours, parents = socket.socketpair()
+    with ours, parents:
+        ours.setblocking(False)
+        parents.sendall(answer)
+        parents.shutdown(socket.SHUT_WR)
+        try:
+            got: tuple[int, str] | str = await asyncio.wait_for(
+                upstream._handshake(ours, "up.test", 443, None), timeout=10
+            )
+        except upstream.ParentFailure as exc:
+            got = exc.detail
+        ours.setblocking(True)
+        left = b""
+        while chunk := ours.recv(4096):
+            left += chunk
+        assert parents.recv(4096).startswith(b"CONNECT up.test:443 HTTP/1.1\r\nHost: up.test:443\r\n")
+    return got, left
+
+
+@pytest.mark.parametrize(
+    ("answer", "got", "left"),
+    [
+        (
+            b"HTTP/1.1 200 Connection established\r\n\r\nSSH-2.0-x\r\n",
+            (200, "Connection established"),
+            b"SSH-2.0-x\r\n",
+        ),
+        (b"HTTP/1.0 200 OK\r\nVia: squid\r\n\r\n", (200, "OK"), b""),
+        (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n\r\nhi",
+            (200, "OK"),
+            b"hi",
+        ),  # a 1xx is not the answer
+        (
+            b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 4\r\n\r\nnope",
+            (407, "Proxy Authentication Required"),
+            b"nope",
+        ),
+        (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "did not answer in HTTP/1", b""),
+        (b"HTTP/1.1 200 OK\r\n", "closed the connection without answering", b""),
+    ],
+)
+async def test_the_parents_answer_is_read_by_its_head_alone(answer: bytes, got: object, left: bytes) -> None:
+    seen, rest = await _answer_of_parent(answer)
+    assert seen == got
+    if isinstance(got, tuple):
+        assert rest == left  # nothing after the head was read
