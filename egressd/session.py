@@ -241,9 +241,12 @@ class ProxySession:
         # the files the policy is read from, as absolute paths (`ps`, the dashboard): named once,
         # while the working directory is the one they were given in
         named = [options.policy_file] if options.policy_file is not None else []
-        self.policy_paths = [
-            str(resolve_policy_path(n).absolute()) for n in (*named, *options.overrides.policies)
-        ]
+        try:
+            self.policy_paths = [
+                str(resolve_policy_path(n).absolute()) for n in (*named, *options.overrides.policies)
+            ]
+        except PolicyError as exc:
+            raise SessionError(str(exc)) from exc
         self.policy = self._load()
         if options.gateway is not None:
             self._load_gateway(options.gateway)
