@@ -5,7 +5,7 @@ A SOCKS5 client is a FrontProtocol whose request head is a SOCKS5 handshake. Its
 answered in the RFC 1929 sub-negotiation by the pipeline's credentials step; its request becomes an
 Attempt of stage "socks" for FrontProtocol._open_tunnel — admission (credentials, limits, decision,
 approver, inspection choice, resolution, pinning), the connect, the TLS SNI check of the client's
-first bytes, the relay or the hand-off to mitmproxy for inspection, the records. Only the answers
+first bytes, the relay or the hand-over to mitmproxy for inspection, the records. Only the answers
 differ: SOCKS5 reply codes instead of HTTP statuses.
 """
 
