@@ -1,10 +1,12 @@
-"""mitmproxy addon: the connections egressd's front handed over, and every request inside them.
+"""mitmproxy addon: every request inside the tunnels egressd's front handed over, and every
+upstream connection of theirs.
 
-mitmproxy serves only connections the front registered (egressd.inspect.handoffs): tunnels the
-admission pipeline already admitted and pinned for inspection, whose CONNECT must name what was
-admitted. Each request inside is admitted by the same pipeline (`Pipeline.admit`, stage "inner"),
-and every upstream connection goes to the tunnel's pin, never resolved here (the connect hook in
-egressd.inspect.patches refuses anything else).
+mitmproxy serves only tunnels the admission pipeline already admitted and pinned for inspection,
+each carried by its client connection (egressd.inspect.engine). Each request inside is admitted by
+the same pipeline (`Pipeline.admit`, stage "inner"); every upstream connection goes to the tunnel's
+target and is opened by the pipeline's `connect` to the tunnel's pin (egressd.inspect.handler),
+never resolved here. What fails an exchange is kept as a Refusal on the tunnel (`InspectedTunnel.fail`):
+the error page says it and the error hook records it.
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from mitmproxy import connection, http
+from mitmproxy import http
 from mitmproxy.proxy import server_hooks
 
-from egressd.admission.pinning import current_pin
 from egressd.admission.pipeline import Admitted, Attempt, Pipeline
 from egressd.admission.state import ConnState
 from egressd.inspect import response_limit
 from egressd.inspect.connections import close_client, close_server
 from egressd.inspect.error_pages import refusal_response
-from egressd.inspect.handoffs import Handoff, Handoffs
-from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
+from egressd.inspect.handler import tunnel_of
+from egressd.inspect.inspected import InspectedTunnel
+from egressd.refusal import EGRESSD_HEADERS, Refusal
 from egressd.wire.http_fields import hop_by_hop_names, upgrade_protocols
 from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
 
@@ -43,11 +45,6 @@ _UPGRADE = "egressd_upgrade"
 BUFFERED_BODY = 256 * 1024
 # failures of an exchange whose upstream connection was open (the connect's own are recorded there)
 _UPSTREAM_FAILURES = frozenset({"upstream_timeout", "upstream_protocol_error"})
-
-
-def _peer(client: connection.Client) -> str:
-    host, port, *_ = client.peername or ("?", 0)
-    return f"{host}:{port}"
 
 
 def fail_closed(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,83 +71,38 @@ def fail_closed(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class PolicyGate:
-    def __init__(self, pipeline: Pipeline, handoffs: Handoffs) -> None:
+    def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
-        self.handoffs = handoffs
-        self._clients: dict[str, Handoff] = {}  # by mitmproxy's client id
         self._waiting: dict[str, asyncio.TimerHandle] = {}  # timeouts.response, by flow id
-
-    # -- connections -------------------------------------------------------------------------
-    def client_connected(self, client: connection.Client) -> None:
-        handoff = self.handoffs.get(_peer(client))
-        if handoff is None:
-            # not from egressd's front: a child that found the engine's loopback port
-            client.error = "egressd: not a connection egressd's front handed over"
-            return
-        self._clients[client.id] = handoff
-
-    def client_disconnected(self, client: connection.Client) -> None:
-        self._clients.pop(client.id, None)  # the front that handed it over writes its closed record
-
-    def find(self, client: connection.Client) -> Handoff | None:
-        return self._clients.get(client.id)
-
-    def handoff(self, client: connection.Client) -> Handoff:
-        handoff = self._clients.get(client.id)
-        if handoff is None:
-            raise RuntimeError("a connection egressd's front did not hand over")
-        return handoff
-
-    # -- CONNECT: already admitted by the front ------------------------------------------------
-    @fail_closed
-    def http_connect(self, flow: http.HTTPFlow) -> None:
-        admitted = self.handoff(flow.client_conn).tunnel
-        request = flow.request
-        if (request.host, request.port) != (admitted.host, admitted.port):
-            why = "a CONNECT that was not the one admitted"
-            self._refuse(flow, Refusal("bad_request", why, request.host, request.port))
-
-    def http_connect_error(self, flow: http.HTTPFlow) -> None:
-        if flow.metadata.get(_REFUSED):
-            return
-        failure = parse_failure(flow.server_conn.error or "") or parse_failure(
-            flow.response.text if flow.response else ""
-        )
-        host, port = flow.request.host, flow.request.port
-        reason, detail = failure or ("connect_error", flow.server_conn.error or "connection failed")
-        handoff = self._clients.get(flow.client_conn.id)
-        rule = handoff.tunnel.decision.rule if handoff is not None else None
-        flow.response = refusal_response(Refusal(reason, detail, host, port, rule))
-        flow.metadata[_REFUSED] = True
 
     # -- requests ------------------------------------------------------------------------------
     @fail_closed
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
-        handoff = self.handoff(flow.client_conn)
+        tunnel = tunnel_of(flow.client_conn)
+        tunnel.failure = None  # a new exchange: nothing has failed it yet
         request = flow.request
-        tunnel = handoff.tunnel
         # inside the admitted tunnel: its target, whatever the request says (the request rules
         # refuse a Host header that names another)
         attempt = Attempt(
             "inner",
-            tunnel.host,
-            tunnel.port,
+            tunnel.admitted.host,
+            tunnel.admitted.port,
             scheme=request.scheme,
             method=_method(request),
             path=request.path,
             headers=list(request.headers.items(multi=True)),
         )
-        admitted = await self.pipeline.admit(handoff.conn, attempt)
+        admitted = await self.pipeline.admit(tunnel.conn, attempt)
         if isinstance(admitted, Refusal):
             self._refuse(flow, admitted)
             return
         request.host = admitted.host
-        self._apply_changes(flow, admitted, handoff)
+        self._apply_changes(flow, admitted, tunnel)
         upgrade = upgrade_protocols(list(request.headers.items(multi=True))) is not None
         flow.metadata[_UPGRADE] = upgrade  # admitted by the request rules: a WebSocket handshake
         _strip_hop_by_hop(request.headers, keep_upgrade=upgrade)
 
-    def _apply_changes(self, flow: http.HTTPFlow, admitted: Admitted, handoff: Handoff) -> None:
+    def _apply_changes(self, flow: http.HTTPFlow, admitted: Admitted, tunnel: InspectedTunnel) -> None:
         """What the pipeline changed in the request: the credentials of a redirect's follow-up to
         another origin dropped, a secret's value swapped in, the body scanned for placeholders."""
         request, injection = flow.request, admitted.injection
@@ -175,7 +127,7 @@ class PolicyGate:
             ):
                 flow.metadata[_SCAN] = injection.body  # read whole, scanned in request(): a clean 403
             else:
-                request.stream = _BodyScan(self.pipeline, handoff, flow, PlaceholderStream(injection.body))
+                request.stream = _BodyScan(self.pipeline, tunnel, flow, PlaceholderStream(injection.body))
         if injection.values:
             flow.metadata[_MASK] = ValueMask(injection.values)
 
@@ -188,8 +140,7 @@ class PolicyGate:
         if needles is not None and not flow.metadata.get(_REFUSED):
             name = needles.find(flow.request.raw_content or b"")
             if name is not None:
-                handoff = self.handoff(flow.client_conn)
-                self._refuse(flow, _secret_in_body(self.pipeline, handoff, flow, name))
+                self._refuse(flow, _secret_in_body(self.pipeline, tunnel_of(flow.client_conn), flow, name))
         if not flow.metadata.get(_REFUSED) and flow.response is None:
             self._expect_response(flow, self.pipeline.policies.get().limits.response_timeout)
 
@@ -205,9 +156,9 @@ class PolicyGate:
             waiting.cancel()
 
     def _no_response(self, flow: http.HTTPFlow, timeout: float) -> None:
-        """No response head in time: the upstream connection is closed with egressd's note on it,
-        which mitmproxy's error answer then carries (egressd.inspect.patches, patch 4): a 504
-        `upstream_timeout`, recorded by the error hook."""
+        """No response head in time: the exchange fails with `upstream_timeout` and the upstream
+        connection is closed; mitmproxy's error answer is then the 504 of that failure
+        (egressd.inspect.patches), recorded by the error hook."""
         self._waiting.pop(flow.id, None)
         server = flow.server_conn
         if flow.response is not None or not flow.live or flow.error is not None:
@@ -216,7 +167,8 @@ class PolicyGate:
             self._expect_response(flow, timeout)
             return
         detail = f"no response from the server within {timeout:g}s (timeouts.response)"
-        server.error = failure_message("upstream_timeout", detail)
+        tunnel = tunnel_of(flow.client_conn)
+        tunnel.fail(tunnel.refusal("upstream_timeout", detail))
         close_server(flow.client_conn.id, server)
 
     @fail_closed
@@ -227,7 +179,7 @@ class PolicyGate:
         response = flow.response
         for name in EGRESSD_HEADERS:
             response.headers.pop(name, None)
-        conn = self.handoff(flow.client_conn).conn
+        conn = tunnel_of(flow.client_conn).conn
         location = response.headers.get("location")
         if 300 <= response.status_code < 400 and location:
             self.pipeline.redirects.remember(conn.client_key, flow.request.url, location)
@@ -268,67 +220,49 @@ class PolicyGate:
 
     def error(self, flow: http.HTTPFlow) -> None:
         """A flow that ended in an error: one the upstream caused is recorded as a failure
-        (upstream_timeout, upstream_protocol_error: the marks of egressd.inspect.patches)."""
+        (upstream_timeout, upstream_protocol_error: kept on the tunnel by this addon and by
+        egressd.inspect.patches)."""
         self._answered(flow)
         logger.debug("flow error: %s", flow.error)
-        failure = parse_failure(flow.error.msg if flow.error is not None else "")
-        handoff = self._clients.get(flow.client_conn.id)
-        if failure is None or handoff is None or failure[0] not in _UPSTREAM_FAILURES:
+        tunnel = tunnel_of(flow.client_conn)
+        failure = tunnel.failure
+        if failure is None or failure.reason not in _UPSTREAM_FAILURES:
             return
-        tunnel, (reason, detail) = handoff.tunnel, failure
         # the detail may quote what the server sent, and with it a secret's value it echoed
+        detail = self.pipeline.secrets.mask_text(failure.detail)
         self.pipeline.upstream_failed(
-            handoff.conn, tunnel.host, tunnel.port, reason, self.pipeline.secrets.mask_text(detail)
+            tunnel.conn, tunnel.admitted.host, tunnel.admitted.port, failure.reason, detail
         )
 
-    # -- every upstream connection: to the pinned addresses only --------------------------------
+    # -- every upstream connection: to the tunnel's target, at its pin ----------------------------
     @fail_closed
     def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
-        current_pin.set(None)
-        handoff = self.handoff(data.client)
-        address = data.server.address
-        if address is None:
-            data.server.error = failure_message("invalid_target", "no destination")
+        """Admit the upstream connection mitmproxy is about to open: the tunnel's target (SNI
+        included, whatever the client sent), at the tunnel's pin, where egressd's handler connects
+        through the pipeline (which counts it against the limits and records it)."""
+        tunnel = tunnel_of(data.client)
+        admitted, server = tunnel.admitted, data.server
+        address = server.address
+        if (
+            address is None
+            or (address[0], address[1]) != (admitted.host, admitted.port)
+            or admitted.pin is None
+        ):
+            where = "no destination" if address is None else f"{address[0]}:{address[1]}"
+            server.error = tunnel.fail(tunnel.refusal("internal_error", f"{where} was not admitted")).detail
             return
-        admitted = handoff.tunnel
-        if (address[0], address[1]) != (admitted.host, admitted.port) or admitted.pin is None:
-            where = f"{address[0]}:{address[1]}"
-            data.server.error = failure_message("internal_error", f"{where} was not admitted")
-            return
-        # counted before mitmproxy takes a descriptor for it (a reconnect inside the tunnel, too)
-        if (limited := self.pipeline.reserve_upstream(data.server.id)) is not None:
-            data.server.error = failure_message(limited.reason, limited.detail)
-            return
-        if (unrecorded := self.pipeline.audit_refusal()) is not None:  # nothing opened that is not recorded
-            data.server.error = failure_message(unrecorded.reason, unrecorded.detail)
-            return
+        target = admitted.decision.target
+        server.sni = admitted.host if target is not None and not target.host.is_ip else None
         # each connection to the tunnel's pin keeps its own attempts
-        pin = dataclasses.replace(admitted.pin, connected=None, attempts=[], failure=None)
-        connection = Admitted(admitted.decision, admitted.inspect, pin, admitted.resolved)
-        data.server.address = (connection.pin.host, connection.pin.port)
-        handoff.connections[data.server.id] = connection
-        current_pin.set(connection.pin)
-
-    def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
-        handoff = self._clients.get(data.client.id)
-        connection = handoff.connections.get(data.server.id) if handoff is not None else None
-        recorded = connection is None or handoff is None
-        if not recorded and self.pipeline.connection_record(handoff.conn, connection, None) is not None:
-            close_client(data.client.id)  # its record was not written: the tunnel ends here
+        pin = dataclasses.replace(admitted.pin, connected=None, attempts=[])
+        tunnel.connections[server.id] = Admitted(admitted.decision, admitted.inspect, pin, admitted.resolved)
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self.pipeline.disconnected(data.server.id)
-        handoff = self._clients.get(data.client.id)
-        if handoff is not None:
-            handoff.connections.pop(data.server.id, None)
+        tunnel_of(data.client).connections.pop(data.server.id, None)
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
-        self.pipeline.disconnected(data.server.id)
-        handoff = self._clients.get(data.client.id)
-        connection = handoff.connections.get(data.server.id) if handoff is not None else None
-        if connection is not None and handoff is not None and connection.pin is not None:
-            failure = connection.pin.failure or ("connect_error", str(data.server.error))
-            self.pipeline.connection_record(handoff.conn, connection, failure)
+        tunnel_of(data.client).connections.pop(data.server.id, None)
 
     # -- faults ------------------------------------------------------------------------------
     def internal_error(self, hook: str, argument: Any, exc: BaseException) -> None:
@@ -338,8 +272,8 @@ class PolicyGate:
             argument.metadata[_REFUSED] = True
             argument.response = refusal_response(refusal)
         elif isinstance(argument, server_hooks.ServerConnectionHookData):
-            current_pin.set(None)
-            argument.server.error = failure_message(refusal.reason, refusal.detail)
+            tunnel = tunnel_of(argument.client)
+            argument.server.error = tunnel.fail(tunnel.refusal(refusal.reason, refusal.detail)).detail
 
     def _refuse(self, flow: http.HTTPFlow, refusal: Refusal) -> None:
         flow.metadata[_REFUSED] = True
@@ -352,9 +286,9 @@ class _BodyScan:
     find records the refusal and closes the client before any byte of the placeholder is sent."""
 
     def __init__(
-        self, pipeline: Pipeline, handoff: Handoff, flow: http.HTTPFlow, scan: PlaceholderStream
+        self, pipeline: Pipeline, tunnel: InspectedTunnel, flow: http.HTTPFlow, scan: PlaceholderStream
     ) -> None:
-        self.pipeline, self.handoff, self.flow, self.scan = pipeline, handoff, flow, scan
+        self.pipeline, self.tunnel, self.flow, self.scan = pipeline, tunnel, flow, scan
         self.refused = False
 
     def __call__(self, chunk: bytes) -> Iterable[bytes]:
@@ -364,18 +298,18 @@ class _BodyScan:
             return [self.scan.feed(chunk) if chunk else self.scan.end()]
         except PlaceholderFound as found:
             self.refused = True
-            _secret_in_body(self.pipeline, self.handoff, self.flow, found.name)
+            _secret_in_body(self.pipeline, self.tunnel, self.flow, found.name)
             close_client(self.flow.client_conn.id)
             return []
 
 
-def _secret_in_body(pipeline: Pipeline, handoff: Handoff, flow: http.HTTPFlow, name: str) -> Refusal:
+def _secret_in_body(pipeline: Pipeline, tunnel: InspectedTunnel, flow: http.HTTPFlow, name: str) -> Refusal:
     """A body carried a placeholder its host may not get: recorded; the refusal to answer with."""
-    request, tunnel = flow.request, handoff.tunnel
-    refusal = pipeline.secret_refusal(tunnel.host, tunnel.port, name)
+    request, target = flow.request, tunnel.admitted
+    refusal = pipeline.secret_refusal(target.host, target.port, name)
     where = {"method": _method(request), "scheme": request.scheme, "path": _child_path(flow)}
     pipeline.refused_early(
-        handoff.conn, tunnel.host, tunnel.port, refusal.reason, refusal.detail, stage="inner", **where
+        tunnel.conn, target.host, target.port, refusal.reason, refusal.detail, stage="inner", **where
     )
     return refusal
 

@@ -5,8 +5,7 @@ admitted for inspection, so inside a tunnel there is one choice — TLS towards 
 every request decided with its path — after one check: the TLS SNI must name the tunnel's host (an
 IP-literal tunnel may carry no SNI); otherwise the tunnel is closed and recorded. The server's bytes
 are held until the client spoke, whoever speaks first. The client's first bytes are read
-incrementally (egressd.wire.sni.TunnelStart, as in the front), at a bounded cost. TLS towards the
-proxy itself is not offered.
+incrementally (egressd.wire.sni.TunnelStart, as in the front), at a bounded cost.
 """
 
 from __future__ import annotations
@@ -16,14 +15,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from egressd.addons.policy_gate import PolicyGate
 from mitmproxy.addons.next_layer import NextLayer
-from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import commands, events, layer
-from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, modes
+from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer
 from mitmproxy.proxy.layers.http import HTTPMode
 
 from egressd.admission.pipeline import Pipeline
+from egressd.inspect.handler import tunnel_of
 from egressd.wire.http_head import starts_like_request
 from egressd.wire.sni import WAIT, TunnelStart
 
@@ -49,27 +47,14 @@ class TunnelGuard(NextLayer):
 
     name = "nextlayer"  # it replaces mitmproxy's, under the same addon name
 
-    def __init__(self, pipeline: Pipeline, gate: PolicyGate) -> None:
+    def __init__(self, pipeline: Pipeline) -> None:
         super().__init__()
         self.pipeline = pipeline
-        self.gate = gate
         # the SNI check of each tunnel whose layer is not chosen yet (gone with its NextLayer)
         self._starts: weakref.WeakKeyDictionary[layer.NextLayer, _Start] = weakref.WeakKeyDictionary()
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         context = nextlayer.context
-        if not context.layers:
-            return
-        if len(context.layers) == 1 and isinstance(context.layers[0], modes.HttpProxy):
-            if starts_like_tls_record(nextlayer.data_client()):
-                logger.info("refusing TLS towards the proxy itself (use http:// in the proxy URL)")
-                nextlayer.layer = RefuseTunnel(context)
-                return
-            super().next_layer(nextlayer)  # an HTTP layer in regular mode
-            return
-        if context.server.address is None:
-            super().next_layer(nextlayer)
-            return
         if context.client.tls:
             self._inside_interception(nextlayer)
             return
@@ -117,15 +102,12 @@ class TunnelGuard(NextLayer):
 
     def _intercept(self, context: Any) -> bool:
         """Only tunnels the pipeline admitted for inspection are handed to mitmproxy."""
-        handoff = self.gate.find(context.client)
-        return self.pipeline.inspection and handoff is not None and handoff.tunnel.inspect
+        return self.pipeline.inspection and tunnel_of(context.client).admitted.inspect
 
     def _refuse(self, nextlayer: layer.NextLayer, problem: str, reason: str = "sni_mismatch") -> None:
         context = nextlayer.context
         host, port = context.server.address
-        handoff = self.gate.find(context.client)
-        conn = handoff.conn if handoff is not None else None
-        self.pipeline.refused_early(conn, host, port, reason, problem, stage="tls")
+        self.pipeline.refused_early(tunnel_of(context.client).conn, host, port, reason, problem, stage="tls")
         nextlayer.layer = RefuseTunnel(context)
 
 

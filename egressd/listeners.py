@@ -1,11 +1,11 @@
 """egressd's own TCP listeners, each registered as egressd's own address the moment it exists.
 
 Why: a child reaches anything on loopback through the proxy unless the decision knows the port is
-egressd's (`self`): the proxy and SOCKS ports, the credential-free port of one child, mitmproxy's
-internal listener, the metrics endpoint, the dashboard — and whatever listener comes next. So
-every listener goes through here: `listen` opens a socket of egressd's own making and registers
-it before it accepts anything; `register` takes the address of a listener a library bound itself
-(asyncio's servers, mitmproxy's, prometheus_client's). `own` is the running egressd's registry:
+egressd's (`self`): the proxy and SOCKS ports, the credential-free port of one child, the
+metrics endpoint, the dashboard — and whatever listener comes next. So every listener goes through
+here: `listen` opens a socket of egressd's own making and registers it before it accepts anything;
+`register` takes the address of a listener a library bound itself (asyncio's servers,
+prometheus_client's). `own` is the running egressd's registry:
 its decider (`add_self_address`), or for a process attached to it (`egressd dashboard`) its
 control API. tests/test_self_listeners.py finds every listening socket of a running egressd in
 /proc and checks that each is refused as `self`, so a listener opened anywhere else is caught.

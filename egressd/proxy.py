@@ -1,7 +1,9 @@
-"""mitmproxy embedded: a plain Master with the minimal addons, in its own thread and event loop.
+"""egressd's proxy: the admission pipeline, the front and (on first need) the embedded mitmproxy,
+in one thread with one event loop.
 
 The CLI (exec, run), the sandbox and the SSH relay start one ProxyServer and hand children the
-credentials it issues; everything the children send is decided by the addons in `addons/`.
+credentials it issues; everything the children send is admitted by the pipeline, and every request
+inside an inspected tunnel by the addons in `addons/`.
 """
 
 from __future__ import annotations
@@ -25,14 +27,11 @@ from egressd.admission.pipeline import Pipeline
 from egressd.admission.resolve import load_resolver
 from egressd.admission.state import PolicyHolder
 from egressd.inspect import patches
-from egressd.inspect.handoffs import Handoffs
-from egressd.listeners import register
+from egressd.inspect.engine import AddonFactory, InspectionEngine
 from egressd.policy import Policy, join_host_port
 
 if TYPE_CHECKING:
     import ssl
-
-    from mitmproxy.master import Master
 
     from egressd.front.server import Front
     from egressd.observe.audit import AuditLog
@@ -81,7 +80,6 @@ class ProxyServer:
             audit=audit,
             identify=identify,
         )
-        self.handoffs = Handoffs()  # the connections the front hands to mitmproxy
         self.listen = listen
         self.socks = socks
         self.socks_listen = socks_listen
@@ -92,7 +90,6 @@ class ProxyServer:
         self.socks_address: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._master: Master | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         # TLS inspection: allowed unless --no-inspect; set up at start when the policy needs it
@@ -102,9 +99,10 @@ class ProxyServer:
         self.ca_bundle: str | None = None
         self._front: Front | None = None
         self._stopping: asyncio.Event | None = None
-        self._mitm_started: asyncio.Future[None] | None = None
-        self._mitm_run: asyncio.Future[None] | None = None
-        self._mitm_addresses: dict[str, tuple[str, int]] = {}
+        self._confdir: Path | None = None
+        self._upstream_roots: Path | None = None
+        # the embedded mitmproxy, for tunnels admitted for inspection (started on first need)
+        self.inspection: InspectionEngine | None = None
         self._workdir: Path | None = None  # egressd's own files while it runs, in its hidden home
         self._background: set[asyncio.Task[None]] = set()  # tasks nothing else holds (serve_names)
 
@@ -115,10 +113,10 @@ class ProxyServer:
 
     def set_policy(self, policy: Policy) -> None:
         self.pipeline.policies.set(policy)
-        if self._loop is not None and self._master is not None:
-            master = self._master
-            timeout = policy.limits.idle_timeout
-            self._loop.call_soon_threadsafe(lambda: master.options.update(tcp_timeout=int(timeout)))
+        loop, inspection = self._loop, self.inspection
+        if loop is not None and inspection is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(inspection.set_idle_timeout, policy.limits.idle_timeout)
 
     def issue_credentials(self, profile: str | None = None, label: str | None = None) -> ProxyCredentials:
         return self.pipeline.credentials.issue(profile, label)
@@ -210,20 +208,28 @@ class ProxyServer:
         finally:
             if self._front is not None:
                 self._front.close()
-            await self._stop_mitmproxy()
+            if self.inspection is not None:
+                await self.inspection.stop()
 
     async def _start_front(self, host: str, port: int) -> None:
-        """The front listens on the public ports; mitmproxy starts when first needed."""
+        """The front listens on the public ports; mitmproxy starts when first needed, and listens
+        nowhere (the front hands it the tunnels to inspect)."""
         from egressd.front.server import Front
 
         refusal_context = None
         if self.pipeline.inspection:  # refusal_pages: tls needs the CA the child trusts
             from egressd.inspect.refusal_certs import RefusalCerts
 
+            assert self._confdir is not None
             refusal_context = RefusalCerts(self._confdir).context
-        self._front = Front(
-            self.pipeline, self._mitmproxy_address, self.handoffs, refusal_context, health=self.health
+        self.inspection = InspectionEngine(
+            self.pipeline,
+            _inspection_addons,
+            idle_timeout=self.policy.limits.idle_timeout,
+            confdir=self._confdir if self.pipeline.inspection else None,
+            upstream_roots=self._upstream_roots,
         )
+        self._front = Front(self.pipeline, self.inspection.ready, refusal_context, health=self.health)
         self.http_address = await self._listen("http", host, port, self.tls)
         if self.socks:
             socks_host, socks_port = self.socks_listen or (host, 0)
@@ -237,115 +243,6 @@ class ProxyServer:
         if sock is None:
             return await self._front.start(host, port, kind=kind, ssl=tls)
         return await self._front.adopt(sock, kind, ssl=tls)
-
-    async def _mitmproxy_address(self, kind: str) -> tuple[str, int]:
-        """The internal address of mitmproxy's listener of `kind` ("http"), starting mitmproxy once.
-
-        Lazy because importing mitmproxy's proxy core costs ~0.3 s of CPU: a wrapped command that
-        only opens tunnels (or none, like `egressd exec -- true`) never pays it.
-        """
-        if self._mitm_started is None:
-            self._mitm_started = asyncio.ensure_future(
-                self._start_mitmproxy(_internal_host(self.listen[0]), 0)
-            )
-        started = self._mitm_started
-        try:
-            await asyncio.shield(started)
-        except Exception:
-            if self._mitm_started is started:
-                self._mitm_started = None  # the next connection that needs mitmproxy tries again
-            raise
-        address = self._mitm_addresses.get(kind)
-        if address is None:
-            raise EngineError(f"mitmproxy has no {kind} listener")
-        return address
-
-    async def _start_mitmproxy(self, host: str, http_port: int) -> None:
-        """Import, patch and start mitmproxy; it listens on (host, http_port), 0 = a free port, for
-        the connections egressd's front hands it (SOCKS5 is the front's own, as CONNECT is)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def load() -> None:
-            try:
-                _import_mitmproxy()
-            except BaseException as exc:  # noqa: BLE001 - handed to the loop
-                loop.call_soon_threadsafe(_settle, done, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, done, None)
-
-        # a thread of its own (daemon: never waited for at exit), so the loop keeps serving tunnels
-        threading.Thread(target=load, name="egressd-import", daemon=True).start()
-        await done
-
-        from mitmproxy import options
-        from mitmproxy.addons import core, proxyserver
-        from mitmproxy.master import Master
-
-        from egressd.addons.policy_gate import PolicyGate
-        from egressd.addons.tunnel_guard import TunnelGuard
-
-        patches.install(self.pipeline)
-        opts = options.Options()
-        master = Master(opts, event_loop=loop)
-        server = proxyserver.Proxyserver()
-        gate = PolicyGate(self.pipeline, self.handoffs)
-        master.addons.add(core.Core(), server, TunnelGuard(self.pipeline, gate), gate)
-        if self.pipeline.inspection:
-            from mitmproxy.addons import tlsconfig
-
-            # confdir first: TlsConfig loads (or creates) its CA as soon as it is added
-            opts.update(confdir=str(self._confdir), ssl_verify_upstream_trusted_ca=str(self._upstream_roots))
-            master.addons.add(tlsconfig.TlsConfig())
-        opts.update(
-            mode=[f"regular@{join_host_port(host, http_port)}"],
-            connection_strategy="eager",
-            tcp_timeout=int(self.policy.limits.idle_timeout),
-            stream_large_bodies="256k",
-            http2=False,  # intercepted HTTPS speaks HTTP/1.1 on both sides: one Host, one request line
-            # never a raw relay inside interception: whether the client speaks HTTP is the tunnel
-            # guard's call, and a 101 for anything but an admitted WebSocket closes the connection
-            rawtcp=False,
-        )
-        self._master = master
-        self._mitm_run = run = asyncio.ensure_future(master.run())
-        try:
-            await self._until_listening(server, run)
-        except BaseException:
-            master.shutdown()
-            with contextlib.suppress(BaseException):
-                await run
-            self._master = self._mitm_run = None
-            raise
-
-    async def _until_listening(self, server: Any, run: asyncio.Future[None]) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if run.done():
-                run.result()
-                raise EngineError("the proxy stopped while starting")
-            instances = list(server.servers)
-            if instances and all(i.is_running for i in instances) and not server.servers.is_updating:
-                self._record_addresses(instances)
-                return
-            failed = [i for i in instances if i.last_exception is not None]
-            if failed:
-                raise EngineError(f"cannot listen: {failed[0].last_exception}")
-            if time.monotonic() > deadline:
-                raise EngineError("the proxy did not start in time")
-            await asyncio.sleep(0.01)
-
-    async def _stop_mitmproxy(self) -> None:
-        if self._master is not None and self._mitm_run is not None:
-            self._master.shutdown()
-            with contextlib.suppress(Exception):
-                await self._mitm_run
-
-    def _record_addresses(self, instances: list) -> None:
-        for instance in instances:
-            register(self.pipeline.decider, instance.listen_addrs)
-            addr = instance.listen_addrs[0]
-            self._mitm_addresses["http"] = (addr[0], addr[1])
 
     def serve_socket(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
         """Accept clients of `kind` ("http" or "socks") on a listening socket made elsewhere, as on
@@ -393,13 +290,6 @@ class ProxyServer:
     async def _stop_listening(self) -> None:
         if self._front is not None:
             self._front.close_listeners()
-        master = self._master
-        if master is not None:
-            from mitmproxy.addons.proxyserver import Proxyserver
-
-            server = master.addons.get("proxyserver")
-            if isinstance(server, Proxyserver):
-                await server.servers.update([])
 
     def stop(self) -> None:
         loop, stopping = self._loop, self._stopping
@@ -407,7 +297,6 @@ class ProxyServer:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(stopping.set)
             self._thread.join(timeout=10)
-        self._master = None
         if self._workdir is not None:
             from egressd import ca
 
@@ -415,37 +304,15 @@ class ProxyServer:
             self._workdir = None
 
 
-def _internal_host(listen_host: str) -> str:
-    """Where egressd's internal listener (the embedded mitmproxy) binds: the listen address when it
-    is loopback, else loopback (a gateway on 0.0.0.0 or an interface): only the front reaches it."""
-    import ipaddress
+def _inspection_addons() -> AddonFactory:
+    """egressd's mitmproxy addons (imported in the engine's loading thread), made for a pipeline."""
+    from egressd.addons.policy_gate import PolicyGate
+    from egressd.addons.tunnel_guard import TunnelGuard
 
-    try:
-        loopback = ipaddress.ip_address(listen_host).is_loopback
-    except ValueError:
-        loopback = False
-    return listen_host if loopback else "127.0.0.1"
+    def make(pipeline: Pipeline) -> list[object]:
+        return [TunnelGuard(pipeline), PolicyGate(pipeline)]
 
-
-def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
-
-
-def _import_mitmproxy() -> None:
-    """The modules mitmproxy's start needs, imported off the event loop's thread."""
-    import mitmproxy.addons.core
-    import mitmproxy.addons.proxyserver
-    import mitmproxy.master
-    import mitmproxy.options
-    import mitmproxy.proxy.server  # noqa: F401
-
-    import egressd.addons.policy_gate
-    import egressd.addons.tunnel_guard  # noqa: F401
+    return make
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

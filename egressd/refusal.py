@@ -6,7 +6,6 @@ here, so a refusal reads the same wherever it happens. No I/O and no mitmproxy i
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 # reason code -> (HTTP status, RFC 9209 error type)
@@ -113,8 +112,6 @@ _PHRASES = {
 }
 
 EGRESSD_HEADERS = ("x-egressd-reason", "x-egressd-rule", "proxy-status")
-
-_MARKER = re.compile(r"egressd\[(?P<reason>[a-z_]+)\]: (?P<detail>.*)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -263,16 +260,3 @@ def _quote(text: str) -> str:
 
 def _header_safe(text: str) -> str:
     return "".join(ch if 0x20 <= ord(ch) < 0x7F else "?" for ch in text)[:400]
-
-
-def failure_message(reason: str, detail: str) -> str:
-    """Encode a failure into an error string that survives mitmproxy's plumbing (see parse_failure)."""
-    return f"egressd[{reason}]: {detail}"
-
-
-def parse_failure(message: str) -> tuple[str, str] | None:
-    """Find an egressd failure marker inside an error string built by failure_message."""
-    match = _MARKER.search(message or "")
-    if not match:
-        return None
-    return match.group("reason"), match.group("detail")

@@ -1,4 +1,4 @@
-"""The engine's own pieces: refusal rendering, credentials, the pinned connect hook, the SNI rule."""
+"""The engine's own pieces: refusal rendering, credentials, the pinned connect, the SNI rule."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from egressd.admission import pinning
 from egressd.admission.credentials import CredentialStore
 from egressd.inspect import patches
 from egressd.inspect.error_pages import refusal_from_error
-from egressd.refusal import Refusal, failure_message, parse_failure
+from egressd.refusal import Refusal
 from tests.support.upstreams import EchoHTTPServer, RefusingPort, StallingPort
 
 ip = ipaddress.ip_address
@@ -63,14 +63,13 @@ def test_policy_refusal_body_says_how_to_allow() -> None:
     )
 
 
-def test_failure_marker_round_trip() -> None:
-    message = "Connection killed: " + failure_message("dns_error", "up.test: NXDOMAIN")
-    assert parse_failure(message) == ("dns_error", "up.test: NXDOMAIN")
-    assert parse_failure("plain error") is None
-    assert refusal_from_error(502, message)[0] == 502
-    assert refusal_from_error(502, failure_message("connect_timeout", "x"))[0] == 504
+def test_mitmproxy_errors_map_to_reasons() -> None:
+    """mitmproxy's own errors (no failure of egressd's recorded) keep their status and get a reason."""
     status, refusal = refusal_from_error(400, "Bad request line")
     assert status == 400 and refusal.reason == "bad_request"
+    status, refusal = refusal_from_error(502, "TLS handshake failed: certificate verify failed")
+    assert (status, refusal.reason) == (502, "upstream_tls_error")
+    assert refusal_from_error(504, "timed out")[1].reason == "connect_timeout"
 
 
 # -- credentials -------------------------------------------------------------------------------
@@ -123,11 +122,21 @@ def test_anything_but_strict_base64_of_issued_credentials_is_refused(value: str)
 
 
 # -- pinned connect ----------------------------------------------------------------------------
+class _Kept(asyncio.Protocol):
+    transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+
 async def test_connect_pinned_tries_next_address() -> None:
     with EchoHTTPServer("198.51.100.7") as server:
         pin = pinning.Pin("up.test", server.port, (ip("198.51.100.8"), ip(server.host)), 2.0)
-        _, writer, connected = await pinning.connect_pinned(pin)
-        writer.close()
+        protocol = _Kept()
+        connected = await pinning.connect_protocol(pin, protocol)
+        assert protocol.transport is not None
+        protocol.transport.close()
+        assert pin.connected == connected
         attempts = pin.attempts
         assert len(attempts) == 1 and "198.51.100.8" in attempts[0]
         assert connected == (server.host, server.port)
@@ -136,15 +145,18 @@ async def test_connect_pinned_tries_next_address() -> None:
 async def test_connect_pinned_reports_refused_and_timeout() -> None:
     with RefusingPort("198.51.100.6") as refusing, StallingPort("198.51.100.5") as stalling:
         with pytest.raises(pinning.ConnectFailure) as refused:
-            await pinning.connect_pinned(
-                pinning.Pin("up.test", refusing.address[1], (ip(refusing.address[0]),), 2.0)
+            await pinning.connect_protocol(
+                pinning.Pin("up.test", refusing.address[1], (ip(refusing.address[0]),), 2.0),
+                asyncio.Protocol(),
             )
         assert refused.value.reason == "connect_refused"
         # six silent addresses at 0.5 s each would take 3 s: all of them together get 2x connect_timeout
         start = time.monotonic()
         addresses = (ip(stalling.address[0]),) * 6
         with pytest.raises(pinning.ConnectFailure) as timed_out:
-            await pinning.connect_pinned(pinning.Pin("up.test", stalling.address[1], addresses, 0.5))
+            await pinning.connect_protocol(
+                pinning.Pin("up.test", stalling.address[1], addresses, 0.5), asyncio.Protocol()
+            )
         elapsed = time.monotonic() - start
         assert timed_out.value.reason == "connect_timeout"
         assert elapsed < 2 * 0.5 + 1.5, elapsed  # within 2x connect_timeout (with margin), not 6x
@@ -204,46 +216,10 @@ async def test_each_attempt_times_out_on_its_own_and_the_next_is_tried() -> None
     assert task is not None and task.cancelling() == 0  # the deadlines' cancels were taken back
 
 
-async def test_connect_hook_refuses_unadmitted_connections() -> None:
-    patches.install()
-    assert patches.installed()
-    import mitmproxy.proxy.server as server
-
-    with EchoHTTPServer("198.51.100.7") as upstream:
-        with pytest.raises(pinning.ConnectFailure):
-            await server.asyncio.open_connection(upstream.host, upstream.port)
-
-        # a pin set for one target does not admit another (the pin is set in a task of its own, as
-        # mitmproxy's server_connect hook sets it for the one connection it opens)
-        async def wrong_target() -> None:
-            pinning.current_pin.set(pinning.Pin("up.test", 1, (ip(upstream.host),), 1.0))
-            await server.asyncio.open_connection("other.test", upstream.port)
-
-        with pytest.raises(pinning.ConnectFailure):
-            await asyncio.create_task(wrong_target())
-
-        async def admitted() -> tuple[str, int] | None:
-            pin = pinning.Pin("up.test", upstream.port, (ip(upstream.host),), 1.0)
-            pinning.current_pin.set(pin)
-            _, writer = await server.asyncio.open_connection("up.test", upstream.port)
-            writer.close()
-            # one pin admits one connection
-            with pytest.raises(pinning.ConnectFailure):
-                await server.asyncio.open_connection("up.test", upstream.port)
-            return pin.connected
-
-        assert await asyncio.create_task(admitted()) == (upstream.host, upstream.port)
-        deadline = time.monotonic() + 5
-        while upstream.connections < 1 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert upstream.connections == 1
-
-
 def test_connect_hook_refuses_other_mitmproxy_version(monkeypatch: pytest.MonkeyPatch) -> None:
     from mitmproxy import version
 
     monkeypatch.setattr(version, "VERSION", "99.0.0")
-    monkeypatch.setattr("mitmproxy.proxy.server.asyncio", asyncio)
     with pytest.raises(RuntimeError, match="mitmproxy==12.3.1"):
         patches.install()
 

@@ -415,6 +415,31 @@ def test_gateway_tls_listener(
     assert run.proc is not None and run.proc.returncode == 0, run.stderr
 
 
+def test_gateway_tls_listener_hands_an_inspected_tunnel_over(
+    tmp_path: Path, dns: DnsServer, upstream_tls: EchoHTTPSServer, ca_file: Path, egressd_home: Path
+) -> None:
+    """TLS on the proxy port meets inspection: a CONNECT inside the client's TLS to egressd, to a
+    host admitted for some paths only, is served by the embedded mitmproxy on that TLS connection
+    (curl: HTTPS inside the HTTPS proxy), each request decided with its path."""
+    dns.add("up.test", upstream_tls.host)
+    tokens = tmp_path / "tokens.json"
+    token = add_token(tokens, "agent1")
+    rule = "{host: up.test, paths: [/pkg/], methods: [GET]}"
+    policy = write_policy(tmp_path, f"version: 1\nallow:\n  - 198.51.100.0/24\n  - {rule}\n")
+    port = free_port()
+    options = ["--gateway", "--listen", f"127.0.0.1:{port}", "--tokens", str(tokens), "--policy", str(policy)]
+    options += ["--nameserver", dns.nameserver, "--upstream-ca", str(ca_file), "--tls-name", "127.0.0.1"]
+    with GatewayRun(options) as run:
+        egressd_ca = str(egressd_home / "public" / "egressd-ca-cert.pem")
+        trust = ("--proxy-cacert", egressd_ca, "--cacert", egressd_ca)
+        proxy, base = run.url_for("agent1", token), f"https://up.test:{upstream_tls.port}"
+        assert proxy.startswith("https://")
+        assert curl(proxy, f"{base}/pkg/a", *trust)[0] == 200
+        status, headers, _ = curl(proxy, f"{base}/admin", *trust)
+        assert status == 403 and headers.get("x-egressd-reason") == "not_allowlisted", headers
+    assert [r["path"] for r in upstream_tls.requests] == ["/pkg/a"]
+
+
 def test_gateway_tls_options(tmp_path: Path) -> None:
     """--tls-cert needs --tls-key, does not mix with --tls-name, and every --tls-* needs --gateway."""
     for args, error in (
@@ -514,7 +539,8 @@ def test_gateway_on_an_interface_inspects_and_keeps_its_internals_on_loopback(
 ) -> None:
     """A gateway on a non-loopback address (one of the test namespace's own): a host admitted for
     some paths only is inspected for its client, the client's name is on the inner decisions, and
-    the embedded mitmproxy it starts for that listens on loopback, never on the gateway's address."""
+    the embedded mitmproxy it starts for that listens nowhere, least of all on the gateway's
+    address (the front hands it the tunnels)."""
     dns.add("up.test", upstream_tls.host)
     tokens = tmp_path / "tokens.json"
     token = add_token(tokens, "agent1")
@@ -545,7 +571,7 @@ def test_gateway_on_an_interface_inspects_and_keeps_its_internals_on_loopback(
         listening = _listening(run.proc.pid)
         assert f"{address}:{run.address[1]}" in listening, listening
         others = listening - {f"{address}:{run.address[1]}"}
-        assert others and all(a.startswith("127.0.0.1:") for a in others), listening
+        assert not others, listening
 
 
 def test_gateway_on_every_address_refuses_itself(

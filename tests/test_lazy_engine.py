@@ -26,6 +26,11 @@ def test_exec_true_never_imports_mitmproxy_core() -> None:
         assert f"| {module}\n" not in imported and f" {module}\n" not in imported, module
 
 
+def _master(proxy: ProxyServer) -> object:
+    """The embedded mitmproxy's Master, None while it has not started."""
+    return proxy.inspection.master if proxy.inspection is not None else None
+
+
 def _auth(proxy: ProxyServer) -> str:
     creds = proxy.issue_credentials()
     return base64.b64encode(f"{creds.username}:{creds.token}".encode()).decode()
@@ -49,17 +54,17 @@ def test_a_tunnel_or_socks5_does_not_start_mitmproxy_a_tunnel_to_inspect_does(
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         sock.sendall(b"ping")
         assert sock.recv(4) == b"ping"
-    assert engine._master is None, "a relayed tunnel started mitmproxy"
+    assert _master(engine) is None, "a relayed tunnel started mitmproxy"
 
     assert engine.socks_address is not None
     with socket.create_connection(engine.socks_address, timeout=10) as sock:
         sock.sendall(b"\x05\x01\x02")  # SOCKS5 is the front's own
         assert sock.recv(2) == b"\x05\x02"
-    assert engine._master is None, "a SOCKS5 client started mitmproxy"
+    assert _master(engine) is None, "a SOCKS5 client started mitmproxy"
 
     with _connect(engine, inspected_echo) as sock:  # sent before mitmproxy is up
         assert sock.recv(12) == b"HTTP/1.1 200"
-    assert engine._master is not None
+    assert _master(engine) is not None
     # the second tunnel to inspect finds mitmproxy running
     with _connect(engine, inspected_echo) as sock:
         assert sock.recv(12) == b"HTTP/1.1 200"
@@ -83,9 +88,9 @@ def test_clients_that_leave_while_mitmproxy_starts_leave_nothing_open(
 def test_a_failed_mitmproxy_start_is_tried_again(
     tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import egressd.proxy as engine_proxy
+    import egressd.inspect.engine as inspection
 
-    real = engine_proxy._import_mitmproxy
+    real = inspection._import_mitmproxy
     calls: list[int] = []
 
     def fail_once() -> None:  # fault injection: the first start of mitmproxy fails
@@ -94,7 +99,7 @@ def test_a_failed_mitmproxy_start_is_tried_again(
             raise ImportError("injected: mitmproxy failed to import")
         real()
 
-    monkeypatch.setattr(engine_proxy, "_import_mitmproxy", fail_once)
+    monkeypatch.setattr(inspection, "_import_mitmproxy", fail_once)
     inspected = "{}:{}".format(*inspected_echo.address)
     policy = parse_policy(
         {"version": 1, "mode": "enforce", "allow": [inspected], "inspect": [inspected]}, "test"

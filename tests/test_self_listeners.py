@@ -1,7 +1,7 @@
 """Every port egressd listens on is its own: a child asking the proxy for it is refused `self`, in
-every spelling of the address, on every front — the proxy and SOCKS ports, mitmproxy's internal
-listener, the metrics endpoint, the dashboard (of `run --dashboard`, and of an `egressd dashboard`
-attached later), the credential-free port of an `exec` child.
+every spelling of the address, on every front — the proxy and SOCKS ports, the metrics endpoint,
+the dashboard (of `run --dashboard`, and of an `egressd dashboard` attached later), the
+credential-free port of an `exec` child. The embedded mitmproxy listens nowhere.
 
 The listeners are found in /proc (tests/support/listening.py), not listed by the test: one added
 later that is not registered as egressd's own fails here.
@@ -31,7 +31,7 @@ SOCKS_NOT_ALLOWED = 2
 POLICY = """\
 version: 1
 allow: [tls.test]
-inspect: [tls.test]   # an inspected request starts mitmproxy's internal listener
+inspect: [tls.test]   # an inspected request starts the embedded mitmproxy (which listens nowhere)
 private: {allow: true}
 """
 # spellings of 127.0.0.1 (the listeners' address) a child may write; {P} is the port
@@ -106,8 +106,7 @@ def served(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             }
             assert run.proc is not None
             others = {port for _, port in listening(run.proc.pid)} - set(ports.values())
-            assert len(others) == 1, others  # the internal listener of mitmproxy
-            ports["inspection"] = others.pop()
+            assert not others, others  # the embedded mitmproxy gets its tunnels from the front
             yield Served(run, client, ports, home)
 
 
@@ -120,7 +119,7 @@ def refused_as_self(client: ProxyClient, front: str, written: str, port: int) ->
 
 CASES = [
     pytest.param(kind, front, written, id=f"{kind}-{front}-{written}")
-    for kind in ("proxy", "socks", "metrics", "dashboard", "inspection")
+    for kind in ("proxy", "socks", "metrics", "dashboard")
     for front in FRONTS
     for written in SPELLINGS
     if front != "socks-address" or socks_address(written) is not None

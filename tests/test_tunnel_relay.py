@@ -98,19 +98,25 @@ def test_a_streamed_tunnel_keeps_every_byte_in_order_and_stays_interactive(
         _ping_pong(sock, 50)
 
 
-def test_only_relayed_tunnels_coalesce_not_the_hand_off_to_mitmproxy(
+def test_only_relayed_tunnels_coalesce_an_inspected_one_has_no_relay(
     inspecting_engine: ProxyServer, tcp_echo: TcpEchoServer, inspected_echo: TcpEchoServer
 ) -> None:
-    """On the hand-off the far side is the embedded mitmproxy on this same loop: no ticks there."""
+    """An inspected tunnel has no relay to tick: the embedded mitmproxy reads the client's own
+    transport, in this loop. The relayed tunnel's two sides coalesce."""
+    from egressd.front.relay import Pipe
+
     front = inspecting_engine._front
     assert front is not None
     with _tunnel(inspecting_engine, tcp_echo) as relayed, _tunnel(inspecting_engine, inspected_echo):
         _ping_pong(relayed, 1)
         pairs = [(client, client.peer) for client in front.clients]
-        assert len(pairs) == 2 and all(peer is not None for _, peer in pairs)
+        assert len(pairs) == 2
         by_path = {client.server_id is not None: (client, peer) for client, peer in pairs}
         assert by_path[True][0].coalesce and by_path[True][1].coalesce  # type: ignore[union-attr]
-        assert not by_path[False][0].coalesce and not by_path[False][1].coalesce  # type: ignore[union-attr]
+        inspected, peer = by_path[False]
+        assert peer is None and inspected.stage == "inspect"
+        assert inspected.transport is not None
+        assert not isinstance(inspected.transport.get_protocol(), Pipe)
 
 
 @pytest.mark.parametrize("uvloop_on", ["1", "0"])

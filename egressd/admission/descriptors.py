@@ -1,16 +1,16 @@
 """File descriptors: how many connections egressd holds at once, and the reserve that lets it answer
 a client beyond that (503 `overloaded`) instead of dropping it.
 
-Every client connection, upstream connection, hand-off to mitmproxy (two), DNS query, file and
-module import takes a descriptor; out of them, a proxy closes new clients without a word (the
-event loop's accept), tells others `dns_timeout` (a query without a socket) and fails imports. So:
-at start the soft RLIMIT_NOFILE is raised to the hard limit (children inherit it); what egressd
-already holds then, and a reserve (a sixteenth of the limit, at least 64 or a quarter of a smaller
-one), stay out of the budget. Client connections get at most half the budget (each needs a second
-descriptor for its upstream); a client beyond it is read as usual and its request answered
-`overloaded`, or, once half the reserve is taken as well, answered at once. An upstream connection
-or hand-off beyond the budget is not opened: `overloaded`. The rest of the reserve is for what no
-count sees (DNS queries, the audit, the control API, imports).
+Every client connection, upstream connection, DNS query, file and module import takes a descriptor
+(a tunnel mitmproxy inspects no more than one it relays: mitmproxy reads the client's); out of them,
+a proxy closes new clients without a word (the event loop's accept), tells others `dns_timeout` (a
+query without a socket) and fails imports. So: at start the soft RLIMIT_NOFILE is raised to the hard
+limit (children inherit it); what egressd already holds then, and a reserve (a sixteenth of the
+limit, at least 64 or a quarter of a smaller one), stay out of the budget. Client connections get at
+most half the budget (each needs a second descriptor for its upstream); a client beyond it is read
+as usual and its request answered `overloaded`, or, once half the reserve is taken as well, answered
+at once. An upstream connection beyond the budget is not opened: `overloaded`. The rest of the
+reserve is for what no count sees (DNS queries, the audit, the control API, imports).
 """
 
 from __future__ import annotations

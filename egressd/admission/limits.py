@@ -26,7 +26,7 @@ class Limits:
         self.buckets = TokenBuckets()
         self.upstreams: set[str] = set()  # ids of upstream connections open now
         self.descriptors = descriptors or Descriptors.measure()
-        # descriptors taken besides client sockets, by id: upstream connections (1), hand-offs (2)
+        # descriptors taken besides client sockets: one per upstream connection, by its id
         self.held: dict[str, int] = {}
         self.held_total = 0
 
@@ -35,16 +35,15 @@ class Limits:
         them within capacity."""
         return self.descriptors.for_client(served, clients, self.held_total)
 
-    def hold(self, key: str, served: int, count: int = 1) -> Refusal | None:
-        """Take `count` descriptors for an upstream connection or a hand-off (`key`, once), with
-        `served` clients within capacity, or the refusal when they do not fit (`release(key)`
-        gives them back)."""
+    def hold(self, key: str, served: int) -> Refusal | None:
+        """Take the descriptor of an upstream connection (`key`, once), with `served` clients
+        within capacity, or the refusal when it does not fit (`release(key)` gives it back)."""
         if key in self.held:
             return None
-        if not self.descriptors.fits(served, self.held_total, count):
+        if not self.descriptors.fits(served, self.held_total, 1):
             return overloaded()
-        self.held[key] = count
-        self.held_total += count
+        self.held[key] = 1
+        self.held_total += 1
         return None
 
     def release(self, key: str) -> None:

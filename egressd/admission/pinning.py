@@ -1,16 +1,15 @@
 """The pin step: upstream connections go ONLY to the addresses the pipeline validated.
 
 Each address is tried in order, each attempt bounded by connect_timeout, all within twice that.
-`current_pin` carries a pin to the connect of the embedded mitmproxy (egressd.inspect.patches),
-which refuses any connection without one: nothing is resolved or connected behind the policy's back.
-A pin whose connection goes through a parent proxy (`via`) is opened by the parent's dialer
+The embedded mitmproxy's upstream connections are opened here too (through `Pipeline.connect`, by
+egressd.inspect.handler): nothing is resolved or connected behind the policy's back. A pin whose
+connection goes through a parent proxy (`via`) is opened by the parent's dialer
 (egressd.admission.upstream) instead, here and nowhere else, for every front and mitmproxy alike.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import errno
 import functools
 import socket
@@ -22,7 +21,6 @@ from typing import Any
 from egressd.admission.descriptors import OUT_OF_DESCRIPTORS
 from egressd.admission.upstream import ParentFailure, dial
 from egressd.policy import IPAddress, UpstreamProxy, join_host_port
-from egressd.refusal import failure_message
 
 
 @dataclass
@@ -35,7 +33,6 @@ class Pin:
     connect_timeout: float
     connected: tuple[str, int] | None = None
     attempts: list[str] = field(default_factory=list)
-    failure: tuple[str, str] | None = None
     via: UpstreamProxy | None = None  # the parent proxy this connection goes through, if any
 
 
@@ -46,40 +43,13 @@ def address_text(address: IPAddress) -> str:
     return str(address)
 
 
-current_pin: contextvars.ContextVar[Pin | None] = contextvars.ContextVar("egressd_pin", default=None)
-
-
 class ConnectFailure(OSError):
-    """Raised when no pinned address accepted; the message carries an egressd failure marker."""
+    """Raised when no pinned address accepted: the reason code and what each attempt met."""
 
     def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(failure_message(reason, detail))
+        super().__init__(detail)
         self.reason = reason
         self.detail = detail
-
-
-async def connect_pinned(
-    pin: Pin, *, local_addr: tuple[str, int] | None = None
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, tuple[str, int]]:
-    """Streams to the first pinned address that accepts (see try_addresses), or through the pin's
-    parent proxy. Raises ConnectFailure."""
-    if pin.via is not None:
-        sock, connected = await _through_parent(pin, pin.via)
-        try:
-            reader, writer = await asyncio.open_connection(sock=sock)
-        except BaseException:
-            sock.close()
-            raise
-        return reader, writer, connected
-
-    async def open_streams(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection(address, pin.port, local_addr=local_addr)
-
-    (reader, writer), connected = await try_addresses(
-        pin.addresses, pin.port, pin.connect_timeout, open_streams, pin.attempts
-    )
-    _no_delay(writer.get_extra_info("socket"))
-    return reader, writer, connected
 
 
 async def connect_protocol(pin: Pin, protocol: asyncio.BaseProtocol) -> tuple[str, int]:
@@ -177,11 +147,6 @@ async def _through_parent(pin: Pin, parent: UpstreamProxy) -> tuple[socket.socke
         return await dial(parent, targets, pin.port, pin.connect_timeout, pin.attempts)
     except ParentFailure as e:
         raise ConnectFailure(e.reason, e.detail) from None
-
-
-def _no_delay(sock: socket.socket | None) -> None:
-    if sock is not None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _fmt(address: IPAddress, port: int) -> str:

@@ -613,15 +613,10 @@ class Pipeline:
         before anything of it is opened (its lookup, its socket): of a burst of tunnels, no more
         than the limit ever get a descriptor. The refusal when the limit is reached or no
         descriptor is left (`overloaded`); `disconnected` gives both back."""
-        limited = self.limits.connections() or self.hold(upstream_id)
+        limited = self.limits.connections() or self.limits.hold(upstream_id, self._conns.served)
         if limited is None:
             self.limits.upstreams.add(upstream_id)
         return limited
-
-    def hold(self, key: str, count: int = 1) -> Refusal | None:
-        """Take `count` of egressd's descriptors for `key` (an upstream connection, a hand-off to
-        mitmproxy), or `overloaded`; `disconnected(key)` gives them back."""
-        return self.limits.hold(key, self._conns.served, count)
 
     def disconnected(self, upstream_id: str) -> None:
         self.limits.upstreams.discard(upstream_id)

@@ -59,8 +59,6 @@ class Pipe(asyncio.Protocol):
     def __init__(self, tunnel: Tunnel, upstream: bool, coalesce: bool = False) -> None:
         self.tunnel = tunnel
         self.upstream = upstream
-        # only a relayed tunnel's two sides: on the hand-off to the embedded mitmproxy the far side is
-        # this very event loop, and a tick would only delay its own work
         self.coalesce = coalesce and COALESCE
         self.transport: asyncio.Transport | None = None
         self.peer: Pipe | None = None
@@ -72,9 +70,6 @@ class Pipe(asyncio.Protocol):
         # what arrived before the peer was attached (a server that speaks first may answer the
         # connect before the CONNECT's 200 is written): handed over by attach()
         self.early = bytearray()
-        # the embedded mitmproxy's answer to a hand-off's CONNECT: read here, not relayed
-        self.answer: asyncio.Future[bytes] | None = None
-        self.answer_buffer = bytearray()
 
     def attach(self, peer: Pipe) -> None:
         """Pair this side with its peer and pass on what this side read before."""
@@ -89,10 +84,6 @@ class Pipe(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
-        if self.answer is not None:
-            data = self._read_answer(data)
-            if not data:
-                return
         n = len(data)
         now = time.monotonic()
         self.tunnel.count(self.upstream, n, now)
@@ -118,38 +109,6 @@ class Pipe(asyncio.Protocol):
                 self.transport.pause_reading()
                 self.coalescing = asyncio.get_running_loop().call_later(COALESCE_PAUSE, self._read_on)
 
-    def _read_answer(self, data: bytes) -> bytes:
-        """Collect one complete response (head and Content-Length body); the rest is returned."""
-        assert self.answer is not None
-        self.answer_buffer += data
-        buffer = self.answer_buffer
-        end = buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buffer) > 65536:
-                self._settle_answer(ConnectionError("no response head from the inspection engine"))
-            return b""
-        length = 0
-        for line in bytes(buffer[:end]).split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length" and value.strip().isdigit():
-                length = int(value.strip())
-        total = end + 4 + length
-        if len(buffer) < total:
-            return b""
-        answer, rest = bytes(buffer[:total]), bytes(buffer[total:])
-        self.answer_buffer = bytearray()
-        self._settle_answer(answer)
-        return rest
-
-    def _settle_answer(self, outcome: bytes | BaseException) -> None:
-        future, self.answer = self.answer, None
-        if future is None or future.done():
-            return
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-
     def _read_on(self) -> None:
         self.coalescing = None
         if not self.held and self.transport is not None and not self.transport.is_closing():
@@ -162,8 +121,6 @@ class Pipe(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.answer is not None:
-            self._settle_answer(ConnectionError("the inspection engine closed the connection"))
         if self.coalescing is not None:
             self.coalescing.cancel()
             self.coalescing = None

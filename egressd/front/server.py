@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from egressd.front.socks import SocksProtocol
-from egressd.front.tunnel import FrontProtocol, MitmproxyAddress, RefusalContext
+from egressd.front.tunnel import FrontProtocol, Inspection, RefusalContext
 from egressd.listeners import register
 
 if TYPE_CHECKING:
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 
     from egressd.admission.credentials import ProxyCredentials
     from egressd.admission.pipeline import Pipeline
-    from egressd.inspect.handoffs import Handoffs
 
 
 SWEEP = 1.0  # seconds between the checks of header_timeout and idle_timeout
@@ -39,16 +38,14 @@ class Front:
     def __init__(
         self,
         pipeline: Pipeline,
-        mitmproxy_address: MitmproxyAddress,
-        handoffs: Handoffs,
+        inspection: Inspection,
         refusal_context: RefusalContext | None = None,
         *,
         health: bool = False,
     ) -> None:
         self.pipeline = pipeline
         self.health = health  # GET /healthz answered on the HTTP port, no credentials (the gateway)
-        self.mitmproxy_address = mitmproxy_address
-        self.handoffs = handoffs
+        self.inspection = inspection  # the embedded mitmproxy, started on first need
         self.refusal_context = refusal_context  # refusal_pages: tls (None: inspection is off)
         self.servers: list[asyncio.Server] = []
         self.clients: set[FrontProtocol] = set()

@@ -5,7 +5,7 @@ A SOCKS5 client is a FrontProtocol whose request head is a SOCKS5 handshake. Its
 answered in the RFC 1929 sub-negotiation by the pipeline's credentials step; its request becomes an
 Attempt of stage "socks" for FrontProtocol._open_tunnel — admission (credentials, limits, decision,
 approver, inspection choice, resolution, pinning), the connect, the TLS SNI check of the client's
-first bytes, the relay or the hand-off to mitmproxy for inspection, the records. Only the answers
+first bytes, the relay or the hand-over to mitmproxy for inspection, the records. Only the answers
 differ: SOCKS5 reply codes instead of HTTP statuses.
 """
 
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from egressd.admission.credentials import Presented
 from egressd.admission.pipeline import Attempt
-from egressd.front.relay import Pipe
 from egressd.front.tunnel import FrontProtocol, Listeners
 from egressd.refusal import POLICY_REASONS, Refusal
 from egressd.wire.socks5 import (
@@ -114,29 +113,11 @@ class SocksProtocol(FrontProtocol):
             self.transport.close()
 
     # -- answers ------------------------------------------------------------------------------------
-    def _established(self, upstream: Pipe) -> None:
-        assert self.transport is not None
-        bound = upstream.transport.get_extra_info("sockname") if upstream.transport is not None else None
-        bound = (str(bound[0]), int(bound[1])) if isinstance(bound, tuple) and len(bound) >= 2 else None
-        self.transport.write(reply(Reply.SUCCEEDED, bound))
+    def established_answer(self, bound: tuple[str, int] | None) -> bytes:
+        return reply(Reply.SUCCEEDED, bound)
 
-    def _answer_refusal(self, refusal: Refusal) -> None:
-        assert self.transport is not None
-        self.transport.write(reply(reply_code(refusal.reason)))
+    def refusal_answer(self, refusal: Refusal) -> bytes:
+        return reply(reply_code(refusal.reason))
 
     def _answer_overloaded_now(self, refusal: Refusal) -> None:
         """Before its greeting a SOCKS5 client can be told nothing: it is closed (and recorded)."""
-
-    def _answer_handed_off_refusal(self, answer: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(reply(reply_code(_egressd_reason(answer))))
-
-
-def _egressd_reason(answer: bytes) -> str:
-    """The X-Egressd-Reason of an HTTP refusal egressd rendered ("" when it has none)."""
-    head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1")
-    for line in head.split("\r\n")[1:]:
-        name, _, value = line.partition(":")
-        if name.strip().lower() == "x-egressd-reason":
-            return value.strip()
-    return ""

@@ -3,14 +3,13 @@ answered and relayed; absolute-form HTTP is given to `egressd.front.plain_http`.
 
 The tunnel is relayed (`egressd.front.relay`) after the TLS SNI check of the client's first bytes;
 a tunnel the pipeline marks for inspection is handed to the embedded mitmproxy, already admitted
-and pinned, from a local address registered in `egressd.inspect.handoffs`.
+and pinned, on the client's own transport (`egressd.inspect.engine`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
@@ -21,8 +20,7 @@ from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
 from egressd.front.relay import COALESCE, Pipe, Tunnel, render
-from egressd.inspect.handoffs import Handoff, Handoffs
-from egressd.policy import join_host_port
+from egressd.inspect.inspected import InspectedTunnel
 from egressd.refusal import Refusal
 from egressd.wire.http1 import WireError, read_connect, take_head
 from egressd.wire.http_head import HeadScanner, leading_empty_lines
@@ -32,11 +30,12 @@ if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
     from egressd.admission.pipeline import Pipeline
     from egressd.admission.state import ConnState
+    from egressd.inspect.engine import InspectionEngine
 
 logger = logging.getLogger(__name__)
 
-# where the embedded mitmproxy listens for the tunnels handed to it (started on first use)
-MitmproxyAddress = Callable[[str], Awaitable[tuple[str, int]]]
+# the embedded mitmproxy, for the tunnels admitted for inspection (started on first use)
+Inspection = Callable[[], Awaitable["InspectionEngine"]]
 # the TLS server context egressd answers a refused host's HTTPS with (refusal_pages: tls)
 RefusalContext = Callable[[str], Awaitable[ssl.SSLContext]]
 # the gateway's health check: an origin-form request no proxy request can be, answered without
@@ -51,8 +50,7 @@ class Listeners(Protocol):
     """What a client connection needs of the listeners that accepted it."""
 
     pipeline: Pipeline
-    handoffs: Handoffs
-    mitmproxy_address: MitmproxyAddress
+    inspection: Inspection
     refusal_context: RefusalContext | None
     clients: set[FrontProtocol]
     health: bool
@@ -73,8 +71,6 @@ class FrontProtocol(Pipe):
         super().__init__(Tunnel(self), upstream=False)
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
         self.tree_only = tree_only  # ... to the child's process tree only (ConnState.tree_only)
-        self.handed_off_as: str | None = None  # this client's address as the embedded mitmproxy sees it
-        self.handoff_held: str | None = None  # the descriptors the hand-off to mitmproxy takes
         self.front = front
         self.pipeline = front.pipeline
         self.buffer = bytearray()
@@ -155,8 +151,8 @@ class FrontProtocol(Pipe):
             self._on_hello_bytes(data)
             return
         if self.stage == "handoff":
-            # kept until mitmproxy is connected (uvloop may start reading after connection_made
-            # even when it paused reading, so pausing alone does not hold the bytes back)
+            # kept until mitmproxy takes the transport (uvloop may start reading after
+            # connection_made even when it paused reading, so pausing alone does not hold them back)
             assert self.transport is not None
             self.transport.pause_reading()
             return
@@ -167,7 +163,7 @@ class FrontProtocol(Pipe):
         if self.stage == "relay":
             return super().eof_received()
         if self.stage == "handoff":
-            self.eof_pending = True  # passed on once mitmproxy is connected
+            self.eof_pending = True  # passed on with the transport
             return True
         return False
 
@@ -186,10 +182,6 @@ class FrontProtocol(Pipe):
             return
         self.finished = True
         self.front.clients.discard(self)
-        if self.handed_off_as is not None:
-            self.front.handoffs.remove(self.handed_off_as)
-        if self.handoff_held is not None:
-            self.pipeline.disconnected(self.handoff_held)
         if self.server_id is not None:
             self.pipeline.disconnected(self.server_id)
         if self.state is not None:
@@ -258,7 +250,7 @@ class FrontProtocol(Pipe):
 
     async def _open_tunnel(self, attempt: Attempt) -> None:
         """Admit a tunnel (CONNECT or SOCKS5) and open it: relayed here, or handed to mitmproxy to
-        inspect. Only the answers differ between the protocols (_established, _answer_refusal).
+        inspect. Only the answers differ between the protocols (established_answer, refusal_answer).
         A bug refuses (fail closed), caught here rather than by a wrapping coroutine: one frame
         less for every tunnel to build and to resume through."""
         try:
@@ -272,7 +264,7 @@ class FrontProtocol(Pipe):
                     self._refuse(admitted)
                 return
             if admitted.inspect:
-                self._hand_off(admitted)
+                await self._hand_off(admitted)
                 return
             upstream = Pipe(self.tunnel, upstream=True, coalesce=True)
             server_id = f"{state.conn_id}-up"
@@ -285,7 +277,7 @@ class FrontProtocol(Pipe):
                 upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
                 return
             self.coalesce = COALESCE
-            self._established(upstream)
+            self.transport.write(self.established_answer(_bound(upstream)))
             upstream.attach(self)  # after the answer: a server's first bytes follow it
             self.stage = "sni"
             self.hello = TunnelStart(admitted.host)
@@ -328,23 +320,16 @@ class FrontProtocol(Pipe):
                 refusal.reason, refusal.detail, state.host, state.port, refusal.rule, refusal.retry_after
             )
         if self.transport is not None and not self.transport.is_closing():
-            self._answer_refusal(refusal)
+            self.transport.write(self.refusal_answer(refusal))
             self.transport.close()
 
-    def _established(self, upstream: Pipe) -> None:
-        """Tell the client its tunnel is open (`upstream`: the side towards the server, or mitmproxy)."""
-        assert self.transport is not None
-        self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+    def established_answer(self, bound: tuple[str, int] | None) -> bytes:
+        """What tells the client its tunnel is open (`bound`: egressd's end towards the server)."""
+        return b"HTTP/1.1 200 Connection established\r\n\r\n"
 
-    def _answer_refusal(self, refusal: Refusal) -> None:
-        """Tell the client it is refused, in its protocol (it is closed after)."""
-        assert self.transport is not None
-        self.transport.write(render(refusal))
-
-    def _answer_handed_off_refusal(self, answer: bytes) -> None:
-        """mitmproxy refused a tunnel handed to it (its connect failed): its answer, as it is."""
-        assert self.transport is not None
-        self.transport.write(answer)
+    def refusal_answer(self, refusal: Refusal) -> bytes:
+        """What tells the client it is refused, in its protocol (it is closed after)."""
+        return render(refusal)
 
     def _page_inside_tls(self, refusal: Refusal, attempt: Attempt) -> bool:
         """refusal_pages: tls, with inspection on (the child trusts egressd's CA), for a refused
@@ -391,83 +376,30 @@ class FrontProtocol(Pipe):
         self._refuse(refusal)
 
     # -- inspection: the embedded mitmproxy --------------------------------------------------------
-    def _hand_off(self, admitted: Admitted) -> None:
-        """Relay a tunnel the pipeline admitted for inspection (CONNECT or SOCKS5) to the embedded
-        mitmproxy, whose addons decide each request inside it (two more descriptors: egressd's
-        side and mitmproxy's)."""
+    async def _hand_off(self, admitted: Admitted) -> None:
+        """Hand a tunnel the pipeline admitted for inspection (CONNECT or SOCKS5) to the embedded
+        mitmproxy, on this client's own transport: its addons decide each request inside it, and
+        its first layer opens the upstream connection and answers the client in its protocol
+        (established_answer, refusal_answer). Reading stays paused until mitmproxy has the transport."""
         assert self.transport is not None and self.state is not None
-        held = f"{self.state.conn_id}-handoff"
-        if (refusal := self.pipeline.hold(held, 2)) is not None:
+        self.stage = "handoff"
+        self.transport.pause_reading()
+        try:
+            engine = await self.front.inspection()
+        except Exception as exc:  # noqa: BLE001 - the client is refused, never let through
+            if out_of_descriptors(exc):  # no descriptor left to start mitmproxy
+                refusal = overloaded(admitted.host, admitted.port)
+            else:
+                logger.error("egressd could not start its inspection engine: %r", exc)
+                refusal = Refusal("internal_error", f"proxy engine: {exc}", admitted.host, admitted.port)
             self._refuse(refusal)
             return
-        self.handoff_held = held
-        self.transport.pause_reading()
-        target = join_host_port(admitted.host, admitted.port)
-        pending = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
-        self.stage = "handoff"
-        handoff = Handoff(self.state, admitted)
-        self.task = asyncio.get_running_loop().create_task(self._open_mitmproxy(handoff, pending))
-
-    async def _open_mitmproxy(self, handoff: Handoff, pending: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        inner = Pipe(self.tunnel, upstream=True)
-        answered = inner.answer = loop.create_future()  # mitmproxy's answer to the CONNECT
-        try:
-            address = await self.front.mitmproxy_address("http")
-            sock = await self._handed_off_socket(address, handoff)
-            await loop.create_connection(lambda: inner, sock=sock)
-            assert inner.transport is not None
-            inner.transport.write(pending)
-            answer = await answered
-        except Exception as exc:  # noqa: BLE001 - the client is closed, never let through
-            if out_of_descriptors(exc):  # no descriptor left to start or reach mitmproxy
-                refusal = overloaded(handoff.tunnel.host, handoff.tunnel.port)
-            else:
-                logger.error("egressd could not hand a connection to mitmproxy: %r", exc)
-                refusal = Refusal("internal_error", f"proxy engine: {exc}")
-            if self.transport is not None:
-                if not self.transport.is_closing():
-                    self._answer_refusal(refusal)
-                self.transport.close()
-            if inner.transport is not None:
-                inner.transport.close()
+        transport = self.transport
+        if transport is None or transport.is_closing():
             return
-        assert self.transport is not None
-        if not answer.startswith(b"HTTP/1.1 200"):
-            self._answer_handed_off_refusal(answer)  # rendered by the addon (connect failed)
-            self.transport.close()
-            inner.transport.close()
-            return
-        self._established(inner)
-        inner.attach(self)
-        pending = bytes(self.buffer)
-        self.buffer = bytearray()
-        self.stage = "relay"
-        if pending:
-            inner.transport.write(pending)
-        if self.eof_pending:
-            inner.eof_received_from_peer()
-        if not self.transport.is_closing():
-            self.transport.resume_reading()
-        else:
-            inner.transport.close()
-
-    async def _handed_off_socket(self, address: tuple[str, int], handoff: Handoff) -> socket.socket:
-        """A connection to mitmproxy from a local address registered first (inspect.handoffs):
-        mitmproxy serves only connections it finds there."""
-        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            sock.bind((address[0], 0))
-            local = sock.getsockname()
-            self.handed_off_as = f"{local[0]}:{local[1]}"
-            self.front.handoffs.add(self.handed_off_as, handoff)
-            await asyncio.get_running_loop().sock_connect(sock, address)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        self.stage = "inspect"
+        read, self.buffer = bytes(self.buffer), bytearray()
+        engine.serve(InspectedTunnel(self.state, admitted, self), transport, read, self.eof_pending)
 
     # -- plain HTTP (egressd.front.plain_http) -------------------------------------------------------
     def _serve_plain(self) -> None:
@@ -478,3 +410,9 @@ class FrontProtocol(Pipe):
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()
+
+
+def _bound(upstream: Pipe) -> tuple[str, int] | None:
+    """egressd's end of an upstream connection (a SOCKS5 reply names it)."""
+    bound = upstream.transport.get_extra_info("sockname") if upstream.transport is not None else None
+    return (str(bound[0]), int(bound[1])) if isinstance(bound, tuple) and len(bound) >= 2 else None

@@ -2,8 +2,8 @@
 
 mitmproxy 12.3.1 renders those with `_http1.make_error_response`; the replacement (installed by
 egressd.inspect.patches) gives them the same Proxy-Status / X-Egressd-Reason headers and readable
-body as every other refusal, and turns egressd's failure markers (DNS, connect) into the right
-status code.
+body as every other refusal. A failure egressd recorded for the exchange (a connect, a timeout, the
+upstream's answer) is rendered from its own Refusal (`failure_response`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from mitmproxy import http
 from mitmproxy.net.http import http1
 
-from egressd.refusal import Refusal, parse_failure
+from egressd.refusal import Refusal
 
 _STATUS_REASON = {
     400: "bad_request",
@@ -30,10 +30,6 @@ _TLS_FAILURE = re.compile(r"certificate verify failed|tls handshake|ssl handshak
 
 
 def refusal_from_error(status_code: int, message: str) -> tuple[int, Refusal]:
-    failure = parse_failure(message)
-    if failure is not None:
-        refusal = Refusal(failure[0], failure[1])
-        return refusal.status, refusal
     if _TLS_FAILURE.search(message):
         refusal = Refusal("upstream_tls_error", message)
         return refusal.status, refusal
@@ -52,3 +48,7 @@ def refusal_response(refusal: Refusal, status: int | None = None) -> http.Respon
 def make_error_response(status_code: int, message: str = "") -> bytes:
     status, refusal = refusal_from_error(status_code, message)
     return http1.assemble_response(refusal_response(refusal, status))
+
+
+def failure_response(refusal: Refusal) -> bytes:
+    return http1.assemble_response(refusal_response(refusal))

@@ -1,25 +1,35 @@
 """Every patch egressd makes to mitmproxy's internals, each with its reason, for mitmproxy==12.3.1 only.
 
 `install(pipeline)` refuses to run on another mitmproxy version: each patch below reaches into a
-private part that the tests cover for exactly this version.
+private part that the tests cover for exactly this version (tests/unit/test_mitmproxy_contract.py
+fails when the source of any part egressd wraps or mirrors changes).
 
-1. The pinned connect: mitmproxy opens every upstream TCP connection with
-   `asyncio.open_connection(host, port)` inside `mitmproxy.proxy.server.ConnectionHandler.open_connection`,
-   after running the `server_connect` hook in the same task. The policy addon's `server_connect`
-   puts the pipeline's pin into `egressd.admission.pinning.current_pin`; `asyncio` as seen by that
-   one module is replaced so that it connects only to the pinned addresses, and refuses a
-   connection no hook pinned.
-2. Error responses mitmproxy generates itself (a malformed request, a failed upstream) get egressd's
-   refusal format (`egressd.inspect.error_pages`): `_http1.make_error_response` is replaced.
+Not a patch, but the one place egressd's code stands in for mitmproxy's: the upstream connect. The
+tunnels egressd hands over are served by egressd's own subclass of mitmproxy's connection handler
+(egressd.inspect.handler.TunnelHandler), whose `open_connection` is mitmproxy's with the streams
+taken from the pipeline's pinned `connect` (each admitted address in turn, or the parent proxy) —
+mitmproxy's `server_connect` hook can name one address to connect to, not a list to try in order
+within a deadline, nor a parent proxy's tunnel. The address and SNI are set in that documented hook
+(egressd.addons.policy_gate). Nothing of mitmproxy is replaced for it.
+
+1. Error responses mitmproxy generates itself (a malformed request, a failed upstream) get egressd's
+   refusal format (`egressd.inspect.error_pages`): `_http1.make_error_response` is replaced, and the
+   page `Http1Server.send` writes for a failed exchange is the tunnel's own failure when one was
+   recorded (`InspectedTunnel.failure`: a connect that failed, a response timeout, an upstream that did not
+   speak HTTP/1), so the reason travels as a `Refusal`, not as text in mitmproxy's message.
+2. Error pages may quote what the server sent (`Invalid header line: b'...'`): every secret's value
+   in them is masked (`Pipeline.secrets`), as every response is.
 3. The request-head guard inside inspected tunnels (plain HTTP never reaches mitmproxy: egressd's
    front reads it, egressd.wire.http1; this guard is only for requests inside TLS tunnels that
    mitmproxy inspects, which only it reads): mitmproxy reads request heads with h11's line
    splitter, which accepts bare LF, and has no size limit on a head (its own FIXME). The raw bytes
    are checked first (`egressd.wire.http_head`) and refused 400/431 in egressd's format, so a head
-   two parsers could read differently is never decided one way and forwarded another. A head
-   mitmproxy's own parser rejects is refused here too, so every such refusal is recorded. Empty
-   lines before a request line are dropped first (RFC 9112 2.2): h11 returns at each one and then
-   waits for more bytes.
+   two parsers could read differently is never decided one way and forwarded another. A complete
+   head is then parsed once, by mitmproxy's own parser, in `Http1Server.read_headers`'s place (its
+   steps for a head, as in 12.3.1); one that parser rejects is refused the same way, so every such
+   refusal is recorded and no request event is made of it. Empty lines before a request line are
+   dropped first (RFC 9112 2.2): h11 returns at each one and then waits for more bytes. mitmproxy
+   has no hook before it parses a head.
 4. Interim (1xx) responses from the server: mitmproxy's HTTP/1 client reads the first head it gets
    as THE response, so a `100 Continue` or `103 Early Hints` became the answer and the real one was
    dropped as "unexpected data" (the child waited forever). mitmproxy answers a client's `Expect:
@@ -31,31 +41,30 @@ private part that the tests cover for exactly this version.
    ResponseTrailers event the HTTP layer knows (`read_body`; the policy addon masks them), and are
    written into the last chunk to the client (`Http1Server.send`). A request's trailers are dropped:
    nothing of them reaches the server unscanned.
-6. Error pages (2. above) may quote what the server sent (`Invalid header line: b'...'`): every
-   secret's value in them is masked (`Pipeline.secrets`), as every response is.
-7. What failed on the upstream side: mitmproxy's HTTP/1 client reports a half response, a head it
-   cannot parse or a server that closed as a protocol error whose message is plain text, which
-   patch 2 would answer as a failed connect. Each such message from `_http1.Http1Client` gets
-   egressd's failure marker: `upstream_timeout` when egressd closed the connection itself because
-   no response head came within timeouts.response (the policy addon writes that marker on the
-   server connection's `error` first), else `upstream_protocol_error`. The child gets 504 or 502
-   with that reason, and the addon's error hook records it.
+6. What failed on the upstream side: mitmproxy's HTTP/1 client reports a half response, a head it
+   cannot parse or a server that closed as a protocol error with a plain-text message
+   (ResponseProtocolError, GENERIC_SERVER_ERROR), which the HTTP layer's stream handles in
+   `HttpStream.handle_protocol_error` (only ever called for a failed exchange). Each is recorded on
+   the tunnel as `upstream_protocol_error` there — unless egressd failed the exchange first (the
+   policy addon closed the connection because no response head came within timeouts.response:
+   `upstream_timeout`; a connect that failed). The child gets 502 or 504 with that reason (1.), and
+   the addon's error hook records it. The public `error` hook cannot tell the server's protocol
+   errors from the client's.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import re
-import types
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
-from egressd.admission.pinning import ConnectFailure, connect_pinned, current_pin
-from egressd.refusal import failure_message, parse_failure
 from egressd.wire.http_head import head_problem, leading_empty_lines
 
 if TYPE_CHECKING:
     from egressd.admission.pipeline import Pipeline
+    from egressd.inspect.inspected import InspectedTunnel
+    from egressd.refusal import Refusal
 
 MITMPROXY_VERSION = "12.3.1"
 
@@ -67,7 +76,7 @@ def check_version() -> None:
     if version.VERSION != MITMPROXY_VERSION:
         raise RuntimeError(
             f"egressd needs mitmproxy=={MITMPROXY_VERSION} (found {version.VERSION}): "
-            "its connect hook is tested against that version only"
+            "its hooks into mitmproxy are tested against that version only"
         )
 
 
@@ -75,7 +84,6 @@ def install(pipeline: Pipeline | None = None) -> None:
     """Every patch (idempotent). `pipeline`: whose events record a refused request head, and whose
     secrets are masked in error pages."""
     check_version()
-    _install_pinned_connect()
     _install_head_guard(pipeline)
     _install_error_responses()
     _install_interim_drop()
@@ -84,72 +92,70 @@ def install(pipeline: Pipeline | None = None) -> None:
 
 
 def _wrap(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
-    """owner.name becomes wrap(original), once: the replacement is marked as egressd's."""
+    """owner.name becomes wrap(original), once per wrap: the replacement remembers which of
+    egressd's wraps it holds (two patches may wrap one method)."""
     original = getattr(owner, name)
-    if getattr(original, "egressd_patch", False):
+    held = getattr(original, "egressd_patches", frozenset())
+    if wrap.__qualname__ in held:
         return
     replacement = wrap(original)
-    replacement.egressd_patch = True
+    replacement.egressd_patches = held | {wrap.__qualname__}
     setattr(owner, name, replacement)
 
 
-# -- 1. the pinned connect ---------------------------------------------------------------------------
-async def _pinned_open_connection(
-    host: str | None = None, port: int | None = None, *, local_addr: Any = None, **kwargs: Any
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    pin = current_pin.get()
-    if pin is None or kwargs or (host, port) != (pin.host, pin.port):
-        raise ConnectFailure(
-            "internal_error", f"upstream connection to {host}:{port} was not admitted by the policy gate"
-        )
-    current_pin.set(None)  # one pin, one connection
-    try:
-        reader, writer, connected = await connect_pinned(pin, local_addr=local_addr)
-    except ConnectFailure as e:
-        pin.failure = (e.reason, e.detail)
-        raise
-    pin.connected = connected
-    return reader, writer
+def _tunnel(client: Any) -> InspectedTunnel | None:
+    """The tunnel a client connection carries (every one mitmproxy has here carries one)."""
+    from egressd.inspect.handler import TunnelClient
+
+    return client.tunnel if isinstance(client, TunnelClient) else None
 
 
-class _AsyncioForMitmproxy(types.ModuleType):
-    """`asyncio` as seen by mitmproxy.proxy.server: everything real except open_connection."""
-
-    def __init__(self) -> None:
-        super().__init__("asyncio")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(asyncio, name)
-
-    open_connection = staticmethod(_pinned_open_connection)
-
-
-def _install_pinned_connect() -> None:
-    import mitmproxy.proxy.server as server
-
-    if not isinstance(server.asyncio, _AsyncioForMitmproxy):
-        server.asyncio = _AsyncioForMitmproxy()  # type: ignore[assignment]
-
-
-def installed() -> bool:
-    import mitmproxy.proxy.server as server
-
-    return isinstance(server.asyncio, _AsyncioForMitmproxy)
-
-
-# -- 2. error responses --------------------------------------------------------------------------------
+# -- 1. error responses, 2. secrets masked in them --------------------------------------------------
 def _install_error_responses() -> None:
-    import mitmproxy.proxy.layers.http._http1 as http1_layer
+    from mitmproxy.proxy import commands
+    from mitmproxy.proxy.layers.http import ResponseProtocolError, _http1
 
-    http1_layer.make_error_response = _error_response  # type: ignore[assignment]
+    _http1.make_error_response = _error_response  # type: ignore[assignment]
+
+    def wrap(send: Any) -> Any:
+        def send_failure(self: Any, event: Any) -> Generator[Any, Any, None]:
+            if not isinstance(event, ResponseProtocolError):
+                yield from send(self, event)
+                return
+
+            def rewrite(command: Any) -> list[Any]:
+                if not isinstance(command, commands.SendData):
+                    return [command]
+                tunnel = _tunnel(self.context.client)
+                failure = tunnel.take_failure() if tunnel is not None else None
+                if failure is None:
+                    return [command]
+                return [commands.SendData(command.connection, _failure_response(failure))]
+
+            yield from _rewritten(send(self, event), rewrite)
+
+        return send_failure
+
+    _wrap(_http1.Http1Server, "send", wrap)
 
 
 def _error_response(status_code: int, message: str = "") -> bytes:
-    """egressd's error page, with every secret's value masked in what it quotes (6.)."""
+    """egressd's error page for mitmproxy's own error, with every secret's value masked in what it
+    quotes (2.)."""
     from egressd.inspect.error_pages import make_error_response
 
     rt = _head_events
     return make_error_response(status_code, rt.secrets.mask_text(message) if rt is not None else message)
+
+
+def _failure_response(failure: Refusal) -> bytes:
+    """egressd's error page for a failure of the tunnel's, its detail masked (2.)."""
+    from egressd.inspect.error_pages import failure_response
+
+    rt = _head_events
+    if rt is not None:
+        failure = dataclasses.replace(failure, detail=rt.secrets.mask_text(failure.detail))
+    return failure_response(failure)
 
 
 # -- 3. the request-head guard -------------------------------------------------------------------------
@@ -160,44 +166,48 @@ def _install_head_guard(pipeline: Pipeline | None) -> None:
     global _head_events
     if pipeline is not None:
         _head_events = pipeline
+    from mitmproxy.net.http import http1
     from mitmproxy.proxy import commands, events
-    from mitmproxy.proxy.layers.http import _http1
+    from mitmproxy.proxy.layers.http import RequestHeaders, _http1
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
 
     def wrap(original: Any) -> Any:
         def read_headers(self: Any, event: Any) -> Generator[Any, Any, None]:
-            if isinstance(event, events.DataReceived):
-                data = bytes(self.buf)
-                skip = leading_empty_lines(data)
-                for _ in range(skip // 2):
-                    self.buf.maybe_extract_lines()  # RFC 9112 2.2; h11 returns at each, then waits
-                data = data[skip:]
-                problem = head_problem(data) or _unreadable(data)
-                if problem is not None:
-                    status, why = problem
-                    _audit(self.conn.id, why)
-                    yield commands.SendData(self.conn, _http1.make_error_response(status, why))
-                    yield commands.CloseConnection(self.conn)
-                    self.state = self.done
-                    return
-            yield from original(self, event)
+            """mitmproxy's read_headers for a complete head, after egressd's check of its raw bytes
+            and with a head mitmproxy's parser refuses answered like one the check refuses: each
+            head is parsed once, by mitmproxy's parser."""
+            if not isinstance(event, events.DataReceived):
+                yield from original(self, event)
+                return
+            data = bytes(self.buf)
+            skip = leading_empty_lines(data)
+            for _ in range(skip // 2):
+                self.buf.maybe_extract_lines()  # RFC 9112 2.2; h11 returns at each, then waits
+            problem = head_problem(data[skip:])
+            lines = self.buf.maybe_extract_lines() if problem is None else None
+            if problem is None and not lines:
+                return  # not complete yet (head_problem bounds its size)
+            if problem is None:
+                try:
+                    self.request = http1.read_request_head([bytes(line) for line in lines])
+                    expected_body_size = http1.expected_http_body_size(self.request)
+                except ValueError as exc:
+                    problem = 400, str(exc)
+            if problem is not None:
+                status, why = problem
+                _audit(self.conn.id, why)
+                yield commands.SendData(self.conn, _http1.make_error_response(status, why))
+                yield commands.CloseConnection(self.conn)
+                self.state = self.done
+                return
+            yield ReceiveHttp(RequestHeaders(self.stream_id, self.request, expected_body_size == 0))
+            self.body_reader = _http1.make_body_reader(expected_body_size)
+            self.state = self.read_body
+            yield from self.state(event)
 
         return read_headers
 
     _wrap(_http1.Http1Server, "read_headers", wrap)
-
-
-def _unreadable(data: bytes) -> tuple[int, str] | None:
-    """(400, why) when mitmproxy's parser would refuse the complete head at the start of data."""
-    from mitmproxy.net.http import http1
-
-    end = data.find(b"\r\n\r\n")  # head_problem passed: no bare LF, so CRLF ends every line
-    if end < 0:
-        return None
-    try:
-        http1.expected_http_body_size(http1.read_request_head(data[:end].split(b"\r\n")))
-    except ValueError as exc:
-        return 400, str(exc)
-    return None
 
 
 def _audit(client_id: str, why: str) -> None:
@@ -280,12 +290,15 @@ def _install_trailers() -> None:
 
     def deliver_trailers(read_body: Any) -> Any:
         def read_body_with_trailers(self: Any, event: Any) -> Generator[Any, Any, None]:
+            reader = self.body_reader
+            if not isinstance(reader, _TrailerKeeper):  # no chunked body: no trailers
+                yield from read_body(self, event)
+                return
+
             def rewrite(command: Any) -> list[Any]:
-                reader = self.body_reader
                 if (
                     isinstance(command, ReceiveHttp)
                     and isinstance(command.event, ResponseEndOfMessage)
-                    and isinstance(reader, _TrailerKeeper)
                     and reader.trailers
                 ):
                     trailers, reader.trailers = reader.trailers, []
@@ -323,32 +336,18 @@ def _install_trailers() -> None:
     _wrap(_http1.Http1Server, "send", send_trailers)
 
 
-# -- 7. what failed on the upstream side ---------------------------------------------------------------
+# -- 6. what failed on the upstream side ---------------------------------------------------------------
 def _install_upstream_failures() -> None:
-    from mitmproxy.proxy.layers.http import _http1
-    from mitmproxy.proxy.layers.http._base import ReceiveHttp
-    from mitmproxy.proxy.layers.http._events import ResponseProtocolError
+    from mitmproxy.proxy.layers.http import ErrorCode, HttpStream, ResponseProtocolError
 
-    def mark_failures(handle_event: Any) -> Any:
-        def handle_event_marked(self: Any, event: Any) -> Generator[Any, Any, None]:
-            def rewrite(command: Any) -> list[Any]:
-                if isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseProtocolError):
-                    failed = command.event
-                    message = upstream_failure(failed.message, self.conn.error)
-                    return [ReceiveHttp(ResponseProtocolError(failed.stream_id, message, failed.code))]
-                return [command]
+    def record_failures(handle_protocol_error: Any) -> Any:
+        def handle_protocol_error_recorded(self: Any, event: Any) -> Generator[Any, Any, None]:
+            if isinstance(event, ResponseProtocolError) and event.code is ErrorCode.GENERIC_SERVER_ERROR:
+                tunnel = _tunnel(self.context.client)
+                if tunnel is not None:
+                    tunnel.fail(tunnel.refusal("upstream_protocol_error", event.message))
+            yield from handle_protocol_error(self, event)
 
-            yield from _rewritten(handle_event(self, event), rewrite)
+        return handle_protocol_error_recorded
 
-        return handle_event_marked
-
-    _wrap(_http1.Http1Client, "_handle_event", mark_failures)
-
-
-def upstream_failure(message: str, note: str | None) -> str:
-    """The marked message of a protocol error on the upstream side: egressd's own note on the
-    connection (a response timeout it acted on), else a protocol error of the upstream (marked in
-    front of the message, so bytes the server sent cannot pass for another marker)."""
-    if note and parse_failure(note) is not None:
-        return note
-    return failure_message("upstream_protocol_error", message)
+    _wrap(HttpStream, "handle_protocol_error", record_failures)

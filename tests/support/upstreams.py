@@ -388,6 +388,58 @@ class EchoHTTPSServer(EchoHTTPServer):
         self.ssl_context = ctx
 
 
+class OneAnswerHTTPSServer:
+    """HTTPS that answers one request per connection (`200`, its body the connection's number) and
+    then closes it without saying so beforehand (no `Connection: close`), as a server whose
+    keep-alive timer ran out does: the next request on the client's side needs a new connection.
+    `stop_listening()` closes the listener: a new connection is then refused. Records each
+    handshake's SNI in ``sni``."""
+
+    def __init__(self, host: str, *, ca: trustme.CA, hostnames: list[str]) -> None:
+        self.host = host
+        self.connections = 0
+        self.sni: list[str | None] = []
+        self._listener = socket.create_server((host, 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert(*hostnames).configure_cert(self._context)
+        self._context.sni_callback = self._on_sni
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _on_sni(self, _sock: ssl.SSLObject | ssl.SSLSocket, name: str | None, _ctx: ssl.SSLContext) -> None:
+        self.sni.append(name)
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self._listener.accept()
+                self.connections += 1
+                threading.Thread(target=self._answer, args=(conn, self.connections), daemon=True).start()
+
+    def _answer(self, conn: socket.socket, number: int) -> None:
+        with contextlib.suppress(OSError, ssl.SSLError), conn:
+            conn.settimeout(10)
+            with self._context.wrap_socket(conn, server_side=True) as tls:
+                head = b""
+                while b"\r\n\r\n" not in head and (chunk := tls.recv(4096)):
+                    head += chunk
+                body = str(number).encode()
+                tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def stop_listening(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not)
+        self._listener.close()
+        self._thread.join(5)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_listening()
+
+
 # ------------------------------------------------------------------------------------------------
 # Raw TCP
 # ------------------------------------------------------------------------------------------------
