@@ -27,9 +27,10 @@ from egressd.inspect import response_limit
 from egressd.inspect.connections import close_client, close_server
 from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handoffs import Handoff, Handoffs
-from egressd.refusal import EGRESSD_HEADERS, Refusal, failure_message, parse_failure
+from egressd.refusal import Refusal, failure_message, parse_failure
 from egressd.wire.http_fields import hop_by_hop_names, upgrade_protocols
 from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
+from egressd.wire.refusal import EGRESSD_HEADERS
 
 logger = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ and pinned, from a local address registered in `egressd.inspect.handoffs`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import ssl
@@ -20,12 +21,14 @@ from egressd.admission.limits import overloaded
 from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
-from egressd.front.relay import COALESCE, Pipe, Tunnel, render
+from egressd.front.relay import COALESCE, Pipe, Tunnel
 from egressd.inspect.handoffs import Handoff, Handoffs
 from egressd.policy import join_host_port
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
 from egressd.wire.http1 import WireError, read_connect, take_head
 from egressd.wire.http_head import HeadScanner, leading_empty_lines
+from egressd.wire.refusal import http_response
 from egressd.wire.sni import WAIT, TunnelStart
 
 if TYPE_CHECKING:
@@ -117,7 +120,7 @@ class FrontProtocol(Pipe):
 
     def _answer_overloaded_now(self, refusal: Refusal) -> None:
         assert self.transport is not None
-        self.transport.write(render(refusal))
+        self.transport.write(http_response(refusal))
 
     def close_idle(self) -> None:
         """limits.idle_timeout passed without a byte either way (the front's sweep)."""
@@ -222,7 +225,7 @@ class FrontProtocol(Pipe):
             self.head_scanner = None
             connect = read_connect(head)
         except WireError as exc:
-            self._refuse_unreadable(Refusal("bad_request", exc.detail))
+            self._refuse_unreadable(Refusal(Reason.BAD_REQUEST, exc.detail))
             return
         attempt = Attempt(
             "connect",
@@ -314,7 +317,7 @@ class FrontProtocol(Pipe):
     def _close_tunnel(self, problem: str) -> None:
         state = self.state
         host, port = (state.host, state.port) if state else (None, None)
-        self.pipeline.refused_early(state, host, port, "sni_mismatch", problem, stage="tls")
+        self.pipeline.refused_early(state, host, port, Reason.SNI_MISMATCH, problem, stage="tls")
         if self.peer is not None and self.peer.transport is not None:
             self.peer.transport.close()
         if self.transport is not None:
@@ -324,9 +327,7 @@ class FrontProtocol(Pipe):
     def _refuse(self, refusal: Refusal) -> None:
         state = self.state
         if refusal.host == "" and state is not None and state.host:
-            refusal = Refusal(
-                refusal.reason, refusal.detail, state.host, state.port, refusal.rule, refusal.retry_after
-            )
+            refusal = dataclasses.replace(refusal, host=state.host, port=state.port)
         if self.transport is not None and not self.transport.is_closing():
             self._answer_refusal(refusal)
             self.transport.close()
@@ -339,7 +340,7 @@ class FrontProtocol(Pipe):
     def _answer_refusal(self, refusal: Refusal) -> None:
         """Tell the client it is refused, in its protocol (it is closed after)."""
         assert self.transport is not None
-        self.transport.write(render(refusal))
+        self.transport.write(http_response(refusal))
 
     def _answer_handed_off_refusal(self, answer: bytes) -> None:
         """mitmproxy refused a tunnel handed to it (its connect failed): its answer, as it is."""
@@ -424,7 +425,7 @@ class FrontProtocol(Pipe):
                 refusal = overloaded(handoff.tunnel.host, handoff.tunnel.port)
             else:
                 logger.error("egressd could not hand a connection to mitmproxy: %r", exc)
-                refusal = Refusal("internal_error", f"proxy engine: {exc}")
+                refusal = Refusal(Reason.INTERNAL_ERROR, f"proxy engine: {exc}")
             if self.transport is not None:
                 if not self.transport.is_closing():
                     self._answer_refusal(refusal)

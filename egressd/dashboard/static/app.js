@@ -122,7 +122,7 @@ function renderAsks(asks) {
     left.dataset.deadline = String(Date.now() + Number(ask.expires_in || 0) * 1000);
     timeLeft(left);
     item.appendChild(left);
-    item.appendChild(el("span", "client " + (ask.client || "-") + ", " + ask.waiting + " waiting", "muted"));
+    item.appendChild(el("span", (ask.asker || "client " + (ask.client || "-")) + ", " + ask.waiting + " waiting", "muted"));
     const first = (ask.requests || [])[0] || {};
     const who = el("div", null, "who");
     who.append(el("span", first.cmdline && first.cmdline.length ? "asked by " : "egressd runs "),
