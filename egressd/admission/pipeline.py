@@ -685,7 +685,8 @@ class Pipeline:
         the detail that may quote them — never keeps a placeholder's random part (the name does).
         An allow whose record the audit log did not take answers the refusal to act on instead
         (audit.on_failure: refuse), else None."""
-        reason = Reason.of(reason)  # a code no registry knows raises here, before any record
+        if type(reason) is not Reason:  # a code no registry knows raises here, before any record
+            reason = Reason.of(reason)
         if self.secrets:
             host, method, path = map(self._recorded_path, (host, method, path))
             detail = self.secrets.needles.redact(detail)

@@ -155,6 +155,19 @@ def test_metrics_count_every_code_under_its_own_name() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("code", "allowed", "said"),
+    [("dns_error", False, "failed"), ("denylist", False, "refused"), ("allowlist", True, "allowed")],
+)
+def test_the_control_api_says_failed_for_a_network_failure(code: str, allowed: bool, said: str) -> None:
+    """`egressd watch` and the dashboard read the events of the control API: a network failure is
+    `failed` there too, never `refused`."""
+    from egressd.control.app import event_json
+
+    event = Decided("c", None, None, "connection", "h.test", 443, allowed, Reason(code), None, "")
+    assert event_json(event)["outcome"] == said
+
+
 def test_the_docs_list_every_code() -> None:
     """docs/refusals.md has a row per code; the network failures it names are the failure kind."""
     text = (DOCS / "refusals.md").read_text()

@@ -233,11 +233,12 @@ function program(event) {
 
 function addDecision(event) {
   const body = $("decisions").tBodies[0];
+  const verdict = event.outcome || (event.allowed ? "allowed" : "refused");
   const row = el("tr", null, event.allowed ? "allowed" : "refused");
   const time = new Date((event.time || Date.now() / 1000) * 1000).toLocaleTimeString();
   row.append(
     el("td", time), el("td", event.client || "-"), el("td", event.stage), el("td", target(event)),
-    el("td", event.allowed ? "allowed" : "refused", "verdict"), el("td", event.reason), el("td", event.rule || ""),
+    el("td", verdict, "verdict"), el("td", event.reason), el("td", event.rule || ""),
     el("td", program(event)),
   );
   row.dataset.host = event.host || "";
