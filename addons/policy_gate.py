@@ -29,9 +29,11 @@ from egressd.inspect.connections import close_client, close_server
 from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handler import tunnel_of
 from egressd.inspect.inspected import InspectedTunnel
-from egressd.refusal import EGRESSD_HEADERS, Refusal
+from egressd.policy.reasons import Reason
+from egressd.refusal import Refusal
 from egressd.wire.http_fields import hop_by_hop_names, upgrade_protocols
 from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
+from egressd.wire.refusal import EGRESSD_HEADERS
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ _UPGRADE = "egressd_upgrade"
 # stream_large_bodies in egressd.proxy): a placeholder in one is answered 403, nothing sent
 BUFFERED_BODY = 256 * 1024
 # failures of an exchange whose upstream connection was open (the connect's own are recorded there)
-_UPSTREAM_FAILURES = frozenset({"upstream_timeout", "upstream_protocol_error"})
+_UPSTREAM_FAILURES = frozenset({Reason.UPSTREAM_TIMEOUT, Reason.UPSTREAM_PROTOCOL_ERROR})
 
 
 def fail_closed(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -168,7 +170,7 @@ class PolicyGate:
             return
         detail = f"no response from the server within {timeout:g}s (timeouts.response)"
         tunnel = tunnel_of(flow.client_conn)
-        tunnel.fail(tunnel.refusal("upstream_timeout", detail))
+        tunnel.fail(tunnel.refusal(Reason.UPSTREAM_TIMEOUT, detail))
         close_server(flow.client_conn.id, server)
 
     @fail_closed
@@ -204,7 +206,7 @@ class PolicyGate:
         if response.status_code == 101 and not (flow.metadata.get(_UPGRADE) and switched_to == "websocket"):
             flow.websocket = None
             why = "HTTP/1 protocol error: the server switched protocols (101) to no admitted WebSocket"
-            self._refuse(flow, Refusal("connect_error", why, flow.request.host, flow.request.port))
+            self._refuse(flow, Refusal(Reason.CONNECT_ERROR, why, flow.request.host, flow.request.port))
             return
         mask = flow.metadata.get(_MASK)
         if mask is not None and response.trailers:
@@ -249,7 +251,9 @@ class PolicyGate:
             or admitted.pin is None
         ):
             where = "no destination" if address is None else f"{address[0]}:{address[1]}"
-            server.error = tunnel.fail(tunnel.refusal("internal_error", f"{where} was not admitted")).detail
+            server.error = tunnel.fail(
+                tunnel.refusal(Reason.INTERNAL_ERROR, f"{where} was not admitted")
+            ).detail
             return
         target = admitted.decision.target
         server.sni = admitted.host if target is not None and not target.host.is_ip else None

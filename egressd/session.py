@@ -25,6 +25,7 @@ from egressd.policy import (
     default_policy,
     load_policy,
 )
+from egressd.refusal import HintContext
 from egressd.secret_values import EnvVault, SecretError, hidden_variables, not_dumpable, read_values
 
 if TYPE_CHECKING:
@@ -95,6 +96,14 @@ def resolve_policy_path(value: str) -> Path:
     if path.exists() or not _PRESET_NAME.fullmatch(value):
         return path
     return builtin_policy_path(value)
+
+
+def policy_file_shown(value: str | None) -> str | None:
+    """The policy file a hint may tell a person to edit: the first --policy when it is a file
+    (absolute), None for a built-in preset or no --policy (an edit there is no one's to make)."""
+    if value is None or resolve_policy_path(value) != Path(value):
+        return None
+    return os.path.abspath(value)
 
 
 def file_policy(path: Path, overrides: Overrides, files: Snapshot) -> Policy:
@@ -212,10 +221,16 @@ class ProxySession:
         announce_reloads: bool = False,
         transform: Callable[[Policy], Policy] | None = None,
         command: Sequence[str] | None = None,
+        shown_as: str = "exec",
     ) -> None:
         self.options = options
         # what `egressd ps` and the ask prompt show: the child's command, or egressd's own
         self.command = tuple(command) if command else ("egressd", *sys.argv[1:])
+        # where refusals are read: the hints of every surface name what this command's user can
+        # change (`shown_as`: the egressd command as typed, `exec`, `acp`, `mcp run`, ...)
+        self.context = HintContext(
+            shown_as, gateway=options.gateway is not None, policy_file=policy_file_shown(options.policy_file)
+        )
         self.started = time.time()
         self._say = say
         self._announce = announce_reloads
@@ -383,6 +398,7 @@ class ProxySession:
                 trace=sys.stderr if self.options.trace else None,
                 on_failure=self.policy.audit.on_failure,
                 max_queue_bytes=self.policy.audit.max_queue_bytes,
+                context=self.context,
             )
         except OSError as exc:
             raise SessionError(f"--audit {self.options.audit_path}: {exc.strerror or exc}") from exc
@@ -413,11 +429,7 @@ class ProxySession:
             upstream_ca=self.options.upstream_ca,
             identify=bool(self.options.identify),
         )
-        if gateway is not None:
-            from egressd.refusal import GatewayHints
-
-            where = str(resolve_policy_path(self.options.policy_file)) if self.options.policy_file else None
-            self.proxy.pipeline.gateway_hints = GatewayHints(where)
+        self.proxy.pipeline.context = self.context
         self._start_approvals(self.proxy)
         self.proxy.pipeline.secrets.update(self.policy.secrets, self._secret_values)
         if self.policy.secrets:
@@ -453,7 +465,7 @@ class ProxySession:
             from egressd.observe.refusals import RefusalReport
 
             # with --trace every decision has its line already: only the summary is added
-            self.report = RefusalReport(sys.stderr, lines=not self.options.trace)
+            self.report = RefusalReport(sys.stderr, lines=not self.options.trace, context=self.context)
             subscribe(self.report.observe)
 
     def _serve_metrics(self, host: str, port: int) -> None:

@@ -37,13 +37,9 @@ from egressd.policy import AddressClass, Client, Policy, TargetError, decide, ma
 from egressd.policy.addresses import describe
 from egressd.policy.dump import nameservers
 from egressd.policy.hosts import canonical_host, join_host_port
+from egressd.policy.reasons import Reason
 
-__all__ = ["LEARNABLE", "Seen", "SuggestError", "fold", "read_audits", "render", "suggest"]
-
-# Reasons a record is taken to mean "this was needed and the policy did not allow it". A refusal a
-# person gave (ask_refused, ask_denied) is not: a draft must not undo an explicit no.
-LEARNABLE = frozenset({"learned", "not_allowlisted", "no_approver", "ask"})
-_ASK_SAID_NO = frozenset({"ask_refused", "ask_denied"})
+__all__ = ["Seen", "SuggestError", "fold", "read_audits", "render", "suggest"]
 
 
 class SuggestError(Exception):
@@ -51,10 +47,10 @@ class SuggestError(Exception):
 
 
 def learnable(reason: object) -> bool:
-    """Is a decision with this reason something to suggest allowing?"""
-    if not isinstance(reason, str):
-        return False
-    return reason in LEARNABLE or (reason.startswith("ask_") and reason not in _ASK_SAID_NO)
+    """Is a decision with this reason something to suggest allowing? ("this was needed and the
+    policy did not allow it"; a refusal a person gave is not: a draft must not undo an explicit no)"""
+    found = Reason.parse(reason)
+    return found is not None and found.learnable
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ MODULES=(
   tests/test_sandbox_workloads.py
   tests/test_exec_integration.py
   tests/test_exec_startup.py
+  tests/test_refusal_hints.py
   tests/test_attach.py
   tests/test_identity.py
   tests/test_ssh_cli.py

@@ -130,9 +130,10 @@ def up(dns: DnsServer, upstream: EchoHTTPServer) -> EchoHTTPServer:
     return upstream
 
 
-def _policy(tmp_path: Path, upstream: EchoHTTPServer, extra: str = "") -> Path:
+def _policy(tmp_path: Path, upstream: EchoHTTPServer, extra: str = "", *allow: str) -> Path:
     path = tmp_path / "policy.yaml"
-    path.write_text(f"version: 1\nmode: enforce\nallow: [up.test, {upstream.host}/32]\n{extra}")
+    rules = ", ".join(["up.test", f"{upstream.host}/32", *allow])
+    path.write_text(f"version: 1\nmode: enforce\nallow: [{rules}]\n{extra}")
     return path
 
 
@@ -221,7 +222,8 @@ async def test_agent_mcp_server_terminal_and_remote_servers_stay_under_egressd(
         # egressd's reason for the refusal reaches the client, in the session
         assert await _until(lambda: "refused.test" in client.texts() and "not_allowlisted" in client.texts())
         reason = next(t for _, t in client.updates if t.startswith("egressd refused") and "refused.test" in t)
-        assert "not_allowlisted" in reason and "egressd exec --allow refused.test" in reason
+        assert "not_allowlisted" in reason and "egressd exec" not in reason  # not a command the user runs
+        assert "a person can add --allow refused.test to the egressd acp command" in reason
 
         await _prompt(conn, session_id, "terminal curl -sS -i http://refused.test/from-terminal")
         env = client.terminal_envs[-1]
@@ -252,6 +254,45 @@ async def test_a_network_failure_is_told_as_one(
         notice = next(t for _, t in client.updates if t.startswith("egressd failed to reach"))
         assert "retry may work" in notice and "--allow" not in notice, notice
         assert not [t for _, t in client.updates if t.startswith("egressd refused")], client.updates
+
+
+async def test_refusal_notices_name_what_a_person_edits_for_egressd_acp(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """The notices the editor shows (and the model reads) say what a person changes for `egressd
+    acp` (its command in the editor's settings, or the policy file it watches), never `egressd
+    exec`, never to the model itself; each part is one sentence with one full stop; a name refused
+    for the addresses it resolved to names each address's rule and private.allow."""
+    dns.add("mirror.test", "203.0.113.80")
+    policy = _policy(tmp_path, up, "", "mirror.test")
+    client = EditorClient()
+    command = _egressd_acp(policy, dns, tmp_path / "audit.jsonl")
+    async with spawn_agent_process(client, command[0], *command[1:], transport_kwargs=STDERR) as (conn, proc):
+        session_id = await _session(conn, [])
+        await _prompt(
+            conn,
+            session_id,
+            "terminal curl -sS http://refused.test/a\nterminal curl -sS http://mirror.test/b",
+        )
+        assert await _until(lambda: "mirror.test:80: resolved_forbidden" in client.texts())
+    notices = [text for _, text in client.updates if text.startswith("egressd refused")]
+    refused = next(text for text in notices if "refused.test" in text)
+    assert refused.startswith(
+        "egressd refused GET http://refused.test:80/a: not_allowlisted. "
+        "refused.test:80 is not in the allowlist"
+    )
+    assert "(mode: enforce). This is a policy decision" in refused, refused
+    assert refused.endswith(
+        "To allow it, a person can add --allow refused.test to the egressd acp command in the editor's agent "
+        f"settings (or add 'refused.test' to allow: in {policy}; a saved edit applies at once)."
+    ), refused
+    mirror = next(text for text in notices if "mirror.test" in text)
+    assert "resolved_forbidden" in mirror and "--allow 203.0.113.80/32" in mirror, mirror
+    assert f"private.allow: true in {policy}" in mirror
+    for text in notices:
+        assert "egressd exec" not in text and ".)." not in text and ".." not in text, text
+        assert text.endswith("."), text
+        assert "To allow it:" not in text  # an instruction the model might follow itself
 
 
 async def test_stdio_passes_byte_for_byte_and_big_messages(

@@ -100,7 +100,8 @@ def test_refusal_is_explained_on_stderr_only(proxy_run: EgressdRun, tcp_echo: Tc
     assert result.stdout == b""
     text = result.stderr.decode()
     assert text.startswith("egressd connect elsewhere.test:22: the proxy answered: HTTP/1.1 403")
-    assert "(reason: not_allowlisted)" in text and "egressd exec --allow" in text
+    # the hint names the command that runs the proxy (egressd run), not one the user is not running
+    assert "(reason: not_allowlisted)" in text and "egressd run --allow elsewhere.test:22" in text
 
 
 def test_wrong_token_gets_407(proxy_run: EgressdRun, tcp_echo: TcpEchoServer) -> None:

@@ -15,6 +15,8 @@ from egressd.admission.credentials import CredentialStore
 from egressd.inspect import patches
 from egressd.inspect.error_pages import refusal_from_error
 from egressd.refusal import Refusal
+from egressd.wire.refusal import body as refusal_body
+from egressd.wire.refusal import headers as refusal_headers
 from tests.support.upstreams import EchoHTTPServer, RefusingPort, StallingPort
 
 ip = ipaddress.ip_address
@@ -41,12 +43,12 @@ ip = ipaddress.ip_address
 )
 def test_refusal_status_and_proxy_status(reason: str, status: int, error: str) -> None:
     refusal = Refusal(reason, 'a "quoted" detail\n', "evil.test", 443)
-    headers = dict(refusal.headers())
+    headers = dict(refusal_headers(refusal))
     assert refusal.status == status
     assert headers["X-Egressd-Reason"] == reason
     assert headers["Proxy-Status"].startswith(f"egressd; error={error}; details=")
     assert '\\"quoted\\"' in headers["Proxy-Status"] and "\n" not in headers["Proxy-Status"]
-    body = refusal.body()
+    body = refusal_body(refusal)
     assert "evil.test:443" in body and reason in body
     if status == 407:
         assert headers["Proxy-Authenticate"].startswith("Basic")
@@ -55,12 +57,12 @@ def test_refusal_status_and_proxy_status(reason: str, status: int, error: str) -
 
 
 def test_policy_refusal_body_says_how_to_allow() -> None:
-    body = Refusal("not_allowlisted", "not on the allowlist", "api.example", 443, "mode: enforce").body()
+    refusal = Refusal("not_allowlisted", "not on the allowlist", "api.example", 443, "mode: enforce")
+    body = refusal_body(refusal)
     assert "policy decision" in body and "retrying" in body
     assert "egressd exec --allow api.example" in body
-    assert (
-        "egressd exec --allow" not in Refusal("forbidden_address", "metadata", "169.254.169.254", 80).body()
-    )
+    forbidden = Refusal("forbidden_address", "metadata", "169.254.169.254", 80)
+    assert "egressd exec --allow" not in refusal_body(forbidden)
 
 
 def test_mitmproxy_errors_map_to_reasons() -> None:

@@ -451,6 +451,32 @@ def test_gateway_tls_options(tmp_path: Path) -> None:
         assert done.returncode == 2 and error in done.stderr, (args, done.stderr)
 
 
+def test_gateway_refusals_tell_its_operator_what_to_edit(
+    gateway_env: dict[str, Path], dns: DnsServer, upstream: EchoHTTPServer
+) -> None:
+    """A gateway's client is another machine: its refusals name what the gateway's operator edits
+    in the gateway's policy file (the allow list; for a client whose token has a profile, the
+    line of that profile), never `egressd exec`, and nothing says so to the client as if it could."""
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    agent = add_token(tokens, "agent1")
+    ci = add_token(tokens, "ci", "--profile", "narrow", "--policy", str(policy))
+    options = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
+    with GatewayRun([*options, "--policy", str(policy), "--nameserver", dns.nameserver]) as run:
+        status, _, body = curl(run.url_for("agent1", agent), "http://nope.test/")
+        said = body.decode()
+        assert (
+            status == 403 and f"the gateway's operator adds 'nope.test' to the allow list in {policy}" in said
+        )
+        status, headers, body = curl(run.url_for("ci", ci), f"http://other.test:{upstream.port}/")
+        said = body.decode()
+        assert status == 403 and headers["x-egressd-reason"] == "profile", said
+        line = f"the line '- other.test:{upstream.port}' under profiles.narrow.allow in {policy}"
+        assert f"To allow it, the gateway's operator adds {line} (a saved edit applies at once)" in said, said
+        for text in (said, run.stderr):
+            assert "egressd exec" not in text and "a person can run" not in text
+    assert upstream.requests == []
+
+
 @pytest.mark.parametrize("own_address", ["127.0.0.1", netns.INTERFACE_V4[0]], ids=["loopback", "interface"])
 def test_gateway_refuses_its_own_host_unless_named(tmp_path: Path, own_address: str) -> None:
     """The gateway host's loopback and interface addresses are not its clients': only the ports

@@ -306,11 +306,32 @@ async def test_fetch_server_allowed_refused_and_profile(
     assert is_error
     assert "403" in text  # the server's own words
     assert "egressd refused GET http://refused.test:80/secret: not_allowlisted" in text  # egressd's reason
-    assert "egressd exec --allow refused.test" in text
+    # the server runs with profile fetch (mcp wrap): the file says both, no command line does
+    assert "egressd exec" not in text
+    assert "a person can add 'refused.test' to allow: (and to profiles.fetch.allow" in text
 
     # other.test is in the policy, but only the everything server's profile allows it
     is_error, text = await _call(params, "fetch", {"url": f"http://other.test:{upstream.port}/x"})
     assert is_error and "profile" in text and "fetch" in text, text
+
+
+async def test_a_profile_refusal_names_the_profile_line_addressed_to_a_person(
+    wrapped_config: Path, upstream: EchoHTTPServer
+) -> None:
+    """`mcp wrap` gives each server its own profile: a host the policy allows and the server's
+    profile does not is lifted by a line in that profile, which the failed call names (in the
+    wrapped policy file) for a person to add; no `--allow`, no `egressd exec`, one full stop each."""
+    params = _wrapped_params(wrapped_config, "fetch")
+    is_error, text = await _call(params, "fetch", {"url": f"http://other.test:{upstream.port}/x"})
+    assert is_error
+    notice = next(line for line in text.splitlines() if line.startswith("egressd refused"))
+    policy = wrapped_config.parent / "mcp-policy.yaml"
+    assert notice.startswith(f"egressd refused GET http://other.test:{upstream.port}/x: profile. "), notice
+    assert notice.endswith(
+        f"To allow it, a person can add the line '- other.test:{upstream.port}' under profiles.fetch.allow "
+        f"in {policy} (a saved edit applies at once)."
+    ), notice
+    assert "--allow" not in notice and "egressd exec" not in notice and ".)." not in notice
 
 
 async def test_a_network_failure_is_told_as_one(wrapped_config: Path, upstream: EchoHTTPServer) -> None:

@@ -356,6 +356,30 @@ def test_profile_narrows_and_combines_with_only(
     assert _statuses(both) == [(403, "profile"), (200, None), (403, "profile")]
 
 
+def test_refusal_hints_name_the_sandbox_and_the_profile(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, work: Path
+) -> None:
+    """What the child reads and what the person's stderr says name `egressd sandbox` (the command
+    that runs it), and for a host the profile narrows out, the line to add to that profile."""
+    policy = write_policy(
+        tmp_path,
+        "version: 1\nallow: [up.test, third.test, 198.51.100.0/24]\n"
+        "profiles:\n  agent:\n    allow:\n      - up.test\n",
+    )
+    dns.add("third.test", upstream.host)
+    bare = egressd_sandbox(_base(policy, dns), ["curl", "-sS", "http://elsewhere.test/"], cwd=work)
+    hint = "egressd sandbox --allow elsewhere.test -- <command>"
+    assert f"To allow it, a person can run: {hint}" in bare.stdout.decode(), bare.stdout
+    assert "egressd exec" not in bare.stdout.decode() + bare.stderr.decode()
+    url = f"http://third.test:{upstream.port}/p"
+    narrowed = egressd_sandbox([*_base(policy, dns), "--profile", "agent"], ["curl", "-sS", url], cwd=work)
+    line = f"the line '- third.test:{upstream.port}' under profiles.agent.allow in {policy}"
+    assert f"To allow it, a person can add {line}" in narrowed.stdout.decode(), narrowed.stdout
+    assert f"(profile) - add {line}" in narrowed.stderr.decode(), narrowed.stderr
+    assert "--allow" not in narrowed.stdout.decode()
+    assert upstream.requests == []
+
+
 # -- loopback: the host's through the proxy, the sandbox's own directly ------------------------------
 OWN_SERVER = """
     import http.server, subprocess, sys, threading

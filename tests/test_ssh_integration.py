@@ -115,7 +115,7 @@ def test_relay_allowed_only_through_the_client_refused_with_reason(
     assert "denied.test" in out["denied"]["body"] and "policy decision" in out["denied"]["body"]
     assert "denylist" in out["denied"]["proxy_status"]
     assert out["nope"]["status"] == 403 and out["nope"]["reason"] == "not_allowlisted"
-    assert "egressd exec --allow nope.test" in out["nope"]["body"]
+    assert "egressd ssh --allow nope.test" in out["nope"]["body"]  # the command the user runs
     # the remote's own way out does not exist: no route to the internet namespace
     assert out["direct"]["status"] is None
     assert "unreachable" in out["direct"]["error"].lower()

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from egressd.admission.state import ConnState
 from egressd.policy import Decision
+from egressd.policy.reasons import Reason
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +29,13 @@ class Answer:
     """What an approver answered: approved, or refused with a reason code and a detail."""
 
     approved: bool
-    reason: str = "approved"
+    reason: Reason = Reason.APPROVED
     detail: str = ""
     rule: str = "mode: ask (approved)"
 
 
 NO_APPROVER = Answer(
-    False, "no_approver", "mode is 'ask' and no approver is connected to answer", "mode: ask"
+    False, Reason.NO_APPROVER, "mode is 'ask' and no approver is connected to answer", "mode: ask"
 )
 
 
@@ -63,7 +64,7 @@ async def answer(
     if isinstance(got, Decision):
         return got
     if not isinstance(got, Answer):
-        got = Answer(True) if got else Answer(False, "ask_refused", "the approver refused", "mode: ask")
+        got = Answer(True) if got else Answer(False, Reason.ASK_REFUSED, "the approver refused", "mode: ask")
     if not got.approved:
         return _refused(decision, got)
     detail = got.detail or decision.detail
@@ -74,5 +75,10 @@ async def answer(
 
 def _refused(decision: Decision, got: Answer) -> Decision:
     return Decision(
-        allowed=False, reason=got.reason, rule=got.rule, target=decision.target, detail=got.detail
+        allowed=False,
+        reason=got.reason,
+        rule=got.rule,
+        target=decision.target,
+        detail=got.detail,
+        profile=decision.profile,
     )

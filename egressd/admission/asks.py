@@ -48,8 +48,9 @@ from typing import Any, Protocol
 from egressd.admission.approver import NO_APPROVER, Answer, Recheck
 from egressd.admission.events import EventBus, Notice
 from egressd.admission.grants import Grant, GrantStore
-from egressd.admission.state import ConnState
+from egressd.admission.state import ConnState, asker
 from egressd.policy import Decision
+from egressd.policy.reasons import DENIED_ALWAYS, Reason
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ class PendingAsk:
             "path": self.path,
             "client": self.client,
             "profile": self.profile,
+            "asker": asker(self.client, self.profile),  # who asks, as a person is told
             "conn": self.conn,
             "command": list(command),
             "waiting": self.waiters,
@@ -223,13 +225,13 @@ class AskBroker:
         makes of it, or None), asked when a grant is made while it waits."""
         target = decision.target
         if target is None:
-            return Answer(False, "ask_refused", "nothing to ask about", "mode: ask")
+            return Answer(False, Reason.ASK_REFUSED, "nothing to ask about", "mode: ask")
         host, port = target.host.text, target.port
         if self.approve_all:
-            return Answer(True, "approved", f"{host}:{port} approved by --approve-all", "--approve-all")
+            return Answer(True, Reason.APPROVED, f"{host}:{port} approved by --approve-all", "--approve-all")
         if (host, port) in self._denied:
             detail = f"{host}:{port} was denied for this run"
-            return Answer(False, "ask_refused", detail, "mode: ask (denied always)")
+            return Answer(False, Reason.ASK_REFUSED, detail, DENIED_ALWAYS)
         if not self.can_answer():
             return NO_APPROVER
         key = ask_key(client.client_key, decision)
@@ -306,7 +308,7 @@ class AskBroker:
         if pending is None:
             return
         detail = f"nobody answered within ask_timeout ({pending.timeout:g}s)"
-        _settle(pending.future, Answer(False, "ask_timeout", detail, "mode: ask (ask_timeout)"))
+        _settle(pending.future, Answer(False, Reason.ASK_TIMEOUT, detail, "mode: ask (ask_timeout)"))
         self._notify("expired", pending)
 
     def _leave(self, pending: PendingAsk, conn: str, kind: str, **extra: object) -> None:
@@ -357,11 +359,12 @@ class AskBroker:
         if kind in ("once", "run", "always"):
             how = {"once": "once", "run": "for this run", "always": "always"}[kind]
             detail, rule = f"{target} approved {how} by {by}", f"mode: ask (approved {how})"
-            result = Answer(True, "approved", detail, rule)
+            result = Answer(True, Reason.APPROVED, detail, rule)
         else:
             how = "once" if kind == "deny" else "always"
-            detail, rule = f"{target} denied {how} by {by}", f"mode: ask (denied {how})"
-            result = Answer(False, "ask_refused", detail, rule)
+            rule = "mode: ask (denied once)" if kind == "deny" else DENIED_ALWAYS
+            detail = f"{target} denied {how} by {by}"
+            result = Answer(False, Reason.ASK_REFUSED, detail, rule)
         pending.loop.call_soon_threadsafe(_settle, pending.future, result)
         self._notify("answered", pending, answer=kind, by=by)
         reply: dict[str, object] = {"id": ask_id, "answer": kind, "released": pending.waiters}

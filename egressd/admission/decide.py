@@ -9,6 +9,7 @@ import logging
 
 from egressd.admission.state import PolicyHolder
 from egressd.policy import Client, Decision, IPAddress, Mode, Policy, Program, decide_written
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
 
 logger = logging.getLogger(__name__)
@@ -74,14 +75,15 @@ class Decider:
             decision = remembered.get(key)
             if decision is None:
                 decision = self._decide(host, port, profile, scheme, method, path, program, policy)
-                if decision.reason != "internal_error" and len(host) + len(path or "") <= REMEMBERED_TEXT:
+                short = len(host) + len(path or "") <= REMEMBERED_TEXT
+                if decision.reason is not Reason.INTERNAL_ERROR and short:
                     if len(remembered) >= REMEMBERED:
                         remembered.clear()
                     remembered[key] = decision
             return decision
         except Exception as e:  # noqa: BLE001 - fail closed on any bug
             logger.exception("decision failed")
-            return Decision(allowed=False, reason="internal_error", rule=None, target=None, detail=repr(e))
+            return Decision(False, Reason.INTERNAL_ERROR, None, None, detail=repr(e))
 
     def _decide(
         self,
@@ -115,6 +117,7 @@ def refusal_for(decision: Decision) -> Refusal:
         host=target.host.text if target is not None else "",
         port=target.port if target is not None else None,
         rule=decision.rule,
+        profile=decision.profile,
     )
 
 
@@ -122,7 +125,7 @@ def needs_inspection_refusal(decision: Decision) -> Refusal:
     """An allowed host whose rules name paths or methods, where egressd cannot see them."""
     target = decision.target
     return Refusal(
-        "needs_inspection",
+        Reason.NEEDS_INSPECTION,
         "this host is admitted only for some paths or methods, which needs TLS inspection",
         target.host.text if target else "",
         target.port if target else None,

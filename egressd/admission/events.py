@@ -18,6 +18,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Literal, NamedTuple
 
+from egressd.policy.reasons import Reason
+from egressd.refusal import HintContext, Refusal
+
 logger = logging.getLogger(__name__)
 
 Stage = Literal["connect", "socks", "request", "inner", "connection", "tls", "dns"]
@@ -35,7 +38,7 @@ class Decided(NamedTuple):
     host: str | None
     port: int | None
     allowed: bool
-    reason: str
+    reason: Reason
     rule: str | None
     detail: str
     method: str | None = None
@@ -48,6 +51,21 @@ class Decided(NamedTuple):
     via: str | None = None  # stage "connection": the parent proxy (host:port) it went through
     pid: int | None = None  # the program holding the client's connection, when it was looked up
     exe: str | None = None
+
+    def refusal(self, context: HintContext | None = None) -> Refusal:
+        """The refusal this records, for an observer that words it (the report, a notice), read
+        where `context` says: the addresses are the ones resolved (their rules are the hint of
+        resolved_forbidden)."""
+        return Refusal(
+            self.reason,
+            self.detail,
+            self.host or "",
+            self.port,
+            self.rule,
+            profile=self.profile,
+            addresses=self.resolved,
+            context=context,
+        )
 
 
 class Closed(NamedTuple):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from egressd.policy import TargetError, canonical_host
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
 from egressd.wire.http_fields import connection_problem, upgrade_protocols
 
@@ -59,13 +60,13 @@ def request_refusal(
     host, port = target.host.text, target.port
     connection = ", ".join(v for n, v in headers if n.lower() == "connection")
     if (problem := connection_problem(connection)) is not None:
-        return Refusal("bad_request", problem, host, port)
+        return Refusal(Reason.BAD_REQUEST, problem, host, port)
     hosts = [v for n, v in headers if n.lower() == "host"]
     if (mismatch := host_header_mismatch(hosts, target)) is not None:
-        return Refusal("host_mismatch", mismatch, host, port)
+        return Refusal(Reason.HOST_MISMATCH, mismatch, host, port)
     protocols = upgrade_protocols(headers)
     if protocols is not None and (why := _upgrade_problem(protocols, headers, method, websocket, upgrade)):
-        return Refusal("websocket", why, host, port)
+        return Refusal(Reason.WEBSOCKET, why, host, port)
     return None
 
 

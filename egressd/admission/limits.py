@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from egressd.admission.descriptors import Descriptors, Room
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class Limits:
         if wait <= 0:
             return None
         return Refusal(
-            "rate_limited",
+            Reason.RATE_LIMITED,
             f"more than {limits.requests_per_second:g} requests per second from this child "
             f"(limits.requests_per_second, burst {limits.burst or 'default'})",
             conn.host or "",
@@ -71,13 +72,14 @@ class Limits:
         limit = self.policies.get().limits.max_connections
         if limit is None or len(self.upstreams) < limit:
             return None
-        return Refusal("connection_limit", f"{limit} upstream connections are open (limits.max_connections)")
+        detail = f"{limit} upstream connections are open (limits.max_connections)"
+        return Refusal(Reason.CONNECTION_LIMIT, detail)
 
 
 def overloaded(host: str = "", port: int | None = None) -> Refusal:
     """egressd is at its capacity of open connections (file descriptors): try again shortly."""
     detail = "egressd holds as many connections as its open-file limit allows (ulimit -n); try again"
-    return Refusal("overloaded", detail, host, port, retry_after=1)
+    return Refusal(Reason.OVERLOADED, detail, host, port, retry_after=1)
 
 
 class TokenBuckets:

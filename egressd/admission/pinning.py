@@ -21,6 +21,7 @@ from typing import Any
 from egressd.admission.descriptors import OUT_OF_DESCRIPTORS
 from egressd.admission.upstream import ParentFailure, dial
 from egressd.policy import IPAddress, UpstreamProxy, join_host_port
+from egressd.policy.reasons import Reason
 
 
 @dataclass
@@ -46,7 +47,7 @@ def address_text(address: IPAddress) -> str:
 class ConnectFailure(OSError):
     """Raised when no pinned address accepted: the reason code and what each attempt met."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: Reason, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
@@ -92,7 +93,7 @@ async def try_addresses[T](
     for address in addresses:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            kinds.append("connect_timeout")
+            kinds.append(Reason.CONNECT_TIMEOUT)
             log.append(f"{_fmt(address, port)}: not tried, 2x connect_timeout used up")
             break
         budget = min(connect_timeout, remaining)
@@ -104,16 +105,16 @@ async def try_addresses[T](
         except asyncio.CancelledError:
             if not expiry.expired or task.uncancel() > cancelling:
                 raise  # cancelled by someone else (too)
-            kinds.append("connect_timeout")
+            kinds.append(Reason.CONNECT_TIMEOUT)
             log.append(f"{_fmt(address, port)}: timed out after {budget:.3g}s")
             continue
         except OSError as e:
             if e.errno in OUT_OF_DESCRIPTORS:  # egressd's own limit, not the address's: no next one
-                kinds.append("overloaded")
+                kinds.append(Reason.OVERLOADED)
                 log.append(f"{_fmt(address, port)}: not tried, no descriptor left ({e.strerror or e})")
                 break
             refused = e.errno == errno.ECONNREFUSED
-            kinds.append("connect_refused" if refused else "connect_error")
+            kinds.append(Reason.CONNECT_REFUSED if refused else Reason.CONNECT_ERROR)
             log.append(f"{_fmt(address, port)}: {'connection refused' if refused else (e.strerror or e)}")
             continue
         finally:
@@ -121,7 +122,7 @@ async def try_addresses[T](
         return opened, (text, port)
     detail = "; ".join(log) or "no address to connect to"
     # one kind for all attempts names it; a mix is reported by the last attempt's kind
-    raise ConnectFailure(kinds[-1] if kinds else "connect_error", detail)
+    raise ConnectFailure(kinds[-1] if kinds else Reason.CONNECT_ERROR, detail)
 
 
 class _Expiry:

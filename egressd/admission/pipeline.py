@@ -49,7 +49,8 @@ from egressd.policy import (
     filter_addresses,
     join_host_port,
 )
-from egressd.refusal import GatewayHints, Refusal, outcome
+from egressd.policy.reasons import Reason
+from egressd.refusal import HintContext, Refusal
 
 if TYPE_CHECKING:
     from egressd.admission.approver import Approver
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-AUTH_REFUSAL = Refusal("proxy_auth_required", "missing or wrong proxy credentials")
+AUTH_REFUSAL = Refusal(Reason.PROXY_AUTH_REQUIRED, "missing or wrong proxy credentials")
 
 
 class Attempt(NamedTuple):
@@ -116,7 +117,9 @@ class Connections:
 
 # Refusals of a name that hold for every connection to it: its DNS question gets no address. Any
 # other (an exe rule, a grant, an approver could still allow it) gets a stand-in address.
-NO_ANSWER_REASONS = frozenset({"not_allowlisted", "denylist", "mode_off", "profile", "port"})
+NO_ANSWER_REASONS = frozenset(
+    {Reason.NOT_ALLOWLISTED, Reason.DENYLIST, Reason.MODE_OFF, Reason.PROFILE, Reason.PORT}
+)
 
 
 class Pipeline:
@@ -145,7 +148,9 @@ class Pipeline:
         if audit is not None:
             self.events.subscribe(audit.observe)
         self.inspection = False  # TLS inspection available (CA ready); off with --no-inspect
-        self.gateway_hints: GatewayHints | None = None  # `run --gateway`: hints for its operator
+        # where the refusals it answers are read (the session's command, policy file, gateway): their
+        # hints name what that reader can change
+        self.context = HintContext()
         # look up every connection's program (pid, exe in the audit), not only where a rule needs it
         self.identify = identify
         # the pid of the child each token was issued to: its process tree is searched first
@@ -226,9 +231,13 @@ class Pipeline:
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
             return self.internal_error(f"admit ({attempt.stage})", exc)
-        if self.gateway_hints is not None and isinstance(answer, Refusal) and answer.is_policy:
-            return dataclasses.replace(answer, gateway=self.gateway_hints)
-        return answer
+        return self._in_context(answer) if type(answer) is Refusal else answer
+
+    def _in_context(self, refusal: Refusal) -> Refusal:
+        """The refusal with where it is read, for its hint: every front renders it the same."""
+        if refusal.context is self.context:
+            return refusal
+        return dataclasses.replace(refusal, context=self.context)
 
     async def _admit(self, conn: ConnState, attempt: Attempt) -> Admitted | Refusal:
         if attempt.stage == "inner" and not conn.tunnel:
@@ -280,7 +289,7 @@ class Pipeline:
             self._decided(conn, attempt, decision, refusal)
             return refusal
         # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
-        if (self.grants or conn.granted) and (decision.ask or decision.reason == "not_allowlisted"):
+        if (self.grants or conn.granted) and (decision.ask or decision.reason is Reason.NOT_ALLOWLISTED):
             decision = self._granted(conn, attempt, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
@@ -340,9 +349,8 @@ class Pipeline:
         if self.policies.get().audit.on_failure != "refuse":
             return None
         why = f" ({audit.problem})" if audit.problem else ""
-        return Refusal(
-            "audit_unavailable", f"{what}{why} and refuses what it cannot record (audit.on_failure: refuse)"
-        )
+        detail = f"{what}{why} and refuses what it cannot record (audit.on_failure: refuse)"
+        return Refusal(Reason.AUDIT_UNAVAILABLE, detail)
 
     def _unrecorded(self, conn: ConnState, attempt: Attempt, refusal: Refusal) -> Refusal:
         """An attempt refused before its decision because the audit cannot record it; the refusal's own
@@ -376,7 +384,8 @@ class Pipeline:
         """
         policy = self.policies.get()
         if self.secrets and self.secrets.needles.find(name) is not None:
-            return self._refused_name(name, "secret_exfiltration", "the name holds a secret's placeholder")
+            why = "the name holds a secret's placeholder"
+            return self._refused_name(name, Reason.SECRET_EXFILTRATION, why)
         decisions = [self.decider.decide(name, port, profile) for port in candidate_ports(policy)]
         allowed = next((d for d in decisions if d.allowed and not d.ask and d.needs_resolution), None)
         if allowed is None:
@@ -403,7 +412,7 @@ class Pipeline:
         self.handed.record(canonical, kept)
         return tuple(kept)
 
-    def _refused_name(self, name: str, reason: str, detail: str) -> tuple[IPAddress, ...]:
+    def _refused_name(self, name: str, reason: Reason, detail: str) -> tuple[IPAddress, ...]:
         self.refused_early(None, self._recorded_path(name), None, reason, detail, stage="dns")
         return ()
 
@@ -448,7 +457,7 @@ class Pipeline:
             candidate,
             allowed=True,
             ask=False,
-            reason="granted",
+            reason=Reason.GRANTED,
             rule=rule,
             detail=f"{host}:{port} is admitted by the user's {rule}",
             private_ok=False,
@@ -477,7 +486,7 @@ class Pipeline:
             "this listener admits only the child egressd started and its descendants, without "
             f"credentials; {who.why or 'the connection is held by another process'}"
         )
-        return Refusal("proxy_auth_required", detail)
+        return Refusal(Reason.PROXY_AUTH_REQUIRED, detail)
 
     def authenticate(self, conn: ConnState, presented: Presented) -> bool:
         """The credentials step alone, for a protocol that answers it before its request arrives
@@ -582,7 +591,7 @@ class Pipeline:
         finally:
             if not opened:
                 self.disconnected(upstream_id)  # refused, failed or cancelled: nothing is open
-        return failed
+        return None if failed is None else self._in_context(failed)
 
     async def _open(
         self, conn: ConnState, admitted: Admitted, protocol: asyncio.BaseProtocol
@@ -639,7 +648,7 @@ class Pipeline:
         )
         return refusal
 
-    def upstream_failed(self, conn: ConnState, host: str, port: int, reason: str, detail: str) -> None:
+    def upstream_failed(self, conn: ConnState, host: str, port: int, reason: Reason, detail: str) -> None:
         """An admitted exchange whose upstream connection opened and then failed it (no response
         head within timeouts.response, an answer that is not HTTP/1): recorded like a connection
         that could not be opened, stage "connection", so every observer tells it as a failure."""
@@ -654,7 +663,7 @@ class Pipeline:
         host: str | None,
         port: int | None,
         allowed: bool,
-        reason: str,
+        reason: Reason,
         rule: str | None,
         detail: str,
         method: str | None = None,
@@ -671,6 +680,8 @@ class Pipeline:
         the detail that may quote them — never keeps a placeholder's random part (the name does).
         An allow whose record the audit log did not take answers the refusal to act on instead
         (audit.on_failure: refuse), else None."""
+        if type(reason) is not Reason:  # a code no registry knows raises here, before any record
+            reason = Reason.of(reason)
         if self.secrets:
             host, method, path = map(self._recorded_path, (host, method, path))
             detail = self.secrets.needles.redact(detail)
@@ -767,7 +778,7 @@ class Pipeline:
         conn: ConnState | None,
         host: str | None,
         port: int | None,
-        reason: str,
+        reason: Reason,
         detail: str,
         *,
         stage: Stage,
@@ -794,7 +805,7 @@ class Pipeline:
         if self.secrets:
             host, detail = self._recorded_path(host), self.secrets.needles.redact(detail)
         where = f"{host if host is not None else '?'}:{port or '?'}"
-        logger.info("%s (%s) %s: %s", outcome(reason), stage, where, detail)
+        logger.info("%s (%s) %s: %s", Reason.of(reason).outcome, stage, where, detail)
 
     def header_timeout(self, conn: ConnState, timeout: float) -> None:
         """A client cut for not finishing its request head in time."""
@@ -810,7 +821,7 @@ class Pipeline:
     def internal_error(self, where: str, exc: BaseException) -> Refusal:
         """A bug while admitting, on any front: logged, recorded, and answered by a refusal."""
         logger.error("egressd internal error in %s: %r", where, exc, exc_info=exc)
-        refusal = Refusal("internal_error", f"{where}: {type(exc).__name__}: {exc}")
-        fields = {"hook": where, "decision": "deny", "reason": "internal_error", "detail": refusal.detail}
+        refusal = Refusal(Reason.INTERNAL_ERROR, f"{where}: {type(exc).__name__}: {exc}")
+        fields = {"hook": where, "decision": "deny", "reason": refusal.reason, "detail": refusal.detail}
         self.events.emit(Notice("internal_error", fields))
         return refusal

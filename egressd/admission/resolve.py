@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from egressd.admission.limits import overloaded
 from egressd.admission.pinning import Pin
 from egressd.admission.upstream import parent_for
 from egressd.policy import Decision, IPAddress, Policy, filter_addresses, resolution_refusal
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
 
 
@@ -111,7 +113,9 @@ async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | N
         kept, verdicts = filter_addresses(decision, addresses, policy)
         if not kept:
             refused = resolution_refusal(decision, verdicts)
-            return Pinned(refused, None, refusal_for(refused), tuple(addresses), lookup)
+            # the addresses go with the refusal: its hint names a rule for each
+            refusal = dataclasses.replace(refusal_for(refused), addresses=tuple(map(str, addresses)))
+            return Pinned(refused, None, refusal, tuple(addresses), lookup)
         resolved = tuple(addresses)
     else:
         kept = list(decision.addresses)
@@ -119,7 +123,7 @@ async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | N
         if not kept:
             refused = Decision(
                 allowed=False,
-                reason="internal_error",
+                reason=Reason.INTERNAL_ERROR,
                 rule=decision.rule,
                 target=target,
                 detail="allowed decision without an address",

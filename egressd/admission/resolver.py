@@ -39,6 +39,7 @@ import dns.rdatatype  # noqa: E402
 import dns.resolver  # noqa: E402
 
 from egressd.policy import IPAddress  # noqa: E402
+from egressd.policy.reasons import Reason  # noqa: E402
 
 MAX_TRIES = 4  # tries of one query in flight at once (a slow nameserver keeps each busy)
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -48,7 +49,7 @@ class ResolveError(Exception):
     """Resolution failed; reason is dns_error or dns_timeout (overloaded: egressd had no socket
     left to ask with)."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: Reason, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
@@ -95,12 +96,12 @@ async def resolve(name: str, nameservers: Sequence[tuple[str, int]], timeout: fl
             addresses.extend(result)
     if addresses:
         return addresses
-    for reason in ("overloaded", "dns_timeout"):  # what a retry may cure comes first
+    for reason in (Reason.OVERLOADED, Reason.DNS_TIMEOUT):  # what a retry may cure comes first
         if any(e.reason == reason for e in errors):
             raise next(e for e in errors if e.reason == reason)
     if errors:
         raise errors[0]
-    raise ResolveError("dns_error", f"{name}: no A or AAAA records")
+    raise ResolveError(Reason.DNS_ERROR, f"{name}: no A or AAAA records")
 
 
 # the query in flight per (event loop, name, record type, nameservers, timeout): a waiter joins it
@@ -160,7 +161,7 @@ async def _query(
             for finished in done:
                 if (outcome := finished.result()) is not None:
                     return outcome
-        return ResolveError("dns_timeout", f"{name}: no DNS answer within {lifetime:g}s")
+        return ResolveError(Reason.DNS_TIMEOUT, f"{name}: no DNS answer within {lifetime:g}s")
     finally:
         for pending in tries:
             pending.cancel()
@@ -175,19 +176,19 @@ async def _try(
     try:
         answer = await resolver.resolve(name, rdtype, search=False, raise_on_no_answer=False)
     except dns.resolver.NXDOMAIN:
-        return ResolveError("dns_error", f"{name}: no such host (NXDOMAIN)")
+        return ResolveError(Reason.DNS_ERROR, f"{name}: no such host (NXDOMAIN)")
     except dns.resolver.LifetimeTimeout:
         return None
     except dns.resolver.NoNameservers as e:
         if any(_out_of_descriptors(error) for *_, error, _ in e.kwargs.get("errors") or ()):
-            return ResolveError("overloaded", f"{name}: no socket left to ask the nameserver")
-        return ResolveError("dns_error", f"{name}: DNS server failure ({_short(e)})")
+            return ResolveError(Reason.OVERLOADED, f"{name}: no socket left to ask the nameserver")
+        return ResolveError(Reason.DNS_ERROR, f"{name}: DNS server failure ({_short(e)})")
     except dns.exception.DNSException as e:
-        return ResolveError("dns_error", f"{name}: {_short(e)}")
+        return ResolveError(Reason.DNS_ERROR, f"{name}: {_short(e)}")
     except OSError as e:
         if _out_of_descriptors(e):
-            return ResolveError("overloaded", f"{name}: no socket left to ask the nameserver")
-        return ResolveError("dns_error", f"{name}: {_short(e)}")
+            return ResolveError(Reason.OVERLOADED, f"{name}: no socket left to ask the nameserver")
+        return ResolveError(Reason.DNS_ERROR, f"{name}: {_short(e)}")
     out: list[IPAddress] = []
     if answer.rrset is not None:
         for rdata in answer.rrset:

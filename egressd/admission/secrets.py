@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from urllib.parse import quote
 
 from egressd.policy import Host
+from egressd.policy.reasons import Reason
 from egressd.policy.secrets import SecretSpec
 from egressd.refusal import Refusal
 from egressd.wire.placeholders import Needles, ValueMask, placeholder
 
-REASON = "secret_exfiltration"
+REASON = Reason.SECRET_EXFILTRATION
 Headers = Sequence[tuple[str, str]]
 
 

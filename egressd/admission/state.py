@@ -13,6 +13,17 @@ from egressd.policy import Policy, Program, join_host_port
 DEFAULT_USERNAME = "egressd"
 
 
+def asker(client: object, profile: object) -> str:
+    """Who asks, as a person is told: `profile fetch`, `client ci` (a gateway's client, an attached
+    child), or `the child (no profile)`: egressd's own child without a profile has the proxy
+    username egressd's default, which names nobody."""
+    if isinstance(profile, str) and profile:
+        return f"profile {profile}"
+    if isinstance(client, str) and client and client != DEFAULT_USERNAME:
+        return f"client {client}"
+    return "the child (no profile)"
+
+
 @dataclass(frozen=True)
 class ProxyCredentials:
     """What a child puts in its proxy URL; the username names its profile.

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from egressd.policy import AddressClass, Policy, PolicyError, Target, UpstreamProxy, classify
+from egressd.policy.reasons import Reason
 from egressd.policy.upstream import DEFAULT_CREDENTIALS_ENV
 from egressd.wire.connect_client import AnswerError, ConnectClient
 
@@ -32,7 +33,7 @@ MAX_HEAD = 16 * 1024  # the parent's answer to a CONNECT
 class ParentFailure(Exception):
     """The parent could not be used; reason is an egressd reason code, detail has no credentials."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: Reason, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
@@ -117,7 +118,7 @@ async def dial(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             attempts.append(f"{authority} via {parent.where}: not tried, 2x connect_timeout used up")
-            kinds.append("connect_timeout")
+            kinds.append(Reason.CONNECT_TIMEOUT)
             break
         try:
             sock = await asyncio.wait_for(_open_parent(parent), timeout=min(connect_timeout, remaining))
@@ -125,7 +126,7 @@ async def dial(
             why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
             attempts.append(f"parent proxy {parent.where}: {why}")
             raise ParentFailure(
-                "upstream_proxy_unreachable", f"the parent proxy {parent.where} cannot be reached: {why}"
+                Reason.UPSTREAM_PROXY_UNREACHABLE, f"the parent proxy {parent.where} cannot be reached: {why}"
             ) from None
         try:
             status, phrase = await asyncio.wait_for(
@@ -145,7 +146,7 @@ async def dial(
             )
             attempts.append(f"{authority} via {parent.where}: {why}")
             raise ParentFailure(
-                "upstream_proxy_unreachable", f"the parent proxy {parent.where} failed: {why}"
+                Reason.UPSTREAM_PROXY_UNREACHABLE, f"the parent proxy {parent.where} failed: {why}"
             ) from None
         answer = f"{status} {phrase}".strip()
         attempts.append(f"{authority} via {parent.where}: {answer}")
@@ -155,12 +156,12 @@ async def dial(
         if status in (403, 407):
             what = "its credentials" if status == 407 else "its rules"
             raise ParentFailure(
-                "upstream_proxy_refused",
+                Reason.UPSTREAM_PROXY_REFUSED,
                 f"the parent proxy {parent.where} refused CONNECT {authority}: {answer} ({what})",
             )
-        kinds.append("connect_timeout" if status == 504 else "connect_error")
+        kinds.append(Reason.CONNECT_TIMEOUT if status == 504 else Reason.CONNECT_ERROR)
     detail = "; ".join(attempts) or "no address to connect to"
-    raise ParentFailure(kinds[-1] if kinds else "connect_error", detail)
+    raise ParentFailure(kinds[-1] if kinds else Reason.CONNECT_ERROR, detail)
 
 
 async def _open_parent(parent: UpstreamProxy) -> socket.socket:
@@ -197,13 +198,13 @@ async def _handshake(
     while not client.status:
         byte = await loop.sock_recv(sock, 1)
         if not byte:
-            raise ParentFailure("upstream_proxy_unreachable", "closed the connection without answering")
+            raise ParentFailure(Reason.UPSTREAM_PROXY_UNREACHABLE, "closed the connection without answering")
         read += 1
         if read > MAX_HEAD:
-            raise ParentFailure("upstream_proxy_unreachable", "answered a head too long to read")
+            raise ParentFailure(Reason.UPSTREAM_PROXY_UNREACHABLE, "answered a head too long to read")
         try:
             client.feed(byte)
         except AnswerError:
-            raise ParentFailure("upstream_proxy_unreachable", "did not answer in HTTP/1") from None
+            raise ParentFailure(Reason.UPSTREAM_PROXY_UNREACHABLE, "did not answer in HTTP/1") from None
     safe = "".join(ch if 0x20 <= ord(ch) < 0x7F else "?" for ch in client.reason)[:80]
     return client.status, safe

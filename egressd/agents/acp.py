@@ -29,7 +29,9 @@ from egressd.admission.events import Decided, Event
 from egressd.agents.jsonrpc import Message, Writer, encode
 from egressd.child_env import CA_BUNDLE_VARS, NO_PROXY_VARS, PROXY_VARS, SOCKS_VAR, stripped_variable
 from egressd.policy import Decision
-from egressd.refusal import Refusal
+from egressd.policy.reasons import Reason
+from egressd.refusal import HintContext, Refusal
+from egressd.wire.refusal import notice
 
 logger = logging.getLogger(__name__)
 
@@ -78,23 +80,13 @@ def _url_target(url: object) -> tuple[str, int, str, str] | None:
     return parts.hostname, port or (443 if scheme == "https" else 80), scheme, parts.path or "/"
 
 
-def refusal_text(refusal: Refusal, what: str) -> str:
-    """The line a user reads in the editor for one refusal (or failure: a network failure is told
-    as one, never as egressd refusing)."""
-    if refusal.is_network_failure:
-        text = f"egressd failed to reach {what}: {refusal.reason}"
-    else:
-        text = f"egressd refused {what}: {refusal.reason}"
-    if refusal.detail:
-        text += f" ({refusal.detail})"
-    if refusal.is_network_failure:
-        text += ". Not egressd's policy: the network or the server failed; a retry may work."
-    elif refusal.is_policy:
-        text += ". This is egressd's policy; retrying will not help."
-        hint = refusal.allow_hint()
-        if hint:
-            text += f" To allow it: {hint}"
-    return text
+def event_notice(event: Decided, context: HintContext) -> str:
+    """The notice of one refused (or failed) decision, naming the request where it was one."""
+    refusal = event.refusal(context)
+    what = refusal.target
+    if event.method and event.path:
+        what = f"{event.method} {event.scheme or 'http'}://{refusal.target}{event.path}"
+    return notice(refusal, what)
 
 
 @dataclass
@@ -125,8 +117,10 @@ class AcpBridge:
         agent_profile: str | None,
         profiles: Callable[[], frozenset[str]],
         warn: Callable[[str], None],
+        context: HintContext | None = None,
     ) -> None:
         self.to_client = to_client
+        self.context = context or HintContext("acp")  # where its notices' hints are read
         self.server_env = server_env
         self.terminal_env = terminal_env
         self.decide = decide
@@ -208,9 +202,7 @@ class AcpBridge:
                     kept.append(server)
                     continue
                 name = server.get("name")
-                notices.append(
-                    refusal_text(refusal, f"the MCP server {name!r} ({server.get('url')}); removed")
-                )
+                notices.append(notice(refusal, f"the MCP server {name!r} ({server.get('url')}); removed"))
                 self.warn(f"MCP server {name!r} removed: {refusal.reason}")
                 continue
             if kind is None or "command" in server:  # stdio (ACP's stdio entry has no `type`)
@@ -226,13 +218,21 @@ class AcpBridge:
     def _judge_remote(self, server: dict[str, Any]) -> Refusal | None:
         target = _url_target(server.get("url"))
         if target is None:
-            return Refusal("invalid_target", f"not an http(s) URL: {server.get('url')!r}")
+            return Refusal(Reason.INVALID_TARGET, f"not an http(s) URL: {server.get('url')!r}")
         host, port, scheme, path = target
         decision = self.decide(host, port, self.agent_profile, scheme, path)
         if decision.allowed or decision.ask:  # an ask is asked when the agent connects
             return None
         shown = decision.target.host.text if decision.target is not None else host
-        return Refusal(decision.reason, decision.detail, shown, port, decision.rule)
+        return Refusal(
+            decision.reason,
+            decision.detail,
+            shown,
+            port,
+            decision.rule,
+            profile=decision.profile,
+            context=self.context,
+        )
 
     # -- agent -> client ---------------------------------------------------------------------------
     def from_agent(self, line: bytes, message: Message | None) -> bytes:
@@ -300,11 +300,7 @@ class AcpBridge:
                 text = "egressd: more refusals in this turn are not shown here; the audit has every one."
                 self.to_client.write(encode(_update(session, text)))
                 continue
-            refusal = Refusal(event.reason, event.detail, event.host or "", event.port, event.rule)
-            what = refusal.target
-            if event.method and event.path:
-                what = f"{event.method} {event.scheme or 'http'}://{refusal.target}{event.path}"
-            self.to_client.write(encode(_update(session, refusal_text(refusal, what))))
+            self.to_client.write(encode(_update(session, event_notice(event, self.context))))
 
     # -- mode: ask -> session/request_permission --------------------------------------------------
     def request_permission(self, what: str, timeout: float, key: str = "") -> str | None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from egressd.admission.asks import Answerer
+from egressd.admission.state import asker
 from egressd.agents.acp import CANCELLED, AcpBridge
 
 # ACP's permission option kinds -> the ask broker's answers. A dismissed dialog (`cancelled`) is a
@@ -38,8 +39,8 @@ def describe(ask: dict[str, Any]) -> str:
     if ask.get("method") and ask.get("path"):
         where = f"{ask['method']} {ask.get('scheme') or 'http'}://{where}{ask['path']}"
     command = " ".join(str(word) for word in ask.get("command") or [])
-    who = ask.get("profile") or ask.get("client")
-    return where + (f" (asked by {command}" + (f", profile {who}" if who else "") + ")" if command else "")
+    who = ask.get("asker") or asker(ask.get("client"), ask.get("profile"))
+    return where + (f" (asked by {command}, {who})" if command else "")
 
 
 def attach(broker: Answerer, bridge: AcpBridge, warn: Callable[[str], None]) -> Callable[[], None]:

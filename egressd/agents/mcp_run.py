@@ -17,9 +17,9 @@ from collections import deque
 from typing import Any
 
 from egressd.admission.events import Decided, Event
-from egressd.agents.acp import refusal_text
+from egressd.agents.acp import event_notice
 from egressd.agents.jsonrpc import Message, encode
-from egressd.refusal import Refusal
+from egressd.refusal import HintContext
 
 KEEP = 64  # refusals remembered (a call that fails long after many refusals gets the latest)
 
@@ -27,7 +27,8 @@ KEEP = 64  # refusals remembered (a call that fails long after many refusals get
 class McpBridge:
     """The two handlers of one wrapped MCP server, and the observer of its refusals."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: HintContext | None = None) -> None:
+        self.context = context or HintContext("mcp run")  # where its notices' hints are read
         self._lock = threading.Lock()
         self._calls: dict[str, float] = {}  # tools/call id (JSON) -> when it was sent
         self._refusals: deque[tuple[float, str]] = deque(maxlen=KEEP)
@@ -35,12 +36,9 @@ class McpBridge:
     def observe(self, event: Event) -> None:
         """Pipeline observer (the proxy's thread): remember the refusal, nothing more."""
         if isinstance(event, Decided) and not event.allowed:
-            refusal = Refusal(event.reason, event.detail, event.host or "", event.port, event.rule)
-            what = refusal.target
-            if event.method and event.path:
-                what = f"{event.method} {event.scheme or 'http'}://{refusal.target}{event.path}"
+            text = event_notice(event, self.context)
             with self._lock:
-                self._refusals.append((time.monotonic(), refusal_text(refusal, what)))
+                self._refusals.append((time.monotonic(), text))
 
     def from_client(self, line: bytes, message: Message | None) -> bytes:
         if message is None:

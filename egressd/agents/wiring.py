@@ -70,6 +70,7 @@ def acp_relay(
         agent_profile=creds.profile,
         profiles=lambda: frozenset(session.policy.profiles),
         warn=warn,
+        context=session.context,
     )
     pipeline.events.subscribe(bridge.observe)
     broker = getattr(session, "broker", None)  # mode: ask's broker, when this egressd has one
@@ -90,7 +91,7 @@ def mcp_relay(session: ProxySession, relay: StdioRelay) -> Iterator[McpBridge]:
     """Relay MCP between egressd's stdin/stdout and the server while the block runs it."""
     assert session.proxy is not None
     events = session.proxy.pipeline.events
-    bridge = McpBridge()
+    bridge = McpBridge(session.context)
     events.subscribe(bridge.observe)
     relay.start(bridge.from_client, bridge.from_server, strict=False)
     try:

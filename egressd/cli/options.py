@@ -256,9 +256,10 @@ def session_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def open_session(options: SessionOptions, **kwargs: Any) -> Iterator[ProxySession]:
-    """A started ProxySession; any set-up failure exits 2 with the reason on stderr."""
+    """A started ProxySession; any set-up failure exits 2 with the reason on stderr. Its refusals'
+    hints name the command that runs it (`egressd acp`, not `egressd exec`)."""
     try:
-        session = ProxySession(options, say=say, **kwargs)
+        session = ProxySession(options, say=say, shown_as=command_name(), **kwargs)
         session.start()
     except SessionError as exc:
         fail(str(exc))
@@ -266,6 +267,13 @@ def open_session(options: SessionOptions, **kwargs: Any) -> Iterator[ProxySessio
         yield session
     finally:
         session.close()
+
+
+def command_name() -> str:
+    """The egressd command being run, as the user typed it: `exec`, `sandbox`, `mcp run`, ..."""
+    ctx = click.get_current_context(silent=True)
+    words = ctx.command_path.split()[1:] if ctx is not None else []
+    return " ".join(words) or "exec"
 
 
 def _host_port(text: str, option: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:

@@ -7,6 +7,7 @@ import shlex
 
 import click
 
+from egressd.admission.state import asker
 from egressd.cli.instances import call, instances, pid_option, say_follow
 from egressd.cli.options import fail
 from egressd.control.client import ControlError
@@ -18,8 +19,8 @@ def ask_line(ask: dict) -> str:
     if ask.get("method") and ask.get("path"):
         what += f"  {ask['method']} {ask['path']}"
     waiting = ask.get("waiting", 1)
-    client = ask.get("client") or "-"
-    line = f"{ask['id']}  {what}  (client {client}, {waiting} waiting, {ask['expires_in']:g}s left)"
+    who = ask.get("asker") or asker(ask.get("client"), ask.get("profile"))
+    line = f"{ask['id']}  {what}  ({who}, {waiting} waiting, {ask['expires_in']:g}s left)"
     command = shlex.join(ask.get("command") or [])
     return printable(f"{line}  {command}" if command else line)
 

@@ -15,13 +15,15 @@ import dns.exception
 import dns.nameserver
 import dns.resolver
 
+from egressd.policy.reasons import Reason
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class ResolveError(Exception):
     """Resolution failed; `reason` is `dns_error` or `dns_timeout` (the proxy's codes)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: Reason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -33,7 +35,7 @@ def resolve_sync(
     try:
         resolver = dns.resolver.Resolver(configure=not nameservers)
     except dns.resolver.NoResolverConfiguration as exc:
-        raise ResolveError("dns_error", f"no system resolver configuration: {exc}") from None
+        raise ResolveError(Reason.DNS_ERROR, f"no system resolver configuration: {exc}") from None
     if nameservers:
         resolver.nameservers = [dns.nameserver.Do53Nameserver(ip, port) for ip, port in nameservers]
     deadline = time.monotonic() + timeout
@@ -42,20 +44,20 @@ def resolve_sync(
     for rdtype in ("A", "AAAA"):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise ResolveError("dns_timeout", f"{name}: no answer within {timeout:g}s")
+            raise ResolveError(Reason.DNS_TIMEOUT, f"{name}: no answer within {timeout:g}s")
         try:
             answer = resolver.resolve(
                 name, rdtype, lifetime=remaining, search=False, raise_on_no_answer=False
             )
         except dns.resolver.NXDOMAIN:
-            raise ResolveError("dns_error", f"{name}: no such name (NXDOMAIN)") from None
+            raise ResolveError(Reason.DNS_ERROR, f"{name}: no such name (NXDOMAIN)") from None
         except dns.resolver.LifetimeTimeout:
-            raise ResolveError("dns_timeout", f"{name}: no answer within {timeout:g}s") from None
+            raise ResolveError(Reason.DNS_TIMEOUT, f"{name}: no answer within {timeout:g}s") from None
         except dns.exception.DNSException as exc:
-            raise ResolveError("dns_error", f"{name}: {exc}") from None
+            raise ResolveError(Reason.DNS_ERROR, f"{name}: {exc}") from None
         answered = True
         for record in answer:
             found.append(ipaddress.ip_address(record.address))
     if answered and not found:
-        raise ResolveError("dns_error", f"{name}: no A or AAAA records")
+        raise ResolveError(Reason.DNS_ERROR, f"{name}: no A or AAAA records")
     return found

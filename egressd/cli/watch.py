@@ -9,7 +9,7 @@ import click
 from egressd.cli.instances import pid_option, say_follow
 from egressd.cli.options import fail
 from egressd.control.client import ControlError
-from egressd.refusal import is_network_failure
+from egressd.policy.reasons import is_network_failure
 
 
 def _line(item: dict) -> str | None:

@@ -26,6 +26,7 @@ from egressd.admission.events import Asked, Closed, Decided, Event, EventBus, Re
 from egressd.admission.grants import GrantError, GrantStore
 from egressd.control.children import ChildError, Children
 from egressd.listeners import OwnAddresses, register
+from egressd.policy.reasons import Reason
 from egressd.policy_edit import PolicyEditor
 
 QUEUE_LINES = 1000  # per stream reader: beyond it, lines are dropped and counted
@@ -37,6 +38,8 @@ def event_json(event: Event) -> dict[str, Any]:
     if isinstance(event, Decided):
         fields = event._asdict()
         fields["event"] = "decision"
+        # the word every surface uses: allowed, refused, or failed (the network's, not the policy's)
+        fields["outcome"] = "allowed" if event.allowed else Reason.of(event.reason).outcome
     elif isinstance(event, Closed):
         fields = event._asdict()
         fields["event"] = "closed"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.relay import HIGH_WATER, Pipe, Tunnel
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
 from egressd.wire.http1 import (
     TEXT_ENCODING,
@@ -50,7 +51,7 @@ MAX_IDLE_UPSTREAMS = 8  # kept-alive upstream connections per client connection 
 LOST_MID_RESPONSE = "server closed the connection before the response ended"
 # the answer to a request or tunnel still waiting for it when its client's token is removed
 REVOKED = Refusal(
-    "proxy_auth_required",
+    Reason.PROXY_AUTH_REQUIRED,
     "this client's token was removed from the gateway's token file while the request was in progress",
 )
 Key = tuple[str, int]
@@ -562,12 +563,12 @@ class PlainClient(_Writable, asyncio.Protocol):
             return "closed"
         if upstream.timed_out is not None:
             failure = Refusal(
-                "upstream_timeout",
+                Reason.UPSTREAM_TIMEOUT,
                 f"no response from the server within {upstream.timed_out:g}s (timeouts.response)",
                 *upstream.key,
             )
         else:
-            failure = Refusal("upstream_protocol_error", f"HTTP/1 protocol error: {why}", *upstream.key)
+            failure = Refusal(Reason.UPSTREAM_PROTOCOL_ERROR, f"HTTP/1 protocol error: {why}", *upstream.key)
         logger.info("closing plain-HTTP exchange with %s:%s: %s", *upstream.key, failure.detail)
         self.pipeline.upstream_failed(self.state, *upstream.key, failure.reason, failure.detail)
         if started:
@@ -659,4 +660,4 @@ def request_url(key: Key, path: str) -> str:
 def too_large_refusal(key: Key, length: int, limit: int) -> Refusal:
     """egressd's 502 for a Content-Length over limits.max_response_bytes (before any body)."""
     detail = f"the response is {length} bytes; limits.max_response_bytes is {limit}"
-    return Refusal("response_too_large", detail, *key)
+    return Refusal(Reason.RESPONSE_TOO_LARGE, detail, *key)

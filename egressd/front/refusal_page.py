@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from egressd.front.relay import render
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
+from egressd.wire.refusal import http_response
 
 if TYPE_CHECKING:
     from egressd.front.relay import RelayOwner
@@ -24,7 +25,8 @@ MAX_HEAD = 65536  # read no more of a request that is answered the same whatever
 def wants_page(refusal: Refusal, stage: str, port: int) -> bool:
     """A policy refusal of an HTTP CONNECT to port 443: a client that will speak TLS first. (Other
     ports may carry protocols whose server speaks first, which a 200 would leave waiting.)"""
-    return stage == "connect" and port == 443 and refusal.is_policy and refusal.reason != "invalid_target"
+    policy = refusal.is_policy and refusal.reason is not Reason.INVALID_TARGET
+    return stage == "connect" and port == 443 and policy
 
 
 class RefusalPage(asyncio.Protocol):
@@ -62,7 +64,7 @@ class RefusalPage(asyncio.Protocol):
             return
         if b"\r\n\r\n" in self.buffer or len(self.buffer) > MAX_HEAD:
             self.answered = True
-            self.transport.write(render(self.refusal))
+            self.transport.write(http_response(self.refusal))
             self.transport.close()
 
     def eof_received(self) -> bool:

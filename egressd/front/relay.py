@@ -1,8 +1,7 @@
 """Moving bytes of an admitted connection: two flow-controlled asyncio protocols, one per side.
 
 Nothing here parses client input or decides anything: the front admitted the connection through
-the pipeline before a relay is attached. Also the rendering of a refusal as an HTTP response, which
-every front writes the same way.
+the pipeline before a relay is attached.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import contextlib
 import os
 import time
 from typing import TYPE_CHECKING, Protocol, cast
-
-from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
     from egressd.admission.state import ConnState
@@ -34,15 +31,6 @@ COALESCE_MAX = 128 * 1024
 COALESCE_WINDOW = 0.002  # s
 COALESCE_RATE = float(1 << 30)  # bytes/s
 COALESCE_PAUSE = 0.001  # s: one tick of uvloop's millisecond timers
-
-
-def render(refusal: Refusal) -> bytes:
-    """A refusal as a complete HTTP/1.1 response (Connection: close)."""
-    body = refusal.body().encode()
-    lines = [f"HTTP/1.1 {refusal.status} {refusal.phrase()}"]
-    lines += [f"{name}: {value}" for name, value in refusal.headers()]
-    lines.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 class RelayOwner(Protocol):

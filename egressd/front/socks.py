@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 from egressd.admission.credentials import Presented
 from egressd.admission.pipeline import Attempt
 from egressd.front.tunnel import FrontProtocol, Listeners
-from egressd.refusal import POLICY_REASONS, Refusal
+from egressd.policy.reasons import Reason
+from egressd.refusal import Refusal
+from egressd.wire.refusal import socks_reply
 from egressd.wire.socks5 import (
     NO_AUTH,
     Credentials,
@@ -32,22 +34,6 @@ from egressd.wire.socks5 import (
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-
-# the reply for a refusal that is not the policy's (RFC 1928 has no code for a limit or a bug: 0x01)
-_REPLIES = {
-    "dns_error": Reply.HOST_UNREACHABLE,
-    "dns_timeout": Reply.HOST_UNREACHABLE,
-    "connect_refused": Reply.CONNECTION_REFUSED,
-    "connect_timeout": Reply.TTL_EXPIRED,  # the closest code for "timed out"
-}
-
-
-def reply_code(reason: str) -> Reply:
-    """The SOCKS5 reply for a refusal's reason code: "not allowed by ruleset" for every policy
-    refusal, "host unreachable" for DNS, "refused" and "TTL expired" for the connect, else general."""
-    if reason in POLICY_REASONS:
-        return Reply.NOT_ALLOWED
-    return _REPLIES.get(reason, Reply.GENERAL_FAILURE)
 
 
 class SocksProtocol(FrontProtocol):
@@ -105,7 +91,7 @@ class SocksProtocol(FrontProtocol):
     def _refuse_handshake(self, error: Socks5Error) -> None:
         """A handshake egressd does not serve: its reply, then close. Recorded, unless it only lacks
         credentials (a CONNECT without them is answered 407 and not recorded either)."""
-        if error.reason != "proxy_auth_required":
+        if error.reason is not Reason.PROXY_AUTH_REQUIRED:
             self.pipeline.refused_early(self.state, None, None, error.reason, str(error), stage="socks")
         if self.transport is not None and not self.transport.is_closing():
             if error.reply:
@@ -117,7 +103,7 @@ class SocksProtocol(FrontProtocol):
         return reply(Reply.SUCCEEDED, bound)
 
     def refusal_answer(self, refusal: Refusal) -> bytes:
-        return reply(reply_code(refusal.reason))
+        return socks_reply(refusal.reason)
 
     def _answer_overloaded_now(self, refusal: Refusal) -> None:
         """Before its greeting a SOCKS5 client can be told nothing: it is closed (and recorded)."""

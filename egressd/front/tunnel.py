@@ -9,6 +9,7 @@ and pinned, on the client's own transport (`egressd.inspect.engine`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -19,11 +20,13 @@ from egressd.admission.limits import overloaded
 from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
-from egressd.front.relay import COALESCE, Pipe, Tunnel, render
+from egressd.front.relay import COALESCE, Pipe, Tunnel
 from egressd.inspect.inspected import InspectedTunnel
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
 from egressd.wire.http1 import WireError, read_connect, take_head
 from egressd.wire.http_head import HeadScanner, leading_empty_lines
+from egressd.wire.refusal import http_response
 from egressd.wire.sni import WAIT, TunnelStart
 
 if TYPE_CHECKING:
@@ -113,7 +116,7 @@ class FrontProtocol(Pipe):
 
     def _answer_overloaded_now(self, refusal: Refusal) -> None:
         assert self.transport is not None
-        self.transport.write(render(refusal))
+        self.transport.write(http_response(refusal))
 
     def close_idle(self) -> None:
         """limits.idle_timeout passed without a byte either way (the front's sweep)."""
@@ -214,7 +217,7 @@ class FrontProtocol(Pipe):
             self.head_scanner = None
             connect = read_connect(head)
         except WireError as exc:
-            self._refuse_unreadable(Refusal("bad_request", exc.detail))
+            self._refuse_unreadable(Refusal(Reason.BAD_REQUEST, exc.detail))
             return
         attempt = Attempt(
             "connect",
@@ -306,7 +309,7 @@ class FrontProtocol(Pipe):
     def _close_tunnel(self, problem: str) -> None:
         state = self.state
         host, port = (state.host, state.port) if state else (None, None)
-        self.pipeline.refused_early(state, host, port, "sni_mismatch", problem, stage="tls")
+        self.pipeline.refused_early(state, host, port, Reason.SNI_MISMATCH, problem, stage="tls")
         if self.peer is not None and self.peer.transport is not None:
             self.peer.transport.close()
         if self.transport is not None:
@@ -316,9 +319,7 @@ class FrontProtocol(Pipe):
     def _refuse(self, refusal: Refusal) -> None:
         state = self.state
         if refusal.host == "" and state is not None and state.host:
-            refusal = Refusal(
-                refusal.reason, refusal.detail, state.host, state.port, refusal.rule, refusal.retry_after
-            )
+            refusal = dataclasses.replace(refusal, host=state.host, port=state.port)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(self.refusal_answer(refusal))
             self.transport.close()
@@ -329,7 +330,7 @@ class FrontProtocol(Pipe):
 
     def refusal_answer(self, refusal: Refusal) -> bytes:
         """What tells the client it is refused, in its protocol (it is closed after)."""
-        return render(refusal)
+        return http_response(refusal)
 
     def _page_inside_tls(self, refusal: Refusal, attempt: Attempt) -> bool:
         """refusal_pages: tls, with inspection on (the child trusts egressd's CA), for a refused
@@ -391,7 +392,7 @@ class FrontProtocol(Pipe):
                 refusal = overloaded(admitted.host, admitted.port)
             else:
                 logger.error("egressd could not start its inspection engine: %r", exc)
-                refusal = Refusal("internal_error", f"proxy engine: {exc}", admitted.host, admitted.port)
+                refusal = Refusal(Reason.INTERNAL_ERROR, f"proxy engine: {exc}", admitted.host, admitted.port)
             self._refuse(refusal)
             return
         transport = self.transport

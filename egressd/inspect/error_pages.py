@@ -13,15 +13,17 @@ import re
 from mitmproxy import http
 from mitmproxy.net.http import http1
 
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
+from egressd.wire import refusal as rendered
 
 _STATUS_REASON = {
-    400: "bad_request",
-    413: "bad_request",
-    414: "bad_request",
-    431: "bad_request",
-    502: "connect_error",
-    504: "connect_timeout",
+    400: Reason.BAD_REQUEST,
+    413: Reason.BAD_REQUEST,
+    414: Reason.BAD_REQUEST,
+    431: Reason.BAD_REQUEST,
+    502: Reason.CONNECT_ERROR,
+    504: Reason.CONNECT_TIMEOUT,
 }
 
 
@@ -31,17 +33,18 @@ _TLS_FAILURE = re.compile(r"certificate verify failed|tls handshake|ssl handshak
 
 def refusal_from_error(status_code: int, message: str) -> tuple[int, Refusal]:
     if _TLS_FAILURE.search(message):
-        refusal = Refusal("upstream_tls_error", message)
+        refusal = Refusal(Reason.UPSTREAM_TLS_ERROR, message)
         return refusal.status, refusal
-    reason = _STATUS_REASON.get(status_code, "bad_request" if 400 <= status_code < 500 else "connect_error")
+    fallback = Reason.BAD_REQUEST if 400 <= status_code < 500 else Reason.CONNECT_ERROR
+    reason = _STATUS_REASON.get(status_code, fallback)
     return status_code, Refusal(reason, message)
 
 
 def refusal_response(refusal: Refusal, status: int | None = None) -> http.Response:
     """The mitmproxy response for a refusal (HTTP/1.1, Connection: close)."""
-    headers = http.Headers([(k.encode(), v.encode()) for k, v in refusal.headers()])
-    response = http.Response.make(status or refusal.status, refusal.body().encode(), headers)
-    response.reason = refusal.phrase(response.status_code)  # the reason code on the status line
+    headers = http.Headers([(k.encode(), v.encode()) for k, v in rendered.headers(refusal)])
+    response = http.Response.make(status or refusal.status, rendered.body(refusal).encode(), headers)
+    response.reason = rendered.phrase(refusal, response.status_code)  # the reason code on the status line
     return response
 
 

@@ -27,6 +27,7 @@ from mitmproxy.proxy.mode_servers import ProxyConnectionHandler
 from mitmproxy.proxy.utils import expect
 
 from egressd.inspect.inspected import STREAM_LIMIT, InspectedTunnel
+from egressd.policy.reasons import Reason
 
 if TYPE_CHECKING:
     from mitmproxy.master import Master
@@ -166,7 +167,9 @@ class TunnelHandler(ProxyConnectionHandler):
         tunnel = tunnel_of(self.client)
         admitted = tunnel.connections.get(conn.id)
         if admitted is None:  # no hook admitted it: fail closed
-            refusal = tunnel.refusal("internal_error", f"{conn.address} was not admitted by the policy gate")
+            refusal = tunnel.refusal(
+                Reason.INTERNAL_ERROR, f"{conn.address} was not admitted by the policy gate"
+            )
             conn.error = tunnel.fail(refusal).detail
             return None
         loop = asyncio.get_running_loop()
@@ -204,7 +207,7 @@ class HandedOver(layer.Layer):
         upstream.address = (tunnel.admitted.host, tunnel.admitted.port)
         err = yield commands.OpenConnection(upstream)
         if err:
-            refusal = tunnel.take_failure() or tunnel.refusal("connect_error", err)
+            refusal = tunnel.take_failure() or tunnel.refusal(Reason.CONNECT_ERROR, err)
             yield commands.SendData(client, tunnel.owner.refusal_answer(refusal))
             yield commands.CloseConnection(client)
             self._handle_event = self._closed  # type: ignore[method-assign]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class InspectedTunnel:
     # bytes to the client count from the tunnel's answer on, as a relayed tunnel's do
     counting: bool = False
 
-    def refusal(self, reason: str, detail: str) -> Refusal:
+    def refusal(self, reason: Reason, detail: str) -> Refusal:
         admitted = self.admitted
         return Refusal(reason, detail, admitted.host, admitted.port, admitted.decision.rule)
 

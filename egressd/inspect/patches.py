@@ -59,6 +59,7 @@ import re
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
+from egressd.policy.reasons import Reason
 from egressd.wire.http_head import head_problem, leading_empty_lines
 
 if TYPE_CHECKING:
@@ -345,7 +346,7 @@ def _install_upstream_failures() -> None:
             if isinstance(event, ResponseProtocolError) and event.code is ErrorCode.GENERIC_SERVER_ERROR:
                 tunnel = _tunnel(self.context.client)
                 if tunnel is not None:
-                    tunnel.fail(tunnel.refusal("upstream_protocol_error", event.message))
+                    tunnel.fail(tunnel.refusal(Reason.UPSTREAM_PROTOCOL_ERROR, event.message))
             yield from handle_protocol_error(self, event)
 
         return handle_protocol_error_recorded

@@ -21,7 +21,9 @@ from typing import Any, TextIO
 
 from egressd.admission.events import Closed, Decided, Event, Notice
 from egressd.observe.sink import LineSink
-from egressd.refusal import is_network_failure
+from egressd.policy.reasons import Reason
+from egressd.refusal import HintContext, Refusal
+from egressd.wire.refusal import rerun_hint, short_hint
 
 DECISION_KEYS: tuple[str, ...] = (
     "conn",
@@ -90,11 +92,13 @@ class AuditLog:
         *,
         on_failure: str = "refuse",
         max_queue_bytes: int = 4 * 1024 * 1024,
+        context: HintContext | None = None,
     ) -> None:
         if trace is not None and trace in (sys.stdout, sys.__stdout__):
             raise ValueError("the trace must not go to stdout: stdout belongs to the child")
         self._lock = threading.Lock()
         self._trace = trace
+        self.context = context  # where the trace is read: its hints name what that person can change
         self._failed = False
         self._sink: LineSink | None = None
         if path is not None:
@@ -180,7 +184,7 @@ class AuditLog:
             fields["connected"] = str(fields["connected"])
         record = self._record("decision", DECISION_KEYS, fields)
         if self._trace is not None:
-            self._trace_line(_decision_line(record))
+            self._trace_line(_decision_line(record, self.context))
         return record
 
     def closed(self, **fields: Any) -> dict[str, Any]:
@@ -301,18 +305,18 @@ def _escaped(value: Any) -> Any:
         return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-# Refusals a person can lift with --allow: the trace names the command instead of the detail.
-_HINTED = frozenset({"not_allowlisted", "ask", "ask_refused", "no_approver"})
-
 # What a decision without an HTTP method was about (the engine's `stage` field).
 _STAGE_LABELS = {"connection": "connect", "tls": "TLS", "socks": "SOCKS"}
 
 
-def _decision_line(record: dict[str, Any]) -> str:
+def _decision_line(record: dict[str, Any], context: HintContext | None = None) -> str:
     """`egressd: DENY  CONNECT evil.test:443  not_allowlisted (mode: enforce) - run: ...`; a
-    network failure is FAIL, never DENY (`egressd: FAIL  CONNECT up.test:443  dns_timeout - ...`)."""
+    network failure is FAIL, never DENY (`egressd: FAIL  CONNECT up.test:443  dns_timeout - ...`).
+    A refusal an edit lifts names it instead of the detail (the command to rerun, where there is
+    one)."""
     verdict = (record.get("decision") or "?").upper()
-    if verdict == "DENY" and is_network_failure(record.get("reason") or ""):
+    code = Reason.parse(record.get("reason"))
+    if verdict == "DENY" and code is not None and code.failure:
         verdict = "FAIL"
     method = record.get("method") or _STAGE_LABELS.get(record.get("stage") or "", "CONNECT")
     host = record.get("host") or "?"
@@ -330,8 +334,11 @@ def _decision_line(record: dict[str, Any]) -> str:
     line = f"egressd: {verdict:<5} {method} {target}  {reason}".rstrip()
     if record.get("exe") or record.get("pid"):
         line += f"  [{os.path.basename(record.get('exe') or '?')} pid {record.get('pid') or '?'}]"
-    if verdict == "DENY" and record.get("reason") in _HINTED:
-        line += f" - run: egressd exec --allow {host} ..."
+    refusal = _refusal(record, code, context) if verdict == "DENY" else None
+    if refusal is not None and (hint := rerun_hint(refusal)):
+        line += f" - run: {hint}"
+    elif refusal is not None and (hint := short_hint(refusal)):
+        line += f" - {hint}"
     elif verdict in ("DENY", "FAIL") and record.get("detail"):
         line += f" - {record['detail']}"
     if record.get("connected"):
@@ -339,3 +346,21 @@ def _decision_line(record: dict[str, Any]) -> str:
     if record.get("via"):
         line += f" via {record['via']}"
     return _printable(line)
+
+
+def _refusal(record: dict[str, Any], reason: Reason | None, context: HintContext | None) -> Refusal | None:
+    """The refusal a decision record tells, for its hint (None for a record of no refusal)."""
+    host, port = record.get("host"), record.get("port")
+    if reason is None or not isinstance(host, str) or not isinstance(port, int | None):
+        return None
+    resolved = tuple(str(a) for a in record.get("resolved") or ())
+    return Refusal(
+        reason,
+        str(record.get("detail") or ""),
+        host,
+        port,
+        record.get("rule"),
+        profile=record.get("profile"),
+        addresses=resolved,
+        context=context,
+    )

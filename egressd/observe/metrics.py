@@ -6,9 +6,10 @@ runs per connection for them. The registry is this process's own (`CollectorRegi
 prometheus_client's global one: two proxies in one process (tests, `egressd ssh`) never mix.
 
 No label is unbounded: no host or path label; a client label only on the gateway's own counter,
-whose values are the names in its token file (any other name counts as "other"); `reason` is a
-fixed set (anything else is counted as "other"), `stage`, `mode`, `decision`, `direction` and
-`outcome` are fixed by the code. docs/metrics.md lists every name and label.
+whose values are the names in its token file (any other name counts as "other"); `reason` is one
+of the registry's codes (egressd.policy.reasons; anything else is counted as "other"); `stage`,
+`mode`, `decision`, `direction` and `outcome` are fixed by the code. docs/metrics.md lists every
+name and label.
 
 Cheap on the hot path (every decision, closed connection and DNS lookup): every counter and
 histogram is plain integers, one cell per label combination made once and kept, turned into
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from egressd.admission.events import Asked, Closed, Decided, Event, Notice, Resolved
 from egressd.policy.model import MODES
-from egressd.refusal import FAILURE_REASONS, POLICY_REASONS
+from egressd.policy.reasons import Reason
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -47,22 +48,8 @@ if TYPE_CHECKING:
 
     from egressd.admission.pipeline import Pipeline
 
-# why a decision allowed (egressd.policy.decide's reasons) and the approver's answers
-ALLOW_REASONS = frozenset(
-    {
-        "allowlist",
-        "loopback",
-        "builtin",
-        "private_origin",
-        "mode_allow",
-        "learned",
-        "ask",
-        "approved",
-        "granted",
-    }
-)
-ASK_REASONS = frozenset({"ask_refused", "ask_timeout", "no_approver"})
-REASONS = ALLOW_REASONS | ASK_REASONS | POLICY_REASONS | FAILURE_REASONS
+# every reason code egressd gives (its one registry), the decisions' and the approver's answers
+REASONS: frozenset[str] = frozenset(Reason)
 STAGES = frozenset({"connect", "socks", "request", "inner", "connection", "tls", "dns"})
 MODE_NAMES = frozenset(MODES)
 NOTICES = frozenset(

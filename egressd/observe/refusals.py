@@ -16,10 +16,9 @@ import threading
 from typing import TextIO
 
 from egressd.admission.events import Decided, Event
-from egressd.refusal import is_network_failure
+from egressd.refusal import HintContext, Refusal
+from egressd.wire.refusal import line_flags, short_hint
 
-# refusals a person lifts with --allow HOST (the others need another edit, or none can help)
-LIFTABLE = frozenset({"not_allowlisted", "no_approver", "ask_refused", "ask_timeout"})
 MAX_HOSTS = 1000  # remembered per run: a child trying a million names does not grow egressd
 SUMMARY_HOSTS = 20  # named in the summary; the rest are counted
 
@@ -29,11 +28,14 @@ def _printable(text: str) -> str:
     return text if text.isprintable() else "".join(ch if ch.isprintable() else "?" for ch in text)
 
 
-def _hosts(verb: str, seen: dict[str, dict[str, int | None]], failed: bool) -> str:
+def _hosts(verb: str, seen: dict[str, dict[str, Refusal]], failed: bool) -> str:
     """`refused 3 hosts: a.example (not_allowlisted), ...` for the refusals (or, `failed`, the
     network failures) of `seen`; "" when there are none."""
-    hosts = {h: [r for r in reasons if is_network_failure(r) == failed] for h, reasons in seen.items()}
-    hosts = {host: reasons for host, reasons in hosts.items() if reasons}
+    hosts = {
+        host: [code for code, refusal in reasons.items() if refusal.reason.failure == failed]
+        for host, reasons in seen.items()
+    }
+    hosts = {host: codes for host, codes in hosts.items() if codes}
     if not hosts:
         return ""
     named = [f"{host} ({', '.join(reasons)})" for host, reasons in list(hosts.items())[:SUMMARY_HOSTS]]
@@ -42,21 +44,17 @@ def _hosts(verb: str, seen: dict[str, dict[str, int | None]], failed: bool) -> s
     return text + f" and {more} more" if more else text
 
 
-def allow_flag(host: str, port: int | None) -> str:
-    """The --allow rule that admits this target: the host, with the port unless 80/443."""
-    where = f"[{host}]" if ":" in host else host
-    return where if port in (None, 80, 443) else f"{where}:{port}"
-
-
 class RefusalReport:
-    """Deduplicated refusal lines (per host and reason) and the summary at exit."""
+    """Deduplicated refusal lines (per host and reason) and the summary at exit; their hints name
+    what the person who runs this command can change (`context`)."""
 
-    def __init__(self, stream: TextIO, *, lines: bool = True) -> None:
+    def __init__(self, stream: TextIO, *, lines: bool = True, context: HintContext | None = None) -> None:
         self._stream = stream
         self._lines = lines  # off when --trace already prints every decision
+        self.context = context or HintContext()
         self._lock = threading.Lock()
-        # host -> {reason: port}, in the order first seen
-        self._refused: dict[str, dict[str, int | None]] = {}
+        # host -> {reason: the first refusal of it for that reason}, in the order first seen
+        self._refused: dict[str, dict[str, Refusal]] = {}
         self._dropped = 0
 
     def observe(self, event: Event) -> None:
@@ -75,23 +73,21 @@ class RefusalReport:
                 reasons = self._refused[host] = {}
             elif reason in reasons:
                 return
-            reasons[reason] = event.port
+            refusal = reasons[reason] = event.refusal(self.context)
         if self._lines:
-            self._write(self.line(host, event.port, reason, event.detail))
+            self._write(self.line(refusal))
 
     @staticmethod
-    def line(host: str, port: int | None, reason: str, detail: str) -> str:
+    def line(refusal: Refusal) -> str:
         """`egressd: refused a.example:443 (not_allowlisted) - allow with: --allow a.example`, or
         `egressd: failed to reach a.example:443 (dns_timeout) - ...` for a network failure."""
-        where = f"[{host}]" if ":" in host else host
-        if port is not None:
-            where += f":{port}"
-        verb = "failed to reach" if is_network_failure(reason) else "refused"
-        text = f"egressd: {verb} {where} ({reason})"
-        if reason in LIFTABLE:
-            text += f" - allow with: --allow {allow_flag(host, port)}"
-        elif detail:
-            text += f" - {detail}"
+        verb = "failed to reach" if refusal.reason.failure else "refused"
+        text = f"egressd: {verb} {refusal.target} ({refusal.reason})"
+        hint = short_hint(refusal)
+        if hint:
+            text += f" - {hint}"
+        elif refusal.detail:
+            text += f" - {refusal.detail}"
         return _printable(text)
 
     def summary(self) -> str | None:
@@ -109,13 +105,19 @@ class RefusalReport:
         text = "egressd: " + "; ".join(part for part in parts if part)
         if dropped:
             text += f" (and {dropped} refusals or failures of hosts not remembered)"
-        flags: list[str] = []
-        for host, reasons in refused.items():
-            for reason, port in reasons.items():
-                if reason in LIFTABLE and (flag := allow_flag(host, port)) not in flags:
-                    flags.append(flag)
-        if flags:
-            text += " - allow with: " + " ".join(f"--allow {flag}" for flag in flags)
+        allow: dict[str, None] = {}  # the --allow flags, in order, once each
+        edits: dict[str, None] = {}  # the other hints
+        for reasons in refused.values():
+            for refusal in reasons.values():
+                found = line_flags(refusal)
+                allow.update(dict.fromkeys(found))
+                if not found and (hint := short_hint(refusal)):
+                    edits[hint] = None
+        hints = list(edits)
+        if allow:
+            hints.insert(0, "allow with: " + " ".join(f"--allow {flag}" for flag in allow))
+        if hints:
+            text += " - " + "; ".join(hints)
         return _printable(text)
 
     def print_summary(self) -> None:

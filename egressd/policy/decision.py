@@ -24,6 +24,7 @@ from .hosts import (
 )
 from .model import Policy, Profile
 from .paths import normalise_path, path_matches
+from .reasons import Reason
 from .rules import HostRule, RuleSet
 
 __all__ = [
@@ -79,7 +80,7 @@ class Decision:
     """The answer, with the stable reason code and the rule or setting that decided it."""
 
     allowed: bool
-    reason: str
+    reason: Reason
     rule: str | None
     target: Target | None
     detail: str = ""
@@ -91,11 +92,15 @@ class Decision:
     profile: str | None = None
     self_addresses: tuple[tuple[IPAddress, int], ...] = field(default=(), repr=False)
     # mode: learn: the reason enforce would have refused with (the audit records it; suggest reads it)
-    would_be: str | None = None
+    would_be: Reason | None = None
     # an admitted HTTP request may upgrade its connection (a WebSocket): not where only path/method
     # rules or a builtin allowance admit it (the relay after a 101 carries any request), unless the
     # rule says `websocket: true`, nor where a path/method deny rule names the host
     upgrade: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.reason) is not Reason:  # a code given from outside (an approver's): a typo raises
+            object.__setattr__(self, "reason", Reason.of(self.reason))
 
 
 @dataclass(frozen=True)
@@ -130,13 +135,13 @@ class _Request:
 class _Allow:
     """An intermediate allow (or ask) awaiting the step-11 checks."""
 
-    reason: str
+    reason: Reason
     rule: str
     detail: str
     private_ok: bool = False
     needs_inspection: bool = False
     ask: bool = False
-    would_be: str | None = None
+    would_be: Reason | None = None
     upgrade: bool = True
 
 
@@ -266,10 +271,10 @@ def _exe_refusal(rules: RuleSet, request: _Request, client: Client) -> Decision 
         f"{request.where} is allowed only for the programs {', '.join(programs)} "
         f"(rule {scoped[0].describe()!r}); this connection comes from {who}."
     )
-    return _refuse(request, "exe_not_allowed", f"allow: {scoped[0].text}", detail, client)
+    return _refuse(request, Reason.EXE_NOT_ALLOWED, f"allow: {scoped[0].text}", detail, client)
 
 
-def _refuse(request: _Request, reason: str, rule: str | None, detail: str, client: Client) -> Decision:
+def _refuse(request: _Request, reason: Reason, rule: str | None, detail: str, client: Client) -> Decision:
     return Decision(False, reason, rule, request.target, detail, profile=client.profile)
 
 
@@ -301,14 +306,14 @@ def _profile_refusal(request: _Request, client: Client, policy: Policy) -> tuple
     if profile is None:
         known = ", ".join(sorted(policy.profiles)) or "none"
         detail = f"unknown profile {name!r} (profiles in {policy.source}: {known})."
-        return _refuse(request, "profile", f"profile {name}", detail, client), False, False
+        return _refuse(request, Reason.PROFILE, f"profile {name}", detail, client), False, False
     pending, upgrade = False, True
     for rule in _matching(profile.deny, request):
         covered = _covers(rule, request)
         if covered:
             detail = f"{request.where} is denied by profile {name} rule {rule.describe()!r}."
             return (
-                _refuse(request, "profile", f"profile {name}: deny {rule.text}", detail, client),
+                _refuse(request, Reason.PROFILE, f"profile {name}: deny {rule.text}", detail, client),
                 False,
                 False,
             )
@@ -316,14 +321,15 @@ def _profile_refusal(request: _Request, client: Client, policy: Policy) -> tuple
         upgrade = upgrade and not rule.restricted
     if profile.ports and not request.loopback and request.port not in profile.ports:
         detail = f"port {request.port} is not in profile {name} ports {list(profile.ports)}."
-        refusal = _refuse(request, "profile", f"profile {name}: ports {list(profile.ports)}", detail, client)
+        rule_text = f"profile {name}: ports {list(profile.ports)}"
+        refusal = _refuse(request, Reason.PROFILE, rule_text, detail, client)
         return refusal, False, False
     if profile.allow is not None:
         matching = _matching(profile.allow, request)
         admitted, waiting = _admission(matching, request)
         if admitted is None and waiting is None:
             detail = f"{request.where} is not in the allowlist of profile {name}."
-            return _refuse(request, "profile", f"profile {name}: allow", detail, client), False, False
+            return _refuse(request, Reason.PROFILE, f"profile {name}: allow", detail, client), False, False
         pending = pending or admitted is None
         upgrade = upgrade and _upgradable(matching, request)
     return None, pending, upgrade
@@ -340,7 +346,7 @@ def _finish(
     """Step 11: ``ports`` (non-loopback) and the profile, then the final Decision."""
     if not request.loopback and policy.ports and request.port not in policy.ports:
         detail = f"port {request.port} is not in the allowed ports {list(policy.ports)}."
-        return _refuse(request, "port", f"ports: {list(policy.ports)}", detail, client)
+        return _refuse(request, Reason.PORT, f"ports: {list(policy.ports)}", detail, client)
     profile_pending, profile_upgrade = False, True
     if client.profile is not None:
         refusal, profile_pending, profile_upgrade = _profile_refusal(request, client, policy)
@@ -433,7 +439,7 @@ def _builtin_step(
         if admitted is not None:
             return None
         detail = f"{where} is allowed for some paths only; the path is not visible without inspection"
-        outcome = _Allow("builtin", f"builtin: {text}", detail, needs_inspection=True)
+        outcome = _Allow(Reason.BUILTIN, f"builtin: {text}", detail, needs_inspection=True)
         return _finish(request, client, policy, outcome, deny_pending, own)
     for allowance in builtins:
         if request.method not in allowance.effective_methods or request.path is None:
@@ -443,7 +449,7 @@ def _builtin_step(
                 methods = ",".join(allowance.effective_methods)
                 rule = f"builtin: {text} {prefix} {methods}"
                 detail = f"{request.method} {request.path} on {where}"
-                outcome = _Allow("builtin", rule, detail, upgrade=allowance.websocket)
+                outcome = _Allow(Reason.BUILTIN, rule, detail, upgrade=allowance.websocket)
                 return _finish(request, client, policy, outcome, deny_pending, own)
     if admitted is not None:
         return None
@@ -451,7 +457,7 @@ def _builtin_step(
     detail = (
         f"{request.method} {request.target.path} on {where} is outside the built-in allowance ({covered})."
     )
-    return _refuse(request, "builtin_path", f"builtin: {text}", detail, client)
+    return _refuse(request, Reason.BUILTIN_PATH, f"builtin: {text}", detail, client)
 
 
 def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decision:
@@ -467,17 +473,17 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
     mine = _self_match(request, own)
     if mine is not None:
         detail = f"{where} is egressd's own listening address; a child may not loop back into it."
-        return _refuse(request, "self", f"self {_fmt(*mine)}", detail, client)
+        return _refuse(request, Reason.SELF, f"self {_fmt(*mine)}", detail, client)
 
     # 3. mode off.
     if policy.mode == "off":
-        return _refuse(request, "mode_off", "mode: off", "egress is switched off (mode: off).", client)
+        return _refuse(request, Reason.MODE_OFF, "mode: off", "egress is switched off (mode: off).", client)
 
     # 4. Always-refused addresses, in any spelling.
     if request.klass is not None and request.klass[0] is AddressClass.FORBIDDEN:
         why = request.klass[1]
         detail = f"{request.text} is an always-refused address ({why}); no setting lifts this."
-        return _refuse(request, "forbidden_address", f"always refused: {why}", detail, client)
+        return _refuse(request, Reason.FORBIDDEN_ADDRESS, f"always refused: {why}", detail, client)
 
     # 5. Deny rules (a path-restricted deny needs the path: the tunnel must then be inspected).
     deny_pending = False
@@ -485,14 +491,14 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
         covered = _covers(rule, request)
         if covered:
             detail = f"{where} matches deny rule {rule.describe()!r} in {policy.source}."
-            return _refuse(request, "denylist", f"deny: {rule.text}", detail, client)
+            return _refuse(request, Reason.DENYLIST, f"deny: {rule.text}", detail, client)
         deny_pending = deny_pending or covered is None
 
     # 6. Loopback literals: decided here, not subject to `ports`.
     if request.loopback:
         if not policy.loopback.allow:
             detail = f"{where} is a loopback address and loopback.allow is false in {policy.source}."
-            return _refuse(request, "loopback_disabled", "loopback.allow: false", detail, client)
+            return _refuse(request, Reason.LOOPBACK_DISABLED, "loopback.allow: false", detail, client)
         ports = policy.loopback.ports
         if not policy.loopback.admits_port(request.port):
             detail = f"loopback port {request.port} is not in loopback.ports {list(ports)}."
@@ -502,8 +508,8 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
                     f"names (loopback.ports: {list(ports)}); allow this one with "
                     f"--allow-loopback-port {request.port}."
                 )
-            return _refuse(request, "loopback_port", f"loopback.ports: {list(ports)}", detail, client)
-        outcome = _Allow("loopback", "loopback.allow", f"{where} is loopback (loopback.allow)", True)
+            return _refuse(request, Reason.LOOPBACK_PORT, f"loopback.ports: {list(ports)}", detail, client)
+        outcome = _Allow(Reason.LOOPBACK, "loopback.allow", f"{where} is loopback (loopback.allow)", True)
         return _finish(request, client, policy, outcome, deny_pending, own)
 
     allowing = _matching(policy.allow, request)
@@ -517,7 +523,7 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
     # 8. Allow rules.
     if admitted is not None:
         outcome = _Allow(
-            "allowlist",
+            Reason.ALLOWLIST,
             f"allow: {admitted.text}",
             f"{where} matches allow rule {admitted.describe()!r} in {policy.source}",
             private_ok=_licensed(admitted, request, policy, allowing),
@@ -526,7 +532,7 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
         return _finish(request, client, policy, outcome, deny_pending, own)
     if pending is not None:
         outcome = _Allow(
-            "allowlist",
+            Reason.ALLOWLIST,
             f"allow: {pending.text}",
             f"{where} is allowed for {pending.describe()!r} only; the path needs inspection",
             private_ok=_licensed(pending, request, policy, allowing),
@@ -541,7 +547,7 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
     origin = _origin_matches(request, policy)
     if origin is not None:
         outcome = _Allow(
-            "private_origin",
+            Reason.PRIVATE_ORIGIN,
             f"private.origins: {origin}",
             f"{where} is the private origin {origin}",
             private_ok=True,
@@ -558,22 +564,23 @@ def _decide(target: Target, client: Client, policy: Policy, own: _Own) -> Decisi
             f"{request.text} is a {request.klass[1]} address: in every mode (here mode: {policy.mode}) it "
             f"needs private.allow, an explicit IP/CIDR allow rule or a private origin in {policy.source}."
         )
-        return _refuse(request, "private_address", "private.allow: false", detail, client)
+        return _refuse(request, Reason.PRIVATE_ADDRESS, "private.allow: false", detail, client)
     if policy.mode == "allow":
-        outcome = _Allow("mode_allow", "mode: allow", f"{where} is allowed by mode: allow")
+        outcome = _Allow(Reason.MODE_ALLOW, "mode: allow", f"{where} is allowed by mode: allow")
         return _finish(request, client, policy, outcome, deny_pending, own)
     if policy.mode == "learn":
         detail = (
             f"{where} is allowed by mode: learn; enforce would refuse it (not_allowlisted): "
             f"it is not in the allowlist of {policy.source}"
         )
-        outcome = _Allow("learned", "mode: learn", detail, would_be="not_allowlisted")
+        outcome = _Allow(Reason.LEARNED, "mode: learn", detail, would_be=Reason.NOT_ALLOWLISTED)
         return _finish(request, client, policy, outcome, deny_pending, own)
     if policy.mode == "ask":
-        outcome = _Allow("ask", "mode: ask", f"{where} is not in the allowlist: ask an approver", ask=True)
+        detail = f"{where} is not in the allowlist: ask an approver"
+        outcome = _Allow(Reason.ASK, "mode: ask", detail, ask=True)
         return _finish(request, client, policy, outcome, deny_pending, own)
     detail = f"{where} is not in the allowlist of {policy.source} (mode: enforce)."
-    return _refuse(request, "not_allowlisted", "mode: enforce", detail, client)
+    return _refuse(request, Reason.NOT_ALLOWLISTED, "mode: enforce", detail, client)
 
 
 def decide(
@@ -612,7 +619,7 @@ def decide_written(
 
 
 def _invalid(exc: TargetError, client: Client) -> Decision:
-    return Decision(False, "invalid_target", None, None, detail=f"{exc}.", profile=client.profile)
+    return Decision(False, Reason.INVALID_TARGET, None, None, detail=f"{exc}.", profile=client.profile)
 
 
 def _guarded(
@@ -624,7 +631,7 @@ def _guarded(
     except Exception as exc:  # the decision must always be an answer, and a refusal when unsure
         return Decision(
             allowed=False,
-            reason="internal_error",
+            reason=Reason.INTERNAL_ERROR,
             rule=None,
             target=target,
             detail=f"internal error while deciding: {type(exc).__name__}: {exc}",
@@ -710,7 +717,7 @@ def resolution_refusal(decision: Decision, verdicts: Sequence[AddressVerdict]) -
     return replace(
         decision,
         allowed=False,
-        reason="resolved_forbidden",
+        reason=Reason.RESOLVED_FORBIDDEN,
         detail=detail,
         ask=False,
         needs_resolution=False,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import h11
 
-from egressd.refusal import EGRESSD_HEADERS
+from egressd.policy.reasons import Reason
 from egressd.wire.http_fields import (
     FRAMING,
     connection_problem,
@@ -29,6 +29,7 @@ from egressd.wire.http_fields import (
     upgrade_protocols,
 )
 from egressd.wire.http_head import HeadScanner
+from egressd.wire.refusal import EGRESSD_HEADERS
 
 MAX_HEAD = 64 * 1024
 _STAND_IN = b"Host: egressd.invalid\r\n"  # for h11 only, when a request has no single Host field
@@ -40,12 +41,17 @@ class WireError(Exception):
     """A message egressd must not forward: answered with `status` (or the connection closes)."""
 
     def __init__(
-        self, detail: str, status: int = 400, *, reason: str = "bad_request", head: RequestHead | None = None
+        self,
+        detail: str,
+        status: int = 400,
+        *,
+        reason: Reason = Reason.BAD_REQUEST,
+        head: RequestHead | None = None,
     ) -> None:
         super().__init__(detail)
         self.detail = detail
         self.status = status
-        self.reason = reason  # egressd's reason code (egressd.refusal)
+        self.reason = reason  # egressd's reason code (egressd.policy.reasons)
         self.head = head  # the request, when its line could be read (for the audit record)
 
 
@@ -341,7 +347,7 @@ class ClientSide(_Reader):
         if problem is not None:
             raise WireError(problem, head=self.request)
         if hosts > 1:
-            raise WireError("more than one Host header", reason="host_mismatch", head=self.request)
+            raise WireError("more than one Host header", reason=Reason.HOST_MISMATCH, head=self.request)
         if len(_values(headers, "proxy-authorization")) > 1:
             raise WireError("more than one Proxy-Authorization header", head=self.request)
         return self.request

@@ -19,6 +19,8 @@ import ipaddress
 import struct
 from dataclasses import dataclass
 
+from egressd.policy.reasons import Reason
+
 VERSION = 0x05
 AUTH_VERSION = 0x01  # of the RFC 1929 sub-negotiation
 
@@ -58,7 +60,7 @@ class Socks5Error(ValueError):
     """Bytes egressd will not serve as SOCKS5. `reply` is what to send before closing (maybe
     nothing), `reason` the refusal's reason code for the audit."""
 
-    def __init__(self, message: str, reply: bytes = b"", reason: str = "bad_request") -> None:
+    def __init__(self, message: str, reply: bytes = b"", reason: Reason = Reason.BAD_REQUEST) -> None:
         super().__init__(message)
         self.reply = reply
         self.reason = reason
@@ -217,7 +219,7 @@ class Socks5Server:
                 f"SOCKS5 client offers no acceptable method (offered {methods.hex() or 'none'}; "
                 f"egressd needs {wanted})",
                 method_reply(NO_ACCEPTABLE),
-                reason="proxy_auth_required",
+                reason=Reason.PROXY_AUTH_REQUIRED,
             )
         self._take(size, state)
         return Greeting(methods, method)
@@ -228,7 +230,7 @@ class Socks5Server:
             raise Socks5Error(
                 f"SOCKS5 username/password sub-negotiation version 0x{buf[0]:02x} (expected 0x01)",
                 auth_reply(False),
-                reason="proxy_auth_required",
+                reason=Reason.PROXY_AUTH_REQUIRED,
             )
         if len(buf) < 2:
             self._need = 2
@@ -287,7 +289,7 @@ class Socks5Server:
         host = _domain(message[5:-2]) if atyp == ATYP_DOMAIN else str(ipaddress.ip_address(message[4:-2]))
         if port == 0:
             raise Socks5Error(
-                f"SOCKS5 CONNECT to {host} port 0", failure(Reply.NOT_ALLOWED), "invalid_target"
+                f"SOCKS5 CONNECT to {host} port 0", failure(Reply.NOT_ALLOWED), Reason.INVALID_TARGET
             )
         return Request(host, port, atyp)
 
@@ -304,11 +306,12 @@ def _domain(raw: bytes) -> str:
     domain name; an internationalised name travels as its A-label). Other bytes are refused here,
     before any string is built from them; what is left (e.g. '%', '..') is the policy's to judge."""
     if not raw:
-        raise Socks5Error("SOCKS5 CONNECT to an empty name", failure(Reply.NOT_ALLOWED), "invalid_target")
+        empty = "SOCKS5 CONNECT to an empty name"
+        raise Socks5Error(empty, failure(Reply.NOT_ALLOWED), Reason.INVALID_TARGET)
     if not all(0x20 < b < 0x7F for b in raw):
         raise Socks5Error(
             f"SOCKS5 CONNECT to a name with control, space or non-ASCII bytes: {raw[:100]!r}",
             failure(Reply.NOT_ALLOWED),
-            "invalid_target",
+            Reason.INVALID_TARGET,
         )
     return raw.decode("ascii")

@@ -60,6 +60,12 @@ def ps_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def approver_attached() -> bool:
+    """The one running egressd has an approver that can answer now (a follower, an open page)."""
+    rows = ps_rows()
+    return bool(rows) and rows[0]["approvers"]["can_answer"]
+
+
 def wait_for(check: Callable[[], Any], timeout: float = 20, what: str = "condition") -> Any:
     """Poll `check` until it answers something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout

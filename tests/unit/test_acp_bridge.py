@@ -22,7 +22,7 @@ OURS = {"HTTP_PROXY": "http://egressd:tok@127.0.0.1:5000", "NO_PROXY": ""}
 
 def _decide(host: str, port: int, profile: str | None, scheme: str, path: str) -> Decision:
     allowed = host == "ok.test"
-    reason = "allowed" if allowed else "not_allowlisted"
+    reason = "allowlist" if allowed else "not_allowlisted"
     return Decision(allowed, reason, None, make_target(host, port), detail=f"{host} decided")
 
 
@@ -290,7 +290,8 @@ def test_refusal_notices_are_bounded_per_turn() -> None:
     prompt = b'{"jsonrpc":"2.0","id":1,"method":"session/prompt","params":{"sessionId":"s1","prompt":[]}}\n'
     bridge.from_client(prompt, parse(prompt))
     for i in range(100):
-        bridge.observe(Decided(None, "egressd", None, "connect", f"h{i}.test", 443, False, "x", None, "d"))
+        host, refused = f"h{i}.test", "not_allowlisted"
+        bridge.observe(Decided(None, "egressd", None, "connect", host, 443, False, refused, None, "d"))
     bridge.close()  # the notifier tells what was queued before, then stops
     bridge._notifier.join(10)
     lines = [json.loads(line) for line in sink.data.splitlines()]

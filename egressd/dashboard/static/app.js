@@ -122,7 +122,7 @@ function renderAsks(asks) {
     left.dataset.deadline = String(Date.now() + Number(ask.expires_in || 0) * 1000);
     timeLeft(left);
     item.appendChild(left);
-    item.appendChild(el("span", "client " + (ask.client || "-") + ", " + ask.waiting + " waiting", "muted"));
+    item.appendChild(el("span", (ask.asker || "client " + (ask.client || "-")) + ", " + ask.waiting + " waiting", "muted"));
     const first = (ask.requests || [])[0] || {};
     const who = el("div", null, "who");
     who.append(el("span", first.cmdline && first.cmdline.length ? "asked by " : "egressd runs "),
@@ -233,11 +233,12 @@ function program(event) {
 
 function addDecision(event) {
   const body = $("decisions").tBodies[0];
+  const verdict = event.outcome || (event.allowed ? "allowed" : "refused");
   const row = el("tr", null, event.allowed ? "allowed" : "refused");
   const time = new Date((event.time || Date.now() / 1000) * 1000).toLocaleTimeString();
   row.append(
     el("td", time), el("td", event.client || "-"), el("td", event.stage), el("td", target(event)),
-    el("td", event.allowed ? "allowed" : "refused", "verdict"), el("td", event.reason), el("td", event.rule || ""),
+    el("td", verdict, "verdict"), el("td", event.reason), el("td", event.rule || ""),
     el("td", program(event)),
   );
   row.dataset.host = event.host || "";
