@@ -1,14 +1,15 @@
 """Plain (absolute-form) HTTP/1 proxy requests, served entirely in egressd's front.
 
-Every request a child sends as `METHOD http://host/path` is read through `egressd.wire.http1`
-(h11 behind the strict head guard), admitted (credentials, limits, the one decision, the Host check,
-audit) and forwarded over a pinned upstream connection, also framed by h11. Nothing is handed to
-mitmproxy: one reader means one idea of where a message ends. One coroutine per client connection
-serves its requests in order (pipelined ones wait, unparsed, until the answer before them is out);
-the request body streams up while the response streams down, each side paused at HIGH_WATER so a
-huge upload through a slow upstream (or the reverse) is never buffered. Upstream connections are
-kept per canonical target for the next request of the same client connection; an allowed WebSocket
-upgrade becomes a byte relay (egressd.front.relay) after the upstream's 101.
+Every request a child sends as `METHOD http://host/path` is read through `egressd.wire.http1` (the
+strict head guard, then one parse of the head; bodies framed by h11's readers), admitted
+(credentials, limits, the one decision, the Host check, audit) and forwarded over a pinned upstream
+connection, whose responses are read the same way. Nothing is handed to mitmproxy: one reader means
+one idea of where a message ends. One coroutine per client connection serves its requests in order
+(pipelined ones wait, unparsed, until the answer before them is out); the request body streams up
+while the response streams down, each side paused at HIGH_WATER so a huge upload through a slow
+upstream (or the reverse) is never buffered. Upstream connections are kept per canonical target for
+the next request of the same client connection; an allowed WebSocket upgrade becomes a byte relay
+(egressd.front.relay) after the upstream's 101.
 """
 
 from __future__ import annotations
