@@ -397,6 +397,12 @@ class Pipeline:
             conn.identity,
         )
 
+    def upstream_state(self) -> Epoch:
+        """What an upstream connection's admission and pin depend on besides its request: the
+        policy, egressd's own addresses, the credentials issued. A kept-alive connection is reused
+        only in the same state (egressd.front.plain_http.IdleUpstreams)."""
+        return (self.policies.get(), self.decider.self_addresses, self.credentials.state)
+
     def _recall(self, conn: ConnState, attempt: Attempt) -> tuple[RequestKey | None, Remembered | None]:
         """(the request as remembered, what was answered to it on this connection in the same
         state, or None). Only short requests are remembered; a request without credentials on the

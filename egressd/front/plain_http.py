@@ -12,9 +12,9 @@ is read where it arrives, the request goes out once admitted and connected (thos
 request body streamed up, run in a task of the exchange's own), and the upstream's response is
 written to the child from the upstream's reads, with no queue between them. Each side is paused at
 HIGH_WATER (a slow child stops the upstream's reads; a body waits for the upstream to drain), so
-a huge transfer either way is never buffered. Upstream connections are kept per canonical target
-for the next request of the same client connection; an allowed WebSocket upgrade becomes a byte
-relay (egressd.front.relay) after the upstream's 101.
+a huge transfer either way is never buffered. Upstream connections are kept between exchanges in
+the front's pool (IdleUpstreams) for the next request of the same child to the same target; an
+allowed WebSocket upgrade becomes a byte relay (egressd.front.relay) after the upstream's 101.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_IDLE_UPSTREAMS = 8  # kept-alive upstream connections per client connection (one per target)
+POOL_SIZE = 64  # kept-alive upstream connections between exchanges, for every client together
+POOL_IDLE = 30.0  # seconds one is kept unused (the front's sweep closes it after)
 LOST_MID_RESPONSE = "server closed the connection before the response ended"
 # the answer to a request or tunnel still waiting for it when its client's token is removed
 REVOKED = Refusal(
@@ -60,6 +61,7 @@ REVOKED = Refusal(
     "this client's token was removed from the gateway's token file while the request was in progress",
 )
 Key = tuple[str, int]
+PoolKey = tuple[str, str, int]  # the child's credential (ConnState.client_key) and the target
 _NO_MASK = ValueMask(())
 
 
@@ -114,13 +116,28 @@ class _Inbox:
         return event
 
 
+class User(Protocol):
+    """Who an upstream connection tells what it read: the client connection it serves, or the pool
+    while it waits between exchanges."""
+
+    def from_upstream(self, upstream: Upstream, data: bytes) -> None: ...
+
+    def upstream_ended(self, upstream: Upstream) -> None: ...
+
+    def upstream_gone(self, upstream: Upstream) -> None: ...
+
+    def upstream_timed_out(self, upstream: Upstream) -> None: ...
+
+
 class Upstream(asyncio.Protocol):
     """One pinned upstream connection; its responses are read by egressd.wire.http1.ServerSide and
     handed to the client connection it serves, as they are read."""
 
-    def __init__(self, client: PlainClient, key: Key) -> None:
-        self.client = client
+    def __init__(self, user: User, key: PoolKey, state: object) -> None:
+        self.client = user
         self.key = key
+        self.state = state  # what the pipeline admitted and pinned it in (Pipeline.upstream_state)
+        self.idle_since = 0.0
         self.wire = ServerSide()
         self.transport: asyncio.Transport | None = None
         self.server_id = ""
@@ -200,6 +217,98 @@ class Upstream(asyncio.Protocol):
             self.transport.close()
 
 
+class IdleUpstreams:
+    """Kept-alive upstream connections between exchanges, shared by every client connection of one
+    child: a child that opens a connection per request (`Connection: close`) gets the upstream
+    connection its last request left open. Each is kept under the child's credential and the
+    canonical target, with the state the pipeline admitted and pinned it in (the policy, egressd's
+    own addresses, the credentials issued): it is taken again only for a request of the same child
+    the pipeline has just admitted to the same target, in the same state — a reload, a token
+    revoked or issued, another child: a new connection. At most POOL_SIZE are kept (the oldest goes
+    first), each for POOL_IDLE seconds (the front's sweep); one that speaks or closes while kept is
+    let go."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.kept: dict[PoolKey, list[Upstream]] = {}
+        self.count = 0
+
+    def take(self, key: PoolKey) -> Upstream | None:
+        kept = self.kept.get(key)
+        if not kept:
+            return None
+        state = self.pipeline.upstream_state()
+        while kept:
+            upstream = kept.pop()
+            self.count -= 1
+            if upstream.open and _same(upstream.state, state):
+                if not kept:
+                    del self.kept[key]
+                return upstream
+            self._let_go(upstream)
+        del self.kept[key]
+        return None
+
+    def put(self, upstream: Upstream) -> None:
+        if self.count >= POOL_SIZE:
+            oldest = min((u for kept in self.kept.values() for u in kept), key=lambda u: u.idle_since)
+            self._remove(oldest)
+            self._let_go(oldest)
+        upstream.client = self
+        upstream.idle_since = time.monotonic()
+        upstream.reading(True)  # kept, it is read: a server that speaks unasked is let go
+        self.kept.setdefault(upstream.key, []).append(upstream)
+        self.count += 1
+
+    def sweep(self, now: float) -> None:
+        """Let go of those kept POOL_IDLE seconds, and of those kept in another state."""
+        state = self.pipeline.upstream_state()
+        for upstream in [u for kept in self.kept.values() for u in kept]:
+            if upstream.idle_since < now - POOL_IDLE or not _same(upstream.state, state):
+                self._remove(upstream)
+                self._let_go(upstream)
+
+    def close(self) -> None:
+        for upstream in [u for kept in self.kept.values() for u in kept]:
+            self._let_go(upstream)
+        self.kept.clear()
+        self.count = 0
+
+    def _remove(self, upstream: Upstream) -> None:
+        kept = self.kept.get(upstream.key)
+        if kept is not None and upstream in kept:
+            kept.remove(upstream)
+            self.count -= 1
+            if not kept:
+                del self.kept[upstream.key]
+
+    def _let_go(self, upstream: Upstream) -> None:
+        self.pipeline.disconnected(upstream.server_id)
+        upstream.close()
+
+    # -- what a kept connection does -------------------------------------------------------------
+    def from_upstream(self, upstream: Upstream, data: bytes) -> None:
+        self._remove(upstream)  # bytes nobody asked for: it is not used again
+        self._let_go(upstream)
+
+    def upstream_ended(self, upstream: Upstream) -> None:
+        self._remove(upstream)
+        self._let_go(upstream)
+
+    def upstream_gone(self, upstream: Upstream) -> None:
+        self._remove(upstream)
+        self.pipeline.disconnected(upstream.server_id)
+
+    def upstream_timed_out(self, upstream: Upstream) -> None:
+        return None
+
+
+def _same(state: object, now: object) -> bool:
+    """Two states of Pipeline.upstream_state: the same objects, one by one."""
+    assert isinstance(state, tuple) and isinstance(now, tuple)
+    return all(a is b for a, b in zip(state, now, strict=True))
+
+
 class Owner(Protocol):
     """The client connection whose requests this path serves (egressd.front.tunnel.FrontProtocol):
     it took the connection first, and takes it back as a relay after an upgrade."""
@@ -219,16 +328,16 @@ class Owner(Protocol):
 class PlainClient(asyncio.Protocol):
     """The child's connection after its first plain-HTTP request head: serves its requests in order."""
 
-    def __init__(self, front: Owner, pending: bytes) -> None:
+    def __init__(self, front: Owner, pending: bytes, pool: IdleUpstreams) -> None:
         assert front.state is not None and front.transport is not None
         self.front = front
+        self.pool = pool
         self.pipeline: Pipeline = front.pipeline
         self.state: ConnState = front.state
         self.transport: asyncio.Transport = front.transport
         self.wire = ClientSide()
         self.pending = pending
         self.out: list[bytes] = []
-        self.idle: dict[Key, Upstream] = {}  # kept-alive upstream connections by canonical target
         self.requests = 0
         self.phase = "head"  # head | exchange | relay | closed
         self.eof = False  # the child ended its side
@@ -396,16 +505,15 @@ class PlainClient(asyncio.Protocol):
         """The request's admission and its upstream connection (the steps that may wait), then the
         request, and its body streamed up. A bug refuses (fail closed)."""
         try:
+            state = self.pipeline.upstream_state()  # a connection opened now is pinned in it
             admitted = await self._admit(head)
             if isinstance(admitted, Refusal):
                 self._refuse(admitted)
                 return
             key = (admitted.host, admitted.port)
-            upstream = self.idle.pop(key, None)
-            if upstream is None or not upstream.open:
-                if upstream is not None:
-                    self._forget(upstream)
-                opened = await self._open(admitted, key)
+            upstream = self.pool.take((self.state.client_key, *key))
+            if upstream is None:
+                opened = await self._open(admitted, key, state)
                 if isinstance(opened, Refusal):
                     self._refuse(opened)
                     return
@@ -427,6 +535,7 @@ class PlainClient(asyncio.Protocol):
         """The request head to `upstream` (and its end, when it has no body); the scan of a body
         for the placeholders it must not carry, when there is one."""
         self.busy = upstream
+        upstream.client = self
         if self.write_paused:
             upstream.reading(False)
         self.key = key
@@ -583,7 +692,7 @@ class PlainClient(asyncio.Protocol):
         self.busy = None
         self.inbox = None
         if done and body_sent and upstream.wire.reusable() and upstream.open:
-            self._keep(upstream)
+            self.pool.put(upstream)
         else:
             self._forget(upstream)
         if not (done and body_sent and self.wire.next_request()):
@@ -615,9 +724,9 @@ class PlainClient(asyncio.Protocol):
         )
         return await self.pipeline.admit(self.state, attempt)
 
-    async def _open(self, admitted: Admitted, key: Key) -> Upstream | Refusal:
+    async def _open(self, admitted: Admitted, key: Key, state: object) -> Upstream | Refusal:
         """A new upstream connection to the addresses the pipeline pins for this request."""
-        upstream = Upstream(self, key)
+        upstream = Upstream(self, (self.state.client_key, *key), state)
         upstream.server_id = f"{self.state.conn_id}-up{self.requests}"
         refusal = await self.pipeline.connect(self.state, admitted, upstream, upstream.server_id)
         return upstream if refusal is None else refusal
@@ -628,30 +737,20 @@ class PlainClient(asyncio.Protocol):
         self.pipeline.notice(self.state, "response_cut", **where, limit=self.limit, bytes=seen)
 
     # -- upstream connections ------------------------------------------------------------------------
-    def _keep(self, upstream: Upstream) -> None:
-        upstream.reading(True)  # idle, it is read again: a server that speaks unasked is let go
-        if len(self.idle) >= MAX_IDLE_UPSTREAMS:
-            oldest = next(iter(self.idle))
-            self._forget(self.idle.pop(oldest))
-        self.idle[upstream.key] = upstream
-
     def _forget(self, upstream: Upstream) -> None:
         self.pipeline.disconnected(upstream.server_id)
         upstream.close()
 
     def upstream_gone(self, upstream: Upstream) -> None:
-        """An upstream connection closed: a kept-alive one leaves the pool; one that carried the
-        exchange ended it before its response did."""
+        """An upstream connection closed: one that carried the exchange ended it before its
+        response did."""
         self.pipeline.disconnected(upstream.server_id)
-        if self.idle.get(upstream.key) is upstream:
-            del self.idle[upstream.key]
         if upstream is self.busy:
             self._upstream_broke(upstream, LOST_MID_RESPONSE)
 
     def _drop_upstreams(self) -> None:
-        for upstream in [*self.idle.values(), *([self.busy] if self.busy is not None else [])]:
-            self._forget(upstream)
-        self.idle.clear()
+        if self.busy is not None:
+            self._forget(self.busy)
         self.busy = None
 
     def _upstream_broke(self, upstream: Upstream, why: str) -> None:
@@ -678,12 +777,12 @@ class PlainClient(asyncio.Protocol):
             failure = Refusal(
                 Reason.UPSTREAM_TIMEOUT,
                 f"no response from the server within {upstream.timed_out:g}s (timeouts.response)",
-                *upstream.key,
+                *self.key,
             )
         else:
-            failure = Refusal(Reason.UPSTREAM_PROTOCOL_ERROR, f"HTTP/1 protocol error: {why}", *upstream.key)
-        logger.info("closing plain-HTTP exchange with %s:%s: %s", *upstream.key, failure.detail)
-        self.pipeline.upstream_failed(self.state, *upstream.key, failure.reason, failure.detail)
+            failure = Refusal(Reason.UPSTREAM_PROTOCOL_ERROR, f"HTTP/1 protocol error: {why}", *self.key)
+        logger.info("closing plain-HTTP exchange with %s:%s: %s", *self.key, failure.detail)
+        self.pipeline.upstream_failed(self.state, *self.key, failure.reason, failure.detail)
         if self.answering:
             self.close()
         else:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from egressd.front.plain_http import IdleUpstreams
 from egressd.front.socks import SocksProtocol
 from egressd.front.tunnel import FrontProtocol, Inspection, RefusalContext
 from egressd.listeners import register
@@ -49,6 +50,7 @@ class Front:
         self.refusal_context = refusal_context  # refusal_pages: tls (None: inspection is off)
         self.servers: list[asyncio.Server] = []
         self.clients: set[FrontProtocol] = set()
+        self.upstreams = IdleUpstreams(pipeline)
         self._sweeper: asyncio.Task[None] | None = None
 
     def _protocol(
@@ -133,6 +135,7 @@ class Front:
                         client.head_timed_out(limits.header_timeout)
                 elif client.stage in ("relay", "sni") and client.tunnel.last_active < idle_cutoff:
                     client.close_idle()
+            self.upstreams.sweep(now)
 
     def close_clients(self, revoked: Callable[[ProxyCredentials], bool]) -> int:
         """End every client connection whose credentials are `revoked` (a gateway client removed
@@ -152,5 +155,6 @@ class Front:
 
     def close(self) -> None:
         self.close_listeners()
+        self.upstreams.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
