@@ -291,3 +291,19 @@ def test_large_download_to_a_slow_child_is_not_buffered(run: EgressdRun) -> None
     finally:
         upstream.close()
     assert memory.grew_less_than(24 << 20), (memory.before, memory.peak)
+
+
+def test_a_reloaded_idle_timeout_closes_a_connection_already_idle(
+    tmp_path: Path, server: ScriptedServer
+) -> None:
+    """limits.idle_timeout between requests is the one in force now: a reload that lowers it closes
+    a kept-alive connection that was already idle under the old one (the front's sweep reads the
+    limits in force each time)."""
+    long = "limits: {idle_timeout: 3600, header_timeout: 3600}\n"
+    policy = write_policy(tmp_path, POLICY + long)
+    with EgressdRun(["--policy", str(policy)]) as proxy:
+        client = RawClient(proxy)
+        assert b"200 OK" in client.get(_url(server, "/a"))
+        policy.write_text(POLICY + "limits: {idle_timeout: 1, header_timeout: 3600}\n")
+        client.sock.settimeout(30)
+        assert client.sock.recv(1) == b""  # closed by egressd, not by the 30 s deadline

@@ -143,7 +143,8 @@ class Upstream(asyncio.Protocol):
         self.server_id = ""
         self.broken = False  # ended or unusable: never carries another request
         self.head_due = False  # a request went out and its final response head has not come yet
-        self.waiting: asyncio.TimerHandle | None = None  # timeouts.response, counting once the request ended
+        # timeouts.response, counting once the request ended: since when, and how long (the sweep)
+        self.due: tuple[float, float] | None = None
         self.timed_out: float | None = None  # the timeout that ran out, when one did
         self.writable = asyncio.Event()
         self.writable.set()
@@ -155,19 +156,20 @@ class Upstream(asyncio.Protocol):
     def expect_response(self, timeout: float) -> None:
         """The request is out: its response head is due within `timeout` (timeouts.response)."""
         self.answered()
-        self.waiting = asyncio.get_running_loop().call_later(timeout, self._no_response, timeout)
+        self.due = (time.monotonic(), timeout)
 
     def answered(self, *, final: bool = True) -> None:
         """A response head arrived (`final`: not an interim one) or the exchange ended."""
         self.head_due = self.head_due and not final
-        if self.waiting is not None:
-            self.waiting.cancel()
-            self.waiting = None
+        self.due = None
 
-    def _no_response(self, timeout: float) -> None:
-        self.waiting = None
-        self.timed_out = timeout
-        self.client.upstream_timed_out(self)
+    def overdue(self, now: float) -> None:
+        """The front's sweep: no response head within timeouts.response ends the exchange."""
+        due = self.due
+        if due is not None and now - due[0] >= due[1]:
+            self.due = None
+            self.timed_out = due[1]
+            self.client.upstream_timed_out(self)
 
     def data_received(self, data: bytes) -> None:
         self.client.from_upstream(self, data)
@@ -345,7 +347,6 @@ class PlainClient(asyncio.Protocol):
         self.write_paused = False  # the child reads slower than its answer comes: the upstream waits
         self.limit = self.pipeline.policies.get().limits.max_response_bytes
         self.last_active = time.monotonic()
-        self.timer: asyncio.TimerHandle | None = None
         # the current exchange
         self.task: asyncio.Task[None] | None = None  # its admission, connect and streamed body
         self.request: RequestHead | None = None
@@ -360,30 +361,24 @@ class PlainClient(asyncio.Protocol):
 
     # -- the client connection ---------------------------------------------------------------
     def start(self) -> None:
-        limits = self.pipeline.policies.get().limits
-        left = limits.header_timeout - (time.monotonic() - self.state.started)
-        self.timer = asyncio.get_running_loop().call_later(max(0.0, left), self._watch)
         pending, self.pending = self.pending, b""
         self.data_received(pending)
 
-    def _watch(self) -> None:
-        """limits.header_timeout for the first head, limits.idle_timeout after it."""
+    def sweep(self, now: float, header_timeout: float, idle_timeout: float) -> None:
+        """The front's sweep, once a second: limits.header_timeout for the first head,
+        limits.idle_timeout after it, timeouts.response for the exchange's answer."""
         if self.phase in ("closed", "relay"):
             return
-        limits = self.pipeline.policies.get().limits
-        now = time.monotonic()
         if self.requests == 0 and self.phase == "head":
-            left = limits.header_timeout - (now - self.state.started)
-            if left <= 0:
-                self.pipeline.header_timeout(self.state, limits.header_timeout)
+            if now - self.state.started >= header_timeout:
+                self.pipeline.header_timeout(self.state, header_timeout)
                 self.close()
                 return
-        else:
-            left = limits.idle_timeout - (now - self.last_active)
-            if left <= 0:
-                self.close()
-                return
-        self.timer = asyncio.get_running_loop().call_later(left, self._watch)
+        elif now - self.last_active >= idle_timeout:
+            self.close()
+            return
+        if self.busy is not None:
+            self.busy.overdue(now)
 
     def data_received(self, data: bytes) -> None:
         self.state.bytes_up += len(data)
@@ -449,8 +444,6 @@ class PlainClient(asyncio.Protocol):
         if self.phase == "relay":
             return
         self.phase = "closed"
-        if self.timer is not None:
-            self.timer.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()
         self._drop_upstreams()
@@ -794,8 +787,6 @@ class PlainClient(asyncio.Protocol):
         self.flush()
         self.phase = "relay"
         self.busy = None
-        if self.timer is not None:
-            self.timer.cancel()
         front = self.front
         pipe = Pipe(front.tunnel, upstream=True)
         upstream.transport.set_protocol(pipe)

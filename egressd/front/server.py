@@ -122,8 +122,10 @@ class Front:
 
     async def _sweep(self) -> None:
         """limits.header_timeout for request heads and SOCKS5 handshakes, limits.idle_timeout for
-        relayed tunnels: one sweep a second, not a timer per connection (a timer set and cancelled
-        for every tunnel would cost more than the sweep). A limit is kept to within a second late."""
+        relayed tunnels and plain-HTTP connections, timeouts.response for a plain-HTTP exchange's
+        answer, and the pool's kept upstream connections: one sweep a second, not a timer per
+        connection or request (a timer set and cancelled for every tunnel would cost more than the
+        sweep). A limit is kept to within a second late."""
         while True:
             await asyncio.sleep(SWEEP)
             limits = self.pipeline.policies.get().limits
@@ -135,6 +137,8 @@ class Front:
                         client.head_timed_out(limits.header_timeout)
                 elif client.stage in ("relay", "sni") and client.tunnel.last_active < idle_cutoff:
                     client.close_idle()
+                elif client.stage == "plain" and client.plain is not None:
+                    client.plain.sweep(now, limits.header_timeout, limits.idle_timeout)
             self.upstreams.sweep(now)
 
     def close_clients(self, revoked: Callable[[ProxyCredentials], bool]) -> int:

@@ -407,7 +407,7 @@ class FrontProtocol(Pipe):
     def _serve_plain(self) -> None:
         """Give the client to the plain-HTTP path (egressd.front.plain_http): it serves every request."""
         assert self.transport is not None
-        self.stage = "plain"  # the plain path keeps header_timeout and idle_timeout itself
+        self.stage = "plain"  # the front's sweep asks the plain path for its timeouts
         client = self.plain = PlainClient(self, bytes(self.buffer), self.front.upstreams)
         self.buffer = bytearray()
         self.transport.set_protocol(client)
