@@ -21,7 +21,7 @@ from tests.support.egressd_cli import EgressdRun, GatewayRun, write_policy
 from tests.support.upstreams import EchoHTTPServer, free_port
 from tests.test_gateway import add_token, client, token_cli
 from tests.test_gateway import upstream as gateway_upstream  # noqa: F401 - the gateway tests' upstream
-from tests.test_plain_http_path import POLICY, ScriptedServer
+from tests.test_plain_http_path import POLICY, RawClient, ScriptedServer
 
 
 @pytest.fixture
@@ -119,3 +119,28 @@ def test_a_revoked_token_never_gets_a_kept_connection(
     assert answer is not None and answer.status == 407, answer
     assert gateway_upstream.connections == 2
     assert _ok(new.get(url)) and gateway_upstream.connections == 2
+
+
+def test_a_connection_pinned_under_one_rule_is_never_reused_under_another(
+    tmp_path: Path, dns: DnsServer, server: ScriptedServer
+) -> None:
+    """The same child, the same target, the same state, but another pin: up.test resolves to a
+    loopback address, which only the `private: true` rule of /open may use. A request for /open is
+    served and leaves its upstream connection kept; a request for /closed (the plain rule: a name
+    may not resolve to a loopback address) must be refused by the pin step, on a new connection as
+    on the same one, and never be carried by the kept connection."""
+    dns.add("up.test", "127.0.0.1")
+    policy = "version: 1\nallow:\n  - {host: up.test, paths: [/open], private: true}\n  - up.test\n"
+    options = ["--policy", str(write_policy(tmp_path, policy)), "--nameserver", dns.nameserver]
+    with EgressdRun(options) as run:
+        child = ProxyClient.from_env(run.env)
+        base = f"http://up.test:{server.port}"
+        assert _ok(child.get(f"{base}/open/a")) and server.connections == 1
+        refused = child.get(f"{base}/closed")
+        assert refused is not None and refused.status == 403, refused
+        assert refused.reason == "resolved_forbidden", refused
+        raw = RawClient(run)  # a kept-alive client connection: its next request, after /open's
+        assert b" 200 " in raw.get(f"{base}/open/b")
+        assert b" 403 " in raw.get(f"{base}/closed")
+        assert server.connections == 1
+        assert all(b"/closed" not in head for head, _ in server.requests)

@@ -62,6 +62,7 @@ AUTH_REFUSAL = Refusal(Reason.PROXY_AUTH_REQUIRED, "missing or wrong proxy crede
 REMEMBERED_ASKS = 16  # requests remembered per connection (then forgotten all at once)
 REMEMBERED_REQUEST = 4096  # characters of path and fields of a request remembered, at most
 Epoch = tuple[object, ...]
+UpstreamKey = tuple[object, ...]  # what a kept upstream connection may be reused for (upstream_key)
 RequestKey = tuple[object, ...]  # an HTTP request as admission reads it: stage, credentials, target, fields
 
 
@@ -402,6 +403,24 @@ class Pipeline:
         policy, egressd's own addresses, the credentials issued. A kept-alive connection is reused
         only in the same state (egressd.front.plain_http.IdleUpstreams)."""
         return (self.policies.get(), self.decider.self_addresses, self.credentials.state)
+
+    @staticmethod
+    def upstream_key(conn: ConnState, admitted: Admitted) -> UpstreamKey:
+        """Whose an upstream connection is and what its pin depends on besides upstream_state: the
+        child's credential, the canonical target, and every part of the decision the address
+        filter reads (the child's profile, the private-address licence of the rule that allowed it,
+        an IP literal's addresses). A kept-alive connection is reused only under the same key: a
+        request allowed by another rule (another path, method or program) is pinned afresh."""
+        decision = admitted.decision
+        return (
+            conn.client_key,
+            admitted.host,
+            admitted.port,
+            decision.profile,
+            decision.private_ok,
+            decision.needs_resolution,
+            decision.addresses,
+        )
 
     def _recall(self, conn: ConnState, attempt: Attempt) -> tuple[RequestKey | None, Remembered | None]:
         """(the request as remembered, what was answered to it on this connection in the same

@@ -26,7 +26,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Protocol, cast
 
-from egressd.admission.pipeline import Admitted, Attempt
+from egressd.admission.pipeline import Admitted, Attempt, UpstreamKey
 from egressd.front.relay import HIGH_WATER, Pipe, Tunnel
 from egressd.policy.reasons import Reason
 from egressd.refusal import Refusal
@@ -61,7 +61,6 @@ REVOKED = Refusal(
     "this client's token was removed from the gateway's token file while the request was in progress",
 )
 Key = tuple[str, int]
-PoolKey = tuple[str, str, int]  # the child's credential (ConnState.client_key) and the target
 _NO_MASK = ValueMask(())
 
 
@@ -133,7 +132,7 @@ class Upstream(asyncio.Protocol):
     """One pinned upstream connection; its responses are read by egressd.wire.http1.ServerSide and
     handed to the client connection it serves, as they are read."""
 
-    def __init__(self, user: User, key: PoolKey, state: object) -> None:
+    def __init__(self, user: User, key: UpstreamKey, state: object) -> None:
         self.client = user
         self.key = key
         self.state = state  # what the pipeline admitted and pinned it in (Pipeline.upstream_state)
@@ -222,20 +221,21 @@ class Upstream(asyncio.Protocol):
 class IdleUpstreams:
     """Kept-alive upstream connections between exchanges, shared by every client connection of one
     child: a child that opens a connection per request (`Connection: close`) gets the upstream
-    connection its last request left open. Each is kept under the child's credential and the
-    canonical target, with the state the pipeline admitted and pinned it in (the policy, egressd's
-    own addresses, the credentials issued): it is taken again only for a request of the same child
-    the pipeline has just admitted to the same target, in the same state — a reload, a token
-    revoked or issued, another child: a new connection. At most POOL_SIZE are kept (the oldest goes
+    connection its last request left open. Each is kept under Pipeline.upstream_key (the child's
+    credential, the canonical target, what its pin depends on) with the state the pipeline admitted
+    and pinned it in (the policy, egressd's own addresses, the credentials issued): it is taken
+    again only for a request of the same child the pipeline has just admitted to the same target,
+    pinned the same way, in the same state — a reload, a token revoked or issued, another child,
+    another rule's licence: a new connection. At most POOL_SIZE are kept (the oldest goes
     first), each for POOL_IDLE seconds (the front's sweep); one that speaks or closes while kept is
     let go."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
-        self.kept: dict[PoolKey, list[Upstream]] = {}
+        self.kept: dict[UpstreamKey, list[Upstream]] = {}
         self.count = 0
 
-    def take(self, key: PoolKey) -> Upstream | None:
+    def take(self, key: UpstreamKey) -> Upstream | None:
         kept = self.kept.get(key)
         if not kept:
             return None
@@ -504,9 +504,10 @@ class PlainClient(asyncio.Protocol):
                 self._refuse(admitted)
                 return
             key = (admitted.host, admitted.port)
-            upstream = self.pool.take((self.state.client_key, *key))
+            pool_key = self.pipeline.upstream_key(self.state, admitted)
+            upstream = self.pool.take(pool_key)
             if upstream is None:
-                opened = await self._open(admitted, key, state)
+                opened = await self._open(admitted, pool_key, state)
                 if isinstance(opened, Refusal):
                     self._refuse(opened)
                     return
@@ -717,9 +718,9 @@ class PlainClient(asyncio.Protocol):
         )
         return await self.pipeline.admit(self.state, attempt)
 
-    async def _open(self, admitted: Admitted, key: Key, state: object) -> Upstream | Refusal:
+    async def _open(self, admitted: Admitted, key: UpstreamKey, state: object) -> Upstream | Refusal:
         """A new upstream connection to the addresses the pipeline pins for this request."""
-        upstream = Upstream(self, (self.state.client_key, *key), state)
+        upstream = Upstream(self, key, state)
         upstream.server_id = f"{self.state.conn_id}-up{self.requests}"
         refusal = await self.pipeline.connect(self.state, admitted, upstream, upstream.server_id)
         return upstream if refusal is None else refusal
