@@ -42,7 +42,6 @@ from egressd.policy import (
     AddressClass,
     Decision,
     IPAddress,
-    Program,
     Target,
     canonical_host,
     classify,
@@ -288,8 +287,11 @@ class Pipeline:
         # 1b. accepted beyond egressd's capacity: answered (never dropped), before any lookup
         if conn.room != "serve":
             return self.overloaded(conn, attempt)
-        # 1c. identity: who holds the socket, when a rule or the audit needs it (once per connection)
-        program = await self._program(conn)
+        # 1c. identity: who holds the socket, when a rule or the audit needs it (once per connection;
+        # awaited only then: most admissions wait for nothing)
+        if conn.identity is None and (self.identify or self.policies.get().needs_program):
+            await self._identify(conn)
+        program = conn.identity.program if conn.identity is not None else None
         # 2. limits, before anything is decided: refused targets cost a child its rate too
         tunnel = attempt.stage in ("connect", "socks")
         limited = self.limits.rate(conn) or (self.limits.connections() if tunnel else None)
@@ -606,17 +608,15 @@ class Pipeline:
             upgrade=upgrade,
         )
 
-    async def _program(self, conn: ConnState) -> Program | None:
-        """The identity step: look the owner up when a rule or `identify` needs it. Through the
-        child's tree it takes well under a millisecond; without one (`egressd run`) it may scan all
-        of /proc, in a worker thread so other connections are not held up."""
-        if conn.identity is None and (self.identify or self.policies.get().needs_program):
-            root = self.children.get(conn.creds.token) if conn.creds is not None else None
-            if root is not None:
-                identify(conn, root)
-            else:
-                await asyncio.to_thread(identify, conn, None)
-        return conn.identity.program if conn.identity is not None else None
+    async def _identify(self, conn: ConnState) -> None:
+        """The identity step: look the owner up. Through the child's tree it takes well under a
+        millisecond; without one (`egressd run`) it may scan all of /proc, in a worker thread so
+        other connections are not held up."""
+        root = self.children.get(conn.creds.token) if conn.creds is not None else None
+        if root is not None:
+            identify(conn, root)
+        else:
+            await asyncio.to_thread(identify, conn, None)
 
     def _auth_refusal(self, conn: ConnState) -> Refusal:
         """407; on the child-only listener, with why the connection is not the child's."""
