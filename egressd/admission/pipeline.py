@@ -897,20 +897,23 @@ class Pipeline:
         decision, pin = admitted.decision, admitted.pin
         target = decision.target
         reason, detail = failure if failure is not None else (decision.reason, decision.detail)
+        allowed = decision.allowed and pin is not None and failure is None
+        # an allowed connection's addresses only for an observer that reads them (not counters)
+        told = not allowed or self.events.wants_addresses
         return self._emit(
             conn,
             stage="connection",
             host=target.host.text if target else conn.host,
             port=target.port if target else conn.port,
-            allowed=decision.allowed and pin is not None and failure is None,
+            allowed=allowed,
             reason=reason,
             rule=decision.rule,
             detail=detail,
-            resolved=tuple(map(address_text, admitted.resolved)),
-            connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
-            attempts=tuple(pin.attempts) if pin is not None else (),
+            resolved=tuple(map(address_text, admitted.resolved)) if told else (),
+            connected=f"{pin.connected[0]}:{pin.connected[1]}" if told and pin and pin.connected else None,
+            attempts=(tuple(pin.attempts) if pin is not None else ()) if told else None,
             would_be=decision.would_be if failure is None else None,
-            via=pin.via.where if pin is not None and pin.via is not None else None,
+            via=pin.via.where if told and pin is not None and pin.via is not None else None,
         )
 
     def refused_early(
