@@ -331,7 +331,7 @@ class Pipeline:
             decision = self._granted(conn, attempt, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
-            asked = time.monotonic()
+            waited_from = time.monotonic()
             asked_about = decision
 
             def recheck() -> Decision | None:
@@ -340,7 +340,7 @@ class Pipeline:
 
             decision = await approvals.answer(self.approver, decision, conn, recheck)
             if self.events.observed:
-                self.events.emit(Asked(time.monotonic() - asked, decision.reason))
+                self.events.emit(Asked(time.monotonic() - waited_from, decision.reason))
             if decision.allowed and tunnel and decision.target is not None:
                 # approved for this connection: its requests, if inspected, are not asked again
                 conn.granted = (decision.target.host.text, decision.target.port)
