@@ -1,14 +1,17 @@
-"""A/B of one `egressd run` option: egressd's CPU per tunnel (CONNECT + GET + close), A and B interleaved.
+"""A/B of one `egressd run` option: egressd's CPU per operation, A and B interleaved.
 
-    .venv/bin/python -m bench.ab --b-args "--metrics 127.0.0.1:0" --tunnels 3000 --concurrency 10 --rounds 12
+    .venv/bin/python -m bench.ab --b-args "--metrics 127.0.0.1:0" --count 3000 --concurrency 10 --rounds 12
     .venv/bin/python -m bench.ab --a-egressd ~/.cache/egressd-bench/egressd-<commit>/venv/bin/egressd
+    .venv/bin/python -m bench.ab --workload keepalive --a-env PYTHONPATH=/other/checkout
 
 The second compares this tree's egressd with another build (an earlier commit's, as bench/before.py
-prepares it), both with their defaults.
+prepares it), both with their defaults. An operation (`--workload`) is a tunnel (`connect`: CONNECT
++ GET + close, the default), an absolute-form GET on a kept-alive connection (`keepalive`) or one
+with `Connection: close` (`close`), against a fast keep-alive origin (bench.upstream.SmallOrigin).
 
 Why: on a shared machine the full bench's figures move ±30% between runs, far more than an
 observer costs. This runs the two settings in turns (A B B A A B ...), counts the proxy's own CPU
-time (/proc/PID/stat, every thread) per tunnel after a warm-up, and prints the medians and their
+time (/proc/PID/stat, every thread) per operation after a warm-up, and prints the medians and their
 ratio, so drift in the machine's load falls on both sides alike. The client and the upstream are
 one asyncio process here; run it as root in a namespace or on an idle machine for tighter figures.
 """
@@ -26,6 +29,8 @@ import time
 import urllib.parse
 from pathlib import Path
 
+from bench.upstream import SmallOrigin
+
 EGRESSD = str(Path(__file__).resolve().parent.parent / ".venv" / "bin" / "egressd")
 
 
@@ -36,41 +41,68 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def upstream() -> asyncio.Server:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-            await writer.drain()
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        writer.close()
-
-    return await asyncio.start_server(handle, "127.0.0.1", 0, backlog=4096)
+    """The fast keep-alive origin (bench.upstream.SmallOrigin) on 127.0.0.1."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(SmallOrigin, "127.0.0.1", 0, backlog=4096)
 
 
-async def tunnels(proxy_port: int, auth: str, up: int, count: int, concurrency: int) -> None:
-    gate = asyncio.Semaphore(concurrency)
+# what one operation is: CONNECT + GET + close, or an absolute-form GET kept alive or closed
+WORKLOADS = ("connect", "keepalive", "close")
 
-    async def one() -> None:
-        async with gate:
-            reader, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
-            target = f"127.0.0.1:{up}"
-            head = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {auth}\r\n"
-            writer.write(head.encode() + b"\r\n")
-            answer = await reader.readuntil(b"\r\n\r\n")
-            if not answer.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"tunnel refused: {answer[:80]!r}")
-            writer.write(b"GET / HTTP/1.1\r\nHost: up\r\n\r\n")
-            await reader.read()
+
+async def _response(reader: asyncio.StreamReader) -> None:
+    """One whole response (a Content-Length body), or an error naming what came instead."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"refused: {head[:80]!r}")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await reader.readexactly(length)
+
+
+async def operations(
+    workload: str, proxy_port: int, auth: str, up: int, count: int, concurrency: int
+) -> None:
+    """`count` operations of `workload` through the proxy, `concurrency` clients at a time."""
+    target = f"127.0.0.1:{up}"
+    credentials = f"Proxy-Authorization: Basic {auth}\r\n"
+    if workload == "connect":
+        first = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{credentials}\r\n".encode()
+        then = f"GET /small HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n".encode()
+    else:
+        close = "Connection: close\r\n" if workload == "close" else ""
+        first = f"GET http://{target}/small HTTP/1.1\r\nHost: {target}\r\n{credentials}{close}\r\n".encode()
+    per_client = [count // concurrency + (i < count % concurrency) for i in range(concurrency)]
+
+    async def client(n: int) -> None:
+        reader = writer = None
+        for _ in range(n):
+            if writer is None:
+                reader, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
+            assert reader is not None
+            writer.write(first)
+            if workload == "connect":
+                answer = await reader.readuntil(b"\r\n\r\n")
+                if not answer.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(f"tunnel refused: {answer[:80]!r}")
+                writer.write(then)
+            await _response(reader)
+            if workload != "keepalive":
+                writer.close()
+                reader = writer = None
+        if writer is not None:
             writer.close()
 
-    await asyncio.gather(*(one() for _ in range(count)))
+    await asyncio.gather(*(client(n) for n in per_client))
 
 
 async def settled(pid: int, quiet: float = 0.01, window: float = 0.5, limit: float = 15.0) -> None:
     """Wait until the proxy is idle (under `quiet` CPU seconds in `window`): work a build does in
     the background once at start (the control API's thread imports aiohttp, ~0.25 s of CPU) must
-    not be counted as the cost of the tunnels measured next."""
+    not be counted as the cost of the operations measured next."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         before = cpu_seconds(pid)
@@ -94,10 +126,16 @@ def proxy_of(proc: subprocess.Popen[str]) -> tuple[int, str]:
 
 
 async def measure(
-    egressd: str, extra: list[str], up: int, count: int, concurrency: int, env: dict[str, str] | None = None
+    egressd: str,
+    extra: list[str],
+    up: int,
+    count: int,
+    concurrency: int,
+    env: dict[str, str] | None = None,
+    workload: str = "connect",
 ) -> tuple[float, float]:
-    """(CPU µs per tunnel, tunnels/s) of one fresh `egressd run` with `extra` options and `env`
-    added to the environment."""
+    """(CPU µs per operation, operations/s) of one fresh `egressd run` with `extra` options and
+    `env` added to the environment."""
     proc = subprocess.Popen(
         [egressd, "run", *extra],
         stdout=subprocess.PIPE,
@@ -107,10 +145,10 @@ async def measure(
     )
     try:
         port, auth = proxy_of(proc)
-        await tunnels(port, auth, up, min(300, count), concurrency)  # warm-up
+        await operations(workload, port, auth, up, min(300, count), concurrency)  # warm-up
         await settled(proc.pid)
         cpu, started = cpu_seconds(proc.pid), time.monotonic()
-        await tunnels(port, auth, up, count, concurrency)
+        await operations(workload, port, auth, up, count, concurrency)
         cpu, elapsed = cpu_seconds(proc.pid) - cpu, time.monotonic() - started
     finally:
         proc.terminate()
@@ -129,26 +167,29 @@ async def main(args: argparse.Namespace) -> None:
         order = ("A", "B") if round_ % 2 == 0 else ("B", "A")
         for name in order:
             measured = await measure(
-                binaries[name], settings[name], up, args.tunnels, args.concurrency, envs[name]
+                binaries[name], settings[name], up, args.count, args.concurrency, envs[name], args.workload
             )
             results[name].append(measured)
             cpu, rate = results[name][-1]
             env = [f"{key}={value}" for key, value in envs[name].items()]
             options = shlex.join([*env, binaries[name], *settings[name]])
-            print(f"{name} {options}: {cpu:.0f} CPU µs/tunnel, {rate:.0f} tunnels/s")
+            print(f"{name} {options}: {cpu:.0f} CPU µs/op, {rate:.0f} ops/s ({args.workload})")
     medians = {
         name: (statistics.median(c for c, _ in runs), statistics.median(r for _, r in runs))
         for name, runs in results.items()
     }
     for name, (cpu, rate) in medians.items():
-        print(f"median {name}: {cpu:.1f} CPU µs/tunnel, {rate:.0f} tunnels/s ({len(results[name])} runs)")
+        print(f"median {name}: {cpu:.1f} CPU µs/op, {rate:.0f} ops/s ({len(results[name])} runs)")
     (cpu_a, rate_a), (cpu_b, rate_b) = medians["A"], medians["B"]
-    print(f"B / A: CPU per tunnel {cpu_b / cpu_a:.3f}, tunnels/s {rate_b / rate_a:.3f}")
+    ratios = f"CPU per operation {cpu_b / cpu_a:.3f}, operations/s {rate_b / rate_a:.3f}"
+    print(f"B / A ({args.workload}): {ratios}")
     server.close()
 
 
 def add_sides(p: argparse.ArgumentParser) -> None:
-    """The options that make A and B differ by environment or build (shared with bench.instructions)."""
+    """The options that make A and B differ by environment or build, and what one operation is
+    (shared with bench.instructions)."""
+    p.add_argument("--workload", choices=WORKLOADS, default="connect", help="what one operation is")
     p.add_argument("--a-env", action="append", default=[], metavar="KEY=VALUE", help="A's extra environment")
     p.add_argument("--b-env", action="append", default=[], metavar="KEY=VALUE", help="B's extra environment")
     p.add_argument("--a-egressd", default=EGRESSD, help="the egressd of A (default: this tree's)")
@@ -160,7 +201,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--a-args", default="", help="options of egressd run for A (default: none)")
     p.add_argument("--b-args", default="", help='egressd run options for B: "--metrics 127.0.0.1:0"')
     add_sides(p)
-    p.add_argument("--tunnels", type=int, default=3000, help="tunnels per measurement (after 300 of warm-up)")
+    p.add_argument("--count", type=int, default=3000, help="operations measured (after 300 of warm-up)")
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--rounds", type=int, default=12, help="measurements of each of A and B")
     return p.parse_args(argv)

@@ -22,23 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen, peers, system
-
-BODY = b"x" * 128
-RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 128\r\nContent-Type: text/plain\r\n\r\n" + BODY
-
-
-class _Small(asyncio.Protocol):
-    """Upstream: one fixed response per request head."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self.buffer = b""
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while b"\r\n\r\n" in self.buffer:
-            _, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
-            self.transport.write(RESPONSE)  # type: ignore[attr-defined]
+from bench.upstream import SmallOrigin
 
 
 class _Side(asyncio.Protocol):
@@ -177,7 +161,7 @@ def compare(seconds: float, repeats: int) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] in ("relay", "upstream"):
-        factory = _Client if sys.argv[1] == "relay" else _Small
+        factory = _Client if sys.argv[1] == "relay" else SmallOrigin
         _uvloop_run(_serve(factory, int(sys.argv[2])))
         return
     parser = argparse.ArgumentParser(

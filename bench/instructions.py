@@ -1,8 +1,12 @@
-"""A/B of egressd's user-space instructions per tunnel (CONNECT + GET + close), under callgrind.
+"""A/B of egressd's user-space instructions per operation, under callgrind.
 
     .venv/bin/python -m bench.instructions                                   # this tree's egressd
     .venv/bin/python -m bench.instructions --a-env PYTHONPATH=/path/to/other/checkout
     .venv/bin/python -m bench.instructions --b-args "--audit /tmp/audit.jsonl"   # an option's cost
+    .venv/bin/python -m bench.instructions --workload close     # plain-HTTP GETs, Connection: close
+
+An operation is what bench.ab's `--workload` says: a tunnel (CONNECT + GET + close, the default),
+an absolute-form GET kept alive, or one with `Connection: close`.
 
 Why: CPU time on a shared 2-core machine moves ±10 % between runs of one build, more than most
 single changes to the set-up path save, so bench.ab needs many rounds to see them. Instructions
@@ -10,7 +14,7 @@ counted by valgrind's callgrind do not move with the machine's load (two runs of
 within 1 %), so one run of A and one of B tell a change's effect on egressd's own work. They leave
 out the kernel's share (the two TCP connections of a tunnel: about a third of its CPU) and cache
 misses: confirm a change with bench.ab and the full bench before trusting a figure. Needs valgrind
-(`apt-get install valgrind`); egressd runs ~50× slower under it, so a few hundred tunnels suffice.
+(`apt-get install valgrind`); egressd runs ~50× slower under it, so a few hundred operations suffice.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.ab import add_sides, proxy_of, tunnels, upstream
+from bench.ab import add_sides, operations, proxy_of, upstream
 
 
 def total_instructions(out_dir: Path) -> int:
@@ -48,10 +52,16 @@ def _callgrind(pid: int, *flags: str) -> None:
 
 
 async def measure(
-    egressd: str, env: dict[str, str], up: int, count: int, concurrency: int, extra: list[str] | None = None
+    egressd: str,
+    env: dict[str, str],
+    up: int,
+    count: int,
+    concurrency: int,
+    extra: list[str] | None = None,
+    workload: str = "connect",
 ) -> float:
-    """Instructions per tunnel of one `egressd run` under callgrind, counted only over `count`
-    tunnels after a warm-up (imports, the first connections, the memories filling)."""
+    """Instructions per operation of one `egressd run` under callgrind, counted only over `count`
+    operations after a warm-up (imports, the first connections, the memories filling)."""
     with tempfile.TemporaryDirectory(prefix="egressd-callgrind-") as tmp:
         out = Path(tmp)
         proc = subprocess.Popen(
@@ -72,10 +82,10 @@ async def measure(
         )
         try:
             port, auth = proxy_of(proc)
-            await tunnels(port, auth, up, 300, concurrency)  # warm-up
+            await operations(workload, port, auth, up, 300, concurrency)  # warm-up
             await asyncio.sleep(2)
             _callgrind(proc.pid, "-i", "on")
-            await tunnels(port, auth, up, count, concurrency)
+            await operations(workload, port, auth, up, count, concurrency)
             _callgrind(proc.pid, "-i", "off")
             _callgrind(proc.pid, "-d")  # dump what was counted
         finally:
@@ -94,12 +104,13 @@ async def main(args: argparse.Namespace) -> None:
     counts: dict[str, list[float]] = {"A": [], "B": []}
     for _ in range(args.rounds):
         for name, (egressd, env, extra) in sides.items():
-            per_tunnel = await measure(egressd, env, up, args.tunnels, args.concurrency, extra)
-            counts[name].append(per_tunnel)
+            per_op = await measure(egressd, env, up, args.count, args.concurrency, extra, args.workload)
+            counts[name].append(per_op)
             setting = shlex.join([*(f"{k}={v}" for k, v in env.items()), egressd, "run", *extra])
-            print(f"{name} {setting}: {per_tunnel / 1000:.1f} k instructions per tunnel")
+            print(f"{name} {setting}: {per_op / 1000:.1f} k instructions per operation ({args.workload})")
     a, b = min(counts["A"]), min(counts["B"])
-    print(f"B / A: instructions per tunnel {b / a:.3f} ({a / 1000:.1f} k -> {b / 1000:.1f} k)")
+    change = f"{b / a:.3f} ({a / 1000:.1f} k -> {b / 1000:.1f} k)"
+    print(f"B / A ({args.workload}): instructions per operation {change}")
     server.close()
 
 
@@ -108,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_sides(p)
     p.add_argument("--a-args", default="", help="options of egressd run for A (default: none)")
     p.add_argument("--b-args", default="", help='options of egressd run for B: "--audit /tmp/a.jsonl"')
-    p.add_argument("--tunnels", type=int, default=500, help="tunnels counted (after 300 of warm-up)")
+    p.add_argument("--count", type=int, default=500, help="operations counted (after 300 of warm-up)")
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1, help="runs of each of A and B (the lowest counts)")
     return p.parse_args(argv)

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
     from egressd.admission.asks import AskBroker
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.admission.events import Event
     from egressd.admission.tokens import GatewayCredentials, TokenTable
     from egressd.control.children import Children, Issuer
     from egressd.control.prompt import TtyPrompter
@@ -450,7 +449,7 @@ class ProxySession:
         self._start_dashboard()
         return self
 
-    def _observe(self, subscribe: Callable[[Callable[[Event], None]], None]) -> None:
+    def _observe(self, subscribe: Callable[..., None]) -> None:
         """The observers the options ask for, subscribed before the first connection."""
         if self.options.metrics is not None or self.options.control:
             # the control API serves them too (GET /metrics), so they count from the start
@@ -460,13 +459,13 @@ class ProxySession:
             self.metrics = Metrics(
                 self.proxy.pipeline, clients=self.gateway.names if self.gateway is not None else None
             )
-            subscribe(self.metrics.observe)
+            subscribe(self.metrics.observe, addresses=False)  # counters
         if self.options.report:
             from egressd.observe.refusals import RefusalReport
 
             # with --trace every decision has its line already: only the summary is added
             self.report = RefusalReport(sys.stderr, lines=not self.options.trace, context=self.context)
-            subscribe(self.report.observe)
+            subscribe(self.report.observe, addresses=False)  # refusals only
 
     def _serve_metrics(self, host: str, port: int) -> None:
         from egressd.observe.metrics import MetricsServer
@@ -598,7 +597,7 @@ class ProxySession:
             self._say(f"control API off: {exc}")
             return
         self._counts = counts = Counts()
-        proxy.pipeline.events.subscribe(counts.observe)
+        proxy.pipeline.events.subscribe(counts.observe, addresses=False)  # not connection records
         self.children = Children(self._children_issuer())
         server = ControlServer(
             path,

@@ -2,8 +2,8 @@
 
 The input is the bytes a client sends to egressd's HTTP port. They go through what the front does
 with a plain-HTTP request, in process and without sockets: `egressd.wire.http1.ClientSide` (the
-strict raw-head guard, then h11), the decision (`egressd.admission.decide.Decider`) and the Host
-check of the request rules. Properties:
+strict raw-head guard, then its one parse of the head), the decision
+(`egressd.admission.decide.Decider`) and the Host check of the request rules. Properties:
 - nothing raises but the WireError egressd answers with 400;
 - an allowed request names the allowed host (the policy: ``allowed.test`` and 198.51.100.1), and
   the same host as the C library reads it (inet_aton) — never another;

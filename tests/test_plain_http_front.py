@@ -201,6 +201,21 @@ def _rss(pid: int) -> int:
     return 0
 
 
+class _Memory:
+    """egressd's RSS when this is made, and the most it reached at the samples since."""
+
+    def __init__(self, run: EgressdRun) -> None:
+        assert run.proc is not None
+        self.pid = run.proc.pid
+        self.before = self.peak = _rss(self.pid)
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, _rss(self.pid))
+
+    def grew_less_than(self, limit: int) -> bool:
+        return self.peak - self.before < limit
+
+
 def test_large_upload_through_a_slow_upstream_is_not_buffered(run: EgressdRun) -> None:
     """64 MiB up through an upstream reading ~16 MiB/s: egressd's memory stays flat (flow control
     pauses the child, it does not queue the body)."""
@@ -221,9 +236,7 @@ def test_large_upload_through_a_slow_upstream_is_not_buffered(run: EgressdRun) -
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 
     upstream = HandlerServer(slow_sink)
-    assert run.proc is not None
-    before = _rss(run.proc.pid)
-    peak = before
+    memory = _Memory(run)
     try:
         client = RawClient(run)
         head = client.request_bytes(
@@ -233,8 +246,64 @@ def test_large_upload_through_a_slow_upstream_is_not_buffered(run: EgressdRun) -
         chunk = b"u" * (1 << 20)
         for _ in range(size >> 20):
             client.sock.sendall(chunk)
-            peak = max(peak, _rss(run.proc.pid))
+            memory.sample()
         assert client.response().endswith(b"ok") and received == [size]
     finally:
         upstream.close()
-    assert peak - before < 24 << 20, (before, peak)
+    assert memory.grew_less_than(24 << 20), (memory.before, memory.peak)
+
+
+def test_large_download_to_a_slow_child_is_not_buffered(run: EgressdRun) -> None:
+    """64 MiB down from a fast upstream to a child reading ~16 MiB/s: egressd's memory stays flat
+    (a child that reads slowly stops the upstream's reads; egressd does not queue the response),
+    and every byte arrives, in order."""
+    size = 64 << 20
+    block = bytes(range(256)) * 4096  # 1 MiB, each position's byte known
+
+    def fast_source(conn: socket.socket) -> None:
+        _read_head(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(size >> 20):
+            conn.sendall(block)
+
+    upstream = HandlerServer(fast_source)
+    memory = _Memory(run)
+    try:
+        client = RawClient(run)
+        client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        client.sock.sendall(client.request_bytes(f"http://127.0.0.1:{upstream.port}/down"))
+        while b"\r\n\r\n" not in client.buf:
+            client._recv()
+        head, _, body = client.buf.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: %d" % size in head, head
+        received = len(body)
+        intact = body == block[: len(body)]
+        while received < size:
+            data = client.sock.recv(1 << 16)
+            assert data, f"closed after {received} bytes"
+            start = received % len(block)
+            intact = intact and data == (block + block)[start : start + len(data)]
+            received += len(data)
+            if received % (1 << 20) < len(data):
+                memory.sample()
+                time.sleep(0.06)
+        assert received == size and intact
+    finally:
+        upstream.close()
+    assert memory.grew_less_than(24 << 20), (memory.before, memory.peak)
+
+
+def test_a_reloaded_idle_timeout_closes_a_connection_already_idle(
+    tmp_path: Path, server: ScriptedServer
+) -> None:
+    """limits.idle_timeout between requests is the one in force now: a reload that lowers it closes
+    a kept-alive connection that was already idle under the old one (the front's sweep reads the
+    limits in force each time)."""
+    long = "limits: {idle_timeout: 3600, header_timeout: 3600}\n"
+    policy = write_policy(tmp_path, POLICY + long)
+    with EgressdRun(["--policy", str(policy)]) as proxy:
+        client = RawClient(proxy)
+        assert b"200 OK" in client.get(_url(server, "/a"))
+        policy.write_text(POLICY + "limits: {idle_timeout: 1, header_timeout: 3600}\n")
+        client.sock.settimeout(30)
+        assert client.sock.recv(1) == b""  # closed by egressd, not by the 30 s deadline

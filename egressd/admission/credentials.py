@@ -35,6 +35,11 @@ class CredentialStore:
     def _refresh(self) -> None:
         self._issued = tuple((c, c.token.encode(), c.username.encode()) for c in self._tokens.values())
 
+    @property
+    def state(self) -> object:
+        """What check() answers from, replaced whole on every change (remembered answers compare it)."""
+        return self._issued
+
     def valid(self, creds: ProxyCredentials) -> bool:
         """Still issued (a revoked child's credential-free listener admits nothing more)."""
         with self._lock:

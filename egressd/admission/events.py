@@ -115,18 +115,31 @@ class EventBus:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._observers: tuple[Observer, ...] = ()
+        self._readers: tuple[Observer, ...] = ()  # those that read an allowed connection's addresses
 
-    def subscribe(self, observer: Observer) -> None:
+    def subscribe(self, observer: Observer, *, addresses: bool = True) -> None:
+        """`addresses=False`: the observer never reads an allowed upstream connection's addresses
+        (resolved, connected, attempts, via): while only such observers listen (counters), those
+        are not formatted (`wants_addresses`)."""
         with self._lock:
             self._observers = (*self._observers, observer)
+            if addresses:
+                self._readers = (*self._readers, observer)
 
     def unsubscribe(self, observer: Observer) -> None:
+        """By equality: `obj.method` makes a new bound method each time it is read."""
         with self._lock:
-            self._observers = tuple(o for o in self._observers if o is not observer)
+            self._observers = tuple(o for o in self._observers if o != observer)
+            self._readers = tuple(o for o in self._readers if o != observer)
 
     @property
     def observed(self) -> bool:
         return bool(self._observers)
+
+    @property
+    def wants_addresses(self) -> bool:
+        """Some observer reads an allowed upstream connection's addresses as text."""
+        return bool(self._readers)
 
     def emit(self, event: Event) -> None:
         for observer in self._observers:

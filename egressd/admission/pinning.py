@@ -16,7 +16,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from egressd.admission.descriptors import OUT_OF_DESCRIPTORS
 from egressd.admission.upstream import ParentFailure, dial
@@ -86,10 +85,6 @@ async def try_addresses[T](
     log = attempts if attempts is not None else []
     deadline = time.monotonic() + 2 * connect_timeout
     kinds: list[str] = []
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    cancelling = task.cancelling()
     for address in addresses:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -98,13 +93,10 @@ async def try_addresses[T](
             break
         budget = min(connect_timeout, remaining)
         text = address_text(address)
-        expiry = _Expiry(task)  # the task's own deadline: no wrapper task or frame
-        timer = loop.call_later(budget, expiry.expire)
         try:
-            opened = await open_one(text)
-        except asyncio.CancelledError:
-            if not expiry.expired or task.uncancel() > cancelling:
-                raise  # cancelled by someone else (too)
+            async with asyncio.timeout(budget):
+                opened = await open_one(text)
+        except TimeoutError:
             kinds.append(Reason.CONNECT_TIMEOUT)
             log.append(f"{_fmt(address, port)}: timed out after {budget:.3g}s")
             continue
@@ -117,28 +109,10 @@ async def try_addresses[T](
             kinds.append(Reason.CONNECT_REFUSED if refused else Reason.CONNECT_ERROR)
             log.append(f"{_fmt(address, port)}: {'connection refused' if refused else (e.strerror or e)}")
             continue
-        finally:
-            timer.cancel()
         return opened, (text, port)
     detail = "; ".join(log) or "no address to connect to"
     # one kind for all attempts names it; a mix is reported by the last attempt's kind
     raise ConnectFailure(kinds[-1] if kinds else Reason.CONNECT_ERROR, detail)
-
-
-class _Expiry:
-    """One attempt's deadline, as asyncio.timeout keeps it (cancel the task, and tell that cancel
-    from anyone else's by the task's cancel count) without its async context manager: entering and
-    leaving that are two coroutines more for every attempt."""
-
-    __slots__ = ("expired", "task")
-
-    def __init__(self, task: asyncio.Task[Any]) -> None:
-        self.task = task
-        self.expired = False
-
-    def expire(self) -> None:
-        self.expired = True
-        self.task.cancel()
 
 
 async def _through_parent(pin: Pin, parent: UpstreamProxy) -> tuple[socket.socket, tuple[str, int]]:

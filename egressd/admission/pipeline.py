@@ -42,7 +42,6 @@ from egressd.policy import (
     AddressClass,
     Decision,
     IPAddress,
-    Program,
     Target,
     canonical_host,
     classify,
@@ -59,6 +58,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 AUTH_REFUSAL = Refusal(Reason.PROXY_AUTH_REQUIRED, "missing or wrong proxy credentials")
+REMEMBERED_ASKS = 16  # requests remembered per connection (then forgotten all at once)
+REMEMBERED_REQUEST = 4096  # characters of path and fields of a request remembered, at most
+Epoch = tuple[object, ...]
+UpstreamKey = tuple[object, ...]  # what a kept upstream connection may be reused for (upstream_key)
+RequestKey = tuple[object, ...]  # an HTTP request as admission reads it: stage, credentials, target, fields
+
+
+class Remembered(NamedTuple):
+    """What an HTTP request on one connection was answered, and in which state: allowed by the
+    policy alone (never by a grant or an approval, which answer once), with no redirect to follow."""
+
+    epoch: Epoch
+    creds: ProxyCredentials | None
+    decision: Decision
+    url: str
+    changes: tuple[frozenset[str], Injection]
+
+
+def request_url(attempt: Attempt, target: Target) -> str:
+    """The URL of an HTTP request as the redirect memory knows it."""
+    authority = join_host_port(target.host.text, target.port)
+    return f"{attempt.scheme or 'http'}://{authority}{attempt.path or '/'}"
 
 
 class Attempt(NamedTuple):
@@ -242,26 +263,42 @@ class Pipeline:
     async def _admit(self, conn: ConnState, attempt: Attempt) -> Admitted | Refusal:
         if attempt.stage == "inner" and not conn.tunnel:
             return self.internal_error("admit", RuntimeError("a request inside a tunnel nobody admitted"))
+        # an HTTP request this connection asked before, in the same state: the same answer (from
+        # a connection's second request on: most connections that ask once ask once)
+        asked = remembered = None
+        if attempt.stage in ("request", "inner"):
+            if conn.remembered is None:
+                conn.remembered = {}
+            else:
+                asked, remembered = self._recall(conn, attempt)
         # 1. credentials (the child-only listener's: the program holding the socket is the child's)
-        if conn.tree_only and attempt.credentials is None and conn.implicit is not None:
-            root = self.children.get(conn.implicit.token)
-            if root is not None:  # not yet started: nobody is the child yet (407)
-                identify(conn, root, tree_only=True)
-        if not authenticate(self.credentials, conn, attempt.credentials):
-            return self._auth_refusal(conn)
+        if remembered is not None:
+            conn.creds = remembered.creds
+        else:
+            if conn.tree_only and attempt.credentials is None and conn.implicit is not None:
+                root = self.children.get(conn.implicit.token)
+                if root is not None:  # not yet started: nobody is the child yet (407)
+                    identify(conn, root, tree_only=True)
+            if not authenticate(self.credentials, conn, attempt.credentials):
+                return self._auth_refusal(conn)
         # 1a. nothing new while the audit cannot take its records (audit.on_failure: refuse)
         if self.audit is not None and not self.audit.writable and (refused := self.audit_refusal()):
             return self._unrecorded(conn, attempt, refused)
         # 1b. accepted beyond egressd's capacity: answered (never dropped), before any lookup
         if conn.room != "serve":
             return self.overloaded(conn, attempt)
-        # 1c. identity: who holds the socket, when a rule or the audit needs it (once per connection)
-        program = await self._program(conn)
+        # 1c. identity: who holds the socket, when a rule or the audit needs it (once per connection;
+        # awaited only then: most admissions wait for nothing)
+        if conn.identity is None and (self.identify or self.policies.get().needs_program):
+            await self._identify(conn)
+        program = conn.identity.program if conn.identity is not None else None
         # 2. limits, before anything is decided: refused targets cost a child its rate too
         tunnel = attempt.stage in ("connect", "socks")
         limited = self.limits.rate(conn) or (self.limits.connections() if tunnel else None)
         if limited is not None:
             return limited
+        if remembered is not None:
+            return self._admit_remembered(conn, attempt, remembered)
         # 3. the decision; every later step uses its canonical target, never the client's spelling
         decision = self.decider.decide(
             attempt.host,
@@ -288,12 +325,13 @@ class Pipeline:
             conn.host = refusal.host  # the closed record names it too
             self._decided(conn, attempt, decision, refusal)
             return refusal
+        decided = decision  # what the policy alone answered (a grant's or an approval's answer is not kept)
         # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
         if (self.grants or conn.granted) and (decision.ask or decision.reason is Reason.NOT_ALLOWLISTED):
             decision = self._granted(conn, attempt, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
-            asked = time.monotonic()
+            waited_from = time.monotonic()
             asked_about = decision
 
             def recheck() -> Decision | None:
@@ -302,7 +340,7 @@ class Pipeline:
 
             decision = await approvals.answer(self.approver, decision, conn, recheck)
             if self.events.observed:
-                self.events.emit(Asked(time.monotonic() - asked, decision.reason))
+                self.events.emit(Asked(time.monotonic() - waited_from, decision.reason))
             if decision.allowed and tunnel and decision.target is not None:
                 # approved for this connection: its requests, if inspected, are not asked again
                 conn.granted = (decision.target.host.text, decision.target.port)
@@ -310,19 +348,16 @@ class Pipeline:
         refusal, inspect = self._judge(conn, attempt, decision)
         changes: tuple[frozenset[str], Injection] | None = None
         if refusal is None and not tunnel and decision.target is not None:
-            changes_or_refusal = self._request_changes(conn, attempt, decision.target)
+            url = request_url(attempt, decision.target)
+            origin = self.redirects.take(conn.client_key, url)
+            changes_or_refusal = self._request_changes(conn, attempt, decision.target, url, origin)
             if isinstance(changes_or_refusal, Refusal):
                 refusal = changes_or_refusal
             else:
                 changes = changes_or_refusal
-        # a tunnel allowed by mode: learn is recorded as such at once (with the reason enforce would
-        # give), so the audit keeps it even when no upstream connection follows
-        if refusal is not None or attempt.stage in ("request", "inner") or decision.would_be is not None:
-            unrecorded = self._decided(conn, attempt, decision, refusal)
-            if unrecorded is not None:  # the allow's record was not written: refused instead
-                host, port = (conn.host, conn.port) if conn.host is not None else (attempt.host, attempt.port)
-                refusal = dataclasses.replace(unrecorded, host=host, port=port)
-                self._decided(conn, attempt, decision, refusal)
+                if asked is not None and decision is decided and origin is None:
+                    self._remember(conn, asked, decision, url, changes)
+        refusal = self._recorded(conn, attempt, decision, refusal)
         if refusal is not None:
             return refusal
         if not tunnel:
@@ -336,6 +371,114 @@ class Pipeline:
             return refusal
         conn.tunnel = True  # what the tunnel carries was authenticated by its set-up
         return admitted
+
+    def _recorded(
+        self, conn: ConnState, attempt: Attempt, decision: Decision, refusal: Refusal | None
+    ) -> Refusal | None:
+        """The decision's record; the refusal to answer (an allow whose record the audit log did not
+        take is refused instead). A tunnel allowed by mode: learn is recorded as such at once (with
+        the reason enforce would give), so the audit keeps it even when no upstream connection
+        follows; an allowed tunnel's record is its connection's."""
+        if refusal is not None or attempt.stage in ("request", "inner") or decision.would_be is not None:
+            unrecorded = self._decided(conn, attempt, decision, refusal)
+            if unrecorded is not None:  # the allow's record was not written: refused instead
+                host, port = (conn.host, conn.port) if conn.host is not None else (attempt.host, attempt.port)
+                refusal = dataclasses.replace(unrecorded, host=host, port=port)
+                self._decided(conn, attempt, decision, refusal)
+        return refusal
+
+    # -- what a connection asked before --------------------------------------------------------------
+    def _epoch(self, conn: ConnState) -> Epoch:
+        """Everything an HTTP request's answer depends on besides the request itself: the policy,
+        egressd's own addresses, the credentials issued (a token revoked, a gateway's token file
+        reloaded), the secrets in force, and who holds the connection."""
+        return (
+            self.policies.get(),
+            self.decider.self_addresses,
+            self.credentials.state,
+            self.secrets.state,
+            conn.identity,
+        )
+
+    def upstream_state(self) -> Epoch:
+        """What an upstream connection's admission and pin depend on besides its request: the
+        policy, egressd's own addresses, the credentials issued. A kept-alive connection is reused
+        only in the same state (egressd.front.plain_http.IdleUpstreams)."""
+        return (self.policies.get(), self.decider.self_addresses, self.credentials.state)
+
+    @staticmethod
+    def upstream_key(conn: ConnState, admitted: Admitted) -> UpstreamKey:
+        """Whose an upstream connection is and what its pin depends on besides upstream_state: the
+        child's credential, the canonical target, and every part of the decision the address
+        filter reads (the child's profile, the private-address licence of the rule that allowed it,
+        an IP literal's addresses). A kept-alive connection is reused only under the same key: a
+        request allowed by another rule (another path, method or program) is pinned afresh."""
+        decision = admitted.decision
+        return (
+            conn.client_key,
+            admitted.host,
+            admitted.port,
+            decision.profile,
+            decision.private_ok,
+            decision.needs_resolution,
+            decision.addresses,
+        )
+
+    def _recall(self, conn: ConnState, attempt: Attempt) -> tuple[RequestKey | None, Remembered | None]:
+        """(the request as remembered, what was answered to it on this connection in the same
+        state, or None). Only short requests are remembered; a request without credentials on the
+        child-only listener never is (who holds its socket is asked each time)."""
+        if conn.tree_only and attempt.credentials is None:
+            return None, None
+        headers = tuple(attempt.headers or ())
+        if len(attempt.path or "") + sum(len(n) + len(v) for n, v in headers) > REMEMBERED_REQUEST:
+            return None, None
+        a = attempt
+        asked = (a.stage, a.credentials, a.host, a.port, a.scheme, a.method, a.path, headers)
+        entry = conn.remembered.get(asked) if conn.remembered is not None else None
+        if entry is None or any(a is not b for a, b in zip(entry.epoch, self._epoch(conn), strict=True)):
+            return asked, None
+        return asked, entry
+
+    def _remember(
+        self,
+        conn: ConnState,
+        asked: RequestKey,
+        decision: Decision,
+        url: str,
+        changes: tuple[frozenset[str], Injection],
+    ) -> None:
+        """An allowed request's answer, for the same request on this connection (at most
+        REMEMBERED_ASKS of them): what the policy alone allowed, with no redirect to follow."""
+        remembered = conn.remembered
+        assert remembered is not None
+        if len(remembered) >= REMEMBERED_ASKS:
+            remembered.clear()
+        remembered[asked] = Remembered(self._epoch(conn), conn.creds, decision, url, changes)
+
+    def _admit_remembered(
+        self, conn: ConnState, attempt: Attempt, remembered: Remembered
+    ) -> Admitted | Refusal:
+        """The steps after the limits for a request answered before on this connection in the same
+        state: its decision and changes, the redirect memory asked again (a redirect to this URL
+        since then strips its credentials), its own record."""
+        decision = remembered.decision
+        target = decision.target
+        assert target is not None
+        conn.host, conn.port = target.host.text, target.port
+        refusal: Refusal | None = None
+        changes = remembered.changes
+        origin = self.redirects.take(conn.client_key, remembered.url)
+        if origin is not None:
+            fresh = self._request_changes(conn, attempt, target, remembered.url, origin)
+            if isinstance(fresh, Refusal):
+                refusal = fresh
+            else:
+                changes = fresh
+        refusal = self._recorded(conn, attempt, decision, refusal)
+        if refusal is not None:
+            return refusal
+        return Admitted(decision, strip=changes[0], injection=changes[1])
 
     def audit_refusal(self) -> Refusal | None:
         """While the audit log cannot take a record (a full disk, a reader that stopped reading),
@@ -465,17 +608,15 @@ class Pipeline:
             upgrade=upgrade,
         )
 
-    async def _program(self, conn: ConnState) -> Program | None:
-        """The identity step: look the owner up when a rule or `identify` needs it. Through the
-        child's tree it takes well under a millisecond; without one (`egressd run`) it may scan all
-        of /proc, in a worker thread so other connections are not held up."""
-        if conn.identity is None and (self.identify or self.policies.get().needs_program):
-            root = self.children.get(conn.creds.token) if conn.creds is not None else None
-            if root is not None:
-                identify(conn, root)
-            else:
-                await asyncio.to_thread(identify, conn, None)
-        return conn.identity.program if conn.identity is not None else None
+    async def _identify(self, conn: ConnState) -> None:
+        """The identity step: look the owner up. Through the child's tree it takes well under a
+        millisecond; without one (`egressd run`) it may scan all of /proc, in a worker thread so
+        other connections are not held up."""
+        root = self.children.get(conn.creds.token) if conn.creds is not None else None
+        if root is not None:
+            identify(conn, root)
+        else:
+            await asyncio.to_thread(identify, conn, None)
 
     def _auth_refusal(self, conn: ConnState) -> Refusal:
         """407; on the child-only listener, with why the connection is not the child's."""
@@ -506,16 +647,15 @@ class Pipeline:
         return pinned.refusal
 
     def _request_changes(
-        self, conn: ConnState, attempt: Attempt, target: Target
+        self, conn: ConnState, attempt: Attempt, target: Target, url: str, origin: str | None
     ) -> Refusal | tuple[frozenset[str], Injection]:
         """What egressd changes in an allowed HTTP request, the same for plain HTTP and inside a
-        tunnel: the credential headers of a redirect's follow-up to another origin (dropped before
-        anything else looks at them), then the secrets step (refusal or injection)."""
+        tunnel: the credential headers of a redirect's follow-up to another origin (`origin`: the
+        redirect memory's answer for `url`, taken), dropped before anything else looks at them,
+        then the secrets step (refusal or injection)."""
         host, port = target.host, target.port
         path = attempt.path or "/"
-        url = f"{attempt.scheme or 'http'}://{join_host_port(host.text, port)}{path}"
         strip: frozenset[str] = frozenset()
-        origin = self.redirects.take(conn.client_key, url)
         if origin is not None:
             names = (*self.policies.get().credentials.strip_on_host_change, *self.secrets.header_names())
             strip = frozenset(name.lower() for name in names)
@@ -757,20 +897,23 @@ class Pipeline:
         decision, pin = admitted.decision, admitted.pin
         target = decision.target
         reason, detail = failure if failure is not None else (decision.reason, decision.detail)
+        allowed = decision.allowed and pin is not None and failure is None
+        # an allowed connection's addresses only for an observer that reads them (not counters)
+        told = not allowed or self.events.wants_addresses
         return self._emit(
             conn,
             stage="connection",
             host=target.host.text if target else conn.host,
             port=target.port if target else conn.port,
-            allowed=decision.allowed and pin is not None and failure is None,
+            allowed=allowed,
             reason=reason,
             rule=decision.rule,
             detail=detail,
-            resolved=tuple(map(address_text, admitted.resolved)),
-            connected=f"{pin.connected[0]}:{pin.connected[1]}" if pin and pin.connected else None,
-            attempts=tuple(pin.attempts) if pin is not None else (),
+            resolved=tuple(map(address_text, admitted.resolved)) if told else (),
+            connected=f"{pin.connected[0]}:{pin.connected[1]}" if told and pin and pin.connected else None,
+            attempts=(tuple(pin.attempts) if pin is not None else ()) if told else None,
             would_be=decision.would_be if failure is None else None,
-            via=pin.via.where if pin is not None and pin.via is not None else None,
+            via=pin.via.where if told and pin is not None and pin.via is not None else None,
         )
 
     def refused_early(

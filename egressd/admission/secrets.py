@@ -80,6 +80,11 @@ class SecretBook:
     def __bool__(self) -> bool:
         return bool(self._placeholders)
 
+    @property
+    def state(self) -> object:
+        """The secrets in force, replaced whole on every update (remembered answers compare it)."""
+        return self._state
+
     def spec(self, name: str) -> SecretSpec | None:
         return self._state.specs.get(name)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from egressd.admission.descriptors import Room
 from egressd.policy import Policy, Program, join_host_port
@@ -107,6 +108,8 @@ class ConnState:
     # accepted within egressd's capacity ("serve"), or beyond it: its request is answered
     # `overloaded` ("answer"), or that answer goes out at once ("answer_now")
     room: Room = "serve"
+    # the HTTP requests this connection asked, with their answers (egressd.admission.pipeline)
+    remembered: dict[tuple[object, ...], Any] | None = None
 
     @property
     def profile(self) -> str | None:

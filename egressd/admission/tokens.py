@@ -210,6 +210,10 @@ class GatewayCredentials(CredentialStore):
     def table(self) -> TokenTable:
         return self._table
 
+    @property
+    def state(self) -> object:
+        return self._table
+
     def set_table(self, table: TokenTable) -> None:
         self._table = table  # one reference swap: a check sees the old table or the new one
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from egressd.front.plain_http import IdleUpstreams
 from egressd.front.socks import SocksProtocol
 from egressd.front.tunnel import FrontProtocol, Inspection, RefusalContext
 from egressd.listeners import register
@@ -49,6 +50,7 @@ class Front:
         self.refusal_context = refusal_context  # refusal_pages: tls (None: inspection is off)
         self.servers: list[asyncio.Server] = []
         self.clients: set[FrontProtocol] = set()
+        self.upstreams = IdleUpstreams(pipeline)
         self._sweeper: asyncio.Task[None] | None = None
 
     def _protocol(
@@ -120,8 +122,10 @@ class Front:
 
     async def _sweep(self) -> None:
         """limits.header_timeout for request heads and SOCKS5 handshakes, limits.idle_timeout for
-        relayed tunnels: one sweep a second, not a timer per connection (a timer set and cancelled
-        for every tunnel would cost more than the sweep). A limit is kept to within a second late."""
+        relayed tunnels and plain-HTTP connections, timeouts.response for a plain-HTTP exchange's
+        answer, and the pool's kept upstream connections: one sweep a second, not a timer per
+        connection or request (a timer set and cancelled for every tunnel would cost more than the
+        sweep). A limit is kept to within a second late."""
         while True:
             await asyncio.sleep(SWEEP)
             limits = self.pipeline.policies.get().limits
@@ -133,6 +137,9 @@ class Front:
                         client.head_timed_out(limits.header_timeout)
                 elif client.stage in ("relay", "sni") and client.tunnel.last_active < idle_cutoff:
                     client.close_idle()
+                elif client.stage == "plain" and client.plain is not None:
+                    client.plain.sweep(now, limits.header_timeout, limits.idle_timeout)
+            self.upstreams.sweep(now)
 
     def close_clients(self, revoked: Callable[[ProxyCredentials], bool]) -> int:
         """End every client connection whose credentials are `revoked` (a gateway client removed
@@ -152,5 +159,6 @@ class Front:
 
     def close(self) -> None:
         self.close_listeners()
+        self.upstreams.close()
         if self._sweeper is not None:
             self._sweeper.cancel()

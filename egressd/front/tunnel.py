@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from egressd.admission.descriptors import out_of_descriptors
 from egressd.admission.limits import overloaded
 from egressd.admission.pipeline import Admitted, Attempt
-from egressd.front.plain_http import REVOKED, PlainClient
+from egressd.front.plain_http import REVOKED, IdleUpstreams, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
 from egressd.front.relay import COALESCE, Pipe, Tunnel
 from egressd.inspect.inspected import InspectedTunnel
@@ -57,6 +57,7 @@ class Listeners(Protocol):
     refusal_context: RefusalContext | None
     clients: set[FrontProtocol]
     health: bool
+    upstreams: IdleUpstreams  # plain HTTP's kept-alive upstream connections
 
 
 class FrontProtocol(Pipe):
@@ -406,8 +407,8 @@ class FrontProtocol(Pipe):
     def _serve_plain(self) -> None:
         """Give the client to the plain-HTTP path (egressd.front.plain_http): it serves every request."""
         assert self.transport is not None
-        self.stage = "plain"  # the plain path keeps header_timeout and idle_timeout itself
-        client = self.plain = PlainClient(self, bytes(self.buffer))
+        self.stage = "plain"  # the front's sweep asks the plain path for its timeouts
+        client = self.plain = PlainClient(self, bytes(self.buffer), self.front.upstreams)
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()

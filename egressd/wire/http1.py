@@ -1,24 +1,34 @@
-"""HTTP/1 for the proxy's two sides, sans-I/O, framed by h11 and guarded by egressd's strict head check.
+"""HTTP/1 for the proxy's two sides, sans-I/O: every head parsed once, bodies framed by h11's readers.
 
-Why h11 and not a parser of our own: two parsers that disagree about where a message ends are a
-smuggling hole, and h11 is the one state machine mitmproxy uses too. Why a guard in front of it: h11
-accepts bare LF, obs-fold and other spellings an upstream may read otherwise, and has no opinion on
-duplicate Content-Length lines or CL+TE; `egressd.wire.http_head.head_problem` sees every head's raw
-bytes before h11 does, and the checks below refuse what a proxy must not forward.
+Why this shape: two parsers that disagree about where a message ends are a smuggling hole. Every
+head — the child's requests, the upstream's responses, CONNECT heads — first passes egressd's
+strict raw-head guard (`egressd.wire.http_head`: CRLF lines only, no control bytes, no folds,
+bounded), then ONE parse here by the grammar of RFC 9110/9112 as h11 spells it (`_REQUEST_HEAD`,
+`_RESPONSE_HEAD`; tests hold them to h11's answers): the start line, the field lines, and the
+framing they make (a Content-Length, chunked, nothing, or for a response the rest of the
+connection). The checks below refuse what a proxy must not forward (CL+TE, a repeated or listed
+Content-Length, a Connection header naming a framing field). What egressd forwards is written from
+those checked fields, minus the hop-by-hop ones, and checked against the same grammar before it
+goes out. A Content-Length body is counted here; chunked and close-delimited bodies are read by
+h11's own body readers (the framing code of its connection, without a second parse of the head).
 
-`ClientSide` reads the child's requests (h11 server role, a fresh h11 connection per request, so the
-bytes of a pipelined request are guarded like the first) and frames the responses sent to it.
-`ServerSide` frames what goes upstream (origin-form, hop-by-hop headers removed, canonical Host)
-and reads the upstream's responses (h11 client role). No I/O, no mitmproxy, no policy.
+`ClientSide` reads the child's requests (one at a time, a pipelined one guarded in its turn) and
+frames the responses sent to it as h11's server role would (chunked for an unknown length to an
+HTTP/1.1 client, close-delimited to HTTP/1.0). `ServerSide` writes what goes upstream
+(origin-form, hop-by-hop fields removed, the canonical Host) and reads the upstream's responses.
+No I/O, no mitmproxy, no policy.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import h11
+from h11._readers import ChunkedReader, Http10Reader
+from h11._receivebuffer import ReceiveBuffer
 
 from egressd.policy.reasons import Reason
 from egressd.wire.http_fields import (
@@ -32,9 +42,24 @@ from egressd.wire.http_head import HeadScanner
 from egressd.wire.refusal import EGRESSD_HEADERS
 
 MAX_HEAD = 64 * 1024
-_STAND_IN = b"Host: egressd.invalid\r\n"  # for h11 only, when a request has no single Host field
 Headers = list[tuple[str, str]]
+TEXT_ENCODING = "latin-1"  # heads as text: every byte kept as one character
 _AUTHORITY = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~%!$&'()*+,;=:[]")
+
+# The grammar (RFC 9110 5.5, RFC 9112 3, 4, 5) exactly as h11 spells it (h11/_abnf.py), on a head
+# decoded as latin-1: a field value's characters are any byte but NUL and the six ASCII spaces
+# (h11's bytes `\s`), obs-text included.
+_TOKEN = r"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
+_FIELD_CHAR = r"[^\x00\t\n\x0b\x0c\r ]"
+_FIELD_LINE = rf"{_TOKEN}:[ \t]*(?:{_FIELD_CHAR}+(?:[ \t]+{_FIELD_CHAR}+)*)?[ \t]*\r\n"
+_VERSION = r"HTTP/([0-9]\.[0-9])"
+_REQUEST_LINE = rf"({_TOKEN}) ([\x21-\x7e]+) {_VERSION}"
+_STATUS_LINE = rf"{_VERSION} ([0-9]{{3}})(?: ((?:[ \t]|{_FIELD_CHAR})*))?"
+_REQUEST_HEAD = re.compile(rf"{_REQUEST_LINE}\r\n(?:{_FIELD_LINE})*\r\n")
+_RESPONSE_HEAD = re.compile(rf"{_STATUS_LINE}\r\n(?:{_FIELD_LINE})*\r\n")
+_FIELD_LINES = re.compile(rf"(?:{_FIELD_LINE})*\r\n")
+_ONE_FIELD = re.compile(_FIELD_LINE)
+_LENGTH = re.compile(r"[0-9]{1,20}")  # h11's Content-Length: digits, at most 20
 
 
 class WireError(Exception):
@@ -119,40 +144,89 @@ class Switched:
 Event = RequestHead | ResponseHead | Body | End | Switched
 
 
-TEXT_ENCODING = "latin-1"  # field values and reason phrases as text: every byte kept as one character
-
-
 def _text(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
     return [(n.decode("ascii"), v.decode(TEXT_ENCODING)) for n, v in headers]
 
 
-def _bytes(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(n.encode("ascii"), v.encode(TEXT_ENCODING)) for n, v in headers]
+def _fields(lines: list[str]) -> Headers:
+    """The fields of a head's field lines (the grammar matched them): names as written, values
+    without the whitespace around them."""
+    out = []
+    for line in lines:
+        name, _, value = line.partition(":")
+        out.append((name, value.strip(" \t")))
+    return out
 
 
-def _raw_fields(head: bytes) -> list[tuple[bytes, bytes]]:
-    """The field lines of a head that passed head_problem (CRLF only, no folds): for the checks h11
-    cannot make because it merges fields (duplicate Content-Length)."""
-    fields = []
-    for line in head.split(b"\r\n")[1:]:
-        if line:
-            name, _, value = line.partition(b":")
-            fields.append((name.lower(), value.strip(b" \t")))
-    return fields
+def _grammar_problem(text: str, start_line: re.Pattern[str], what: str) -> str:
+    """Why a head the guard passed does not parse (the first line that breaks the grammar)."""
+    lines = text[:-4].split("\r\n")
+    if start_line.fullmatch(lines[0]) is None:
+        return f"illegal {what} line: {lines[0][:200]!r}"
+    for line in lines[1:]:
+        if _ONE_FIELD.fullmatch(line + "\r\n") is None:
+            return f"illegal header line: {line[:200]!r}"
+    return f"malformed {what} head"
 
 
-def _framing_problem(fields: list[tuple[bytes, bytes]]) -> str | None:
+_REQUEST_LINE_RE = re.compile(_REQUEST_LINE)
+_STATUS_LINE_RE = re.compile(_STATUS_LINE)
+
+
+def _framing_problem(fields: Headers) -> str | None:
     """Why a request's framing fields may be read two ways (refused with 400), or None."""
-    lengths = [v for n, v in fields if n == b"content-length"]
-    codings = [v for n, v in fields if n == b"transfer-encoding"]
+    lengths = [v for n, v in fields if n.lower() == "content-length"]
+    codings = [v for n, v in fields if n.lower() == "transfer-encoding"]
     if lengths and codings:
         return "both Content-Length and Transfer-Encoding"
-    if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
-        return f"invalid or repeated Content-Length {[v.decode('latin-1') for v in lengths]!r}"
-    if codings and (len(codings) > 1 or codings[0].lower() != b"chunked"):
-        return f"Transfer-Encoding must be exactly 'chunked', got {[v.decode('latin-1') for v in codings]!r}"
-    connection = ", ".join(v.decode("latin-1") for n, v in fields if n == b"connection")
-    return connection_problem(connection)
+    if len(lengths) > 1 or (lengths and _LENGTH.fullmatch(lengths[0]) is None):
+        return f"invalid or repeated Content-Length {lengths!r}"
+    if codings and (len(codings) > 1 or codings[0].lower() != "chunked"):
+        return f"Transfer-Encoding must be exactly 'chunked', got {codings!r}"
+    return connection_problem(", ".join(v for n, v in fields if n.lower() == "connection"))
+
+
+def _response_length(fields: Headers) -> tuple[int | None, bool]:
+    """(Content-Length, chunked) of a response, as h11 reads them: a list of equal lengths is one
+    length; lengths that differ, an unknown coding or both framings are a broken response."""
+    length: str | None = None
+    chunked = False
+    for name, value in fields:
+        lower = name.lower()
+        if lower == "content-length":
+            lengths = {v.strip() for v in value.split(",")}
+            one = lengths.pop() if len(lengths) == 1 else ""
+            if _LENGTH.fullmatch(one) is None or (length is not None and one != length):
+                raise WireError(f"conflicting or invalid Content-Length {value[:200]!r}", 502)
+            length = one
+        elif lower == "transfer-encoding":
+            if chunked or value.lower() != "chunked":
+                raise WireError(f"Transfer-Encoding must be exactly 'chunked', got {value[:200]!r}", 502)
+            chunked = True
+    if chunked and length is not None:
+        raise WireError("both Content-Length and Transfer-Encoding in a response", 502)
+    return (int(length) if length is not None else None), chunked
+
+
+def _closes(version: str, fields: Headers) -> bool:
+    """Whether a message ends its connection (HTTP/1.0, or `close` in its Connection field)."""
+    if version != "1.1":
+        return True
+    for name, value in fields:
+        if name.lower() == "connection" and "close" in {t.strip().lower() for t in value.split(",")}:
+            return True
+    return False
+
+
+def _head_text(start: str, fields: Iterable[tuple[str, str]], grammar: re.Pattern[str]) -> bytes:
+    """A head egressd writes (the Host field first, as h11 writes it), checked against the grammar
+    it was read by: a value egressd put in (a secret's) can never add a line."""
+    host = [f"{n}: {v}\r\n" for n, v in fields if n.lower() == "host"]
+    rest = [f"{n}: {v}\r\n" for n, v in fields if n.lower() != "host"]
+    text = "".join([start, "\r\n", *host, *rest, "\r\n"])
+    if grammar.fullmatch(text) is None:
+        raise ValueError(f"egressd would write a head that is not HTTP/1: {text[:200]!r}")
+    return text.encode(TEXT_ENCODING)
 
 
 def split_target(target: str) -> tuple[str, str, int, str]:
@@ -209,16 +283,83 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
     return head
 
 
-class _Reader:
-    """Raw bytes in; every head is guarded before h11 sees it, body bytes go straight to h11."""
+# -- bodies -------------------------------------------------------------------------------------------
+_NO_TRAILERS = End([])  # shared: nobody changes an event
+
+
+class _Counted:
+    """A Content-Length body: counted here (the parsed head said how long)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, length: int) -> None:
+        self.left = length
+
+    def read(self, raw: bytearray, eof: bool) -> tuple[list[Event], bool]:
+        """(events, whether the body ended) from raw (what is read is removed from it)."""
+        out: list[Event] = []
+        if self.left and raw:
+            take = min(self.left, len(raw))
+            out.append(Body(bytes(raw[:take])))
+            del raw[:take]
+            self.left -= take
+        if not self.left:
+            out.append(_NO_TRAILERS)
+            return out, True
+        if eof:
+            raise WireError("the connection ended inside a message body")
+        return out, False
+
+
+class _Framed:
+    """A chunked or close-delimited body, read by h11's body readers (ChunkedReader, Http10Reader):
+    h11's own framing, fed the body's bytes only (the head was parsed once, above)."""
+
+    __slots__ = ("buffer", "reader")
+
+    def __init__(self, reader: ChunkedReader | Http10Reader) -> None:
+        self.reader = reader
+        self.buffer = ReceiveBuffer()
+
+    def read(self, raw: bytearray, eof: bool) -> tuple[list[Event], bool]:
+        if raw:
+            self.buffer += raw
+            raw.clear()
+        out: list[Event] = []
+        while True:
+            try:
+                event = self.reader(self.buffer)
+                if event is None and eof and not self.buffer:
+                    event = self.reader.read_eof()
+            except h11.ProtocolError as exc:
+                raise WireError(str(exc) or "HTTP/1 protocol error") from exc
+            if isinstance(event, h11.Data):
+                out.append(Body(bytes(event.data)))
+            elif isinstance(event, h11.EndOfMessage):
+                out.append(End(_text(event.headers.raw_items())) if event.headers else _NO_TRAILERS)
+                raw += bytes(self.buffer)  # what follows the body (a pipelined request)
+                return out, True
+            elif eof:
+                raise WireError("the connection ended inside a message body")
+            elif len(self.buffer) > MAX_HEAD:  # a chunk line or trailers without end (h11's bound)
+                raise WireError(f"a chunk header or trailers longer than {MAX_HEAD} bytes", 431)
+            else:
+                return out, False
+
+
+Reader = _Counted | _Framed
+
+
+class _Side:
+    """Raw bytes in; every head is guarded and parsed once, body bytes go to the body's reader."""
 
     def __init__(self) -> None:
         self.raw = bytearray()
-        self.h11: h11.Connection | None = None
         self.in_head = True
         self.scanner: HeadScanner | None = None  # the head being read
+        self.reader: Reader | None = None  # the body being read
         self.eof = False  # the peer ended its side
-        self.fed_eof = False  # and h11 was told
+        self.fed_eof = False  # and the reader was told
 
     def _take_head(self) -> bytes | None:
         """The next complete, guarded head (removed from raw), or None when more bytes are needed."""
@@ -231,40 +372,38 @@ class _Reader:
             self.scanner = None
         return head
 
-    def _feed_body(self, conn: h11.Connection) -> None:
-        """Between heads, bytes (and the end of input, once) go straight to h11."""
-        if self.raw:
-            conn.receive_data(bytes(self.raw))
-            self.raw.clear()
-        if self.eof and not self.fed_eof:
-            self.fed_eof = True
-            conn.receive_data(b"")
-
-    def _pump(self, conn: h11.Connection) -> list[object]:
-        events: list[object] = []
-        while True:
-            event = _next(conn)
-            if event is h11.NEED_DATA or event is h11.PAUSED:
-                return events
-            events.append(event)
-            if isinstance(event, h11.ConnectionClosed):
-                return events
+    def _body(self, out: list[Event]) -> bool:
+        """Events of the body being read into out; True when it ended."""
+        assert self.reader is not None
+        self.fed_eof = self.eof
+        events, ended = self.reader.read(self.raw, self.eof)
+        out += events
+        if ended:
+            self.reader = None
+        return ended
 
 
-def _next(conn: h11.Connection) -> object:
-    try:
-        return conn.next_event()
-    except h11.RemoteProtocolError as exc:
-        raise WireError(str(exc) or "HTTP/1 protocol error") from exc
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
 
 
-class ClientSide(_Reader):
-    """The child's side (h11 server role): requests in, responses out, one request at a time."""
+def _last_chunk(trailers: Headers) -> bytes:
+    lines = "".join(f"{n}: {v}\r\n" for n, v in trailers)
+    text = f"{lines}\r\n"
+    if _FIELD_LINES.fullmatch(text) is None:
+        raise ValueError(f"egressd would write trailers that are not HTTP/1: {text[:200]!r}")
+    return b"0\r\n" + text.encode(TEXT_ENCODING)
+
+
+class ClientSide(_Side):
+    """The child's side: requests in, responses out, one request at a time."""
 
     def __init__(self) -> None:
         super().__init__()
         self.request: RequestHead | None = None
         self.done = False  # the current request was read completely
+        self.answered = False  # ... and its response was sent completely
+        self.keep_alive = True  # the connection may carry another request after this exchange
         self.chunked_out = False  # the response to the child is chunked (it may carry trailers)
 
     @property
@@ -285,21 +424,19 @@ class ClientSide(_Reader):
                 if self.eof and self.raw:
                     raise WireError("the connection ended inside a request head")
                 return out
-            out.append(self._head(head))
+            request = self._head(head)
+            out.append(request)
             self.in_head = False
-        assert self.h11 is not None
-        self._feed_body(self.h11)
-        for event in self._pump(self.h11):
-            if isinstance(event, h11.Data):
-                out.append(Body(bytes(event.data)))
-            elif isinstance(event, h11.EndOfMessage):
-                out.append(End(_text(event.headers.raw_items())))
-                self.done = True
-                rest, _ = self.h11.trailing_data
-                self.raw[:0] = rest  # the next request, guarded in its turn
-                break
-            elif isinstance(event, h11.ConnectionClosed):
-                raise WireError("the connection ended inside a request body")
+        if self.reader is None:
+            out.append(_NO_TRAILERS)
+            self.done = True
+            return out
+        try:
+            self.done = self._body(out)
+        except WireError as exc:
+            if not self.eof:
+                raise
+            raise WireError("the connection ended inside a request body") from exc
         return out
 
     def receive_eof(self) -> list[Event]:
@@ -309,103 +446,97 @@ class ClientSide(_Reader):
         return self.receive(b"")
 
     def _head(self, head: bytes) -> RequestHead:
-        line = head.split(b"\r\n", 1)[0]
+        line = head[: head.find(b"\r\n")]
         if not line.isascii():
             raise WireError(f"non-ASCII bytes in the request line {ascii(line[:200].decode('latin-1'))}")
-        fields = _raw_fields(head)
-        problem = _framing_problem(fields)  # before h11, which merges repeated Content-Length fields
-        hosts = sum(1 for n, _ in fields if n == b"host")
-        # h11 insists on one Host field in HTTP/1.1 (RFC 9112 3.2, for origin servers); a proxy
-        # request names its host in the target, and the upstream gets the canonical Host anyway
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
-        if hosts != 1:
-            lines = [x for x in head[:-4].split(b"\r\n") if x.partition(b":")[0].lower() != b"host"]
-            head = b"\r\n".join(lines) + b"\r\n" + _STAND_IN + b"\r\n"
-        conn.receive_data(head)
-        try:
-            request = _next(conn)  # the events after the head (End of a bodiless request) come later
-        except WireError as exc:
-            raise WireError(problem or exc.detail) from exc
-        if not isinstance(request, h11.Request):
-            raise WireError(problem or "incomplete or malformed request head")
-        self.h11 = conn
-        method = request.method.decode("ascii")
-        target = request.target.decode("ascii")
+        text = head.decode(TEXT_ENCODING)
+        lines = text[:-4].split("\r\n")
+        fields = _fields(lines[1:])
+        problem = _framing_problem(fields)
+        parsed = _REQUEST_HEAD.fullmatch(text)
+        if parsed is None:
+            raise WireError(problem or _grammar_problem(text, _REQUEST_LINE_RE, "request"))
+        method, target, version = parsed.groups()
         if method == "CONNECT" or not target.lower().startswith(("http://", "https://", "ftp://")):
             form = "asterisk" if target == "*" else "origin" if target.startswith("/") else "authority"
             raise WireError(
                 f"{form}-form target {target[:200]!r}: a proxy request needs an absolute-form URL"
             )
         scheme, host, port, path = split_target(target)
-        headers = _text(request.headers.raw_items())
-        if hosts != 1:
-            headers = headers[:-1]  # the stand-in
-        version = request.http_version.decode("ascii")
         if version not in ("1.1", "1.0"):
             raise WireError(f"HTTP/{version} is not HTTP/1.1 or HTTP/1.0")
-        self.request = RequestHead(method, scheme, host, port, path, version, headers)
+        self.request = RequestHead(method, scheme, host, port, path, version, fields)
         if problem is not None:
             raise WireError(problem, head=self.request)
+        hosts = proxy_authorizations = 0
+        length: str | None = None
+        chunked = False
+        for name, value in fields:
+            lower = name.lower()
+            if lower == "host":
+                hosts += 1
+            elif lower == "proxy-authorization":
+                proxy_authorizations += 1
+            elif lower == "content-length":
+                length = value
+            elif lower == "transfer-encoding":
+                chunked = True
         if hosts > 1:
             raise WireError("more than one Host header", reason=Reason.HOST_MISMATCH, head=self.request)
-        if len(_values(headers, "proxy-authorization")) > 1:
+        if proxy_authorizations > 1:
             raise WireError("more than one Proxy-Authorization header", head=self.request)
+        if chunked:
+            self.reader = _Framed(ChunkedReader())
+        elif length is not None and int(length):
+            self.reader = _Counted(int(length))
+        self.keep_alive = not _closes(version, fields)
         return self.request
 
     # -- what the child is sent --------------------------------------------------------------------
     def interim(self, head: ResponseHead) -> bytes:
         """A 1xx response (100 Continue, 103 Early Hints; 101 ends HTTP on this connection)."""
-        assert self.h11 is not None
-        headers = _bytes(response_headers(head.headers, keep_upgrade=head.status == 101))
-        return self.h11.send(
-            h11.InformationalResponse(
-                status_code=head.status, headers=headers, reason=head.reason.encode(TEXT_ENCODING)
-            )
-        )
+        fields = response_headers(head.headers, keep_upgrade=head.status == 101)
+        return _head_text(f"HTTP/1.1 {head.status} {head.reason}", fields, _RESPONSE_HEAD)
 
     def response(self, head: ResponseHead) -> bytes:
-        """The final response head; framing for this client is h11's (chunked for an unknown length
-        to an HTTP/1.1 client, close-delimited to HTTP/1.0)."""
-        assert self.h11 is not None
-        headers = _bytes(response_headers(head.headers, keep_upgrade=False))
+        """The final response head, framed for this client as h11's server role frames it: a
+        Content-Length kept, an unknown length chunked to an HTTP/1.1 client and close-delimited to
+        HTTP/1.0, `Connection: close` when this exchange ends the connection."""
         request = self.request
-        self.chunked_out = (
-            self.h11.their_http_version == b"1.1"
-            and not any(n.lower() == b"content-length" for n, _ in headers)
-            and head.status not in (204, 304)
-            and (request is None or request.method != "HEAD")
-        )
-        return (
-            self.h11.send(
-                h11.Response(
-                    status_code=head.status, headers=headers, reason=head.reason.encode(TEXT_ENCODING)
-                )
-            )
-            or b""
-        )
+        fields = response_headers(head.headers, keep_upgrade=False)
+        head_only = request is not None and request.method == "HEAD"
+        bodiless = head.status in (204, 304)
+        length = any(n.lower() == "content-length" for n, _ in fields)
+        version = request.version if request is not None else "1.1"
+        close = not self.keep_alive
+        self.chunked_out = False
+        if not bodiless and not length:  # h11 frames HEAD's answer as GET's
+            if version == "1.1":
+                fields.append(("Transfer-Encoding", "chunked"))
+                self.chunked_out = not head_only
+            elif not head_only:
+                close = True
+        if close:
+            self.keep_alive = False
+            fields.append(("Connection", "close"))
+        return _head_text(f"HTTP/1.1 {head.status} {head.reason}", fields, _RESPONSE_HEAD)
 
     def body(self, data: bytes) -> bytes:
-        assert self.h11 is not None
-        return self.h11.send(h11.Data(data=data))
+        return _chunk(data) if self.chunked_out else data
 
     def end(self, trailers: Headers) -> bytes:
         """The end of the response; trailers only where the framing carries them (chunked)."""
-        assert self.h11 is not None
-        keep = [(n, v) for n, v in trailers if n.lower() not in FRAMING] if self.chunked_out else []
-        return self.h11.send(h11.EndOfMessage(headers=_bytes(keep))) or b""
+        self.answered = True
+        if not self.chunked_out:
+            return b""
+        return _last_chunk([(n, v) for n, v in trailers if n.lower() not in FRAMING])
 
     def next_request(self) -> bool:
         """After a complete exchange: True when the connection stays open for the next request (its
         bytes, already read, are parsed by the next receive())."""
-        conn = self.h11
-        keep = (
-            conn is not None
-            and self.done
-            and conn.our_state is h11.DONE
-            and conn.their_state is h11.DONE
-            and not (self.eof and not self.raw)
-        )
-        self.h11, self.request, self.done, self.in_head = None, None, False, True
+        keep = self.done and self.answered and self.keep_alive and not (self.eof and not self.raw)
+        self.request, self.done, self.answered, self.in_head, self.reader = None, False, False, True, None
+        self.keep_alive = True
         return keep
 
     def trailing(self) -> bytes:
@@ -415,8 +546,8 @@ class ClientSide(_Reader):
 
 
 def response_headers(headers: Headers, *, keep_upgrade: bool) -> Headers:
-    """Response fields forwarded to the child: no hop-by-hop fields, no framing (h11 frames anew),
-    and never egressd's own headers from upstream (a forged refusal)."""
+    """Response fields forwarded to the child: no hop-by-hop fields, no framing (egressd frames
+    anew), and never egressd's own headers from upstream (a forged refusal)."""
     connection = ", ".join(_values(headers, "connection"))
     drop = set(hop_by_hop_names(connection, keep_upgrade=keep_upgrade)) | set(EGRESSD_HEADERS)
     drop.add("transfer-encoding")
@@ -442,40 +573,48 @@ def upstream_headers(request: RequestHead, host: str, port: int, strip: set[str]
     return headers
 
 
-class ServerSide(_Reader):
-    """The upstream's side (h11 client role) of one pinned connection, reused for keep-alive."""
+class ServerSide(_Side):
+    """The upstream's side of one pinned connection, reused for keep-alive."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         self.in_head = False  # no response is expected before a request went out
         self.switched = False
+        self.method = ""  # of the request the response answers (HEAD: no body)
+        self.upgrade = False  # the request asked for an upgrade: a 101 may switch
+        self.chunked = False  # the request's body goes out chunked
+        self.sending = False  # the request's body is still going out
+        self.complete = False  # the final response was read completely
+        self.closes = False  # the response ends the connection
 
     def request(self, request: RequestHead, headers: Headers) -> bytes:
-        """The request head in origin-form (h11 writes HTTP/1.1 whatever the child spoke)."""
-        assert self.h11 is not None
-        self.in_head = True
-        return (
-            self.h11.send(h11.Request(method=request.method, target=request.path, headers=_bytes(headers)))
-            or b""
-        )
+        """The request head in origin-form (HTTP/1.1 whatever the child spoke)."""
+        self.in_head, self.complete, self.closes = True, False, False
+        self.method = request.method
+        self.upgrade = self.chunked = False
+        length = "0"
+        for name, value in headers:
+            lower = name.lower()
+            if lower == "upgrade":
+                self.upgrade = True
+            elif lower == "transfer-encoding":
+                self.chunked = True
+            elif lower == "content-length":
+                length = value
+        self.sending = self.chunked or length != "0"
+        return _head_text(f"{request.method} {request.path} HTTP/1.1", headers, _REQUEST_HEAD)
 
     def body(self, data: bytes) -> bytes:
-        assert self.h11 is not None
-        return self.h11.send(h11.Data(data=data)) or b"" if data else b""
+        return _chunk(data) if self.chunked else data
 
     def end(self) -> bytes:
-        assert self.h11 is not None
-        return self.h11.send(h11.EndOfMessage()) or b""
-
-    @property
-    def sending(self) -> bool:
-        """The request body is still going out."""
-        return self.h11 is not None and self.h11.our_state is h11.SEND_BODY
+        self.sending = False
+        return b"0\r\n\r\n" if self.chunked else b""
 
     def receive(self, data: bytes) -> list[Event]:
         """Bytes from upstream → response events. Raises WireError (the upstream broke HTTP/1)."""
-        assert self.h11 is not None
+        if data and not (self.in_head or self.reader is not None or self.switched):
+            raise WireError("the server sent bytes before it was asked anything", 502)
         self.raw += data
         out: list[Event] = []
         while not self.switched:
@@ -485,55 +624,58 @@ class ServerSide(_Reader):
                     if self.eof:
                         raise WireError("the server closed the connection before the response ended", 502)
                     break
-                self.h11.receive_data(head)
+                self._response(head, out)
+            elif self.reader is not None:
+                if not self._body(out):
+                    break
+                self.complete = True
             else:
-                self._feed_body(self.h11)
-            for event in self._pump(self.h11):
-                out += self._event(event)
-            if not self.raw or self.switched:
-                break
+                break  # nothing asked: bytes wait here (the connection is not reused)
         return out
 
     def receive_eof(self) -> list[Event]:
         self.eof = True
         return self.receive(b"")
 
-    def _event(self, event: object) -> list[Event]:
-        assert self.h11 is not None
-        if isinstance(event, h11.InformationalResponse):
-            head = ResponseHead(
-                event.status_code, event.reason.decode(TEXT_ENCODING), _text(event.headers.raw_items())
-            )
-            if event.status_code == 101:
+    def _response(self, head: bytes, out: list[Event]) -> None:
+        text = head.decode(TEXT_ENCODING)
+        parsed = _RESPONSE_HEAD.fullmatch(text)
+        if parsed is None:
+            raise WireError(_grammar_problem(text, _STATUS_LINE_RE, "status"), 502)
+        version, status_text, reason = parsed.groups()
+        status = int(status_text)
+        fields = _fields(text[:-4].split("\r\n")[1:])
+        length, chunked = _response_length(fields)
+        if status < 100:
+            raise WireError(f"status {status_text} is not HTTP", 502)
+        if status == 101 and not self.upgrade:
+            raise WireError("101 Switching Protocols to a request that asked for no upgrade", 502)
+        out.append(ResponseHead(status, reason or "", fields))
+        if status < 200:
+            if status == 101:
                 self.switched = True
-                rest, _ = self.h11.trailing_data
-                return [head, Switched(bytes(rest) + bytes(self.raw))]
-            return [head]
-        if isinstance(event, h11.Response):
-            self.in_head = False
-            return [
-                ResponseHead(
-                    event.status_code, event.reason.decode(TEXT_ENCODING), _text(event.headers.raw_items())
-                )
-            ]
-        if isinstance(event, h11.Data):
-            return [Body(bytes(event.data))]
-        if isinstance(event, h11.EndOfMessage):
-            return [End(_text(event.headers.raw_items()))]
-        if isinstance(event, h11.ConnectionClosed):
-            return []
-        raise WireError(f"unexpected HTTP/1 event {type(event).__name__}", 502)
+                rest, self.raw = bytes(self.raw), bytearray()
+                out.append(Switched(rest))
+            return
+        self.in_head = False
+        self.closes = _closes(version, fields)
+        if status in (204, 304) or self.method == "HEAD" or (length == 0 and not chunked):
+            out.append(_NO_TRAILERS)
+            self.complete = True
+        elif chunked:
+            self.reader = _Framed(ChunkedReader())
+        elif length is not None:
+            self.reader = _Counted(length)
+        else:
+            self.reader = _Framed(Http10Reader())
+            self.closes = True
 
     def reusable(self) -> bool:
         """After a complete exchange: whether the connection can carry the next request (then it is
         reset for it); bytes the server sent unasked make it unusable."""
-        conn = self.h11
-        if conn is None or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+        if not self.complete or self.sending or self.closes or self.switched or self.raw or self.eof:
             return False
-        if conn.trailing_data[0] or self.raw:
-            return False
-        conn.start_next_cycle()
-        self.in_head = False
+        self.in_head = self.complete = False
         return True
 
 
@@ -547,41 +689,34 @@ class ConnectHead:
 
 
 def read_connect(head: bytes) -> ConnectHead:
-    """One complete CONNECT head (the raw-head guard already passed it) read by h11. Raises WireError.
+    """One complete CONNECT head (the raw-head guard already passed it), parsed. Raises WireError.
 
-    A child sends the same head again and again (one client library, one registry, one token), and
-    h11 reads it slowly next to the rest of a tunnel's set-up: the last heads read are remembered,
-    by their exact bytes. Reading is a pure function of those bytes, so a remembered answer is the
-    answer; a head that raises is read again each time; only short heads are kept (at most 256 of 2 KiB)."""
+    A child sends the same head again and again (one client library, one registry, one token): the
+    last heads read are remembered, by their exact bytes. Reading is a pure function of those bytes,
+    so a remembered answer is the answer; a head that raises is read again each time; only short
+    heads are kept (at most 256 of 2 KiB)."""
     if len(head) <= _REMEMBERED_HEAD:
         return _read_connect_remembered(head)
     return _read_connect(head)
 
 
 def _read_connect(head: bytes) -> ConnectHead:
-    line = head.split(b"\r\n", 1)[0]
+    line = head[: head.find(b"\r\n")]
     if not line.isascii():
         raise WireError(f"non-ASCII bytes in the CONNECT request line {ascii(line[:200].decode('latin-1'))}")
-    fields = _raw_fields(head)
-    if sum(1 for n, _ in fields if n == b"host") != 1:  # h11 insists on one Host field in HTTP/1.1
-        lines = [x for x in head[:-4].split(b"\r\n") if x.partition(b":")[0].lower() != b"host"]
-        head = b"\r\n".join(lines) + b"\r\n" + _STAND_IN + b"\r\n"
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
-    conn.receive_data(head)
-    request = _next(conn)
-    if (
-        not isinstance(request, h11.Request)
-        or request.method != b"CONNECT"
-        or request.http_version not in (b"1.1", b"1.0")
-    ):
+    text = head.decode(TEXT_ENCODING)
+    parsed = _REQUEST_HEAD.fullmatch(text)
+    if parsed is None:
+        raise WireError(_grammar_problem(text, _REQUEST_LINE_RE, "CONNECT request"))
+    method, authority, version = parsed.groups()
+    if method != "CONNECT" or version not in ("1.1", "1.0"):
         raise WireError(f"malformed CONNECT request line {line[:200].decode('latin-1')!r}")
-    authority = request.target.decode("ascii")
     host, sep, port_text = authority.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if not sep or not host or not port_text.isdigit() or len(port_text) > 5 or not 0 < int(port_text) < 65536:
         raise WireError(f"CONNECT needs host:port, got {authority[:200]!r}")
-    credentials = [v for n, v in _text(request.headers.raw_items()) if n.lower() == "proxy-authorization"]
+    credentials = [v for n, v in _fields(text[:-4].split("\r\n")[1:]) if n.lower() == "proxy-authorization"]
     if len(credentials) > 1:
         raise WireError("more than one Proxy-Authorization header")
     return ConnectHead(host, int(port_text), credentials[0].strip() if credentials else None)

@@ -15,7 +15,6 @@ MAX_HEAD = 64 * 1024
 _CTL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _BARE_LF = re.compile(rb"(?<!\r)\n")
 _BARE_CR = re.compile(rb"\r(?!\n)")
-_CTL_BYTES = bytes([*range(0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])
 # A complete head with nothing any check refuses, in one pass: lines of no control byte (HTAB
 # allowed) each ending in CRLF, no line after the first starting with SP or HTAB (obs-fold), up to
 # the first empty line. No byte is matched two ways, so the match is linear.
@@ -44,11 +43,11 @@ def checked_head_problem(data: bytes, start: int) -> tuple[int, str] | None:
         if len(data) - start > MAX_HEAD:
             return 431, f"request head longer than {MAX_HEAD} bytes"
         # what is there already may be refused without waiting for the rest
-        return _line_problem(data[start:], complete=False)
+        return named_problem(data[start:], complete=False)
     end = min(ends)
     if end - start > MAX_HEAD:
         return 431, f"request head longer than {MAX_HEAD} bytes"
-    return _line_problem(data[start:end], complete=True)
+    return named_problem(data[start:end], complete=True)
 
 
 def leading_empty_lines(data: bytes | bytearray) -> int:
@@ -77,10 +76,6 @@ def starts_like_request(data: bytes) -> bool | None:
     return _METHOD.fullmatch(data, start, space) is not None
 
 
-def _line_problem(head: bytes, *, complete: bool) -> tuple[int, str] | None:
-    return None if _clean(head) else named_problem(head, complete=complete)
-
-
 def named_problem(head: bytes, *, complete: bool) -> tuple[int, str] | None:
     """What is wrong with a head (or the start of one), by name; None when nothing is."""
     if _BARE_LF.search(head):
@@ -95,20 +90,6 @@ def named_problem(head: bytes, *, complete: bool) -> tuple[int, str] | None:
         if line[:1] in (b" ", b"\t"):
             return 400, "obsolete line folding (obs-fold) in the request head"
     return None
-
-
-def _clean(head: bytes) -> bool:
-    """No byte any check of _line_problem refuses: every CR and LF paired as CRLF, no control
-    character, no line that starts with SP or HTAB. Byte counts, cheaper than the lookbehind searches,
-    for the head every client sends as it should (the searches then name what is wrong)."""
-    pairs = head.count(b"\r\n")
-    return (
-        head.count(b"\n") == pairs
-        and head.count(b"\r") == pairs
-        and len(head.translate(None, _CTL_BYTES)) == len(head)
-        and b"\n " not in head
-        and b"\n\t" not in head
-    )
 
 
 _ENDS = (b"\r\n\r\n", b"\n\n", b"\n\r\n")  # where a head may end (all but the first are refused)
