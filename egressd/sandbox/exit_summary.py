@@ -82,6 +82,7 @@ class Walk:
     started_ns: int
     files: dict[str, tuple[Seen, str]] = field(default_factory=dict)  # candidate: (stat, why)
     gits: list[str] = field(default_factory=list)  # `.git` entries below the roots (not theirs)
+    gitdirs: dict[str, int] = field(default_factory=dict)  # every git directory seen: its inode
     lifecycle: dict[str, dict[str, str]] = field(default_factory=dict)  # package.json: its scripts
     seen: int = 0
     complete: bool = True
@@ -98,9 +99,9 @@ _TOPS = {e.path.split("/", 1)[0] for e in hooks.IN_PROJECT}
 def _why(relative: str, name: str, info: os.stat_result, in_git: bool) -> str | None:
     """Why the entry at `relative` (to its root) matters, or None."""
     if in_git:
-        if relative.endswith("/hooks/" + name) and not name.endswith(".sample"):
+        if ("/" + relative).endswith("/hooks/" + name) and not name.endswith(".sample"):
             return GIT_HOOK
-        if name in GIT_CONFIG or relative.endswith("/info/attributes"):
+        if name in GIT_CONFIG or ("/" + relative).endswith("/info/attributes"):
             return GIT_CONFIGURATION
         return None
     if name == ".git":
@@ -134,6 +135,10 @@ def walk(roots: Sequence[str], limit: int = WALK_LIMIT, started_ns: int | None =
             entries = list(os.scandir(directory))
         except OSError:
             continue
+        if hooks.git_directory({e.name for e in entries}):
+            with contextlib.suppress(OSError):
+                found.gitdirs[directory] = os.lstat(directory).st_ino
+            in_git = True  # a bare repository, a submodule's: git reads its hooks and configuration
         for entry in entries:
             if found.seen >= limit:
                 found.complete = False

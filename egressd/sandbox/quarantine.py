@@ -1,0 +1,363 @@
+"""Repositories the run made where the sandbox could not protect them: their code taken out of git's way.
+
+The sandbox write-protects the git directories it finds when it starts (hooks.py). A repository
+the child makes during the run (`git init sub`, `git clone`, `git init --bare x.git`, a `.git`
+file or symlink naming a directory of its own, a `commondir` leading to one) cannot be: bubblewrap
+covers only paths that exist when it starts, and any directory can be a git directory. Yet your
+git runs its hooks and configuration as soon as you use git there, and your prompt's `git status`
+in the project does when the project's index records it as a submodule.
+
+So after the run, every git directory under the writable paths that the exit summary's walks
+(exit_summary.py) show as made during the run, or whose hooks or configuration the run created or
+changed, and that was not write-protected, is neutralised before the person gets the prompt back:
+
+- its configuration (`config`, `config.worktree`) keeps only the keys on SAFE_KEYS, which name
+  the repository's layout, remotes and branches and run nothing; everything else (core.fsmonitor,
+  core.hooksPath, include.path, includeIf, filter and diff drivers, aliases, pager, editor, ...) is
+  dropped. An allowlist: git grows new keys that run programs, and those stay dropped;
+- its `hooks` directory, unless it holds only git's `*.sample` files (which git never runs), and
+  `info/attributes` (which picks the drivers of your configuration) are moved aside.
+
+The originals are moved, not copied or edited, into a new `egressd-quarantine` directory in the
+same git directory, for the person to read: a hook that is a hard link to another file leaves
+that file as it is, a symlink is moved as a symlink, and nothing is written through either. No
+path is followed through a symlink the child made (every step is relative to a directory opened
+with O_NOFOLLOW), so a planted link cannot steer egressd into another repository. Every process
+of the run has ended by then (on Linux its PID namespace is gone; on macOS leftovers.py ended what
+the run's profile confines), so nothing the child runs races it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import stat
+import subprocess
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from egressd.sandbox import hooks
+from egressd.sandbox.exit_summary import GIT_CONFIGURATION, GIT_HOOK, NESTED_GIT, Change, Walk, printable
+from egressd.sandbox.mounts import within
+
+QUARANTINE = "egressd-quarantine"
+CONFIG_MAX = 1 << 20
+HOOKS_LISTED = 4096  # entries of a hooks directory looked at; beyond, it is moved unread
+GIT_TIMEOUT = 10.0
+# What a configuration keeps: the repository's layout, its remotes and branches, the identity.
+# Keys as `git config --list` prints them (section and name lowercased, any subsection).
+SAFE_KEYS = re.compile(
+    r"""(
+      core\.(repositoryformatversion|bare|worktree|filemode|logallrefupdates|ignorecase
+             |precomposeunicode|symlinks|autocrlf|eol|safecrlf|sparsecheckout|sparsecheckoutcone)
+    | extensions\.[^.]+
+    | remote\..+\.(url|pushurl|fetch|push|tagopt|mirror|prune|promisor|partialclonefilter)
+    | branch\..+\.(remote|pushremote|merge)
+    | submodule\..+\.(url|active)
+    | user\.(name|email)
+    | init\.defaultbranch
+    | lfs\.repositoryformatversion
+    )""",
+    re.VERBOSE,
+)
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class Taken:
+    """One thing moved out of git's way: `path` (what git would have read or run), `kept` (where
+    the original is now), and for a configuration the keys dropped (none: it was not a file git
+    could read as one, and it is gone)."""
+
+    path: str
+    kept: str
+    dropped: tuple[str, ...] = ()
+    hooks: tuple[str, ...] = ()  # for a hooks directory: what git would have run
+
+
+def touched(before: Walk, after: Walk, found: Iterable[Change]) -> list[str]:
+    """The git directories (canonical) the run made, or whose hooks or configuration it created or
+    changed, or that a `.git` file or symlink it made names."""
+    gitdirs: dict[str, None] = {}
+    for path, inode in after.gitdirs.items():
+        if before.gitdirs.get(path) != inode:
+            gitdirs[path] = None
+    for change in found:
+        if change.why in (GIT_HOOK, GIT_CONFIGURATION):
+            owner = _owner(change.path, after.gitdirs)
+            if owner is not None:
+                gitdirs[owner] = None
+        elif change.why == NESTED_GIT:
+            named = _named(change.path)
+            if named is not None:
+                gitdirs[named] = None
+    return list(gitdirs)
+
+
+def _owner(path: str, gitdirs: dict[str, int]) -> str | None:
+    current = os.path.dirname(path)
+    while current != os.path.dirname(current):
+        if current in gitdirs:
+            return current
+        current = os.path.dirname(current)
+    return None
+
+
+def _named(dot_git: str) -> str | None:
+    """The directory a `.git` entry leads git to: itself, a symlink's target, a file's gitdir."""
+    try:
+        info = os.lstat(dot_git)
+    except OSError:
+        return None
+    named = hooks.read_gitfile(dot_git) if stat.S_ISREG(info.st_mode) else os.path.realpath(dot_git)
+    return named if named is not None and os.path.isdir(named) else None
+
+
+def quarantine(
+    gitdirs: Iterable[str],
+    *,
+    writable: Sequence[str],
+    protected: Iterable[str],
+    git: str | None,
+) -> list[Taken]:
+    """Neutralise each git directory of `gitdirs` (and the common directory it reads its
+    configuration and hooks from) where it lies in `writable` and is not in `protected` (the
+    paths the sandbox kept read-only)."""
+    kept = set(protected)
+    taken: list[Taken] = []
+    done: set[str] = set()
+    boxes: dict[str, _Box] = {}  # one quarantine directory per git directory
+    try:
+        for gitdir in gitdirs:
+            common = hooks.common_dir(gitdir)
+            wanted = [(common, "config"), (common, "hooks"), (common, "info"), (gitdir, "config.worktree")]
+            for directory, name in wanted:
+                path = os.path.join(directory, name)
+                target = path if name != "info" else os.path.join(path, "attributes")
+                if target in done or target in kept or not any(within(path, w) for w in writable):
+                    continue
+                done.add(target)
+                if directory not in boxes:
+                    try:
+                        boxes[directory] = _Box(directory, os.open(directory, _O_DIR))
+                    except OSError:
+                        continue  # not a directory, or gone
+                with contextlib.suppress(OSError):
+                    taken += _neutralise(boxes[directory], name, git)
+    finally:
+        for box in boxes.values():
+            box.close()
+    return taken
+
+
+def _neutralise(box: _Box, name: str, git: str | None) -> list[Taken]:
+    if name == "hooks":
+        return _hooks(box)
+    if name == "info":
+        return _attributes(box)
+    return _config(box, name, git)
+
+
+@contextlib.contextmanager
+def _opened(path: str, dir_fd: int) -> Iterator[int | None]:
+    """The directory at `path`, never through a symlink (None when it is not a directory)."""
+    try:
+        fd = os.open(path, _O_DIR, dir_fd=dir_fd)
+    except OSError:
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+class _Box:
+    """The quarantine directory of one git directory, made on first use, always a new one."""
+
+    def __init__(self, directory: str, fd: int) -> None:
+        self.directory = directory
+        self.fd = fd
+        self.name: str | None = None
+        self.box: int | None = None
+
+    def keep(self, name: str, dir_fd: int | None = None, shown: str | None = None) -> str:
+        """Move the entry `name` (of `dir_fd`, by default the git directory) into the box; where it is."""
+        if self.box is None:
+            self.name, self.box = self._make()
+        os.rename(name, name, src_dir_fd=self.fd if dir_fd is None else dir_fd, dst_dir_fd=self.box)
+        return os.path.join(self.directory, str(self.name), shown or name)
+
+    def _make(self) -> tuple[str, int]:
+        for attempt in range(100):
+            name = QUARANTINE if attempt == 0 else f"{QUARANTINE}-{attempt}"
+            try:
+                os.mkdir(name, 0o700, dir_fd=self.fd)  # never one the child made: it may be a link
+            except FileExistsError:
+                continue
+            return name, os.open(name, _O_DIR, dir_fd=self.fd)
+        raise FileExistsError(os.path.join(self.directory, QUARANTINE))
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.box is not None:
+            os.close(self.box)
+
+
+def _hooks(box: _Box) -> list[Taken]:
+    try:
+        info = os.stat("hooks", dir_fd=box.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return []
+    names: list[str] = []
+    if stat.S_ISDIR(info.st_mode):
+        with _opened("hooks", box.fd) as fd:
+            if fd is None:
+                return []
+            with os.scandir(fd) as entries:
+                for count, entry in enumerate(entries):
+                    if count >= HOOKS_LISTED:
+                        names.append("...")
+                        break
+                    if not (entry.name.endswith(".sample") and entry.is_file(follow_symlinks=False)):
+                        names.append(entry.name)
+        if not names:
+            return []  # what git init and git clone put there: git runs none of it
+    path = os.path.join(box.directory, "hooks")
+    return [Taken(path, box.keep("hooks"), hooks=tuple(sorted(names)))]
+
+
+def _attributes(box: _Box) -> list[Taken]:
+    try:
+        info = os.stat("info", dir_fd=box.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return []
+    path = os.path.join(box.directory, "info")
+    if not stat.S_ISDIR(info.st_mode):
+        return [Taken(path, box.keep("info"))]  # a symlink git would follow
+    with _opened("info", box.fd) as fd:
+        if fd is None:
+            return []
+        try:
+            os.stat("attributes", dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return []
+        kept = box.keep("attributes", fd, "attributes")
+    return [Taken(os.path.join(path, "attributes"), kept)]
+
+
+def _config(box: _Box, name: str, git: str | None) -> list[Taken]:
+    try:
+        info = os.stat(name, dir_fd=box.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return []
+    path = os.path.join(box.directory, name)
+    text = _read(name, box.fd) if stat.S_ISREG(info.st_mode) else None
+    entries = None if text is None else parse(text, git)
+    if entries is None:  # not a file git reads as it is: moved, with nothing in its place
+        return [Taken(path, box.keep(name))]
+    safe = [(key, value) for key, value in entries if SAFE_KEYS.fullmatch(key)]
+    dropped = tuple(dict.fromkeys(key for key, _ in entries if not SAFE_KEYS.fullmatch(key)))
+    if not dropped:
+        return []
+    temporary = f".{name}.egressd-{secrets.token_hex(8)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temporary, flags, 0o644, dir_fd=box.fd)
+    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+        f.write(render(safe))
+    try:
+        kept = box.keep(name)
+        os.rename(temporary, name, src_dir_fd=box.fd, dst_dir_fd=box.fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=box.fd)
+        raise
+    return [Taken(path, kept, dropped)]
+
+
+def _read(name: str, dir_fd: int) -> str | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(CONFIG_MAX + 1)
+    return None if len(data) > CONFIG_MAX else data.decode("utf-8", "surrogateescape")
+
+
+def parse(text: str, git: str | None) -> list[tuple[str, str | None]] | None:
+    """The entries of a configuration file as git reads them ((key, value); None: a key without
+    `=`), by git itself, includes not followed; None when git cannot read it (git then refuses to
+    run in the repository, so it is moved aside) or there is no git."""
+    if git is None:
+        return None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env["GIT_CONFIG_NOSYSTEM"] = "1"
+    try:
+        result = subprocess.run(
+            [git, "config", "--file", "-", "--no-includes", "--list", "-z"],
+            input=text.encode("utf-8", "surrogateescape"),
+            capture_output=True,
+            timeout=GIT_TIMEOUT,
+            env=env,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if result.returncode != 0:
+        return None
+    entries: list[tuple[str, str | None]] = []
+    for item in result.stdout.split(b"\0")[:-1]:
+        key, newline, value = os.fsdecode(item).partition("\n")
+        entries.append((key, value if newline else None))
+    return entries
+
+
+def render(entries: Sequence[tuple[str, str | None]]) -> str:
+    """A configuration file git reads as exactly `entries` (keys as `git config --list` prints them)."""
+    lines: list[str] = []
+    section: tuple[str, str | None] | None = None
+    for key, value in entries:
+        first, _, rest = key.partition(".")
+        subsection, _, name = rest.rpartition(".") if "." in rest else (None, "", rest)
+        if subsection is not None and ("\0" in subsection or "\n" in subsection):
+            continue
+        if (first, subsection) != section:
+            section = (first, subsection)
+            quoted = "" if subsection is None else ' "' + _escape(subsection, value=False) + '"'
+            lines.append(f"[{first}{quoted}]")
+        lines.append(f"\t{name}" if value is None else f'\t{name} = "{_escape(value, value=True)}"')
+    return "".join(f"{line}\n" for line in lines)
+
+
+def _escape(text: str, *, value: bool) -> str:
+    text = text.replace("\\", "\\\\").replace('"', '\\"')
+    if value:
+        text = text.replace("\n", "\\n").replace("\t", "\\t").replace("\b", "\\b")
+    return text
+
+
+def summary(taken: Sequence[Taken], cwd: str) -> list[str]:
+    """The lines egressd prints on stderr about what it moved out of git's way."""
+    shown = lambda path: printable(os.path.relpath(path, cwd) if within(path, cwd) else path)  # noqa: E731
+    if not taken:
+        return []
+    lines = [
+        "the sandboxed command made git repositories (or changed ones the sandbox could not protect) "
+        "whose hooks or configuration would run code when you use git there; egressd took them out "
+        "of git's way and kept the originals:"
+    ]
+    for item in taken:
+        if item.hooks:
+            what = f"hooks ({_listed(item.hooks)}) moved"
+        elif item.dropped:
+            what = f"{_listed(item.dropped)} removed"
+        else:
+            what = "moved"
+        lines.append(f"  {shown(item.path)}: {what}, the original is {shown(item.kept)}")
+    return lines
+
+
+def _listed(names: Sequence[str], limit: int = 8) -> str:
+    return printable(", ".join(names[:limit]) + (", ..." if len(names) > limit else ""))
