@@ -397,6 +397,32 @@ def cases(user: User) -> dict[str, Case]:
             ),
             {"project-bare"},
         ),
+        "new-in-git-modules": Case(
+            # a submodule's git directory made in the project's own .git (writable but for the listed
+            # files), its checkout recorded in the index
+            REPO,
+            "git clone -q --bare . .git/modules/s && git -C .git/modules/s config core.bare false && "
+            "git -C .git/modules/s config core.worktree ../../../s && mkdir s && "
+            "echo 'gitdir: ../.git/modules/s' > s/.git && git -C s checkout -q -f && "
+            f"git -C s config core.fsmonitor {p('modules-fsmonitor')}; git add s",
+            {"modules-fsmonitor"},
+            repos=(".", "s"),
+        ),
+        "new-worktree-config": Case(
+            # the user's configuration reads each worktree's own config.worktree: a worktree the
+            # child adds has one of the child's
+            f"{REPO} && git config extensions.worktreeConfig true",
+            f"git worktree add -q wt && git -C wt config --worktree core.fsmonitor {p('worktree-fsmonitor')}",
+            {"worktree-fsmonitor"},
+            repos=("wt",),
+        ),
+        "included-missing": Case(
+            # the user's configuration includes a file of the project's that does not exist yet
+            f"{REPO} && git config include.path ../conf/shared.gitconfig",
+            "mkdir conf && printf '[core]\\n\\tfsmonitor = %s\\n' "
+            f"{p('included-missing')} > conf/shared.gitconfig",
+            {"included-missing"},
+        ),
         "envrc-and-editors": Case(
             f"{REPO} && echo 'export A=1' > .envrc",
             "; ".join(
@@ -439,6 +465,9 @@ CASES = [
     "new-in-parent",
     "parent-bare",
     "project-bare",
+    "new-in-git-modules",
+    "new-worktree-config",
+    "included-missing",
     "envrc-and-editors",
 ]
 AFTERWARDS = (

@@ -305,6 +305,7 @@ def left_behind(layout: Layout) -> list[str]:
             protected=[path for path, _ in layout.hooks],
             git=hooks.system_git(),
         )
+        taken += quarantine.set_aside(layout.later, layout.before.roots)
         found = [c for c in found if not any(within(c.path, t.path) for t in taken)]
     cwd = os.getcwd()
     return quarantine.summary(taken, cwd) + exit_summary.summary(found, after, cwd=cwd)

@@ -170,6 +170,9 @@ class Found:
 
     protected: dict[str, str] = field(default_factory=dict)
     placeholders: dict[str, Placeholder] = field(default_factory=dict)
+    # what git would read that is missing and has no placeholder (an included file): set aside
+    # after the run if it was made meanwhile (quarantine.py)
+    later: dict[str, str] = field(default_factory=dict)
 
     def add(self, path: str, entry: Entry) -> None:
         if path in self.protected:
@@ -371,6 +374,8 @@ def _add_repository(found: Found, dot_git: str, roots: Sequence[str], git: str |
         for included in config_includes(config, git):
             if any(within(included, root) for root in roots):
                 found.add(included, INCLUDED)
+                if not os.path.lexists(included):
+                    found.later[included] = INCLUDED.why
     hooks = hooks_path(os.path.dirname(dot_git), git)
     if hooks is not None and any(within(hooks, root) for root in roots):
         found.add(hooks, HOOKS_PATH)

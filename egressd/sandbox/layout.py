@@ -66,6 +66,8 @@ class Layout:
     own_home: str | None = None  # egressd's home: where it records the placeholders it made
     # after the run, neutralise the repositories made where nothing protected them (quarantine.py)
     quarantine: bool = False
+    # what git reads that was missing at start and could not be protected: set aside if made
+    later: tuple[str, ...] = ()
 
     def hides(self, path: str) -> bool:
         """The child sees nothing of the host's at the canonical `path`."""
@@ -282,6 +284,7 @@ def plan_layout(
         before=before,
         own_home=own[0],
         quarantine=project_hooks,
+        later=tuple(p for p in found.later if not any(within(p, h) for h in hidden)),
     )
 
 

@@ -18,6 +18,10 @@ changed, and that was not write-protected, is neutralised before the person gets
 - its `hooks` directory, unless it holds only git's `*.sample` files (which git never runs), and
   `info/attributes` (which picks the drivers of your configuration) are moved aside.
 
+A file the project's configuration includes (include.path, includeIf) that was missing at start
+has no placeholder (one would show in `git add -A`): made during the run, it is renamed where it
+is (set_aside).
+
 The originals are moved, not copied or edited, into a new `egressd-quarantine` directory in the
 same git directory, for the person to read: a hook that is a hard link to another file leaves
 that file as it is, a symlink is moved as a symlink, and nothing is written through either. No
@@ -150,6 +154,51 @@ def quarantine(
         for box in boxes.values():
             box.close()
     return taken
+
+
+def set_aside(paths: Iterable[str], roots: Sequence[str]) -> list[Taken]:
+    """Rename each of `paths` (what your configuration includes, missing when the run started)
+    that exists now, next to where it is (`NAME.egressd-quarantine`): git then reads nothing there.
+    A directory on the way that is a symlink now is what is renamed: it is not followed."""
+    taken = []
+    for path in paths:
+        root = next((r for r in roots if within(path, r) and path != r), None)
+        if root is not None:
+            with contextlib.suppress(OSError):
+                taken += _set_aside(root, os.path.relpath(path, root).split("/"))
+    return taken
+
+
+def _set_aside(root: str, parts: Sequence[str]) -> list[Taken]:
+    fd = os.open(root, _O_DIR)
+    directory = root
+    try:
+        for number, name in enumerate(parts):
+            try:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return []
+            if number == len(parts) - 1 or not stat.S_ISDIR(info.st_mode):
+                kept = _aside(name, fd)
+                return [Taken(os.path.join(directory, name), os.path.join(directory, kept))]
+            inner = os.open(name, _O_DIR, dir_fd=fd)
+            os.close(fd)
+            fd, directory = inner, os.path.join(directory, name)
+    finally:
+        os.close(fd)
+    return []
+
+
+def _aside(name: str, dir_fd: int) -> str:
+    """Rename `name` to a new name beside it (never over an existing entry); the new name."""
+    for attempt in range(100):
+        kept = f"{name}.{QUARANTINE}" + (f"-{attempt}" if attempt else "")
+        try:
+            os.stat(kept, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            os.rename(name, kept, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            return kept
+    raise FileExistsError(name)
 
 
 def _neutralise(box: _Box, name: str, git: str | None) -> list[Taken]:
@@ -344,9 +393,9 @@ def summary(taken: Sequence[Taken], cwd: str) -> list[str]:
     if not taken:
         return []
     lines = [
-        "the sandboxed command made git repositories (or changed ones the sandbox could not protect) "
-        "whose hooks or configuration would run code when you use git there; egressd took them out "
-        "of git's way and kept the originals:"
+        "the sandboxed command left git hooks or configuration the sandbox could not protect (in "
+        "repositories it made, or files your configuration includes that it made), which would run "
+        "code when you use git; egressd took them out of git's way and kept the originals:"
     ]
     for item in taken:
         if item.hooks:

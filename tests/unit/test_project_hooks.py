@@ -542,3 +542,31 @@ def test_touched_names_the_repositories_made_and_those_a_git_entry_leads_to(repo
     after = exit_summary.walk([str(repo)])
     made = quarantine.touched(before, after, exit_summary.changes(before, after))
     assert sorted(os.path.relpath(p, repo) for p in made) == ["made/.git", "store/b"]
+
+
+def test_an_included_file_missing_at_start_is_set_aside_once_made(repo: Path, tmp_path: Path) -> None:
+    """Your configuration includes `conf/shared.gitconfig` and `late.gitconfig`, missing at start:
+    the run makes one, and a symlinked `conf` for the other; each is renamed where it is, and what
+    the link leads to is left alone."""
+    git("config", "include.path", "../late.gitconfig", cwd=repo)
+    git("config", "includeIf.gitdir:/**.path", "../conf/shared.gitconfig", cwd=repo)
+    later = found(repo).later
+    assert set(later) == {str(repo / "late.gitconfig"), str(repo / "conf" / "shared.gitconfig")}
+    (repo / "late.gitconfig").write_text("[core]\n\tfsmonitor = evil\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "shared.gitconfig").write_text("[user]\n\tname = mine\n")
+    (repo / "conf").symlink_to(outside)
+    taken = {t.path: t.kept for t in quarantine.set_aside(later, [str(repo)])}
+    assert taken == {
+        str(repo / "late.gitconfig"): str(repo / "late.gitconfig.egressd-quarantine"),
+        str(repo / "conf"): str(repo / "conf.egressd-quarantine"),
+    }
+    assert (outside / "shared.gitconfig").read_text() == "[user]\n\tname = mine\n"
+    assert (
+        "evil"
+        not in subprocess.run(
+            ["git", "-C", str(repo), "config", "--list"], capture_output=True, text=True
+        ).stdout
+    )
+    assert quarantine.set_aside(later, [str(repo)]) == []  # nothing made: nothing taken
