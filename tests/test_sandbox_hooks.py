@@ -521,6 +521,34 @@ def test_without_the_protection_the_same_attack_runs(user: User, name: str) -> N
         assert b".git/hooks/pre-commit (created): a git hook" in stderr
 
 
+@pytest.mark.parametrize("protected", [True, False])
+def test_your_relative_hooks_path_in_a_repository_made_runs_nothing(user: User, protected: bool) -> None:
+    """Your own configuration says `core.hooksPath = .githooks`: git runs the hooks of every
+    repository from its work tree's .githooks, so the child writes one in a repository it makes.
+    It is set aside after the run (with --allow-project-hooks it runs: the attack is real)."""
+    top = user.mkdir(f"user-hooks-path-{protected}")
+    sh(user, REPO, top)
+    gitconfig = user.home / ".gitconfig"
+    sh(user, "git config --global core.hooksPath .githooks", top)
+    try:
+        for mark in marks(user):
+            (user.home / "marks" / mark).unlink()
+        script = shlex.quote(hook(user, "user-hooks-path"))
+        attack = f"git init -q sub && mkdir sub/.githooks && printf %s {script} > sub/.githooks/pre-commit"
+        attack += " && chmod +x sub/.githooks/pre-commit"
+        options = () if protected else ("--allow-project-hooks",)
+        result = sandboxed(user, top, attack, *options)
+        assert result.returncode == 0, result.stderr.decode()
+        user.run(["sh", "-c", AFTERWARDS], cwd=top / "sub", env=GIT_ENV)
+    finally:
+        gitconfig.unlink()
+    if protected:
+        assert marks(user) == set()
+        assert b"sub/.githooks: moved, the original is sub/.githooks.egressd-quarantine" in result.stderr
+    else:
+        assert marks(user) == {"user-hooks-path"}
+
+
 def test_placeholders_stand_in_while_missing_and_leave_nothing(user: User) -> None:
     """A project with no .vscode, .claude, .git/hooks or .git/info: the child can create none of
     them, git inside sees nothing new to add, and afterwards the project is as it was."""

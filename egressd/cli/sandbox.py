@@ -299,13 +299,14 @@ def left_behind(layout: Layout) -> list[str]:
     found = exit_summary.changes(layout.before, after, ignore)
     taken: list[quarantine.Taken] = []
     if layout.quarantine:
-        taken = quarantine.quarantine(
-            quarantine.touched(layout.before, after, found),
+        taken = quarantine.after_run(
+            layout.before,
+            after,
+            found,
             writable=[m.path for m in layout.mounts if m.writable],
             protected=[path for path, _ in layout.hooks],
-            git=hooks.system_git(),
+            later=layout.later,
         )
-        taken += quarantine.set_aside(layout.later, layout.before.roots)
         found = [c for c in found if not any(within(c.path, t.path) for t in taken)]
     cwd = os.getcwd()
     return quarantine.summary(taken, cwd) + exit_summary.summary(found, after, cwd=cwd)

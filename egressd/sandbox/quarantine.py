@@ -81,6 +81,30 @@ class Taken:
     hooks: tuple[str, ...] = ()  # for a hooks directory: what git would have run
 
 
+def after_run(
+    before: Walk,
+    after: Walk,
+    found: Sequence[Change],
+    *,
+    writable: Sequence[str],
+    protected: Sequence[str],
+    later: Iterable[str],
+) -> list[Taken]:
+    """Everything taken out of git's way once the run ended: the repositories it made (`found`: the
+    exit summary's changes between the two walks), the files `later` names that it made (what
+    the configuration includes), and the hooks directory your relative core.hooksPath names in
+    the work trees it made."""
+    git = hooks.system_git()
+    gitdirs = touched(before, after, found)
+    taken = quarantine(gitdirs, writable=writable, protected=protected, git=git)
+    aside = list(later)
+    if (relative := user_hooks_path(git)) is not None:
+        for tree in work_trees(gitdirs, found):
+            if (path := os.path.normpath(os.path.join(tree, relative))) not in protected:
+                aside.append(path)
+    return taken + set_aside(aside, before.roots)
+
+
 def touched(before: Walk, after: Walk, found: Iterable[Change]) -> list[str]:
     """The git directories (canonical) the run made, or whose hooks or configuration it created or
     changed, or that a `.git` file or symlink it made names."""
@@ -98,6 +122,37 @@ def touched(before: Walk, after: Walk, found: Iterable[Change]) -> list[str]:
             if named is not None:
                 gitdirs[named] = None
     return list(gitdirs)
+
+
+def work_trees(gitdirs: Iterable[str], found: Iterable[Change]) -> list[str]:
+    """The work trees of the repositories made: the directory of each `.git` the run made."""
+    trees = [os.path.dirname(g) for g in gitdirs if os.path.basename(g) == ".git"]
+    trees += [os.path.dirname(c.path) for c in found if c.why == NESTED_GIT]
+    return list(dict.fromkeys(trees))
+
+
+def user_hooks_path(git: str | None) -> str | None:
+    """core.hooksPath of your own configuration (system, global) when it is relative: git then runs
+    the hooks of every repository from that directory of its work tree, one the child wrote in a
+    repository it made too."""
+    if git is None:
+        return None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") or k.startswith("GIT_CONFIG")}
+    try:
+        result = subprocess.run(
+            [git, "config", "--get", "core.hooksPath"],
+            capture_output=True,
+            timeout=GIT_TIMEOUT,
+            env=env,
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    value = os.fsdecode(result.stdout).strip()
+    if result.returncode != 0 or not value or os.path.isabs(value) or value.startswith("~"):
+        return None
+    return value
 
 
 def _owner(path: str, gitdirs: dict[str, int]) -> str | None:
@@ -157,9 +212,10 @@ def quarantine(
 
 
 def set_aside(paths: Iterable[str], roots: Sequence[str]) -> list[Taken]:
-    """Rename each of `paths` (what your configuration includes, missing when the run started)
-    that exists now, next to where it is (`NAME.egressd-quarantine`): git then reads nothing there.
-    A directory on the way that is a symlink now is what is renamed: it is not followed."""
+    """Rename each of `paths` (what git would read or run that the sandbox could not protect: a
+    file your configuration includes, missing at start; the hooks directory of a repository made)
+    that exists now, next to where it is (`NAME.egressd-quarantine`): git then finds nothing
+    there. A directory on the way that is a symlink now is what is renamed: it is not followed."""
     taken = []
     for path in paths:
         root = next((r for r in roots if within(path, r) and path != r), None)
