@@ -43,12 +43,21 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from egressd.sandbox import hooks
-from egressd.sandbox.exit_summary import GIT_CONFIGURATION, GIT_HOOK, NESTED_GIT, Change, Walk, printable
+from egressd.sandbox.exit_summary import (
+    CLOCK_SLACK_NS,
+    GIT_CONFIGURATION,
+    GIT_HOOK,
+    NESTED_GIT,
+    Change,
+    Walk,
+    printable,
+)
 from egressd.sandbox.mounts import within
 
 QUARANTINE = "egressd-quarantine"
 CONFIG_MAX = 1 << 20
 HOOKS_LISTED = 4096  # entries of a hooks directory looked at; beyond, it is moved unread
+GITLINKS_LIMIT = 4096  # submodules of the index looked at when the walk stopped short
 GIT_TIMEOUT = 10.0
 # What a configuration keeps: the repository's layout, its remotes and branches, the identity.
 # Keys as `git config --list` prints them (section and name lowercased, any subsection).
@@ -95,14 +104,15 @@ def after_run(
     the configuration includes), and the hooks directory your relative core.hooksPath names in
     the work trees it made."""
     git = hooks.system_git()
+    taken = set_aside(later, before.roots)  # first: git reads the project's configuration below
     gitdirs = touched(before, after, found)
-    taken = quarantine(gitdirs, writable=writable, protected=protected, git=git)
-    aside = list(later)
+    if not after.complete:  # what the walk did not reach: the submodules your git status enters
+        gitdirs += [g for g in recorded(before, git) if g not in after.gitdirs and g not in gitdirs]
+    taken += quarantine(gitdirs, writable=writable, protected=protected, git=git)
     if (relative := user_hooks_path(git)) is not None:
-        for tree in work_trees(gitdirs, found):
-            if (path := os.path.normpath(os.path.join(tree, relative))) not in protected:
-                aside.append(path)
-    return taken + set_aside(aside, before.roots)
+        trees = [os.path.normpath(os.path.join(t, relative)) for t in work_trees(gitdirs, found)]
+        taken += set_aside([p for p in trees if p not in protected], before.roots)
+    return taken
 
 
 def touched(before: Walk, after: Walk, found: Iterable[Change]) -> list[str]:
@@ -122,6 +132,60 @@ def touched(before: Walk, after: Walk, found: Iterable[Change]) -> list[str]:
             if named is not None:
                 gitdirs[named] = None
     return list(gitdirs)
+
+
+def recorded(before: Walk, git: str | None) -> list[str]:
+    """The git directories of the submodules the index of each root's repository records (git
+    status enters each), among the first GITLINKS_LIMIT, that were made or changed since the run
+    started (ctime, which the child cannot set back)."""
+    found = []
+    for root in before.roots:
+        for path in _gitlinks(root, git)[:GITLINKS_LIMIT]:
+            dot_git = os.path.join(root, path, ".git")
+            gitdir = _named(dot_git)
+            if gitdir is None:
+                continue
+            common = hooks.common_dir(gitdir)
+            looked = [dot_git, gitdir, *(os.path.join(common, n) for n in ("config", "hooks", "info"))]
+            looked.append(os.path.join(gitdir, "config.worktree"))
+            if any(_ctime(p) >= before.started_ns - CLOCK_SLACK_NS for p in looked):
+                found.append(gitdir)
+    return found
+
+
+def _ctime(path: str) -> int:
+    try:
+        return os.lstat(path).st_ctime_ns
+    except OSError:
+        return 0
+
+
+def _gitlinks(root: str, git: str | None) -> list[str]:
+    """The paths the index of the repository at `root` records as submodules (mode 160000)."""
+    dot_git = os.path.join(root, ".git")
+    linked = os.path.islink(dot_git)
+    gitdir = dot_git if os.path.isdir(dot_git) and not linked else hooks.read_gitfile(dot_git)
+    if git is None or gitdir is None or not os.path.isfile(os.path.join(gitdir, "HEAD")):
+        return []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env |= {"GIT_DIR": gitdir, "GIT_WORK_TREE": root}
+    try:
+        result = subprocess.run(
+            [git, "-c", "core.fsmonitor=false", "ls-files", "--stage", "-z"],
+            capture_output=True,
+            timeout=GIT_TIMEOUT,
+            env=env,
+            cwd=root,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    paths = []
+    for item in result.stdout.split(b"\0"):
+        meta, tab, path = item.partition(b"\t")
+        if tab and meta.startswith(b"160000 "):
+            paths.append(os.fsdecode(path))
+    return paths
 
 
 def work_trees(gitdirs: Iterable[str], found: Iterable[Change]) -> list[str]:

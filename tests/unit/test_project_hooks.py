@@ -570,3 +570,22 @@ def test_an_included_file_missing_at_start_is_set_aside_once_made(repo: Path, tm
         ).stdout
     )
     assert quarantine.set_aside(later, [str(repo)]) == []  # nothing made: nothing taken
+
+
+def test_a_submodule_made_beyond_the_walk_is_still_neutralised(repo: Path) -> None:
+    """The walk is bounded (a child can fill the project to stop it short), but your prompt's git
+    status enters every submodule the index records: those made or changed since the start are
+    looked at wherever they are."""
+    before = exit_summary.walk([str(repo)], limit=5)
+    git("init", "-q", "zz/sub", cwd=repo)
+    git("-C", "zz/sub", "commit", "-q", "--allow-empty", "-m", "s", cwd=repo)
+    git("-C", "zz/sub", "config", "core.fsmonitor", "evil", cwd=repo)
+    git("add", "zz/sub", cwd=repo)
+    after = exit_summary.walk([str(repo)], limit=5)
+    assert not after.complete and str(repo / "zz" / "sub" / ".git") not in after.gitdirs
+    changes = exit_summary.changes(before, after)
+    protected = list(found(repo).protected)
+    taken = quarantine.after_run(before, after, changes, writable=[str(repo)], protected=protected, later=())
+    assert [(os.path.relpath(t.path, repo), t.dropped) for t in taken] == [
+        ("zz/sub/.git/config", ("core.fsmonitor",))
+    ]
