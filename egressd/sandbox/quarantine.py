@@ -60,13 +60,15 @@ HOOKS_LISTED = 4096  # entries of a hooks directory looked at; beyond, it is mov
 GITLINKS_LIMIT = 4096  # submodules of the index looked at when the walk stopped short
 GIT_TIMEOUT = 10.0
 # What a configuration keeps: the repository's layout, its remotes and branches, the identity.
-# Keys as `git config --list` prints them (section and name lowercased, any subsection).
+# Keys as `git config --list` prints them (section and name lowercased, any subsection). Not a
+# partial clone's promisor remote: git fetches from it by itself (on `git diff`, a checkout), so
+# a URL of the child's choosing would carry what it learnt past the proxy.
 SAFE_KEYS = re.compile(
     r"""(
       core\.(repositoryformatversion|bare|worktree|filemode|logallrefupdates|ignorecase
              |precomposeunicode|symlinks|autocrlf|eol|safecrlf|sparsecheckout|sparsecheckoutcone)
-    | extensions\.[^.]+
-    | remote\..+\.(url|pushurl|fetch|push|tagopt|mirror|prune|promisor|partialclonefilter)
+    | extensions\.(?!partialclone$)[^.]+
+    | remote\..+\.(url|pushurl|fetch|push|tagopt|mirror|prune)
     | branch\..+\.(remote|pushremote|merge)
     | submodule\..+\.(url|active)
     | user\.(name|email)

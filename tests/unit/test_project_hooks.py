@@ -422,6 +422,8 @@ def test_every_entry_is_documented() -> None:
         ("url.ext::sh.insteadof", False),
         ("protocol.ext.allow", False),
         ("uploadpack.packobjectshook", False),
+        ("extensions.partialclone", False),  # git fetches from it by itself
+        ("remote.origin.promisor", False),
         ("core.bare.x", False),  # a subsection named core.bare: `[core "bare"] x`
         ("remote.url", False),  # no subsection
     ],
