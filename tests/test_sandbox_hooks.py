@@ -416,6 +416,20 @@ def cases(user: User) -> dict[str, Case]:
             {"worktree-fsmonitor"},
             repos=("wt",),
         ),
+        "new-unreadable": Case(
+            # permissions taken away so that egressd can neither list nor move what git still reaches
+            # by name: the work tree unreadable, the git directory read-only, the hooks search-only
+            REPO,
+            "; ".join(
+                [
+                    new_repo("sub"),
+                    f"git -C sub config core.fsmonitor {p('unreadable-fsmonitor')}",
+                    write_hook("sub/.git/hooks/post-commit", "unreadable-hook"),
+                    "git add sub && chmod 100 sub/.git/hooks && chmod 500 sub/.git && chmod 311 sub",
+                ]
+            ),
+            {"unreadable-fsmonitor"},
+        ),
         "included-missing": Case(
             # the user's configuration includes a file of the project's that does not exist yet
             f"{REPO} && git config include.path ../conf/shared.gitconfig",
@@ -467,6 +481,7 @@ CASES = [
     "project-bare",
     "new-in-git-modules",
     "new-worktree-config",
+    "new-unreadable",
     "included-missing",
     "envrc-and-editors",
 ]
@@ -508,6 +523,10 @@ def test_nothing_the_child_leaves_runs_when_the_user_uses_git(user: User, name: 
         assert not (project / ".git" / "hooks" / "hooks").exists()
         assert (project / "sub/.git/egressd-quarantine-1/hooks/pre-commit").is_file()
         assert b"sub/.git/config: core.fsmonitor removed" in stderr
+    if name == "new-unreadable":  # the walk could not list sub: the index led to it
+        assert b"could not read 1 directory (their permissions; the first: sub)" in stderr
+        assert b"sub/.git/hooks: hooks (post-commit) moved" in stderr
+        (project / "sub").chmod(0o755)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "envrc-and-editors"])

@@ -84,6 +84,7 @@ class Walk:
     gits: list[str] = field(default_factory=list)  # `.git` entries below the roots (not theirs)
     gitdirs: dict[str, int] = field(default_factory=dict)  # every git directory seen: its inode
     lifecycle: dict[str, dict[str, str]] = field(default_factory=dict)  # package.json: its scripts
+    unreadable: list[str] = field(default_factory=list)  # directories whose permissions kept it out
     seen: int = 0
     complete: bool = True
 
@@ -133,6 +134,9 @@ def walk(roots: Sequence[str], limit: int = WALK_LIMIT, started_ns: int | None =
         directory, root, in_git, device = queue.popleft()
         try:
             entries = list(os.scandir(directory))
+        except PermissionError:
+            found.unreadable.append(directory)  # git may still reach what it holds, by name
+            continue
         except OSError:
             continue
         if hooks.git_directory({e.name for e in entries}):
@@ -273,6 +277,13 @@ def summary(found: Sequence[Change], after: Walk, *, cwd: str, limit: int = SUMM
             tops = Counter(_top(c.path, after.roots, cwd) for c in rest)
             where = ", ".join(f"{printable(top)}: {n}" for top, n in tops.most_common(5))
             lines.append(f"  and {len(rest)} more ({where})")
+    if after.unreadable:
+        first = printable(_shown(after.unreadable[0], cwd))
+        lines.append(
+            f"the look at what the command left could not read {len(after.unreadable)} "
+            f"director{'y' if len(after.unreadable) == 1 else 'ies'} (their permissions; the first: "
+            f"{first}): nothing in them was checked"
+        )
     if not after.complete:
         lines.append(
             f"the look at what the command left stopped after {after.seen} entries: files deeper in "

@@ -90,6 +90,7 @@ class Taken:
     kept: str
     dropped: tuple[str, ...] = ()
     hooks: tuple[str, ...] = ()  # for a hooks directory: what git would have run
+    failed: str = ""  # why it could not be taken (then it is where it was)
 
 
 def after_run(
@@ -108,8 +109,9 @@ def after_run(
     git = hooks.system_git()
     taken = set_aside(later, before.roots)  # first: git reads the project's configuration below
     gitdirs = touched(before, after, found)
-    if not after.complete:  # what the walk did not reach: the submodules your git status enters
-        gitdirs += [g for g in recorded(before, git) if g not in after.gitdirs and g not in gitdirs]
+    # what the walk did not reach (it stopped, or a directory was made unreadable): the submodules
+    # your git status enters
+    gitdirs += [g for g in recorded(before, git) if g not in after.gitdirs and g not in gitdirs]
     taken += quarantine(gitdirs, writable=writable, protected=protected, git=git)
     if (relative := user_hooks_path(git)) is not None:
         trees = [os.path.normpath(os.path.join(t, relative)) for t in work_trees(gitdirs, found)]
@@ -264,13 +266,14 @@ def quarantine(
                 if target in done or target in kept or not any(within(path, w) for w in writable):
                     continue
                 done.add(target)
-                if directory not in boxes:
-                    try:
-                        boxes[directory] = _Box(directory, os.open(directory, _O_DIR))
-                    except OSError:
-                        continue  # not a directory, or gone
-                with contextlib.suppress(OSError):
+                try:
+                    if directory not in boxes:
+                        boxes[directory] = _Box(directory, _open_dir(directory))
                     taken += _neutralise(boxes[directory], name, git)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    taken.append(Taken(path, "", failed=exc.strerror or str(exc)))
     finally:
         for box in boxes.values():
             box.close()
@@ -286,13 +289,15 @@ def set_aside(paths: Iterable[str], roots: Sequence[str]) -> list[Taken]:
     for path in paths:
         root = next((r for r in roots if within(path, r) and path != r), None)
         if root is not None:
-            with contextlib.suppress(OSError):
+            try:
                 taken += _set_aside(root, os.path.relpath(path, root).split("/"))
+            except OSError as exc:
+                taken.append(Taken(path, "", failed=exc.strerror or str(exc)))
     return taken
 
 
 def _set_aside(root: str, parts: Sequence[str]) -> list[Taken]:
-    fd = os.open(root, _O_DIR)
+    fd = _open_dir(root)
     directory = root
     try:
         for number, name in enumerate(parts):
@@ -303,7 +308,7 @@ def _set_aside(root: str, parts: Sequence[str]) -> list[Taken]:
             if number == len(parts) - 1 or not stat.S_ISDIR(info.st_mode):
                 kept = _aside(name, fd)
                 return [Taken(os.path.join(directory, name), os.path.join(directory, kept))]
-            inner = os.open(name, _O_DIR, dir_fd=fd)
+            inner = _open_dir(name, fd)
             os.close(fd)
             fd, directory = inner, os.path.join(directory, name)
     finally:
@@ -331,11 +336,32 @@ def _neutralise(box: _Box, name: str, git: str | None) -> list[Taken]:
     return _config(box, name, git)
 
 
-@contextlib.contextmanager
-def _opened(path: str, dir_fd: int) -> Iterator[int | None]:
-    """The directory at `path`, never through a symlink (None when it is not a directory)."""
+def _open_dir(path: str, dir_fd: int | None = None) -> int:
+    """The directory at `path`, never through a symlink, readable and writable by its owner: the
+    child may have taken those permissions away (`chmod 100 hooks`: git still runs what is
+    inside, which it reaches by name) to keep egressd from listing or moving what it holds."""
     try:
         fd = os.open(path, _O_DIR, dir_fd=dir_fd)
+    except PermissionError:
+        info = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(info.st_mode):
+            raise
+        os.chmod(path, stat.S_IMODE(info.st_mode) | 0o700, dir_fd=dir_fd)  # no process races it
+        fd = os.open(path, _O_DIR, dir_fd=dir_fd)
+    try:
+        if (mode := stat.S_IMODE(os.fstat(fd).st_mode)) & 0o700 != 0o700:
+            os.fchmod(fd, mode | 0o700)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def _opened(path: str, dir_fd: int) -> Iterator[int | None]:
+    """`_open_dir`, None when it is not a directory or cannot be opened."""
+    try:
+        fd = _open_dir(path, dir_fd)
     except OSError:
         yield None
         return
@@ -382,22 +408,26 @@ def _hooks(box: _Box) -> list[Taken]:
         info = os.stat("hooks", dir_fd=box.fd, follow_symlinks=False)
     except FileNotFoundError:
         return []
-    names: list[str] = []
+    names = ["(not a directory)"]
     if stat.S_ISDIR(info.st_mode):
         with _opened("hooks", box.fd) as fd:
-            if fd is None:
-                return []
-            with os.scandir(fd) as entries:
-                for count, entry in enumerate(entries):
-                    if count >= HOOKS_LISTED:
-                        names.append("...")
-                        break
-                    if not (entry.name.endswith(".sample") and entry.is_file(follow_symlinks=False)):
-                        names.append(entry.name)
+            names = ["(unreadable)"] if fd is None else _hook_names(fd)
         if not names:
             return []  # what git init and git clone put there: git runs none of it
     path = os.path.join(box.directory, "hooks")
     return [Taken(path, box.keep("hooks"), hooks=tuple(sorted(names)))]
+
+
+def _hook_names(fd: int) -> list[str]:
+    """What git could run in the hooks directory `fd`: all but git's `*.sample` files."""
+    names = []
+    with os.scandir(fd) as entries:
+        for count, entry in enumerate(entries):
+            if count >= HOOKS_LISTED:
+                return [*names, "..."]
+            if not (entry.name.endswith(".sample") and entry.is_file(follow_symlinks=False)):
+                names.append(entry.name)
+    return names
 
 
 def _attributes(box: _Box) -> list[Taken]:
@@ -410,7 +440,7 @@ def _attributes(box: _Box) -> list[Taken]:
         return [Taken(path, box.keep("info"))]  # a symlink git would follow
     with _opened("info", box.fd) as fd:
         if fd is None:
-            return []
+            return [Taken(path, box.keep("info"))]  # git may still reach what it holds
         try:
             os.stat("attributes", dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -520,6 +550,10 @@ def summary(taken: Sequence[Taken], cwd: str) -> list[str]:
         "code when you use git; egressd took them out of git's way and kept the originals:"
     ]
     for item in taken:
+        if item.failed:
+            why = f"NOT taken out of git's way ({printable(item.failed)}): look before you use git there"
+            lines.append(f"  {shown(item.path)}: {why}")
+            continue
         if item.hooks:
             what = f"hooks ({_listed(item.hooks)}) moved"
         elif item.dropped:
