@@ -18,15 +18,20 @@ changed, and that was not write-protected, is neutralised before the person gets
 - its `hooks` directory, unless it holds only git's `*.sample` files (which git never runs), and
   `info/attributes` (which picks the drivers of your configuration) are moved aside.
 
+The walk is bounded and cannot list a directory the child made unreadable, but git reaches a
+submodule the project's index records by name: those are looked at wherever they are (recorded).
 A file the project's configuration includes (include.path, includeIf) that was missing at start
-has no placeholder (one would show in `git add -A`): made during the run, it is renamed where it
-is (set_aside).
+has no placeholder (one would show in `git add -A`), nor has the directory a relative
+core.hooksPath of the user's own configuration names in each work tree: made during the run,
+they are renamed where they are (set_aside).
 
 The originals are moved, not copied or edited, into a new `egressd-quarantine` directory in the
 same git directory, for the person to read: a hook that is a hard link to another file leaves
 that file as it is, a symlink is moved as a symlink, and nothing is written through either. No
 path is followed through a symlink the child made (every step is relative to a directory opened
-with O_NOFOLLOW), so a planted link cannot steer egressd into another repository. Every process
+with O_NOFOLLOW), so a planted link cannot steer egressd into another repository; a directory
+whose permissions the child took away gets its owner's back first, and what still cannot be
+taken is named as not taken. Every process
 of the run has ended by then (on Linux its PID namespace is gone; on macOS leftovers.py ended what
 the run's profile confines), so nothing the child runs races it.
 """
@@ -57,7 +62,7 @@ from egressd.sandbox.mounts import within
 QUARANTINE = "egressd-quarantine"
 CONFIG_MAX = 1 << 20
 HOOKS_LISTED = 4096  # entries of a hooks directory looked at; beyond, it is moved unread
-GITLINKS_LIMIT = 4096  # submodules of the index looked at when the walk stopped short
+GITLINKS_LIMIT = 4096  # submodules of the index looked at beyond what the walk saw
 GIT_TIMEOUT = 10.0
 # What a configuration keeps: the repository's layout, its remotes and branches, the identity.
 # Keys as `git config --list` prints them (section and name lowercased, any subsection). Not a
@@ -380,12 +385,12 @@ class _Box:
         self.name: str | None = None
         self.box: int | None = None
 
-    def keep(self, name: str, dir_fd: int | None = None, shown: str | None = None) -> str:
+    def keep(self, name: str, dir_fd: int | None = None) -> str:
         """Move the entry `name` (of `dir_fd`, by default the git directory) into the box; where it is."""
         if self.box is None:
             self.name, self.box = self._make()
         os.rename(name, name, src_dir_fd=self.fd if dir_fd is None else dir_fd, dst_dir_fd=self.box)
-        return os.path.join(self.directory, str(self.name), shown or name)
+        return os.path.join(self.directory, str(self.name), name)
 
     def _make(self) -> tuple[str, int]:
         for attempt in range(100):
@@ -445,7 +450,7 @@ def _attributes(box: _Box) -> list[Taken]:
             os.stat("attributes", dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
             return []
-        kept = box.keep("attributes", fd, "attributes")
+        kept = box.keep("attributes", fd)
     return [Taken(os.path.join(path, "attributes"), kept)]
 
 
