@@ -95,6 +95,11 @@ def submodule(attack: str, left: set[str], unchanged: str) -> Case:
     return Case(SUBMODULE, attack, left, repos=(".", "sub"), project="proj", unchanged=(unchanged,))
 
 
+def in_writable_parent(attack: str, left: set[str], repos: tuple[str, ...] = (".",)) -> Case:
+    """A case whose project, no repository, lies in a directory the child may write too (--rw ..)."""
+    return Case("mkdir proj", attack, left, repos=repos, options=("--rw", ".."), project="proj")
+
+
 def cases(user: User) -> dict[str, Case]:
     p = lambda name: shlex.quote(payload(user, name))  # noqa: E731
     write_hook = lambda path, name: (  # noqa: E731
@@ -104,6 +109,7 @@ def cases(user: User) -> dict[str, Case]:
         "mkdir -p evil && git -C evil init -q && git -C evil commit -q --allow-empty -m e && "
         f"git -C evil config core.fsmonitor {p('evil-fsmonitor')}"
     )
+    new_repo = lambda path: f"git init -q {path} && git -C {path} commit -q --allow-empty -m n"  # noqa: E731
     return {
         "hooks": Case(
             REPO,
@@ -222,6 +228,215 @@ def cases(user: User) -> dict[str, Case]:
             repos=(".", "vendor/lib"),
             unchanged=("vendor/lib/.git/config",),
         ),
+        "nested-bare": Case(
+            # a bare repository in the project, found at start by what it holds, not by its name
+            f"{REPO} && git init -q --bare fixtures/x.git && git -C fixtures/x.git config core.bare false"
+            " && mkdir w && git -C fixtures/x.git config core.worktree ../../w",
+            f"git -C fixtures/x.git config core.fsmonitor {p('nested-bare')}; "
+            + write_hook("fixtures/x.git/hooks/pre-commit", "nested-bare-hook"),
+            {"nested-bare", "nested-bare-hook"},
+            repos=(".", "fixtures/x.git"),
+            unchanged=("fixtures/x.git/config",),
+        ),
+        # repositories the child makes during the run, which your git reaches afterwards
+        "new-gitlink": Case(
+            # recorded in the project's index: your prompt's git status in the project recurses into
+            # it; a planted egressd-quarantine symlink must not lead the hooks into the project's
+            REPO,
+            "; ".join(
+                [
+                    new_repo("sub"),
+                    f"git -C sub config core.fsmonitor {p('gitlink-fsmonitor')}",
+                    write_hook("sub/.git/hooks/pre-commit", "gitlink-hook"),
+                    "ln -s ../../.git/hooks sub/.git/egressd-quarantine",
+                    "git add sub",
+                ]
+            ),
+            {"gitlink-fsmonitor", "gitlink-hook"},
+            repos=(".", "sub"),
+        ),
+        "new-gitmodules": Case(
+            # a submodule with .gitmodules, configured by include.path, includeIf, core.hooksPath and
+            # a filter
+            REPO,
+            "; ".join(
+                [
+                    new_repo("lib/x"),
+                    f"printf '[core]\\n\\tfsmonitor = %s\\n' {p('included-fsmonitor')} > inc.cfg",
+                    "git -C lib/x config include.path ../../../inc.cfg",
+                    f"printf '[core]\\n\\tsshCommand = x\\n[diff]\\n\\texternal = %s\\n' {p('if')} > if.cfg",
+                    "git -C lib/x config 'includeIf.gitdir:/**.path' \"$PWD/if.cfg\"",
+                    "mkdir -p lib/x/.hooks",
+                    write_hook("lib/x/.hooks/pre-commit", "hooks-path"),
+                    "git -C lib/x config core.hooksPath .hooks",
+                    f"git -C lib/x config filter.f.clean {p('filter')}",
+                    "echo '* filter=f' > lib/x/.gitattributes; echo a > lib/x/a",
+                    "printf '[submodule \"x\"]\\n\\tpath = lib/x\\n\\turl = ./lib/x\\n' > .gitmodules",
+                    "git add .gitmodules lib/x",
+                ]
+            ),
+            {"included-fsmonitor", "hooks-path", "filter"},
+            repos=(".", "lib/x"),
+        ),
+        "new-gitfile": Case(
+            # sub/.git and rel/.git are files naming a git directory elsewhere in the project (an
+            # absolute path, a relative one)
+            REPO,
+            "; ".join(
+                [
+                    "mkdir -p .stash sub rel && git init -q --separate-git-dir .stash/g sub",
+                    "git -C sub commit -q --allow-empty -m s",
+                    f"git -C sub config core.fsmonitor {p('gitfile-fsmonitor')}",
+                    "git init -q --bare .stash/r && git -C .stash/r config core.bare false",
+                    f"git -C .stash/r config core.fsmonitor {p('relative-fsmonitor')}",
+                    "echo 'gitdir: ../.stash/r' > rel/.git",
+                    "git add sub",
+                ]
+            ),
+            {"gitfile-fsmonitor", "relative-fsmonitor"},
+            repos=(".", "sub", "rel"),
+        ),
+        "new-git-symlink": Case(
+            REPO,
+            "; ".join(
+                [
+                    "mkdir -p sub .stash && git init -q --bare .stash/b",
+                    "git -C .stash/b config core.bare false",
+                    f"git -C .stash/b config core.fsmonitor {p('symlink-fsmonitor')}",
+                    "ln -s ../.stash/b sub/.git",
+                    "git -C sub commit -q --allow-empty -m s; git add sub",
+                ]
+            ),
+            {"symlink-fsmonitor"},
+            repos=(".", "sub"),
+        ),
+        "new-gitfile-in-cache": Case(
+            # its git directory in the --cache directory, which is writable but not the project's
+            f"mkdir cache proj && cd proj && {REPO}",
+            "mkdir sub && git init -q --separate-git-dir ../cache/g sub && "
+            "git -C sub commit -q --allow-empty -m s; "
+            f"git -C sub config core.fsmonitor {p('cache-fsmonitor')}; git add sub",
+            {"cache-fsmonitor"},
+            repos=(".", "sub"),
+            options=("--cache", "../cache"),
+            project="proj",
+        ),
+        "new-commondir": Case(
+            # a repository whose configuration and hooks are read from another directory (commondir)
+            REPO,
+            "; ".join(
+                [
+                    new_repo("sub"),
+                    "mkdir -p elsewhere && mv sub/.git/objects sub/.git/refs elsewhere/",
+                    "echo ../../elsewhere > sub/.git/commondir",
+                    f"printf '[core]\\n\\tfsmonitor = %s\\n' {p('commondir-fsmonitor')} > elsewhere/config",
+                    "git add sub",
+                ]
+            ),
+            {"commondir-fsmonitor"},
+            repos=(".", "sub"),
+        ),
+        "new-clone": Case(
+            # a local clone, its hook a hard link to a script of the project (left as it is)
+            f"{REPO} && printf %s {shlex.quote(hook(user, 'hardlink'))} > tool.sh && chmod +x tool.sh"
+            " && git add tool.sh && git commit -q -m tool",
+            "; ".join(
+                [
+                    "git clone -q . sub",
+                    f"git -C sub config core.fsmonitor {p('clone-fsmonitor')}",
+                    "ln tool.sh sub/.git/hooks/pre-commit",
+                    "echo change > sub/a; git -C sub add a",
+                ]
+            ),
+            {"clone-fsmonitor", "hardlink"},
+            repos=("sub",),
+            unchanged=("tool.sh",),
+        ),
+        "new-bare": Case(
+            # any directory can be a repository: one you enter runs its own configuration
+            REPO,
+            "; ".join(
+                [
+                    "git init -q --bare tools && git -C tools config core.bare false",
+                    "git -C tools config core.worktree ..",
+                    f"git -C tools config core.fsmonitor {p('bare-fsmonitor')}",
+                    "git clone -q --bare . x.git && git -C x.git config core.bare false",
+                    "mkdir w && git -C x.git config core.worktree ../w",
+                    write_hook("x.git/hooks/pre-commit", "bare-hook"),
+                    f"git -C x.git config alias.st '!{payload(user, 'alias')}'",
+                ]
+            ),
+            {"bare-fsmonitor", "bare-hook", "alias"},
+            repos=(".", "tools", "x.git"),
+        ),
+        # the project is no repository and its parent is writable (--rw ..): the child makes both one
+        "new-in-parent": in_writable_parent(
+            f"git init -q && git config core.fsmonitor {p('made-fsmonitor')}; "
+            "git init -q --bare ../other && git -C ../other config core.bare false && "
+            f"git -C ../other config core.worktree ../proj && git -C ../other config core.fsmonitor "
+            f"{p('parent-fsmonitor')}",
+            {"made-fsmonitor"},
+            (".", "../other"),
+        ),
+        # the parent is made a bare repository whose work tree is the project: git in the project
+        # finds it on its way up
+        "parent-bare": in_writable_parent(
+            "git init -q --bare .. && git -C .. config core.bare false && "
+            f"git -C .. config core.worktree proj && git -C .. config core.fsmonitor {p('parent-bare')}",
+            {"parent-bare"},
+        ),
+        "project-bare": Case(
+            # a project that is no repository made one itself, without a .git
+            "true",
+            "; ".join(
+                [
+                    "git init -q --bare . && git config --file config core.bare false",
+                    "git config --file config core.worktree .",
+                    f"git config --file config core.fsmonitor {p('project-bare')}",
+                ]
+            ),
+            {"project-bare"},
+        ),
+        "new-in-git-modules": Case(
+            # a submodule's git directory made in the project's own .git (writable but for the listed
+            # files), its checkout recorded in the index
+            REPO,
+            "git clone -q --bare . .git/modules/s && git -C .git/modules/s config core.bare false && "
+            "git -C .git/modules/s config core.worktree ../../../s && mkdir s && "
+            "echo 'gitdir: ../.git/modules/s' > s/.git && git -C s checkout -q -f && "
+            f"git -C s config core.fsmonitor {p('modules-fsmonitor')}; git add s",
+            {"modules-fsmonitor"},
+            repos=(".", "s"),
+        ),
+        "new-worktree-config": Case(
+            # the user's configuration reads each worktree's own config.worktree: a worktree the
+            # child adds has one of the child's
+            f"{REPO} && git config extensions.worktreeConfig true",
+            f"git worktree add -q wt && git -C wt config --worktree core.fsmonitor {p('worktree-fsmonitor')}",
+            {"worktree-fsmonitor"},
+            repos=("wt",),
+        ),
+        "new-unreadable": Case(
+            # permissions taken away so that egressd can neither list nor move what git still reaches
+            # by name: the work tree unreadable, the git directory read-only, the hooks search-only
+            REPO,
+            "; ".join(
+                [
+                    new_repo("sub"),
+                    f"git -C sub config core.fsmonitor {p('unreadable-fsmonitor')}",
+                    write_hook("sub/.git/hooks/post-commit", "unreadable-hook"),
+                    "git add sub && chmod 100 sub/.git/hooks && chmod 500 sub/.git && chmod 311 sub",
+                ]
+            ),
+            {"unreadable-fsmonitor"},
+        ),
+        "included-missing": Case(
+            # the user's configuration includes a file of the project's that does not exist yet
+            f"{REPO} && git config include.path ../conf/shared.gitconfig",
+            "mkdir conf && printf '[core]\\n\\tfsmonitor = %s\\n' "
+            f"{p('included-missing')} > conf/shared.gitconfig",
+            {"included-missing"},
+        ),
         "envrc-and-editors": Case(
             f"{REPO} && echo 'export A=1' > .envrc",
             "; ".join(
@@ -252,12 +467,28 @@ CASES = [
     "submodule",
     "submodule-gitfile",
     "nested",
+    "nested-bare",
+    "new-gitlink",
+    "new-gitmodules",
+    "new-gitfile",
+    "new-git-symlink",
+    "new-gitfile-in-cache",
+    "new-commondir",
+    "new-clone",
+    "new-bare",
+    "new-in-parent",
+    "parent-bare",
+    "project-bare",
+    "new-in-git-modules",
+    "new-worktree-config",
+    "new-unreadable",
+    "included-missing",
     "envrc-and-editors",
 ]
 AFTERWARDS = (
     "git status >/dev/null 2>&1; git diff >/dev/null 2>&1; git add -A >/dev/null 2>&1; "
     "git commit -q -m after >/dev/null 2>&1; git checkout -q -b after-$$ >/dev/null 2>&1; "
-    "git checkout -q - >/dev/null 2>&1; true"
+    "git checkout -q - >/dev/null 2>&1; git submodule status >/dev/null 2>&1; git st >/dev/null 2>&1; true"
 )
 
 
@@ -282,12 +513,20 @@ def _run_case(user: User, name: str, tmp: str, *options: str) -> tuple[Case, Pat
 
 @pytest.mark.parametrize("name", CASES)
 def test_nothing_the_child_leaves_runs_when_the_user_uses_git(user: User, name: str) -> None:
-    case, project, left, _ = _run_case(user, name, f"protected-{name}")
+    case, project, left, stderr = _run_case(user, name, f"protected-{name}")
     assert left == set(), f"{name}: the user's git ran what the child left: {left}"
     if name in ("hooks", "hooks-missing"):
         assert not (project / ".git" / "hooks" / "pre-commit").exists()
     if name == "envrc-and-editors":
         assert not (project / ".vscode").exists() and not (project / ".claude").exists()
+    if name == "new-gitlink":  # moved aside in a new directory, not through the planted link
+        assert not (project / ".git" / "hooks" / "hooks").exists()
+        assert (project / "sub/.git/egressd-quarantine-1/hooks/pre-commit").is_file()
+        assert b"sub/.git/config: core.fsmonitor removed" in stderr
+    if name == "new-unreadable":  # the walk could not list sub: the index led to it
+        assert b"could not read 1 directory (their permissions; the first: sub)" in stderr
+        assert b"sub/.git/hooks: hooks (post-commit) moved" in stderr
+        (project / "sub").chmod(0o755)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "envrc-and-editors"])
@@ -299,6 +538,34 @@ def test_without_the_protection_the_same_attack_runs(user: User, name: str) -> N
     assert b"warning: --allow-project-hooks" in stderr
     if name == "hooks":  # what is left to tell the user: the exit summary
         assert b".git/hooks/pre-commit (created): a git hook" in stderr
+
+
+@pytest.mark.parametrize("protected", [True, False])
+def test_your_relative_hooks_path_in_a_repository_made_runs_nothing(user: User, protected: bool) -> None:
+    """Your own configuration says `core.hooksPath = .githooks`: git runs the hooks of every
+    repository from its work tree's .githooks, so the child writes one in a repository it makes.
+    It is set aside after the run (with --allow-project-hooks it runs: the attack is real)."""
+    top = user.mkdir(f"user-hooks-path-{protected}")
+    sh(user, REPO, top)
+    gitconfig = user.home / ".gitconfig"
+    sh(user, "git config --global core.hooksPath .githooks", top)
+    try:
+        for mark in marks(user):
+            (user.home / "marks" / mark).unlink()
+        script = shlex.quote(hook(user, "user-hooks-path"))
+        attack = f"git init -q sub && mkdir sub/.githooks && printf %s {script} > sub/.githooks/pre-commit"
+        attack += " && chmod +x sub/.githooks/pre-commit"
+        options = () if protected else ("--allow-project-hooks",)
+        result = sandboxed(user, top, attack, *options)
+        assert result.returncode == 0, result.stderr.decode()
+        user.run(["sh", "-c", AFTERWARDS], cwd=top / "sub", env=GIT_ENV)
+    finally:
+        gitconfig.unlink()
+    if protected:
+        assert marks(user) == set()
+        assert b"sub/.githooks: moved, the original is sub/.githooks.egressd-quarantine" in result.stderr
+    else:
+        assert marks(user) == {"user-hooks-path"}
 
 
 def test_placeholders_stand_in_while_missing_and_leave_nothing(user: User) -> None:
@@ -371,10 +638,15 @@ def test_the_summary_names_what_the_run_left(user: User) -> None:
     result = sandboxed(user, top, script)
     assert result.returncode == 0, result.stderr.decode()
     lines = result.stderr.decode().splitlines()
-    summary = lines[lines.index(next(line for line in lines if "created or changed files" in line)) :]
+    summary = lines[lines.index(next(line for line in lines if "out of git's way" in line)) :]
     text = "\n".join(summary)
     assert "tools/vendored/.git (created): a git repository" in text
-    assert "tools/vendored/.git/hooks/post-checkout (created): a git hook" in text
+    # the repository's hook is moved aside, and named where it is now
+    assert (
+        "tools/vendored/.git/hooks: hooks (post-checkout) moved, the original is "
+        "tools/vendored/.git/egressd-quarantine/hooks" in text
+    )
+    assert not (top / "tools/vendored/.git/hooks").exists()
     assert "scripts/setup.js (changed): npm install runs it (package.json's postinstall)" in text
     assert "Makefile (created): make runs it" in text
     assert "deep/er/.envrc (created): direnv runs it" in text
@@ -382,8 +654,9 @@ def test_the_summary_names_what_the_run_left(user: User) -> None:
     assert "restored-tool (changed): executable" in text
     assert "evil\\x1b[2Jname (created): executable" in text and "\x1b" not in text
     assert "same-tool" not in text and "package.json" not in text.replace("package.json's", "")
-    # the hook lines come first
-    assert summary[1].startswith("egressd:   tools/vendored/.git/hooks/post-checkout")
+    # what was moved comes first, then the rest
+    assert summary[1].startswith("egressd:   tools/vendored/.git/hooks: hooks")
+    assert "created or changed files" in summary[2]
 
 
 def test_a_symlinked_git_directory_is_refused(user: User) -> None:

@@ -19,10 +19,10 @@ from egressd.cli.options import dashboard_option, fail, open_session, say, secre
 from egressd.cli.passthrough import passthrough_option, run_unwrapped
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
-from egressd.sandbox import exit_summary, hooks, narrow, preflight
+from egressd.sandbox import exit_summary, hooks, narrow, preflight, quarantine
 from egressd.sandbox.explain import explain, home_hint
 from egressd.sandbox.layout import Layout, hide_more, option_links, pinned_options, plan_layout
-from egressd.sandbox.mounts import MountError
+from egressd.sandbox.mounts import MountError, within
 from egressd.sandbox.run import Outcome, needed_paths, run_bwrap, run_seatbelt
 from egressd.sandbox.shields import PRIVATE
 from egressd.sandbox.sources import SourceError, SourceGuard, source_files
@@ -296,7 +296,20 @@ def left_behind(layout: Layout) -> list[str]:
         return []
     after = exit_summary.walk(layout.before.roots)
     ignore = [p.path for p in layout.placeholders]  # one a concurrent sandbox still holds
-    return exit_summary.summary(exit_summary.changes(layout.before, after, ignore), after, cwd=os.getcwd())
+    found = exit_summary.changes(layout.before, after, ignore)
+    taken: list[quarantine.Taken] = []
+    if layout.quarantine:
+        taken = quarantine.after_run(
+            layout.before,
+            after,
+            found,
+            writable=[m.path for m in layout.mounts if m.writable],
+            protected=[path for path, _ in layout.hooks],
+            later=layout.later,
+        )
+        found = [c for c in found if not any(within(c.path, t.path) for t in taken)]
+    cwd = os.getcwd()
+    return quarantine.summary(taken, cwd) + exit_summary.summary(found, after, cwd=cwd)
 
 
 def _planned(

@@ -82,7 +82,9 @@ class Walk:
     started_ns: int
     files: dict[str, tuple[Seen, str]] = field(default_factory=dict)  # candidate: (stat, why)
     gits: list[str] = field(default_factory=list)  # `.git` entries below the roots (not theirs)
+    gitdirs: dict[str, int] = field(default_factory=dict)  # every git directory seen: its inode
     lifecycle: dict[str, dict[str, str]] = field(default_factory=dict)  # package.json: its scripts
+    unreadable: list[str] = field(default_factory=list)  # directories whose permissions kept it out
     seen: int = 0
     complete: bool = True
 
@@ -98,9 +100,9 @@ _TOPS = {e.path.split("/", 1)[0] for e in hooks.IN_PROJECT}
 def _why(relative: str, name: str, info: os.stat_result, in_git: bool) -> str | None:
     """Why the entry at `relative` (to its root) matters, or None."""
     if in_git:
-        if relative.endswith("/hooks/" + name) and not name.endswith(".sample"):
+        if ("/" + relative).endswith("/hooks/" + name) and not name.endswith(".sample"):
             return GIT_HOOK
-        if name in GIT_CONFIG or relative.endswith("/info/attributes"):
+        if name in GIT_CONFIG or ("/" + relative).endswith("/info/attributes"):
             return GIT_CONFIGURATION
         return None
     if name == ".git":
@@ -132,8 +134,15 @@ def walk(roots: Sequence[str], limit: int = WALK_LIMIT, started_ns: int | None =
         directory, root, in_git, device = queue.popleft()
         try:
             entries = list(os.scandir(directory))
+        except PermissionError:
+            found.unreadable.append(directory)  # git may still reach what it holds, by name
+            continue
         except OSError:
             continue
+        if hooks.git_directory({e.name for e in entries}):
+            with contextlib.suppress(OSError):
+                found.gitdirs[directory] = os.lstat(directory).st_ino
+            in_git = True  # a bare repository, a submodule's: git reads its hooks and configuration
         for entry in entries:
             if found.seen >= limit:
                 found.complete = False
@@ -268,6 +277,13 @@ def summary(found: Sequence[Change], after: Walk, *, cwd: str, limit: int = SUMM
             tops = Counter(_top(c.path, after.roots, cwd) for c in rest)
             where = ", ".join(f"{printable(top)}: {n}" for top, n in tops.most_common(5))
             lines.append(f"  and {len(rest)} more ({where})")
+    if after.unreadable:
+        first = printable(_shown(after.unreadable[0], cwd))
+        lines.append(
+            f"the look at what the command left could not read {len(after.unreadable)} "
+            f"director{'y' if len(after.unreadable) == 1 else 'ies'} (their permissions; the first: "
+            f"{first}): nothing in them was checked"
+        )
     if not after.complete:
         lines.append(
             f"the look at what the command left stopped after {after.seen} entries: files deeper in "

@@ -10,8 +10,9 @@ back. This module is the one list of them, used by bubblewrap, Seatbelt and `--e
 - `IN_GIT_DIR`, relative to every git directory found at start: the project's `.git`, the
   directory a `.git` file names (a linked worktree, a submodule's checkout), a worktree's common
   directory, the submodules' git directories under `modules/`, those of the nested repositories
-  the start-up walk finds (exit_summary.py), `core.hooksPath` where it leads into the project,
-  and the files the configuration includes (include.path, includeIf) that lie in the project.
+  the start-up walk finds (exit_summary.py; a bare one too, whatever its name), `core.hooksPath`
+  where it leads into the project, and the files the configuration includes (include.path,
+  includeIf) that lie in the project.
 
 An entry marked `create` is protected whether or not it exists: Seatbelt's rule on the path
 covers its creation, and on Linux a missing one gets an empty read-only placeholder (a directory,
@@ -24,8 +25,9 @@ and the tools that read them ask before running a new one (direnv, mise, Claude 
 servers) or run only when asked (`git submodule update`, a hook manager whose git hook is itself
 protected). The exit summary names every one created during the run.
 
-What cannot be covered: a nested repository the child creates during the run (any directory can
-be named `.git`, and bubblewrap only covers paths known when it starts); the summary names it.
+What cannot be covered: a repository the child creates during the run (any directory can be a
+git directory, and bubblewrap only covers paths known when it starts); quarantine.py takes its
+hooks and configuration out of git's way when the run ends, and the summary names it.
 A listed path that is a symlink, goes through one in a writable directory, or is a file with a
 second hard link is refused: a mount covers a path, so the child could re-point the link or
 write through the other name.
@@ -40,7 +42,8 @@ import os
 import shutil
 import stat
 import subprocess
-from collections.abc import Iterable, Iterator, Sequence
+import sys
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,6 +170,9 @@ class Found:
 
     protected: dict[str, str] = field(default_factory=dict)
     placeholders: dict[str, Placeholder] = field(default_factory=dict)
+    # what git would read that is missing and has no placeholder (an included file): set aside
+    # after the run if it was made meanwhile (quarantine.py)
+    later: dict[str, str] = field(default_factory=dict)
 
     def add(self, path: str, entry: Entry) -> None:
         if path in self.protected:
@@ -179,6 +185,16 @@ class Found:
 
 
 SMALL_FILE = 1 << 16
+
+
+def git_directory(names: Collection[str]) -> bool:
+    """Whether git takes a directory holding these entries for a git directory, whatever its name
+    (a `.git`, a bare repository, a submodule's under `modules/`): HEAD, and objects and refs or
+    a `commondir` naming where they are. macOS's file systems ignore case, and so does git there."""
+    if sys.platform == "darwin":
+        names = {n.casefold() for n in names}
+        return "head" in names and ("commondir" in names or ("objects" in names and "refs" in names))
+    return "HEAD" in names and ("commondir" in names or ("objects" in names and "refs" in names))
 
 
 def read_small(path: str, limit: int = SMALL_FILE) -> str | None:
@@ -358,6 +374,8 @@ def _add_repository(found: Found, dot_git: str, roots: Sequence[str], git: str |
         for included in config_includes(config, git):
             if any(within(included, root) for root in roots):
                 found.add(included, INCLUDED)
+                if not os.path.lexists(included):
+                    found.later[included] = INCLUDED.why
     hooks = hooks_path(os.path.dirname(dot_git), git)
     if hooks is not None and any(within(hooks, root) for root in roots):
         found.add(hooks, HOOKS_PATH)

@@ -64,6 +64,10 @@ class Layout:
     # the candidates for the exit summary, as the run found them (exit_summary.py)
     before: Walk | None = None
     own_home: str | None = None  # egressd's home: where it records the placeholders it made
+    # after the run, neutralise the repositories made where nothing protected them (quarantine.py)
+    quarantine: bool = False
+    # what git reads that was missing at start and could not be protected: set aside if made
+    later: tuple[str, ...] = ()
 
     def hides(self, path: str) -> bool:
         """The child sees nothing of the host's at the canonical `path`."""
@@ -251,7 +255,10 @@ def plan_layout(
     hidden = (*own, *credentials)
     roots = writable_roots(mounts, cache_dir)
     before = exit_summary.walk(roots)
-    found = hooks.find(roots, before.gits, git=hooks.system_git()) if project_hooks else hooks.Found()
+    # every nested repository found, a bare one (`x.git`, any directory git takes for one) too
+    bare = [d for d in before.gitdirs if os.path.basename(d) != ".git" and "/.git/" not in d]
+    nested = [*before.gits, *bare]
+    found = hooks.find(roots, nested, git=hooks.system_git()) if project_hooks else hooks.Found()
     project = {p: why for p, why in found.protected.items() if not any(within(p, h) for h in hidden)}
     covers = plan_covers(
         mounts, {**guarded, **project}, hidden, masked=masked, shown=revealed, private=private
@@ -276,6 +283,8 @@ def plan_layout(
         placeholders=_placeholders(found.placeholders, covers),
         before=before,
         own_home=own[0],
+        quarantine=project_hooks,
+        later=tuple(p for p in found.later if not any(within(p, h) for h in hidden)),
     )
 
 

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from egressd.sandbox import exit_summary, hooks
+from egressd.sandbox import exit_summary, hooks, quarantine
 from egressd.sandbox.bwrap import BwrapSpec, bwrap_argv
 from egressd.sandbox.hooks import HookError, Placeholder
 from egressd.sandbox.layout import plan_layout
@@ -382,3 +384,210 @@ def test_every_entry_is_documented() -> None:
     for name in [e.path for e in hooks.IN_PROJECT] + [f".git/{e.path}" for e in hooks.IN_GIT_DIR]:
         assert f"`{name}`" in text, name
     assert hooks.ALLOW_FLAG in text
+
+
+# -- the quarantine of repositories made during the run ------------------------------------------
+@pytest.mark.parametrize(
+    ("key", "kept"),
+    [
+        ("core.repositoryformatversion", True),
+        ("core.bare", True),
+        ("core.worktree", True),
+        ("extensions.objectformat", True),
+        ("remote.origin.url", True),
+        ("remote.a.b.c.fetch", True),
+        ("branch.main.merge", True),
+        ("submodule.x.url", True),
+        ("core.fsmonitor", False),
+        ("core.hookspath", False),
+        ("core.pager", False),
+        ("core.editor", False),
+        ("core.sshcommand", False),
+        ("core.askpass", False),
+        ("include.path", False),
+        ("includeif.gitdir:/**.path", False),
+        ("filter.lfs.clean", False),
+        ("filter.x.process", False),
+        ("diff.x.textconv", False),
+        ("diff.external", False),
+        ("merge.x.driver", False),
+        ("alias.st", False),
+        ("credential.helper", False),
+        ("gpg.program", False),
+        ("sequence.editor", False),
+        ("submodule.x.update", False),
+        ("remote.origin.uploadpack", False),
+        ("remote.origin.receivepack", False),
+        ("remote.origin.vcs", False),
+        ("url.ext::sh.insteadof", False),
+        ("protocol.ext.allow", False),
+        ("uploadpack.packobjectshook", False),
+        ("extensions.partialclone", False),  # git fetches from it by itself
+        ("remote.origin.promisor", False),
+        ("core.bare.x", False),  # a subsection named core.bare: `[core "bare"] x`
+        ("remote.url", False),  # no subsection
+    ],
+)
+def test_a_configuration_keeps_only_what_runs_nothing(key: str, kept: bool) -> None:
+    assert bool(quarantine.SAFE_KEYS.fullmatch(key)) is kept
+
+
+NASTY = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["core", "remote", "branch", "x"]),
+            st.one_of(st.none(), NASTY.filter(lambda s: "\n" not in s)),
+            st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True),
+            st.one_of(st.none(), NASTY),
+        ),
+        max_size=6,
+    )
+)
+def test_what_is_written_reads_back_exactly(entries: list[tuple[str, str | None, str, str | None]]) -> None:
+    """The configuration written in place of the child's is read by git as exactly the entries
+    kept, whatever their values hold (quotes, backslashes, new lines, `[`, `#`, `;`)."""
+    wanted = [(".".join(p for p in (s, sub, n) if p is not None), v) for s, sub, n, v in entries]
+    assert quarantine.parse(quarantine.render(wanted), hooks.system_git()) == wanted
+
+
+def test_a_configuration_git_cannot_read_is_none() -> None:
+    assert quarantine.parse("[core\n\tfsmonitor = x\n", hooks.system_git()) is None
+    assert quarantine.parse("[core]\n\tbare = true\n", None) is None
+
+
+def _quarantined(repo: Path, made: Path) -> list[quarantine.Taken]:
+    writable = [str(repo)]
+    protected = found(repo).protected
+    return quarantine.quarantine([str(made)], writable=writable, protected=protected, git=hooks.system_git())
+
+
+def test_a_new_repository_is_neutralised_and_nothing_outside_it_is_touched(
+    repo: Path, tmp_path: Path
+) -> None:
+    """Planted links cannot steer the quarantine: an `egressd-quarantine` symlink into the
+    project's hooks, a `hooks` symlink, a hook that is a hard link to a project file, an `info`
+    symlink. Every original is moved as it is, and the files the links lead to stay untouched."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "attributes").write_text("* filter=x\n")
+    sub = repo / "sub"
+    git("init", "-q", "sub", cwd=repo)
+    git("-C", "sub", "config", "core.fsmonitor", "evil", cwd=repo)
+    git("-C", "sub", "config", "remote.origin.url", "https://example.test/x.git", cwd=repo)
+    (repo / "tool.sh").write_text("#!/bin/sh\n")
+    os.link(repo / "tool.sh", sub / ".git" / "hooks" / "pre-commit")
+    (sub / ".git" / "egressd-quarantine").symlink_to(repo / ".git" / "hooks")
+    os.rename(sub / ".git" / "info", sub / ".git" / "info.old")
+    (sub / ".git" / "info").symlink_to(outside)
+    hooks_before = sorted(os.listdir(repo / ".git" / "hooks"))
+
+    taken = {os.path.relpath(t.path, sub): t for t in _quarantined(repo, sub / ".git")}
+
+    assert set(taken) == {".git/config", ".git/hooks", ".git/info"}
+    assert taken[".git/config"].dropped == ("core.fsmonitor",)
+    assert taken[".git/hooks"].hooks == ("pre-commit",)
+    box = sub / ".git" / "egressd-quarantine-1"
+    assert taken[".git/hooks"].kept == str(box / "hooks")
+    assert (box / "hooks" / "pre-commit").samefile(repo / "tool.sh")
+    assert (repo / "tool.sh").read_text() == "#!/bin/sh\n"
+    assert (box / "info").is_symlink() and (outside / "attributes").read_text() == "* filter=x\n"
+    assert sorted(os.listdir(repo / ".git" / "hooks")) == hooks_before
+    assert "fsmonitor" in (box / "config").read_text()
+    config = subprocess.run(
+        ["git", "config", "--file", str(sub / ".git" / "config"), "--list"], capture_output=True, text=True
+    ).stdout
+    assert "fsmonitor" not in config and "remote.origin.url=https://example.test/x.git" in config
+    assert subprocess.run(["git", "-C", str(sub), "status"], capture_output=True).returncode == 0
+    # a second time: nothing left to take
+    assert _quarantined(repo, sub / ".git") == []
+
+
+def test_what_git_init_and_clone_leave_is_left_alone(repo: Path) -> None:
+    git("clone", "-q", ".", "sub", cwd=repo)
+    git("init", "-q", "--bare", "x.git", cwd=repo)
+    assert _quarantined(repo, repo / "sub" / ".git") == []
+    assert _quarantined(repo, repo / "x.git") == []
+    assert not (repo / "sub" / ".git" / "egressd-quarantine").exists()
+
+
+def test_the_protected_repository_and_what_is_not_writable_are_left_alone(repo: Path, tmp_path: Path) -> None:
+    git("config", "core.fsmonitor", "mine", cwd=repo)  # the user's own, protected while it ran
+    elsewhere = tmp_path / "elsewhere"
+    git("init", "-q", str(elsewhere), cwd=tmp_path)
+    git("-C", str(elsewhere), "config", "core.fsmonitor", "theirs", cwd=tmp_path)
+    assert _quarantined(repo, repo / ".git") == []
+    assert _quarantined(repo, elsewhere / ".git") == []
+
+
+def test_a_symlinked_config_is_moved_not_followed(repo: Path, tmp_path: Path) -> None:
+    target = tmp_path / "real-config"
+    target.write_text("[core]\n\tfsmonitor = evil\n")
+    git("init", "-q", "sub", cwd=repo)
+    (repo / "sub" / ".git" / "config").unlink()
+    (repo / "sub" / ".git" / "config").symlink_to(target)
+    [taken] = _quarantined(repo, repo / "sub" / ".git")
+    assert taken.dropped == () and os.path.islink(taken.kept)
+    assert not os.path.lexists(repo / "sub" / ".git" / "config")
+    assert target.read_text() == "[core]\n\tfsmonitor = evil\n"
+
+
+def test_touched_names_the_repositories_made_and_those_a_git_entry_leads_to(repo: Path) -> None:
+    before = exit_summary.walk([str(repo)])
+    git("init", "-q", "--bare", "store/b", cwd=repo)
+    (repo / "w").mkdir()
+    (repo / "w" / ".git").write_text("gitdir: ../store/b\n")
+    git("init", "-q", "made", cwd=repo)
+    after = exit_summary.walk([str(repo)])
+    made = quarantine.touched(before, after, exit_summary.changes(before, after))
+    assert sorted(os.path.relpath(p, repo) for p in made) == ["made/.git", "store/b"]
+
+
+def test_an_included_file_missing_at_start_is_set_aside_once_made(repo: Path, tmp_path: Path) -> None:
+    """Your configuration includes `conf/shared.gitconfig` and `late.gitconfig`, missing at start:
+    the run makes one, and a symlinked `conf` for the other; each is renamed where it is, and what
+    the link leads to is left alone."""
+    git("config", "include.path", "../late.gitconfig", cwd=repo)
+    git("config", "includeIf.gitdir:/**.path", "../conf/shared.gitconfig", cwd=repo)
+    later = found(repo).later
+    assert set(later) == {str(repo / "late.gitconfig"), str(repo / "conf" / "shared.gitconfig")}
+    (repo / "late.gitconfig").write_text("[core]\n\tfsmonitor = evil\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "shared.gitconfig").write_text("[user]\n\tname = mine\n")
+    (repo / "conf").symlink_to(outside)
+    taken = {t.path: t.kept for t in quarantine.set_aside(later, [str(repo)])}
+    assert taken == {
+        str(repo / "late.gitconfig"): str(repo / "late.gitconfig.egressd-quarantine"),
+        str(repo / "conf"): str(repo / "conf.egressd-quarantine"),
+    }
+    assert (outside / "shared.gitconfig").read_text() == "[user]\n\tname = mine\n"
+    assert (
+        "evil"
+        not in subprocess.run(
+            ["git", "-C", str(repo), "config", "--list"], capture_output=True, text=True
+        ).stdout
+    )
+    assert quarantine.set_aside(later, [str(repo)]) == []  # nothing made: nothing taken
+
+
+def test_a_submodule_made_beyond_the_walk_is_still_neutralised(repo: Path) -> None:
+    """The walk is bounded (a child can fill the project to stop it short), but your prompt's git
+    status enters every submodule the index records: those made or changed since the start are
+    looked at wherever they are."""
+    before = exit_summary.walk([str(repo)], limit=5)
+    git("init", "-q", "zz/sub", cwd=repo)
+    git("-C", "zz/sub", "commit", "-q", "--allow-empty", "-m", "s", cwd=repo)
+    git("-C", "zz/sub", "config", "core.fsmonitor", "evil", cwd=repo)
+    git("add", "zz/sub", cwd=repo)
+    after = exit_summary.walk([str(repo)], limit=5)
+    assert not after.complete and str(repo / "zz" / "sub" / ".git") not in after.gitdirs
+    changes = exit_summary.changes(before, after)
+    protected = list(found(repo).protected)
+    taken = quarantine.after_run(before, after, changes, writable=[str(repo)], protected=protected, later=())
+    assert [(os.path.relpath(t.path, repo), t.dropped) for t in taken] == [
+        ("zz/sub/.git/config", ("core.fsmonitor",))
+    ]
