@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import pytest
 
 from tests.support import direct_clients
 from tests.support.audit_log import audit_records
+from tests.support.control import wait_for
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, egressd_exec, write_policy
 from tests.support.netns import UPSTREAM_V4
@@ -139,6 +141,40 @@ def test_a_refused_https_literal_gets_the_refusal_page_inside_tls(
     assert b"X-Egressd-Reason: not_allowlisted" in head
     assert unlisted.host.encode() in body and b"egressd" in body
     assert unlisted.connections == 0
+
+
+def test_watch_names_the_program_whose_connection_was_captured(sites: Sites, tmp_path: Path) -> None:
+    """`egressd watch` marks a captured connection's decision and names its program: the child
+    asks with `curl -x ""` until the test has seen the line."""
+    stop = tmp_path / "stop"
+    curl = f'curl -s -o /dev/null -x "" --max-time 20 {sites.urls[2]}'
+    loop = f"until [ -e {stop} ]; do {curl}; sleep 0.5; done"
+    base = ["--policy", str(sites.policy), "--nameserver", sites.dns.nameserver]
+    child = subprocess.Popen([*EGRESSD, "exec", *base, "--", "sh", "-c", loop], stderr=subprocess.DEVNULL)
+    watch = subprocess.Popen(
+        [*EGRESSD, "watch", "--pid", str(child.pid)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert watch.stdout is not None
+    try:
+        out = b""
+
+        def seen() -> bool:
+            nonlocal out
+            ready, _, _ = select.select([watch.stdout], [], [], 1)
+            if ready:
+                out += os.read(watch.stdout.fileno(), 65536)  # type: ignore[union-attr]
+            return b"captured" in out
+
+        wait_for(seen, timeout=120, what="a captured decision on the watch")
+    finally:
+        stop.touch()
+        watch.terminate()
+        watch.wait(10)
+        child.wait(60)
+    line = next(text for text in out.decode().splitlines() if "captured" in text)
+    assert sites.unlisted.host in line and "not_allowlisted" in line, line
+    assert "/curl pid " in line and "ignored the proxy variables" in line, line
+    assert sites.unlisted.connections == 0
 
 
 # -- loopback: the child's own, and the host's --------------------------------------------------------

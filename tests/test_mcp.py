@@ -330,7 +330,9 @@ async def test_a_profile_refusal_names_the_profile_line_addressed_to_a_person(
     params = _wrapped_params(wrapped_config, "fetch")
     is_error, text = await _call(params, "fetch", {"url": f"http://other.test:{upstream.port}/x"})
     assert is_error
-    notice = next(line for line in text.splitlines() if line.startswith("egressd refused"))
+    # the server's own DNS question for the name was refused too (its network namespace's DNS):
+    # the request's notice is the one that names the port
+    notice = next(line for line in text.splitlines() if line.startswith("egressd refused GET"))
     policy = wrapped_config.parent / "mcp-policy.yaml"
     assert notice.startswith(f"egressd refused GET http://other.test:{upstream.port}/x: profile. "), notice
     assert notice.endswith(

@@ -66,19 +66,18 @@ def exec_command(
     pid: int | None,
     command: tuple[str, ...],
 ) -> None:
-    """Run CMD with all its traffic going through egressd.
+    """Run CMD with its connections decided by egressd.
 
-    Programs that use the proxy variables go through egressd's proxy; on Linux CMD runs in a
+    Programs that use the proxy variables go through egressd's proxy. On Linux CMD also runs in a
     network namespace of its own, where connections of programs that ignore them are captured
-    and decided like any other. Where that cannot be (no user namespaces, --no-capture, not
-    Linux, --attach) egressd says so on stderr, and such connections go out unseen.
+    and decided like any other. Where that cannot be (user namespaces turned off, --no-capture,
+    not Linux) egressd says so on stderr: such connections then go out unseen, as they do from a
+    child started with --attach (docs/exec.md).
 
     The child's stdin, stdout, stderr, exit status and signals pass through untouched; egressd
     writes nothing to stdout. With --policy FILE, edits to FILE apply to the running child.
     """
-    if attach or pid is not None:
-        if not capture_direct:
-            fail("--attach takes only --pid and --profile: the running egressd's policy and options apply")
+    if attach or pid is not None:  # never captured (--no-capture is its way already)
         _attach(options, attach, pid, command, listener=credentials_listener)
     if options.identify is None:  # a lookup per connection: only where it is kept
         recorded = bool(options.audit_path or options.trace or options.dashboard)
