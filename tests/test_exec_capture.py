@@ -32,6 +32,7 @@ from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, egressd_exec, write_policy
 from tests.support.netns import UPSTREAM_V4
 from tests.support.upstreams import EchoHTTPServer, EchoHTTPSServer
+from tests.test_sandbox_capture import build_go_client, java_trusting
 
 HERE = Path(__file__).resolve().parent
 NO_USERNS = str(HERE / "support" / "no_userns.py")
@@ -114,6 +115,30 @@ def test_a_client_that_ignores_the_proxy_variables_is_captured_and_decided(
     captured = next(line for line in summary if line.startswith("egressd: captured "))
     assert "of programs that ignore the proxy variables" in captured and f"{program}" in captured, stderr
     assert "refused elsewhere.test (not_allowlisted)" in stderr  # the name's refusal, told on stderr
+
+
+@pytest.fixture(scope="module")
+def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_go_client(tmp_path_factory)
+
+
+@pytest.mark.parametrize("client", ["java", "go"])
+def test_java_and_go_clients_that_ignore_the_proxy_are_captured(
+    sites: Sites, ca_file: Path, tmp_path: Path, go_client: Path, client: str
+) -> None:
+    """Java's HttpClient without egressd's JAVA_TOOL_OPTIONS, and a Go transport with `Proxy: nil`."""
+    if client == "java":
+        command = ["env", "-u", "JAVA_TOOL_OPTIONS", *java_trusting(tmp_path, ca_file)]
+    else:
+        command = [str(go_client), str(ca_file)]
+    seen = last_json(sites.exec([*command, *sites.urls]))
+    plain, tls, literal, name = sites.urls
+    assert seen[plain] == [200, "/plain"] and seen[tls] == [200, "/tls"], seen
+    assert seen[literal][0] == 403 and seen[name][0] == "error", seen
+    assert sites.unlisted.connections == 0
+    records = [r for r in audit_records(sites.audit) if r.get("event") == "decision"]
+    refused = [r for r in records if r.get("host") == sites.unlisted.host]
+    assert refused and all(r["decision"] == "deny" and r.get("captured") for r in refused), refused
 
 
 def test_clients_that_use_the_proxy_variables_are_not_called_captured(sites: Sites) -> None:

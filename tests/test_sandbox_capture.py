@@ -186,13 +186,14 @@ public class Client {
 """
 
 
-def _java_trusting_the_test_ca(clients: Clients) -> list[str]:
-    """`java` with a PKCS12 trust store holding the test CA (the JVM reads no CA-bundle variable)."""
-    source = clients.work / "Client.java"
+def java_trusting(work: Path, ca_file: Path) -> list[str]:
+    """`java` running the client from `work` with a PKCS12 trust store holding the test CA (the JVM
+    reads no CA-bundle variable)."""
+    source = work / "Client.java"
     source.write_text(JAVA)
-    store = clients.work / "trust.p12"
+    store = work / "trust.p12"
     subprocess.run(
-        ["keytool", "-importcert", "-noprompt", "-alias", "test", "-file", str(clients.ca_file), "-storetype",
+        ["keytool", "-importcert", "-noprompt", "-alias", "test", "-file", str(ca_file), "-storetype",
          "PKCS12", "-keystore", str(store), "-storepass", "changeit"],
         check=True, capture_output=True, timeout=TIMEOUT,
     )  # fmt: skip
@@ -202,13 +203,14 @@ def _java_trusting_the_test_ca(clients: Clients) -> list[str]:
 
 def test_java_http_client(clients: Clients) -> None:
     # without egressd's JAVA_TOOL_OPTIONS (its proxy settings): the JVM then ignores any proxy
-    clients.check(clients.run(["env", "-u", "JAVA_TOOL_OPTIONS", *_java_trusting_the_test_ca(clients)]))
+    java = java_trusting(clients.work, clients.ca_file)
+    clients.check(clients.run(["env", "-u", "JAVA_TOOL_OPTIONS", *java]))
 
 
 def test_java_through_java_tool_options_needs_no_credentials(clients: Clients) -> None:
     """egressd's JAVA_TOOL_OPTIONS point the JVM at the sandbox's credential-free proxy port (the
     JVM sends no Basic credentials on a CONNECT): with capture off, the proxy decides each host."""
-    seen = clients.run(_java_trusting_the_test_ca(clients), "--no-capture")
+    seen = clients.run(java_trusting(clients.work, clients.ca_file), "--no-capture")
     plain, tls, refused = clients.urls
     assert seen[plain] == [200, "/plain"] and seen[tls] == [200, "/tls"], seen
     assert seen[refused] == [403, "?"], seen  # the proxy's refusal, with its reason in the audit
@@ -325,6 +327,10 @@ func main() {
 
 @pytest.fixture(scope="module")
 def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_go_client(tmp_path_factory)
+
+
+def build_go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Go client, built here with the standard library only (no module download, no network)."""
     directory = tmp_path_factory.mktemp("goclient")
     (directory / "main.go").write_text(GO)
