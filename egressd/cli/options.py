@@ -444,7 +444,7 @@ def capture_option(func: Callable[..., Any]) -> Callable[..., Any]:
         help="Linux: CMD gets a network namespace of its own, where connections that ignore the proxy "
         "variables (and their DNS) are captured and decided like any other. --no-capture: outside "
         "the sandbox they reach the network directly, unseen (egressd warns); in the sandbox they "
-        "get nothing. See docs/security.md.",
+        "get nothing. See docs/exec.md.",
     )(func)
 
 
