@@ -141,6 +141,29 @@ def test_java_and_go_clients_that_ignore_the_proxy_are_captured(
     assert refused and all(r["decision"] == "deny" and r.get("captured") for r in refused), refused
 
 
+@pytest.mark.parametrize("front", [["mcp", "run"], ["acp"]], ids=["mcp-run", "acp"])
+def test_mcp_and_acp_children_are_captured_too(sites: Sites, ca_file: Path, front: list[str]) -> None:
+    """A server or agent started by `egressd mcp run` or `egressd acp` (model-driven code) that
+    ignores the proxy variables is captured as under exec: its output is not JSON-RPC, and passes
+    through the relay as it is."""
+    command = direct_clients.command("node", ca_file, list(sites.urls[2:]))
+    base = ["--policy", str(sites.policy), "--nameserver", sites.dns.nameserver, "--audit", str(sites.audit)]
+    result = subprocess.run(
+        [*EGRESSD, *front, *base, "--", "env", "-u", "NODE_USE_ENV_PROXY", *command],
+        capture_output=True,
+        timeout=TIMEOUT,
+    )
+    seen = last_json(result)
+    literal, name = sites.urls[2:]
+    assert direct_clients.results("node", seen, literal) == [[403, "not_allowlisted"]] * 2, seen
+    assert all(got[0] == "error" for got in direct_clients.results("node", seen, name)), seen
+    assert sites.unlisted.connections == 0
+    records = [r for r in audit_records(sites.audit) if r.get("event") == "decision"]
+    refused = [r for r in records if r.get("host") == sites.unlisted.host]
+    assert refused and all(r["decision"] == "deny" and r.get("captured") for r in refused), refused
+    assert "node" in result.stderr.decode() and "ignore the proxy variables" in result.stderr.decode()
+
+
 def test_clients_that_use_the_proxy_variables_are_not_called_captured(sites: Sites) -> None:
     result = sites.exec(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", sites.urls[0]])
     assert result.stdout == b"200", result.stderr
