@@ -356,6 +356,22 @@ def test_without_user_namespaces_egressd_says_so_and_runs_the_child_as_it_is(
     assert proxied.stdout == b"200"  # the proxy variables still lead through egressd
 
 
+@pytest.mark.parametrize("front", [["mcp", "run"], ["acp"]], ids=["mcp-run", "acp"])
+def test_mcp_and_acp_without_user_namespaces_say_so_once(sites: Sites, front: list[str]) -> None:
+    """`mcp run` and `acp` must know where their child reaches the proxy before it starts: they
+    ask the kernel first, and say once that programs ignoring the proxy variables are not captured."""
+    base = ["--policy", str(sites.policy), "--nameserver", sites.dns.nameserver]
+    result = subprocess.run(
+        [sys.executable, NO_USERNS, *EGRESSD, *front, *base, "--", "sh", "-c", "echo ran"],
+        capture_output=True,
+        timeout=TIMEOUT,
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 0 and result.stdout == b"ran\n", stderr
+    assert stderr.count("cannot give the command a network namespace of its own") == 1, stderr
+    assert "NOT captured" in stderr and "kernel.apparmor_restrict_unprivileged_userns" in stderr
+
+
 def egressd_exec_in_no_userns(sites: Sites, command: list[str]) -> subprocess.CompletedProcess[bytes]:
     base = ["--policy", str(sites.policy), "--nameserver", sites.dns.nameserver]
     return subprocess.run(
