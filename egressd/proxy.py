@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,8 @@ from egressd.policy import Policy, join_host_port
 if TYPE_CHECKING:
     import ssl
 
-    from egressd.front.server import Front
+    from egressd.admission.peer import Diag
+    from egressd.front.server import Front, Handed
     from egressd.observe.audit import AuditLog
 
 logger = logging.getLogger(__name__)
@@ -244,29 +245,43 @@ class ProxyServer:
             return await self._front.start(host, port, kind=kind, ssl=tls)
         return await self._front.adopt(sock, kind, ssl=tls)
 
-    def serve_socket(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
-        """Accept clients of `kind` ("http" or "socks") on a listening socket made elsewhere, as on
-        egressd's own ports: the sandbox's launcher makes it inside the sandbox's network namespace,
-        so the child reaches the proxy with no relay in between. `implicit`: the listener is the
-        child's alone (the sandbox's credential-free port), and a request without credentials is
-        the child's."""
+    def serve_socket(self, handed: Handed) -> None:
+        """Accept clients on a listening socket made elsewhere, as on egressd's own ports: the
+        launcher makes it inside the child's network namespace, so the child reaches the proxy
+        with no relay in between. A listener that grants credentials (`implicit`) is the child's
+        alone (the credential-free port): a request without credentials there is the child's."""
         loop = self._loop
         if loop is None or self._thread is None or not self._thread.is_alive():
             raise EngineError("the proxy is not running")
         assert self._front is not None
-        future = asyncio.run_coroutine_threadsafe(self._front.serve(sock, kind, implicit), loop)
+        future = asyncio.run_coroutine_threadsafe(self._front.serve(handed), loop)
         future.result(timeout=START_TIMEOUT)
+
+    def serve_captures(
+        self, sock: socket.socket, creds: ProxyCredentials, *, diag: Diag | None = None
+    ) -> None:
+        """Admit, as the child's (`creds`), every connection a child's capture hands over on `sock`
+        (front/captured.py), on the proxy's loop, until the launcher hangs up."""
+        from egressd.front.captured import serve_captures
+
+        self._background_task(lambda: serve_captures(self._front, sock, creds, diag))  # type: ignore[arg-type]
 
     def serve_names(self, sock: socket.socket, profile: str | None) -> None:
         """Answer a sandbox's capture's name questions on `sock` (front/names.py) for a child of
         `profile`, on the proxy's loop, until the sandbox hangs up."""
+        from egressd.front.names import serve_names
+
+        self._background_task(lambda: serve_names(self.pipeline, sock, profile))
+
+    def _background_task(self, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run make()'s coroutine on the proxy's loop, held here (the loop keeps only weak
+        references to its tasks)."""
         loop = self._loop
         if loop is None or self._thread is None or not self._thread.is_alive():
             raise EngineError("the proxy is not running")
-        from egressd.front.names import serve_names
 
-        def start() -> None:  # the loop keeps only weak references to its tasks
-            task = loop.create_task(serve_names(self.pipeline, sock, profile))
+        def start() -> None:
+            task = loop.create_task(make())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 

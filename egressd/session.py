@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from egressd.control.server import ControlServer, Counts
     from egressd.dashboard.server import Dashboard
     from egressd.files import ReadBytes, Snapshot
+    from egressd.observe.captured import CapturedReport
     from egressd.observe.metrics import Metrics, MetricsServer
     from egressd.observe.refusals import RefusalReport
     from egressd.policy.secrets import SecretSpec
@@ -241,6 +242,7 @@ class ProxySession:
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.report: RefusalReport | None = None
+        self.captured: CapturedReport | None = None
         self.broker: AskBroker | None = None
         self._control: ControlServer | None = None
         self._dashboard: Dashboard | None = None
@@ -461,11 +463,14 @@ class ProxySession:
             )
             subscribe(self.metrics.observe, addresses=False)  # counters
         if self.options.report:
+            from egressd.observe.captured import CapturedReport
             from egressd.observe.refusals import RefusalReport
 
             # with --trace every decision has its line already: only the summary is added
             self.report = RefusalReport(sys.stderr, lines=not self.options.trace, context=self.context)
             subscribe(self.report.observe, addresses=False)  # refusals only
+            self.captured = CapturedReport(sys.stderr, lines=not self.options.trace)
+            subscribe(self.captured.observe, addresses=False)  # captured decisions only
 
     def _serve_metrics(self, host: str, port: int) -> None:
         from egressd.observe.metrics import MetricsServer
@@ -773,6 +778,9 @@ class ProxySession:
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
+        if self.captured is not None:
+            self.captured.print_summary()  # the programs that ignored the proxy variables
+            self.captured = None
         if self.report is not None:
             self.report.print_summary()  # the child has exited (or `run` was stopped)
             self.report = None

@@ -28,6 +28,7 @@ MODULES=(
   tests/test_sandbox_syscalls.py
   tests/test_sandbox_workloads.py
   tests/test_exec_integration.py
+  tests/test_exec_capture.py
   tests/test_exec_startup.py
   tests/test_refusal_hints.py
   tests/test_attach.py

@@ -45,6 +45,10 @@ AGENT = str(Path(__file__).parent / "support" / "acp_agent.py")
 # its SSRF guard on: it resolves every URL's host itself and refuses any address that is not public
 FETCH_SERVER = [sys.executable, "-m", "mcp_server_fetch", "--ignore-robots-txt"]
 FETCH_SERVER += ["--user-agent", "egressd-test"]
+# In mode: ask, a name nobody has approved yet is answered with a stand-in address (198.18.0.0/15)
+# in the agent's network namespace: a guard that judges addresses itself refuses it before egressd
+# could ask anyone (docs/security.md), so the ask tests run the server with its guard off.
+FETCH_SERVER_UNGUARDED = [*FETCH_SERVER, "--allow-private-ips"]
 STDERR: dict[str, Any] = {"stderr": None}  # egressd's and the agent's stderr: the test log
 
 
@@ -125,14 +129,16 @@ class EditorClient:
 
 
 @pytest.fixture
-def up(dns: DnsServer, upstream: EchoHTTPServer) -> EchoHTTPServer:
-    dns.add("up.test", upstream.host)
-    return upstream
+def up(dns: DnsServer, public_upstream: EchoHTTPServer) -> EchoHTTPServer:
+    """The agent and its MCP servers run in a network namespace of their own, whose DNS gives the
+    real addresses egressd resolved: the fetch server's SSRF guard must take it for a public one."""
+    dns.add("up.test", public_upstream.host)
+    return public_upstream
 
 
 def _policy(tmp_path: Path, upstream: EchoHTTPServer, extra: str = "", *allow: str) -> Path:
     path = tmp_path / "policy.yaml"
-    rules = ", ".join(["up.test", f"{upstream.host}/32", *allow])
+    rules = ", ".join(["up.test", f"'{upstream.host}'", *allow])
     path.write_text(f"version: 1\nmode: enforce\nallow: [{rules}]\n{extra}")
     return path
 
@@ -352,9 +358,9 @@ async def test_mode_ask_is_answered_in_the_editor(tmp_path: Path, dns: DnsServer
     dns.add("other.test", up.host)
     dns.add("third.test", up.host)
     policy = tmp_path / "policy.yaml"
-    policy.write_text(f"version: 1\nmode: ask\nallow: [{up.host}/32]\n")
+    policy.write_text(f"version: 1\nmode: ask\nallow: ['{up.host}']\n")
     client = EditorClient()
-    servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER[1:], env=[])]
+    servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER_UNGUARDED[1:], env=[])]
     command = _egressd_acp(policy, dns, tmp_path / "audit.jsonl")
     async with spawn_agent_process(client, command[0], *command[1:], transport_kwargs=STDERR) as (conn, proc):
         session_id = await _session(conn, servers)
@@ -377,7 +383,7 @@ async def test_mode_ask_is_answered_in_the_editor(tmp_path: Path, dns: DnsServer
 
 def _ask_policy(tmp_path: Path, up: EchoHTTPServer) -> Path:
     policy = tmp_path / "policy.yaml"
-    policy.write_text(f"version: 1\nmode: ask\nask_timeout: 60\nallow: [{up.host}/32]\n")
+    policy.write_text(f"version: 1\nmode: ask\nask_timeout: 60\nallow: ['{up.host}']\n")
     return policy
 
 
@@ -388,7 +394,7 @@ async def test_a_dismissed_permission_dialog_refuses_at_once(
     (60 s here) reported as "nobody answered"."""
     client = EditorClient()
     client.answer = "cancelled"
-    servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER[1:], env=[])]
+    servers = [McpServerStdio(name="fetch", command=FETCH_SERVER[0], args=FETCH_SERVER_UNGUARDED[1:], env=[])]
     audit = tmp_path / "audit.jsonl"
     command = _egressd_acp(_ask_policy(tmp_path, up), dns, audit)
     async with spawn_agent_process(client, command[0], *command[1:], transport_kwargs=STDERR) as (conn, proc):

@@ -247,11 +247,43 @@ def _raw_get(address: tuple[str, int], url: str) -> bytes:
         return read_head(sock)
 
 
+def _outside_gets_407(host: str, port: int, proxy: str, url: str) -> None:
+    """The child's credential-free listener, asked by processes that are not the child's."""
+    answer = _raw_get((host, int(port)), url)
+    assert answer.startswith(b"HTTP/1.1 407 "), answer[:300]
+    assert b"Proxy-Authenticate" in answer
+    outside = subprocess.run(
+        [
+            "curl",
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "20",
+            "--proxy",
+            proxy,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert outside.stdout == "407", outside
+    if os.geteuid() == 0 and shutil.which("setpriv"):  # another user's process (CI runs as root)
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *outside.args]
+        other_user = subprocess.run(nobody, capture_output=True, text=True, timeout=60)
+        assert other_user.stdout == "407", other_user
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["no-capture", "own-network"])
 def test_a_process_outside_the_childs_tree_gets_407(
-    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, capture: bool
 ) -> None:
     """The test itself and a curl it starts outside egressd reach the listener's port: 407, and
-    nothing reaches the upstream."""
+    nothing reaches the upstream. In the child's own network namespace the listener is on that
+    namespace's loopback: outside, nothing listens there at all."""
     dns.add("up.test", upstream.host)
     policy = write_policy(tmp_path, POLICY)
     url_file, go_file = tmp_path / "url", tmp_path / "go"
@@ -263,6 +295,7 @@ def test_a_process_outside_the_childs_tree_gets_407(
         str(policy),
         "--nameserver",
         dns.nameserver,
+        *([] if capture else ["--no-capture"]),
         "--",
         "sh",
         "-c",
@@ -277,32 +310,11 @@ def test_a_process_outside_the_childs_tree_gets_407(
         assert proxy.startswith("http://127.0.0.1:"), proxy
         host, port = proxy.removeprefix("http://").rsplit(":", 1)
         url = f"http://up.test:{upstream.port}/outside"
-        answer = _raw_get((host, int(port)), url)
-        assert answer.startswith(b"HTTP/1.1 407 "), answer[:300]
-        assert b"Proxy-Authenticate" in answer
-        outside = subprocess.run(
-            [
-                "curl",
-                "-s",
-                "-o",
-                "/dev/null",
-                "-w",
-                "%{http_code}",
-                "--max-time",
-                "20",
-                "--proxy",
-                proxy,
-                url,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert outside.stdout == "407", outside
-        if os.geteuid() == 0 and shutil.which("setpriv"):  # another user's process (CI runs as root)
-            nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *outside.args]
-            other_user = subprocess.run(nobody, capture_output=True, text=True, timeout=60)
-            assert other_user.stdout == "407", other_user
+        if capture:
+            with pytest.raises(ConnectionRefusedError):
+                _raw_get((host, int(port)), url)
+        else:
+            _outside_gets_407(host, int(port), proxy, url)
     finally:
         go_file.touch()
         child.wait(timeout=60)

@@ -52,12 +52,12 @@ def write_policy(
         profiles
         if profiles is not None
         else (
-            "profiles:\n  fetch: {allow: [up.test, " + upstream.host + "/32]}\n"
+            "profiles:\n  fetch: {allow: [up.test, '" + upstream.host + "']}\n"
             "  everything: {allow: [other.test]}\n"
         )
     )
     path.write_text(
-        f"version: 1\nmode: enforce\nallow: [up.test, other.test, {upstream.host}/32]\n{resolver}{profiles}"
+        f"version: 1\nmode: enforce\nallow: [up.test, other.test, '{upstream.host}']\n{resolver}{profiles}"
     )
     return path
 
@@ -272,7 +272,11 @@ async def _call(params: StdioServerParameters, tool: str, arguments: dict[str, A
 
 
 @pytest.fixture
-def wrapped_config(tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer) -> Path:
+def wrapped_config(tmp_path: Path, dns: DnsServer, public_upstream: EchoHTTPServer) -> Path:
+    """fetch (its SSRF guard on) and everything, wrapped. The servers run in a network namespace of
+    their own, whose DNS gives the real addresses egressd resolved: the upstream is one the guard
+    takes for a public address (3fff::1)."""
+    upstream = public_upstream
     dns.add("up.test", upstream.host)
     dns.add("other.test", upstream.host)
     if not EVERYTHING.exists():
@@ -295,8 +299,9 @@ def wrapped_config(tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer) -> 
 
 
 async def test_fetch_server_allowed_refused_and_profile(
-    wrapped_config: Path, upstream: EchoHTTPServer
+    wrapped_config: Path, public_upstream: EchoHTTPServer
 ) -> None:
+    upstream = public_upstream
     params = _wrapped_params(wrapped_config, "fetch")
     is_error, text = await _call(params, "fetch", {"url": f"http://up.test:{upstream.port}/page-ok"})
     assert not is_error, text
@@ -316,15 +321,18 @@ async def test_fetch_server_allowed_refused_and_profile(
 
 
 async def test_a_profile_refusal_names_the_profile_line_addressed_to_a_person(
-    wrapped_config: Path, upstream: EchoHTTPServer
+    wrapped_config: Path, public_upstream: EchoHTTPServer
 ) -> None:
     """`mcp wrap` gives each server its own profile: a host the policy allows and the server's
     profile does not is lifted by a line in that profile, which the failed call names (in the
     wrapped policy file) for a person to add; no `--allow`, no `egressd exec`, one full stop each."""
+    upstream = public_upstream
     params = _wrapped_params(wrapped_config, "fetch")
     is_error, text = await _call(params, "fetch", {"url": f"http://other.test:{upstream.port}/x"})
     assert is_error
-    notice = next(line for line in text.splitlines() if line.startswith("egressd refused"))
+    # the server's own DNS question for the name was refused too (its network namespace's DNS):
+    # the request's notice is the one that names the port
+    notice = next(line for line in text.splitlines() if line.startswith("egressd refused GET"))
     policy = wrapped_config.parent / "mcp-policy.yaml"
     assert notice.startswith(f"egressd refused GET http://other.test:{upstream.port}/x: profile. "), notice
     assert notice.endswith(
@@ -334,10 +342,12 @@ async def test_a_profile_refusal_names_the_profile_line_addressed_to_a_person(
     assert "--allow" not in notice and "egressd exec" not in notice and ".)." not in notice
 
 
-async def test_a_network_failure_is_told_as_one(wrapped_config: Path, upstream: EchoHTTPServer) -> None:
+async def test_a_network_failure_is_told_as_one(
+    wrapped_config: Path, public_upstream: EchoHTTPServer
+) -> None:
     """A failed tool call whose connection the network failed (nothing listens on the port:
     connect_refused) says egressd failed to reach it, never that egressd refused it."""
-    with RefusingPort(upstream.host) as closed:
+    with RefusingPort(public_upstream.host) as closed:
         params = _wrapped_params(wrapped_config, "fetch")
         is_error, text = await _call(params, "fetch", {"url": f"http://up.test:{closed.port}/x"})
     assert is_error

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from egressd.sandbox import capture
+from tests.support import direct_clients
 from tests.support.audit_log import audit_records
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import write_policy
@@ -107,6 +108,10 @@ class Clients:
             run_captured(self.tmp_path, self.dns, self.audit, [*command, *self.urls], self.work, *options)
         )
 
+    def run_client(self, name: str) -> dict[str, Any]:
+        """One of the clients of tests/support/direct_clients.py, in the sandbox."""
+        return self.run(direct_clients.command(name, self.ca_file, []))
+
     def check(self, seen: dict[str, Any], prefix: str = "") -> None:
         """Allowed: 200 with the path; refused: an error in the child, the reason in the audit."""
         plain, tls, refused = self.urls
@@ -128,93 +133,23 @@ def clients(
     work: Path,
 ) -> Clients:
     """up.test (plain HTTP) and other.test (HTTPS) are allowed; elsewhere.test is not."""
-    dns.add("up.test", upstream.host)
-    dns.add("other.test", upstream_tls.host)
     urls = (
-        f"http://up.test:{upstream.port}/plain",
-        upstream_tls.url_for("other.test", "/tls"),
+        *direct_clients.allowed_urls(dns, upstream, upstream_tls),
         f"http://elsewhere.test:{upstream.port}/refused",
     )
     return Clients(tmp_path, dns, upstream, ca_file, audit, work, urls)
 
 
-URLLIB3 = """
-    import json, sys, urllib3
-    out = {}
-    timeout = urllib3.Timeout(connect=30, read=60)
-    pool = urllib3.PoolManager(ca_certs=sys.argv[1], retries=False, timeout=timeout)
-    for url in sys.argv[2:]:
-        try:
-            response = pool.request("GET", url)
-            out[url] = [response.status, json.loads(response.data)["path"]]
-        except Exception as exc:
-            out[url] = ["error", type(exc).__name__]
-    print(json.dumps(out))
-"""
-
-
 def test_urllib3_pool_manager(clients: Clients) -> None:
-    clients.check(clients.run([PY, "-c", textwrap.dedent(URLLIB3), str(clients.ca_file)]))
-
-
-AIOHTTP = """
-    import asyncio, json, ssl, sys, aiohttp
-    async def main():
-        out = {}
-        context = ssl.create_default_context(cafile=sys.argv[1])
-        timeout = aiohttp.ClientTimeout(total=90)
-        async with aiohttp.ClientSession(timeout=timeout) as session:  # trust_env=False: no proxy
-            for url in sys.argv[2:]:
-                try:
-                    async with session.get(url, ssl=context) as response:
-                        out[url] = [response.status, (await response.json(content_type=None))["path"]]
-                except Exception as exc:
-                    out[url] = ["error", type(exc).__name__]
-        print(json.dumps(out))
-    asyncio.run(main())
-"""
+    clients.check(clients.run_client("urllib3"))
 
 
 def test_aiohttp_default_session(clients: Clients) -> None:
-    clients.check(clients.run([PY, "-c", textwrap.dedent(AIOHTTP), str(clients.ca_file)]))
-
-
-NODE = """
-    const https = require("https");
-    const http = require("http");
-    function get(url) {
-      const lib = url.startsWith("https:") ? https : http;
-      return new Promise((resolve) => {
-        const req = lib.get(url, { timeout: 60000 }, (res) => {
-          let body = "";
-          res.on("data", (c) => (body += c));
-          res.on("end", () => resolve([res.statusCode, JSON.parse(body).path]));
-        });
-        req.on("error", (e) => resolve(["error", e.code || e.message]));
-        req.on("timeout", () => req.destroy(new Error("timeout")));
-      });
-    }
-    async function viaFetch(url) {
-      try {
-        const res = await fetch(url, { signal: AbortSignal.timeout(60000) });
-        return [res.status, (await res.json()).path];
-      } catch (e) {
-        return ["error", String((e.cause && e.cause.code) || e.message)];
-      }
-    }
-    (async () => {
-      const out = {};
-      for (const url of process.argv.slice(1)) {
-        out["fetch " + url] = await viaFetch(url);
-        out["get " + url] = await get(url);
-      }
-      console.log(JSON.stringify(out));
-    })();
-"""
+    clients.check(clients.run_client("aiohttp"))
 
 
 def test_node_fetch_and_https_get(clients: Clients) -> None:
-    seen = clients.run([f"NODE_EXTRA_CA_CERTS={clients.ca_file}", "node", "-e", textwrap.dedent(NODE)])
+    seen = clients.run_client("node")
     clients.check(seen, prefix="fetch ")
     clients.check(seen, prefix="get ")
 
@@ -251,13 +186,14 @@ public class Client {
 """
 
 
-def _java_trusting_the_test_ca(clients: Clients) -> list[str]:
-    """`java` with a PKCS12 trust store holding the test CA (the JVM reads no CA-bundle variable)."""
-    source = clients.work / "Client.java"
+def java_trusting(work: Path, ca_file: Path) -> list[str]:
+    """`java` running the client from `work` with a PKCS12 trust store holding the test CA (the JVM
+    reads no CA-bundle variable)."""
+    source = work / "Client.java"
     source.write_text(JAVA)
-    store = clients.work / "trust.p12"
+    store = work / "trust.p12"
     subprocess.run(
-        ["keytool", "-importcert", "-noprompt", "-alias", "test", "-file", str(clients.ca_file), "-storetype",
+        ["keytool", "-importcert", "-noprompt", "-alias", "test", "-file", str(ca_file), "-storetype",
          "PKCS12", "-keystore", str(store), "-storepass", "changeit"],
         check=True, capture_output=True, timeout=TIMEOUT,
     )  # fmt: skip
@@ -267,13 +203,14 @@ def _java_trusting_the_test_ca(clients: Clients) -> list[str]:
 
 def test_java_http_client(clients: Clients) -> None:
     # without egressd's JAVA_TOOL_OPTIONS (its proxy settings): the JVM then ignores any proxy
-    clients.check(clients.run(["env", "-u", "JAVA_TOOL_OPTIONS", *_java_trusting_the_test_ca(clients)]))
+    java = java_trusting(clients.work, clients.ca_file)
+    clients.check(clients.run(["env", "-u", "JAVA_TOOL_OPTIONS", *java]))
 
 
 def test_java_through_java_tool_options_needs_no_credentials(clients: Clients) -> None:
     """egressd's JAVA_TOOL_OPTIONS point the JVM at the sandbox's credential-free proxy port (the
     JVM sends no Basic credentials on a CONNECT): with capture off, the proxy decides each host."""
-    seen = clients.run(_java_trusting_the_test_ca(clients), "--no-capture")
+    seen = clients.run(java_trusting(clients.work, clients.ca_file), "--no-capture")
     plain, tls, refused = clients.urls
     assert seen[plain] == [200, "/plain"] and seen[tls] == [200, "/tls"], seen
     assert seen[refused] == [403, "?"], seen  # the proxy's refusal, with its reason in the audit
@@ -390,6 +327,10 @@ func main() {
 
 @pytest.fixture(scope="module")
 def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_go_client(tmp_path_factory)
+
+
+def build_go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Go client, built here with the standard library only (no module download, no network)."""
     directory = tmp_path_factory.mktemp("goclient")
     (directory / "main.go").write_text(GO)
@@ -709,7 +650,7 @@ def test_node_and_go_reach_the_host_loopback_port_the_policy_names(
             str(ca_file.parent),
         ]
         node = output(
-            run_captured(tmp_path, dns, audit, ["node", "-e", textwrap.dedent(NODE), *urls], work, *options)
+            run_captured(tmp_path, dns, audit, direct_clients.command("node", ca_file, urls), work, *options)
         )
         go = output(run_captured(tmp_path, dns, audit, [str(go_client), str(ca_file), *urls], work, *options))
         assert other.connections == 0
@@ -800,7 +741,8 @@ def test_connections_are_decided_by_the_name_that_resolved_to_their_address(
     assert seen["up by its name"].endswith(" 200 OK"), seen
     assert not seen["denied on up's address"].endswith(" 200 OK"), seen
     assert refused_in_audit(audit, "up.test", "sni_mismatch")
-    assert seen["never resolved"] in ("closed", "ConnectionResetError", "BrokenPipeError"), seen
+    # egressd's refusal, in the client's own protocol (HTTP here)
+    assert seen["never resolved"] == "HTTP/1.1 403 Forbidden by egressd: not_allowlisted", seen
     assert refused_in_audit(audit, tcp_echo.address[0], "not_allowlisted") and tcp_echo.connections == 0
     assert seen["rotate by its name"].endswith(" 200 OK"), seen
     assert dns.count("rotate.test", "A") == 1  # the connection took the answer the child had

@@ -823,7 +823,7 @@ def test_sandbox_accepts_every_exec_option() -> None:
     assert exec_options - {"credentials_listener", "attach", "pid"} <= sandbox_options
     assert sandbox_options - exec_options == {
         "rw", "ro", "only", "bwrap_path", "hide", "show", "rw_home", "env_clear", "pass_env",
-        "loopback_ports", "cache", "capture_direct", "explain", "serve", "allow_project_hooks",
+        "loopback_ports", "cache", "explain", "serve", "allow_project_hooks",
     }  # fmt: skip
 
 

@@ -312,8 +312,10 @@ def test_curl_and_node_through_the_command_line_secret(
         'curl -sS -o /dev/null -w "%{http_code}\\n" -H "X-Key: $API_KEY" "$2/curl"; '
         'node "$3" "$1/node" "$2/node"; '
         'printf "%s\\n" "$API_KEY"; '
-        # egressd's own /proc environ (readable here: the tests run as root) has the value wiped
-        "tr '\\0' '\\n' < /proc/$PPID/environ | grep '^API_KEY='; "
+        # egressd's own /proc environ (readable here: the tests run as root) has the value wiped;
+        # the child's parent is the launcher of its network namespace, egressd's child
+        "egressd=$(awk '/^PPid:/ {print $2}' /proc/$PPID/status); "
+        "tr '\\0' '\\n' < /proc/$egressd/environ | grep '^API_KEY='; "
         "tr '\\0' '\\n' < /proc/$$/environ | grep '^API_KEY='; "
         # the same through SOCKS5 (its tunnels to a secret's host are inspected too)
         'curl -sS -o /dev/null -w "%{http_code}\\n" -x "$EGRESSD_SOCKS_PROXY" '

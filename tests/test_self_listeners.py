@@ -21,6 +21,7 @@ import pytest
 import trustme
 
 from tests.support.attempts import wait_until
+from tests.support.audit_log import audit_records
 from tests.support.corpus import FRONTS, ProxyClient, attempt, socks_address
 from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EGRESSD, EgressdRun, write_policy
@@ -171,9 +172,10 @@ def test_an_attached_dashboard_is_self_for_the_instances_children(served: Served
 
 
 def test_every_listener_of_exec_is_self_for_its_child(tmp_path: Path) -> None:
-    """`egressd exec`: its listeners (with the child's credential-free one) found in /proc while the
-    child runs, each refused through the child's own proxy settings."""
-    command = [*EGRESSD, "exec", "--metrics", "127.0.0.1:0", "--"]
+    """`egressd exec --no-capture` (the child on this machine's network): its listeners (with the
+    child's credential-free one) found in /proc while the child runs, each refused through the
+    child's own proxy settings."""
+    command = [*EGRESSD, "exec", "--no-capture", "--metrics", "127.0.0.1:0", "--"]
     script = 'echo "$HTTP_PROXY"; echo "$EGRESSD_CHILD_PROXY"; exec sleep 30'
     proc = subprocess.Popen([*command, "sh", "-c", script], stdout=subprocess.PIPE, text=True)
     try:
@@ -194,3 +196,44 @@ def test_every_listener_of_exec_is_self_for_its_child(tmp_path: Path) -> None:
     finally:
         proc.terminate()  # egressd exec ends its child too
         proc.wait(20)
+
+
+CAPTURED_CHILD = """
+until [ -s "$1" ]; do sleep 0.1; done
+for port in $(cat "$1"); do
+  for how in direct proxy; do
+    # NO_PROXY names loopback in the child's namespace: --noproxy "" makes curl use the proxy
+    if [ "$how" = proxy ]; then skip=""; else skip="*"; fi
+    reason=$(curl -s -o /dev/null -D - --max-time 20 --noproxy "$skip" "http://127.0.0.1:$port/" |
+      tr -d '\\r' | sed -n 's/^[Xx]-[Ee]gressd-[Rr]eason: //p')
+    echo "$port $how ${reason:-none}"
+  done
+done
+"""
+
+
+def test_every_listener_of_exec_is_self_for_a_captured_child(tmp_path: Path) -> None:
+    """`egressd exec` (the child in a network namespace of its own): egressd's listeners on this
+    machine's loopback, found in /proc, are refused `self` to the child both through its proxy and
+    directly (that connection is captured and decided)."""
+    ports_file = tmp_path / "ports"
+    audit = tmp_path / "audit.jsonl"
+    command = [*EGRESSD, "exec", "--audit", str(audit), "--metrics", "127.0.0.1:0", "--"]
+    command += ["sh", "-c", CAPTURED_CHILD]
+    proc = subprocess.Popen([*command, "sh", str(ports_file)], stdout=subprocess.PIPE, text=True)
+    try:
+        found = wait_until(lambda: len({p for _, p in listening(proc.pid)}) >= 2, "listeners")
+        assert found
+        ports = sorted({port for _, port in listening(proc.pid)})
+        ports_file.write_text(" ".join(map(str, ports)) + "\n")
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait(20)
+    lines = out.split("\n")[:-1]
+    assert len(lines) == 2 * len(ports) >= 4, out  # the proxy and the metrics, at least
+    assert all(line.endswith(" self") for line in lines), out
+    records = [r for r in audit_records(audit) if r.get("event") == "decision"]
+    assert {(r["port"], bool(r.get("captured"))) for r in records} == {
+        (port, captured) for port in ports for captured in (True, False)
+    }, records

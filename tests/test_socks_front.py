@@ -295,6 +295,7 @@ def test_a_client_that_never_finishes_is_cut_by_header_timeout(lab: Lab, sent: b
 
 # -- a listener that grants credentials (the sandbox's credential-free port) --------------------------
 def test_an_implicit_listener_accepts_no_auth_and_still_checks_sent_credentials() -> None:
+    from egressd.front.server import Handed
     from egressd.policy import parse_policy
     from egressd.proxy import ProxyServer
 
@@ -305,7 +306,7 @@ def test_an_implicit_listener_accepts_no_auth_and_still_checks_sent_credentials(
         try:
             creds = engine.issue_credentials()
             listener = socket.create_server(("127.0.0.1", 0))
-            engine.serve_socket(listener, "socks", creds)
+            engine.serve_socket(Handed(listener, "socks", creds))
             address = listener.getsockname()
             with socket.create_connection(address, timeout=10) as sock:
                 sock.sendall(

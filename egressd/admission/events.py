@@ -51,6 +51,8 @@ class Decided(NamedTuple):
     via: str | None = None  # stage "connection": the parent proxy (host:port) it went through
     pid: int | None = None  # the program holding the client's connection, when it was looked up
     exe: str | None = None
+    # the capture took the connection from a client that ignored the proxy variables
+    captured: bool = False
 
     def refusal(self, context: HintContext | None = None) -> Refusal:
         """The refusal this records, for an observer that words it (the report, a notice), read

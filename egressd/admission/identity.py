@@ -45,7 +45,7 @@ def _lookup(conn: ConnState, root: int | None, tree_only: bool) -> Identity:
         (client_host, client_port), (server_host, server_port) = conn.ends
         client = (ipaddress.ip_address(client_host), client_port)
         server = (ipaddress.ip_address(server_host), server_port)
-        found = peers.lookup(client, server, root, tree_only=tree_only)
+        found = peers.lookup(client, server, root, tree_only=tree_only, diag=conn.diag)
     except (OSError, ValueError) as exc:  # never raise into admission: unknown is a refusal where needed
         logger.debug("peer lookup failed: %r", exc)
         return UNKNOWN

@@ -20,10 +20,12 @@ What an attacker can do, and what holds:
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import socket
 import struct
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -196,6 +198,29 @@ def diag_lookup(client: tuple[IPAddress, int], server: tuple[IPAddress, int]) ->
     return row if row is not None and row.inode else None
 
 
+class Diag:
+    """A sock_diag socket made in another network namespace (a child's: a socket keeps the
+    namespace it was made in), asking about the connections accepted on that namespace's
+    listeners; shared by every lookup, one at a time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+
+    def lookup(self, client: tuple[IPAddress, int], server: tuple[IPAddress, int]) -> SocketRow | None:
+        with self._lock:
+            seq = next(self._seq) & 0xFFFFFFFF
+            self.sock.settimeout(1.0)
+            self.sock.sendto(diag_request(client, server, seq), (0, 0))
+            while True:  # an answer to an earlier question that timed out is skipped
+                reply = self.sock.recv(8192)
+                if len(reply) >= _NLMSG.size and _NLMSG.unpack_from(reply)[3] == seq:
+                    break
+        row = parse_diag_reply(reply)
+        return row if row is not None and row.inode else None
+
+
 def _families(
     client: tuple[IPAddress, int], server: tuple[IPAddress, int]
 ) -> list[tuple[tuple[IPAddress, int], tuple[IPAddress, int]]]:
@@ -209,10 +234,19 @@ def _families(
 
 
 def socket_inode(
-    client: tuple[IPAddress, int], server: tuple[IPAddress, int], *, proc: str = PROC
+    client: tuple[IPAddress, int],
+    server: tuple[IPAddress, int],
+    *,
+    proc: str = PROC,
+    diag: Diag | None = None,
 ) -> SocketRow | None:
-    """The client's socket in this network namespace: sock_diag when the kernel answers it, else
-    the tables (tcp, then tcp6)."""
+    """The client's socket in this network namespace (or the one `diag` was made in): sock_diag
+    when the kernel answers it, else the tables (tcp, then tcp6) of this one."""
+    if diag is not None:
+        try:
+            return next((row for pair in _families(client, server) if (row := diag.lookup(*pair))), None)
+        except OSError:
+            return None
     if proc == PROC:
         try:
             for pair in _families(client, server):
@@ -336,12 +370,14 @@ def lookup(
     *,
     tree_only: bool = False,
     proc: str = PROC,
+    diag: Diag | None = None,
 ) -> Peer | None:
-    """Who holds the client's end of the connection client → server (None: no such socket).
+    """Who holds the client's end of the connection client → server (None: no such socket), in
+    this network namespace or the one `diag` asks.
 
     The child's tree (root and its descendants) is searched first; without a holder there, and
     unless `tree_only`, every process this user may read."""
-    row = socket_inode(client, server, proc=proc)
+    row = socket_inode(client, server, proc=proc, diag=diag)
     if row is None:
         return None
     link = f"socket:[{row.inode}]"

@@ -53,6 +53,7 @@ from egressd.refusal import HintContext, Refusal
 
 if TYPE_CHECKING:
     from egressd.admission.approver import Approver
+    from egressd.admission.peer import Diag
     from egressd.observe.audit import AuditLog
 
 logger = logging.getLogger(__name__)
@@ -190,16 +191,18 @@ class Pipeline:
         *,
         ends: tuple[tuple[str, int], tuple[str, int]] | None = None,
         tree_only: bool = False,
+        diag: Diag | None = None,
     ) -> ConnState:
         """A client connection accepted; `ends`: (client, server) addresses of its socket (for the
-        owner lookup); `tree_only`: the listener admits only the process tree of the child its
-        implicit credentials belong to."""
+        owner lookup), in the network namespace `diag` asks when it is another's; `tree_only`: the
+        listener admits only the process tree of the child its implicit credentials belong to."""
         state = ConnState(
             conn_id=f"{self._id_prefix}{next(self._ids):06x}",
             peer=peer,
             implicit=implicit,
             ends=ends,
             tree_only=tree_only,
+            diag=diag,
         )
         conns = self._conns
         with conns.lock:
@@ -289,7 +292,8 @@ class Pipeline:
             return self.overloaded(conn, attempt)
         # 1c. identity: who holds the socket, when a rule or the audit needs it (once per connection;
         # awaited only then: most admissions wait for nothing)
-        if conn.identity is None and (self.identify or self.policies.get().needs_program):
+        # every captured connection too: the program that ignored the proxy variables is named
+        if conn.identity is None and (self.identify or conn.captured or self.policies.get().needs_program):
             await self._identify(conn)
         program = conn.identity.program if conn.identity is not None else None
         # 2. limits, before anything is decided: refused targets cost a child its rate too
@@ -850,6 +854,7 @@ class Pipeline:
                 via=via,
                 pid=who.pid if who is not None else None,
                 exe=who.exe if who is not None else None,
+                captured=conn.captured if conn is not None else False,
             )
         )
         if audit is None or not allowed or audit.lost == lost:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egressd.admission.descriptors import Room
 from egressd.policy import Policy, Program, join_host_port
+
+if TYPE_CHECKING:
+    from egressd.admission.peer import Diag
 
 DEFAULT_USERNAME = "egressd"
 
@@ -105,6 +108,10 @@ class ConnState:
     # to (`egressd exec`'s credential-free listener): its pid is looked up when a request comes
     tree_only: bool = False
     identity: Identity | None = None  # who holds the client's socket, once looked up
+    # the listener is in a child's network namespace: its sockets are looked up there (peer.Diag)
+    diag: Diag | None = None
+    # the capture took it from a client that ignored the proxy variables (front/captured.py)
+    captured: bool = False
     # accepted within egressd's capacity ("serve"), or beyond it: its request is answered
     # `overloaded` ("answer"), or that answer goes out at once ("answer_now")
     room: Room = "serve"

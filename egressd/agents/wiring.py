@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from egressd.agents import acp_asks
 from egressd.agents.acp import AcpBridge
@@ -21,21 +21,31 @@ if TYPE_CHECKING:
     from egressd.session import ProxySession
 
 
-def inside_sandbox_env(session: ProxySession, creds: ProxyCredentials) -> dict[str, str]:
-    """The proxy variables a process started inside egressd's sandbox needs (its loopback bridge)."""
+# Where the agent runs: on the host's network, in the sandbox, or (unconfined otherwise) in a
+# network namespace of its own; the last two reach the proxy at the launcher's listeners
+Network = Literal["host", "sandbox", "own"]
+
+
+def inside_sandbox_env(
+    session: ProxySession, creds: ProxyCredentials, *, own_loopback: bool = False
+) -> dict[str, str]:
+    """The proxy variables a process started in a launcher's network namespace needs (the
+    listeners there); `own_loopback`: loopback skips the proxy (run.OWN_LOOPBACK)."""
     from egressd.sandbox import BRIDGE_HOST, BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT
+    from egressd.sandbox.launch import with_own_loopback
 
     assert session.proxy is not None
     socks = (
         creds.proxy_url(BRIDGE_HOST, BRIDGE_SOCKS_PORT, "socks5h") if session.proxy.socks_address else None
     )
-    return child_environment(
+    env = child_environment(
         {},
         creds.proxy_url(BRIDGE_HOST, BRIDGE_HTTP_PORT),
         socks,
         ca_bundle=session.ca_bundle,
         placeholders=session.placeholders(),  # a secret's placeholder, never its value
     )
+    return with_own_loopback(env) if own_loopback else env
 
 
 @contextlib.contextmanager
@@ -44,7 +54,7 @@ def acp_relay(
     relay: StdioRelay,
     creds: ProxyCredentials,
     *,
-    sandboxed: bool,
+    network: Network,
     warn: Callable[[str], None],
 ) -> Iterator[AcpBridge]:
     """Relay ACP between egressd's stdin/stdout and the child while the block runs the child."""
@@ -53,7 +63,9 @@ def acp_relay(
 
     def server_env(profile: str | None) -> dict[str, str]:
         server_creds = session.credentials(profile if profile is not None else creds.profile)
-        return inside_sandbox_env(session, server_creds) if sandboxed else session.exports(server_creds)
+        if network == "host":
+            return session.exports(server_creds)
+        return inside_sandbox_env(session, server_creds, own_loopback=network == "own")
 
     def terminal_env() -> dict[str, str]:
         # the client runs terminals on this machine, outside any sandbox: the host-side proxy

@@ -10,7 +10,7 @@ import click
 
 from egressd.admission.state import ProxyCredentials
 from egressd.agents.stdio import StdioRelay
-from egressd.agents.wiring import acp_relay
+from egressd.agents.wiring import Network, acp_relay
 from egressd.cli.options import say, secret_options, session_options
 from egressd.cli.passthrough import passthrough_option
 from egressd.cli.relayed import SANDBOX_FLAG, run_relayed, with_sandbox_options
@@ -47,9 +47,9 @@ def acp_command(options: SessionOptions, sandboxed: bool, command: tuple[str, ..
     """
 
     def relay(
-        session: ProxySession, creds: ProxyCredentials, inside: bool
+        session: ProxySession, creds: ProxyCredentials, network: Network
     ) -> contextlib.AbstractContextManager[object]:
-        return acp_relay(session, StdioRelay("acp", say), creds, sandboxed=inside, warn=say)
+        return acp_relay(session, StdioRelay("acp", say), creds, network=network, warn=say)
 
     # the editor is where the user answers asks: egressd's own terminal prompt would write into
     # the editor's terminal (a terminal editor) and compete with it for the keyboard

@@ -1,4 +1,5 @@
-"""`egressd exec`: run a child with all its traffic going through egressd."""
+"""`egressd exec`: run a child with its traffic going through egressd: by the proxy variables, and
+(Linux, where user namespaces exist) by capture in a network namespace of its own."""
 
 from __future__ import annotations
 
@@ -8,9 +9,17 @@ import click
 
 from egressd import process
 from egressd.admission import identity
-from egressd.cli.options import dashboard_option, fail, open_session, secret_options, session_options
+from egressd.cli.options import (
+    capture_option,
+    dashboard_option,
+    fail,
+    open_session,
+    secret_options,
+    session_options,
+)
 from egressd.cli.passthrough import passthrough_option, run_unwrapped
 from egressd.exits import EXIT_CANNOT_RUN
+from egressd.sandbox import netns
 from egressd.session import SessionOptions
 from egressd.ssh_env import with_git_ssh
 
@@ -38,6 +47,7 @@ Example:
     help="No credential-free listener for the child's own processes (EGRESSD_CHILD_PROXY, the "
     "JVM's JAVA_TOOL_OPTIONS): Chromium and Java then get 407. See docs/security.md.",
 )
+@capture_option
 @click.option(
     "--attach",
     is_flag=True,
@@ -51,16 +61,23 @@ Example:
 def exec_command(
     options: SessionOptions,
     credentials_listener: bool,
+    capture_direct: bool,
     attach: bool,
     pid: int | None,
     command: tuple[str, ...],
 ) -> None:
-    """Run CMD with all its traffic going through egressd.
+    """Run CMD with its connections decided by egressd.
+
+    Programs that use the proxy variables go through egressd's proxy. On Linux CMD also runs in a
+    network namespace of its own, where connections of programs that ignore them are captured
+    and decided like any other. Where that cannot be (user namespaces turned off, --no-capture,
+    not Linux) egressd says so on stderr: such connections then go out unseen, as they do from a
+    child started with --attach (docs/exec.md).
 
     The child's stdin, stdout, stderr, exit status and signals pass through untouched; egressd
     writes nothing to stdout. With --policy FILE, edits to FILE apply to the running child.
     """
-    if attach or pid is not None:
+    if attach or pid is not None:  # never captured (--no-capture is its way already)
         _attach(options, attach, pid, command, listener=credentials_listener)
     if options.identify is None:  # a lookup per connection: only where it is kept
         recorded = bool(options.audit_path or options.trace or options.dashboard)
@@ -73,11 +90,19 @@ def exec_command(
     with open_session(options, announce_reloads=options.trace, command=command) as session:
         creds = session.credentials()
         session.record_child(creds, command)
-        env = with_git_ssh(session.child_env(creds=creds), session.policy)
-        env = session.child_only(env, creds, listener=credentials_listener and identity.SUPPORTED)
-        returncode = process.run_child(
-            command, env, catcher=catcher, started=lambda pid: session.child_started(creds, pid)
+        captured = netns.run_captured(
+            session, creds, command, catcher, capture=capture_direct, listener=credentials_listener
         )
+        if captured is not None and captured.error:
+            fail(f"{command[0]} was not run: {captured.error}")
+        if captured is not None:
+            returncode = captured.returncode
+        else:
+            env = with_git_ssh(session.child_env(creds=creds), session.policy)
+            env = session.child_only(env, creds, listener=credentials_listener and identity.SUPPORTED)
+            returncode = process.run_child(
+                command, env, catcher=catcher, started=lambda pid: session.child_started(creds, pid)
+            )
     process.exit_like(returncode, fast=True)
 
 

@@ -13,7 +13,7 @@ import click
 from egressd.admission.state import ProxyCredentials
 from egressd.agents import mcp_config
 from egressd.agents.stdio import StdioRelay
-from egressd.agents.wiring import mcp_relay
+from egressd.agents.wiring import Network, mcp_relay
 from egressd.cli.options import fail, say, secret_options, session_options
 from egressd.cli.passthrough import passthrough_option
 from egressd.cli.relayed import SANDBOX_FLAG, run_relayed, with_sandbox_options
@@ -149,7 +149,7 @@ def run_command(
     egressd refused meanwhile and why. Every other message passes byte for byte."""
 
     def relay(
-        session: ProxySession, creds: ProxyCredentials, inside: bool
+        session: ProxySession, creds: ProxyCredentials, network: Network
     ) -> contextlib.AbstractContextManager[object]:
         return mcp_relay(session, StdioRelay("mcp", say))
 

@@ -434,6 +434,20 @@ def dashboard_option(func: Callable[..., Any]) -> Callable[..., Any]:
     )(with_dashboard)
 
 
+def capture_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--capture/--no-capture (exec, sandbox, and mcp run and acp through the sandbox's options)."""
+    return click.option(
+        "--capture/--no-capture",
+        "capture_direct",
+        default=True,
+        show_default=True,
+        help="Linux: CMD gets a network namespace of its own, where connections that ignore the proxy "
+        "variables (and their DNS) are captured and decided like any other. --no-capture: outside "
+        "the sandbox they reach the network directly, unseen (egressd warns); in the sandbox they "
+        "get nothing. See docs/exec.md.",
+    )(func)
+
+
 def secret_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--secret NAME=ENV_VAR, --secret-host NAME=HOST, --secret-header, --secret-query (exec): a
     credential the child gets only as a placeholder (docs/secrets.md); sets `options.overrides`."""

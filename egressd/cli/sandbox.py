@@ -15,7 +15,15 @@ import click
 
 from egressd import process
 from egressd.admission.state import ProxyCredentials
-from egressd.cli.options import dashboard_option, fail, open_session, say, secret_options, session_options
+from egressd.cli.options import (
+    capture_option,
+    dashboard_option,
+    fail,
+    open_session,
+    say,
+    secret_options,
+    session_options,
+)
 from egressd.cli.passthrough import passthrough_option, run_unwrapped
 from egressd.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
@@ -143,14 +151,7 @@ only. See docs/sandbox.md.""",
     help="Narrow the policy: the child reaches only hosts matching these rules, and only if the "
     "policy (and --profile) allows them too (repeatable).",
 )
-@click.option(
-    "--capture/--no-capture",
-    "capture_direct",
-    default=True,
-    show_default=True,
-    help="Linux: send connections that ignore the proxy variables (and their DNS) through the proxy "
-    "too, decided like any CONNECT. --no-capture: such connections get nothing.",
-)
+@capture_option
 @click.option(
     "--bwrap",
     "bwrap_path",

@@ -26,6 +26,8 @@ def _line(item: dict) -> str | None:
         line = f"{verdict} {item.get('stage'):<10} {where}{request}  {item.get('reason')}  ({rule})"
         if item.get("pid") or item.get("exe"):
             line += f"  [{item.get('exe') or '?'} pid {item.get('pid') or '?'}]"
+        if item.get("captured"):
+            line += "  captured (the program ignored the proxy variables)"
         return line
     if event == "ask":
         ask_id = item.get("id")

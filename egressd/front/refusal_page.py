@@ -10,6 +10,8 @@ then the connection closes. The refusal itself was recorded by the pipeline when
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ssl
 from typing import TYPE_CHECKING
 
 from egressd.policy.reasons import Reason
@@ -74,3 +76,70 @@ class RefusalPage(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         self.owner.finish()
+
+
+class BufferedTls(asyncio.Protocol):
+    """The refusal page's TLS over memory BIOs, for a client whose first TLS bytes egressd has read
+    already (a captured client speaks first; an event loop may read an accepted socket before its
+    protocol can pause it, and start_tls would lose them): fed what was read, then what comes."""
+
+    def __init__(
+        self, transport: asyncio.Transport, context: ssl.SSLContext, page: RefusalPage, first: bytes
+    ) -> None:
+        self.raw = transport
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
+        self.page = page
+        self.shaken = False
+        self.timer = asyncio.get_running_loop().call_later(page.timeout, transport.close)
+        transport.set_protocol(self)
+        if first:
+            self.data_received(first)
+        transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self.incoming.write(data)
+        try:
+            if not self.shaken:
+                self.tls.do_handshake()
+                self.shaken = True
+                self.timer.cancel()
+                self.page.attach(_TlsWriter(self))  # type: ignore[arg-type]
+            while chunk := self.tls.read(65536):
+                self.page.data_received(chunk)
+        except ssl.SSLWantReadError:
+            pass
+        except (ssl.SSLError, OSError):  # not TLS, a CA the client does not trust: closed
+            self.raw.close()
+        self.flush()
+
+    def flush(self) -> None:
+        if data := self.outgoing.read():
+            self.raw.write(data)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.timer.cancel()
+        self.page.connection_lost(exc)
+
+
+class _TlsWriter:
+    """What the page writes to, encrypted to the client."""
+
+    def __init__(self, tls: BufferedTls) -> None:
+        self.tls = tls
+
+    def write(self, data: bytes) -> None:
+        self.tls.tls.write(data)
+        self.tls.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(ssl.SSLError, OSError):
+            self.tls.tls.unwrap()
+        self.tls.flush()
+        self.tls.raw.close()
+
+    def is_closing(self) -> bool:
+        return self.tls.raw.is_closing()

@@ -11,7 +11,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from egressd.front.plain_http import IdleUpstreams
 from egressd.front.socks import SocksProtocol
@@ -22,10 +22,22 @@ if TYPE_CHECKING:
     import ssl as ssl_module
 
     from egressd.admission.credentials import ProxyCredentials
+    from egressd.admission.peer import Diag
     from egressd.admission.pipeline import Pipeline
 
 
 SWEEP = 1.0  # seconds between the checks of header_timeout and idle_timeout
+
+
+class Handed(NamedTuple):
+    """A listening socket made elsewhere, for `kind` clients ("http" or "socks"); `implicit`: the
+    credentials it grants (only the child reaches it); `diag`: where a connection's program is
+    looked up (the socket's network namespace is not egressd's)."""
+
+    sock: socket.socket
+    kind: str
+    implicit: ProxyCredentials | None = None
+    diag: Diag | None = None
 
 
 def _check_kind(kind: str) -> None:
@@ -54,12 +66,16 @@ class Front:
         self._sweeper: asyncio.Task[None] | None = None
 
     def _protocol(
-        self, kind: str, implicit: ProxyCredentials | None = None, tree_only: bool = False
+        self,
+        kind: str,
+        implicit: ProxyCredentials | None = None,
+        tree_only: bool = False,
+        diag: Diag | None = None,
     ) -> FrontProtocol:
         """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5)."""
         if kind == "socks":
-            return SocksProtocol(self, implicit)
-        return FrontProtocol(self, implicit=implicit, tree_only=tree_only)
+            return SocksProtocol(self, implicit, diag=diag)
+        return FrontProtocol(self, implicit=implicit, tree_only=tree_only, diag=diag)
 
     async def start(
         self, host: str, port: int, kind: str = "http", ssl: ssl_module.SSLContext | None = None
@@ -89,13 +105,15 @@ class Front:
         server = await loop.create_server(lambda: self._protocol(kind), sock=sock, backlog=4096, ssl=ssl)
         return self._own(server)
 
-    async def serve(self, sock: socket.socket, kind: str, implicit: ProxyCredentials | None = None) -> None:
-        """Also accept `kind` clients on a listening socket made elsewhere (ProxyServer.serve_socket):
-        in the sandbox's network namespace, so not an address of this one (never registered)."""
-        _check_kind(kind)
+    async def serve(self, handed: Handed) -> None:
+        """Also accept clients on a listening socket made elsewhere (ProxyServer.serve_socket): in a
+        child's network namespace, so not an address of this one (never registered)."""
+        _check_kind(handed.kind)
         loop = asyncio.get_running_loop()
         self._sweep_from_now()
-        server = await loop.create_server(lambda: self._protocol(kind, implicit), sock=sock)
+        server = await loop.create_server(
+            lambda: self._protocol(handed.kind, handed.implicit, diag=handed.diag), sock=handed.sock
+        )
         self.servers.append(server)
 
     async def start_child_only(self, host: str, implicit: ProxyCredentials) -> tuple[str, int]:

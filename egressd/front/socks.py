@@ -34,6 +34,7 @@ from egressd.wire.socks5 import (
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
+    from egressd.admission.peer import Diag
 
 
 class SocksProtocol(FrontProtocol):
@@ -41,8 +42,10 @@ class SocksProtocol(FrontProtocol):
 
     early_stage = "socks"
 
-    def __init__(self, front: Listeners, implicit: ProxyCredentials | None = None) -> None:
-        super().__init__(front, implicit=implicit)
+    def __init__(
+        self, front: Listeners, implicit: ProxyCredentials | None = None, *, diag: Diag | None = None
+    ) -> None:
+        super().__init__(front, implicit=implicit, diag=diag)
         # NO AUTH only where the listener grants credentials
         self.parser = Socks5Server(allow_no_auth=implicit is not None)
         self.presented: Presented = None  # the user and password the client sent, if it did

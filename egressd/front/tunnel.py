@@ -31,6 +31,7 @@ from egressd.wire.sni import WAIT, TunnelStart
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
+    from egressd.admission.peer import Diag
     from egressd.admission.pipeline import Pipeline
     from egressd.admission.state import ConnState
     from egressd.inspect.engine import InspectionEngine
@@ -71,10 +72,12 @@ class FrontProtocol(Pipe):
         implicit: ProxyCredentials | None = None,
         *,
         tree_only: bool = False,
+        diag: Diag | None = None,
     ) -> None:
         super().__init__(Tunnel(self), upstream=False)
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
         self.tree_only = tree_only  # ... to the child's process tree only (ConnState.tree_only)
+        self.diag = diag  # the listener is in another network namespace: its sockets are asked there
         self.front = front
         self.pipeline = front.pipeline
         self.buffer = bytearray()
@@ -96,13 +99,23 @@ class FrontProtocol(Pipe):
             return
         self.front.clients.add(self)
         peer = transport.get_extra_info("peername") or ("?", 0)
-        local = transport.get_extra_info("sockname")
-        ends = ((peer[0], peer[1]), (local[0], local[1])) if local and peer[0] != "?" else None
         self.state = self.pipeline.open_conn(
-            f"{peer[0]}:{peer[1]}", self.implicit, ends=ends, tree_only=self.tree_only
+            f"{peer[0]}:{peer[1]}",
+            self.implicit,
+            ends=self._ends(peer, transport),
+            tree_only=self.tree_only,
+            diag=self.diag,
         )
         if self.state.room == "answer_now":  # far beyond capacity: not even its head is waited for
             self._overloaded_now()
+
+    def _ends(
+        self, peer: tuple[str, int], transport: asyncio.BaseTransport
+    ) -> tuple[tuple[str, int], tuple[str, int]] | None:
+        """The client's socket's own two ends (its local address, then its peer's): our peer, and
+        our local address."""
+        local = transport.get_extra_info("sockname")
+        return ((peer[0], peer[1]), (local[0], local[1])) if local and peer[0] != "?" else None
 
     def _overloaded_now(self) -> None:
         """503 `overloaded` before the request is read (recorded), and closed."""
@@ -334,12 +347,16 @@ class FrontProtocol(Pipe):
         return http_response(refusal)
 
     def _page_inside_tls(self, refusal: Refusal, attempt: Attempt) -> bool:
-        """refusal_pages: tls, with inspection on (the child trusts egressd's CA), for a refused
-        HTTPS CONNECT whose client sent nothing after its head yet."""
+        """A refused HTTPS CONNECT whose client sent nothing after its head yet, answered inside TLS
+        where the policy and inspection allow it (_pages_inside_tls)."""
+        return not self.buffer and self._pages_inside_tls(refusal, attempt)
+
+    def _pages_inside_tls(self, refusal: Refusal, attempt: Attempt) -> bool:
+        """refusal_pages: tls, with inspection on (the child trusts egressd's CA), for a refusal of
+        a tunnel to port 443 (refusal_page.wants_page)."""
         return (
             self.front.refusal_context is not None
             and self.pipeline.inspection
-            and not self.buffer
             and bool(refusal.host)
             and self.pipeline.policies.get().refusal_pages == "tls"
             and wants_page(refusal, attempt.stage, attempt.port)

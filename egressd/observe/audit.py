@@ -164,6 +164,8 @@ class AuditLog:
             if event.pid is None and event.exe is None:  # the owner was not looked up
                 fields.pop("pid")
                 fields.pop("exe")
+            if not event.captured:  # only connections the capture took carry it
+                fields.pop("captured")
             self.decision(**fields)
         elif isinstance(event, Closed):
             self.closed(**_fields(event))
@@ -334,6 +336,8 @@ def _decision_line(record: dict[str, Any], context: HintContext | None = None) -
     line = f"egressd: {verdict:<5} {method} {target}  {reason}".rstrip()
     if record.get("exe") or record.get("pid"):
         line += f"  [{os.path.basename(record.get('exe') or '?')} pid {record.get('pid') or '?'}]"
+    if record.get("captured"):
+        line += "  (captured: it ignored the proxy variables)"
     refusal = _refusal(record, code, context) if verdict == "DENY" else None
     if refusal is not None and (hint := rerun_hint(refusal)):
         line += f" - run: {hint}"

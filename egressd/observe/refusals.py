@@ -11,11 +11,10 @@ off. An observer of the pipeline's events like the audit.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import TextIO
 
 from egressd.admission.events import Decided, Event
+from egressd.observe.lines import StderrReport
 from egressd.refusal import HintContext, Refusal
 from egressd.wire.refusal import line_flags, short_hint
 
@@ -44,15 +43,13 @@ def _hosts(verb: str, seen: dict[str, dict[str, Refusal]], failed: bool) -> str:
     return text + f" and {more} more" if more else text
 
 
-class RefusalReport:
+class RefusalReport(StderrReport):
     """Deduplicated refusal lines (per host and reason) and the summary at exit; their hints name
     what the person who runs this command can change (`context`)."""
 
     def __init__(self, stream: TextIO, *, lines: bool = True, context: HintContext | None = None) -> None:
-        self._stream = stream
-        self._lines = lines  # off when --trace already prints every decision
+        super().__init__(stream, lines=lines)
         self.context = context or HintContext()
-        self._lock = threading.Lock()
         # host -> {reason: the first refusal of it for that reason}, in the order first seen
         self._refused: dict[str, dict[str, Refusal]] = {}
         self._dropped = 0
@@ -119,13 +116,3 @@ class RefusalReport:
         if hints:
             text += " - " + "; ".join(hints)
         return _printable(text)
-
-    def print_summary(self) -> None:
-        text = self.summary()
-        if text is not None:
-            self._write(text)
-
-    def _write(self, line: str) -> None:
-        with self._lock, contextlib.suppress(OSError, ValueError):
-            self._stream.write(line + "\n")
-            self._stream.flush()

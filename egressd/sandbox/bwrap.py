@@ -155,6 +155,7 @@ LAUNCHER_BOOT = (
     "import os, sys; sys.path += sys.argv.pop(1).split(os.pathsep); "
     "from egressd.sandbox.launcher import main; main()"
 )
+PROBE_BOOT = LAUNCHER_BOOT.replace("import main; main()", "import probe; probe()")
 
 
 def launcher_command(
@@ -167,13 +168,16 @@ def launcher_command(
     child: Sequence[str],
     *,
     setup_fd: int | None = None,
-    capture: tuple[int, int, str] | None = None,
+    capture: tuple[int, int] | None = None,
     views: Sequence[tuple[str, str]] = (),
     names_fd: int | None = None,
+    captures_fd: int | None = None,
+    unshare: bool = False,
 ) -> tuple[str, ...]:
     """`python -I -S -c LAUNCHER_BOOT IMPORT_PATH ... -- CHILD`; listens are (HOST:PORT, "http",
     "socks" or "open"), the proxy's listeners the launcher binds and hands over; capture is
-    (transparent port, DNS port, HOST:PORT of the proxy's HTTP listener inside)."""
+    (transparent port, DNS port); `unshare`: the launcher makes the child's user and network
+    namespaces itself (no bubblewrap: exec's capture)."""
     # -S: no site processing, .pth files or editable finders: the launcher imports the standard
     # library, egressd's own package and dnspython, from IMPORT_PATH
     argv = [python, "-I", "-S", "-c", LAUNCHER_BOOT, import_path]
@@ -190,9 +194,13 @@ def launcher_command(
     for address, kind in listens:
         argv += ["--listen", f"{address}={kind}"]
     if capture is not None:
-        argv += ["--capture", f"{capture[0]},{capture[1]}={capture[2]}"]
+        argv += ["--capture", f"{capture[0]},{capture[1]}"]
     if names_fd is not None:
         argv += ["--names-fd", str(names_fd)]
+    if captures_fd is not None:
+        argv += ["--captures-fd", str(captures_fd)]
+    if unshare:
+        argv.append("--unshare")
     for path, view in views:
         argv += ["--link-view", f"{path}={view}"]
     return (*argv, "--", *child)

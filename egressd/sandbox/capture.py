@@ -36,21 +36,36 @@ HINT = "apt-get install nftables iproute2 util-linux"
 NS_GET_USERNS = 0xB701  # linux/nsfs.h: _IO(0xb7, 0x1)
 
 
-def ruleset(tcp_port: int, dns_port: int, host_ports: Sequence[int] = ()) -> str:
-    """The nftables rules for the sandbox (pure: tested as text).
+def ruleset(
+    tcp_port: int,
+    dns_port: int,
+    host_ports: Sequence[int] = (),
+    *,
+    all_loopback: bool = False,
+    own_ports: Sequence[int] = (),
+) -> str:
+    """The nftables rules for the child's network namespace (pure: tested as text).
 
     nat/output runs before the route is final: DNS first (a resolv.conf naming 127.0.0.53 is
     captured too), then the loopback ports the policy names for the host (`host_ports`: a client
     that never uses a proxy for 127.0.0.1, node's fetch or Go's, still reaches the host's service
-    there, through the proxy, unless a server in the sandbox listens on it: the bridge tries that
-    first, from BRIDGE_SOURCE), then the sandbox's own loopback stays untouched, then every other
-    TCP connection goes to the transparent listener. filter/output drops whatever is left that is
-    not loopback: UDP other than DNS, ICMP, every other protocol, and all IPv6 but ::1.
+    there, through the proxy, unless a server in the namespace listens on it: the bridge tries that
+    first, from BRIDGE_SOURCE) — or, with `all_loopback` (a child that is not sandboxed), every
+    loopback port but egressd's own there (`own_ports`) — then the namespace's own loopback stays
+    untouched, then every other TCP connection goes to the transparent listener. filter/output
+    drops whatever is left that is not loopback: UDP other than DNS, ICMP, every other protocol,
+    and all IPv6 but ::1.
     """
     host = ""
-    if host_ports:
+    # not the bridge's own connections (from BRIDGE_SOURCE): it tries the namespace's loopback first
+    if all_loopback:
+        own = ", ".join(str(port) for port in sorted({*own_ports, tcp_port, dns_port}))
+        host = (
+            f"        ip saddr != {BRIDGE_SOURCE} ip daddr 127.0.0.0/8 tcp dport != {{ {own} }} "
+            f"redirect to :{tcp_port}\n"
+        )
+    elif host_ports:
         ports = ", ".join(str(port) for port in sorted(set(host_ports)))
-        # not the bridge's own connections (from BRIDGE_SOURCE): it tries the sandbox's loopback first
         host = (
             f"        ip saddr != {BRIDGE_SOURCE} ip daddr 127.0.0.0/8 tcp dport {{ {ports} }} "
             f"redirect to :{tcp_port}\n"
@@ -85,15 +100,17 @@ def find_tool(name: str, environ: Mapping[str, str] | None = None) -> str | None
     return shutil.which(name, path=os.pathsep.join(TOOL_DIRS))
 
 
-def _namespace_fds(pid: int) -> tuple[int, ...]:
-    """The sandbox's network namespace and, for an ordinary user, the user namespace that owns it.
+def _namespace_fds(network: int) -> tuple[int, ...]:
+    """The child's network namespace (a copy of the descriptor `network`) and, for an ordinary
+    user, the user namespace that owns it.
 
-    An ordinary user holds CAP_NET_ADMIN in the sandbox's network only from inside the user
+    An ordinary user holds CAP_NET_ADMIN in the child's network only from inside the user
     namespace that owns it (root holds it in every one below its own). That is not the namespace
-    of the sandbox's processes: bubblewrap's --disable-userns moves them one user namespace
-    deeper, where the network belongs to the parent. The kernel names the owner (NS_GET_USERNS).
+    of the child's processes: bubblewrap's --disable-userns (and the launcher's own --unshare)
+    move them one user namespace deeper, where the network belongs to the parent. The kernel
+    names the owner (NS_GET_USERNS).
     """
-    net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    net = fcntl.fcntl(network, fcntl.F_DUPFD_CLOEXEC, 3)
     if os.geteuid() == 0:
         return (net,)
     try:
@@ -104,26 +121,26 @@ def _namespace_fds(pid: int) -> tuple[int, ...]:
     return (net, owner)
 
 
-def install(pid: int, tcp_port: int, dns_port: int, host_ports: Sequence[int] = ()) -> str | None:
-    """Install the capture in the network namespace of `pid`; None when done, else why not.
-    `host_ports`: the host's loopback ports the policy names (see ruleset)."""
+def install(network: int, rules: str) -> str | None:
+    """Install the capture (`rules`: ruleset's) in the network namespace `network` (a descriptor of
+    it, from the launcher inside); None when done, else why not."""
     tools = {name: find_tool(name) for name in ("nft", "ip", "nsenter")}
     missing = [name for name, found in tools.items() if found is None]
     if missing:
         return f"{' and '.join(missing)} not found; {HINT}"
     try:
-        fds = _namespace_fds(pid)
+        fds = _namespace_fds(network)
     except OSError as exc:
-        return f"cannot open the sandbox's network namespace: {exc}"
+        return f"cannot open the child's network namespace: {exc}"
     try:
-        return _run_steps(tools, fds, ruleset(tcp_port, dns_port, host_ports))
+        return _run_steps(tools, fds, rules)
     finally:
         for fd in fds:
             os.close(fd)
 
 
 def _run_steps(tools: Mapping[str, str | None], fds: tuple[int, ...], rules: str) -> str | None:
-    # the descriptors, not /proc/PID: the namespaces stay the sandbox's whatever that PID becomes
+    # the descriptors, not /proc/PID: the namespaces stay the child's whatever that PID becomes
     enter = [str(tools["nsenter"]), f"--net=/proc/self/fd/{fds[0]}"]
     if len(fds) > 1:
         enter += [f"--user=/proc/self/fd/{fds[1]}", "--preserve-credentials"]

@@ -1,6 +1,7 @@
-"""Inside the sandbox: the bridge's side of capture (see capture.py for the rules that feed it).
+"""Inside the child's network namespace: the bridge's side of capture (see capture.py for the
+rules that feed it).
 
-- A DNS responder (UDP and TCP, on the sandbox's loopback) asks egressd for each name (over the
+- A DNS responder (UDP and TCP, on the namespace's loopback) asks egressd for each name (over the
   launcher's own socket, front/names.py) and answers with the real addresses egressd resolved and
   kept after its own guards, so a client with an SSRF guard of its own judges the real address. A
   name the policy refuses gets NXDOMAIN (egressd records why); a name only a person, a grant or the
@@ -8,14 +9,13 @@
   when a connection is made. An A query gets IPv4 addresses, an AAAA query IPv6 ones only for a name
   without IPv4 (capture is IPv4); anything else no data.
 - A transparent TCP listener takes each redirected connection, recovers where the child meant to
-  go (SO_ORIGINAL_DST) and asks the proxy, at its listener on the sandbox's loopback and with the
-  child's credentials, for `CONNECT name:port` where name is the one whose answer led to that
-  address: of several (a shared CDN address), the one the client's first bytes name (TLS SNI, HTTP
-  Host), which the proxy then holds the TLS to; a stand-in maps back to its name; an address no
-  answer held stays a literal. The proxy decides it as any CONNECT (policy, audit, the SNI rule)
-  and pins it to the addresses the child was given; on a refusal the bridge closes the
-  connection, and the audit says why. Of the child's bytes the bridge reads at most the first
-  ones, to choose among names, and only for an address several names share.
+  go (SO_ORIGINAL_DST) and hands the connection itself to egressd (SCM_RIGHTS, over the launcher's
+  own socket) with the target it is decided as: the name whose answer led to that address; of
+  several (a shared CDN address), the one the client's first bytes name (TLS SNI, HTTP Host, peeked
+  at, never read), which egressd then holds the TLS to; a stand-in maps back to its name; an
+  address no answer held stays a literal. egressd decides it as it decides a CONNECT (policy,
+  audit, the SNI rule), answers a refusal in the client's own protocol and relays an allowed one
+  itself: the bridge reads none of the child's bytes, holds no credentials and decides nothing.
 """
 
 from __future__ import annotations
@@ -31,22 +31,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from egressd.fdwait import ready
 from egressd.sandbox import BRIDGE_SOURCE
 from egressd.sandbox.splice import close_quietly, splice
-from egressd.wire.connect_client import AnswerError, ConnectClient, basic
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 SYNTHETIC = ipaddress.IPv4Network("198.18.0.0/15")
 MAX_NAMES = 65536  # a child asking for more names gets SERVFAIL, never unbounded memory
 TTL = 60
 MAX_NAME = 253
-# The proxy bounds resolving and connecting itself, and an ask-mode approval may wait for a person:
-# this only ends a hang (the proxy's default idle timeout).
-ANSWER_TIMEOUT = 3600.0
 DNS_TCP_TIMEOUT = 30.0
 LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
 # Names handed an address: hostname characters only (IDNA arrives as xn--). Anything else would
-# reach the proxy's CONNECT line as dnspython's escapes; refusing it here keeps that line plain.
+# reach egressd's decision as dnspython's escapes; refusing it here keeps the name plain.
 HOSTNAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 HOST_HEADER = re.compile(rb"\r\nhost:[ \t]*([A-Za-z0-9_.-]+)", re.IGNORECASE)
 NAMES_TIMEOUT = 4.0  # egressd's answer for a name (it resolves within its dns_timeout, 5 s by default)
@@ -286,29 +283,42 @@ def original_destination(sock: socket.socket) -> tuple[ipaddress.IPv4Address, in
     return ipaddress.IPv4Address(raw[4:8]), port
 
 
-def connect_client(host: str, port: int, auth: str) -> ConnectClient:
-    """The CONNECT the bridge sends for a captured connection, with the child's credentials."""
-    user, _, password = auth.partition(":")
-    return ConnectClient(host, port, basic(user, password))
+async def peek(sock: socket.socket, timeout: float = PEEK_TIMEOUT) -> bytes:
+    """What the client sent first, left unread in the socket (for egressd to read), if it speaks
+    first (TLS, HTTP) within `timeout`."""
+    try:
+        await asyncio.wait_for(ready(sock.fileno()), timeout)
+        return sock.recv(PEEK_BYTES, socket.MSG_PEEK)
+    except (TimeoutError, OSError):
+        return b""
 
 
-async def _proxy_answer(reader: asyncio.StreamReader, client: ConnectClient) -> None:
-    """Read the proxy's answer to the bridge's CONNECT (what follows a 200 is in client.tunnel)."""
-    while not client.feed(await reader.read(4096)):
-        pass
+async def send_connection(
+    channel: socket.socket,
+    conn: socket.socket,
+    target: tuple[str, int],
+    destination: tuple[ipaddress.IPv4Address, int],
+) -> None:
+    """Hand one captured connection to egressd, one message with its descriptor: `HOST PORT` of
+    what it is decided as, then `ADDRESS PORT` of where the client connected."""
+    message = f"{target[0]} {target[1]} {destination[0]} {destination[1]}".encode()
+    while True:
+        try:
+            socket.send_fds(channel, [message], [conn.fileno()])
+            return
+        except BlockingIOError:
+            await ready(channel.fileno(), write=True)
 
 
 class Capture:
     """The bridge's DNS responder and transparent listener; they share one name table."""
 
-    def __init__(
-        self, proxy: tuple[str, int], auth: str, port: int, names: socket.socket | None = None
-    ) -> None:
-        self.proxy = proxy  # the proxy's listener on the sandbox's loopback
-        self.auth = auth
+    def __init__(self, port: int, handover: socket.socket, names: socket.socket | None = None) -> None:
         self.port = port  # the transparent listener's own
+        self.handover = handover  # to egressd: the captured connections, each with its target
         self.table = NameTable()  # stand-ins, for names egressd gave no real answer for
         self.names = Names(names)
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def respond(self, wire: bytes) -> bytes | None:
         """The answer to one DNS message: egressd's real addresses where it gives them."""
@@ -317,7 +327,7 @@ class Capture:
         return answer(self.table, wire, real)
 
     def target(self, address: ipaddress.IPv4Address, port: int) -> tuple[str, int] | None:
-        """What to CONNECT to for a captured destination; None to close it unasked."""
+        """What a captured destination is decided as; None to close it unasked."""
         if address in LOOPBACK:
             # a loopback port the policy names for the host (only those are redirected), or a
             # direct connection to the listener itself (closed)
@@ -327,88 +337,65 @@ class Capture:
             return (name, port) if name is not None else None
         return str(address), port
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One captured connection: whatever goes wrong ends in a closed connection, never a
-        traceback on the child's terminal."""
+    async def handle(self, conn: socket.socket) -> None:
+        """One captured connection, handed to egressd or closed: whatever goes wrong ends in a
+        closed connection, never a traceback on the child's terminal."""
         try:
-            await self._handle(reader, writer)
+            await self._handle(conn)
         except Exception:  # noqa: BLE001 - the child only ever sees the connection close
-            await close_quietly(writer)
+            pass
+        finally:
+            conn.close()  # egressd holds its own descriptor of it now
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, conn: socket.socket) -> None:
         try:
-            address, port = original_destination(writer.get_extra_info("socket"))
+            address, port = original_destination(conn)
         except (OSError, ValueError, struct.error):
-            await close_quietly(writer)
             return
-        first = b""
         names = self.names.names_for(address) if address not in LOOPBACK else []
         if names:
-            # an address egressd resolved for this sandbox: decided by the name that led here; of
+            # an address egressd resolved for this child: decided by the name that led here; of
             # several (a shared CDN address), the one the client's first bytes name (SNI, Host),
-            # which the proxy then holds the TLS to
-            if len(names) > 1:
-                first = await self._first_bytes(reader)
+            # which egressd then holds the TLS to
+            first = await peek(conn) if len(names) > 1 else b""
             named = first_name(first) if first else None
             target: tuple[str, int] | None = (named if named in names else names[-1], port)
         else:
             target = self.target(address, port)
         if target is None:
-            await close_quietly(writer)
             return
-        if address in LOOPBACK and await self._own_loopback(address, port, reader, writer):
+        if address in LOOPBACK and await self._own_loopback(address, port, conn):
             return
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.proxy)
-        except OSError:
-            await close_quietly(writer)
-            return
-        client = connect_client(*target, self.auth)
-        try:
-            up_writer.write(client.request)
-            await asyncio.wait_for(_proxy_answer(up_reader, client), ANSWER_TIMEOUT)
-        except (TimeoutError, ConnectionError, OSError, AnswerError):
-            pass
-        if not client.admitted:  # refused: the proxy's audit holds the reason
-            await close_quietly(up_writer)
-            await close_quietly(writer)
-            return
-        if client.tunnel:
-            writer.write(client.tunnel)
-        if first:
-            up_writer.write(first)
-        await splice((reader, writer), (up_reader, up_writer))
+        await send_connection(self.handover, conn, target, (address, port))
 
-    async def _first_bytes(self, reader: asyncio.StreamReader) -> bytes:
-        """What the client sends first, if it speaks first (TLS, HTTP) within PEEK_TIMEOUT."""
-        try:
-            return await asyncio.wait_for(reader.read(PEEK_BYTES), PEEK_TIMEOUT)
-        except (TimeoutError, ConnectionError, OSError):
-            return b""
-
-    async def _own_loopback(
-        self,
-        address: ipaddress.IPv4Address,
-        port: int,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> bool:
-        """A server in the sandbox on a loopback port the policy names for the host is the one the
-        child reaches there: spliced to it when it accepts (True), else the host's (False)."""
+    async def _own_loopback(self, address: ipaddress.IPv4Address, port: int, conn: socket.socket) -> bool:
+        """A server of the child's own on a loopback port the policy names for the host is the one
+        the child reaches there: spliced to it when it accepts (True), else the host's (False)."""
         try:
             local = await asyncio.open_connection(str(address), port, local_addr=(BRIDGE_SOURCE, 0))
         except OSError:
             return False
-        await splice((reader, writer), local)
+        await splice(await asyncio.open_connection(sock=conn.dup()), local)
         return True
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        listener.setblocking(False)
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError:  # out of descriptors, a client gone before accept: the next one
+                await asyncio.sleep(0.05)
+                continue
+            task = asyncio.create_task(self.handle(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def serve(self, tcp: socket.socket, dns_udp: socket.socket, dns_tcp: socket.socket) -> None:
         """Serve the transparent listener and the DNS responder forever."""
         loop = asyncio.get_running_loop()
+        self.handover.setblocking(False)
         await self.names.start()
         await loop.create_datagram_endpoint(lambda: _DnsUdp(self), sock=dns_udp)
-        servers = [
-            await asyncio.start_server(self.handle, sock=tcp),
-            await asyncio.start_server(lambda r, w: _dns_tcp(self, r, w), sock=dns_tcp),
-        ]
-        await asyncio.gather(*(server.serve_forever() for server in servers))
+        dns = await asyncio.start_server(lambda r, w: _dns_tcp(self, r, w), sock=dns_tcp)
+        await asyncio.gather(self._accept(tcp), dns.serve_forever())

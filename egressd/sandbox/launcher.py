@@ -1,28 +1,34 @@
-"""The first egressd process inside the bubblewrap sandbox: the proxy's listeners, then the child.
+"""The first egressd process in the child's network namespace: the proxy's listeners, then the child.
 
-bubblewrap neither forwards signals nor reports how its child died (a signal becomes 128+N), and
-the sandbox is a new session, so the terminal's signals do not reach the child either. The
-launcher fills those gaps, and hands egressd the proxy's listeners, over what it inherits:
+It runs inside bubblewrap (`egressd sandbox`), or on its own with `--unshare` (`exec`, `mcp run`,
+`acp`): then it makes the child's user and network namespaces itself, and nothing else of the
+child is confined. bubblewrap neither forwards signals nor reports how its child died (a signal
+becomes 128+N), and the sandbox is a new session, so the terminal's signals do not reach the child
+either. The launcher fills those gaps, and hands egressd the proxy's listeners, over what it
+inherits:
 
 - handover (a Unix socket to egressd): first of all, the launcher binds the proxy's listening
-  sockets on the sandbox's loopback (127.0.0.1:3128 HTTP, :1080 SOCKS5, :3130 HTTP that needs no
-  credentials, since only the child can reach it) and sends them to egressd
-  (SCM_RIGHTS), which accepts the child's connections on them itself: no relay in between. They
-  are bound before the child starts, so its first connection already finds them.
+  sockets on the namespace's loopback (127.0.0.1:3128 HTTP, :1080 SOCKS5, :3130 HTTP that needs no
+  credentials, since only the child can reach it) and sends them to egressd (SCM_RIGHTS) with a
+  sock_diag socket of the namespace (egressd finds which program holds a connection there with
+  it); egressd accepts the child's connections on them itself: no relay in between. They are
+  bound before the child starts, so its first connection already finds them.
 - control (egressd -> launcher): one byte per signal to deliver to the child. EOF means egressd
   is gone: the child is stopped (SIGTERM, then SIGKILL), since it has no way out any more.
 - status (launcher -> egressd): `started`, then `exit N` (a subprocess-style code, -N for a
-  signal), or `error MESSAGE` when the sandbox could not be set up.
+  signal), or `error MESSAGE` when the namespace could not be set up (`unavailable MESSAGE` when
+  the kernel refused the user or network namespace itself).
 - setup (egressd -> launcher, optional): one JSON line, then EOF, written once egressd has set up
-  the sandbox's network from outside (capture.py): whether connections are captured and the
-  child's proxy credentials, which the capture's CONNECTs carry. The child starts only after it,
-  so nothing it sends escapes the capture, and the credentials never pass through argv or the
-  environment, which the child could read.
+  the namespace's network from outside (capture.py): whether connections are captured. The child
+  starts only after it, so nothing it sends escapes the capture.
+- names and captures (optional, with capture): the capture asks egressd for the names of the
+  child's DNS over the first, and hands it every captured connection over the second
+  (intercept.py).
 
-The launcher is the sandbox's PID 1 (bubblewrap's --as-pid-1): it reaps what the child leaves
+Under bubblewrap the launcher is the sandbox's PID 1 (--as-pid-1): it reaps what the child leaves
 behind, and when it exits the kernel ends the PID namespace, and with it the capture's bridge and
-anything the child left running. Before anything else it makes itself not dumpable and joins a new
-session keyring (the user's stays outside).
+anything the child left running. Before anything else it makes itself not dumpable and (in the
+sandbox) joins a new session keyring (the user's stays outside).
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ import argparse
 import contextlib
 import ctypes
 import errno
-import functools
+import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -47,6 +54,7 @@ from egressd.sandbox import BRIDGE_HOST, bridge, seccomp
 
 STOP_GRACE = 5.0
 PR_SET_DUMPABLE = 4
+NETLINK_SOCK_DIAG = 4
 PROXY_BACKLOG = 4096  # as egressd's own ports: a burst of the child's connections waits, not fails
 # Dispositions the child must start with (the launcher ignores these, Python ignores SIGPIPE).
 _CHILD_DEFAULTS = tuple({*FORWARDED_SIGNALS, signal.SIGPIPE, getattr(signal, "SIGXFSZ", signal.SIGPIPE)})
@@ -65,26 +73,31 @@ def _parse_listen(text: str) -> tuple[tuple[str, int], str]:
 
 
 def _hand_over(fd: int, listens: Sequence[str]) -> None:
-    """Bind the proxy's listeners here, in the sandbox's network namespace, and send them to
-    egressd: one message, the kinds comma-separated, the descriptors in the same order."""
-    with socket.socket(fileno=fd) as channel:
-        sockets = [
-            (bridge.listen(address, PROXY_BACKLOG), kind) for address, kind in map(_parse_listen, listens)
+    """Bind the proxy's listeners here, in the child's network namespace, and send them to egressd
+    with this namespace itself (egressd installs the capture's rules in it: the launcher is not
+    dumpable, so its /proc entry is not egressd's to open) and a sock_diag socket of it (which
+    program holds a connection is asked there): one message, the kinds comma-separated, the
+    descriptors in the same order."""
+    with socket.socket(fileno=fd) as channel, contextlib.ExitStack() as held:
+        handed = [
+            (held.enter_context(bridge.listen(address, PROXY_BACKLOG)).fileno(), kind)
+            for address, kind in map(_parse_listen, listens)
         ]
-        try:
-            kinds = ",".join(kind for _, kind in sockets).encode()
-            socket.send_fds(channel, [kinds], [sock.fileno() for sock, _ in sockets])
-        finally:
-            for sock, _ in sockets:
-                sock.close()  # egressd holds them now
+        network = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        held.callback(os.close, network)
+        handed.append((network, "netns"))
+        with contextlib.suppress(OSError):  # a kernel without sock_diag: no program is named
+            diag = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+            handed.append((held.enter_context(diag).fileno(), "diag"))
+        kinds = ",".join(kind for _, kind in handed).encode()
+        socket.send_fds(channel, [kinds], [fd for fd, _ in handed])  # egressd holds them now
 
 
-def _parse_capture(text: str) -> tuple[int, int, tuple[str, int]]:
-    ports, sep, proxy = text.partition("=")
-    tcp, comma, dns = ports.partition(",")
-    if not sep or not proxy or not comma or not tcp.isdigit() or not dns.isdigit():
-        raise ValueError(f"{text!r}: expected TCP_PORT,DNS_PORT=PROXY_HOST:PORT")
-    return int(tcp), int(dns), bridge.parse_hostport(proxy)
+def _parse_capture(text: str) -> tuple[int, int]:
+    tcp, comma, dns = text.partition(",")
+    if not comma or not tcp.isdigit() or not dns.isdigit():
+        raise ValueError(f"{text!r}: expected TCP_PORT,DNS_PORT")
+    return int(tcp), int(dns)
 
 
 def _read_setup(fd: int) -> dict[str, object]:
@@ -101,20 +114,21 @@ def _read_setup(fd: int) -> dict[str, object]:
     return setup if isinstance(setup, dict) else {}
 
 
-def _bind_capture(spec: str, names_fd: int | None) -> Callable[[str], Awaitable[None]]:
-    """Bind the capture's listeners now (before the child starts); return what serves them, given
-    the child's credentials, once the bridge's thread runs. `names_fd`: where egressd answers the
-    names the child's DNS asks for (front/names.py)."""
-    tcp_port, dns_port, proxy = _parse_capture(spec)
-    tcp = bridge.listen((BRIDGE_HOST, tcp_port))
+def _bind_capture(spec: str, names_fd: int | None, captures_fd: int) -> Callable[[], Awaitable[None]]:
+    """Bind the capture's listeners now (before the child starts); return what serves them once
+    the bridge's thread runs. `names_fd`: where egressd answers the names the child's DNS asks for
+    (front/names.py); `captures_fd`: where the captured connections go (front/captured.py)."""
+    tcp_port, dns_port = _parse_capture(spec)
+    tcp = bridge.listen((BRIDGE_HOST, tcp_port), PROXY_BACKLOG)
     dns_udp = bridge.bind_udp((BRIDGE_HOST, dns_port))
     dns_tcp = bridge.listen((BRIDGE_HOST, dns_port))
 
-    def serve(auth: str) -> Awaitable[None]:
+    def serve() -> Awaitable[None]:
         from egressd.sandbox import intercept
 
         names = socket.socket(fileno=names_fd) if names_fd is not None else None
-        return intercept.Capture(proxy, auth, tcp_port, names).serve(tcp, dns_udp, dns_tcp)
+        handover = socket.socket(fileno=captures_fd)
+        return intercept.Capture(tcp_port, handover, names).serve(tcp, dns_udp, dns_tcp)
 
     return serve
 
@@ -152,9 +166,11 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--handover-fd", type=int, required=True)
     parser.add_argument("--listen", action="append", default=[], metavar="HOST:PORT=http|socks|open")
     parser.add_argument("--setup-fd", type=int, default=None)
-    parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT=PROXY_HOST:PORT")
+    parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT")
     parser.add_argument("--link-view", action="append", default=[], metavar="DIRECTORY=VIEW")
     parser.add_argument("--names-fd", type=int, default=None)
+    parser.add_argument("--captures-fd", type=int, default=None)
+    parser.add_argument("--unshare", action="store_true", help="make the user and network namespaces")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -205,6 +221,60 @@ def _link_views(pairs: Sequence[str]) -> None:
                 os.symlink(os.path.join(view, name), os.path.join(directory, name))
 
 
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+_IFREQ = struct.Struct("16sH")
+
+
+def _map_ids(uid: tuple[int, int], gid: tuple[int, int]) -> None:
+    """This user namespace's one uid and one gid: (inside, outside) each. An unprivileged process
+    maps only its own ids, and a gid only once setgroups is denied (a child namespace inherits it)."""
+    with contextlib.suppress(OSError), open("/proc/self/setgroups", "w") as handle:
+        handle.write("deny")
+    for name, (inside, outside) in (("uid_map", uid), ("gid_map", gid)):
+        with open(f"/proc/self/{name}", "w") as handle:
+            handle.write(f"{inside} {outside} 1")
+
+
+def _loopback_up() -> None:
+    """A new network namespace has `lo`, down: up, as bubblewrap does for the sandbox."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        _, flags = _IFREQ.unpack(fcntl.ioctl(sock, SIOCGIFFLAGS, _IFREQ.pack(b"lo", 0)))
+        fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ.pack(b"lo", flags | IFF_UP))
+
+
+def _own_network() -> None:
+    """`--unshare`: a network namespace of the child's own (only `lo`, egressd's listeners its way
+    out), and nothing else of the child's changed. For a user who is not root, inside two user
+    namespaces, as bubblewrap makes them: the outer one maps the user to root and owns the network,
+    so egressd, joining it from outside, may install the capture's rules (capture.py); the inner
+    one maps the user to itself, so the child is who it is and holds no capability over the network
+    (it belongs to the outer namespace), not even through a program with file capabilities. Root
+    needs no user namespace: it stays root. Must run while the process has one thread."""
+    uid, gid = os.getuid(), os.getgid()
+    if os.geteuid() == 0:
+        os.unshare(os.CLONE_NEWNET)
+        _loopback_up()
+        return
+    os.unshare(os.CLONE_NEWUSER)
+    _map_ids((0, uid), (0, gid))
+    os.unshare(os.CLONE_NEWNET)
+    _loopback_up()
+    os.unshare(os.CLONE_NEWUSER)
+    _map_ids((uid, 0), (gid, 0))
+
+
+def probe() -> NoReturn:
+    """Can the child's namespaces be made here? Exit 0, or 1 with why on stdout."""
+    try:
+        _own_network()
+    except OSError as exc:
+        print(f"{exc.strerror or exc} ({type(exc).__name__})", flush=True)
+        os._exit(1)
+    os._exit(0)
+
+
 def _wait_reaping(pid: int) -> int:
     """The child's wait status. The launcher is the PID namespace's first process: every process
     the child leaves behind becomes its child, and is reaped here (else a zombie for good)."""
@@ -217,19 +287,26 @@ def _wait_reaping(pid: int) -> int:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = _arguments(argv)
     control, status = args.control_fd, args.status_fd
-    optional = [fd for fd in (args.setup_fd, args.names_fd) if fd is not None]
+    optional = [fd for fd in (args.setup_fd, args.names_fd, args.captures_fd) if fd is not None]
     for fd in (control, status, args.handover_fd, *optional):
         os.set_inheritable(fd, False)  # the child gets none of the pipes
+    if args.unshare:
+        try:
+            _own_network()
+        except OSError as exc:
+            _report(status, f"unavailable {exc.strerror or exc} ({type(exc).__name__})")
+            os._exit(1)
     try:
         _not_dumpable()
     except OSError as exc:
         _report(status, f"error cannot protect the launcher from the child: {exc}")
         os._exit(1)
-    try:
-        _own_session_keyring()
-    except OSError as exc:
-        _report(status, f"error cannot give the sandbox a session keyring of its own: {exc}")
-        os._exit(1)
+    if not args.unshare:  # the sandbox's: an unconfined child keeps the user's keyring
+        try:
+            _own_session_keyring()
+        except OSError as exc:
+            _report(status, f"error cannot give the sandbox a session keyring of its own: {exc}")
+            os._exit(1)
     try:
         _link_views(args.link_view)
     except OSError as exc:
@@ -240,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     try:
         _hand_over(args.handover_fd, args.listen)
     except (OSError, ValueError) as exc:
-        _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
+        _report(status, f"error cannot listen on the child's loopback: {exc}")
         os._exit(1)
     capture: Callable[[], Awaitable[None]] | None = None
     if args.setup_fd is not None:
@@ -248,14 +325,12 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         if not setup:
             _report(status, "error egressd went away before the command started")
             os._exit(1)
-        auth = setup.get("auth")
-        if args.capture and setup.get("capture") and isinstance(auth, str):
+        if args.capture and setup.get("capture") and args.captures_fd is not None:
             try:
-                serve = _bind_capture(args.capture, args.names_fd)
+                capture = _bind_capture(args.capture, args.names_fd, args.captures_fd)
             except (OSError, ValueError) as exc:
-                _report(status, f"error cannot listen on the sandbox's loopback: {exc}")
+                _report(status, f"error cannot listen on the child's loopback: {exc}")
                 os._exit(1)
-            capture = functools.partial(serve, auth)
     try:
         pid = os.posix_spawnp(args.command[0], args.command, os.environ, setsigdef=_CHILD_DEFAULTS)
     except OSError as exc:

@@ -23,13 +23,14 @@ INSTALL_HINT = (
     "Install it: apt-get install bubblewrap (Debian, Ubuntu), dnf install bubblewrap (Fedora), "
     "pacman -S bubblewrap (Arch), apk add bubblewrap (Alpine)."
 )
-USERNS_HINT = (
-    "The kernel refused the user namespace bubblewrap needs. To allow unprivileged user namespaces: "
-    "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (Ubuntu 23.10 and later; or give "
-    "bwrap an AppArmor profile that allows userns), `sysctl -w kernel.unprivileged_userns_clone=1` "
-    "(older Debian), `sysctl -w user.max_user_namespaces=15000` (when it is 0). In a container, "
-    "run it with a seccomp profile that allows clone/unshare of namespaces (e.g. --privileged)."
+USERNS_ENABLE = (
+    "To allow unprivileged user namespaces: `sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` "
+    "(Ubuntu 23.10 and later; or an AppArmor profile that allows userns for the program), "
+    "`sysctl -w kernel.unprivileged_userns_clone=1` (older Debian), `sysctl -w "
+    "user.max_user_namespaces=15000` (when it is 0). In a container, run it with a seccomp profile "
+    "that allows clone/unshare of namespaces (e.g. --privileged)."
 )
+USERNS_HINT = f"The kernel refused the user namespace bubblewrap needs. {USERNS_ENABLE}"
 _USERNS_SIGNS = (
     "namespace",
     "uid map",

@@ -15,48 +15,48 @@ the directory is removed.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import secrets
 import select
 import shutil
 import signal
-import socket
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import egressd
 from egressd.ca import java_truststore_path
-from egressd.child_env import child_environment, java_environment
+from egressd.child_env import CHILD_PROXY_VAR
 from egressd.exits import EXIT_CANNOT_RUN, exec_failure
 from egressd.process import SignalCatcher, run_child, spawn
-from egressd.proxy import EngineError
 from egressd.sandbox import (
-    BRIDGE_CAPTURE_PORT,
-    BRIDGE_DNS_PORT,
     BRIDGE_HOST,
     BRIDGE_HTTP_PORT,
     BRIDGE_OPEN_PORT,
     BRIDGE_SOCKS_PORT,
-    capture,
     hooks,
     leftovers,
     preflight,
     seccomp,
     workloads,
 )
-from egressd.sandbox.bwrap import Bind, BwrapSpec, bwrap_argv, launcher_command
+from egressd.sandbox.bwrap import Bind, BwrapSpec, bwrap_argv
+from egressd.sandbox.launch import (
+    LauncherLink,
+    Outcome,
+    host_ports,
+    keep_only_inherited,
+    launcher_import_path,
+    listens,
+    proxied_env,
+    say,
+)
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import within
 from egressd.sandbox.sbpl import UnquotablePath
 from egressd.sandbox.seatbelt import run_marker, seatbelt_argv, seatbelt_profile
-from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
@@ -74,15 +74,6 @@ CACHE_VARIABLES = {
 }
 SOCKET_VARIABLES = ("SSH_AUTH_SOCK", "DOCKER_HOST")
 TEMP_VARIABLES = ("TMPDIR", "TMP", "TEMP")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How the child ended (subprocess-style code), or why it never started."""
-
-    returncode: int
-    started: bool = True
-    error: str | None = None
 
 
 def sandbox_env(
@@ -104,44 +95,20 @@ def sandbox_env(
     temporary directory (bubblewrap's private /tmp, or Seatbelt's per-run directory); the caches
     of npm, uv, pip and XDG programs are in it, or in `cache` (--cache DIR).
     """
-    socks_url = creds.proxy_url(*socks, scheme="socks5h") if socks else None
     base = dict(os.environ if base is None else base)
     for name in SOCKET_VARIABLES:
         target = base.get(name, "").removeprefix("unix://")
         if target and any(within(os.path.realpath(target), top) for top in hidden):
             del base[name]
-    env = child_environment(
-        base,
-        creds.proxy_url(*http),
-        socks_url,
-        ca_bundle=session.ca_bundle,
-        placeholders=session.placeholders(),
-        hidden=session.hidden_variables(),
-    )
-    store = java_truststore_path(session.ca_bundle) if session.ca_bundle else None
-    # the JVM sends no Basic credentials on a CONNECT: the open port
-    env = java_environment(
-        env, proxy=open_port, truststore=str(store) if store is not None and store.is_file() else None
-    )
+    env = proxied_env(session, creds, http, socks, base, open_port)
+    env.pop(CHILD_PROXY_VAR, None)  # the sandbox's credential-free port is named by JAVA_TOOL_OPTIONS
     for name in TEMP_VARIABLES:
         env[name] = temp
     private_cache = PRIVATE_CACHE if temp == "/tmp" else os.path.join(temp, ".egressd-cache")
     for name, sub in CACHE_VARIABLES.items():
         env[name] = os.path.join(cache or private_cache, sub)
     env[SANDBOX_VAR] = kind
-    return with_git_ssh(env, session.policy)
-
-
-def package_root() -> str:
-    """The directory egressd's own package is imported from (the launcher imports it from there)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(egressd.__file__)))
-
-
-def launcher_import_path() -> str:
-    """Where the launcher (started without site) imports from: egressd's package and the
-    site-packages that hold what the capture uses (dnspython)."""
-    paths = [package_root(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
-    return os.pathsep.join(dict.fromkeys(paths))
+    return env
 
 
 def needed_paths(ca_bundle: str | None) -> tuple[str, ...]:
@@ -156,78 +123,6 @@ def needed_paths(ca_bundle: str | None) -> tuple[str, ...]:
 
 
 # -- Linux: bubblewrap ---------------------------------------------------------------------------
-def _pipe_pair() -> tuple[int, int, int, int]:
-    """(control read, control write, status read, status write); the sandbox ends are inheritable."""
-    control_r, control_w = os.pipe()
-    status_r, status_w = os.pipe()
-    os.set_inheritable(control_r, True)
-    os.set_inheritable(status_w, True)
-    fcntl.fcntl(control_w, fcntl.F_SETFL, os.O_NONBLOCK)  # a signal never blocks egressd
-    fcntl.fcntl(status_r, fcntl.F_SETFL, os.O_NONBLOCK)
-    return control_r, control_w, status_r, status_w
-
-
-def _read_status(fd: int) -> list[str]:
-    data = b""
-    with contextlib.suppress(BlockingIOError, OSError):
-        while chunk := os.read(fd, 4096):
-            data += chunk
-    return data.decode("utf-8", "replace").splitlines()
-
-
-def _outcome(lines: Sequence[str], bwrap_code: int) -> Outcome:
-    """Read the launcher's report: an `error` counts only before `started`, then the first `exit`.
-
-    The child cannot reach the pipe (the launcher is not dumpable), and even a line it forged after
-    `started` could not turn a run into "the sandbox did not start".
-    """
-    started = "started" in lines
-    before = lines[: lines.index("started")] if started else lines
-    for line in before:
-        if line.startswith("error "):
-            return Outcome(EXIT_CANNOT_RUN, started=False, error=line[6:])
-    for line in lines:
-        if line.startswith("exit "):
-            with contextlib.suppress(ValueError):
-                return Outcome(int(line[5:]), started=started)
-    if started:  # the launcher died without a word: bubblewrap's status is all there is
-        return Outcome(bwrap_code)
-    return Outcome(bwrap_code, started=False, error=f"bubblewrap exited with status {bwrap_code}")
-
-
-HANDOVER_TIMEOUT = 30.0  # the launcher binds two sockets; a loaded machine may take a while to start it
-
-
-def _receive_listeners(channel: socket.socket) -> list[tuple[socket.socket, str]]:
-    """The proxy's listeners the launcher bound inside, or [] when it died first (its status says
-    why)."""
-    channel.settimeout(HANDOVER_TIMEOUT)
-    try:
-        message, fds, _flags, _addr = socket.recv_fds(channel, 1024, 8)
-    except OSError:
-        return []
-    kinds = message.decode("ascii", "replace").split(",") if message else []
-    if len(kinds) != len(fds):
-        for fd in fds:
-            os.close(fd)
-        return []
-    return [(socket.socket(fileno=fd), kind) for fd, kind in zip(fds, kinds, strict=True)]
-
-
-def _keep_only_inherited(keep: Sequence[int]) -> None:
-    """Nothing but stdio and the sandbox's pipes crosses into the sandbox.
-
-    A descriptor the caller left open (a directory, a socket, a file) would otherwise reach the
-    child, which could write through it (or `/proc/self/fd/N`) where the sandbox allows nothing.
-    """
-    listing = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-    for name in os.listdir(listing):
-        fd = int(name)
-        if fd > 2 and fd not in keep:
-            with contextlib.suppress(OSError):
-                os.set_inheritable(fd, False)
-
-
 INFO_TIMEOUT = 60.0  # bubblewrap reports the sandbox's PID once its namespaces exist
 
 
@@ -252,52 +147,6 @@ def _sandbox_pid(info_fd: int, timeout: float = INFO_TIMEOUT) -> int | None:
     return None
 
 
-def _set_up_network(
-    info_r: int,
-    setup_w: int,
-    creds: ProxyCredentials,
-    want_capture: bool,
-    warn: Callable[[str], None],
-    host_ports: Sequence[int] = (),
-) -> None:
-    """Install the capture in the sandbox's network namespace, then let the launcher start the child.
-
-    Without nft or ip, or when the kernel refuses, the child still runs confined: it simply cannot
-    connect except through the proxy (the warning says so)."""
-    captured = False
-    if want_capture:
-        pid = _sandbox_pid(info_r)
-        problem = (
-            capture.install(pid, BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, host_ports)
-            if pid is not None
-            else "bubblewrap did not report the sandbox's PID"
-        )
-        if problem is None:
-            captured = True
-        else:
-            warn(
-                f"cannot capture connections that ignore the proxy variables ({problem}); "
-                "inside the sandbox only the proxy leads out"
-            )
-    setup: dict[str, object] = {"capture": captured}
-    if captured:  # the credentials go only where they are used
-        setup["auth"] = f"{creds.username}:{creds.token}"
-    with contextlib.suppress(OSError):  # the launcher is gone: its status tells why
-        os.write(setup_w, json.dumps(setup).encode() + b"\n")
-
-
-# the sandbox's own listeners: never sent to the host, whatever the policy names
-SANDBOX_PORTS = frozenset(
-    {BRIDGE_HTTP_PORT, BRIDGE_SOCKS_PORT, BRIDGE_OPEN_PORT, BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT}
-)
-
-
-def _host_ports(session: ProxySession) -> tuple[int, ...]:
-    """The host's loopback ports the policy names at start (loopback.ports, --allow-loopback-port):
-    captured to the proxy even when the client never uses a proxy for 127.0.0.1."""
-    return tuple(p for p in session.policy.loopback.ports if p not in SANDBOX_PORTS)
-
-
 def _seccomp_filter(warn: Callable[[str], None]) -> int:
     """An inheritable descriptor bubblewrap reads the seccomp filter from; -1 (with a warning)
     on a machine egressd has no filter for."""
@@ -313,23 +162,6 @@ def _seccomp_filter(warn: Callable[[str], None]) -> int:
     return fd
 
 
-def _say(message: str) -> None:
-    print(f"egressd: {message}", file=sys.stderr, flush=True)
-
-
-def _wait_forwarding(pid: int, catcher: SignalCatcher, control_w: int) -> int:
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return os.waitstatus_to_exitcode(status)
-        got = catcher.wait(0.5)
-        if got is None or got.signo == signal.SIGCHLD:
-            continue
-        # forwarded even when the kernel sent it to our process group: the sandbox is a new session
-        with contextlib.suppress(OSError):
-            os.write(control_w, bytes([got.signo]))
-
-
 def run_bwrap(
     session: ProxySession,
     creds: ProxyCredentials,
@@ -341,19 +173,14 @@ def run_bwrap(
     disable_userns: bool,
     catcher: SignalCatcher,
     capture_direct: bool = True,
-    warn: Callable[[str], None] = _say,
+    warn: Callable[[str], None] = say,
 ) -> Outcome:
     """bubblewrap with the launcher inside; the proxy's listeners it hands over served by the
     proxy; capture installed; signals forwarded; status read. `capture_direct`: redirect
     connections that skip the proxy to it. The placeholders of the project's missing hooks exist
     while bubblewrap runs (it mounts them read-only), and are gone when this returns."""
     assert session.proxy is not None
-    http = f"{BRIDGE_HOST}:{BRIDGE_HTTP_PORT}"
-    listens = [(http, "http"), (f"{BRIDGE_HOST}:{BRIDGE_OPEN_PORT}", "open")]
-    socks = None
-    if session.proxy.socks_address:
-        listens.append((f"{BRIDGE_HOST}:{BRIDGE_SOCKS_PORT}", "socks"))
-        socks = (BRIDGE_HOST, BRIDGE_SOCKS_PORT)
+    socks = (BRIDGE_HOST, BRIDGE_SOCKS_PORT) if session.proxy.socks_address else None
     env = sandbox_env(
         session,
         creds,
@@ -377,45 +204,16 @@ def run_bwrap(
     except hooks.PlaceholderError as exc:
         held.close()
         return Outcome(EXIT_CANNOT_RUN, started=False, error=str(exc))
-    control_r, control_w, status_r, status_w = _pipe_pair()
+    link = LauncherLink(capture_direct=capture_direct)
     info_r, info_w = os.pipe()
-    setup_r, setup_w = os.pipe()
-    handover, handover_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    # the capture's questions for the child's DNS (front/names.py): the launcher's end only
-    names: socket.socket | None
-    names, names_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     seccomp_r = _seccomp_filter(warn)
     os.set_inheritable(info_w, True)
-    os.set_inheritable(setup_r, True)
-    os.set_inheritable(handover_child.fileno(), True)
-    os.set_inheritable(names_child.fileno(), True)
-    inherited = (
-        control_r,
-        status_w,
-        info_w,
-        setup_r,
-        handover_child.fileno(),
-        names_child.fileno(),
-        seccomp_r,
-    )
     try:
         spec = BwrapSpec(
             bwrap=bwrap,
             workdir=os.getcwd(),
             mounts=layout.mounts,
-            command=launcher_command(
-                sys.executable,
-                launcher_import_path(),
-                control_r,
-                status_w,
-                handover_child.fileno(),
-                listens,
-                command,
-                setup_fd=setup_r,
-                capture=(BRIDGE_CAPTURE_PORT, BRIDGE_DNS_PORT, http) if capture_direct else None,
-                views=views,
-                names_fd=names_child.fileno() if capture_direct else None,
-            ),
+            command=link.command(command, listens(session), views=views),
             needed=(*needed_paths(session.ca_bundle), *shown),
             covers=layout.covers,
             disable_userns=disable_userns,
@@ -424,48 +222,31 @@ def run_bwrap(
             seccomp_fd=seccomp_r if seccomp_r >= 0 else None,
             private_views=views,
         )
-        _keep_only_inherited(inherited)
+        keep_only_inherited((*link.inherited, info_w, seccomp_r))
         try:
             # its own process group: the terminal's Ctrl-C must not kill bubblewrap's monitor
             pid = spawn(bwrap_argv(spec), env, catcher, new_process_group=True)
         except OSError as exc:
             return Outcome(exec_failure(bwrap, exc), started=False, error=f"cannot run {bwrap}")
         finally:
-            for fd in (control_r, status_w, info_w, setup_r, seccomp_r):
+            for fd in (info_w, seccomp_r):
                 if fd >= 0:
                     os.close(fd)  # the sandbox holds these ends now
-            handover_child.close()
-            names_child.close()
-        problem = None
+            link.spawned()
         try:
-            try:
-                for sock, kind in _receive_listeners(handover):
-                    # the proxy's loop owns it from now on; "open" needs no credentials: it is the
-                    # child's alone, in its own network namespace
-                    implicit = creds if kind == "open" else None
-                    session.proxy.serve_socket(sock, "http" if kind == "open" else kind, implicit)
-                if capture_direct:
-                    session.proxy.serve_names(names, creds.profile)  # the proxy's loop owns it now
-                    names = None
-            except EngineError as exc:
-                problem = str(exc)  # EOF on setup below: the launcher stops without the child
-            else:
-                _set_up_network(info_r, setup_w, creds, capture_direct, warn, _host_ports(session))
+            problem = link.serve(session, creds)
+            if problem is None:
+                launcher = _sandbox_pid(info_r)
+                if launcher is not None:  # its tree is searched first for a connection's program
+                    session.child_started(creds, launcher)
+                link.set_up(host_ports(session), warn)
         finally:
-            os.close(setup_w)  # EOF: the launcher never waits for more
-            setup_w = -1
-        bwrap_code = _wait_forwarding(pid, catcher, control_w)
-        if problem is not None:
-            return Outcome(EXIT_CANNOT_RUN, started=False, error=problem)
-        return _outcome(_read_status(status_r), bwrap_code)
+            link.end_setup()
+        return link.outcome(link.wait(pid, catcher, forward_all=True), problem)
     finally:
-        handover.close()
-        if names is not None:
-            names.close()
-        for fd in (control_w, status_r, info_r, setup_w):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        link.close()
+        with contextlib.suppress(OSError):
+            os.close(info_r)
         held.close()  # the sandbox is gone: its placeholders go too
 
 
@@ -581,7 +362,7 @@ def run_seatbelt(
         env = sandbox_env(
             session, creds, http, socks, "seatbelt", env_base, hidden, layout.cache, temp=run_dir
         )
-        _keep_only_inherited(())
+        keep_only_inherited(())
 
         def started(pid: int) -> None:
             group.append(pid)

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import socket
 import struct
 
 import dns.flags
 import dns.message
 import dns.rcode
 import dns.rdatatype
+import pytest
 import trustme
 
 from egressd.admission.handed import HandedOut, candidate_ports
 from egressd.ca import JKS_PASSWORD, java_truststore
+from egressd.front.captured import http_request, parse_message
 from egressd.policy import parse_policy
 from egressd.sandbox.bwrap import LAUNCHER_BOOT, BwrapSpec, bwrap_argv, launcher_command
 from egressd.sandbox.capture import ruleset
-from egressd.sandbox.intercept import SYNTHETIC, Capture, NameTable, answer, connect_client
+from egressd.sandbox.intercept import SYNTHETIC, Capture, NameTable, answer
 
 
 def ask(table: NameTable, name: str, rdtype: str = "A") -> dns.message.Message:
@@ -71,7 +74,8 @@ def test_a_full_table_fails_instead_of_growing() -> None:
 
 
 def test_where_a_captured_connection_goes() -> None:
-    capture = Capture(("127.0.0.1", 3128), "egressd:token", 3129)
+    channel, _other = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    capture = Capture(3129, channel)
     known = capture.table.address_for("up.test")
     assert known is not None
     assert capture.target(known, 443) == ("up.test", 443)
@@ -82,11 +86,30 @@ def test_where_a_captured_connection_goes() -> None:
     assert capture.target(ipaddress.IPv4Address("127.0.0.1"), 8080) == ("127.0.0.1", 8080)
 
 
-def test_connect_head_carries_the_childs_credentials() -> None:
-    assert connect_client("up.test", 443, "egressd:tok").request == (
-        b"CONNECT up.test:443 HTTP/1.1\r\nHost: up.test:443\r\n"
-        b"Proxy-Authorization: Basic ZWdyZXNzZDp0b2s=\r\n\r\n"
-    )
+@pytest.mark.parametrize(
+    ("first", "speaks_http"),
+    [
+        (b"", None),
+        (b"G", None),
+        (b"GET", None),
+        (b"GET ", True),
+        (b"POST /x HTTP/1.1\r\n", True),
+        (b"\x16\x03\x01\x02\x00", False),  # a TLS ClientHello
+        (b"SSH-2.0-OpenSSH_9.2\r\n", False),
+        (b"get / HTTP/1.1", False),  # methods are upper case
+        (b" GET /", False),
+        (b"A" * 20, False),  # longer than any method
+        (b"\x00\x00", False),
+    ],
+)
+def test_which_captured_clients_get_the_refusal_in_http(first: bytes, speaks_http: bool | None) -> None:
+    assert http_request(first) is speaks_http
+
+
+def test_the_launchers_message_for_a_captured_connection() -> None:
+    assert parse_message(b"up.test 443 198.18.0.1 443") == ("up.test", 443, ("198.18.0.1", 443))
+    for bad in (b"", b"up.test 443", b"up.test x 1.2.3.4 5", b"a b c d e", b"\xff 1 2 3"):
+        assert parse_message(bad) is None, bad
 
 
 def test_ruleset_redirects_tcp_and_dns_and_drops_the_rest() -> None:
@@ -107,14 +130,28 @@ def test_ruleset_sends_the_named_host_loopback_ports_to_the_proxy() -> None:
     assert "tcp dport {" not in ruleset(3129, 1053)
 
 
+def test_ruleset_for_a_child_that_is_not_sandboxed_sends_every_loopback_port_but_egressds() -> None:
+    """exec's capture: a connection to any loopback port reaches the bridge, which tries the
+    child's own server there first and else asks the proxy for the host's (decided by the loopback
+    rules); the proxy's own listeners in the namespace, and the bridge's own tries, are left alone."""
+    rules = ruleset(3129, 1053, [8080], all_loopback=True, own_ports=[3128, 3130, 1080])
+    own = "ip saddr != 127.255.255.254 ip daddr 127.0.0.0/8 tcp dport != { 1053, 1080, 3128, 3129, 3130 }"
+    assert f"{own} redirect to :3129" in rules
+    assert "tcp dport { 8080 }" not in rules  # every port already
+    assert rules.index("dport 53") < rules.index(own) < rules.index("ip daddr 127.0.0.0/8 accept")
+
+
 def test_launcher_and_bwrap_arguments_for_capture() -> None:
     argv = launcher_command(
-        "/py", "/r", 5, 7, 8, [], ["curl"], setup_fd=9, capture=(3129, 1053, "127.0.0.1:3128")
+        "/py", "/r", 5, 7, 8, [], ["curl"], setup_fd=9, capture=(3129, 1053), names_fd=10, captures_fd=12
     )
     assert argv == (
         "/py", "-I", "-S", "-c", LAUNCHER_BOOT, "/r", "--control-fd", "5", "--status-fd", "7",
-        "--handover-fd", "8", "--setup-fd", "9", "--capture", "3129,1053=127.0.0.1:3128", "--", "curl",
+        "--handover-fd", "8", "--setup-fd", "9", "--capture", "3129,1053", "--names-fd", "10",
+        "--captures-fd", "12", "--", "curl",
     )  # fmt: skip
+    unshared = launcher_command("/py", "/r", 5, 7, 8, [], ["curl"], unshare=True)
+    assert unshared[-3:] == ("--unshare", "--", "curl")
     spec = BwrapSpec("bwrap", "/w", (), ("true",), info_fd=11)
     args = bwrap_argv(spec)
     assert args[args.index("--info-fd") + 1] == "11"
