@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from egressd import process
+from egressd.admission.state import InForce
 from egressd.child_env import child_environment
 from egressd.exits import exec_failure
 from egressd.observe.audit import AuditLog
@@ -225,7 +226,7 @@ class Agent:
             self.audit.event("reload_failed", error=str(exc))
             self.channel.send({"type": "rejected", "seq": seq, "error": str(exc)})
             return
-        self.proxy.set_policy(policy)
+        self.proxy.set_policy(InForce(policy))  # secrets never reach a remote agent
         self.audit.event("reload", source=policy.source, mode=policy.mode)
         if self.trace:
             self.say(f"policy reloaded from {policy.source} (mode: {policy.mode})")
