@@ -1,6 +1,6 @@
 """One proxy session, wired: what is built from what, started in which order, stopped in reverse.
 
-`egressd exec`, `run`, `sandbox`, `ssh`, `acp` and `mcp` all run this session and differ only
+`egressd exec`, `run`, `sandbox`, `ssh` and the remote agent all run this session and differ only
 in how they run the child and where the policy comes from; so a reload, the audit or a credential
 works the same in each. Everything runs on the proxy's one event loop but the terminal prompt
 (session/approvals.py says why) and the command's own thread.
