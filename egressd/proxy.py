@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -25,7 +26,7 @@ from egressd.admission.credentials import CredentialStore, ProxyCredentials
 from egressd.admission.descriptors import Descriptors, raise_soft_limit
 from egressd.admission.pipeline import Pipeline
 from egressd.admission.resolve import load_resolver
-from egressd.admission.state import PolicyHolder
+from egressd.admission.state import InForce, PolicyHolder
 from egressd.inspect import patches
 from egressd.inspect.engine import AddonFactory, InspectionEngine
 from egressd.policy import Policy, join_host_port
@@ -52,7 +53,7 @@ class ProxyServer:
 
     def __init__(
         self,
-        policy: Policy,
+        policy: Policy | PolicyHolder,
         *,
         listen: tuple[str, int] = ("127.0.0.1", 0),
         socks: bool = True,
@@ -72,11 +73,15 @@ class ProxyServer:
         `credentials`: who may connect (default: the children this proxy issues credentials to);
         `health`: answer `GET /healthz` on the HTTP port without credentials (the gateway's);
         `sockets`: listening sockets made elsewhere to serve as the "http" and "socks" ports instead
-        of binding new ones (a remote session's guard keeps copies: the ports outlive this process)."""
+        of binding new ones (a remote session's guard keeps copies: the ports outlive this process).
+        `policy`: the policy, or the holder of the snapshot a session swaps on reload."""
+        holder = policy if isinstance(policy, PolicyHolder) else PolicyHolder(policy)
         if nameservers:
-            policy = policy.with_overrides(nameservers=[join_host_port(h, p) for h, p in nameservers])
+            servers = [join_host_port(h, p) for h, p in nameservers]
+            policy = holder.get().with_overrides(nameservers=servers)
+            holder.set(dataclasses.replace(holder.now, policy=policy))
         self.pipeline = Pipeline(
-            PolicyHolder(policy),
+            holder,
             credentials=credentials,
             audit=audit,
             identify=identify,
@@ -112,12 +117,13 @@ class ProxyServer:
     def policy(self) -> Policy:
         return self.pipeline.policies.get()
 
-    def set_policy(self, policy: Policy) -> None:
-        self.pipeline.policies.set(policy)
+    def set_policy(self, now: InForce) -> None:
+        """Put a new snapshot in force (one assignment: egressd.admission.state.InForce)."""
+        self.pipeline.policies.set(now)
         loop, inspection = self._loop, self.inspection
         if loop is not None and inspection is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(inspection.set_idle_timeout, policy.limits.idle_timeout)
+                loop.call_soon_threadsafe(inspection.set_idle_timeout, now.policy.limits.idle_timeout)
 
     def issue_credentials(self, profile: str | None = None, label: str | None = None) -> ProxyCredentials:
         return self.pipeline.credentials.issue(profile, label)
@@ -151,6 +157,15 @@ class ProxyServer:
         """The child running with `creds` is pid: its tree is searched first for a connection's
         owner, and only it may use its credential-free listener."""
         self.pipeline.children[creds.token] = pid
+
+    def run[T](self, coro: Coroutine[Any, Any, T], timeout: float = START_TIMEOUT) -> T:
+        """Run `coro` on the proxy's loop and wait for its result, from another thread: a session's
+        services (the control API, the dashboard, metrics, the file watchers) live on this loop."""
+        loop = self._loop
+        if loop is None or self._thread is None or not self._thread.is_alive():
+            coro.close()
+            raise EngineError("the proxy is not running")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:

@@ -21,11 +21,13 @@ A file is applied whole or not at all:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from egressd.files import Snapshot
@@ -39,10 +41,23 @@ class UnsettledError(Exception):
     """The files kept changing while the first load read them (being written, and not by a rename)."""
 
 
+@dataclass(frozen=True)
+class _Changed[T]:
+    value: T
+
+
+@dataclass(frozen=True)
+class _Failed:
+    message: str
+
+
 class FileWatcher[T]:
     """Builds T from files with `load(snapshot)` and hands each new good one to `on_change`; a
     version that fails to load goes to `on_error` (once). `load` reads every file it needs through
-    the snapshot it is given: those files are the ones watched."""
+    the snapshot it is given: those files are the ones watched.
+
+    It runs as a task of the loop that awaits `watch()` (the proxy's, in a session), which is where
+    both callbacks are called; `start()` gives it a thread and loop of its own instead."""
 
     def __init__(
         self,
@@ -66,11 +81,11 @@ class FileWatcher[T]:
         self._seen: object = None  # the files' signatures and digests at the last look
         self._done: object = None  # the contents last applied or reported broken
         self._last_error: str | None = None
-        self._wake = threading.Event()
         self._forced = False
         self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     # -- public --------------------------------------------------------------------------------
     def load(self) -> T:
@@ -97,52 +112,78 @@ class FileWatcher[T]:
         self._last_error = None
         return result
 
-    def start(self) -> FileWatcher[T]:
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-
-    def trigger(self) -> None:
-        """Reload at once even if the files look unchanged (SIGHUP). Safe from a signal handler."""
-        self._forced = True
-        self._wake.set()
-
-    def poll(self, force: bool = False) -> bool:
-        """Look once; True if a new version was handed to on_change."""
-        with self._lock:
-            return self._poll(force)
-
-    # -- internals -----------------------------------------------------------------------------
-    def _run(self) -> None:
+    async def watch(self) -> None:
+        """Look every `interval` until stop(). Each look — reading the files, and loading a changed
+        version (parsing, a secret's command) — runs in a worker thread, so the loop never waits on
+        a file; what it finds is handed on here, on the loop."""
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval)
             self._wake.clear()
             if self._stop.is_set():
                 break
             force, self._forced = self._forced, False
             try:
-                self.poll(force)
+                found = await asyncio.to_thread(self._poll, force)
             except Exception as exc:  # the watcher must outlive any surprise
-                self._report(f"{self.path}: {exc}", force=True)
+                found = self._report(f"{self.path}: {exc}", force=True)
+            self._hand_on(found)
 
-    def _poll(self, force: bool) -> bool:
+    def start(self) -> FileWatcher[T]:
+        """Watch on a thread and loop of its own (where no other loop runs)."""
+        self._thread = threading.Thread(target=asyncio.run, args=(self.watch(),), name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake_up()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def trigger(self) -> None:
+        """Reload at once even if the files look unchanged (SIGHUP, an edit egressd made); from any
+        thread."""
+        self._forced = True
+        self._wake_up()
+
+    def poll(self, force: bool = False) -> bool:
+        """Look once, here and now; True if a new version was handed to on_change."""
+        return self._hand_on(self._poll(force))
+
+    # -- internals -----------------------------------------------------------------------------
+    def _wake_up(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(wake.set)
+
+    def _hand_on(self, found: _Changed[T] | _Failed | None) -> bool:
+        if isinstance(found, _Failed):
+            with contextlib.suppress(Exception):
+                self.on_error(found.message)
+            return False
+        if found is None:
+            return False
+        try:
+            self.on_change(found.value)
+        except Exception as exc:
+            return self._hand_on(self._report(f"applying {self.path} failed: {exc}", force=True))
+        return True
+
+    def _poll(self, force: bool) -> _Changed[T] | _Failed | None:
         look = Snapshot.of(self._files)
         state = look.state()
         if not force and look.contents() == self._done:
             self._seen = state  # unchanged, or only touched
-            return False
+            return None
         if state != self._seen:
             self._seen = state
             # changed since the last look: maybe being written; wait for it to hold still
             if not force or not self._held_still(look):
                 self._forced = self._forced or force  # a forced load waits for the polls
-                return False
+                return None
         return self._apply(look, force)
 
     def _held_still(self, files: Snapshot) -> bool:
@@ -153,37 +194,31 @@ class FileWatcher[T]:
             return False
         return Snapshot.of(files.versions).state() == files.state()
 
-    def _apply(self, look: Snapshot, force: bool) -> bool:
+    def _apply(self, look: Snapshot, force: bool) -> _Changed[T] | _Failed | None:
         looked = set(self._files)
         try:
             result = self.loader(look)
         except Exception as exc:
             self._files = tuple(look.used) or (self.path,)
             self._seen, self._done = look.state(self._files), look.contents(self._files)
-            self._report(self._message(exc), force)
-            return False
+            return self._report(self._message(exc), force)
         self._files = tuple(look.used) or (self.path,)
         self._seen = look.state(self._files)
         if not looked.issuperset(self._files):
             # this version reads files the look had not seen: applied once they too held still
             self._forced = self._forced or force
-            return False
+            return None
         self._done, self._last_error = look.contents(self._files), None
-        try:
-            self.on_change(result)
-        except Exception as exc:
-            self._report(f"applying {self.path} failed: {exc}", force=True)
-            return False
-        return True
+        return _Changed(result)
 
     def _message(self, exc: Exception) -> str:
         if isinstance(exc, OSError):
             return f"{exc.filename or self.path}: cannot read: {exc.strerror or exc}"
         return str(exc) or type(exc).__name__
 
-    def _report(self, message: str, force: bool) -> None:
+    def _report(self, message: str, force: bool) -> _Failed | None:
+        """The failure to hand on, unless it is the one reported last (each is told once)."""
         if message == self._last_error and not force:
-            return
+            return None
         self._last_error = message
-        with contextlib.suppress(Exception):
-            self.on_error(message)
+        return _Failed(message)

@@ -54,9 +54,11 @@ class Decider:
         path: str | None = None,
         mode: Mode | None = None,
         program: Program | None = None,
+        policy: Policy | None = None,
     ) -> Decision:
-        """`mode`: decide as if the policy had this mode (a grant asks what `ask` would answer)."""
-        policy = self.policies.get()
+        """`mode`: decide as if the policy had this mode (a grant asks what `ask` would answer);
+        `policy`: the one an admission read with its secrets (default: the one in force now)."""
+        policy = policy if policy is not None else self.policies.get()
         remember = mode is None or mode == policy.mode
         if not remember:
             policy = dataclasses.replace(policy, mode=mode)

@@ -37,7 +37,7 @@ from egressd.admission.pinning import ConnectFailure, Pin, address_text, connect
 from egressd.admission.redirects import RedirectMemory
 from egressd.admission.secrets import NO_INJECTION, Injection, SecretBook
 from egressd.admission.secrets import refusal as secret_refusal
-from egressd.admission.state import ConnState, PolicyHolder
+from egressd.admission.state import ConnState, InForce, PolicyHolder
 from egressd.policy import (
     AddressClass,
     Decision,
@@ -163,7 +163,6 @@ class Pipeline:
         self.grants = grants if grants is not None else GrantStore()
         self.redirects = RedirectMemory()
         self.handed = HandedOut()  # the addresses sandboxed children's DNS was given, per name
-        self.secrets = SecretBook()
         self.events = EventBus()
         # the audit log: under audit.on_failure: refuse, nothing is acted upon that it did not take
         self.audit = audit
@@ -182,6 +181,11 @@ class Pipeline:
         # connection ids for the audit log: a random prefix per proxy and a counter
         self._id_prefix = secrets.token_hex(3)
         self._ids = itertools.count(1)
+
+    @property
+    def secrets(self) -> SecretBook:
+        """The secrets in force now (an admission reads them with its policy, from one snapshot)."""
+        return self.policies.now.secrets
 
     # -- client connections ------------------------------------------------------------------------
     def open_conn(
@@ -303,7 +307,11 @@ class Pipeline:
             return limited
         if remembered is not None:
             return self._admit_remembered(conn, attempt, remembered)
-        # 3. the decision; every later step uses its canonical target, never the client's spelling
+        # 3. the decision; every later step uses its canonical target, never the client's spelling.
+        # From here on, one version of the policy and its secrets: a reload swaps a new snapshot in
+        # whole, and this admission goes on with the one it read
+        now = self.policies.now
+        secrets = now.secrets
         decision = self.decider.decide(
             attempt.host,
             attempt.port,
@@ -312,19 +320,16 @@ class Pipeline:
             method=attempt.method,
             path=attempt.path,
             program=program,
+            policy=now.policy,
         )
         if decision.target is not None:
             conn.host, conn.port = decision.target.host.text, decision.target.port
         # 3a. a secret's placeholder in the host name (to leak it through DNS or a wildcard rule):
         # refused before anyone is asked and before anything resolves it
         target = decision.target
-        if (
-            self.secrets
-            and target is not None
-            and (name := self.secrets.needles.find(attempt.host)) is not None
-        ):
-            refusal = secret_refusal(name, "host name", target.host, target.port, self.secrets.spec(name))
-            redact = self.secrets.needles.redact
+        if secrets and target is not None and (name := secrets.needles.find(attempt.host)) is not None:
+            refusal = secret_refusal(name, "host name", target.host, target.port, secrets.spec(name))
+            redact = secrets.needles.redact
             refusal = dataclasses.replace(refusal, host=redact(refusal.host), detail=redact(refusal.detail))
             conn.host = refusal.host  # the closed record names it too
             self._decided(conn, attempt, decision, refusal)
@@ -349,18 +354,18 @@ class Pipeline:
                 # approved for this connection: its requests, if inspected, are not asked again
                 conn.granted = (decision.target.host.text, decision.target.port)
         # 5. the request rules, and the choice to inspect; then the secrets step (requests only)
-        refusal, inspect = self._judge(conn, attempt, decision)
+        refusal, inspect = self._judge(conn, attempt, decision, now)
         changes: tuple[frozenset[str], Injection] | None = None
         if refusal is None and not tunnel and decision.target is not None:
             url = request_url(attempt, decision.target)
             origin = self.redirects.take(conn.client_key, url)
-            changes_or_refusal = self._request_changes(conn, attempt, decision.target, url, origin)
+            changes_or_refusal = self._request_changes(conn, attempt, decision.target, url, origin, now)
             if isinstance(changes_or_refusal, Refusal):
                 refusal = changes_or_refusal
             else:
                 changes = changes_or_refusal
                 if asked is not None and decision is decided and origin is None:
-                    self._remember(conn, asked, decision, url, changes)
+                    self._remember(conn, asked, decision, url, changes, now)
         refusal = self._recorded(conn, attempt, decision, refusal)
         if refusal is not None:
             return refusal
@@ -392,15 +397,15 @@ class Pipeline:
         return refusal
 
     # -- what a connection asked before --------------------------------------------------------------
-    def _epoch(self, conn: ConnState) -> Epoch:
-        """Everything an HTTP request's answer depends on besides the request itself: the policy,
-        egressd's own addresses, the credentials issued (a token revoked, a gateway's token file
-        reloaded), the secrets in force, and who holds the connection."""
+    def _epoch(self, conn: ConnState, now: InForce | None = None) -> Epoch:
+        """Everything an HTTP request's answer depends on besides the request itself: what is in
+        force (`now`: the policy, its secrets, a gateway's tokens; default: the one in force now),
+        egressd's own addresses, the credentials issued (a token revoked), and who holds the
+        connection."""
         return (
-            self.policies.get(),
+            now if now is not None else self.policies.now,
             self.decider.self_addresses,
             self.credentials.state,
-            self.secrets.state,
             conn.identity,
         )
 
@@ -451,14 +456,16 @@ class Pipeline:
         decision: Decision,
         url: str,
         changes: tuple[frozenset[str], Injection],
+        now: InForce,
     ) -> None:
         """An allowed request's answer, for the same request on this connection (at most
-        REMEMBERED_ASKS of them): what the policy alone allowed, with no redirect to follow."""
+        REMEMBERED_ASKS of them): what the policy alone allowed, with no redirect to follow, under
+        the snapshot `now` it was decided by."""
         remembered = conn.remembered
         assert remembered is not None
         if len(remembered) >= REMEMBERED_ASKS:
             remembered.clear()
-        remembered[asked] = Remembered(self._epoch(conn), conn.creds, decision, url, changes)
+        remembered[asked] = Remembered(self._epoch(conn, now), conn.creds, decision, url, changes)
 
     def _admit_remembered(
         self, conn: ConnState, attempt: Attempt, remembered: Remembered
@@ -474,7 +481,9 @@ class Pipeline:
         changes = remembered.changes
         origin = self.redirects.take(conn.client_key, remembered.url)
         if origin is not None:
-            fresh = self._request_changes(conn, attempt, target, remembered.url, origin)
+            now = remembered.epoch[0]  # the snapshot its decision and changes were made with
+            assert isinstance(now, InForce)
+            fresh = self._request_changes(conn, attempt, target, remembered.url, origin, now)
             if isinstance(fresh, Refusal):
                 refusal = fresh
             else:
@@ -529,11 +538,13 @@ class Pipeline:
         (handed.candidate_ports); then resolved and filtered by egressd's own resolver and address
         filter, and recorded, so the connection goes to these addresses.
         """
-        policy = self.policies.get()
-        if self.secrets and self.secrets.needles.find(name) is not None:
+        now = self.policies.now
+        policy = now.policy
+        if now.secrets and now.secrets.needles.find(name) is not None:
             why = "the name holds a secret's placeholder"
             return self._refused_name(name, Reason.SECRET_EXFILTRATION, why)
-        decisions = [self.decider.decide(name, port, profile) for port in candidate_ports(policy)]
+        ports = candidate_ports(policy)
+        decisions = [self.decider.decide(name, port, profile, policy=policy) for port in ports]
         allowed = next((d for d in decisions if d.allowed and not d.ask and d.needs_resolution), None)
         if allowed is None:
             refused = decisions[0]
@@ -651,7 +662,13 @@ class Pipeline:
         return pinned.refusal
 
     def _request_changes(
-        self, conn: ConnState, attempt: Attempt, target: Target, url: str, origin: str | None
+        self,
+        conn: ConnState,
+        attempt: Attempt,
+        target: Target,
+        url: str,
+        origin: str | None,
+        now: InForce,
     ) -> Refusal | tuple[frozenset[str], Injection]:
         """What egressd changes in an allowed HTTP request, the same for plain HTTP and inside a
         tunnel: the credential headers of a redirect's follow-up to another origin (`origin`: the
@@ -661,7 +678,7 @@ class Pipeline:
         path = attempt.path or "/"
         strip: frozenset[str] = frozenset()
         if origin is not None:
-            names = (*self.policies.get().credentials.strip_on_host_change, *self.secrets.header_names())
+            names = (*now.policy.credentials.strip_on_host_change, *now.secrets.header_names())
             strip = frozenset(name.lower() for name in names)
             present = {n.lower() for n, _ in attempt.headers or ()}
             stripped = [n for n in dict.fromkeys(names) if n in present and n != "proxy-authorization"]
@@ -674,30 +691,31 @@ class Pipeline:
                 stripped=stripped,
             )
         headers = [(n, v) for n, v in attempt.headers or () if n.lower() not in strip]
-        judged = self.secrets.judge(host, port, attempt.method, path, headers)
+        judged = now.secrets.judge(host, port, attempt.method, path, headers)
         if isinstance(judged, Refusal):
             return judged
         return strip, judged
 
-    def _judge(self, conn: ConnState, attempt: Attempt, decision: Decision) -> tuple[Refusal | None, bool]:
+    def _judge(
+        self, conn: ConnState, attempt: Attempt, decision: Decision, now: InForce
+    ) -> tuple[Refusal | None, bool]:
         """(refusal, inspect) for a decision: refused ones, the request rules, inspection."""
         if not decision.allowed or decision.target is None:
             return refusal_for(decision), False
         if attempt.stage in ("request", "inner"):
             if decision.needs_inspection:
                 return needs_inspection_refusal(decision), False
-            policy = self.policies.get()
             refusal = request_refusal(
                 decision.target,
                 attempt.headers or (),
-                websocket=policy.websocket,
+                websocket=now.policy.websocket,
                 upgrade=decision.upgrade,
                 method=attempt.method,
             )
             return refusal, False
-        inspect = self.wants_inspection(decision, conn)
+        inspect = self.wants_inspection(decision, conn, now)
         target = decision.target
-        if not inspect and self.secrets and self.secrets.listed(target.host, target.port):
+        if not inspect and now.secrets and now.secrets.listed(target.host, target.port):
             # a secret's host unseen would get the placeholder, never the value: refused instead
             refusal = needs_inspection_refusal(decision)
             why = "a secret goes to this host, which needs TLS inspection (egressd puts it in the request)"
@@ -706,15 +724,15 @@ class Pipeline:
             return needs_inspection_refusal(decision), False
         return None, inspect
 
-    def wants_inspection(self, decision: Decision, conn: ConnState) -> bool:
+    def wants_inspection(self, decision: Decision, conn: ConnState, now: InForce) -> bool:
         """A tunnel is intercepted for hosts only a path/method rule admits, hosts the policy marks
         `inspect`, and the target of a cross-origin redirect this child was sent."""
         target = decision.target
         if not self.inspection or target is None:
             return False
-        if decision.needs_inspection or self.policies.get().inspect.match(target.host, target.port):
+        if decision.needs_inspection or now.policy.inspect.match(target.host, target.port):
             return True
-        if self.secrets and self.secrets.listed(target.host, target.port):
+        if now.secrets and now.secrets.listed(target.host, target.port):
             return True
         return self.redirects.expects(conn.client_key, "https", target.host.text, target.port)
 

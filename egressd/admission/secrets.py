@@ -20,7 +20,6 @@ event, a record or a refusal.
 from __future__ import annotations
 
 import secrets as random
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import quote
@@ -51,77 +50,67 @@ class Injection:
 NO_INJECTION = Injection()
 
 
-@dataclass(frozen=True)
-class _State:
-    specs: Mapping[str, SecretSpec]
-    values: Mapping[str, str]
-
-
+@dataclass(frozen=True, eq=False)
 class SecretBook:
-    """The run's placeholders (stable: children keep theirs across reloads) and the secrets in force
-    with their values (swapped together, atomically, at start and on every reload)."""
+    """The secrets in force with their values, and every placeholder this run handed out: one
+    immutable value (part of what a reload swaps whole, `admission.state.InForce`). Placeholders
+    are stable: `updated` keeps every one made before, so children keep theirs across reloads and a
+    removed secret's placeholder stays refused everywhere."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._placeholders: dict[str, str] = {}
-        self._state = _State({}, {})
-        self._needles = Needles({})
-        self._mask = ValueMask(())
+    placeholders: Mapping[str, str] = field(default_factory=dict)
+    specs: Mapping[str, SecretSpec] = field(default_factory=dict)
+    values: Mapping[str, str] = field(default_factory=dict)
+    needles: Needles = field(default_factory=lambda: Needles({}))
+    mask: ValueMask = field(default_factory=lambda: ValueMask(()))
 
-    def update(self, specs: Sequence[SecretSpec], values: Mapping[str, str]) -> None:
-        with self._lock:
-            for spec in specs:
-                if spec.name not in self._placeholders:
-                    self._placeholders[spec.name] = placeholder(spec.name, random.token_hex(16))
-            self._state = _State({s.name: s for s in specs}, dict(values))
-            self._needles = Needles.of(self._placeholders)
-            self._mask = ValueMask(values.values())
+    def updated(self, specs: Sequence[SecretSpec], values: Mapping[str, str]) -> SecretBook:
+        """The book of a new version of the policy: its secrets and their values, read together."""
+        placeholders = dict(self.placeholders)
+        for spec in specs:
+            if spec.name not in placeholders:
+                placeholders[spec.name] = placeholder(spec.name, random.token_hex(16))
+        return SecretBook(
+            placeholders,
+            {s.name: s for s in specs},
+            dict(values),
+            Needles.of(placeholders),
+            ValueMask(values.values()),
+        )
 
     def __bool__(self) -> bool:
-        return bool(self._placeholders)
-
-    @property
-    def state(self) -> object:
-        """The secrets in force, replaced whole on every update (remembered answers compare it)."""
-        return self._state
+        return bool(self.placeholders)
 
     def spec(self, name: str) -> SecretSpec | None:
-        return self._state.specs.get(name)
+        return self.specs.get(name)
 
     def placeholder(self, name: str) -> str:
-        return self._placeholders[name]
+        return self.placeholders[name]
 
     def child_variables(self) -> dict[str, str]:
         """{child variable: placeholder} of the secrets in force."""
-        state = self._state
-        return {spec.env: self._placeholders[name] for name, spec in state.specs.items()}
+        return {spec.env: self.placeholders[name] for name, spec in self.specs.items()}
 
     def listed(self, host: Host, port: int) -> bool:
         """A host some secret may go to: its tunnels are inspected, so egressd sees the headers."""
-        return any(spec.admits(host, port) for spec in self._state.specs.values())
+        return any(spec.admits(host, port) for spec in self.specs.values())
 
     def header_names(self) -> tuple[str, ...]:
         """The headers secrets go in: dropped from the follow-up of a redirect to another origin."""
-        return tuple(s.header[0] for s in self._state.specs.values() if s.header is not None)
-
-    @property
-    def needles(self) -> Needles:
-        return self._needles
+        return tuple(s.header[0] for s in self.specs.values() if s.header is not None)
 
     def mask_text(self, text: str) -> str:
         """`text` with every secret's value masked: what egressd writes about a response it could
         not read (an error page, a record) may quote the response, and with it an echoed value."""
-        return self._mask.text(text)
+        return self.mask.text(text)
 
     def judge(
         self, host: Host, port: int, method: str | None, path: str, headers: Headers
     ) -> Refusal | Injection:
         """The refusal of a request carrying a placeholder its host may not get, or what to change."""
-        if not self._placeholders:
+        if not self.placeholders:
             return NO_INJECTION
-        state, needles = self._state, self._needles
-        allowed = {name for name, spec in state.specs.items() if spec.admits(host, port)}
-        foreign = Needles({n: t for n, t in needles.tokens.items() if n not in allowed})
+        allowed = {name for name, spec in self.specs.items() if spec.admits(host, port)}
+        foreign = Needles({n: t for n, t in self.needles.tokens.items() if n not in allowed})
         if foreign:
             name = foreign.find(path)
             where = "URL"
@@ -133,14 +122,14 @@ class SecretBook:
                         where = f"{foreign.redact(header.lower())} header"
                         break
             if name is not None:
-                return refusal(name, where, host, port, state.specs.get(name))
-        values = tuple(v for name in sorted(allowed) if (v := state.values.get(name)) is not None)
+                return refusal(name, where, host, port, self.specs.get(name))
+        values = tuple(v for name in sorted(allowed) if (v := self.values.get(name)) is not None)
         if not values:
             return Injection(body=foreign)
         new_headers, new_path, injected = list(headers), path, []
         for name in sorted(allowed):
-            spec, token = state.specs[name], self._placeholders[name]
-            value = state.values.get(name)
+            spec, token = self.specs[name], self.placeholders[name]
+            value = self.values.get(name)
             if value is None:
                 continue
             if spec.header is not None:
@@ -161,6 +150,9 @@ class SecretBook:
             injected=tuple(injected),
             values=values,
         )
+
+
+NO_SECRETS = SecretBook()
 
 
 def refusal(name: str, where: str, host: Host, port: int, spec: SecretSpec | None) -> Refusal:

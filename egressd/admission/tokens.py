@@ -17,7 +17,7 @@ import hmac
 import ipaddress
 import re
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -196,35 +196,37 @@ _DECOY = TokenEntry("decoy", b"\0" * 16, b"\0" * 32)
 
 
 class GatewayCredentials(CredentialStore):
-    """The gateway's credentials step: the token table (swapped whole when the file changes) and
-    the gateway-wide source networks (`--allow-from`). A client outside them, or outside its own
-    token's `from`, is refused like a wrong token (407): a stolen token is useless elsewhere, and
-    nothing tells a prober which of the two was wrong."""
+    """The gateway's credentials step: the token table in force and the gateway-wide source
+    networks (`--allow-from`). A client outside them, or outside its own token's `from`, is refused
+    like a wrong token (407): a stolen token is useless elsewhere, and nothing tells a prober which
+    of the two was wrong.
 
-    def __init__(self, table: TokenTable, allow_from: Sequence[Network] = ()) -> None:
+    `table`: a fixed table, or where the one in force is read (the session's snapshot, which a
+    reload of the token file swaps whole with the policy's)."""
+
+    def __init__(
+        self, table: TokenTable | Callable[[], TokenTable], allow_from: Sequence[Network] = ()
+    ) -> None:
         super().__init__()
-        self._table = table
+        self._table: Callable[[], TokenTable] = table if callable(table) else lambda: table
         self.allow_from = tuple(allow_from)
 
     @property
     def table(self) -> TokenTable:
-        return self._table
+        return self._table()
 
     @property
     def state(self) -> object:
-        return self._table
-
-    def set_table(self, table: TokenTable) -> None:
-        self._table = table  # one reference swap: a check sees the old table or the new one
+        return self._table()  # the table in force: one that is replaced is another object
 
     def names(self) -> frozenset[str]:
-        return frozenset(self._table.entries)
+        return frozenset(self._table().entries)
 
     def issue(self, profile: str | None = None) -> ProxyCredentials:
         raise RuntimeError("a gateway issues no child credentials: clients use `egressd gateway token add`")
 
     def check(self, username: str, token: str, peer: str | None = None) -> ProxyCredentials | None:
-        entry = self._table.entries.get(username)
+        entry = self._table().entries.get(username)
         secret = token.encode("utf-8", "surrogatepass")
         matched = (entry or _DECOY).matches(secret)
         if entry is None or not matched:
@@ -238,5 +240,5 @@ class GatewayCredentials(CredentialStore):
 
     def valid(self, creds: ProxyCredentials) -> bool:
         """Still in the token file with the same token (a removed or replaced one is not)."""
-        entry = self._table.entries.get(creds.username)
+        entry = self._table().entries.get(creds.username)
         return creds.gateway and entry is not None and entry.key == creds.token

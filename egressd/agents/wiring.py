@@ -85,8 +85,8 @@ def acp_relay(
         context=session.context,
     )
     pipeline.events.subscribe(bridge.observe)
-    broker = getattr(session, "broker", None)  # mode: ask's broker, when this egressd has one
-    detach = acp_asks.attach(broker, bridge, warn) if broker is not None else None
+    approvals = session.approvals  # mode: ask's broker
+    detach = acp_asks.attach(approvals.broker, bridge, warn) if approvals is not None else None
     relay.start(bridge.from_client, bridge.from_agent)
     try:
         yield bridge

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import click
 
 from egressd.cli.instances import call, pid_option, select
@@ -24,24 +26,29 @@ def dashboard_command(pid: int | None, open_browser: bool) -> None:
     happen, its pending asks (with their answers), grants, policy and per-child counters. The URL
     carries a random token and is printed on stderr only; stop with Ctrl-C. While a page is open,
     asks wait for its answer."""
+    import asyncio
+
     from egressd.dashboard.server import WHILE_OPEN, Dashboard
 
     client = select(pid)
     call(client, "GET", "/v1/info")  # fail now, with the reason, if it does not answer
     dashboard = Dashboard(client.path, _Registered(client))
-    url = dashboard.start()
-    say(f"dashboard: {url}  ({WHILE_OPEN})")
-    if open_browser:
-        import webbrowser
 
-        webbrowser.open(url)
-    try:
-        while client.path.exists() and dashboard.alive():
-            dashboard.wait_for(1.0)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        dashboard.stop()
+    async def serve() -> None:
+        url = await dashboard.start()
+        say(f"dashboard: {url}  ({WHILE_OPEN})")
+        if open_browser:
+            import webbrowser
+
+            webbrowser.open(url)
+        try:
+            while client.path.exists():  # the instance it serves is still there
+                await asyncio.sleep(1.0)
+        finally:
+            await dashboard.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
     say("dashboard stopped")
 
 

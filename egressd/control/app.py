@@ -1,8 +1,9 @@
-"""The control API's endpoints (aiohttp), imported on the server's thread only.
+"""The control API's endpoints (aiohttp), imported with its first client (egressd.control.site).
 
-Asks are answered through the AskBroker and grants added to the GrantStore, both thread-safe;
-live streams are newline-delimited JSON fed through bounded queues (a slow reader loses lines and is
-told how many; it never slows the proxy). Every peer must be this user (SO_PEERCRED).
+Asks are answered through the AskBroker and grants added to the GrantStore; live streams are
+newline-delimited JSON fed through bounded queues (a slow reader loses lines and is told how many;
+it never slows the proxy). Every peer must be this user (SO_PEERCRED). The metrics' answer is also
+the `--metrics HOST:PORT` port's (`metrics_app`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
 import ipaddress
 import json
 import os
@@ -127,10 +129,7 @@ class Handlers:
         """The Prometheus text format, the same registry as --metrics serves (docs/metrics.md)."""
         if self.metrics is None:
             return _error(404, "metrics are off")
-        from egressd.observe.metrics import content_type
-
-        body = await asyncio.to_thread(self.metrics)  # a scrape reads the pipeline: off this loop
-        return web.Response(body=body, headers={"Content-Type": content_type()})
+        return await metrics_answer(self.metrics)
 
     async def _children(self, request: web.Request) -> web.Response:
         if self.children is None:
@@ -329,6 +328,41 @@ class Handlers:
         return response
 
 
+async def metrics_answer(render: Callable[[], bytes]) -> web.Response:
+    """A scrape: rendered in a worker thread (it formats every family, and its first one loads
+    prometheus_client), so the proxy's loop goes on serving meanwhile."""
+
+    def rendered() -> tuple[bytes, str]:
+        from egressd.observe.metrics import content_type
+
+        return render(), content_type()
+
+    body, kind = await asyncio.to_thread(rendered)
+    return web.Response(body=body, headers={"Content-Type": kind})
+
+
+def metrics_app(render: Callable[[], bytes], token: str | None) -> web.Application:
+    """`--metrics HOST:PORT`: the control API's metrics answer on a TCP port, on every path as
+    prometheus_client's own server answers, compressed when the scraper asks. With `token`, only to
+    `Authorization: Bearer TOKEN` (compared in constant time): on a network shared with the clients
+    (the compose gateway), only whoever holds the token sees what they do."""
+    expected = f"Bearer {token}".encode() if token is not None else None
+
+    async def scrape(request: web.Request) -> web.Response:
+        if expected is not None:
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, expected):
+                challenge = {"WWW-Authenticate": 'Bearer realm="egressd metrics"'}
+                return web.Response(status=401, headers=challenge)
+        answer = await metrics_answer(render)
+        answer.enable_compression()
+        return answer
+
+    app = web.Application()
+    app.router.add_get("/{path:.*}", scrape)
+    return app
+
+
 def _offer(queue: asyncio.Queue[dict[str, Any]], item: dict[str, Any]) -> None:
     try:
         queue.put_nowait(item)
@@ -337,12 +371,12 @@ def _offer(queue: asyncio.Queue[dict[str, Any]], item: dict[str, Any]) -> None:
 
 
 class _EventHandOff:
-    """A follower's observer: events from the proxy's thread to the control loop in batches.
+    """A follower's observer: events to its stream in batches.
 
-    The proxy's thread only appends to a deque, and wakes the control loop (a write to its
-    self-pipe, then a thread switch) once per batch rather than once per event: a busy proxy pays
-    one wake-up for the events of a whole loop iteration. Each event is turned into JSON on the
-    control loop, not on the proxy's thread."""
+    An event only goes on a deque; the stream's queue is fed once per batch, after the callbacks
+    of the loop iteration that emitted them (a busy proxy pays one hand-off for the events of a
+    whole iteration, and each event is turned into JSON then, not while a connection waits). An
+    event from another thread (an ask answered on the terminal) wakes the loop safely."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[dict[str, Any]]) -> None:
         self.loop, self.queue = loop, queue
@@ -350,14 +384,17 @@ class _EventHandOff:
         self.scheduled = False
         self.skip: set[int] = set()  # ids of events the reader got already (the backlog)
 
-    def __call__(self, event: Event) -> None:  # on the proxy's thread
+    def __call__(self, event: Event) -> None:
         self.pending.append(event)
         if not self.scheduled:
             self.scheduled = True
-            with contextlib.suppress(RuntimeError):  # the control loop has closed
+            if _running_loop() is self.loop:
+                self.loop.call_soon(self._drain)
+                return
+            with contextlib.suppress(RuntimeError):  # the loop has closed
                 self.loop.call_soon_threadsafe(self._drain)
 
-    def _drain(self) -> None:  # on the control loop
+    def _drain(self) -> None:  # on the loop
         self.scheduled = False  # first: an event appended from now on schedules the next drain
         while self.pending:
             event = self.pending.popleft()
@@ -365,6 +402,13 @@ class _EventHandOff:
                 self.skip.discard(id(event))
                 continue
             _offer(self.queue, event_json(event))
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # another thread's emit
+        return None
 
 
 def _line(item: dict[str, Any]) -> bytes:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,28 +66,25 @@ class Issuer:
 
 
 class Children:
-    """Thread-safe: attached on the control API's loop, read by `info()` from any thread."""
+    """Used on the proxy's loop only, where the control API that attaches and lists them runs."""
 
     def __init__(self, issuer: Issuer) -> None:
         self.issuer = issuer
-        self._lock = threading.Lock()
         self._children: dict[str, Child] = {}
         self._ids = itertools.count(1)
 
     def attach(self, pid: int, command: Sequence[str], profile: str | None) -> tuple[Child, dict[str, Any]]:
         """A new child's credentials and the answer for it (ChildError: why not)."""
         program = os.path.basename(command[0]) if command else "?"
-        with self._lock:
-            if len(self._children) >= MAX_CHILDREN:
-                raise ChildError(429, f"{MAX_CHILDREN} attached children already")
-            child_id = f"c{next(self._ids)}"
+        if len(self._children) >= MAX_CHILDREN:
+            raise ChildError(429, f"{MAX_CHILDREN} attached children already")
+        child_id = f"c{next(self._ids)}"
         try:
             creds = self.issuer.issue(profile, f"{program}[{pid}]")
         except KeyError as exc:
             raise ChildError(400, str(exc.args[0]) if exc.args else "bad profile") from None
         child = Child(child_id, pid, program, creds)
-        with self._lock:
-            self._children[child_id] = child
+        self._children[child_id] = child
         self.issuer.record(creds, command)
         self.issuer.started(creds, pid)
         answer = {
@@ -100,21 +96,17 @@ class Children:
         return child, answer
 
     def detach(self, child_id: str) -> bool:
-        with self._lock:
-            child = self._children.pop(child_id, None)
+        child = self._children.pop(child_id, None)
         if child is None:
             return False
         self.issuer.revoke(child.creds)
         return True
 
     def list(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return [c.to_json() for c in self._children.values()]
+        return [c.to_json() for c in self._children.values()]
 
     def close(self) -> None:
-        with self._lock:
-            ids = list(self._children)
-        for child_id in ids:
+        for child_id in list(self._children):
             self.detach(child_id)
 
     # -- lifetimes -----------------------------------------------------------------------------------
@@ -139,9 +131,8 @@ class Children:
         loop.add_reader(pidfd, gone)
 
     def _poll(self, loop: asyncio.AbstractEventLoop, child: Child) -> None:
-        with self._lock:
-            if child.id not in self._children:
-                return
+        if child.id not in self._children:
+            return
         if alive(child.pid):
             loop.call_later(POLL, self._poll, loop, child)
         else:

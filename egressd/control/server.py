@@ -1,9 +1,8 @@
-"""The control API server: HTTP + JSON on the user's Unix socket, in its own thread and loop.
+"""The control API server: HTTP + JSON on the user's Unix socket, on the proxy's event loop.
 
-Its own thread, so the proxy's loop pays nothing for it: the endpoints (`app.py`) read the
-pipeline's state, answer asks through the AskBroker and add grants to the GrantStore, both
-thread-safe. Every connection's peer must be this user (SO_PEERCRED), on top of the 0700 directory
-and the 0600 socket. Endpoints: docs/control-api.md.
+The endpoints (`app.py`) read the pipeline's state, answer asks through the AskBroker and add grants
+to the GrantStore. Every connection's peer must be this user (SO_PEERCRED), on top of the 0700
+directory and the 0600 socket. Endpoints: docs/control-api.md.
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ import collections
 import contextlib
 import logging
 import os
-import select
 import socket
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,8 +20,11 @@ from typing import TYPE_CHECKING, Any
 from egressd.admission.asks import AskBroker
 from egressd.admission.events import Decided, Event, EventBus
 from egressd.admission.grants import GrantStore
+from egressd.control.site import LazySite
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from egressd.control.children import Children
     from egressd.listeners import OwnAddresses
     from egressd.policy_edit import PolicyEditor
@@ -98,79 +98,29 @@ class ControlServer:
         self.grants = grants
         self.events = events
         self.info = info
-        self._sock: socket.socket | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        # a pipe whose write end stop() closes: it wakes the thread still waiting for a first client
-        self._wake_r: int | None = None
-        self._wake_w: int | None = None
-        self._first = threading.Event()  # a first client came: the thread imports aiohttp and serves
+        self._site: LazySite | None = None
 
-    # -- life cycle ------------------------------------------------------------------------------
-    def start(self, sock: socket.socket) -> None:
-        """Serve on an already listening socket (paths.listen). Returns at once: the server's thread
-        waits for a first client, then imports aiohttp (~0.25 s of CPU) and serves; the client
-        waits in the socket's backlog meanwhile. So a run nobody talks to (a CI job, `exec --
-        true`) never pays the import, and a child's start never competes with it for the CPU."""
-        self._sock = sock
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._main, name="egressd-control", daemon=True)
-        self._thread.start()
+    async def start(self, sock: socket.socket) -> None:
+        """Serve on an already listening socket (paths.listen), on the running loop, from its first
+        client on (egressd.control.site)."""
+        self._site = LazySite(sock, self._app, imports=("egressd.control.app",), name="control API")
+        await self._site.start()
 
-    def stop(self) -> None:
-        self._stopping.set()  # a server still importing aiohttp stops as soon as it is done
-        if self._wake_w is not None:
-            os.close(self._wake_w)  # a server still waiting for its first client stops now
-            self._wake_w = None
-            if self._thread is not None and not self._first.is_set():
-                self._thread.join(timeout=5)  # out of select() before its socket is closed below
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None and self._thread is not None and self._thread.is_alive():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stop.set)
-            self._thread.join(timeout=5)
+    async def stop(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self.path)
-        if self._sock is not None:
-            self._sock.close()
+        if self._site is not None:
+            await self._site.stop()
 
-    def _first_client(self) -> bool:
-        """Block (without the GIL) until a client connects to the socket (True) or stop() (False)."""
-        assert self._sock is not None and self._wake_r is not None
-        try:
-            ready, _, _ = select.select([self._sock, self._wake_r], [], [])
-        finally:
-            os.close(self._wake_r)
-        if self._sock not in ready or self._stopping.is_set():
-            return False
-        self._first.set()
-        return True
-
-    def _main(self) -> None:
-        try:
-            if self._first_client():
-                asyncio.run(self._serve())
-        except BaseException:  # noqa: BLE001 - the proxy runs on without its control API
-            logger.exception("egressd: the control API failed")
-
-    async def _serve(self) -> None:
-        from aiohttp import web  # here, not at import: see start()
-
+    def _app(self, stopping: asyncio.Event) -> web.Application:
         from egressd.control.app import Handlers
 
-        self._stop = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
-        if self._stopping.is_set():
-            return
-
-        app = Handlers(
+        return Handlers(
             self.broker,
             self.grants,
             self.events,
             self.info,
-            self._stop,
+            stopping,
             self.policy,
             self.edit_policy,
             self.metrics,
@@ -179,12 +129,3 @@ class ControlServer:
             self.own,
             self.recent,
         ).app()
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1)
-        await runner.setup()
-        assert self._sock is not None
-        site = web.SockSite(runner, self._sock)
-        await site.start()
-        try:
-            await self._stop.wait()
-        finally:
-            await runner.cleanup()

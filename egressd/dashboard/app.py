@@ -1,4 +1,4 @@
-"""The dashboard's routes (aiohttp), imported on its thread only: the page, its static files, and a
+"""The dashboard's routes (aiohttp), imported with its first client: the page, its static files, and a
 small JSON API that forwards to the control API — every check in `Dashboard` applied first."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The dashboard's web server: aiohttp on a free loopback port, in its own thread and loop.
+"""The dashboard's web server: aiohttp on a free loopback port, on the running event loop (the
+proxy's, under `--dashboard`), loaded with its first client (egressd.control.site).
 
 It is a client of one egressd's control API (the Unix socket only this user can open), so
 `egressd dashboard` (attaching to a running instance) and `--dashboard` on exec/run serve the same
@@ -19,15 +20,15 @@ loopback at all; under `exec` the token is the guard (the child is never told it
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from egressd.control.site import LazySite
 from egressd.dashboard.guard import PageGuard
 from egressd.listeners import OwnAddresses, listen
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from aiohttp import web
 
 # said beside the printed URL: with no page open, an ask is refused at once (no_approver)
 WHILE_OPEN = "asks wait for an answer only while a page is open"
@@ -40,67 +41,27 @@ class Dashboard(PageGuard):
     child is refused (`self`) when it asks the proxy for the page."""
 
     def __init__(self, control_path: Path, own: OwnAddresses, *, host: str = "127.0.0.1") -> None:
-        self._sock = listen(own, host, backlog=64)
-        super().__init__(control_path, self._sock.getsockname()[1])
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
+        sock = listen(own, host, backlog=64)
+        super().__init__(control_path, sock.getsockname()[1])
+        # handler_cancellation: a page that goes away ends its event stream at once, and with it the
+        # asks it followed (so it stops counting as an approver within the control API's keepalive)
+        self._site = LazySite(
+            sock, self._app, imports=("egressd.dashboard.app",), name="dashboard", handler_cancellation=True
+        )
 
     @property
     def url(self) -> str:
         """The one URL that opens the page: it carries the token (print it on stderr only)."""
         return f"http://127.0.0.1:{self.port}/?token={self.token}"
 
-    # -- life cycle ------------------------------------------------------------------------------
-    def start(self) -> str:
-        self._thread = threading.Thread(target=self._main, name="egressd-dashboard", daemon=True)
-        self._thread.start()
-        self._ready.wait(timeout=10)
+    async def start(self) -> str:
+        await self._site.start()
         return self.url
 
-    def stop(self) -> None:
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None and self._thread is not None and self._thread.is_alive():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stop.set)
-            self._thread.join(timeout=5)
-        self._sock.close()
+    async def stop(self) -> None:
+        await self._site.stop()
 
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait_for(self, seconds: float) -> None:
-        """Sleep up to `seconds` (less if the server thread ends): a loop that also watches the
-        instance it serves stays interruptible."""
-        if self._thread is not None:
-            self._thread.join(timeout=seconds)
-
-    def _main(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException:  # noqa: BLE001 - egressd runs on without its dashboard
-            logger.exception("egressd: the dashboard failed")
-        finally:
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        from aiohttp import web
-
+    def _app(self, stopping: asyncio.Event) -> web.Application:
         from egressd.dashboard.app import make_app
 
-        self._stop = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
-        app = make_app(self, self._stop)
-        # handler_cancellation: a page that goes away ends its event stream at once, and with it the
-        # asks it followed (so it stops counting as an approver within the control API's keepalive)
-        runner = web.AppRunner(
-            app, handle_signals=False, access_log=None, shutdown_timeout=1, handler_cancellation=True
-        )
-        await runner.setup()
-        await web.SockSite(runner, self._sock).start()
-        self._ready.set()
-        try:
-            await self._stop.wait()
-        finally:
-            await runner.cleanup()
+        return make_app(self, stopping)

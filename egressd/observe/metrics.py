@@ -14,10 +14,12 @@ name and label.
 Cheap on the hot path (every decision, closed connection and DNS lookup): every counter and
 histogram is plain integers, one cell per label combination made once and kept, turned into
 Prometheus samples only when someone scrapes (`_Hot.collect`) — no label dict, no lock, no
-prometheus_client call per event. prometheus_client itself is imported with the first scrape (or
-`--metrics`): a child's start does not wait for it. The cells are written on the proxy's event-loop
-thread (the fronts and the embedded mitmproxy share it); reloads come from the watcher's thread,
-and an integer addition or a dict insert is atomic under the GIL.
+prometheus_client call per event. prometheus_client itself is imported with the first scrape: a
+child's start does not wait for it. The cells are written on the proxy's event-loop
+thread (the fronts, the embedded mitmproxy and the file watchers share it); an ask answered on the
+terminal counts from its thread, and an integer addition or a dict insert is atomic under the GIL.
+The HTTP answer (`GET /metrics` on the control socket and on `--metrics HOST:PORT`) is
+egressd.control.app's.
 
 Samples follow prometheus_client's own conventions, so the text reads like any client's: every
 counter and histogram series has its `_created` timestamp (when the series began) exactly when
@@ -30,19 +32,16 @@ from __future__ import annotations
 
 import bisect
 import platform
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from egressd.admission.events import Asked, Closed, Decided, Event, Notice, Resolved
 from egressd.policy.model import MODES
 from egressd.policy.reasons import Reason
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics_core import Metric
 
@@ -398,65 +397,3 @@ def _build_info() -> Metric:
     )
     info.add_metric((__version__, platform.python_version(), mitmproxy), 1)
     return info
-
-
-# -- the TCP endpoint (--metrics HOST:PORT) ---------------------------------------------------------
-class MetricsServer:
-    """prometheus_client's WSGI server for one registry, in a daemon thread."""
-
-    def __init__(self, metrics: Metrics, host: str, port: int, *, token: str | None = None) -> None:
-        from prometheus_client import start_http_server
-
-        self._server: WSGIServer
-        self._thread: threading.Thread
-        if token is None:
-            self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
-        else:
-            self._server, self._thread = _serve_with_token(metrics, host, port, token)
-        bound = self._server.server_address
-        self.address: tuple[str, int] = (str(bound[0]), int(bound[1]))
-
-    @property
-    def url(self) -> str:
-        host, port = self.address
-        return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-def _serve_with_token(
-    metrics: Metrics, host: str, port: int, token: str
-) -> tuple[WSGIServer, threading.Thread]:
-    """prometheus_client's WSGI app behind `Authorization: Bearer TOKEN` (compared in constant
-    time): on a network shared with the clients (the compose gateway), only whoever holds the
-    token sees what they do."""
-    import hmac
-    from wsgiref.simple_server import make_server
-
-    from prometheus_client.exposition import ThreadingWSGIServer, WSGIRequestHandler, make_wsgi_app
-
-    app = make_wsgi_app(metrics.registry)
-    expected = f"Bearer {token}".encode()
-
-    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
-        given = str(environ.get("HTTP_AUTHORIZATION", "")).encode("latin-1", "replace")
-        if not hmac.compare_digest(given, expected):
-            challenge = ("WWW-Authenticate", 'Bearer realm="egressd metrics"')
-            start_response("401 Unauthorized", [challenge, ("Content-Length", "0")])
-            return [b""]
-        return app(environ, start_response)
-
-    class Quiet(WSGIRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
-            return
-
-    class Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-    server = make_server(host, port, guarded, Server, handler_class=Quiet)
-    thread = threading.Thread(target=server.serve_forever, name="egressd-metrics", daemon=True)
-    thread.start()
-    return server, thread  # type: ignore[return-value]

@@ -27,17 +27,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from egressd import process
-from egressd.child_env import child_environment
 from egressd.exits import exec_failure
 from egressd.observe.audit import AuditLog
 from egressd.policy import Policy, PolicyError
 from egressd.remote import reaper
 from egressd.remote.channel import ChannelError, LineChannel, read_policy
 from egressd.remote.spawn import tethered
+from egressd.session import ProxySession, SessionError, SessionOptions
 from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
     from egressd.sandbox.layout import Layout
+    from egressd.session.snapshot import Loaded
 
 FIRST_POLICY_TIMEOUT = 30.0
 HANGUP_GRACE = 5.0
@@ -115,7 +116,6 @@ class SandboxPlan:
         from egressd.sandbox import preflight
         from egressd.sandbox.layout import plan_layout
         from egressd.sandbox.mounts import MountError
-        from egressd.session import SessionOptions
 
         if not sys.platform.startswith("linux"):
             raise AgentError(f"--sandbox on the remote needs Linux (bubblewrap), not {sys.platform}")
@@ -140,23 +140,41 @@ class SandboxPlan:
         return cls(bwrap, disable_userns, layout)
 
 
-@dataclass
-class _SandboxSession:
-    """What egressd.sandbox.run reads of a ProxySession: the agent's proxy and pushed policy."""
+class PushedPolicy:
+    """The session's policy source here: the first policy from the channel, checked against the
+    command's profile (never a file, never EGRESSD_MODE: the client applied its own). Later pushes
+    are the agent's to apply (`Agent._apply`): nothing is watched."""
 
-    proxy: Any
-    policy: Policy
-    options: None = None
+    path = None
+    writable = False
 
-    @property
-    def ca_bundle(self) -> str | None:
-        return self.proxy.ca_bundle
+    def __init__(self, channel: LineChannel, profile: str | None) -> None:
+        self.channel = channel
+        self.profile = profile
+        self.seq: object = None
 
-    def placeholders(self) -> dict[str, str]:
-        return {}  # secrets never reach a remote agent (remote/channel.py)
+    def load(self) -> Loaded:
+        from egressd.session.snapshot import Loaded
 
-    def hidden_variables(self) -> tuple[str, ...]:
-        return ()
+        try:
+            message = self.channel.receive(timeout=FIRST_POLICY_TIMEOUT)
+        except (TimeoutError, ChannelError, OSError) as exc:
+            raise AgentError(f"no policy from the client: {exc or type(exc).__name__}") from exc
+        if message is None or message.get("type") != "policy":
+            raise AgentError("no policy from the client (the channel closed)")
+        try:
+            policy = _check_profile(read_policy(message), self.profile)
+        except PolicyError as exc:
+            self.channel.send({"type": "rejected", "seq": message.get("seq"), "error": str(exc)})
+            raise AgentError(f"the client's policy does not load here: {exc}") from exc
+        self.seq = message.get("seq")
+        return Loaded(policy, {})  # secrets never reach a remote agent (remote/channel.py)
+
+    def watch(self, on_change: Callable[[Loaded], None], on_error: Callable[[str], None]) -> None:
+        return None
+
+    def trigger(self) -> bool:
+        return False
 
 
 class Agent:
@@ -177,33 +195,17 @@ class Agent:
         self.channel = channel
         self.sockets = sockets or {}
         self.sandbox = sandbox
-        self.inspect = inspect
-        self.upstream_ca = tuple(upstream_ca)
+        self.options = SessionOptions(
+            listen=listen, inspect=inspect, upstream_ca=tuple(upstream_ca), control=False, prompt=False
+        )
         self.profile = profile
-        self.listen = listen
         self.say = say
         self.trace = trace
         self.audit = ChannelAudit(channel if audit_to_client else None, sys.stderr if trace else None)
         self.lost = threading.Event()
-        self.proxy: Any = None
-        self._seq: object = None
+        self.session: ProxySession | None = None
 
     # -- policies ----------------------------------------------------------------------------
-    def first_policy(self) -> Policy:
-        try:
-            message = self.channel.receive(timeout=FIRST_POLICY_TIMEOUT)
-        except (TimeoutError, ChannelError, OSError) as exc:
-            raise AgentError(f"no policy from the client: {exc or type(exc).__name__}") from exc
-        if message is None or message.get("type") != "policy":
-            raise AgentError("no policy from the client (the channel closed)")
-        try:
-            policy = _check_profile(read_policy(message), self.profile)
-        except PolicyError as exc:
-            self.channel.send({"type": "rejected", "seq": message.get("seq"), "error": str(exc)})
-            raise AgentError(f"the client's policy does not load here: {exc}") from exc
-        self._seq = message.get("seq")
-        return policy
-
     def _listen(self) -> None:
         """Apply every further policy the client pushes; mark the channel lost at its end."""
         try:
@@ -216,51 +218,48 @@ class Agent:
             self.lost.set()
 
     def _apply(self, message: dict[str, Any]) -> None:
+        from egressd.session.snapshot import Loaded
+
+        assert self.session is not None and self.session.reloads is not None
         seq = message.get("seq")
         try:
             policy = _check_profile(read_policy(message), self.profile)
         except PolicyError as exc:
             error = " ".join(str(exc).split())
             self.say(f"refused a policy from the client: {error}; keeping the last good one")
-            self.audit.event("reload_failed", error=str(exc))
+            self.session.reloads.notice("reload_failed", error=str(exc))
             self.channel.send({"type": "rejected", "seq": seq, "error": str(exc)})
             return
-        self.proxy.set_policy(policy)
-        self.audit.event("reload", source=policy.source, mode=policy.mode)
-        if self.trace:
-            self.say(f"policy reloaded from {policy.source} (mode: {policy.mode})")
+        self.session.apply(Loaded(policy, {}))
         self.channel.send({"type": "applied", "seq": seq})
 
     # -- the command -------------------------------------------------------------------------
     def run(self, command: Sequence[str], catcher: process.SignalCatcher) -> int:
-        from egressd.proxy import EngineError, ProxyServer
-
-        policy = self.first_policy()
-        self.proxy = ProxyServer(
-            policy,
-            listen=self.listen,
-            socks=True,
+        """The command under the session the first policy starts (egressd.session)."""
+        source = PushedPolicy(self.channel, self.profile)
+        session = ProxySession(
+            self.options,
+            say=self.say,
+            announce_reloads=self.trace,
+            command=command,
+            source=source,
             audit=self.audit,
-            inspect=self.inspect,
-            upstream_ca=self.upstream_ca,
             sockets=self.sockets,
         )
         try:
-            self.proxy.start()
-        except EngineError as exc:
-            raise AgentError(f"cannot start the proxy: {exc}") from exc
+            session.start()
+        except SessionError as exc:
+            raise AgentError(str(exc)) from exc
+        self.session = session
         try:
-            self.channel.send({"type": "applied", "seq": self._seq})
+            self.channel.send({"type": "applied", "seq": source.seq})
             threading.Thread(target=self._listen, name="egressd-policy-channel", daemon=True).start()
-            creds = self.proxy.issue_credentials(self.profile)
-            url = creds.proxy_url(*self.proxy.http_address)
-            socks = self.proxy.socks_address
-            socks_url = creds.proxy_url(*socks, scheme="socks5h") if socks else None
-            env = child_environment(os.environ, url, socks_url, ca_bundle=self.proxy.ca_bundle)
-            env = with_git_ssh(env, policy)  # git over SSH through the proxy, as `exec` does
+            creds = session.credentials(self.profile)
+            # git over SSH through the proxy, as `exec` does
+            env = with_git_ssh(session.child_env(os.environ, creds), session.policy)
             reaper.become_subreaper()  # detached children stay below the agent
             if self.sandbox is not None:
-                returncode = self._run_sandboxed(self.sandbox, command, creds, policy, catcher)
+                returncode = self._run_sandboxed(self.sandbox, command, creds, catcher)
             else:
                 try:
                     # dies with the agent: no command runs on without its proxy and policy
@@ -272,15 +271,10 @@ class Agent:
             self.channel.send({"type": "exit", "returncode": returncode})
             return returncode
         finally:
-            self.proxy.stop()
+            session.close()
 
     def _run_sandboxed(
-        self,
-        plan: SandboxPlan,
-        command: Sequence[str],
-        creds: Any,
-        policy: Policy,
-        catcher: process.SignalCatcher,
+        self, plan: SandboxPlan, command: Sequence[str], creds: Any, catcher: process.SignalCatcher
     ) -> int:
         """The command in bubblewrap, its only way out this agent's proxy; hung up if SSH drops."""
         from egressd.sandbox.run import run_bwrap
@@ -298,8 +292,9 @@ class Agent:
         watcher = threading.Thread(target=hang_up_when_lost, name="egressd-sandbox-hangup", daemon=True)
         watcher.start()
         try:
+            assert self.session is not None
             outcome = run_bwrap(
-                _SandboxSession(self.proxy, policy),  # type: ignore[arg-type]
+                self.session,
                 creds,
                 command,
                 plan.layout,

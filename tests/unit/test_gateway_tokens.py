@@ -139,18 +139,21 @@ def test_no_random_header_is_anyones(raw: bytes) -> None:
 
 
 def test_a_swapped_table_applies_to_the_next_check() -> None:
-    creds = store()
+    """The table in force is read at every check (a session's snapshot, swapped on reload)."""
+    in_force = [store().table]
+    creds = GatewayCredentials(lambda: in_force[-1])
+    swap = in_force.append
     assert creds.check("agent1", TOKEN) is not None
-    creds.set_table(creds.table.without("agent1"))
+    swap(creds.table.without("agent1"))
     assert creds.check("agent1", TOKEN) is None
     ci = creds.check("ci", TOKEN + "c")
     assert ci is not None and creds.valid(ci)
-    creds.set_table(creds.table.without("ci"))
+    swap(creds.table.without("ci"))
     assert not creds.valid(ci) and creds.check("ci", TOKEN + "c") is None
     # a replaced token: the same name, another token: the old one's connections are not valid
     agent = creds.check("pinned", TOKEN + "p", "10.1.0.1:1")
     assert agent is not None and creds.valid(agent)
-    creds.set_table(creds.table.with_entry(make_entry("pinned", "new-token", sources=["10.1.0.0/16"])))
+    swap(creds.table.with_entry(make_entry("pinned", "new-token", sources=["10.1.0.0/16"])))
     assert not creds.valid(agent) and creds.check("pinned", TOKEN + "p", "10.1.0.1:1") is None
     assert creds.check("pinned", "new-token", "10.1.0.1:1") is not None
 

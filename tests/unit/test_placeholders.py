@@ -170,9 +170,7 @@ POLICY = {
 
 def _book() -> SecretBook:
     policy = parse_policy(POLICY, "p.yaml")
-    book = SecretBook()
-    book.update(policy.secrets, {"api": "REAL-VALUE", "q": "v@l ue"})
-    return book
+    return SecretBook().updated(policy.secrets, {"api": "REAL-VALUE", "q": "v@l ue"})
 
 
 def test_the_listed_host_gets_the_value_where_the_entry_says() -> None:
@@ -234,7 +232,7 @@ def test_a_placeholder_anywhere_else_is_refused(
 def test_placeholders_are_stable_across_reloads_and_outlive_their_secret() -> None:
     book = _book()
     ph = book.placeholder("api")
-    book.update((), {})  # a reload that removed every secret
+    book = book.updated((), {})  # a reload that removed every secret
     assert book.placeholder("api") == ph
     refused = book.judge(canonical_host("api.test"), 443, "GET", "/", [("Authorization", f"Bearer {ph}")])
     assert isinstance(refused, Refusal) and "no longer in the policy" in refused.detail

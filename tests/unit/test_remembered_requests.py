@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from egressd.admission.credentials import CredentialStore, ProxyCredentials
 from egressd.admission.pipeline import Admitted, Attempt, Pipeline
-from egressd.admission.state import ConnState, PolicyHolder
+from egressd.admission.state import ConnState, InForce, PolicyHolder
 from egressd.policy import parse_policy
 from egressd.refusal import Refusal
 
@@ -52,10 +52,15 @@ class World:
         self.holder = PolicyHolder(POLICY)
         self.store = CredentialStore()
         self.pipeline = Pipeline(self.holder, credentials=self.store)
-        self.pipeline.secrets.update(POLICY.secrets, {"api": "REAL-1"})
+        self.set_secret("REAL-1")
         self.creds = self.store.issue()
         self.conn = self.open()
         self.loop = asyncio.new_event_loop()
+
+    def set_secret(self, value: str) -> None:
+        """A reload that changed the secret's value: a new snapshot, the policy kept."""
+        now = self.holder.now
+        self.holder.set(InForce(now.policy, now.secrets.updated(POLICY.secrets, {"api": value})))
 
     def open(self) -> ConnState:
         return self.pipeline.open_conn("127.0.0.1:1")
@@ -133,7 +138,7 @@ def test_a_remembered_answer_is_the_fresh_answer(steps: list[tuple[Any, ...]]) -
             world.store.revoke(world.creds)
             world.creds = world.store.issue()
         elif event == "secret":
-            world.pipeline.secrets.update(POLICY.secrets, {"api": "REAL-2"})
+            world.set_secret("REAL-2")
         elif event == "grant":
             world.pipeline.grants.add("other.test", once=False)
         elif event == "redirect":
@@ -236,7 +241,7 @@ def test_a_new_secret_value_is_put_in_not_the_remembered_one() -> None:
         dict(_allowed(world.admit(world.conn, ask)).injection.headers or ())["Authorization"]
         == "Bearer REAL-1"
     )
-    world.pipeline.secrets.update(POLICY.secrets, {"api": "REAL-2"})
+    world.set_secret("REAL-2")
     assert (
         dict(_allowed(world.admit(world.conn, ask)).injection.headers or ())["Authorization"]
         == "Bearer REAL-2"
