@@ -30,7 +30,7 @@ from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handler import tunnel_of
 from egressd.inspect.inspected import InspectedTunnel
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 from egressd.wire.http_fields import hop_by_hop_names, upgrade_protocols
 from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
 from egressd.wire.refusal import EGRESSD_HEADERS
@@ -43,7 +43,7 @@ _SCAN = "egressd_scan"
 _PATH = "egressd_child_path"
 _UPGRADE = "egressd_upgrade"
 # request bodies up to this size are read whole before going upstream (mitmproxy's own threshold,
-# stream_large_bodies in egressd.proxy): a placeholder in one is answered 403, nothing sent
+# stream_large_bodies in egressd.session.proxy): a placeholder in one is answered 403, nothing sent
 BUFFERED_BODY = 256 * 1024
 # failures of an exchange whose upstream connection was open (the connect's own are recorded there)
 _UPSTREAM_FAILURES = frozenset({Reason.UPSTREAM_TIMEOUT, Reason.UPSTREAM_PROTOCOL_ERROR})

@@ -61,7 +61,7 @@ def exec_attach(work: Path, cpu: int | None, repeats: int, runs: int) -> list[Me
         ratio_to_direct=False,
     )
     imports = Metric(
-        "w7.import_attach", WORKLOAD, "`python -c 'import egressd.attach'`", "s", "lower", main=False
+        "w7.import_attach", WORKLOAD, "`python -c 'import egressd.child.attach'`", "s", "lower", main=False
     )
     env = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
     env.update(EGRESSD_EXTRA_ENV)
@@ -80,7 +80,7 @@ def exec_attach(work: Path, cpu: int | None, repeats: int, runs: int) -> list[Me
                     for _ in range(runs):
                         main.add(EGRESSD, system.wall(attach, env))
                         main.add(DIRECT, system.wall([true]))
-                    argv = system.pinned([py, "-c", "import egressd.attach"], cpu)
+                    argv = system.pinned([py, "-c", "import egressd.child.attach"], cpu)
                     imports.add(EGRESSD, statistics.median(system.wall(argv, env) for _ in range(3)))
                 except subprocess.CalledProcessError as e:
                     main.note(f"run {run + 1} failed: {e}")

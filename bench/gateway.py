@@ -8,7 +8,7 @@ Everything runs on loopback: an echo upstream and the clients in this process (a
 gateway as the real command. The tokens are written in one go (`add_clients`), as `egressd gateway
 token add` writes them one by one. Memory per idle client = (the gateway's RSS with every client's
 tunnel open and idle − its RSS after a warm-up) ÷ clients; each idle client holds two sockets in
-the gateway (its own and the upstream's). Prints one JSON line. tests/test_gateway_load.py runs
+the gateway (its own and the upstream's). Prints one JSON line. tests/e2e/test_gateway_load.py runs
 the same measurement with its assertions.
 """
 
@@ -127,7 +127,7 @@ async def measure(
     timeout: float = 90,
 ) -> GatewayLoad:
     """The whole run; raises when a phase misses its deadline or a client is refused."""
-    from egressd.gateway_tokens import add_clients
+    from egressd.session.gateway_tokens import add_clients
 
     raise_fd_limit(2 * clients + 256)
     loop = asyncio.get_running_loop()

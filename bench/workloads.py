@@ -692,7 +692,7 @@ def exec_true(ctx: Context) -> list[Metric]:
             [
                 py,
                 "-c",
-                "import egressd.proxy, mitmproxy.master, mitmproxy.addons.proxyserver, "
+                "import egressd.session.proxy, mitmproxy.master, mitmproxy.addons.proxyserver, "
                 "egressd.addons.policy_gate",
             ],
         ),

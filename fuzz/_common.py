@@ -1,7 +1,7 @@
 """Shared runner for egressd's fuzz harnesses: atheris (coverage-guided libFuzzer) when installed,
 otherwise a small random-mutation loop over the seed corpus with the same command line.
 
-Why a fallback: the harnesses are part of the test suite (tests/test_fuzz_smoke.py); a machine where
+Why a fallback: the harnesses are part of the test suite (tests/fuzz/test_fuzz_smoke.py); a machine where
 atheris has no wheel should still run them, just without coverage guidance.
 
 Command line (libFuzzer's; the fallback understands the same subset):

@@ -198,9 +198,9 @@ npm_into() {
   fi
 }
 if wants test; then
-  # tests/test_mcp.py: a real npm MCP server.
+  # tests/e2e/test_mcp.py: a real npm MCP server.
   npm_into mcp-npm @modelcontextprotocol/server-everything@2026.8.31
-  # tests/test_export_istio.py: the models of Istio's CRDs and of Kubernetes, with their validation.
+  # tests/component/test_export_istio.py: the models of Istio's CRDs and of Kubernetes, with their validation.
   npm_into kube-models @kubernetes-models/istio@3.0.1 kubernetes-models@5.1.0
 fi
 # The compose gateway (docker-compose.yml) and its tests: the images, built here from Debian packages

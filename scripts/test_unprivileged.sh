@@ -15,37 +15,37 @@ REPO="$(pwd)"
 # The one list of what runs as the ordinary user: the sandbox, exec, ssh and agent-host modules,
 # and the unit tests of the sandbox's parts.
 MODULES=(
-  tests/test_sandbox_capture.py
-  tests/test_sandbox_escapes.py
-  tests/test_sandbox_home.py
-  tests/test_sandbox_hooks.py
-  tests/test_seatbelt_run.py
-  tests/test_sandbox_host_services.py
-  tests/test_sandbox_integration.py
-  tests/test_sandbox_narrow.py
-  tests/test_sandbox_own_files.py
-  tests/test_sandbox_ssh.py
-  tests/test_sandbox_syscalls.py
-  tests/test_sandbox_workloads.py
-  tests/test_exec_integration.py
-  tests/test_exec_capture.py
-  tests/test_exec_startup.py
-  tests/test_refusal_hints.py
-  tests/test_attach.py
-  tests/test_identity.py
-  tests/test_ssh_cli.py
-  tests/test_ssh_guard.py
-  tests/test_ssh_integration.py
-  tests/test_acp.py
-  tests/test_mcp.py
+  tests/e2e/test_sandbox_capture.py
+  tests/security/test_sandbox_escapes.py
+  tests/e2e/test_sandbox_home.py
+  tests/e2e/test_sandbox_hooks.py
+  tests/component/test_seatbelt_run.py
+  tests/e2e/test_sandbox_host_services.py
+  tests/e2e/test_sandbox_integration.py
+  tests/unit/test_sandbox_narrow.py
+  tests/component/test_sandbox_own_files.py
+  tests/e2e/test_sandbox_ssh.py
+  tests/security/test_sandbox_syscalls.py
+  tests/e2e/test_sandbox_workloads.py
+  tests/e2e/test_exec_integration.py
+  tests/e2e/test_exec_capture.py
+  tests/e2e/test_exec_startup.py
+  tests/e2e/test_refusal_hints.py
+  tests/e2e/test_attach.py
+  tests/e2e/test_identity.py
+  tests/e2e/test_ssh_cli.py
+  tests/component/test_ssh_guard.py
+  tests/e2e/test_ssh_integration.py
+  tests/e2e/test_acp.py
+  tests/e2e/test_mcp.py
   tests/unit/test_bwrap_argv.py
-  tests/unit/test_capture_units.py
-  tests/unit/test_seccomp.py
+  tests/component/test_capture_units.py
+  tests/component/test_seccomp.py
   tests/unit/test_shields.py
-  tests/unit/test_ssh_args.py
-  tests/unit/test_project_hooks.py
-  tests/unit/test_identity_units.py
-  tests/unit/test_peer.py
+  tests/component/test_ssh_args.py
+  tests/component/test_project_hooks.py
+  tests/component/test_identity_units.py
+  tests/component/test_peer.py
 )
 TEST_USER="${EGRESSD_TEST_USER:-egressd-tester}"
 # Fakes of what a real home holds; each file's text names itself, so a test can look for it.

@@ -28,7 +28,7 @@ import trustme  # noqa: E402
 from tests.support import netns  # noqa: E402
 
 if TYPE_CHECKING:
-    from egressd.proxy import ProxyServer
+    from egressd.session.proxy import ProxyServer
 from tests.support.dns_server import DnsServer  # noqa: E402
 from tests.support.loops import DEFAULT_LOOP, LOOP_FACTORIES  # noqa: E402
 from tests.support.npm_registry import NpmRegistry  # noqa: E402
@@ -227,7 +227,7 @@ def echo_engine(tcp_echo: TcpEchoServer) -> Iterator[ProxyServer]:
 def _engine(rules: dict[str, list[str]]) -> Iterator[ProxyServer]:
     """An in-process engine with these policy rules (mode enforce), stopped after the test."""
     from egressd.policy import parse_policy
-    from egressd.proxy import ProxyServer
+    from egressd.session.proxy import ProxyServer
 
     engine = ProxyServer(parse_policy({"version": 1, "mode": "enforce", **rules}, "test"))
     engine.start()

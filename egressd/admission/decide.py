@@ -7,10 +7,10 @@ import dataclasses
 import ipaddress
 import logging
 
-from egressd.admission.state import PolicyHolder
+from egressd.admission.in_force import PolicyHolder
 from egressd.policy import Client, Decision, IPAddress, Mode, Policy, Program, decide_written
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 
 logger = logging.getLogger(__name__)
 

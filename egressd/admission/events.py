@@ -16,10 +16,10 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 from egressd.policy.reasons import Reason
-from egressd.refusal import HintContext, Refusal
+from egressd.policy.refusal import HintContext, Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,22 @@ class Asked(NamedTuple):
 
 Event = Decided | Closed | Notice | Resolved | Asked
 Observer = Callable[[Event], None]
+
+
+class Recorder(Protocol):
+    """What the pipeline needs of the audit log (egressd.observe.audit.AuditLog): whether a record
+    given now would be written, so nothing is acted upon without one; the observers stay above."""
+
+    @property
+    def writable(self) -> bool: ...
+
+    @property
+    def lost(self) -> int: ...
+
+    @property
+    def problem(self) -> str: ...
+
+    def observe(self, event: Event) -> None: ...
 
 
 class EventBus:

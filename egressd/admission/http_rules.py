@@ -12,7 +12,7 @@ from typing import Any
 
 from egressd.policy import TargetError, canonical_host
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 from egressd.wire.http_fields import connection_problem, upgrade_protocols
 
 

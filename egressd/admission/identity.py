@@ -2,7 +2,7 @@
 only when something needs it — an allow rule scoped by `exe`, the child-only credential-free
 listener, or `identify` (the audit's pid and exe for every connection).
 
-The lookup itself is `admission/peer.py` (/proc); this module decides when to run it and turns
+The lookup itself is `platform/peer.py` (/proc); this module decides when to run it and turns
 its answer into what the decision (`policy.Program`) and the events (pid, exe) read. An owner
 that cannot be determined — gone, ambiguous, not Linux — is None: a rule that needs it refuses.
 """
@@ -13,8 +13,8 @@ import ipaddress
 import logging
 import sys
 
-from egressd.admission import peer as peers
 from egressd.admission.state import ConnState, Identity
+from egressd.platform import peer as peers
 from egressd.policy import Program
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The limits step: limits.requests_per_second / burst per child (token buckets),
 limits.max_connections (upstream connections open at once) and egressd's own capacity, its file
-descriptors (egressd.admission.descriptors: a client beyond it is answered `overloaded`).
+descriptors (egressd.platform.descriptors: a client beyond it is answered `overloaded`).
 
 The rate limit is taken before the decision, for refused targets as for allowed ones: probing what
 the policy refuses is not free.
@@ -13,12 +13,13 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from egressd.admission.descriptors import Descriptors, Room
+from egressd.platform.descriptors import Descriptors, Room
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 
 if TYPE_CHECKING:
-    from egressd.admission.state import ConnState, PolicyHolder
+    from egressd.admission.in_force import PolicyHolder
+    from egressd.admission.state import ConnState
 
 
 class Limits:

@@ -27,17 +27,18 @@ from egressd.admission import approver as approvals
 from egressd.admission import resolve as resolution
 from egressd.admission.credentials import CredentialStore, Presented, ProxyCredentials, authenticate
 from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
-from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Resolved, Stage
+from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Recorder, Resolved, Stage
 from egressd.admission.grants import GrantStore
 from egressd.admission.handed import HandedOut, candidate_ports
 from egressd.admission.http_rules import request_refusal
 from egressd.admission.identity import identify
+from egressd.admission.in_force import InForce, PolicyHolder
 from egressd.admission.limits import Limits, overloaded
-from egressd.admission.pinning import ConnectFailure, Pin, address_text, connect_protocol
 from egressd.admission.redirects import RedirectMemory
 from egressd.admission.secrets import NO_INJECTION, Injection, SecretBook
 from egressd.admission.secrets import refusal as secret_refusal
-from egressd.admission.state import ConnState, InForce, PolicyHolder
+from egressd.admission.state import ConnState
+from egressd.net.pinning import ConnectFailure, Pin, address_text, connect_protocol
 from egressd.policy import (
     AddressClass,
     Decision,
@@ -49,12 +50,11 @@ from egressd.policy import (
     join_host_port,
 )
 from egressd.policy.reasons import Reason
-from egressd.refusal import HintContext, Refusal
+from egressd.policy.refusal import HintContext, Refusal
 
 if TYPE_CHECKING:
     from egressd.admission.approver import Approver
-    from egressd.admission.peer import Diag
-    from egressd.observe.audit import AuditLog
+    from egressd.platform.peer import Diag
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class Pipeline:
         policies: PolicyHolder,
         *,
         credentials: CredentialStore | None = None,
-        audit: AuditLog | None = None,
+        audit: Recorder | None = None,
         approver: Approver | None = None,
         grants: GrantStore | None = None,
         identify: bool = False,
@@ -501,7 +501,7 @@ class Pipeline:
             return None
         return self._unrecordable(audit, "egressd cannot write its audit log")
 
-    def _unrecordable(self, audit: AuditLog, what: str) -> Refusal | None:
+    def _unrecordable(self, audit: Recorder, what: str) -> Refusal | None:
         if self.policies.get().audit.on_failure != "refuse":
             return None
         why = f" ({audit.problem})" if audit.problem else ""

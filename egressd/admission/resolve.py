@@ -22,13 +22,13 @@ from types import ModuleType
 from typing import NamedTuple
 
 from egressd.admission.decide import refusal_for
-from egressd.admission.descriptors import out_of_descriptors
 from egressd.admission.limits import overloaded
-from egressd.admission.pinning import Pin
-from egressd.admission.upstream import parent_for
+from egressd.net.parent_proxy import parent_for
+from egressd.net.pinning import Pin
+from egressd.platform.descriptors import out_of_descriptors
 from egressd.policy import Decision, IPAddress, Policy, filter_addresses, resolution_refusal
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 
 
 class Pinned(NamedTuple):
@@ -43,7 +43,7 @@ class Pinned(NamedTuple):
     lookup: tuple[float, str] | None = None
 
 
-_resolver: ModuleType | None = None  # egressd.admission.resolver, once loaded
+_resolver: ModuleType | None = None  # egressd.net.dns, once loaded
 _loading: concurrent.futures.Future[ModuleType] | None = None
 _load_lock = threading.Lock()
 
@@ -61,7 +61,7 @@ def load_resolver() -> concurrent.futures.Future[ModuleType]:
 def _load(done: concurrent.futures.Future[ModuleType]) -> None:
     global _resolver
     try:
-        from egressd.admission import resolver
+        from egressd.net import dns as resolver
 
         resolver.load()
     except BaseException as exc:  # noqa: BLE001 - handed to the lookups that wait

@@ -13,7 +13,7 @@ request rules:
   the response from one of a secret's hosts must not carry back (egressd.wire.placeholders.ValueMask,
   every part of the response, every spelling egressd sends a value in).
 
-Values live only here (and in egressd.secret_values, which reads them): never in the policy, an
+Values live only here (and in egressd.session.secret_values, which reads them): never in the policy, an
 event, a record or a refusal.
 """
 
@@ -26,8 +26,8 @@ from urllib.parse import quote
 
 from egressd.policy import Host
 from egressd.policy.reasons import Reason
+from egressd.policy.refusal import Refusal
 from egressd.policy.secrets import SecretSpec
-from egressd.refusal import Refusal
 from egressd.wire.placeholders import Needles, ValueMask, placeholder
 
 REASON = Reason.SECRET_EXFILTRATION
@@ -53,7 +53,7 @@ NO_INJECTION = Injection()
 @dataclass(frozen=True, eq=False)
 class SecretBook:
     """The secrets in force with their values, and every placeholder this run handed out: one
-    immutable value (part of what a reload swaps whole, `admission.state.InForce`). Placeholders
+    immutable value (part of what a reload swaps whole, `admission.in_force.InForce`). Placeholders
     are stable: `updated` keeps every one made before, so children keep theirs across reloads and a
     removed secret's placeholder stays refused everywhere."""
 

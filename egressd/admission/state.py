@@ -1,20 +1,16 @@
-"""What admission reads besides the request: the policy in force and what is known of one client
-connection."""
+"""What admission knows of one client connection (the policy in force: egressd.admission.in_force)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from egressd.admission.descriptors import Room
-from egressd.admission.secrets import NO_SECRETS, SecretBook
-from egressd.policy import Policy, Program, join_host_port
+from egressd.platform.descriptors import Room
+from egressd.policy import Program, join_host_port
 
 if TYPE_CHECKING:
-    from egressd.admission.peer import Diag
-    from egressd.admission.tokens import TokenTable
+    from egressd.platform.peer import Diag
 
 DEFAULT_USERNAME = "egressd"
 
@@ -58,33 +54,6 @@ class ProxyCredentials:
 
     def proxy_url(self, host: str, port: int, scheme: str = "http") -> str:
         return f"{scheme}://{self.username}:{self.token}@{join_host_port(host, port)}"
-
-
-@dataclass(frozen=True, slots=True)
-class InForce:
-    """Everything a reload changes, as one immutable value: the policy, its secrets with their
-    values, and the gateway's token table. A reload builds a new one and swaps it in one assignment,
-    and an admission reads it once: a request never meets the new policy with the old secrets (a
-    secret's hosts and its value change together), whichever thread swaps and whenever."""
-
-    policy: Policy
-    secrets: SecretBook = NO_SECRETS
-    tokens: TokenTable | None = None
-
-
-class PolicyHolder:
-    """What admission decides by (`now`), swapped whole."""
-
-    def __init__(self, now: InForce | Policy) -> None:
-        self.now = now if isinstance(now, InForce) else InForce(now)
-
-    def get(self) -> Policy:
-        return self.now.policy
-
-    def set(self, now: InForce | Policy) -> None:
-        """Put `now` in force (a bare policy keeps the secrets and tokens in force): one reference
-        swapped, so a reader has the old snapshot or the new one, never half of each."""
-        self.now = now if isinstance(now, InForce) else dataclasses.replace(self.now, policy=now)
 
 
 @dataclass(frozen=True, slots=True)

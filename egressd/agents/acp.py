@@ -27,10 +27,10 @@ from urllib.parse import urlsplit
 
 from egressd.admission.events import Decided, Event
 from egressd.agents.jsonrpc import Message, Writer, encode
-from egressd.child_env import CA_BUNDLE_VARS, NO_PROXY_VARS, PROXY_VARS, SOCKS_VAR, stripped_variable
+from egressd.child.env import CA_BUNDLE_VARS, NO_PROXY_VARS, PROXY_VARS, SOCKS_VAR, stripped_variable
 from egressd.policy import Decision
 from egressd.policy.reasons import Reason
-from egressd.refusal import HintContext, Refusal
+from egressd.policy.refusal import HintContext, Refusal
 from egressd.wire.refusal import notice
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from egressd.agents import jsonc
-from egressd.files import replace_atomically
+from egressd.platform.files import replace_atomically
 
 SERVER_KEYS = ("mcpServers", "servers")
 BACKUP_SUFFIX = ".egressd-backup"

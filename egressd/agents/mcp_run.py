@@ -19,7 +19,7 @@ from typing import Any
 from egressd.admission.events import Decided, Event
 from egressd.agents.acp import event_notice
 from egressd.agents.jsonrpc import Message, encode
-from egressd.refusal import HintContext
+from egressd.policy.refusal import HintContext
 
 KEEP = 64  # refusals remembered (a call that fails long after many refusals gets the latest)
 

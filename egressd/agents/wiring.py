@@ -13,7 +13,7 @@ from egressd.agents import acp_asks
 from egressd.agents.acp import AcpBridge
 from egressd.agents.mcp_run import McpBridge
 from egressd.agents.stdio import StdioRelay
-from egressd.child_env import child_environment
+from egressd.child.env import child_environment
 from egressd.policy import Decision
 
 if TYPE_CHECKING:

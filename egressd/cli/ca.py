@@ -26,7 +26,7 @@ def ca_group() -> None:
 @ca_group.command("path", epilog='\b\nExample:\n  curl --cacert "$(egressd ca path)" ...')
 def ca_path() -> None:
     """Print the path of the CA certificate (no key), creating the CA when there is none yet."""
-    from egressd import ca
+    from egressd.inspect import ca
 
     try:
         click.echo(str(ca.ensure_ca(ca.config_dir())))
@@ -37,7 +37,7 @@ def ca_path() -> None:
 @ca_group.command("rotate", epilog="\b\nExample:\n  egressd ca rotate && egressd ca path")
 def ca_rotate() -> None:
     """Replace the CA; children started afterwards trust only the new certificate."""
-    from egressd import ca
+    from egressd.inspect import ca
 
     try:
         path = ca.rotate_ca(ca.config_dir())

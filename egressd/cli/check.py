@@ -98,7 +98,7 @@ def _program(exe: str | None) -> Program | None:
         return None
     if "/" not in exe:
         return Program(exe)
-    from egressd.admission.peer import aliases
+    from egressd.platform.peer import aliases
 
     real = os.path.realpath(exe)
     return Program(real, aliases(real) | {exe})

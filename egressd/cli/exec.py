@@ -7,8 +7,9 @@ import dataclasses
 
 import click
 
-from egressd import process
 from egressd.admission import identity
+from egressd.child import process
+from egressd.child.ssh_env import with_git_ssh
 from egressd.cli.options import (
     capture_option,
     dashboard_option,
@@ -18,10 +19,9 @@ from egressd.cli.options import (
     session_options,
 )
 from egressd.cli.passthrough import passthrough_option, run_unwrapped
-from egressd.exits import EXIT_CANNOT_RUN
+from egressd.platform.exits import EXIT_CANNOT_RUN
 from egressd.sandbox import netns
 from egressd.session import SessionOptions
-from egressd.ssh_env import with_git_ssh
 
 
 @click.command(
@@ -111,7 +111,7 @@ def _attach(
 ) -> None:
     """--attach: the running instance's policy, listener and audit apply; options that would set up
     a proxy of this command's own are refused rather than silently ignored."""
-    from egressd import attach as attaching
+    from egressd.child import attach as attaching
 
     if not attach:
         fail("--pid needs --attach")

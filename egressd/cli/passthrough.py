@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import click
 
-from egressd import process
+from egressd.child import process
 from egressd.cli.options import fail, say
 from egressd.session import SessionOptions
 

@@ -124,7 +124,7 @@ def policy_export(target: str, policy_file: tuple[str, ...], report_json: str | 
     """Print the policy as TARGET's configuration; on stderr, every rule it cannot say exactly.
 
     Faithful or narrower, never wider: such rules are dropped, narrowed or refused (exit 3)."""
-    from egressd.export import ExportRefused, export_policy
+    from egressd.tools.export import ExportRefused, export_policy
 
     policy = effective_policy(first_policy(policy_file), cli_overrides((), (), None, (), None, policy_file))
     try:
@@ -176,7 +176,7 @@ Exit status: 0 printed, 2 bad input (missing file, a line that is not JSON, an e
 def policy_suggest(audits: tuple[str, ...], base_file: str | None) -> None:
     """Print a minimal policy (YAML with comments) that would have allowed what the audit learned."""
     from egressd.session import resolve_policy_path
-    from egressd.suggest import SuggestError, suggest
+    from egressd.tools.suggest import SuggestError, suggest
 
     base = None
     if base_file is not None:
@@ -208,7 +208,7 @@ Example:
 def policy_import(fmt: str, role: str | None, file: str) -> None:
     """Print FILE (another tool's allowlist) as an egressd policy; on stderr, what it could not say
     exactly. Never wider: what has no egressd counterpart is narrowed or left out."""
-    from egressd.importers import ImportError_, import_policy
+    from egressd.tools.importers import ImportError_, import_policy
 
     try:
         with open(file, encoding="utf-8") as handle:

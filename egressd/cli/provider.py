@@ -11,7 +11,7 @@ from typing import TextIO
 import click
 
 from egressd.cli.options import fail
-from egressd.providers import (
+from egressd.tools.providers import (
     Provider,
     ProviderError,
     acknowledge,
@@ -185,7 +185,7 @@ Example:
 def provider_remove(name: str, policy_file: str) -> None:
     """Withdraw provider NAME from FILE: its acknowledgement, and the hosts its add wrote that no
     other acknowledged provider needs. Rules you wrote yourself stay."""
-    from egressd.providers import withdraw
+    from egressd.tools.providers import withdraw
 
     try:
         removed = withdraw(policy_file, name)

@@ -12,17 +12,17 @@ from typing import Any, NoReturn
 
 import click
 
-from egressd import process
 from egressd.admission.state import ProxyCredentials
 from egressd.agents.wiring import Network
+from egressd.child import process
+from egressd.child.ssh_env import with_git_ssh
 from egressd.cli.options import fail, open_session, say
 from egressd.cli.passthrough import run_unwrapped
 from egressd.cli.sandbox import run_sandboxed, sandbox_command
-from egressd.exits import EXIT_CANNOT_RUN
+from egressd.platform.exits import EXIT_CANNOT_RUN
 from egressd.sandbox import netns
 from egressd.sandbox.launch import inside_env
 from egressd.session import ProxySession, SessionOptions
-from egressd.ssh_env import with_git_ssh
 
 # (session, the child's credentials, where it runs) -> the relay, entered while the child runs
 RelayFactory = Callable[[ProxySession, ProxyCredentials, Network], contextlib.AbstractContextManager[object]]

@@ -1,6 +1,6 @@
 """Synchronous resolution for `egressd check --resolve` only.
 
-The proxy resolves asynchronously in `egressd.admission.resolver`; `check` is a one-shot command, so a tiny
+The proxy resolves asynchronously in `egressd.net.dns`; `check` is a one-shot command, so a tiny
 blocking lookup with the same rules (A + AAAA, one deadline, the policy's nameservers) is
 clearer than running an event loop for one name.
 """

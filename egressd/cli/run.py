@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from egressd import process
+from egressd.child import process
 from egressd.session import ProxySession, SessionOptions
 
 if TYPE_CHECKING:
-    from egressd.proxy import ProxyServer
+    from egressd.session.proxy import ProxyServer
 from egressd.cli.options import dashboard_option, gateway_options, open_session, say, session_options
 
 DRAIN_TIMEOUT = 10.0

@@ -13,8 +13,8 @@ from typing import Any, NoReturn
 
 import click
 
-from egressd import process
 from egressd.admission.state import ProxyCredentials
+from egressd.child import process
 from egressd.cli.options import (
     capture_option,
     dashboard_option,
@@ -25,7 +25,7 @@ from egressd.cli.options import (
     session_options,
 )
 from egressd.cli.passthrough import passthrough_option, run_unwrapped
-from egressd.exits import EXIT_CANNOT_RUN
+from egressd.platform.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
 from egressd.sandbox import exit_summary, hooks, narrow, preflight, quarantine
 from egressd.sandbox.explain import explain, home_hint

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from egressd import process
+from egressd.child import process
 from egressd.cli.options import CONTEXT, fail, open_session, parse_listen, say, session_options
 from egressd.policy import join_host_port
 from egressd.remote.destination import DestinationError, parse_destination

@@ -27,9 +27,9 @@ from egressd.admission.asks import AskBroker, AskError
 from egressd.admission.events import Asked, Closed, Decided, Event, EventBus, Resolved
 from egressd.admission.grants import GrantError, GrantStore
 from egressd.control.children import ChildError, Children
-from egressd.listeners import OwnAddresses, register
+from egressd.platform.listeners import OwnAddresses, register
 from egressd.policy.reasons import Reason
-from egressd.policy_edit import PolicyEditor
+from egressd.tools.policy_edit import PolicyEditor
 
 QUEUE_LINES = 1000  # per stream reader: beyond it, lines are dropped and counted
 KEEPALIVE = 5.0  # a follower that went away is noticed (and stops counting as an approver) by then
@@ -262,7 +262,7 @@ class Handlers:
             return _error(400, 'expected {"op": "add|remove", "list": "allow|deny", "rule": "..."}')
         if self.edit_policy is None:
             return _error(409, "no policy file to edit (egressd runs without --policy FILE)")
-        from egressd.policy_edit import PolicyEditError
+        from egressd.tools.policy_edit import PolicyEditError
 
         try:
             done = await asyncio.to_thread(self.edit_policy, op, which, rule)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from egressd.exits import alive
+from egressd.platform.exits import alive
 
 if TYPE_CHECKING:
     from egressd.admission.state import ProxyCredentials

@@ -3,7 +3,7 @@
 No event loop and no aiohttp import, so a command answers in the time Python takes to start. One
 request (`call`) is written and read on the Unix socket directly: `egressd exec --attach` makes one
 per child it starts, and neither http.client (email, ssl) nor h11 (typing) may load on that path
-(tests/test_attach.py checks it). The control API answers a request whole, with a Content-Length
+(tests/e2e/test_attach.py checks it). The control API answers a request whole, with a Content-Length
 and `Connection: close`, so the answer is its head and the bytes up to the close; anything else is
 not the control API. The streams (`stream`) use http.client.
 """

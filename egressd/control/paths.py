@@ -17,7 +17,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from egressd.exits import alive  # not egressd.process: `exec --attach` imports this module
+from egressd.platform.exits import alive  # not egressd.child.process: `exec --attach` imports this module
 
 SUFFIX = ".sock"
 

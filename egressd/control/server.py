@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from egressd.control.children import Children
-    from egressd.listeners import OwnAddresses
-    from egressd.policy_edit import PolicyEditor
+    from egressd.platform.listeners import OwnAddresses
+    from egressd.tools.policy_edit import PolicyEditor
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from egressd.control.site import LazySite
 from egressd.dashboard.guard import PageGuard
-from egressd.listeners import OwnAddresses, listen
+from egressd.platform.listeners import OwnAddresses, listen
 
 if TYPE_CHECKING:
     from aiohttp import web

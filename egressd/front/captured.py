@@ -24,15 +24,15 @@ import socket
 from typing import TYPE_CHECKING
 
 from egressd.admission.pipeline import Attempt
-from egressd.fdwait import ready
 from egressd.front.refusal_page import BufferedTls, RefusalPage
 from egressd.front.tunnel import FrontProtocol, Listeners
-from egressd.refusal import Refusal
+from egressd.platform.fdwait import ready
+from egressd.policy.refusal import Refusal
 from egressd.wire.refusal import http_response
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.admission.peer import Diag
+    from egressd.platform.peer import Diag
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from egressd.admission.pipeline import Admitted, Attempt, UpstreamKey
 from egressd.front.relay import HIGH_WATER, Pipe, Tunnel
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 from egressd.wire.http1 import (
     TEXT_ENCODING,
     Body,

@@ -15,7 +15,7 @@ import ssl
 from typing import TYPE_CHECKING
 
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 from egressd.wire.refusal import http_response
 
 if TYPE_CHECKING:

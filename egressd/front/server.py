@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, NamedTuple
 from egressd.front.plain_http import IdleUpstreams
 from egressd.front.socks import SocksProtocol
 from egressd.front.tunnel import FrontProtocol, Inspection, RefusalContext
-from egressd.listeners import register
+from egressd.platform.listeners import register
 
 if TYPE_CHECKING:
     import ssl as ssl_module
 
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.admission.peer import Diag
     from egressd.admission.pipeline import Pipeline
+    from egressd.platform.peer import Diag
 
 
 SWEEP = 1.0  # seconds between the checks of header_timeout and idle_timeout

@@ -17,7 +17,7 @@ from egressd.admission.credentials import Presented
 from egressd.admission.pipeline import Attempt
 from egressd.front.tunnel import FrontProtocol, Listeners
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 from egressd.wire.refusal import socks_reply
 from egressd.wire.socks5 import (
     NO_AUTH,
@@ -34,7 +34,7 @@ from egressd.wire.socks5 import (
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.admission.peer import Diag
+    from egressd.platform.peer import Diag
 
 
 class SocksProtocol(FrontProtocol):

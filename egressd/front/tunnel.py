@@ -15,15 +15,15 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
-from egressd.admission.descriptors import out_of_descriptors
 from egressd.admission.limits import overloaded
 from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, IdleUpstreams, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
 from egressd.front.relay import COALESCE, Pipe, Tunnel
 from egressd.inspect.inspected import InspectedTunnel
+from egressd.platform.descriptors import out_of_descriptors
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 from egressd.wire.http1 import WireError, read_connect, take_head
 from egressd.wire.http_head import HeadScanner, leading_empty_lines
 from egressd.wire.refusal import http_response
@@ -31,10 +31,10 @@ from egressd.wire.sni import WAIT, TunnelStart
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.admission.peer import Diag
     from egressd.admission.pipeline import Pipeline
     from egressd.admission.state import ConnState
     from egressd.inspect.engine import InspectionEngine
+    from egressd.platform.peer import Diag
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from mitmproxy import http
 from mitmproxy.net.http import http1
 
 from egressd.policy.reasons import Reason
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 from egressd.wire import refusal as rendered
 
 _STATUS_REASON = {

@@ -65,7 +65,7 @@ from egressd.wire.http_head import head_problem, leading_empty_lines
 if TYPE_CHECKING:
     from egressd.admission.pipeline import Pipeline
     from egressd.inspect.inspected import InspectedTunnel
-    from egressd.refusal import Refusal
+    from egressd.policy.refusal import Refusal
 
 MITMPROXY_VERSION = "12.3.1"
 

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from egressd.ca import KEY_SIZE, MITMPROXY_BASENAME
+from egressd.inspect.ca import KEY_SIZE, MITMPROXY_BASENAME
 
 MAX_CACHED = 256  # hosts whose context is kept (a child trying many names mints again, bounded)
 

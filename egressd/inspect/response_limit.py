@@ -15,7 +15,7 @@ from mitmproxy import http
 
 from egressd.inspect.connections import close_client
 from egressd.inspect.error_pages import refusal_response
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 
 
 def apply(flow: http.HTTPFlow, limit: int, on_cut: Callable[[int], None]) -> None:

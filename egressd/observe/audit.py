@@ -22,7 +22,7 @@ from typing import Any, TextIO
 from egressd.admission.events import Closed, Decided, Event, Notice
 from egressd.observe.sink import LineSink
 from egressd.policy.reasons import Reason
-from egressd.refusal import HintContext, Refusal
+from egressd.policy.refusal import HintContext, Refusal
 from egressd.wire.refusal import rerun_hint, short_hint
 
 DECISION_KEYS: tuple[str, ...] = (

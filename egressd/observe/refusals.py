@@ -15,7 +15,7 @@ from typing import TextIO
 
 from egressd.admission.events import Decided, Event
 from egressd.observe.lines import StderrReport
-from egressd.refusal import HintContext, Refusal
+from egressd.policy.refusal import HintContext, Refusal
 from egressd.wire.refusal import line_flags, short_hint
 
 MAX_HOSTS = 1000  # remembered per run: a child trying a million names does not grow egressd

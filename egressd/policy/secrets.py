@@ -1,5 +1,5 @@
 """The policy's `secrets:` entries: where a credential's real value comes from, which hosts it may go
-to and how it is sent. Pure: reading the value is egressd.secret_values' job, swapping it in the
+to and how it is sent. Pure: reading the value is egressd.session.secret_values' job, swapping it in the
 admission pipeline's (egressd.admission.secrets).
 
 The child only ever sees a placeholder in its environment; egressd puts the value in the request

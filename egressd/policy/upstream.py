@@ -2,7 +2,7 @@
 
 The parent's credentials are never in the policy file (a child may be able to read it): the file
 names an EGRESSD_* environment variable or a file that holds them, and egressd reads them itself
-(`egressd.admission.upstream`). EGRESSD_* variables are stripped from every child's environment.
+(`egressd.net.parent_proxy`). EGRESSD_* variables are stripped from every child's environment.
 """
 
 from __future__ import annotations

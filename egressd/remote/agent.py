@@ -26,15 +26,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
-from egressd import process
-from egressd.exits import exec_failure
+from egressd.child import process
+from egressd.child.ssh_env import with_git_ssh
 from egressd.observe.audit import AuditLog
+from egressd.platform.exits import exec_failure
 from egressd.policy import Policy, PolicyError
 from egressd.remote import reaper
 from egressd.remote.channel import ChannelError, LineChannel, read_policy
 from egressd.remote.spawn import tethered
 from egressd.session import ProxySession, SessionError, SessionOptions
-from egressd.ssh_env import with_git_ssh
 
 if TYPE_CHECKING:
     from egressd.sandbox.layout import Layout

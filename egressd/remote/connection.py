@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from egressd import process
+from egressd.child import process
 from egressd.remote import scripts
 from egressd.remote.spawn import DEVNULL, Child, Completed, Spawner
 from egressd.remote.sshargs import SshCommand

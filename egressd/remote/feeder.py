@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 
-from egressd.connect import relay
+from egressd.child.connect import relay
 from egressd.remote.channel import encode
 
 ACCEPT_TIMEOUT = 60.0

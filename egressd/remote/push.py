@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from egressd.platform.reload import FileWatcher, UnsettledError
 from egressd.policy import Policy, PolicyError
-from egressd.reload import FileWatcher, UnsettledError
 from egressd.remote import scripts
 from egressd.remote.channel import ChannelError, decode, encode, policy_message
 from egressd.remote.connection import SshConnection, SshError, remote_text

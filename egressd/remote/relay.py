@@ -17,12 +17,12 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from egressd import process
-from egressd.child_env import CA_BUNDLE_VARS, proxy_exports
+from egressd.child import process
+from egressd.child.env import CA_BUNDLE_VARS, proxy_exports
+from egressd.platform.interfaces import local_addresses
 from egressd.policy import Policy
 from egressd.remote import reaper, scripts
 from egressd.remote.connection import SshConnection, SshError, remote_text
-from egressd.remote.interfaces import local_addresses
 from egressd.remote.supervise import Outcome, supervise
 from egressd.session import ProxySession
 

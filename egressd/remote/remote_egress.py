@@ -15,7 +15,7 @@ import posixpath
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 
-from egressd import process
+from egressd.child import process
 from egressd.policy import Policy
 from egressd.remote import scripts
 from egressd.remote.connection import SshConnection, SshError, remote_text

@@ -11,7 +11,7 @@ import signal
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from egressd import process
+from egressd.child import process
 from egressd.remote.connection import Interrupted, SshConnection, SshError
 from egressd.remote.spawn import SpawnError
 from egressd.remote.supervise import Outcome

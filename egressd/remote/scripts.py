@@ -16,7 +16,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 # One list of inherited proxy settings for local and remote children alike.
-from egressd.child_env import _STRIP_LOWER as _INHERITED_PROXY_SETTINGS
+from egressd.child.env import _STRIP_LOWER as _INHERITED_PROXY_SETTINGS
 from egressd.remote.reaper import PID_NAME, PLAN_NAME
 
 DIR_PREFIX = "egressd-ssh."

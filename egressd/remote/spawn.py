@@ -1,6 +1,6 @@
 """Local ssh processes, started with egressd's ORIGINAL signal mask.
 
-egressd blocks the forwarded signals in every thread (see `egressd.process`), and a blocked mask
+egressd blocks the forwarded signals in every thread (see `egressd.child.process`), and a blocked mask
 survives fork and exec: an ssh started with subprocess would ignore the SIGTERM egressd stops it
 with. posix_spawn sets the mask (and process group) for the new process without running Python
 code after fork, which is also safe while the proxy thread runs.

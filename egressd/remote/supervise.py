@@ -17,7 +17,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from egressd import process
+from egressd.child import process
 from egressd.remote.connection import SshConnection, describe_status
 from egressd.remote.spawn import Child
 

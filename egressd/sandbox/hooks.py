@@ -47,8 +47,8 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from egressd import ca
-from egressd.files import replace_atomically
+from egressd.inspect import ca
+from egressd.platform.files import replace_atomically
 from egressd.sandbox.mounts import MountError, within
 
 ALLOW_FLAG = "--allow-project-hooks"

@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from egressd.fdwait import ready
+from egressd.platform.fdwait import ready
 from egressd.sandbox import BRIDGE_SOURCE
 from egressd.sandbox.splice import close_quietly, splice
 

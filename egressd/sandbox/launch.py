@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import egressd
-from egressd.admission.peer import Diag
-from egressd.ca import java_truststore_path
-from egressd.child_env import CHILD_PROXY_VAR, NO_PROXY_VARS, child_environment, java_environment
-from egressd.exits import EXIT_CANNOT_RUN
+from egressd.child.env import CHILD_PROXY_VAR, NO_PROXY_VARS, child_environment, java_environment
+from egressd.child.ssh_env import with_git_ssh
 from egressd.front.server import Handed
-from egressd.proxy import EngineError
+from egressd.inspect.ca import java_truststore_path
+from egressd.platform.exits import EXIT_CANNOT_RUN
+from egressd.platform.peer import Diag
 from egressd.sandbox import (
     BRIDGE_CAPTURE_PORT,
     BRIDGE_DNS_PORT,
@@ -37,11 +37,11 @@ from egressd.sandbox import (
     capture,
 )
 from egressd.sandbox.bwrap import launcher_command
-from egressd.ssh_env import with_git_ssh
+from egressd.session.proxy import EngineError
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.process import SignalCatcher
+    from egressd.child.process import SignalCatcher
     from egressd.session import ProxySession
 
 HANDOVER_TIMEOUT = 30.0  # the launcher binds a few sockets; a loaded machine may take a while to start it

@@ -49,7 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
-from egressd.exits import FORWARDED_SIGNALS, exec_failure
+from egressd.platform.exits import FORWARDED_SIGNALS, exec_failure
 from egressd.sandbox import BRIDGE_HOST, bridge, seccomp
 
 STOP_GRACE = 5.0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import egressd
-from egressd import ca
+from egressd.inspect import ca
 from egressd.policy import PolicyError, builtin_policy_path
 from egressd.policy.loader import preset_dirs
 from egressd.sandbox import exit_summary, hooks

@@ -21,8 +21,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from egressd.exits import exec_failure
-from egressd.process import SignalCatcher, spawn
+from egressd.child.process import SignalCatcher, spawn
+from egressd.platform.exits import exec_failure
 from egressd.sandbox.bwrap import PROBE_BOOT
 from egressd.sandbox.launch import (
     LauncherLink,

@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from egressd.ca import java_truststore_path
-from egressd.child_env import CHILD_PROXY_VAR
-from egressd.exits import EXIT_CANNOT_RUN, exec_failure
-from egressd.process import SignalCatcher, run_child, spawn
+from egressd.child.env import CHILD_PROXY_VAR
+from egressd.child.process import SignalCatcher, run_child, spawn
+from egressd.inspect.ca import java_truststore_path
+from egressd.platform.exits import EXIT_CANNOT_RUN, exec_failure
 from egressd.sandbox import (
     BRIDGE_HOST,
     BRIDGE_HTTP_PORT,

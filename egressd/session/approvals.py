@@ -63,7 +63,7 @@ class Approvals:
             self.prompter.stop()
 
     def write_rule(self, which: str, rule: str) -> str:
-        from egressd.policy_edit import add_rule
+        from egressd.tools.policy_edit import add_rule
 
         assert self.policy_file.path is not None
         done = add_rule(self.policy_file.path, which, rule)
@@ -73,7 +73,7 @@ class Approvals:
     def edit_policy(self, op: str, which: str, rule: str) -> str:
         """The dashboard's add/remove of an allow/deny rule: the same file edit as an "always"
         answer (validated, atomic), serialised with it, then applied by the reload."""
-        from egressd.policy_edit import edit_rule
+        from egressd.tools.policy_edit import edit_rule
 
         assert self.policy_file.path is not None
         with self.broker.write_lock:

@@ -8,15 +8,15 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from egressd.child_env import child_environment, proxy_exports
-from egressd.secret_values import EnvVault, hidden_variables
+from egressd.child.env import child_environment, proxy_exports
+from egressd.session.secret_values import EnvVault, hidden_variables
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.admission.state import PolicyHolder
+    from egressd.admission.in_force import PolicyHolder
     from egressd.control.children import Issuer
     from egressd.observe.audit import AuditLog
-    from egressd.proxy import ProxyServer
+    from egressd.session.proxy import ProxyServer
 
 
 class ChildSetup:
@@ -55,8 +55,8 @@ class ChildSetup:
 
     def issuer(self) -> Issuer:
         """What the control API's registry of attached children may do (exec --attach)."""
+        from egressd.child.ssh_env import ssh_may_be_allowed
         from egressd.control.children import Issuer
-        from egressd.ssh_env import ssh_may_be_allowed
 
         return Issuer(
             issue=self.attach_credentials,
@@ -100,8 +100,8 @@ class ChildSetup:
         credential-free loopback listener for this child's process tree alone (its URL in
         EGRESSD_CHILD_PROXY, the JVM's proxy settings in JAVA_TOOL_OPTIONS); and under inspection
         the JVM's trust store."""
-        from egressd.ca import java_truststore_path
-        from egressd.child_env import CHILD_PROXY_VAR, java_environment
+        from egressd.child.env import CHILD_PROXY_VAR, java_environment
+        from egressd.inspect.ca import java_truststore_path
         from egressd.policy import join_host_port
 
         address = None

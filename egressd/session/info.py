@@ -4,16 +4,29 @@ the dashboard lists (/v1/policy)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from egressd.policy import PolicyError
-
-if TYPE_CHECKING:
-    from egressd.session.root import ProxySession
+from egressd.policy import Policy, PolicyError
 
 
-def ps_info(session: ProxySession) -> dict[str, Any]:
+class Shown(Protocol):
+    """What these read of a running session (egressd.session.root.ProxySession), so the root can
+    hand them itself without this module importing the root back."""
+
+    policy: Policy
+    policy_paths: Sequence[str]
+    command: Sequence[str]
+    started: float
+    control: Any
+    approvals: Any
+    proxy: Any
+    source: Any
+    options: Any
+
+
+def ps_info(session: Shown) -> dict[str, Any]:
     """What `egressd ps` shows of this instance."""
     from egressd import __version__
 
@@ -53,7 +66,7 @@ def ps_info(session: ProxySession) -> dict[str, Any]:
     }
 
 
-def policy_info(session: ProxySession) -> dict[str, Any]:
+def policy_info(session: Shown) -> dict[str, Any]:
     """The effective policy (overrides applied) and the file's own allow/deny lists, which are
     the rules the dashboard can remove."""
     from egressd.policy.dump import policy_to_data

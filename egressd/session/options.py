@@ -34,7 +34,7 @@ class ListenerTLS:
             context.set_alpn_protocols(["http/1.1"])
             context.load_cert_chain(self.cert, self.key)
             return context
-        from egressd import ca
+        from egressd.inspect import ca
         from egressd.inspect.refusal_certs import listener_context
 
         config = config_dir or ca.config_dir()

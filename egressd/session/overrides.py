@@ -19,7 +19,7 @@ from egressd.policy import (
 )
 
 if TYPE_CHECKING:
-    from egressd.files import ReadBytes, Snapshot
+    from egressd.platform.files import ReadBytes, Snapshot
     from egressd.policy.secrets import SecretSpec
 
 _PRESET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
@@ -103,7 +103,7 @@ def host_loopback(policy: Policy, ports: Sequence[int] = ()) -> Policy:
     """
     from dataclasses import replace
 
-    from egressd.remote.interfaces import local_addresses
+    from egressd.platform.interfaces import local_addresses
 
     own = frozenset(ip for ip in local_addresses() if not ip.is_loopback)
     named = tuple(dict.fromkeys((*policy.loopback.ports, *ports)))

@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Self
 
-from egressd.admission.state import PolicyHolder
+from egressd.admission.in_force import PolicyHolder
 from egressd.observe.audit import AuditLog
 from egressd.policy import PolicyError
-from egressd.refusal import HintContext
-from egressd.secret_values import EnvVault, hidden_variables, not_dumpable
+from egressd.policy.refusal import HintContext
 from egressd.session.options import SessionError, SessionOptions
 from egressd.session.overrides import policy_file_shown, resolve_policy_path
+from egressd.session.secret_values import EnvVault, hidden_variables, not_dumpable
 from egressd.session.snapshot import Loaded, PolicyFile, PolicySource, Reloads, TokenFile, settings
 
 if TYPE_CHECKING:
@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from egressd.observe.metrics import Metrics
     from egressd.observe.refusals import RefusalReport
     from egressd.policy import Policy
-    from egressd.proxy import ProxyServer
     from egressd.session.approvals import Approvals
     from egressd.session.child import ChildSetup
+    from egressd.session.proxy import ProxyServer
     from egressd.session.services import ControlAPI, Service
 
 
@@ -120,9 +120,9 @@ class ProxySession:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> Self:
-        from egressd.proxy import EngineError, ProxyServer
         from egressd.session.approvals import Approvals
         from egressd.session.child import ChildSetup
+        from egressd.session.proxy import EngineError, ProxyServer
 
         options = self.options
         self.audit = audit = self._audit or _open_audit(options, self.policy, self.context)
@@ -348,7 +348,7 @@ def _listener_tls(options: SessionOptions) -> ssl.SSLContext | None:
         return None
     import ssl
 
-    from egressd.ca import CAError
+    from egressd.inspect.ca import CAError
 
     try:
         return options.gateway.tls.context(options.config_dir)

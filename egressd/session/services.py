@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from egressd.admission.pipeline import Pipeline
     from egressd.control.children import Issuer
     from egressd.observe.metrics import Metrics
-    from egressd.policy_edit import PolicyEditor
-    from egressd.reload import FileWatcher
+    from egressd.platform.reload import FileWatcher
+    from egressd.tools.policy_edit import PolicyEditor
 
 
 class Service(Protocol):
@@ -51,7 +51,7 @@ class MetricsPort:
         self, metrics: Metrics, pipeline: Pipeline, address: tuple[str, int], token_file: str | None
     ) -> None:
         from egressd.control.site import LazySite
-        from egressd.listeners import listen
+        from egressd.platform.listeners import listen
 
         token = _metrics_token(token_file)
         host, port = address

@@ -1,6 +1,6 @@
 """What a session decides by, as one snapshot: the policy as this session applies it, the values of
 its secrets read from the same files, and the gateway's token table. Loaded at start, watched, and
-put in force whole (`egressd.admission.state.InForce`, one assignment on the proxy's loop), so a
+put in force whole (`egressd.admission.in_force.InForce`, one assignment on the proxy's loop), so a
 request never meets one version's policy with another's secrets.
 """
 
@@ -13,20 +13,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from egressd.admission.in_force import InForce, PolicyHolder
 from egressd.admission.secrets import NO_SECRETS
-from egressd.admission.state import InForce, PolicyHolder
 from egressd.policy import Policy, PolicyError, load_policy
-from egressd.secret_values import EnvVault, SecretError, read_values
 from egressd.session.options import GatewayOptions, SessionError, SessionOptions
 from egressd.session.overrides import base_policy, host_loopback, resolve_policy_path
+from egressd.session.secret_values import EnvVault, SecretError, read_values
 
 if TYPE_CHECKING:
     from egressd.admission.events import EventBus
     from egressd.admission.tokens import TokenTable
-    from egressd.files import ReadBytes
     from egressd.observe.audit import AuditLog
-    from egressd.proxy import ProxyServer
-    from egressd.reload import FileWatcher
+    from egressd.platform.files import ReadBytes
+    from egressd.platform.reload import FileWatcher
+    from egressd.session.proxy import ProxyServer
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class PolicyFile:
     """The policy as this session runs it: the file (or the built-in default) with the command
     line's overrides, the gateway's host loopback, the command's narrowing (`transform`) and the
     parent proxy's credentials, with the values of its secrets, every file read once through one
-    snapshot (egressd.files) and watched together."""
+    snapshot (egressd.platform.files) and watched together."""
 
     def __init__(
         self, options: SessionOptions, transform: Callable[[Policy], Policy] | None, vault: EnvVault
@@ -85,7 +85,7 @@ class PolicyFile:
 
     def load(self) -> Loaded:
         """The first load (SessionError: why it cannot start); a file is watched from now on."""
-        from egressd.reload import FileWatcher, UnsettledError
+        from egressd.platform.reload import FileWatcher, UnsettledError
 
         try:
             path = self.path
@@ -110,7 +110,7 @@ class PolicyFile:
             policy = host_loopback(policy)
         policy = self._transform(policy) if self._transform else policy
         if policy.upstream_proxy is not None:  # its credentials are read now: at start, on reload
-            from egressd.admission.upstream import with_credentials
+            from egressd.net.parent_proxy import with_credentials
 
             policy = with_credentials(policy, os.environ, read)
         # the secrets' values are read with the policy: one that cannot be read fails the load
@@ -147,8 +147,8 @@ class TokenFile:
 
     def __init__(self, gateway: GatewayOptions) -> None:
         from egressd.admission.tokens import TokenFileError, parse_network
-        from egressd.gateway_tokens import table_from_bytes
-        from egressd.reload import FileWatcher
+        from egressd.platform.reload import FileWatcher
+        from egressd.session.gateway_tokens import table_from_bytes
 
         self.path = path = gateway.tokens
         try:
@@ -165,8 +165,8 @@ class TokenFile:
 
     def load(self) -> TokenTable:
         from egressd.admission.tokens import TokenFileError
-        from egressd.gateway_tokens import ensure_file
-        from egressd.reload import UnsettledError
+        from egressd.platform.reload import UnsettledError
+        from egressd.session.gateway_tokens import ensure_file
 
         try:
             ensure_file(self.path)

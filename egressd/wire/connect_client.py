@@ -1,8 +1,8 @@
 """The client side of one CONNECT through egressd's proxy, sans-I/O on h11's client role.
 
 egressd opens tunnels through a proxy: its own, where a program cannot (the SSH ProxyCommand,
-`egressd.connect`; the sandbox's capture of clients that ignore the proxy, `sandbox/intercept.py`),
-and a parent proxy it is told to go through (`admission/upstream.py`).
+`egressd.child.connect`; the sandbox's capture of clients that ignore the proxy, `sandbox/intercept.py`),
+and a parent proxy it is told to go through (`net/parent_proxy.py`).
 Both need the same two things: the request, and where the proxy's answer ends — a `200`'s head,
 after which every byte is the tunnel's, or a refusal with its reason and text. h11 frames the
 answer, so a body or a head split across reads is read the same way the front writes it.

@@ -16,7 +16,7 @@ import ipaddress
 
 from egressd.policy.addresses import AddressClass, classify
 from egressd.policy.reasons import DENIED_ALWAYS, Kind, Lift, Reason
-from egressd.refusal import HintContext, Refusal
+from egressd.policy.refusal import HintContext, Refusal
 from egressd.wire.socks5 import reply
 
 # the headers only egressd writes: an upstream's forged ones are stripped

@@ -122,7 +122,8 @@ class TestAgent:
                 line = (
                     f"{server.get('name')} type={server.get('type', 'stdio')} proxy={env.get('HTTP_PROXY')}"
                 )
-                if "UPKEY" in env:  # a secret's variable (tests/test_acp.py): a placeholder, never a value
+                # a secret's variable (tests/e2e/test_acp.py): a placeholder, never a value
+                if "UPKEY" in env:
                     line += f" UPKEY={env['UPKEY']}"
                 lines.append(line)
             return "servers:\n" + "\n".join(lines)

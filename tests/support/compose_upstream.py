@@ -1,4 +1,4 @@
-"""The upstream of tests/test_compose_gateway.py: a stdlib HTTP(S) server run inside a container.
+"""The upstream of tests/e2e/test_compose_gateway.py: a stdlib HTTP(S) server run inside a container.
 
 Why: the compose tests' egress network is internal, so the "internet" is this container (aliases
 up.test and other.test). It answers every GET with who it is and what it was asked, and prints one

@@ -1,9 +1,9 @@
 """The one target table every export is checked on, and what egressd decides for each row.
 
-Why one table: the Squid export is run on the real Squid with these rows (tests/test_export_squid.py);
-Envoy and Smokescreen cannot be installed here, so their evaluators (tests/test_export_envoy.py,
-tests/test_export_smokescreen.py) decide the SAME rows, and the differences per target kind are
-compared with what the export's loss report says (egressd.export.report.LOSSES).
+Why one table: the Squid export is run on the real Squid with these rows (tests/e2e/test_export_squid.py);
+Envoy and Smokescreen cannot be installed here, so their evaluators (tests/unit/test_export_envoy.py,
+tests/unit/test_export_smokescreen.py) decide the SAME rows, and the differences per target kind are
+compared with what the export's loss report says (egressd.tools.export.report.LOSSES).
 
 egressd's side here is its own pure functions, the ones the proxy runs: the decision, then, for a
 name, resolution by this table's DNS and the filter of resolved addresses.
@@ -19,7 +19,6 @@ from typing import Any
 
 import yaml
 
-from egressd.export.report import LOSSES
 from egressd.policy import (
     AddressClass,
     Client,
@@ -34,6 +33,7 @@ from egressd.policy import (
     parse_target,
 )
 from egressd.policy.hosts import TargetError
+from egressd.tools.export.report import LOSSES
 
 from .spellings import ALLOWED_V4, CASES, DNS_NAMES, POLICY
 
@@ -149,7 +149,7 @@ def _rules_naming(policy: Policy, name: str) -> list[HostRule]:
 
 
 def target_kind(policy: Policy, host: str, port: int) -> str:
-    """The row's kind, as the loss report (egressd.export.report.LOSSES) names them."""
+    """The row's kind, as the loss report (egressd.tools.export.report.LOSSES) names them."""
     if front_refuses(host):
         return "unparseable"
     try:
@@ -235,7 +235,7 @@ def check_differential(engine: str, load: Callable[[str], Decides], port: int) -
     """The table's policy exported to ``engine``, decided by ``load(exported text)`` and by egressd:
     every difference narrower and predicted (or the same host read), and per kind of target exactly
     what the loss report says."""
-    from egressd.export import export_policy
+    from egressd.tools.export import export_policy
 
     policy = parse_policy(yaml.safe_load(policy_text()), "table")
     result = export_policy(policy, engine)

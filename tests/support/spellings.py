@@ -1,7 +1,7 @@
 """The spelling table of the bypass corpus: one host per row, with the outcome egressd must give.
 
-Why a module of its own: the same rows drive the end-to-end corpus (tests/test_bypass_spellings.py),
-the pure-function check (tests/test_bypass_pure.py) and the fuzzers' seed corpus (fuzz/corpus/hosts).
+Why a module of its own: the same rows drive the end-to-end corpus (tests/security/test_bypass_spellings.py),
+the pure-function check (tests/security/test_bypass_pure.py) and the fuzzers' seed corpus (fuzz/corpus/hosts).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Self
 
-from egressd.exits import alive
+from egressd.platform.exits import alive
 from tests.support.unprivileged import User
 
 CLIENT_TO_REMOTE = "198.18.0.1"

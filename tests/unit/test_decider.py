@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from egressd.admission import decide as decide_step
 from egressd.admission.decide import Decider
-from egressd.admission.state import PolicyHolder
+from egressd.admission.in_force import PolicyHolder
 from egressd.policy import Client, Program, decide_written, parse_policy
-from tests.unit.test_properties import hosts_raw
+from tests.support.host_strategies import hosts_raw
 
 POLICY = parse_policy(
     {

@@ -11,7 +11,7 @@ import asyncio
 
 import uvloop
 
-from egressd.proxy import _eager_start_tolerant_loop
+from egressd.session.proxy import _eager_start_tolerant_loop
 
 
 def test_a_factory_set_on_the_loop_never_sees_eager_start() -> None:

@@ -18,7 +18,7 @@ from egressd.admission.events import Decided
 from egressd.admission.state import asker
 from egressd.observe.refusals import RefusalReport
 from egressd.policy.reasons import DENIED_ALWAYS, Reason
-from egressd.refusal import HintContext, Refusal
+from egressd.policy.refusal import HintContext, Refusal
 from egressd.wire.refusal import allow_sentence, body, notice, short_hint
 
 FILE = "/home/u/proj/egressd.yaml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from egressd.admission.events import Asked, Closed, Decided, Notice, Resolved
 from egressd.observe.metrics import Metrics
-from tests.test_metrics import sample
+from tests.support.metrics_text import sample
 
 
 def decided(stage: str, allowed: bool, reason: str, host: str = "h.test") -> Decided:

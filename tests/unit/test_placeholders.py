@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from egressd.admission.secrets import SecretBook
 from egressd.policy import PolicyError, canonical_host, parse_policy
 from egressd.policy.dump import policy_to_data
+from egressd.policy.refusal import Refusal
 from egressd.policy.secrets import secrets_from_options
-from egressd.refusal import Refusal
 from egressd.wire.placeholders import (
     Needles,
     PlaceholderFound,

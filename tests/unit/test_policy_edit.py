@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from egressd.policy import load_policy
-from egressd.policy_edit import PolicyEditError, add_rule, edit_rule, validate_rule
+from egressd.tools.policy_edit import PolicyEditError, add_rule, edit_rule, validate_rule
 
 YAML = """\
 version: 1

@@ -27,35 +27,9 @@ from egressd.policy import (
 )
 from egressd.policy.addresses import describe
 from tests.support import reference as ref
-
-V4 = ipaddress.IPv4Address
+from tests.support.host_strategies import V4, hosts_raw, ipv4s, spellings
 
 # -- spellings ------------------------------------------------------------------------------------
-
-
-def octal_part(value: int) -> str:
-    return "0" + format(value, "o")
-
-
-def spellings(address: V4) -> list[str]:
-    """Every legacy spelling inet_aton accepts for one address, plus IPv6 forms that fold to it."""
-    n = int(address)
-    a, b, c, d = address.packed
-    return [
-        str(address),
-        str(address) + ".",
-        str(n),
-        hex(n),
-        hex(n).upper().replace("0X", "0x"),
-        "0" + format(n, "o"),
-        ".".join(octal_part(x) for x in (a, b, c, d)),
-        ".".join(hex(x) for x in (a, b, c, d)),
-        f"{a}.{b}.{(c << 8) | d}",
-        f"{a}.{(b << 16) | (c << 8) | d}",
-        f"{hex(a)}.{b}.{octal_part((c << 8) | d)}",
-        f"[::ffff:{address}]",
-        f"[::ffff:{(n >> 16):x}:{(n & 0xFFFF):x}]",
-    ]
 
 
 def embedding_spellings(address: V4) -> list[str]:
@@ -64,8 +38,6 @@ def embedding_spellings(address: V4) -> list[str]:
     hi, lo = n >> 16, n & 0xFFFF
     return [f"[64:ff9b::{hi:x}:{lo:x}]", f"[2002:{hi:x}:{lo:x}::1]"]
 
-
-ipv4s = st.integers(min_value=0, max_value=2**32 - 1).map(V4)
 
 forbidden_v4 = st.sampled_from(ref.V4_ALWAYS_REFUSED).flatmap(
     lambda net: st.integers(0, net.num_addresses - 1).map(lambda i: net.network_address + i)
@@ -107,17 +79,6 @@ def test_forbidden_refused_in_every_spelling(address: V4, port: int) -> None:
 
 
 # -- canonical_host is idempotent ----------------------------------------------------------------
-
-LABEL_CHARS = "abcxyz019-_" + "äöüßéñ" + "ABC"
-labels = st.text(alphabet=LABEL_CHARS, min_size=1, max_size=12)
-names = st.lists(labels, min_size=1, max_size=4).map(".".join) | st.lists(labels, min_size=1, max_size=4).map(
-    lambda ls: ".".join(ls) + "."
-)
-ipv6s = st.integers(min_value=0, max_value=2**128 - 1).map(lambda n: str(ipaddress.IPv6Address(n)))
-hosts_raw = (
-    names | ipv6s | ipv6s.map(lambda s: f"[{s}]") | ipv4s.flatmap(lambda a: st.sampled_from(spellings(a)))
-)
-
 
 @settings(max_examples=400)
 @given(hosts_raw | st.text(max_size=30))

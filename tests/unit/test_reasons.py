@@ -16,12 +16,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from egressd.admission.events import Decided
+from egressd.admission.in_force import PolicyHolder
 from egressd.admission.pipeline import Pipeline
-from egressd.admission.state import PolicyHolder
 from egressd.observe.metrics import Metrics
 from egressd.policy import Decision, default_policy
 from egressd.policy.reasons import Kind, Reason, is_network_failure
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 from egressd.wire.refusal import body, headers, http_response, socks_reply
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -21,10 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from egressd.admission.credentials import CredentialStore, ProxyCredentials
+from egressd.admission.in_force import InForce, PolicyHolder
 from egressd.admission.pipeline import Admitted, Attempt, Pipeline
-from egressd.admission.state import ConnState, InForce, PolicyHolder
+from egressd.admission.state import ConnState
 from egressd.policy import parse_policy
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 
 SECRETS = [{"name": "api", "from": {"env": "X_KEY"}, "hosts": ["api.test"], "env": "API_KEY"}]
 POLICY = parse_policy(

@@ -7,10 +7,10 @@ when the token is revoked, or a long-running egressd grows with every child it e
 
 from __future__ import annotations
 
+from egressd.admission.in_force import PolicyHolder
 from egressd.admission.pipeline import Attempt, Pipeline
-from egressd.admission.state import PolicyHolder
 from egressd.policy import parse_policy
-from egressd.refusal import Refusal
+from egressd.policy.refusal import Refusal
 from egressd.wire.connect_client import basic
 
 POLICY = parse_policy({"version": 1, "limits": {"requests_per_second": 1, "burst": 1}}, "p.yaml")
