@@ -127,7 +127,7 @@ async def measure(
     timeout: float = 90,
 ) -> GatewayLoad:
     """The whole run; raises when a phase misses its deadline or a client is refused."""
-    from egressd.session.gateway_tokens import add_clients
+    from egressd.session.token_file import add_clients
 
     raise_fd_limit(2 * clients + 256)
     loop = asyncio.get_running_loop()

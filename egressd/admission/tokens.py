@@ -7,7 +7,7 @@ token file (`egressd gateway token add`) holds for each name a salted SHA-256 of
 policy profile its connections get, and the networks it may come from. The token is 256 random
 bits, so one fast hash is enough (nothing to brute-force) and a check is cheap: no cache,
 and no plain token is ever kept. Everything here is pure but the lock; the file's reading and
-writing are `egressd.session.gateway_tokens`.
+writing are `egressd.session.token_file`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import click
 
 from egressd.admission.tokens import TokenFileError
 from egressd.cli.options import CONTEXT, fail, say
-from egressd.session.gateway_tokens import add_clients, default_tokens_path, list_clients, remove_client
+from egressd.session.token_file import add_clients, default_tokens_path, list_clients, remove_client
 
 _TOKENS = click.option(
     "--tokens",

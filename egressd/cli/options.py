@@ -405,7 +405,7 @@ def _pop_gateway_options(params: dict[str, Any]) -> GatewayOptions | None:
     from pathlib import Path
 
     from egressd.admission.tokens import TokenFileError, parse_network
-    from egressd.session.gateway_tokens import default_tokens_path
+    from egressd.session.token_file import default_tokens_path
 
     for text in allow_from:
         try:

@@ -31,7 +31,7 @@ from egressd.sandbox import exit_summary, hooks, narrow, preflight, quarantine
 from egressd.sandbox.explain import explain, home_hint
 from egressd.sandbox.layout import Layout, hide_more, option_links, pinned_options, plan_layout
 from egressd.sandbox.mounts import MountError, within
-from egressd.sandbox.run import Outcome, needed_paths, run_bwrap, run_seatbelt
+from egressd.sandbox.runner import Outcome, needed_paths, run_bwrap, run_seatbelt
 from egressd.sandbox.shields import PRIVATE
 from egressd.sandbox.sources import SourceError, SourceGuard, source_files
 from egressd.session import ProxySession, SessionOptions, base_policy

@@ -147,7 +147,7 @@ def ssh_command(
     catcher = process.child_signal_catcher().install()
 
     from egressd.remote.connection import SshConnection
-    from egressd.remote.run import run_over_ssh
+    from egressd.remote.lifecycle import run_over_ssh
     from egressd.remote.spawn import Spawner
 
     def connection() -> SshConnection:
@@ -158,7 +158,7 @@ def ssh_command(
         )
 
     if egress == "client":
-        from egressd.remote.relay import Relay, relay_policy
+        from egressd.remote.relay_mode import Relay, relay_policy
 
         def transform(policy: Policy) -> Policy:
             return relay_policy(policy, client_loopback=client_loopback)
@@ -197,9 +197,9 @@ def _remote_egress(
     connection: Callable[[], SshConnection],
     sandbox: tuple[str, ...] = (),
 ) -> int:
+    from egressd.remote.lifecycle import run_over_ssh
     from egressd.remote.push import AuditFile, LocalPolicy
     from egressd.remote.remote_egress import RemoteEgress
-    from egressd.remote.run import run_over_ssh
     from egressd.session import SessionError
 
     try:

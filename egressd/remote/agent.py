@@ -277,7 +277,7 @@ class Agent:
         self, plan: SandboxPlan, command: Sequence[str], creds: Any, catcher: process.SignalCatcher
     ) -> int:
         """The command in bubblewrap, its only way out this agent's proxy; hung up if SSH drops."""
-        from egressd.sandbox.run import run_bwrap
+        from egressd.sandbox.runner import run_bwrap
 
         done = threading.Event()
 

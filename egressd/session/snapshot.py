@@ -148,7 +148,7 @@ class TokenFile:
     def __init__(self, gateway: GatewayOptions) -> None:
         from egressd.admission.tokens import TokenFileError, parse_network
         from egressd.platform.reload import FileWatcher
-        from egressd.session.gateway_tokens import table_from_bytes
+        from egressd.session.token_file import table_from_bytes
 
         self.path = path = gateway.tokens
         try:
@@ -166,7 +166,7 @@ class TokenFile:
     def load(self) -> TokenTable:
         from egressd.admission.tokens import TokenFileError
         from egressd.platform.reload import UnsettledError
-        from egressd.session.gateway_tokens import ensure_file
+        from egressd.session.token_file import ensure_file
 
         try:
             ensure_file(self.path)

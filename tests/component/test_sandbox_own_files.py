@@ -24,7 +24,7 @@ import pytest
 
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import Mount
-from egressd.sandbox.run import temp_root
+from egressd.sandbox.runner import temp_root
 from egressd.sandbox.seatbelt import seatbelt_profile
 from egressd.sandbox.shields import Cover, inside_view
 from tests.support.seatbelt_model import WRITE_OPERATIONS, Model, tinyscheme_available

@@ -683,8 +683,8 @@ def test_a_proxy_port_is_required() -> None:
 def test_where_the_runs_own_temporary_directory_goes(
     monkeypatch: pytest.MonkeyPatch, tmpdir: str | None, expected: str
 ) -> None:
-    from egressd.sandbox import run
+    from egressd.sandbox import runner
 
-    monkeypatch.setattr(run.os.path, "realpath", lambda p: {"/tmp": "/private/tmp"}.get(p, p))
-    monkeypatch.setattr(run.os.path, "isdir", lambda p: True)
-    assert run.temp_root({"TMPDIR": tmpdir} if tmpdir else {}) == expected
+    monkeypatch.setattr(runner.os.path, "realpath", lambda p: {"/tmp": "/private/tmp"}.get(p, p))
+    monkeypatch.setattr(runner.os.path, "isdir", lambda p: True)
+    assert runner.temp_root({"TMPDIR": tmpdir} if tmpdir else {}) == expected

@@ -20,7 +20,7 @@ import pytest
 from egressd.admission.credentials import ProxyCredentials
 from egressd.child.process import child_signal_catcher
 from egressd.platform.exits import EXIT_CANNOT_RUN
-from egressd.sandbox import run
+from egressd.sandbox import runner
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import Mount
 
@@ -73,10 +73,10 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield script
 
 
-def _run(fake: Path, tmp_path: Path, command: list[str], layout: Layout | None = None) -> run.Outcome:
+def _run(fake: Path, tmp_path: Path, command: list[str], layout: Layout | None = None) -> runner.Outcome:
     catcher = child_signal_catcher()
     try:
-        return run.run_seatbelt(
+        return runner.run_seatbelt(
             _Session(),  # type: ignore[arg-type]
             ProxyCredentials("egressd", "tok"),
             command,
@@ -131,7 +131,7 @@ def test_the_child_gets_its_own_temp_dir_no_stray_descriptor_and_leaves_nothing_
     assert outcome.started and outcome.returncode == 3
     temp, tmp, temp2, npm_cache, proxy, kind = out.read_text().splitlines()
     assert temp == tmp == temp2 and os.path.basename(temp).startswith("egressd-run-")
-    assert os.path.dirname(temp) == run.temp_root(os.environ)
+    assert os.path.dirname(temp) == runner.temp_root(os.environ)
     assert npm_cache == os.path.join(temp, ".egressd-cache", "npm")
     assert proxy == "http://egressd:tok@127.0.0.1:49152" and kind == "seatbelt"
     assert not os.path.exists(temp)  # removed with what the child made in it

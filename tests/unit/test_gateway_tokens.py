@@ -26,7 +26,7 @@ from egressd.admission.tokens import (
     make_entry,
     peer_address,
 )
-from egressd.session.gateway_tokens import add_clients, ensure_file, list_clients, load_table, remove_client
+from egressd.session.token_file import add_clients, ensure_file, list_clients, load_table, remove_client
 
 TOKEN = "k" * 43
 
