@@ -779,6 +779,23 @@ class Pipeline:
             return dataclasses.replace(unrecorded, host=pin.host, port=pin.port)
         return None
 
+    def reused(self, conn: ConnState, admitted: Admitted, pin: Pin) -> Refusal | None:
+        """A kept upstream connection (pinned as `pin`) taken for another client connection of the
+        same child: that connection's record of it, as if opened now, so every client connection's
+        requests have their upstream connection on record; the refusal when the record was not
+        written (the connection is then not used)."""
+        if admitted.pin is None:
+            admitted.pin = pin
+        refused = self.audit_refusal()
+        if refused is not None:
+            self.connection_record(conn, admitted, (refused.reason, refused.detail))
+            return dataclasses.replace(refused, host=admitted.host, port=admitted.port)
+        unrecorded = self.connection_record(conn, admitted, None)
+        if unrecorded is not None:
+            self.connection_record(conn, admitted, (unrecorded.reason, unrecorded.detail))
+            return dataclasses.replace(unrecorded, host=pin.host, port=pin.port)
+        return None
+
     def reserve_upstream(self, upstream_id: str) -> Refusal | None:
         """Count an upstream connection against limits.max_connections and egressd's descriptors
         before anything of it is opened (its lookup, its socket): of a burst of tunnels, no more

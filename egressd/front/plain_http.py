@@ -49,6 +49,7 @@ from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, Value
 if TYPE_CHECKING:
     from egressd.admission.pipeline import Pipeline
     from egressd.admission.state import ConnState
+    from egressd.net.pinning import Pin
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ class Upstream(asyncio.Protocol):
         self.client = user
         self.key = key
         self.state = state  # what the pipeline admitted and pinned it in (Pipeline.upstream_state)
+        self.pin: Pin | None = None  # where it connected, for the record of each client it serves
+        self.recorded_for = ""  # the client connection whose audit records it (Pipeline.reused)
         self.idle_since = 0.0
         self.wire = ServerSide()
         self.transport: asyncio.Transport | None = None
@@ -506,6 +509,14 @@ class PlainClient(asyncio.Protocol):
             key = (admitted.host, admitted.port)
             pool_key = self.pipeline.upstream_key(self.state, admitted)
             upstream = self.pool.take(pool_key)
+            if upstream is not None and upstream.recorded_for != self.state.conn_id:
+                assert upstream.pin is not None
+                unrecorded = self.pipeline.reused(self.state, admitted, upstream.pin)
+                if unrecorded is not None:
+                    self._forget(upstream)
+                    self._refuse(unrecorded)
+                    return
+                upstream.recorded_for = self.state.conn_id
             if upstream is None:
                 opened = await self._open(admitted, pool_key, state)
                 if isinstance(opened, Refusal):
@@ -723,6 +734,7 @@ class PlainClient(asyncio.Protocol):
         upstream = Upstream(self, key, state)
         upstream.server_id = f"{self.state.conn_id}-up{self.requests}"
         refusal = await self.pipeline.connect(self.state, admitted, upstream, upstream.server_id)
+        upstream.pin, upstream.recorded_for = admitted.pin, self.state.conn_id
         return upstream if refusal is None else refusal
 
     def _audit_cut(self, path: str, seen: int) -> None:
