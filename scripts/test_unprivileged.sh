@@ -29,6 +29,7 @@ MODULES=(
   tests/e2e/test_sandbox_workloads.py
   tests/e2e/test_exec_integration.py
   tests/e2e/test_exec_capture.py
+  tests/e2e/test_exec_compat.py
   tests/e2e/test_exec_startup.py
   tests/e2e/test_refusal_hints.py
   tests/e2e/test_attach.py

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 from tests.support.dns_server import DnsServer  # noqa: E402
 from tests.support.loops import DEFAULT_LOOP, LOOP_FACTORIES  # noqa: E402
 from tests.support.npm_registry import NpmRegistry  # noqa: E402
+from tests.support.pypi_index import TINY_INIT, PypiIndex  # noqa: E402
 from tests.support.upstreams import (  # noqa: E402
     EchoHTTPServer,
     EchoHTTPSServer,
@@ -159,6 +160,19 @@ def npm_registry(ca: trustme.CA, dns: DnsServer) -> Iterator[NpmRegistry]:
         registry.add("egressd-tiny", "1.0.0", dependencies={"egressd-tiny-dep": "^1.0.0"})
         registry.add("egressd-unlisted", "1.0.0")
         yield registry
+
+
+PYPI_ADDR = "198.51.100.32"  # the pypi_index fixture's address in the test network namespace
+
+
+@pytest.fixture
+def pypi_index(ca: trustme.CA, dns: DnsServer) -> Iterator[PypiIndex]:
+    """A PEP 503 simple index (HTTPS, the session CA) as pypi.test, serving egressd-tiny 1.0 (a
+    wheel it builds, its egressd_tiny/__init__.py is TINY_INIT)."""
+    dns.add("pypi.test", PYPI_ADDR)
+    with PypiIndex(PYPI_ADDR, ca=ca, hostnames=["pypi.test"]) as index:
+        index.add_wheel("egressd-tiny", "1.0", {"egressd_tiny/__init__.py": TINY_INIT})
+        yield index
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""`egressd exec --attach [--pid PID] [--profile P] -- CMD`: run CMD under an egressd already running.
+"""`egressd exec --attach [--pid PID] [--profile P] [--no-capture] -- CMD`: run CMD under an
+egressd already running.
 
 For hosts that start many short children (an agent spawning tools), where starting a proxy per
 child costs more than the child. This asks the running instance's control API for fresh
@@ -31,19 +32,21 @@ class AttachError(Exception):
     """Attaching failed; the message is for the user."""
 
 
-def quick_parse(argv: Sequence[str]) -> tuple[int | None, str | None, list[str]] | None:
-    """(pid, profile, command) of `exec --attach [--pid N] [--profile P] -- CMD...`, or None for
-    any other command line (the CLI then parses it, and says what is wrong with it)."""
+def quick_parse(argv: Sequence[str]) -> tuple[int | None, str | None, list[str], bool] | None:
+    """(pid, profile, command, whether --no-capture was given) of `exec --attach [--pid N]
+    [--profile P] [--no-capture] -- CMD...`, or None for any other command line (the CLI then
+    parses it, and says what is wrong with it)."""
     if len(argv) < 2 or argv[0] != "exec":
         return None
-    args, pid, profile, attach = list(argv[1:]), None, None, False
+    args, pid, profile, attach, no_capture = list(argv[1:]), None, None, False, False
     while args:
         word = args.pop(0)
         if word == "--":
             break
         name, eq, value = word.partition("=")
-        if name == "--attach" and not eq:
-            attach = True
+        if name in ("--attach", "--no-capture") and not eq:
+            attach = attach or name == "--attach"
+            no_capture = no_capture or name == "--no-capture"
             continue
         if name not in ("--pid", "--profile"):
             return None
@@ -61,7 +64,7 @@ def quick_parse(argv: Sequence[str]) -> tuple[int | None, str | None, list[str]]
         return None  # no `--`: leave it to click
     if not attach or not args:
         return None
-    return pid, profile, args
+    return pid, profile, args, no_capture
 
 
 def instance(pid: int | None) -> ControlClient:
@@ -99,7 +102,17 @@ def child_env(answer: dict[str, object], base: dict[str, str]) -> dict[str, str]
     return add_git_ssh(env) if answer.get("ssh") else env
 
 
-def attach(pid: int | None, profile: str | None, command: Sequence[str]) -> NoReturn:
+def not_captured(program: str) -> str:
+    """What an attach says once, unless --no-capture: its child has no network namespace of its
+    own, so a user who expects exec's capture learns that it does not hold here."""
+    return (
+        f"egressd exec --attach: {program} is not captured: programs that ignore the proxy "
+        "variables reach the network directly, neither decided nor recorded by egressd (plain "
+        "`egressd exec` captures them; --no-capture says you know, and silences this)\n"
+    )
+
+
+def attach(pid: int | None, profile: str | None, command: Sequence[str], no_capture: bool) -> NoReturn:
     """Ask, then exec CMD; exits 126 (EXIT_CANNOT_RUN) with the reason when it cannot attach."""
     try:
         client = instance(pid)
@@ -114,6 +127,8 @@ def attach(pid: int | None, profile: str | None, command: Sequence[str]) -> NoRe
         sys.stderr.write(f"egressd exec --attach: {exc}\n")
         sys.stderr.flush()
         os._exit(EXIT_CANNOT_RUN)
+    if not no_capture:
+        sys.stderr.write(not_captured(os.path.basename(command[0])))
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -52,7 +52,8 @@ Example:
     "--attach",
     is_flag=True,
     help="Run CMD under an egressd already running (`egressd run`) instead of starting one: fresh "
-    "credentials from its control API, revoked when CMD exits. Takes --pid and --profile only.",
+    "credentials from its control API, revoked when CMD exits. Takes --pid, --profile and "
+    "--no-capture only. CMD is not captured (egressd says so unless --no-capture).",
 )
 @click.option(
     "--pid", type=int, metavar="PID", help="With --attach: the egressd to attach to (when several run)."
@@ -77,8 +78,8 @@ def exec_command(
     The child's stdin, stdout, stderr, exit status and signals pass through untouched; egressd
     writes nothing to stdout. With --policy FILE, edits to FILE apply to the running child.
     """
-    if attach or pid is not None:  # never captured (--no-capture is its way already)
-        _attach(options, attach, pid, command, listener=credentials_listener)
+    if attach or pid is not None:  # never captured: said unless --no-capture
+        _attach(options, attach, pid, command, listener=credentials_listener, capture=capture_direct)
     if options.identify is None:  # a lookup per connection: only where it is kept
         recorded = bool(options.audit_path or options.trace or options.dashboard)
         options = dataclasses.replace(options, identify=identity.SUPPORTED and recorded)
@@ -107,7 +108,13 @@ def exec_command(
 
 
 def _attach(
-    options: SessionOptions, attach: bool, pid: int | None, command: tuple[str, ...], *, listener: bool
+    options: SessionOptions,
+    attach: bool,
+    pid: int | None,
+    command: tuple[str, ...],
+    *,
+    listener: bool,
+    capture: bool,
 ) -> None:
     """--attach: the running instance's policy, listener and audit apply; options that would set up
     a proxy of this command's own are refused rather than silently ignored."""
@@ -120,5 +127,8 @@ def _attach(
     # passthrough (EGRESSD_PASSTHROUGH=1) is not an attach's: it runs CMD under the running egressd
     alone = dataclasses.replace(options, overrides=overrides, passthrough=False)
     if not listener or alone.dashboard or alone != SessionOptions(report=alone.report):
-        fail("--attach takes only --pid and --profile: the running egressd's policy and options apply")
-    attaching.attach(pid, profile, command)
+        fail(
+            "--attach takes only --pid, --profile and --no-capture: the running egressd's policy "
+            "and options apply"
+        )
+    attaching.attach(pid, profile, command, no_capture=not capture)

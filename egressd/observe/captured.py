@@ -24,6 +24,12 @@ def _printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else "?" for ch in text)
 
 
+def _once_per_connection(event: Decided) -> bool:
+    """The one record of each captured connection: its refusal (stage connect), or its upstream
+    connection's (stage connection, opened or not), which is an allowed tunnel's only record."""
+    return event.stage == "connection" or (event.stage == "connect" and not event.allowed)
+
+
 class CapturedReport(StderrReport):
     """Counts of captured connections per program, told once each and summed up at exit."""
 
@@ -34,9 +40,11 @@ class CapturedReport(StderrReport):
 
     def observe(self, event: Event) -> None:
         """A captured connection's decision: its program counted, and told the first time."""
-        if type(event) is not Decided or not event.captured or event.stage != "connect":  # type: ignore[union-attr]
+        if type(event) is not Decided:
             return
         assert isinstance(event, Decided)
+        if not event.captured or not _once_per_connection(event):
+            return
         name = _printable(os.path.basename(event.exe)) if event.exe else UNKNOWN
         with self._lock:
             seen = self._programs.get(name)

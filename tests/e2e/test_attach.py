@@ -163,11 +163,38 @@ def test_no_instance_running_is_a_clear_error() -> None:
     assert b"no egressd is running to attach to" in result.stderr and b"egressd run" in result.stderr
 
 
+NOT_CAPTURED = b"egressd exec --attach: true is not captured"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [["--", "true"], ["true"], ["--pid={pid}", "--", "true"]],
+    ids=["quick-path", "click-path", "quick-path-pid"],
+)
+def test_attach_says_once_that_its_child_is_not_captured(
+    tmp_path: Path, dns: DnsServer, line: list[str]
+) -> None:
+    """An attached child runs on the host's network (no namespace of its own): egressd says so,
+    once, on both parsers' paths; --no-capture says the user knows, and silences it."""
+    with _run(tmp_path, dns) as run:
+        args = [word.format(pid=run.proc.pid) for word in line]  # type: ignore[union-attr]
+        told = attach(*args)
+        assert told.returncode == 0, told.stderr
+        assert told.stderr.count(NOT_CAPTURED) == 1, told.stderr
+        assert b"ignore the proxy variables reach the network directly" in told.stderr
+        assert b"--no-capture" in told.stderr
+        options_end = args.index("--") if "--" in args else len(args) - 1
+        for position in (0, options_end):  # first, or last of the options
+            quiet = attach(*args[:position], "--no-capture", *args[position:])
+            assert quiet.returncode == 0, quiet.stderr
+            assert b"captured" not in quiet.stderr, quiet.stderr
+
+
 def test_options_of_a_proxy_of_its_own_are_refused(tmp_path: Path) -> None:
     """The click path: `--attach` with --policy (or --allow, ...) would silently mean nothing."""
     result = attach("--allow", "up.test", "--", "true")
     assert result.returncode == 2
-    assert b"--attach takes only --pid and --profile" in result.stderr
+    assert b"--attach takes only --pid, --profile and --no-capture" in result.stderr
     result = subprocess.run([*EGRESSD, "exec", "--pid", "5", "--", "true"], capture_output=True, timeout=60)
     assert result.returncode == 2 and b"--pid needs --attach" in result.stderr
 
@@ -175,12 +202,19 @@ def test_options_of_a_proxy_of_its_own_are_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "parsed"),
     [
-        (["exec", "--attach", "--", "true"], (None, None, ["true"])),
+        (["exec", "--attach", "--", "true"], (None, None, ["true"], False)),
         (
             ["exec", "--attach", "--pid", "7", "--profile", "p", "--", "a", "--attach"],
-            (7, "p", ["a", "--attach"]),
+            (7, "p", ["a", "--attach"], False),
         ),
-        (["exec", "--pid=7", "--attach", "--profile=p", "--", "a"], (7, "p", ["a"])),
+        (["exec", "--pid=7", "--attach", "--profile=p", "--", "a"], (7, "p", ["a"], False)),
+        (["exec", "--no-capture", "--attach", "--", "a"], (None, None, ["a"], True)),
+        (
+            ["exec", "--attach", "--no-capture", "--", "a", "--no-capture"],
+            (None, None, ["a", "--no-capture"], True),
+        ),
+        (["exec", "--no-capture", "--", "a"], None),  # no --attach: a plain exec
+        (["exec", "--attach", "--no-capture=1", "--", "a"], None),
         (["exec", "--", "a", "--attach"], None),  # CMD's own argument: a plain exec
         (["exec", "--attach", "true"], None),  # no `--`: click says what is wrong
         (["exec", "--attach", "--"], None),  # no command

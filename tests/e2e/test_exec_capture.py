@@ -164,6 +164,20 @@ def test_mcp_and_acp_children_are_captured_too(sites: Sites, ca_file: Path, fron
     assert "node" in result.stderr.decode() and "ignore the proxy variables" in result.stderr.decode()
 
 
+def test_a_program_whose_captured_connections_are_all_allowed_is_named(sites: Sites) -> None:
+    """An allowed tunnel is recorded once, when its upstream connection opens: a program that
+    ignores the proxy variables and is never refused is named on stderr and in the summary too."""
+    curl = f'curl -sS -x "" -o /dev/null -w "%{{http_code}} " {sites.urls[0]}'
+    result = sites.exec(["sh", "-c", f"{curl} && {curl}"])  # two processes, two connections
+    assert result.stdout == b"200 200 ", result.stderr
+    stderr = result.stderr.decode()
+    assert stderr.count("egressd: curl (pid ") == 1, stderr  # told once
+    assert "egressd: captured 2 connections of programs that ignore the proxy variables" in stderr
+    assert stderr.rstrip().endswith(": curl (2)"), stderr
+    allowed = [r for r in audit_records(sites.audit) if r.get("event") == "decision"]
+    assert allowed and all(r["decision"] == "allow" and r.get("captured") for r in allowed), allowed
+
+
 def test_clients_that_use_the_proxy_variables_are_not_called_captured(sites: Sites) -> None:
     result = sites.exec(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", sites.urls[0]])
     assert result.stdout == b"200", result.stderr

@@ -30,12 +30,11 @@ from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import egressd_exec, write_policy
 from tests.support.git_server import GitHTTPServer, git_env, make_bare_repo
 from tests.support.npm_registry import NpmRegistry
-from tests.support.pypi_index import PypiIndex
+from tests.support.pypi_index import TINY_INIT, PypiIndex
 from tests.support.upstreams import EchoHTTPSServer
 
 GIT_ADDR = "198.51.100.30"
 NPM_ADDR = "198.51.100.31"
-PYPI_ADDR = "198.51.100.32"
 API_ADDR = "198.51.100.33"
 
 NODE_CLIENT = Path(__file__).parents[1] / "support" / "node_inspect_client.js"
@@ -289,14 +288,6 @@ def test_npm_install_through_inspection(
 # ------------------------------------------------------------------------------------------------
 # 3. pip install from a simple index
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture
-def pypi_index(ca: trustme.CA, dns: DnsServer) -> Iterator[PypiIndex]:
-    dns.add("pypi.test", PYPI_ADDR)
-    with PypiIndex(PYPI_ADDR, ca=ca, hostnames=["pypi.test"]) as index:
-        index.add_wheel("egressd-tiny", "1.0", {"egressd_tiny/__init__.py": "VALUE = 'through inspection'\n"})
-        yield index
-
-
 def _pip_command(index: PypiIndex, target: Path, simple: str = "/simple/") -> list[str]:
     # one retry: with none, pip swallows the proxy's 403 and says only "No matching distribution"
     return [
@@ -329,7 +320,7 @@ def test_pip_install_through_inspection(
 
     proc, records = runner.run(_pip_command(pypi_index, target), env=env, timeout=90)
     assert proc.returncode == 0, _show(proc)
-    assert (target / "egressd_tiny" / "__init__.py").read_text() == "VALUE = 'through inspection'\n"
+    assert (target / "egressd_tiny" / "__init__.py").read_text() == TINY_INIT
     assert any(p.startswith("/packages/egressd_tiny-1.0-py3-none-any.whl") for p in pypi_index.paths)
     assert _decisions(records, "builtin"), records
 

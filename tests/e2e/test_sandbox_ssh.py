@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,12 +22,10 @@ from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import egressd_exec, write_policy
 from tests.support.netns import UPSTREAM_V4
 from tests.support.sandboxes import egressd_sandbox, sandbox_env
+from tests.support.ssh_git import README, SSHD, USER, SshGitServer, ssh_git_server
 
-SSHD = "/usr/sbin/sshd"
 SSH_HOST = UPSTREAM_V4[6]  # 198.51.100.7
 
-# sshd runs as whoever runs the tests and lets only that user in
-USER = pwd.getpwuid(os.getuid()).pw_name
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(SSHD) or shutil.which("ssh") is None,
@@ -78,74 +72,11 @@ def test_with_git_ssh_only_when_ssh_may_be_allowed() -> None:
 
 
 # -- a real sshd with a bare repository -------------------------------------------------------------
-@dataclass
-class GitServer:
-    repo: Path
-    ssh_config: Path
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"ssh://{USER}@git.test{self.repo}"
-
-    def env(self, base: dict[str, str]) -> dict[str, str]:
-        env = dict(base)
-        # the user's own ssh options (key, known hosts); egressd appends its ProxyCommand
-        env["GIT_SSH_COMMAND"] = f"ssh -F {self.ssh_config}"
-        return env
-
-
-def _run(*argv: str, cwd: Path | None = None) -> None:
-    subprocess.run(argv, cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _wait_listening(log: Path, timeout: float = 10) -> None:
-    """Until sshd says it listens (not by connecting: the tests count sshd's connections)."""
-    deadline = time.monotonic() + timeout
-    while "Server listening on" not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
-
-
 @pytest.fixture
-def git_server(tmp_path: Path, work_dir: Path) -> Iterator[GitServer]:
-    server = tmp_path / "server"
-    server.mkdir()
-    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(server / "hostkey"))
+def git_server(tmp_path: Path, work_dir: Path) -> Iterator[SshGitServer]:
     # the client's key and config live in the sandbox's working directory (visible inside)
-    client = work_dir / ".ssh-test"
-    client.mkdir()
-    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(client / "key"))
-    shutil.copy(client / "key.pub", server / "authorized_keys")
-    (client / "config").write_text(
-        f"Host *\n  IdentityFile {client / 'key'}\n  UserKnownHostsFile /dev/null\n"
-        "  StrictHostKeyChecking no\n  BatchMode yes\n  LogLevel ERROR\n"
-    )
-    config = server / "sshd_config"
-    config.write_text(
-        f"Port 22\nListenAddress {SSH_HOST}\nHostKey {server / 'hostkey'}\n"
-        f"AuthorizedKeysFile {server / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
-        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
-        "PidFile none\nLogLevel VERBOSE\n"
-    )
-    # a bare repository with one commit
-    repo, seed = server / "repo.git", tmp_path / "seed"
-    _run("git", "init", "-q", "--bare", "-b", "main", str(repo))
-    _run("git", "init", "-q", "-b", "main", str(seed))
-    (seed / "README").write_text("cloned through egressd\n")
-    _run("git", "-C", str(seed), "add", "README")
-    _run("git", "-C", str(seed), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
-    _run("git", "-C", str(seed), "push", "-q", str(repo), "main")
-    if os.geteuid() == 0:
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # root's sshd: its privilege-separation directory
-    log = server / "sshd.log"
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stderr=log.open("wb"))
-    try:
-        _wait_listening(log)
-        yield GitServer(repo, client / "config", log)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with ssh_git_server(tmp_path / "server", work_dir / ".ssh-test", SSH_HOST) as server:
+        yield server
 
 
 @pytest.fixture
@@ -155,12 +86,8 @@ def work_dir(tmp_path: Path) -> Path:
     return path
 
 
-def _connections(server: GitServer) -> int:
-    return server.log.read_text().count("Connection from")
-
-
 def test_git_clone_over_ssh_inside_the_sandbox(
-    tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
+    tmp_path: Path, dns: DnsServer, git_server: SshGitServer, work_dir: Path
 ) -> None:
     dns.add("git.test", SSH_HOST)
     policy = write_policy(tmp_path, f"version: 1\nallow: [git.test:22, {SSH_HOST}:22]\n")
@@ -171,12 +98,12 @@ def test_git_clone_over_ssh_inside_the_sandbox(
         env=git_server.env(sandbox_env(work_dir)),
     )
     assert result.returncode == 0, result.stderr.decode()
-    assert (work_dir / "clone" / "README").read_text() == "cloned through egressd\n"
-    assert _connections(git_server) == 1
+    assert (work_dir / "clone" / "README").read_text() == README
+    assert git_server.connections() == 1
 
 
 def test_git_clone_over_ssh_without_the_helper_is_captured(
-    tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
+    tmp_path: Path, dns: DnsServer, git_server: SshGitServer, work_dir: Path
 ) -> None:
     """git with an ssh command of its own (no ProxyCommand): the capture sends its connection to
     the proxy, which decides git.test:22 by name."""
@@ -189,8 +116,8 @@ def test_git_clone_over_ssh_without_the_helper_is_captured(
         cwd=work_dir,
     )
     assert result.returncode == 0, result.stderr.decode()
-    assert (work_dir / "c" / "README").read_text() == "cloned through egressd\n"
-    assert _connections(git_server) == 1
+    assert (work_dir / "c" / "README").read_text() == README
+    assert git_server.connections() == 1
     assert any(
         r.get("event") == "decision" and r["host"] == "git.test" and r["decision"] == "allow"
         for r in audit_records(audit)
@@ -198,7 +125,7 @@ def test_git_clone_over_ssh_without_the_helper_is_captured(
 
 
 def test_git_clone_over_ssh_refused_with_the_reason(
-    tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
+    tmp_path: Path, dns: DnsServer, git_server: SshGitServer, work_dir: Path
 ) -> None:
     dns.add("git.test", SSH_HOST)
     # SSH may be allowed somewhere (so GIT_SSH_COMMAND is set), but not to git.test
@@ -213,11 +140,11 @@ def test_git_clone_over_ssh_refused_with_the_reason(
     assert b"egressd connect git.test:22: the proxy answered: HTTP/1.1 403" in result.stderr
     assert b"(reason: not_allowlisted)" in result.stderr
     assert not (work_dir / "clone").exists()
-    assert _connections(git_server) == 0
+    assert git_server.connections() == 0
 
 
 def test_ssh_without_the_helper_gets_nothing(
-    tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
+    tmp_path: Path, dns: DnsServer, git_server: SshGitServer, work_dir: Path
 ) -> None:
     """Plain ssh inside the sandbox, not told about the proxy and not captured (--no-capture),
     cannot reach the server at all."""
@@ -230,11 +157,11 @@ def test_ssh_without_the_helper_gets_nothing(
     )
     assert result.returncode == 255
     assert b"Network is unreachable" in result.stderr
-    assert _connections(git_server) == 0
+    assert git_server.connections() == 0
 
 
 def test_ssh_without_the_helper_is_captured_and_decided(
-    tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
+    tmp_path: Path, dns: DnsServer, git_server: SshGitServer, work_dir: Path
 ) -> None:
     """With capture (the default), plain ssh's connection becomes a CONNECT: allowed to the
     allowed host:22 and audited; refused (and audited) when the policy does not allow it."""
@@ -247,7 +174,7 @@ def test_ssh_without_the_helper_is_captured_and_decided(
         cwd=work_dir,
     )
     assert result.returncode == 0, result.stderr
-    assert _connections(git_server) == 1
+    assert git_server.connections() == 1
     refused = write_policy(tmp_path, "version: 1\nallow: [git.test:22]\n", name="refused.yaml")
     result = egressd_sandbox(
         ["--policy", str(refused), "--nameserver", dns.nameserver, "--audit", str(audit)],
@@ -255,7 +182,7 @@ def test_ssh_without_the_helper_is_captured_and_decided(
         cwd=work_dir,
     )
     assert result.returncode == 255
-    assert _connections(git_server) == 1
+    assert git_server.connections() == 1
     decisions = [
         (r["host"], r["port"], r["decision"], r["reason"])
         for r in map(json.loads, audit.read_text().splitlines())
@@ -267,7 +194,7 @@ def test_ssh_without_the_helper_is_captured_and_decided(
 
 
 def test_git_clone_over_ssh_with_exec(
-    tmp_path: Path, dns: DnsServer, git_server: GitServer, work_dir: Path
+    tmp_path: Path, dns: DnsServer, git_server: SshGitServer, work_dir: Path
 ) -> None:
     """`egressd exec` sets the same GIT_SSH_COMMAND: the clone goes through the proxy too."""
     dns.add("git.test", SSH_HOST)

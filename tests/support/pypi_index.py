@@ -20,6 +20,9 @@ import trustme
 
 from tests.support.https_app import AppHTTPSServer, Reply, Request
 
+#: egressd_tiny/__init__.py in the wheel of egressd-tiny 1.0 that the `pypi_index` fixture serves
+TINY_INIT = "VALUE = 'installed from the test index'\n"
+
 
 def normalise(name: str) -> str:
     """PEP 503 project-name normalisation."""
