@@ -111,6 +111,29 @@ Event = Decided | Closed | Notice | Resolved | Asked
 Observer = Callable[[Event], None]
 
 
+class Told:
+    """Which decision records a live view shows as decisions: every one but an allowed upstream
+    connection's whose client connection had a decision told already (a request's, or its
+    tunnel's first connection). An allowed tunnel's only record is its connection's, so skipping
+    every allowed connection record would hide allowed tunnels. Bounded: a view of a long run
+    remembers the last `size` client connections."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._conns: dict[str, None] = {}
+
+    def first(self, conn: str | None, stage: str, allowed: bool) -> bool:
+        if conn is None:
+            return True
+        if stage == "connection" and allowed and conn in self._conns:
+            return False
+        self._conns.pop(conn, None)
+        self._conns[conn] = None
+        if len(self._conns) > self.size:
+            del self._conns[next(iter(self._conns))]
+        return True
+
+
 class Recorder(Protocol):
     """What the pipeline needs of the audit log (egressd.observe.audit.AuditLog): whether a record
     given now would be written, so nothing is acted upon without one; the observers stay above."""

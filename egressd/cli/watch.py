@@ -6,16 +6,17 @@ import json
 
 import click
 
+from egressd.admission.events import Told
 from egressd.cli.instances import pid_option, say_follow
 from egressd.cli.options import fail
 from egressd.control.client import ControlError
 from egressd.policy.reasons import is_network_failure
 
 
-def _line(item: dict) -> str | None:
+def _line(item: dict, told: Told) -> str | None:
     event = item.get("event")
     if event == "decision":
-        if item.get("stage") == "connection" and item.get("allowed"):
+        if not told.first(item.get("conn"), str(item.get("stage")), bool(item.get("allowed"))):
             return None  # the decision line said it already
         verdict = "allow" if item.get("allowed") else "DENY "
         if not item.get("allowed") and is_network_failure(str(item.get("reason") or "")):
@@ -59,12 +60,13 @@ def watch_command(pid: int | None, as_json: bool) -> None:
     from egressd.control.follow import Follow
     from egressd.control.prompt import printable
 
+    told = Told()
     try:
         for item in say_follow(Follow("/v1/events", pid), pid):
             if as_json:
                 click.echo(json.dumps({**item.data, "egressd_pid": item.pid}))
                 continue
-            line = _line(item.data)
+            line = _line(item.data, told)
             if line is not None:  # an executable's name is the child's to choose: no escapes
                 click.echo(f"{item.pid:>7}  {printable(line)}")
     except ControlError as exc:

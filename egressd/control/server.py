@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from egressd.admission.asks import AskBroker
-from egressd.admission.events import Decided, Event, EventBus
+from egressd.admission.events import Decided, Event, EventBus, Told
 from egressd.admission.grants import GrantStore
 from egressd.control.site import LazySite
 
@@ -45,9 +45,10 @@ class Counts:
         self.decisions = self.allowed = self.refused = 0
         self.by_client: dict[str, list[int]] = {}  # client -> [allowed, refused]
         self.recent: collections.deque[Decided] = collections.deque(maxlen=RECENT)
+        self.told = Told()  # an allowed tunnel is counted once, by its connection's record
 
     def observe(self, event: Event) -> None:
-        if isinstance(event, Decided) and event.stage != "connection":
+        if isinstance(event, Decided) and self.told.first(event.conn, event.stage, event.allowed):
             self.recent.append(event)
             self.decisions += 1
             name = event.client or "-"

@@ -341,3 +341,56 @@ def test_the_loop_as_an_unprivileged_user(dns: DnsServer, up: EchoHTTPServer) ->
             for proc in (follower, run):
                 proc.terminate()
                 proc.wait(20)
+
+
+def test_an_allowed_tunnel_shows_in_watch_and_counts_in_ps(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """An allowed tunnel's only record is its upstream connection's: `watch` shows it once as an
+    allow, and `ps` counts it, as a plain-HTTP request (decision and connection records) counts
+    once too."""
+    dns.add("tunnel.test", up.host)
+    policy = tmp_path / "policy.yaml"
+    # the test upstream listens on 127.0.0.1
+    policy.write_text("version: 1\nmode: enforce\nallow: [tunnel.test]\nprivate:\n  allow: true\n")
+    options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--no-prompt"]
+    with EgressdRun(options) as run:
+        watch = subprocess.Popen(
+            [*EGRESSD, "watch", "--pid", str(run.proc.pid)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(watch.stdout or ()), daemon=True)
+        reader.start()
+        try:
+            url = f"http://tunnel.test:{up.port}/through-a-tunnel"
+            plain = f"http://tunnel.test:{up.port}/plain"
+
+            time.sleep(1.0)  # the watch has attached (it follows from its start, not before)
+            for args in (["-p", url], [plain]):
+                done = subprocess.run(
+                    ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", run.proxy_url, *args],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                assert done.stdout == "200", done.stderr
+            wait_for(
+                lambda: (
+                    any(" connection " in line for line in lines) and any("/plain" in line for line in lines)
+                ),
+                what="the tunnel and the request on the watch",
+            )
+            counts = next(r for r in ps_rows() if r["pid"] == run.proc.pid)["counts"]
+        finally:
+            watch.terminate()
+            watch.wait(10)
+    # the tunnel, told by its connection's record; the request by its own, its connection's not again
+    tunnels = [line for line in lines if " connection " in line]
+    assert tunnels and all(line.split()[1] == "allow" for line in tunnels), lines
+    requests = [line for line in lines if " request " in line]
+    assert requests and all("/plain" in line for line in requests), lines
+    assert len(tunnels) == len(requests), lines  # one tunnel per try, one request per try: each once
+    assert counts["allowed"] >= 2 and counts["refused"] == 0, counts

@@ -471,7 +471,11 @@ def test_an_ask_card_says_time_left_who_asks_what_it_covers_and_what_always_writ
     curls = [start_curl(served.run, url) for _ in range(2)]
     other = start_curl(served.run, f"http://up.test:{up.port}/other")
     card = page.locator("#asks li.ask", has=page.locator(".target", has_text=" GET /same"))
-    wait_for(lambda: card.count() == 1 and ", 2 waiting" in card.inner_text(), what="one card, 2 waiting")
+    wait_for(
+        lambda: card.count() == 1 and ", 2 waiting" in card.inner_text(),
+        timeout=60,
+        what="one card, 2 waiting",
+    )
     left = card.locator(".left")
     first = int(re.fullmatch(r"refused in (\d+) s unless answered", left.inner_text()).group(1))  # type: ignore[union-attr]
     assert 20 <= first <= 30  # ask_timeout: 30
