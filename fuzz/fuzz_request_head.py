@@ -22,7 +22,7 @@ from _common import instrumented, main
 with instrumented():
     from egressd.admission.decide import Decider
     from egressd.admission.http_rules import host_header_mismatch
-    from egressd.admission.state import PolicyHolder
+    from egressd.admission.in_force import PolicyHolder
     from egressd.policy import TargetError, canonical_host, parse_policy
     from egressd.wire.http1 import ClientSide, RequestHead, WireError
     from tests.support import reference as ref

@@ -15,7 +15,7 @@ import pytest
 
 from egressd.admission import identity
 from egressd.admission.credentials import CredentialStore, authenticate
-from egressd.admission.events import Decided
+from egressd.admission.events import Decided, Told
 from egressd.admission.state import ConnState
 from egressd.cli.watch import _line
 from egressd.observe.audit import AuditLog
@@ -128,6 +128,7 @@ def test_the_audit_and_watch_name_the_program(tmp_path: os.PathLike[str]) -> Non
             "rule": "allow: up.test",
             "pid": 4242,
             "exe": "/usr/bin/curl",
-        }
+        },
+        Told(),
     )
     assert line is not None and line.endswith("[/usr/bin/curl pid 4242]")
