@@ -84,7 +84,7 @@ class Served:
 
 @pytest.fixture
 def served(tmp_path: Path, dns: DnsServer, up: EchoHTTPServer) -> Iterator[Served]:
-    policy = ask_policy(tmp_path)
+    policy = ask_policy(tmp_path, timeout=90)  # a loaded machine can take long to show a card
     options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--no-prompt", "--dashboard"]
     with EgressdRun([*options, "--identify"]) as run:  # each decision names its program
         assert run.wait_for_stderr("dashboard: http://", timeout=15), run.stderr
@@ -471,14 +471,18 @@ def test_an_ask_card_says_time_left_who_asks_what_it_covers_and_what_always_writ
     curls = [start_curl(served.run, url) for _ in range(2)]
     other = start_curl(served.run, f"http://up.test:{up.port}/other")
     card = page.locator("#asks li.ask", has=page.locator(".target", has_text=" GET /same"))
-    wait_for(
-        lambda: card.count() == 1 and ", 2 waiting" in card.inner_text(),
-        timeout=60,
-        what="one card, 2 waiting",
-    )
+
+    def two_waiting() -> bool:
+        """The page redraws its cards as asks change: a card counted may be gone when read."""
+        try:
+            return card.count() == 1 and ", 2 waiting" in card.inner_text(timeout=1000)
+        except playwright_sync.TimeoutError:
+            return False
+
+    wait_for(two_waiting, timeout=60, what="one card, 2 waiting")
     left = card.locator(".left")
     first = int(re.fullmatch(r"refused in (\d+) s unless answered", left.inner_text()).group(1))  # type: ignore[union-attr]
-    assert 0 < first <= 30  # ask_timeout: 30 (a loaded machine may take a while to show the card)
+    assert 0 < first <= 90  # ask_timeout: 90
     wait_for(lambda: int(re.findall(r"\d+", left.inner_text())[0]) < first, timeout=5, what="the countdown")
     assert (
         "asked by" in card.locator(".who").inner_text() and "curl" in card.locator(".who code").inner_text()
