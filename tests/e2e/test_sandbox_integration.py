@@ -488,16 +488,23 @@ def test_child_killed_by_signal_kills_egressd_the_same_way(policy: Path, work: P
 SIGNAL_CHILD = """
     import signal, sys, time
     got = []
-    def handler(signo, frame):  # each signal is said as it arrives: the test sends the next after it
+    said = 0
+    def handler(signo, frame):  # only noted here: print is not reentrant, the loop says each
         got.append(signal.Signals(signo).name)
-        print(got[-1], flush=True)
+    def say():  # each signal is said as it arrives: the test sends the next after it
+        global said
+        while said < len(got):
+            print(got[said], flush=True)
+            said += 1
     for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(signo, handler)
     print("ready", flush=True)
     deadline = time.monotonic() + 30
     while "SIGTERM" not in got and time.monotonic() < deadline:
+        say()
         time.sleep(0.05)
     time.sleep(0.3)
+    say()
     print(",".join(got), flush=True)
     sys.exit(0 if "SIGTERM" in got else 1)
 """
