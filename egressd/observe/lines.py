@@ -3,12 +3,13 @@ already), a summary when the child exits, and a lock so lines from the proxy's t
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 from typing import TextIO
 
 
-class StderrReport:
+class StderrReport(abc.ABC):
     """A report whose summary() is printed once the child has exited."""
 
     def __init__(self, stream: TextIO, *, lines: bool = True) -> None:
@@ -16,8 +17,9 @@ class StderrReport:
         self._lines = lines  # off when --trace already prints every decision
         self._lock = threading.Lock()
 
+    @abc.abstractmethod
     def summary(self) -> str | None:
-        raise NotImplementedError
+        """The text printed once the child has exited, or None for nothing."""
 
     def print_summary(self) -> None:
         text = self.summary()
