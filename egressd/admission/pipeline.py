@@ -758,9 +758,8 @@ class Pipeline:
     async def _open(
         self, conn: ConnState, admitted: Admitted, protocol: asyncio.BaseProtocol
     ) -> Refusal | None:
-        if self.audit is not None and not self.audit.writable and (refused := self.audit_refusal()):
-            self.connection_record(conn, admitted, (refused.reason, refused.detail))
-            return dataclasses.replace(refused, host=admitted.host, port=admitted.port)
+        if (refused := self._unwritable(conn, admitted)) is not None:
+            return refused
         if admitted.pin is None and (refusal := await self._pin(conn, admitted)) is not None:
             return refusal
         pin = admitted.pin
@@ -770,14 +769,12 @@ class Pipeline:
         except ConnectFailure as failure:
             self.connection_record(conn, admitted, (failure.reason, failure.detail))
             return Refusal(failure.reason, failure.detail, pin.host, pin.port, admitted.decision.rule)
-        unrecorded = self.connection_record(conn, admitted, None)
+        unrecorded = self._on_record(conn, admitted, pin)
         if unrecorded is not None:  # its record was not written: closed before a byte passes
             transport = getattr(protocol, "transport", None)  # the fronts' protocols keep theirs
             if transport is not None:
                 transport.close()
-            self.connection_record(conn, admitted, (unrecorded.reason, unrecorded.detail))
-            return dataclasses.replace(unrecorded, host=pin.host, port=pin.port)
-        return None
+        return unrecorded
 
     def reused(self, conn: ConnState, admitted: Admitted, pin: Pin) -> Refusal | None:
         """A kept upstream connection (pinned as `pin`) taken for another client connection of the
@@ -786,15 +783,25 @@ class Pipeline:
         written (the connection is then not used)."""
         if admitted.pin is None:
             admitted.pin = pin
+        return self._unwritable(conn, admitted) or self._on_record(conn, admitted, pin)
+
+    def _unwritable(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
+        """Before an upstream connection is used: the refusal (recorded) while the audit log cannot
+        take its record under audit.on_failure: refuse."""
         refused = self.audit_refusal()
-        if refused is not None:
-            self.connection_record(conn, admitted, (refused.reason, refused.detail))
-            return dataclasses.replace(refused, host=admitted.host, port=admitted.port)
+        if refused is None:
+            return None
+        self.connection_record(conn, admitted, (refused.reason, refused.detail))
+        return dataclasses.replace(refused, host=admitted.host, port=admitted.port)
+
+    def _on_record(self, conn: ConnState, admitted: Admitted, pin: Pin) -> Refusal | None:
+        """The connection's record; the refusal when it was not written (recorded as that), so the
+        connection is not used."""
         unrecorded = self.connection_record(conn, admitted, None)
-        if unrecorded is not None:
-            self.connection_record(conn, admitted, (unrecorded.reason, unrecorded.detail))
-            return dataclasses.replace(unrecorded, host=pin.host, port=pin.port)
-        return None
+        if unrecorded is None:
+            return None
+        self.connection_record(conn, admitted, (unrecorded.reason, unrecorded.detail))
+        return dataclasses.replace(unrecorded, host=pin.host, port=pin.port)
 
     def reserve_upstream(self, upstream_id: str) -> Refusal | None:
         """Count an upstream connection against limits.max_connections and egressd's descriptors
