@@ -9,8 +9,8 @@
 #   test     everything the test suite needs: every system package below, Python 3.12 with the
 #            test extras, the npm packages the tests run, the gateway's images
 #
-# Safe to re-run: it only touches apt when a package is missing and pip only when pyproject.toml or
-# the extras changed.
+# Safe to re-run: it only touches apt when a package is missing and the venv only when pyproject.toml
+# or the extras changed.
 set -euo pipefail
 
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.."
@@ -145,13 +145,39 @@ fi
 if ! venv_ok; then
   rm -rf "$VENV"
   python="$(find_python)" || python=""
-  if [[ -z "$python" ]] || ! "$python" -m venv "$VENV" || ! venv_ok; then
+  # no pip in it: uv installs (below), and pip too where a purpose needs it
+  if [[ -z "$python" ]] || ! "$python" -m venv --without-pip "$VENV" || ! venv_ok; then
     log "ERROR: no Python 3.12 found (tried python3.12, pyenv 3.12.x, ~/.pyenv/versions/3.12*)."
     log "Install Python 3.12 (e.g. 'pyenv install 3.12') and re-run."
     exit 1
   fi
   log "created $VENV with $("$VENV/bin/python" -V)"
 fi
+
+# uv installs the packages (parallel downloads, no bytecode unless asked): pip alone takes most of
+# a first run's time. It comes from PATH, or once into .cache/ with the first pip at hand.
+UV_VERSION=0.13.8
+uv_tool() {
+  local dir="$REPO/.cache/uv-$UV_VERSION" base boot="$REPO/.cache/uv-boot"
+  if command -v uv >/dev/null 2>&1; then
+    command -v uv
+    return 0
+  fi
+  if [[ ! -x "$dir/bin/uv" ]]; then
+    mkdir -p "$REPO/.cache"
+    base="$("$VENV/bin/python" -c 'import sys; print(sys._base_executable)')"
+    if ! "$base" -m pip --version >/dev/null 2>&1; then
+      rm -rf "$boot" && "$base" -m venv "$boot" && base="$boot/bin/python"
+    fi
+    if ! "$base" -m pip install -q --disable-pip-version-check --root-user-action=ignore --target "$dir" \
+      "uv==$UV_VERSION" >"$boot.log" 2>&1; then
+      cat "$boot.log" >&2
+      return 1
+    fi
+    rm -rf "$boot" "$boot.log"
+  fi
+  echo "$dir/bin/uv"
+}
 
 # Editable install (with the test extras for `test`), only when pyproject.toml or the extras changed.
 target="."
@@ -161,18 +187,22 @@ sources="$(sha256sum pyproject.toml setup.py | sha256sum | cut -d' ' -f1)"
 want="$sources $target"
 have="$(cat "$stamp" 2>/dev/null || true)"
 [[ "$have" == "$sources .[test]" ]] && want="$have"  # the test extras hold everything the rest needs
+# pip in the venv for what runs it (the gateway's image build, bench, the wheel test); bytecode for
+# `test`, whose egressd processes run with PYTHONDONTWRITEBYTECODE and would otherwise compile their
+# dependencies on every start
+extra=()
+wants demo && ((${#PURPOSES[@]} == 1)) || extra+=(pip)
+wants test && extra+=(--compile-bytecode)
 if [[ "$have" != "$want" ]] \
-  || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("egressd")' 2>/dev/null; then
+  || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("egressd")' 2>/dev/null \
+  || { [[ " ${extra[*]} " == *" pip "* ]] && ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; }; then
   log "installing egressd (editable: $target) into $VENV"
-  pip_log="$VENV/pip-install.log"
-  # no bytecode for the dependencies outside `test` (seconds on a first run; Python compiles what it
-  # imports); egressd's own is compiled below
-  compile=(--no-compile)
-  wants test && compile=()
-  if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${compile[@]}" -e "$target" \
-    >"$pip_log" 2>&1; then
-    cat "$pip_log" >&2
-    log "ERROR: pip install failed (log: $pip_log)"
+  install_log="$VENV/install.log"
+  if ! uv="$(uv_tool)" \
+    || ! UV_LINK_MODE=copy "$uv" pip install -q --python "$VENV/bin/python" -e "$target" "${extra[@]}" \
+      >"$install_log" 2>&1; then
+    cat "$install_log" >&2 2>/dev/null || true
+    log "ERROR: installing egressd's packages failed (log: $install_log)"
     exit 1
   fi
   printf '%s\n' "$want" >"$stamp"
