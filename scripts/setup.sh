@@ -155,7 +155,8 @@ if ! venv_ok; then
 fi
 
 # uv installs the packages (parallel downloads, no bytecode unless asked): pip alone takes most of
-# a first run's time. It comes from PATH, or once into .cache/ with the first pip at hand.
+# a first run's time. It comes from PATH, or once into .cache/ with the first pip at hand; it trusts
+# the system's certificates, as pip does (a registry mirror behind a local CA keeps working).
 UV_VERSION=0.13.8
 uv_tool() {
   local dir="$REPO/.cache/uv-$UV_VERSION" base boot="$REPO/.cache/uv-boot"
@@ -199,8 +200,8 @@ if [[ "$have" != "$want" ]] \
   log "installing egressd (editable: $target) into $VENV"
   install_log="$VENV/install.log"
   if ! uv="$(uv_tool)" \
-    || ! UV_LINK_MODE=copy "$uv" pip install -q --python "$VENV/bin/python" -e "$target" "${extra[@]}" \
-      >"$install_log" 2>&1; then
+    || ! UV_LINK_MODE=copy UV_NATIVE_TLS="${UV_NATIVE_TLS:-1}" UV_PYTHON_DOWNLOADS=never \
+      "$uv" pip install -q --python "$VENV/bin/python" -e "$target" "${extra[@]}" >"$install_log" 2>&1; then
     cat "$install_log" >&2 2>/dev/null || true
     log "ERROR: installing egressd's packages failed (log: $install_log)"
     exit 1
