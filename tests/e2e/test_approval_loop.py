@@ -350,9 +350,12 @@ def test_an_allowed_tunnel_shows_in_watch_and_counts_in_ps(
     allow, and `ps` counts it, as a plain-HTTP request (decision and connection records) counts
     once too."""
     dns.add("tunnel.test", up.host)
+    dns.add("attached.test", up.host)
     policy = tmp_path / "policy.yaml"
     # the test upstream listens on 127.0.0.1
-    policy.write_text("version: 1\nmode: enforce\nallow: [tunnel.test]\nprivate:\n  allow: true\n")
+    policy.write_text(
+        "version: 1\nmode: enforce\nallow: [tunnel.test, attached.test]\nprivate:\n  allow: true\n"
+    )
     options = ["--policy", str(policy), "--nameserver", dns.nameserver, "--no-prompt"]
     with EgressdRun(options) as run:
         watch = subprocess.Popen(
@@ -364,22 +367,34 @@ def test_an_allowed_tunnel_shows_in_watch_and_counts_in_ps(
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(watch.stdout or ()), daemon=True)
         reader.start()
+        def curl(*args: str) -> None:
+            done = subprocess.run(
+                ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", run.proxy_url, *args],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert done.stdout == "200", done.stderr
+
+        def attached() -> bool:  # the watch follows from its start, not before: ask until it says so
+            curl(f"http://attached.test:{up.port}/attached")
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                if any("attached.test" in line for line in lines):
+                    return True
+                time.sleep(0.05)
+            return False
+
         try:
+            wait_for(attached, timeout=60, what="the watch attached")
             url = f"http://tunnel.test:{up.port}/through-a-tunnel"
             plain = f"http://tunnel.test:{up.port}/plain"
-
-            time.sleep(1.0)  # the watch has attached (it follows from its start, not before)
-            for args in (["-p", url], [plain]):
-                done = subprocess.run(
-                    ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", run.proxy_url, *args],
-                    capture_output=True,
-                    text=True,
-                    timeout=30,
-                )
-                assert done.stdout == "200", done.stderr
+            curl("-p", url)
+            curl(plain)
             wait_for(
                 lambda: (
-                    any(" connection " in line for line in lines) and any("/plain" in line for line in lines)
+                    any(" connection " in line and "tunnel.test" in line for line in lines)
+                    and any("/plain" in line for line in lines)
                 ),
                 what="the tunnel and the request on the watch",
             )
@@ -388,9 +403,10 @@ def test_an_allowed_tunnel_shows_in_watch_and_counts_in_ps(
             watch.terminate()
             watch.wait(10)
     # the tunnel, told by its connection's record; the request by its own, its connection's not again
-    tunnels = [line for line in lines if " connection " in line]
+    tunnels = [line for line in lines if " connection " in line and "tunnel.test" in line]
     assert tunnels and all(line.split()[1] == "allow" for line in tunnels), lines
-    requests = [line for line in lines if " request " in line]
+    requests = [line for line in lines if " request " in line and "tunnel.test" in line]
     assert requests and all("/plain" in line for line in requests), lines
     assert len(tunnels) == len(requests), lines  # one tunnel per try, one request per try: each once
-    assert counts["allowed"] >= 2 and counts["refused"] == 0, counts
+    assert not [line for line in lines if " connection " in line and "attached.test" in line], lines
+    assert counts["allowed"] >= 3 and counts["refused"] == 0, counts
