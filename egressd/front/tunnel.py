@@ -217,6 +217,8 @@ class FrontProtocol(Pipe):
     # -- the request head --------------------------------------------------------------------------
     def _on_head_bytes(self) -> None:
         del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
+        if self.buffer == b"\r":  # the first half of another empty line: nothing told yet
+            return
         if self.front.health and self._health_check():
             return
         if not self.buffer[:8].upper().startswith(b"CONNECT "[: len(self.buffer[:8])]):
