@@ -287,10 +287,16 @@ class Pipeline:
                 if root is not None:  # not yet started: nobody is the child yet (407)
                     identify(conn, root, tree_only=True)
             if not authenticate(self.credentials, conn, attempt.credentials):
-                return self._auth_refusal(conn)
+                refusal = self._auth_refusal(conn)
+                # credentials that are wrong, revoked or another's, and an outsider on the child-only
+                # listener, are recorded; none at all on a listener that wants them is the challenge
+                # a client that authenticates only when asked (the JVM) answers next: not recorded
+                if attempt.credentials is None and not conn.tree_only:
+                    return refusal
+                return self._refused_unread(conn, attempt, refusal)
         # 1a. nothing new while the audit cannot take its records (audit.on_failure: refuse)
         if self.audit is not None and not self.audit.writable and (refused := self.audit_refusal()):
-            return self._unrecorded(conn, attempt, refused)
+            return self._refused_unread(conn, attempt, refused)
         # 1b. accepted beyond egressd's capacity: answered (never dropped), before any lookup
         if conn.room != "serve":
             return self.overloaded(conn, attempt)
@@ -508,9 +514,9 @@ class Pipeline:
         detail = f"{what}{why} and refuses what it cannot record (audit.on_failure: refuse)"
         return Refusal(Reason.AUDIT_UNAVAILABLE, detail)
 
-    def _unrecorded(self, conn: ConnState, attempt: Attempt, refusal: Refusal) -> Refusal:
-        """An attempt refused before its decision because the audit cannot record it; the refusal's own
-        record is tried all the same (a refusal that cannot be recorded is still a refusal)."""
+    def _refused_unread(self, conn: ConnState, attempt: Attempt, refusal: Refusal) -> Refusal:
+        """An attempt refused before the policy read it (its credentials, or an audit that cannot
+        record it), recorded; a refusal whose record cannot be written is still a refusal."""
         refusal = dataclasses.replace(refusal, host=attempt.host, port=attempt.port)
         request = attempt.stage in ("request", "inner")
         self._emit(

@@ -68,7 +68,11 @@ class SocksProtocol(FrontProtocol):
                     self.transport.close()  # the listener's credentials were revoked
                     return
             elif isinstance(event, Credentials):
-                if not self._authenticate(event):
+                if not self._authenticate(event):  # wrong credentials are recorded, as on CONNECT
+                    detail = "wrong proxy credentials (RFC 1929)"
+                    self.pipeline.refused_early(
+                        self.state, None, None, Reason.PROXY_AUTH_REQUIRED, detail, stage="socks"
+                    )
                     self.transport.write(auth_reply(False))
                     self.transport.close()  # RFC 1929: a failure status, then the server closes
                     return
@@ -93,7 +97,8 @@ class SocksProtocol(FrontProtocol):
 
     def _refuse_handshake(self, error: Socks5Error) -> None:
         """A handshake egressd does not serve: its reply, then close. Recorded, unless it only lacks
-        credentials (a CONNECT without them is answered 407 and not recorded either)."""
+        credentials (a CONNECT without them is answered 407 and not recorded either: the challenge
+        a client answers next)."""
         if error.reason is not Reason.PROXY_AUTH_REQUIRED:
             self.pipeline.refused_early(self.state, None, None, error.reason, str(error), stage="socks")
         if self.transport is not None and not self.transport.is_closing():

@@ -9,6 +9,7 @@ its handshake is cut by header_timeout; a handshake in 1-byte writes is served l
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import struct
@@ -209,6 +210,30 @@ def test_a_wrong_password_gets_the_rfc1929_failure_then_close(lab: Lab) -> None:
         client.connect(("up.test", lab.upstream.port))
     assert _curl(lab, f"http://up.test:{lab.upstream.port}/", password="wrong").returncode != 0
     assert lab.upstream.connections == before
+
+
+def test_wrong_credentials_are_recorded_and_none_at_all_is_not(lab: Lab) -> None:
+    """Wrong (or revoked) credentials are an attempt someone made, recorded on both ports; a request
+    with none is the challenge a client that authenticates only when asked answers next."""
+    port = lab.upstream.port
+    target = f"wrong-{time.monotonic_ns()}.test"
+    wrong = base64.b64encode(f"{lab.client.username}:not-the-token".encode()).decode()
+    for credentials in (f"Proxy-Authorization: Basic {wrong}\r\n", ""):
+        with lab.client.open() as sock:
+            sock.sendall(
+                f"CONNECT {target}:{port} HTTP/1.1\r\nHost: {target}:{port}\r\n{credentials}\r\n".encode()
+            )
+            assert parse_http(sock.recv(65536))[0] == 407
+    record = lab.wait_record(host=target, reason="proxy_auth_required")
+    assert record["decision"] == "deny" and record["stage"] == "connect", record
+    with socket.create_connection(lab.socks, timeout=10) as sock:
+        sock.sendall(b"\x05\x01\x02")
+        assert recv_exact(sock, 2) == b"\x05\x02"
+        user, password = lab.client.username.encode(), b"not-the-token"
+        sock.sendall(b"\x01" + bytes([len(user)]) + user + bytes([len(password)]) + password)
+        assert recv_exact(sock, 2) == b"\x01\x01"
+    lab.wait_record(stage="socks", reason="proxy_auth_required", decision="deny")
+    assert len([r for r in lab.records() if r.get("host") == target]) == 1, lab.records()[-5:]
 
 
 def test_a_client_offering_no_auth_only_is_refused(lab: Lab) -> None:
