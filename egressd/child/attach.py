@@ -7,25 +7,23 @@ credentials (POST /v1/children), puts them in the environment like `exec` does, 
 itself with CMD (exec): the child's stdin, stdout, stderr, exit status and signals are its own,
 no egressd process stays behind, and the instance revokes the token when this pid exits.
 
-The start-up is the point, so this module imports the standard library and five small egressd
-modules only — no click, no policy, no asyncio, no mitmproxy. `egressd/entry.py` sends a plain
-`exec --attach ...` command line here before the CLI is even imported; the `exec` command of the
-CLI calls `attach` too, for the command lines the quick parser leaves to click.
+The start-up is the point, so this module imports the standard library, h11 (which reads the
+control API's answer) and five small egressd modules only — no click, no policy, no asyncio, no
+mitmproxy. `egressd/entry.py` sends a plain `exec --attach ...` command line here before the CLI is
+even imported; the `exec` command of the CLI calls `attach` too, for the command lines the quick
+parser leaves to click.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
+from typing import NoReturn
 
 from egressd.child.env import stripped_variable
 from egressd.child.ssh_env import add_git_ssh
 from egressd.control.client import ControlClient, ControlError, find_instances
-
-TYPE_CHECKING = False  # not typing's: importing typing would cost every attached child
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-    from typing import NoReturn
 
 
 class AttachError(Exception):

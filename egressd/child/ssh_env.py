@@ -11,9 +11,9 @@ from __future__ import annotations
 import shlex
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-TYPE_CHECKING = False  # not typing's: `exec --attach` imports this module, and neither typing nor policy
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # not at run time: `exec --attach` imports this module, and not the policy
     from egressd.policy import Policy
 
 SSH_PORT = 22

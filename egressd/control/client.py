@@ -1,11 +1,9 @@
 """A small synchronous client of the control API (the CLI's `ps`, `pending`, `approve`, ...).
 
-No event loop and no aiohttp import, so a command answers in the time Python takes to start. One
-request (`call`) is written and read on the Unix socket directly: `egressd exec --attach` makes one
-per child it starts, and neither http.client (email, ssl) nor h11 (typing) may load on that path
-(tests/e2e/test_attach.py checks it). The control API answers a request whole, with a Content-Length
-and `Connection: close`, so the answer is its head and the bytes up to the close; anything else is
-not the control API. The streams (`stream`) use http.client.
+No event loop and no aiohttp import, so a command answers in the time Python takes to start. The
+answers are read by h11's client role, the one HTTP parser of egressd's own clients: `call` takes an
+answer whole (the control API sends each with a Content-Length), `stream` the chunked lines of a
+stream as they come. A malformed, truncated or oversize answer is a ControlError.
 """
 
 from __future__ import annotations
@@ -14,15 +12,14 @@ import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import h11
 
 from egressd.control import paths
 
-TYPE_CHECKING = False  # not typing's: `exec --attach` imports this module and not typing
-if TYPE_CHECKING:
-    import http.client
-    from typing import Any
-
-MAX_ANSWER = 16 * 1024 * 1024  # a control answer larger than this is not egressd's
+MAX_HEAD = 64 * 1024
+MAX_ANSWER = 16 * 1024 * 1024  # a control answer (or a stream's line) larger than this is not egressd's
 
 
 class ControlError(Exception):
@@ -33,14 +30,15 @@ class ControlError(Exception):
         self.status = status
 
 
-def _unix_connection(path: Path, timeout: float | None) -> http.client.HTTPConnection:
-    import http.client
+class _NotControl(Exception):
+    """The answer is not one egressd's control API sends."""
 
-    class UnixConnection(http.client.HTTPConnection):
-        def connect(self) -> None:
-            self.sock = _connect(path, self.timeout)
 
-    return UnixConnection("egressd", timeout=timeout)
+_FAILURES = (OSError, h11.ProtocolError, _NotControl)
+
+
+def _why(exc: BaseException) -> object:
+    return getattr(exc, "strerror", None) or exc
 
 
 def _connect(path: Path, timeout: float | None) -> socket.socket:
@@ -54,34 +52,57 @@ def _connect(path: Path, timeout: float | None) -> socket.socket:
     return sock
 
 
-def _exchange(path: Path, timeout: float, method: str, url: str, data: bytes | None) -> tuple[int, bytes]:
-    """One HTTP/1.1 request with `Connection: close`; (status, body) read up to the server's close."""
-    head = [f"{method} {url} HTTP/1.1", "Host: egressd", "Connection: close"]
-    if data is not None:
-        head += ["Content-Type: application/json", f"Content-Length: {len(data)}"]
-    sock = _connect(path, timeout)
-    try:
-        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode("ascii") + (data or b""))
-        chunks, size = [], 0
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_ANSWER:
-                raise OSError(f"an answer over {MAX_ANSWER} bytes")
-    finally:
-        sock.close()
-    raw = b"".join(chunks)
-    header, sep, body = raw.partition(b"\r\n\r\n")
-    lines = header.decode("latin-1").split("\r\n")
-    status = lines[0].split(" ", 2)
-    if not sep or len(status) < 2 or not status[0].startswith("HTTP/1.") or not status[1].isdigit():
-        raise OSError("not an HTTP answer")
-    fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    if "transfer-encoding" in fields:  # the control API sends every answer to a request whole
-        raise OSError("not an answer of egressd's control API")
-    if fields.get("content-length", "").isdigit():
-        body = body[: int(fields["content-length"])]
-    return int(status[1]), body
+class _Exchange:
+    """One request with `Connection: close` on its own connection, and its answer's h11 events."""
+
+    def __init__(self, path: Path, timeout: float | None, method: str, url: str, data: bytes | None) -> None:
+        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        headers = [("Host", "egressd"), ("Connection", "close")]
+        if data is not None:
+            headers += [("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+        out = self._h11.send(h11.Request(method=method, target=url, headers=headers))
+        out += self._h11.send(h11.Data(data=data)) if data else b""
+        out += self._h11.send(h11.EndOfMessage())
+        self.sock = _connect(path, timeout)
+        try:
+            self.sock.sendall(out)
+        except OSError:
+            self.sock.close()
+            raise
+
+    def response(self) -> h11.Response:
+        """The answer's head (1xx answers skipped)."""
+        while True:
+            event = self._next()
+            if isinstance(event, h11.Response):
+                return event
+            if not isinstance(event, h11.InformationalResponse):
+                raise _NotControl("no answer")
+
+    def body(self) -> Iterator[bytes]:
+        """The answer's body as it comes, up to its end."""
+        while isinstance(event := self._next(), h11.Data):
+            yield bytes(event.data)
+
+    def whole(self) -> tuple[int, bytes]:
+        """(status, body) of an answer sent whole (a Content-Length, or up to the close), bounded, and
+        up to the server's close: after the answer to `Connection: close` there is nothing."""
+        response = self.response()
+        if any(name == b"transfer-encoding" for name, _ in response.headers):
+            raise _NotControl("not an answer of egressd's control API")  # it sends every answer whole
+        body = bytearray()
+        for data in self.body():
+            body += data
+            if len(body) > MAX_ANSWER:
+                raise _NotControl(f"an answer over {MAX_ANSWER} bytes")
+        if not isinstance(self._next(), h11.ConnectionClosed):
+            raise _NotControl("more than one answer")
+        return response.status_code, bytes(body)
+
+    def _next(self) -> h11.Event:
+        while (event := self._h11.next_event()) is h11.NEED_DATA:
+            self._h11.receive_data(self.sock.recv(65536))
+        return event  # type: ignore[return-value]  # not PAUSED: no CONNECT, no Upgrade is sent
 
 
 class ControlClient:
@@ -93,10 +114,13 @@ class ControlClient:
         """One request; the JSON answer, or ControlError with the server's message."""
         data = json.dumps(body).encode() if body is not None else None
         try:
-            status, raw = _exchange(self.path, self.timeout, method, url, data)
-        except (OSError, ValueError) as exc:
-            why = getattr(exc, "strerror", None) or exc
-            raise ControlError(f"cannot reach egressd at {self.path}: {why}") from exc
+            exchange = _Exchange(self.path, self.timeout, method, url, data)
+            try:
+                status, raw = exchange.whole()
+            finally:
+                exchange.sock.close()
+        except _FAILURES as exc:
+            raise ControlError(f"cannot reach egressd at {self.path}: {_why(exc)}") from exc
         try:
             answer = json.loads(raw) if raw else {}
         except ValueError as exc:
@@ -108,26 +132,36 @@ class ControlClient:
 
     def stream(self, url: str) -> Iterator[dict[str, Any]]:
         """The lines of a newline-delimited JSON stream, until egressd closes it."""
-        conn = _unix_connection(self.path, None)
         try:
-            conn.request("GET", url)
-            response = conn.getresponse()
-            if response.status >= 400:
-                raise ControlError(f"HTTP {response.status}", response.status)
-            while True:
-                line = response.readline()
-                if not line:
-                    return
-                try:
-                    item = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(item, dict):
-                    yield item
-        except OSError as exc:
-            raise ControlError(f"lost egressd at {self.path}: {exc.strerror or exc}") from exc
+            exchange = _Exchange(self.path, None, "GET", url, None)
+        except _FAILURES as exc:
+            raise ControlError(f"cannot reach egressd at {self.path}: {_why(exc)}") from exc
+        try:
+            response = exchange.response()
+            if response.status_code >= 400:
+                raise ControlError(f"HTTP {response.status_code}", response.status_code)
+            pending = b""
+            for data in exchange.body():
+                *lines, pending = (pending + data).split(b"\n")
+                if len(pending) > MAX_ANSWER:
+                    raise _NotControl(f"a line over {MAX_ANSWER} bytes")
+                yield from _objects(lines)
+            yield from _objects([pending])
+        except _FAILURES as exc:
+            raise ControlError(f"lost egressd at {self.path}: {_why(exc)}") from exc
         finally:
-            conn.close()
+            exchange.sock.close()
+
+
+def _objects(lines: list[bytes]) -> Iterator[dict[str, Any]]:
+    """The lines that are JSON objects (a stream's other lines are not for this client)."""
+    for line in lines:
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            yield item
 
 
 def find_instances(directory: Path | None = None) -> tuple[Path, list[paths.Found]]:
