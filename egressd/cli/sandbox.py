@@ -241,7 +241,11 @@ def run_sandboxed(
     outcome = Outcome(EXIT_CANNOT_RUN, started=False)
     # the secrets' source files are hidden once the policy that names them is loaded
     guard = SourceGuard(then=narrow.LoopbackConfinement(loopback_ports, then=narrowing))
-    with open_session(options, announce_reloads=options.trace, transform=guard, command=command) as session:
+    # the resolver loads once the sandbox is on its way (run_bwrap, run_seatbelt)
+    opened = open_session(
+        options, announce_reloads=options.trace, transform=guard, command=command, resolver_later=True
+    )
+    with opened as session:
         try:
             layout = guard.fix(lambda files: hide_more(layout, files))
         except (MountError, SourceError) as exc:
