@@ -13,18 +13,23 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import re
 import shutil
 import subprocess
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 NODE_WARNING_FLAG = "--disable-warning=UNDICI-EHPA"
 _WGETRC_MAX = 1 << 20
 _NODE_VERSION = re.compile(r"v(\d+)\.(\d+)\.(\d+)")
-_versions: dict[tuple[str, int, int, str], tuple[int, int, int] | None] = {}
+NodeVersion = tuple[int, int, int] | None
+# by node binary: its version, once asked (a second asker waits for the first's answer)
+_versions: dict[tuple[str, int, int, str], concurrent.futures.Future[NodeVersion]] = {}
+_versions_lock = threading.Lock()
 
 
 def node_supports_disable_warning(version: tuple[int, int, int] | None) -> bool:
@@ -35,7 +40,7 @@ def node_supports_disable_warning(version: tuple[int, int, int] | None) -> bool:
     return major >= 22 or (major == 21 and minor >= 3) or (major == 20 and minor >= 11)
 
 
-def node_version(env: Mapping[str, str]) -> tuple[int, int, int] | None:
+def node_version(env: Mapping[str, str]) -> NodeVersion:
     """The version of the `node` the child's PATH finds, asked with the child's environment (version
     managers' shims need it) and cached by binary, size, mtime and directory (a shim may pick another
     version elsewhere); None when there is none or it does not answer `--version` plainly."""
@@ -48,26 +53,40 @@ def node_version(env: Mapping[str, str]) -> tuple[int, int, int] | None:
         key = (os.path.realpath(found), info.st_size, info.st_mtime_ns, os.getcwd())
     except OSError:
         return None
-    if key not in _versions:
-        version = None
-        probe_env = {k: v for k, v in env.items() if k != "NODE_OPTIONS"}
+    with _versions_lock:
+        asked = _versions.get(key)
+        if asked is None:
+            asked = _versions[key] = concurrent.futures.Future()
+            ours = True
+        else:
+            ours = False
+    if ours:
         try:
-            done = subprocess.run(  # never the child's stdin: it may be an editor's JSON-RPC stream
-                [found, "--version"],
-                env=probe_env,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=5,
-                check=False,
-            )
-            match = _NODE_VERSION.fullmatch(done.stdout.strip())
-            if done.returncode == 0 and match:
-                version = (int(match[1]), int(match[2]), int(match[3]))
-        except (OSError, subprocess.SubprocessError):
-            pass
-        _versions[key] = version
-    return _versions[key]
+            asked.set_result(_ask_version(found, env))
+        except BaseException as exc:
+            asked.set_exception(exc)
+            raise
+    return asked.result()
+
+
+def _ask_version(node: str, env: Mapping[str, str]) -> NodeVersion:
+    probe_env = {k: v for k, v in env.items() if k != "NODE_OPTIONS"}
+    # stdin never the child's: it may be an editor's JSON-RPC stream
+    try:
+        done = subprocess.run(
+            [node, "--version"], env=probe_env, stdin=subprocess.DEVNULL, capture_output=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = _NODE_VERSION.fullmatch(done.stdout.decode("ascii", "replace").strip())
+    return (int(match[1]), int(match[2]), int(match[3])) if done.returncode == 0 and match else None
+
+
+def ask_node_version(env: Mapping[str, str]) -> None:
+    """Ask the version of the child's node now, in a thread of its own, for the child's
+    environment built later from the same `env` (node starts slowly: its answer comes while the
+    proxy starts)."""
+    threading.Thread(target=node_version, args=(dict(env),), name="egressd-node-version", daemon=True).start()
 
 
 def node_options(current: str | None, version: tuple[int, int, int] | None) -> str | None:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import click
 
 from egressd.admission import identity
-from egressd.child import process
+from egressd.child import client_fixes, process
 from egressd.child.ssh_env import with_git_ssh
 from egressd.cli.options import (
     capture_option,
@@ -87,6 +88,7 @@ def exec_command(
     catcher = process.child_signal_catcher().install()
     if options.passthrough:
         run_unwrapped(options, command, catcher)
+    client_fixes.ask_node_version(os.environ)
     returncode = EXIT_CANNOT_RUN
     with open_session(options, announce_reloads=options.trace, command=command) as session:
         creds = session.credentials()

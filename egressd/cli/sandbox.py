@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import click
 
 from egressd.admission.state import ProxyCredentials
-from egressd.child import process
+from egressd.child import client_fixes, process
 from egressd.cli.options import (
     capture_option,
     dashboard_option,
@@ -221,6 +221,7 @@ def run_sandboxed(
             "configuration, .envrc, editor and agent settings, which run code outside the sandbox later"
         )
     env_base = child_base_env(os.environ, pass_env) if env_clear else None
+    client_fixes.ask_node_version(os.environ if env_base is None else env_base)
     bwrap, disable_userns, sandbox_exec = "", True, ""
     probe = None
     try:
@@ -241,7 +242,11 @@ def run_sandboxed(
     outcome = Outcome(EXIT_CANNOT_RUN, started=False)
     # the secrets' source files are hidden once the policy that names them is loaded
     guard = SourceGuard(then=narrow.LoopbackConfinement(loopback_ports, then=narrowing))
-    with open_session(options, announce_reloads=options.trace, transform=guard, command=command) as session:
+    # the resolver loads once the sandbox is on its way (run_bwrap, run_seatbelt)
+    opened = open_session(
+        options, announce_reloads=options.trace, transform=guard, command=command, resolver_later=True
+    )
+    with opened as session:
         try:
             layout = guard.fix(lambda files: hide_more(layout, files))
         except (MountError, SourceError) as exc:

@@ -106,12 +106,19 @@ class Snapshot:
 
 
 def replace_atomically(
-    path: Path, data: str | bytes, *, mode: int | None = None, check: Callable[[str], None] | None = None
+    path: Path,
+    data: str | bytes,
+    *,
+    mode: int | None = None,
+    check: Callable[[str], None] | None = None,
+    durable: bool = True,
 ) -> None:
     """Replace `path` by `data` (text is written as UTF-8) with one rename; `check(temporary path)`
     may refuse by raising, and then `path` is unchanged. `mode`: the file's permissions (default:
     the file's own, 0644 for a new file); the temporary file is 0600 until it is complete, so a
-    private file is never readable by others, not even for a moment."""
+    private file is never readable by others, not even for a moment. `durable`: on disk before the
+    rename (fsync); False only for a file that a crash of the machine may leave empty or lost at
+    no cost."""
     if mode is None:
         try:
             mode = path.stat().st_mode & 0o7777
@@ -122,7 +129,8 @@ def replace_atomically(
         with os.fdopen(fd, "wb") as handle:
             handle.write(data.encode("utf-8") if isinstance(data, str) else data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         if check is not None:
             check(temp)
         os.chmod(temp, mode)

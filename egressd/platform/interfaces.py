@@ -41,10 +41,16 @@ def _family(sockaddr: int) -> int:
     return raw[1] if _BSD else int.from_bytes(raw, sys.byteorder)
 
 
+def libc_name() -> str | None:
+    """The C library to load: on Linux the process's own symbols (None), which hold libc's, found
+    without ctypes.util.find_library (it runs `ldconfig -p`, a process of its own, on every call)."""
+    return None if sys.platform.startswith("linux") else ctypes.util.find_library("c")
+
+
 def local_addresses() -> frozenset[IPAddress]:
     """Every address of this machine's interfaces; empty where getifaddrs is unavailable."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc = ctypes.CDLL(libc_name(), use_errno=True)
         getifaddrs, freeifaddrs = libc.getifaddrs, libc.freeifaddrs
     except (OSError, AttributeError):
         return frozenset()

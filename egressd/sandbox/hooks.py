@@ -565,7 +565,8 @@ def _record(registry: str | None, path: str, made: Made) -> None:
         return
     with contextlib.suppress(OSError):
         os.makedirs(registry, mode=0o700, exist_ok=True)
-        replace_atomically(Path(_registered(registry, path)), " ".join(map(str, made)))
+        # not fsynced: a record a crash of the machine loses leaves an empty placeholder behind
+        replace_atomically(Path(_registered(registry, path)), " ".join(map(str, made)), durable=False)
 
 
 def _recorded(registry: str | None, path: str) -> Made | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import signal
 import socket
@@ -37,6 +36,7 @@ from egressd.sandbox import (
     capture,
 )
 from egressd.sandbox.bwrap import launcher_command
+from egressd.sandbox.launcher import SETUP_CAPTURE, SETUP_NO_CAPTURE
 from egressd.session.proxy import EngineError
 
 if TYPE_CHECKING:
@@ -351,7 +351,7 @@ class LauncherLink:
                     "in the child's network namespace only the proxy leads out"
                 )
         with contextlib.suppress(OSError):  # the launcher is gone: its status tells why
-            os.write(self.setup_w, json.dumps({"capture": captured}).encode() + b"\n")
+            os.write(self.setup_w, (SETUP_CAPTURE if captured else SETUP_NO_CAPTURE).encode() + b"\n")
         self.end_setup()
 
     def end_setup(self) -> None:

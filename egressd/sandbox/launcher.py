@@ -18,8 +18,8 @@ inherits:
 - status (launcher -> egressd): `started`, then `exit N` (a subprocess-style code, -N for a
   signal), or `error MESSAGE` when the namespace could not be set up (`unavailable MESSAGE` when
   the kernel refused the user or network namespace itself).
-- setup (egressd -> launcher, optional): one JSON line, then EOF, written once egressd has set up
-  the namespace's network from outside (capture.py): whether connections are captured. The child
+- setup (egressd -> launcher, optional): one line, then EOF, written once egressd has set up
+  the namespace's network from outside (capture.py): `capture` or `no-capture`. The child
   starts only after it, so nothing it sends escapes the capture.
 - names and captures (optional, with capture): the capture asks egressd for the names of the
   child's DNS over the first, and hands it every captured connection over the second
@@ -33,12 +33,10 @@ sandbox) joins a new session keyring (the user's stays outside).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import errno
 import fcntl
-import json
 import os
 import signal
 import socket
@@ -47,10 +45,13 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING
 
 from egressd.platform.exits import FORWARDED_SIGNALS, exec_failure
 from egressd.sandbox import BRIDGE_HOST, bridge, seccomp
+
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 STOP_GRACE = 5.0
 PR_SET_DUMPABLE = 4
@@ -100,18 +101,21 @@ def _parse_capture(text: str) -> tuple[int, int]:
     return int(tcp), int(dns)
 
 
-def _read_setup(fd: int) -> dict[str, object]:
-    """egressd's one setup line; an empty dict when egressd went away before sending it."""
+SETUP_CAPTURE = "capture"  # egressd's setup line: the capture is installed
+SETUP_NO_CAPTURE = "no-capture"  # ... it is not (or was not asked for)
+
+
+def _read_setup(fd: int) -> str | None:
+    """egressd's one setup line (SETUP_CAPTURE or SETUP_NO_CAPTURE); None when egressd went away
+    before sending it."""
     data = b""
     with contextlib.suppress(OSError):
         while b"\n" not in data and (chunk := os.read(fd, 4096)):
             data += chunk
     os.close(fd)
-    try:
-        setup = json.loads(data.partition(b"\n")[0] or b"{}")
-    except ValueError:
-        return {}
-    return setup if isinstance(setup, dict) else {}
+    line, newline, _ = data.partition(b"\n")
+    said = line.decode("ascii", "replace")
+    return said if newline and said in (SETUP_CAPTURE, SETUP_NO_CAPTURE) else None
 
 
 def _bind_capture(spec: str, names_fd: int | None, captures_fd: int) -> Callable[[], Awaitable[None]]:
@@ -159,25 +163,76 @@ def _relay_signals(control_fd: int, send: Callable[[int], None]) -> None:
                 send(signo)
 
 
-def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m egressd.sandbox.launcher")
-    parser.add_argument("--control-fd", type=int, required=True)
-    parser.add_argument("--status-fd", type=int, required=True)
-    parser.add_argument("--handover-fd", type=int, required=True)
-    parser.add_argument("--listen", action="append", default=[], metavar="HOST:PORT=http|socks|open")
-    parser.add_argument("--setup-fd", type=int, default=None)
-    parser.add_argument("--capture", default=None, metavar="TCP_PORT,DNS_PORT")
-    parser.add_argument("--link-view", action="append", default=[], metavar="DIRECTORY=VIEW")
-    parser.add_argument("--names-fd", type=int, default=None)
-    parser.add_argument("--captures-fd", type=int, default=None)
-    parser.add_argument("--unshare", action="store_true", help="make the user and network namespaces")
-    parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    if args.command[:1] == ["--"]:
-        args.command = args.command[1:]
-    if not args.command:
-        parser.error("no command")
-    return args
+class Arguments:
+    """The launcher's command line, as launcher_command (bwrap.py) writes it: each option followed
+    by its value, `--unshare` alone, then `--` and the child's command. Parsed by hand: argparse
+    (and the regular expressions it imports) would be most of the launcher's start-up."""
+
+    NAMED = (
+        "--control-fd",
+        "--status-fd",
+        "--handover-fd",
+        "--setup-fd",
+        "--names-fd",
+        "--captures-fd",
+        "--capture",
+        "--listen",
+        "--link-view",
+    )
+    REPEATED = ("--listen", "--link-view")
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        values: dict[str, list[str]] = {}
+        self.unshare = False
+        position = 0
+        while position < len(argv) and argv[position] != "--":
+            name = argv[position]
+            if name == "--unshare":
+                self.unshare = True
+                position += 1
+                continue
+            if name not in self.NAMED or position + 1 >= len(argv):
+                raise ValueError(f"unexpected {name!r}")
+            if name not in self.REPEATED and name in values:
+                raise ValueError(f"{name} given twice")
+            values.setdefault(name, []).append(argv[position + 1])
+            position += 2
+        self.command = list(argv[position + 1 :])
+        if not self.command:
+            raise ValueError("no command")
+        self.control_fd = _required_fd(values, "--control-fd")
+        self.status_fd = _required_fd(values, "--status-fd")
+        self.handover_fd = _required_fd(values, "--handover-fd")
+        self.setup_fd = _fd(values, "--setup-fd")
+        self.names_fd = _fd(values, "--names-fd")
+        self.captures_fd = _fd(values, "--captures-fd")
+        self.listen = values.get("--listen", [])
+        self.link_view = values.get("--link-view", [])
+        self.capture = values["--capture"][0] if "--capture" in values else None
+
+
+def _fd(values: dict[str, list[str]], name: str) -> int | None:
+    given = values.get(name)
+    if given is None:
+        return None
+    if not given[0].isdigit():
+        raise ValueError(f"{name} {given[0]!r}: expected a descriptor")
+    return int(given[0])
+
+
+def _required_fd(values: dict[str, list[str]], name: str) -> int:
+    fd = _fd(values, name)
+    if fd is None:
+        raise ValueError(f"{name} is required")
+    return fd
+
+
+def _arguments(argv: Sequence[str] | None) -> Arguments:
+    try:
+        return Arguments(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"python -m egressd.sandbox.launcher: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)
 
 
 def _not_dumpable() -> None:
@@ -322,10 +377,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     capture: Callable[[], Awaitable[None]] | None = None
     if args.setup_fd is not None:
         setup = _read_setup(args.setup_fd)
-        if not setup:
+        if setup is None:
             _report(status, "error egressd went away before the command started")
             os._exit(1)
-        if args.capture and setup.get("capture") and args.captures_fd is not None:
+        if args.capture and setup == SETUP_CAPTURE and args.captures_fd is not None:
             try:
                 capture = _bind_capture(args.capture, args.names_fd, args.captures_fd)
             except (OSError, ValueError) as exc:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from egressd.admission.resolve import load_resolver
 from egressd.child.env import CHILD_PROXY_VAR
 from egressd.child.process import SignalCatcher, run_child, spawn
 from egressd.inspect.ca import java_truststore_path
@@ -233,6 +234,7 @@ def run_bwrap(
                 if fd >= 0:
                     os.close(fd)  # the sandbox holds these ends now
             link.spawned()
+        load_resolver()  # while bubblewrap and the launcher start (once per process)
         try:
             problem = link.serve(session, creds)
             if problem is None:
@@ -363,6 +365,7 @@ def run_seatbelt(
             session, creds, http, socks, "seatbelt", env_base, hidden, layout.cache, temp=run_dir
         )
         keep_only_inherited(())
+        load_resolver()  # once per process
 
         def started(pid: int) -> None:
             group.append(pid)

@@ -168,10 +168,14 @@ class ProxyServer:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     # -- life cycle ----------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, *, resolver: bool = True) -> None:
+        """`resolver`: load the resolver now, in a thread of its own while the proxy and the child
+        start; False: the caller starts the load (resolve.load_resolver) once its own start-up is
+        done, so the load's Python does not compete with it for the interpreter."""
         patches.check_version()
         raise_soft_limit()
-        load_resolver()  # in a thread of its own while the proxy and the child start
+        if resolver:
+            load_resolver()
         self._prepare_inspection()
         self._thread = threading.Thread(target=self._thread_main, name="egressd-proxy", daemon=True)
         self._thread.start()

@@ -45,7 +45,8 @@ class ProxySession:
 
     `transform`: how the command narrows every policy it loads (the sandbox's --only); `source`:
     another policy source than the file; `audit`: another audit than the file; `sockets`: the
-    proxy's listening sockets, made elsewhere (a remote session's guard)."""
+    proxy's listening sockets, made elsewhere (a remote session's guard); `resolver_later`: the
+    command loads the resolver itself once its child is on its way (ProxyServer.start)."""
 
     def __init__(
         self,
@@ -59,6 +60,7 @@ class ProxySession:
         source: PolicySource | None = None,
         audit: AuditLog | None = None,
         sockets: Mapping[str, socket.socket] | None = None,
+        resolver_later: bool = False,
     ) -> None:
         self.options = options
         # what `egressd ps` and the ask prompt show: the child's command, or egressd's own
@@ -73,6 +75,7 @@ class ProxySession:
         self._announce = announce_reloads
         self._audit = audit
         self._sockets = sockets
+        self._resolver_later = resolver_later
         # the files the policy is read from, as absolute paths (`ps`, the dashboard): named once,
         # while the working directory is the one they were given in
         named = [options.policy_file] if options.policy_file is not None else []
@@ -159,7 +162,7 @@ class ProxySession:
         if self.policy.secrets:
             not_dumpable()  # the child (same user) reads neither /proc/<egressd>/environ nor memory
         try:
-            proxy.start()
+            proxy.start(resolver=not self._resolver_later)
         except EngineError as exc:
             self.close()
             raise SessionError(f"cannot start the proxy: {exc}") from exc

@@ -15,7 +15,6 @@ user can then read neither that file nor egressd's memory.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import subprocess
@@ -24,6 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from egressd.platform.interfaces import libc_name
 from egressd.policy.secrets import SecretSpec
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith(("linux", "darwin")):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(libc_name(), use_errno=True)
     except OSError:
         return None
 

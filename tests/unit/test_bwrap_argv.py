@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from egressd.sandbox.bwrap import LAUNCHER_BOOT, BwrapSpec, bwrap_argv, launcher_command, probe_argv
+from egressd.sandbox.launcher import Arguments
 from egressd.sandbox.mounts import Mount, MountError, order, plan_mounts
 from egressd.sandbox.shields import Cover
 
@@ -200,3 +201,55 @@ def test_pyenv_shims_get_a_private_view() -> None:
     command = launcher_command("/py", "/r", 5, 7, 8, [], ["x"], views=spec.private_views)
     assert "--link-view" in command
     assert command[command.index("--link-view") + 1] == "/home/u/.pyenv/shims=/tmp/.egressd-pyenv-shims"
+
+
+def test_the_launcher_reads_every_option_launcher_command_writes() -> None:
+    argv = launcher_command(
+        "/py",
+        "/r",
+        5,
+        7,
+        8,
+        [("127.0.0.1:3128", "http"), ("127.0.0.1:1080", "socks")],
+        ["sh", "-c", "x", "--", "--listen", "--unshare"],
+        setup_fd=9,
+        capture=(3129, 1053),
+        views=[("/a", "/tmp/v/a"), ("/b", "/tmp/v/b")],
+        names_fd=10,
+        captures_fd=12,
+        unshare=True,
+    )
+    args = Arguments(argv[argv.index("/r") + 1 :])
+    assert (args.control_fd, args.status_fd, args.handover_fd) == (5, 7, 8)
+    assert (args.setup_fd, args.names_fd, args.captures_fd) == (9, 10, 12)
+    assert args.listen == ["127.0.0.1:3128=http", "127.0.0.1:1080=socks"]
+    assert args.capture == "3129,1053"
+    assert args.link_view == ["/a=/tmp/v/a", "/b=/tmp/v/b"]
+    assert args.unshare
+    # everything after the first `--` is the child's, options and `--` alike
+    assert args.command == ["sh", "-c", "x", "--", "--listen", "--unshare"]
+    bare = Arguments(["--control-fd", "1", "--status-fd", "2", "--handover-fd", "3", "--", "true"])
+    assert (bare.setup_fd, bare.names_fd, bare.captures_fd, bare.capture) == (None, None, None, None)
+    assert (bare.listen, bare.link_view, bare.unshare, bare.command) == ([], [], False, ["true"])
+
+
+REQUIRED = ["--control-fd", "1", "--status-fd", "2", "--handover-fd", "3"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*REQUIRED, "--"],  # no command
+        [*REQUIRED, "true"],  # no `--`
+        ["--control-fd", "1", "--status-fd", "2", "--", "true"],  # a required descriptor missing
+        [*REQUIRED, "--setup-fd", "x", "--", "true"],  # not a descriptor
+        [*REQUIRED, "--setup-fd", "-1", "--", "true"],
+        [*REQUIRED, "--status-fd", "4", "--", "true"],  # given twice
+        [*REQUIRED, "--setup-fd=4", "--", "true"],  # only the form launcher_command writes
+        [*REQUIRED, "--bogus", "1", "--", "true"],
+        [*REQUIRED, "--capture"],  # an option's value missing
+    ],
+)
+def test_the_launcher_refuses_a_command_line_launcher_command_never_writes(argv: list[str]) -> None:
+    with pytest.raises(ValueError):
+        Arguments(argv)
