@@ -9,6 +9,8 @@ import threading
 
 from egressd.admission.state import DEFAULT_USERNAME, ConnState, ProxyCredentials
 
+VERIFIED = 256  # Proxy-Authorization values remembered as valid, at most (then forgotten at once)
+
 
 class CredentialStore:
     """Tokens issued by this egressd; thread-safe because the CLI issues while the proxy checks."""
@@ -19,6 +21,9 @@ class CredentialStore:
         # what check() compares against, as bytes, replaced whole on every change: the proxy's
         # thread reads it without the lock and never sees a half-made list
         self._issued: tuple[tuple[ProxyCredentials, bytes, bytes], ...] = ()
+        # Proxy-Authorization values found valid, with whose they are, for the `state` they were
+        # checked in (check_basic)
+        self._verified: tuple[object, dict[tuple[str, str | None], ProxyCredentials]] = (None, {})
 
     def issue(self, profile: str | None = None, label: str | None = None) -> ProxyCredentials:
         creds = ProxyCredentials(profile or DEFAULT_USERNAME, secrets.token_urlsafe(24), label=label)
@@ -56,9 +61,37 @@ class CredentialStore:
         return found
 
     def check_basic(self, header_value: str | None, peer: str | None = None) -> ProxyCredentials | None:
-        """Check a `Proxy-Authorization: Basic ...` value."""
+        """Check a `Proxy-Authorization: Basic ...` value.
+
+        A child presents the same value on every CONNECT (the remembered CONNECT head carries the
+        same string): a value found valid is remembered, with whose it is, for the credentials in
+        force when it was checked (`state`, replaced whole when a token is issued or revoked, or a
+        gateway's token file reloaded), so a revoked token is refused on its next use. Only valid
+        values are kept (at most VERIFIED), so a client cannot fill it with guesses."""
         if not header_value:
             return None
+        state = self.state
+        key = (header_value, self.source_of(peer))
+        held, verified = self._verified
+        if held is state:
+            found = verified.get(key)
+            if found is not None:
+                return found
+        else:
+            verified = {}
+            self._verified = (state, verified)
+        found = self._check_basic(header_value, peer)
+        if found is not None:
+            if len(verified) >= VERIFIED:
+                verified.clear()
+            verified[key] = found
+        return found
+
+    def source_of(self, peer: str | None) -> str | None:
+        """What of the client's address a check depends on: nothing here (a gateway: its IP)."""
+        return None
+
+    def _check_basic(self, header_value: str, peer: str | None) -> ProxyCredentials | None:
         scheme, _, encoded = header_value.strip().partition(" ")
         if scheme.lower() != "basic":
             return None

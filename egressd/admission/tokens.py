@@ -5,9 +5,10 @@ networks.
 started: it presents `NAME:TOKEN` (Proxy-Authorization Basic, or SOCKS5 user/password), and the
 token file (`egressd gateway token add`) holds for each name a salted SHA-256 of the token, the
 policy profile its connections get, and the networks it may come from. The token is 256 random
-bits, so one fast hash is enough (nothing to brute-force) and a check is cheap: no cache,
-and no plain token is ever kept. Everything here is pure but the lock; the file's reading and
-writing are `egressd.session.token_file`.
+bits, so one fast hash is enough (nothing to brute-force) and a check is cheap; neither the file
+nor the table keeps a plain token (in memory, a value a client presented and that was found valid
+is remembered until the table in force is replaced: CredentialStore.check_basic). Everything here
+is pure but the lock; the file's reading and writing are `egressd.session.token_file`.
 """
 
 from __future__ import annotations
@@ -224,6 +225,10 @@ class GatewayCredentials(CredentialStore):
 
     def issue(self, profile: str | None = None) -> ProxyCredentials:
         raise RuntimeError("a gateway issues no child credentials: clients use `egressd gateway token add`")
+
+    def source_of(self, peer: str | None) -> str | None:
+        """A check depends on the client's IP (its source networks), not on its port."""
+        return peer.rpartition(":")[0] if peer else peer
 
     def check(self, username: str, token: str, peer: str | None = None) -> ProxyCredentials | None:
         entry = self._table().entries.get(username)

@@ -248,6 +248,33 @@ def test_gateway_names_each_client_and_refuses_the_rest(
     assert run.proc is not None and run.proc.returncode == 0, run.stderr
 
 
+def test_a_removed_token_is_refused_on_the_next_identical_connect(
+    gateway_env: dict[str, Path], upstream: EchoHTTPServer, dns: DnsServer
+) -> None:
+    """A client sends the same CONNECT head again and again (its credentials found valid once are
+    remembered with it): once the token file without it is in force, the very next CONNECT with
+    that same head is refused 407, and another client's still works."""
+    tokens, policy = gateway_env["tokens"], gateway_env["policy"]
+    token = add_token(tokens, "agent1")
+    options = ["--gateway", "--listen", f"127.0.0.1:{free_port()}", "--tokens", str(tokens)]
+    options += ["--policy", str(policy), "--nameserver", dns.nameserver]
+    authority = f"up.test:{upstream.port}"
+    with GatewayRun(options) as run:
+        for _ in range(3):
+            with client(run, "agent1", token).connect(authority) as (answer, sock):
+                assert answer is not None and answer.status == 200, answer
+                assert tunnel_get(sock, "up.test") is not None
+        assert token_cli("remove", "agent1", tokens=tokens).returncode == 0
+        probe = add_token(tokens, "probe")  # written after the removal: in force means both are
+        probing = run.url_for("probe", probe)
+        wait_until(lambda: curl(probing, f"http://{authority}/")[0] == 200, "the new token file in force")
+        with client(run, "agent1", token).connect(authority) as (answer, _):
+            assert answer is not None and answer.status == 407, answer
+            assert answer.reason == "proxy_auth_required"
+        with client(run, "probe", probe).connect(authority) as (answer, _):
+            assert answer is not None and answer.status == 200, answer
+
+
 def test_a_removed_clients_waiting_requests_are_answered(
     tmp_path: Path, upstream: EchoHTTPServer, dns: DnsServer
 ) -> None:
