@@ -300,9 +300,14 @@ def left_behind(layout: Layout) -> list[str]:
     """The exit summary: what the run created or changed that runs code later (exit_summary.py)."""
     if layout.before is None:
         return []
-    after = exit_summary.walk(layout.before.roots)
-    ignore = [p.path for p in layout.placeholders]  # one a concurrent sandbox still holds
-    found = exit_summary.changes(layout.before, after, ignore)
+    registry = hooks.registry_of(layout.own_home)
+    # the stand-ins of sandboxes still running in the project (its own too, while they hold them)
+    # are egressd's, not what the child left: none appears or vanishes while this looks
+    with hooks.registry_lock(registry):
+        after = exit_summary.walk(layout.before.roots)
+        ignore = [p.path for p in layout.placeholders]
+        found = exit_summary.changes(layout.before, after, ignore)
+        found = [c for c in found if not hooks.stands(registry, c.path)]
     taken: list[quarantine.Taken] = []
     if layout.quarantine:
         taken = quarantine.after_run(

@@ -43,7 +43,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,11 +173,16 @@ class Found:
     # what git would read that is missing and has no placeholder (an included file): set aside
     # after the run if it was made meanwhile (quarantine.py)
     later: dict[str, str] = field(default_factory=dict)
+    # whether a path is a stand-in another sandbox made (stands): missing as far as the project goes
+    stand_in: Callable[[str], bool] = field(default=lambda path: False, repr=False)
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path) and not self.stand_in(path)
 
     def add(self, path: str, entry: Entry) -> None:
         if path in self.protected:
             return
-        if os.path.lexists(path):
+        if self.exists(path):
             self.protected[path] = entry.why
         elif entry.create:
             self.protected[path] = entry.why
@@ -330,11 +335,15 @@ def find(
     nested: Iterable[str] = (),
     *,
     git: str | None = None,
+    registry: str | None = None,
 ) -> Found:
     """The project hooks under `roots` (canonical writable roots) and in the git directories their
     `.git` entries and the `nested` ones (`.git` entries below the roots, found at start) lead to;
-    HookError when one cannot be protected."""
-    found = Found()
+    HookError when one cannot be protected. A stand-in another sandbox made (recorded in
+    `registry`) counts as missing: its empty `.git` is no repository to protect the insides of,
+    and every sandbox in the project then plans the same stand-ins, whichever starts first. The
+    caller holds registry_lock meanwhile, so none is made or removed while this looks."""
+    found = Found(stand_in=lambda path: stands(registry, path))
     for root in roots:
         for entry in IN_PROJECT:
             if entry is not GIT:  # a .git directory is never read-only as a whole: git writes in it
@@ -350,7 +359,7 @@ def find(
 
 
 def _add_repository(found: Found, dot_git: str, roots: Sequence[str], git: str | None) -> None:
-    if os.path.islink(dot_git) or not os.path.lexists(dot_git):
+    if os.path.islink(dot_git) or not found.exists(dot_git):
         found.add(dot_git, GIT)  # checked (refused) by _check, or a placeholder
         return
     if os.path.isdir(dot_git):
@@ -374,7 +383,7 @@ def _add_repository(found: Found, dot_git: str, roots: Sequence[str], git: str |
         for included in config_includes(config, git):
             if any(within(included, root) for root in roots):
                 found.add(included, INCLUDED)
-                if not os.path.lexists(included):
+                if not found.exists(included):
                     found.later[included] = INCLUDED.why
     hooks = hooks_path(os.path.dirname(dot_git), git)
     if hooks is not None and any(within(hooks, root) for root in roots):
@@ -437,54 +446,63 @@ def placeholders(
     wanted: Iterable[Placeholder], existing: Iterable[str] = (), registry: str | None = None
 ) -> Iterator[list[str]]:
     """Make each missing protected path (an empty directory, or a file with its content) and the
-    missing directories on the way, for bubblewrap to mount read-only; yield every path that is a
-    placeholder while the sandbox runs; remove them afterwards where still exactly as made.
+    missing directories on the way, for bubblewrap to mount read-only; yield every path a stand-in
+    holds while the sandbox runs; remove them afterwards where still exactly as made.
 
-    Another sandbox started in the same project meanwhile finds the placeholders as paths that
-    exist, and removing one on the host would drop that sandbox's mount (its child could then
-    create the path). So every sandbox holds a shared lock on each protected path (`existing`) and
-    placeholder it relies on, and a placeholder is removed only under an exclusive lock nobody
-    else holds. `registry` (a directory of egressd's, hidden from the child) records each
-    placeholder made, so the last sandbox to use one removes it, whoever made it, and one left by
-    an egressd that was killed is removed by the next run.
+    Sandboxes started in the same project share the stand-ins: removing one on the host would drop
+    the mount of every other sandbox using it (its child could then create the path). So every
+    sandbox holds a shared lock on each protected path (`existing`) and stand-in it relies on, and
+    a stand-in is removed only under an exclusive lock nobody else holds. `registry` (a directory
+    of egressd's, hidden from the child) records each stand-in made, the directories on the way
+    too, so the last sandbox to use one removes it, whoever made it, and one left by an egressd that
+    was killed is removed by the next run. Making, recording, taking up and removing happen under
+    registry_lock, so no sandbox sees a stand-in half made or half gone.
     """
     held: list[int] = []
-    ours: list[tuple[str, Made]] = []  # to remove at the end, if nobody else holds it
-    parents: list[tuple[str, Made]] = []
+    ours: dict[str, Made] = {}  # to remove at the end, if nobody else holds it
+    standing: list[str] = []
+    wanted = sorted(wanted, key=lambda p: p.path)
     try:
-        for path in existing:
-            fd = _hold(path)
-            if fd is None:
-                continue
-            held.append(fd)
-            made = _recorded(registry, path)
-            if made is not None and made == _identity(os.fstat(fd)):
-                ours.append((path, made))  # a placeholder another sandbox made
-        for placeholder in sorted(wanted, key=lambda p: p.path):
-            fd = _hold(placeholder.path)
-            if fd is None:  # missing: ours to make (and to hold before anyone else can)
-                try:
-                    made = _make(placeholder, parents)
-                except OSError as exc:
-                    raise PlaceholderError(
-                        f"cannot make {placeholder.path} (an empty, read-only stand-in for a project "
-                        f"hook while the sandbox runs): {exc.strerror or exc}"
-                    ) from None
-                if made is not None:
-                    _record(registry, placeholder.path, made)
-                    ours.append((placeholder.path, made))
+        with registry_lock(registry, exclusive=True):
+            for path in sorted(set(existing) - {p.path for p in wanted}):
+                if (fd := _hold(path)) is not None:
+                    held.append(fd)
+                    if _take_up(path, registry, ours):  # a stand-in after all (a killed egressd's)
+                        standing.append(path)
+            for placeholder in wanted:
                 fd = _hold(placeholder.path)
-            if fd is not None:
-                held.append(fd)
-        yield [path for path, _ in ours]
+                if fd is None:  # missing: ours to make (and to hold before anyone else can)
+                    try:
+                        _make(placeholder, registry, ours)
+                    except OSError as exc:
+                        raise PlaceholderError(
+                            f"cannot make {placeholder.path} (an empty, read-only stand-in for a "
+                            f"project hook while the sandbox runs): {exc.strerror or exc}"
+                        ) from None
+                    fd = _hold(placeholder.path)
+                else:  # another sandbox's: the last one using it removes it, and its parents
+                    _take_up(placeholder.path, registry, ours)
+                if fd is not None:
+                    held.append(fd)
+                    standing.append(placeholder.path)
+        yield standing
     finally:
-        for fd in held:
-            os.close(fd)
-        for path, made in reversed(ours):
-            if _remove_if_unchanged(path, made):
-                _forget(registry, path)
-        for path, made in reversed(parents):
-            _remove_if_unchanged(path, made)
+        with registry_lock(registry, exclusive=True):
+            for fd in held:
+                os.close(fd)
+            for path in sorted(ours, reverse=True):  # what a directory holds before the directory
+                if _remove_if_unchanged(path, ours[path]):
+                    _forget(registry, path)
+
+
+def _take_up(path: str, registry: str | None, ours: dict[str, Made]) -> bool:
+    """Add the stand-in at `path` to `ours` when egressd made it, with the recorded directories
+    made on the way to it (another sandbox's, or one a killed egressd left); whether it did."""
+    start = path
+    while (made := _matching(registry, path)) is not None:
+        ours.setdefault(path, made)
+        path = os.path.dirname(path)
+    return start in ours
 
 
 def _hold(path: str) -> int | None:
@@ -506,9 +524,9 @@ def _hold(path: str) -> int | None:
     return None
 
 
-def _make(placeholder: Placeholder, parents: list[tuple[str, Made]]) -> Made | None:
-    """Make `placeholder` and the directories on the way (added to `parents` as they are made);
-    None when another sandbox made it first."""
+def _make(placeholder: Placeholder, registry: str | None, ours: dict[str, Made]) -> None:
+    """Make `placeholder` and the directories on the way, each recorded and added to `ours` as it
+    is made; nothing when something else made it first."""
     missing = []
     parent = os.path.dirname(placeholder.path)
     while not os.path.lexists(parent):
@@ -517,7 +535,7 @@ def _make(placeholder: Placeholder, parents: list[tuple[str, Made]]) -> Made | N
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, 0o755)
-            parents.append((directory, _identity(os.lstat(directory))))
+            _record(registry, directory, ours, _identity(os.lstat(directory)))
     try:
         if placeholder.directory:
             os.mkdir(placeholder.path, 0o755)
@@ -526,8 +544,8 @@ def _make(placeholder: Placeholder, parents: list[tuple[str, Made]]) -> Made | N
             with os.fdopen(fd, "w") as f:
                 f.write(placeholder.content)
     except FileExistsError:
-        return None
-    return _identity(os.lstat(placeholder.path))
+        return
+    _record(registry, placeholder.path, ours, _identity(os.lstat(placeholder.path)))
 
 
 def _remove_if_unchanged(path: str, made: Made) -> bool:
@@ -560,7 +578,50 @@ def _registered(registry: str, path: str) -> str:
     return os.path.join(registry, name)
 
 
-def _record(registry: str | None, path: str, made: Made) -> None:
+def registry_of(home: str | None) -> str | None:
+    """Where egressd's `home` records the stand-ins it made (hidden from the child with the home)."""
+    return os.path.join(home, "placeholders") if home else None
+
+
+@contextlib.contextmanager
+def registry_lock(registry: str | None, *, exclusive: bool = False) -> Iterator[None]:
+    """The registry's lock: exclusive to make, take up or remove stand-ins, shared to look at the
+    project knowing which of its paths are stand-ins (they neither appear nor vanish meanwhile).
+    Without a registry (or when it cannot be made) nothing is locked."""
+    fd = -1
+    if registry is not None:
+        with contextlib.suppress(OSError):
+            os.makedirs(registry, mode=0o700, exist_ok=True)
+            fd = os.open(registry + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def stands(registry: str | None, path: str) -> bool:
+    """Whether `path` is a stand-in egressd made (recorded, and still the file or directory made)."""
+    return _matching(registry, path) is not None
+
+
+def _matching(registry: str | None, path: str) -> Made | None:
+    """The record of the stand-in at `path`, when what lies there now is the one made (a
+    directory: the same one, whatever was made in it since)."""
+    made = _recorded(registry, path)
+    if made is None:
+        return None
+    try:
+        now = _identity(os.lstat(path))
+    except OSError:
+        return None
+    same = now[:2] == made[:2] if os.path.isdir(path) and not os.path.islink(path) else now == made
+    return made if same else None
+
+
+def _record(registry: str | None, path: str, ours: dict[str, Made], made: Made) -> None:
+    ours[path] = made
     if registry is None:
         return
     with contextlib.suppress(OSError):
@@ -598,8 +659,8 @@ def exclude_files(standing: Iterable[str], roots: Sequence[str]) -> dict[str, li
     standing = list(standing)
     for root in roots:
         dot_git = os.path.join(root, ".git")
-        if os.path.islink(dot_git) or not os.path.exists(dot_git):
-            continue
+        if os.path.islink(dot_git) or not os.path.exists(dot_git) or dot_git in standing:
+            continue  # no repository: a stand-in `.git` is an empty directory git does not read
         gitdir = dot_git if os.path.isdir(dot_git) else read_gitfile(dot_git)
         if gitdir is None or not os.path.isdir(gitdir):
             continue
@@ -625,8 +686,10 @@ def excludes(
     if not files or home is None:
         yield []
         return
-    missing = [Placeholder(path, False) for path in files if not os.path.lexists(path)]
-    with placeholders(missing):
+    registry = registry_of(home)
+    with registry_lock(registry):  # another sandbox's stand-in is shared like the others
+        missing = [Placeholder(p, False) for p in files if not os.path.lexists(p) or stands(registry, p)]
+    with placeholders(missing, registry=registry):
         private = ca.own_work_dir(Path(home))
         try:
             binds = []

@@ -258,7 +258,11 @@ def plan_layout(
     # every nested repository found, a bare one (`x.git`, any directory git takes for one) too
     bare = [d for d in before.gitdirs if os.path.basename(d) != ".git" and "/.git/" not in d]
     nested = [*before.gits, *bare]
-    found = hooks.find(roots, nested, git=hooks.system_git()) if project_hooks else hooks.Found()
+    found = hooks.Found()
+    if project_hooks:
+        registry = hooks.registry_of(own[0])
+        with hooks.registry_lock(registry):  # other sandboxes' stand-ins neither appear nor vanish
+            found = hooks.find(roots, nested, git=hooks.system_git(), registry=registry)
     project = {p: why for p, why in found.protected.items() if not any(within(p, h) for h in hidden)}
     covers = plan_covers(
         mounts, {**guarded, **project}, hidden, masked=masked, shown=revealed, private=private

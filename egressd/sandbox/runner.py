@@ -199,7 +199,7 @@ def run_bwrap(
     try:
         roots = layout.before.roots if layout.before else ()
         existing = [path for path, _ in layout.hooks]
-        registry = os.path.join(layout.own_home, "placeholders") if layout.own_home else None
+        registry = hooks.registry_of(layout.own_home)
         standing = held.enter_context(hooks.placeholders(layout.placeholders, existing, registry))
         excluded = held.enter_context(hooks.excludes(standing, roots, layout.own_home))
     except hooks.PlaceholderError as exc:

@@ -5,6 +5,7 @@ tests/e2e/test_sandbox_hooks.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,8 +220,8 @@ def test_placeholders_are_made_then_removed(tmp_path: Path) -> None:
         assert sorted(standing) == sorted(p.path for p in wanted)
         assert (tmp_path / "a" / "b" / "commondir").read_text() == "."
         assert (tmp_path / ".vscode").is_dir()
-        assert len(os.listdir(registry)) == 2
-    assert sorted(os.listdir(tmp_path)) == ["registry"]
+        assert len(os.listdir(registry)) == 4  # and the directories made on the way
+    assert sorted(os.listdir(tmp_path)) == ["registry", "registry.lock"]  # both in egressd's home
     assert os.listdir(registry) == []
 
 
@@ -242,6 +243,38 @@ def test_a_placeholder_another_sandbox_holds_stays_until_it_is_done(tmp_path: Pa
     assert os.path.isdir(path)  # the second one holds it
     second.__exit__(None, None, None)
     assert not os.path.exists(path)
+
+
+def test_another_sandboxs_stand_ins_are_planned_as_missing(tmp_path: Path) -> None:
+    """A sandbox starting while another one's empty `.git` stands in the project plans the same
+    stand-ins (none inside that `.git`: it is no repository); a directory of the user's is kept."""
+    project = Path(os.path.realpath(tmp_path / "p"))
+    project.mkdir()
+    registry = str(tmp_path / "registry")
+    alone = hooks.find([str(project)], registry=registry)
+    with hooks.placeholders(alone.placeholders.values(), registry=registry):
+        assert (project / ".git").is_dir()
+        meanwhile = hooks.find([str(project)], registry=registry)
+    assert meanwhile.placeholders == alone.placeholders
+    assert not any("/.git/" in p for p in meanwhile.protected)
+    (project / ".git").mkdir()  # the user's own (not a stand-in, even where one stood before)
+    assert f"{project}/.git/hooks" in hooks.find([str(project)], registry=registry).placeholders
+
+
+def test_the_directories_made_on_the_way_go_with_the_last_sandbox(repo: Path, tmp_path: Path) -> None:
+    """`.git/info` made for the first sandbox's `info/attributes` stand-in is taken up, with the
+    stand-in, by a second one that starts meanwhile, and goes when the last of them ends."""
+    shutil.rmtree(repo / ".git" / "info")
+    registry = str(tmp_path / "registry")
+    wanted = [Placeholder(str(repo / ".git" / "info" / "attributes"), False)]
+    first = hooks.placeholders(wanted, registry=registry)
+    first.__enter__()
+    second = hooks.placeholders(wanted, registry=registry)
+    assert second.__enter__() == [wanted[0].path]
+    first.__exit__(None, None, None)
+    assert (repo / ".git" / "info" / "attributes").is_file()  # the second one holds it
+    second.__exit__(None, None, None)
+    assert not (repo / ".git" / "info").exists() and os.listdir(registry) == []
 
 
 KILLED = """

@@ -15,11 +15,12 @@ real and the test is not vacuous.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -731,6 +732,132 @@ def _tree(pid: int) -> list[tuple[int, str]]:
         found += children
         frontier = {p for p, _ in children}
     return found
+
+
+STAND_INS = (".git", ".vscode", ".idea", ".zed", ".claude", ".gemini", ".cursor")
+# The child tries to make each protected path (or something in it): a stand-in removed on the host
+# while this sandbox runs would drop its mount, and the child would make the path.
+PLANT = "for d in .git/hooks/x .git/x .vscode/x .idea/x .zed/x .claude/x .gemini/x .cursor/x; do " + (
+    "mkdir -p $d 2>/dev/null && echo PLANTED $d; done; true"
+)
+SUMMARY_LINE = re.compile(r"^egressd:\s+(\S.*?) \((?:created|changed)\): ", re.MULTILINE)
+
+
+def _sandbox(user: User, top: Path, script: str) -> subprocess.Popen[bytes]:
+    env = {**GIT_ENV, "TMPDIR": "/tmp"}
+    return user.popen([*EGRESSD, "sandbox", "--no-capture", "--", "sh", "-c", script], cwd=top, env=env)
+
+
+def _after_waiting(go: str) -> str:
+    """A child that waits for the file `go` in the project, then tries to plant."""
+    return f"while [ ! -e {go} ]; do sleep 0.1; done; {PLANT}"
+
+
+def _ended(proc: subprocess.Popen[bytes]) -> tuple[str, str]:
+    """(stdout, stderr) of a sandbox that ran to its end and succeeded."""
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err.decode()
+    return out.decode(), err.decode()
+
+
+def _named(err: str) -> set[str]:
+    """The paths an exit summary names as created or changed (none when it took nothing aside)."""
+    assert "out of git's way" not in err, err
+    return set(SUMMARY_LINE.findall(err))
+
+
+def _records(user: User) -> set[str]:
+    """egressd's records of the placeholders standing (in its home, which the child never sees)."""
+    registry = user.home / ".config" / "egressd" / "placeholders"
+    return {n for n in os.listdir(registry) if len(n) == 64} if registry.is_dir() else set()
+
+
+def _everything(top: Path) -> list[str]:
+    return sorted(str(p.relative_to(top)) for p in top.rglob("*"))
+
+
+def _until(condition: Callable[[], bool], procs: list[subprocess.Popen[bytes]], what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert time.monotonic() < deadline, f"never {what}"
+        assert all(p.poll() is None for p in procs), f"a sandbox ended before {what}"
+        time.sleep(0.1)
+
+
+def _bwrap_up(proc: subprocess.Popen[bytes]) -> bool:
+    return any(args.startswith("/usr/bin/bwrap") for _, args in _tree(proc.pid))
+
+
+@pytest.mark.parametrize("scenario", ["at-once", "one-waits", "one-writes"])
+def test_sandboxes_run_together_in_one_project(user: User, scenario: str) -> None:
+    """Several sandboxes in one empty project (no .git: each protected path is a stand-in), started
+    together, some ending while others start: (a) each one's exit summary names nothing of the
+    others' stand-ins, (b) once the last one ended the project is as it was and egressd's records of
+    its stand-ins are gone, (c) while any one runs, its child can make no protected path, and no
+    stand-in it relies on is removed."""
+    top = user.mkdir(f"together-{scenario}")
+    records = _records(user)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(3 if scenario == "at-once" else 2):
+            assert _everything(top) == []
+            if scenario == "at-once":
+                procs = [_sandbox(user, top, "true") for _ in range(5)]
+                for proc in procs:
+                    _, err = _ended(proc)
+                    assert _named(err) == set(), err
+            elif scenario == "one-writes":
+                writer = _sandbox(
+                    user,
+                    top,
+                    "mkdir -p .git/hooks/x 2>/dev/null && echo PLANTED; "
+                    "printf 'echo hi\\n' > .envrc; printf '#!/bin/sh\\n' > tool; chmod +x tool",
+                )
+                procs = [_sandbox(user, top, "true") for _ in range(2)]
+                procs.insert(1, writer)
+                procs += [_sandbox(user, top, "true") for _ in range(2)]
+                for proc in procs:
+                    out, err = _ended(proc)
+                    assert "PLANTED" not in out
+                    if proc is writer:  # its own files are named; the others may see them change too
+                        assert _named(err) == {".envrc", "tool"}, err
+                    else:
+                        assert _named(err) <= {".envrc", "tool"}, err
+                assert _everything(top) == [".envrc", "tool"]
+                (top / ".envrc").unlink()
+                (top / "tool").unlink()
+            else:
+                first = _sandbox(user, top, _after_waiting("go-first"))
+                procs = [first]
+                _until(lambda: (top / ".vscode").exists(), procs, "the first one's stand-ins")
+                # these plan while the first one's stand-ins exist, and end while it runs
+                short = [_sandbox(user, top, "true") for _ in range(4)]
+                for proc in short:
+                    _, err = _ended(proc)
+                    assert _named(err) == set(), err
+                assert all((top / name).is_dir() for name in STAND_INS)  # the first still holds them
+                # these set up while the first runs, and run on after it ended
+                later = [_sandbox(user, top, _after_waiting("go-later")) for _ in range(2)]
+                procs = [first, *later]
+                up = lambda later=later: all(_bwrap_up(p) for p in later)  # noqa: E731
+                _until(up, procs, "the later ones' sandboxes")
+                sh(user, "touch go-first", top)
+                out, err = _ended(first)
+                assert "PLANTED" not in out and _named(err) == set(), err
+                assert all((top / name).is_dir() for name in STAND_INS)  # the later ones hold them
+                sh(user, "touch go-later", top)
+                for proc in later:
+                    out, err = _ended(proc)
+                    assert "PLANTED" not in out and _named(err) == set(), err
+                for go in ("go-first", "go-later"):
+                    (top / go).unlink()
+            assert _everything(top) == []
+            assert _records(user) <= records
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.communicate(timeout=30)
 
 
 def test_placeholders_left_by_a_killed_egressd_go_with_the_next_run(user: User) -> None:
