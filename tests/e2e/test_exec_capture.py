@@ -252,6 +252,9 @@ LOOPBACK = """
         def log_message(self, *args):
             pass
     own = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Own)
+    while own.server_address[1] == int(sys.argv[1]):  # its own port is another namespace's: can match
+        own.server_close()
+        own = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Own)
     threading.Thread(target=own.serve_forever, daemon=True).start()
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     by_env = urllib.request.build_opener()  # the proxy variables, and NO_PROXY
