@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 
 from egressd.sandbox.bwrap import probe_argv
 from egressd.sandbox.mounts import within
-from egressd.sandbox.seatbelt import SANDBOX_EXEC
 
 BWRAP_ENV = "EGRESSD_BWRAP"
 PROBE_TIMEOUT = 30.0
@@ -178,6 +177,8 @@ def check_profile(sandbox_exec: str, profile: str, timeout: float = PROBE_TIMEOU
 
 
 def locate_sandbox_exec() -> str:
+    from egressd.sandbox.seatbelt import SANDBOX_EXEC  # macOS's: Linux never loads Seatbelt's modules
+
     if os.access(SANDBOX_EXEC, os.X_OK):
         return SANDBOX_EXEC
     raise SandboxUnavailable(f"{SANDBOX_EXEC} is missing: Seatbelt is not available. {NEVER_UNCONFINED}")
