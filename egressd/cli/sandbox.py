@@ -222,13 +222,11 @@ def run_sandboxed(
     env_base = child_base_env(os.environ, pass_env) if env_clear else None
     client_fixes.ask_node_version(os.environ if env_base is None else env_base)
     bwrap, disable_userns, sandbox_exec = "", True, ""
-    probe = None
     try:
         if sys.platform == "linux":
             writable = [os.path.realpath(os.getcwd()), *(m.path for m in layout.mounts if m.writable)]
             bwrap = preflight.locate_bwrap(bwrap_path, writable=writable)
             disable_userns = preflight.supports_disable_userns(bwrap)
-            probe = preflight.Probe(bwrap, disable_userns)  # judged once the proxy is up
         elif sys.platform == "darwin":
             sandbox_exec = preflight.locate_sandbox_exec()
         else:
@@ -252,11 +250,6 @@ def run_sandboxed(
             fail(str(exc))
         creds = session.credentials(narrowing.profile if narrowing else None)
         session.record_child(creds, command)
-        if probe is not None:
-            try:
-                probe.wait()
-            except preflight.SandboxUnavailable as exc:
-                fail(str(exc))
         with around(session, creds) if around is not None else contextlib.nullcontext():
             if bwrap:
                 outcome = run_bwrap(
@@ -291,6 +284,8 @@ def run_sandboxed(
             hint = home_hint(layout, command, outcome.returncode, os.environ.get("PATH"))
             if hint and options.report:
                 say(hint)
+    if outcome.unavailable:  # no sandbox can run here: why, and the fix
+        fail(outcome.error or "bubblewrap cannot create a sandbox here")
     if outcome.error:
         say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
         sys.exit(2)

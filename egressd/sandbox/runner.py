@@ -160,6 +160,16 @@ def _seccomp_filter(warn: Callable[[str], None]) -> int:
     return fd
 
 
+def _explained(outcome: Outcome, bwrap: str, disable_userns: bool) -> Outcome:
+    """A sandbox that handed nothing over: when an empty one fails as well, bubblewrap cannot make
+    a sandbox here, and the outcome says why with the fix (`unavailable`); else it is the run's own."""
+    try:
+        preflight.probe(bwrap, disable_userns)
+    except preflight.SandboxUnavailable as exc:
+        return Outcome(EXIT_CANNOT_RUN, started=False, error=str(exc), unavailable=True)
+    return outcome
+
+
 def run_bwrap(
     session: ProxySession,
     creds: ProxyCredentials,
@@ -243,7 +253,8 @@ def run_bwrap(
                 load_resolver()
         finally:
             link.end_setup()
-        return link.outcome(link.wait(pid, catcher, forward_all=True), problem)
+        ended = link.outcome(link.wait(pid, catcher, forward_all=True), problem)
+        return _explained(ended, bwrap, disable_userns) if problem == "" and not ended.started else ended
     finally:
         link.close()
         with contextlib.suppress(OSError):

@@ -1,4 +1,5 @@
-"""What `egressd sandbox` loads before its child starts: only what confining it and its proxy need.
+"""What `egressd sandbox` does before its child starts: one bubblewrap, and only the modules that
+confining the child and its proxy need.
 
 The child waits for all of egressd's start-up, so what only later steps use waits for them: the
 resolver (dnspython, and importlib.metadata that its feature checks read) loads while the child
@@ -16,6 +17,7 @@ Needs bubblewrap, as every sandbox test; runs as root and as a user who is not.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from tests.e2e.test_exec_startup import LATER, imported
 from tests.support.egressd_cli import write_policy
-from tests.support.sandboxes import sandbox_env
+from tests.support.sandboxes import egressd_sandbox, sandbox_env
 
 MARK = "egressd-test: the child is let start"
 # `egressd` with the setup pipe's end marked: run as `python -m egressd` runs it
@@ -83,3 +85,21 @@ def test_sandbox_true_loads_nothing_before_the_child_that_only_later_steps_use(
     assert early == []
     # what the sandbox needs is there: its command line, the proxy, the capture's rules, the filter
     assert {"egressd.sandbox.runner", "egressd.sandbox.capture", "egressd.sandbox.seccomp"} <= names
+
+
+def test_one_bubblewrap_per_run(tmp_path: Path, work: Path) -> None:
+    """No empty sandbox is started beside the real one to check that sandboxes work here: the real
+    one's failure is explained (test_sandbox_integration.py's refusals)."""
+    log = tmp_path / "bwrap.log"
+    wrapper = tmp_path / "bin" / "bwrap"
+    wrapper.parent.mkdir()
+    real = shutil.which("bwrap")
+    assert real is not None
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    options = ["--policy", str(write_policy(tmp_path)), "--bwrap", str(wrapper)]
+    result = egressd_sandbox(options, ["sh", "-c", "echo inside"], cwd=work)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"inside\n"
+    runs = [line for line in log.read_text().splitlines() if line != "--help"]
+    assert len(runs) == 1, runs
