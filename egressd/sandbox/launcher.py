@@ -45,11 +45,11 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
 
 from egressd.platform.exits import FORWARDED_SIGNALS, exec_failure
 from egressd.sandbox import BRIDGE_HOST, SETUP_CAPTURE, SETUP_NO_CAPTURE, bridge, seccomp
 
+TYPE_CHECKING = False  # typing itself is not imported: it would be a good part of the start
 if TYPE_CHECKING:
     from typing import NoReturn
 

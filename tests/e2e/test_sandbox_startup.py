@@ -23,6 +23,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from egressd.sandbox.bwrap import LAUNCHER_BOOT
+from egressd.sandbox.launch import launcher_import_path
 from tests.e2e.test_exec_startup import LATER, imported
 from tests.support.egressd_cli import write_policy
 from tests.support.sandboxes import egressd_sandbox, sandbox_env
@@ -103,3 +105,15 @@ def test_one_bubblewrap_per_run(tmp_path: Path, work: Path) -> None:
     assert result.stdout == b"inside\n"
     runs = [line for line in log.read_text().splitlines() if line != "--help"]
     assert len(runs) == 1, runs
+
+
+def test_the_launcher_loads_no_typing_nor_regular_expressions() -> None:
+    """The launcher starts between bubblewrap and the child, on every run: it imports the standard
+    library's few modules it uses and egressd's small ones, never typing (nor the regular
+    expressions, dataclasses and inspect that would come with it)."""
+    boot = [sys.executable, "-X", "importtime", "-I", "-S", "-c", LAUNCHER_BOOT, launcher_import_path()]
+    result = subprocess.run(boot, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no command" in result.stderr, result.stderr[-2000:]
+    names = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.count("|") == 2}
+    assert "egressd.sandbox.launcher" in names
+    assert not {"typing", "re", "dataclasses", "inspect"} & names
