@@ -27,8 +27,7 @@ from egressd.cli.options import (
 from egressd.cli.passthrough import passthrough_option, run_unwrapped
 from egressd.platform.exits import EXIT_CANNOT_RUN
 from egressd.policy import PolicyError
-from egressd.sandbox import exit_summary, hooks, narrow, preflight, quarantine
-from egressd.sandbox.explain import explain, home_hint
+from egressd.sandbox import exit_summary, hooks, narrow, preflight
 from egressd.sandbox.layout import Layout, hide_more, option_links, pinned_options, plan_layout
 from egressd.sandbox.mounts import MountError, within
 from egressd.sandbox.runner import Outcome, needed_paths, run_bwrap, run_seatbelt
@@ -223,13 +222,11 @@ def run_sandboxed(
     env_base = child_base_env(os.environ, pass_env) if env_clear else None
     client_fixes.ask_node_version(os.environ if env_base is None else env_base)
     bwrap, disable_userns, sandbox_exec = "", True, ""
-    probe = None
     try:
         if sys.platform == "linux":
             writable = [os.path.realpath(os.getcwd()), *(m.path for m in layout.mounts if m.writable)]
             bwrap = preflight.locate_bwrap(bwrap_path, writable=writable)
             disable_userns = preflight.supports_disable_userns(bwrap)
-            probe = preflight.Probe(bwrap, disable_userns)  # judged once the proxy is up
         elif sys.platform == "darwin":
             sandbox_exec = preflight.locate_sandbox_exec()
         else:
@@ -242,7 +239,7 @@ def run_sandboxed(
     outcome = Outcome(EXIT_CANNOT_RUN, started=False)
     # the secrets' source files are hidden once the policy that names them is loaded
     guard = SourceGuard(then=narrow.LoopbackConfinement(loopback_ports, then=narrowing))
-    # the resolver loads once the sandbox is on its way (run_bwrap, run_seatbelt)
+    # the resolver loads as the child starts (run_bwrap, run_seatbelt)
     opened = open_session(
         options, announce_reloads=options.trace, transform=guard, command=command, resolver_later=True
     )
@@ -253,11 +250,6 @@ def run_sandboxed(
             fail(str(exc))
         creds = session.credentials(narrowing.profile if narrowing else None)
         session.record_child(creds, command)
-        if probe is not None:
-            try:
-                probe.wait()
-            except preflight.SandboxUnavailable as exc:
-                fail(str(exc))
         with around(session, creds) if around is not None else contextlib.nullcontext():
             if bwrap:
                 outcome = run_bwrap(
@@ -287,9 +279,13 @@ def run_sandboxed(
             # said before the session closes, so its summary of refusals stays the last line
             for line in left_behind(layout):
                 say(line)
+            from egressd.sandbox.explain import home_hint  # once the child ended
+
             hint = home_hint(layout, command, outcome.returncode, os.environ.get("PATH"))
             if hint and options.report:
                 say(hint)
+    if outcome.unavailable:  # no sandbox can run here: why, and the fix
+        fail(outcome.error or "bubblewrap cannot create a sandbox here")
     if outcome.error:
         say(f"the sandbox did not start: {outcome.error}; {command[0]} was not run")
         sys.exit(2)
@@ -300,6 +296,8 @@ def left_behind(layout: Layout) -> list[str]:
     """The exit summary: what the run created or changed that runs code later (exit_summary.py)."""
     if layout.before is None:
         return []
+    from egressd.sandbox import quarantine  # once the child ended: nothing before needs it
+
     registry = hooks.registry_of(layout.own_home)
     # the stand-ins of sandboxes still running in the project (its own too, while they hold them)
     # are egressd's, not what the child left: none appears or vanishes while this looks
@@ -371,6 +369,8 @@ def explain_sandbox(options: SessionOptions, **params: Any) -> NoReturn:
         layout = hide_more(layout, {p: what for p, what in files.items() if os.path.exists(p)})
     except (MountError, PolicyError) as exc:
         fail(str(exc))
+    from egressd.sandbox.explain import explain
+
     kind = "seatbelt" if sys.platform == "darwin" else "bubblewrap"
     click.echo(explain(layout, needed_paths(None), workdir=os.getcwd(), kind=kind), nl=False)
     sys.exit(0)

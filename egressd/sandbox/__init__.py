@@ -22,3 +22,6 @@ BRIDGE_DNS_PORT = 1053
 # The source address of the bridge's own connections to the sandbox's loopback: the capture never
 # redirects them (a child that uses it too reaches only the sandbox's own loopback).
 BRIDGE_SOURCE = "127.255.255.254"
+# egressd's one setup line to the launcher, once it set up the namespace's network from outside
+SETUP_CAPTURE = "capture"  # the capture is installed
+SETUP_NO_CAPTURE = "no-capture"  # ... it is not (or was not asked for)

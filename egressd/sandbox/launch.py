@@ -33,10 +33,11 @@ from egressd.sandbox import (
     BRIDGE_HTTP_PORT,
     BRIDGE_OPEN_PORT,
     BRIDGE_SOCKS_PORT,
+    SETUP_CAPTURE,
+    SETUP_NO_CAPTURE,
     capture,
 )
 from egressd.sandbox.bwrap import launcher_command
-from egressd.sandbox.launcher import SETUP_CAPTURE, SETUP_NO_CAPTURE
 from egressd.session.proxy import EngineError
 
 if TYPE_CHECKING:

@@ -45,11 +45,11 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
 
 from egressd.platform.exits import FORWARDED_SIGNALS, exec_failure
-from egressd.sandbox import BRIDGE_HOST, bridge, seccomp
+from egressd.sandbox import BRIDGE_HOST, SETUP_CAPTURE, SETUP_NO_CAPTURE, bridge, seccomp
 
+TYPE_CHECKING = False  # typing itself is not imported: it would be a good part of the start
 if TYPE_CHECKING:
     from typing import NoReturn
 
@@ -99,10 +99,6 @@ def _parse_capture(text: str) -> tuple[int, int]:
     if not comma or not tcp.isdigit() or not dns.isdigit():
         raise ValueError(f"{text!r}: expected TCP_PORT,DNS_PORT")
     return int(tcp), int(dns)
-
-
-SETUP_CAPTURE = "capture"  # egressd's setup line: the capture is installed
-SETUP_NO_CAPTURE = "no-capture"  # ... it is not (or was not asked for)
 
 
 def _read_setup(fd: int) -> str | None:

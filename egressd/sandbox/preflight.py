@@ -1,4 +1,7 @@
-"""Can a sandbox run here? Checked before the proxy starts, so a failure runs nothing.
+"""Can a sandbox run here? bubblewrap is found before the proxy starts; whether the kernel lets it
+make the sandbox's namespaces is the real run's to find out (a second bubblewrap started on every
+run only to check would cost every run its start-up), and an empty sandbox, run once that failed,
+tells why.
 
 `egressd sandbox` never falls back to running the command unconfined: no bubblewrap, or a kernel
 that refuses the user namespaces bubblewrap needs, stops it with what to do about it.
@@ -14,7 +17,6 @@ from collections.abc import Mapping, Sequence
 
 from egressd.sandbox.bwrap import probe_argv
 from egressd.sandbox.mounts import within
-from egressd.sandbox.seatbelt import SANDBOX_EXEC
 
 BWRAP_ENV = "EGRESSD_BWRAP"
 PROBE_TIMEOUT = 30.0
@@ -112,44 +114,25 @@ def interpreter_paths() -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)))
 
 
-class Probe:
-    """An empty sandbox with the real namespaces, started now and judged by wait(): egressd starts
-    its proxy meanwhile, so the check costs no start-up time."""
-
-    def __init__(self, bwrap: str, disable_userns: bool, program: str | None = None) -> None:
-        self.bwrap = bwrap
-        # from the system's directories: PATH may lead into the project (it would run confined,
-        # but a probe must not depend on what a child left there)
-        program = program or os.path.realpath(shutil.which("true", path="/usr/bin:/bin") or "/bin/true")
-        argv = probe_argv(bwrap, program, disable_userns, interpreter_paths())
-        try:
-            self._proc: subprocess.Popen[str] | None = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True
-            )
-            self._error: str | None = None
-        except OSError as exc:
-            self._proc = None
-            self._error = f"cannot run {bwrap}: {exc.strerror or exc}. {NEVER_UNCONFINED}"
-
-    def wait(self) -> None:
-        """Raise SandboxUnavailable, saying why and what to do, when the empty sandbox failed."""
-        if self._proc is None:
-            raise SandboxUnavailable(self._error or f"cannot run {self.bwrap}")
-        try:
-            output, _ = self._proc.communicate(timeout=PROBE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.communicate()
-            raise SandboxUnavailable(
-                f"bubblewrap did not start within {PROBE_TIMEOUT:g}s. {NEVER_UNCONFINED}"
-            ) from None
-        if self._proc.returncode != 0:
-            raise SandboxUnavailable(explain_failure(output))
-
-
 def probe(bwrap: str, disable_userns: bool) -> None:
-    """Start an empty sandbox with the real namespaces; raise SandboxUnavailable when it fails."""
-    Probe(bwrap, disable_userns).wait()
+    """Run an empty sandbox with the real namespaces; raise SandboxUnavailable, saying why and what
+    to do, when it fails."""
+    # from the system's directories: PATH may lead into the project (it would run confined, but a
+    # probe must not depend on what a child left there)
+    program = os.path.realpath(shutil.which("true", path="/usr/bin:/bin") or "/bin/true")
+    argv = probe_argv(bwrap, program, disable_userns, interpreter_paths())
+    # bubblewrap's words on stdout and stderr, in order
+    quiet, pipe, merged = subprocess.DEVNULL, subprocess.PIPE, subprocess.STDOUT
+    try:
+        result = subprocess.run(argv, stdin=quiet, stdout=pipe, stderr=merged, timeout=PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise SandboxUnavailable(
+            f"bubblewrap did not start within {PROBE_TIMEOUT:g}s. {NEVER_UNCONFINED}"
+        ) from None
+    except OSError as exc:
+        raise SandboxUnavailable(f"cannot run {bwrap}: {exc.strerror or exc}. {NEVER_UNCONFINED}") from None
+    if result.returncode != 0:
+        raise SandboxUnavailable(explain_failure(result.stdout.decode("utf-8", "replace")))
 
 
 # A program every Mac has, run once under the profile: sandbox-exec loads the profile before it
@@ -178,6 +161,8 @@ def check_profile(sandbox_exec: str, profile: str, timeout: float = PROBE_TIMEOU
 
 
 def locate_sandbox_exec() -> str:
+    from egressd.sandbox.seatbelt import SANDBOX_EXEC  # macOS's: Linux never loads Seatbelt's modules
+
     if os.access(SANDBOX_EXEC, os.X_OK):
         return SANDBOX_EXEC
     raise SandboxUnavailable(f"{SANDBOX_EXEC} is missing: Seatbelt is not available. {NEVER_UNCONFINED}")

@@ -118,8 +118,10 @@ def after_run(
     # your git status enters
     gitdirs += [g for g in recorded(before, git) if g not in after.gitdirs and g not in gitdirs]
     taken += quarantine(gitdirs, writable=writable, protected=protected, git=git)
-    if (relative := user_hooks_path(git)) is not None:
-        trees = [os.path.normpath(os.path.join(t, relative)) for t in work_trees(gitdirs, found)]
+    made = work_trees(gitdirs, found)
+    # git is asked only when the run made a work tree: most runs make none, and git starts slowly
+    if made and (relative := user_hooks_path(git)) is not None:
+        trees = [os.path.normpath(os.path.join(t, relative)) for t in made]
         taken += set_aside([p for p in trees if p not in protected], before.roots)
     return taken
 

@@ -38,7 +38,6 @@ from egressd.sandbox import (
     BRIDGE_OPEN_PORT,
     BRIDGE_SOCKS_PORT,
     hooks,
-    leftovers,
     preflight,
     seccomp,
     workloads,
@@ -56,8 +55,6 @@ from egressd.sandbox.launch import (
 )
 from egressd.sandbox.layout import Layout
 from egressd.sandbox.mounts import within
-from egressd.sandbox.sbpl import UnquotablePath
-from egressd.sandbox.seatbelt import run_marker, seatbelt_argv, seatbelt_profile
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
@@ -163,6 +160,16 @@ def _seccomp_filter(warn: Callable[[str], None]) -> int:
     return fd
 
 
+def _explained(outcome: Outcome, bwrap: str, disable_userns: bool) -> Outcome:
+    """A sandbox that handed nothing over: when an empty one fails as well, bubblewrap cannot make
+    a sandbox here, and the outcome says why with the fix (`unavailable`); else it is the run's own."""
+    try:
+        preflight.probe(bwrap, disable_userns)
+    except preflight.SandboxUnavailable as exc:
+        return Outcome(EXIT_CANNOT_RUN, started=False, error=str(exc), unavailable=True)
+    return outcome
+
+
 def run_bwrap(
     session: ProxySession,
     creds: ProxyCredentials,
@@ -234,7 +241,6 @@ def run_bwrap(
                 if fd >= 0:
                     os.close(fd)  # the sandbox holds these ends now
             link.spawned()
-        load_resolver()  # while bubblewrap and the launcher start (once per process)
         try:
             problem = link.serve(session, creds)
             if problem is None:
@@ -242,9 +248,13 @@ def run_bwrap(
                 if launcher is not None:  # its tree is searched first for a connection's program
                     session.child_started(creds, launcher)
                 link.set_up(host_ports(session), warn)
+                # while the child starts (once per process): loaded earlier, it would take the
+                # CPU bubblewrap and the launcher need, and the child would start later
+                load_resolver()
         finally:
             link.end_setup()
-        return link.outcome(link.wait(pid, catcher, forward_all=True), problem)
+        ended = link.outcome(link.wait(pid, catcher, forward_all=True), problem)
+        return _explained(ended, bwrap, disable_userns) if problem == "" and not ended.started else ended
     finally:
         link.close()
         with contextlib.suppress(OSError):
@@ -315,6 +325,8 @@ def _restore_terminal(owner: int | None) -> None:
 def end_run(pgid: int | None, marker: str, run_dir: str) -> None:
     """What the child left: its process group killed, then every process its profile confines
     (one that left the group), then its temporary directory removed."""
+    from egressd.sandbox import leftovers  # macOS's: Linux never loads Seatbelt's modules
+
     if pgid is not None:
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)
@@ -334,6 +346,9 @@ def run_seatbelt(
     serve: Sequence[int] = (),
 ) -> Outcome:
     """The child talks to the proxy's own loopback port; Seatbelt allows nothing else out."""
+    from egressd.sandbox.sbpl import UnquotablePath  # macOS's: Linux never loads Seatbelt's modules
+    from egressd.sandbox.seatbelt import run_marker, seatbelt_argv, seatbelt_profile
+
     assert session.proxy is not None
     http = session.proxy.http_address
     socks = session.proxy.socks_address

@@ -21,7 +21,8 @@ rest):
   that checked only the native numbers would let `socket(AF_VSOCK)` through them.
 
 Pure: the program is built here (and table-tested through a BPF interpreter in the tests); only
-`write_to` touches a descriptor. No dataclasses: the launcher imports this, and starts fast.
+`write_to` touches a descriptor. Plain classes, no dataclasses nor typing: the launcher imports
+this, and starts fast.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import errno
 import functools
 import os
 import struct
-from typing import NamedTuple
 
 # linux/audit.h
 AUDIT_ARCH_X86_64 = 0xC000003E
@@ -59,13 +59,16 @@ KEYCTL_JOIN_SESSION_KEYRING = 1
 IO_URING_CALLS = ("io_uring_setup", "io_uring_enter", "io_uring_register")
 
 
-class Arch(NamedTuple):
+class Arch:
     """One native ABI: its audit number, its system call numbers, whether it has an x32 twin."""
 
-    name: str
-    audit: int
-    calls: dict[str, int]
-    x32: bool = False
+    __slots__ = ("audit", "calls", "name", "x32")
+
+    def __init__(self, name: str, audit: int, calls: dict[str, int], x32: bool = False) -> None:
+        self.name = name
+        self.audit = audit
+        self.calls = calls
+        self.x32 = x32
 
 
 ARCHES = {
@@ -113,23 +116,35 @@ def _arg(index: int, high: bool = False) -> int:
     return OFFSET_ARGS + 8 * index + (4 if high else 0)
 
 
-class Ld(NamedTuple):
-    offset: int  # into struct seccomp_data
+class Ld:
+    __slots__ = ("offset",)
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset  # into struct seccomp_data
 
 
-class Jump(NamedTuple):
-    op: int  # _JEQ_K or _JGE_K
-    k: int
-    then: str | None = None  # a label; None: the next instruction
-    otherwise: str | None = None
+class Jump:
+    __slots__ = ("k", "op", "otherwise", "then")
+
+    def __init__(self, op: int, k: int, then: str | None = None, otherwise: str | None = None) -> None:
+        self.op = op  # _JEQ_K or _JGE_K
+        self.k = k
+        self.then = then  # a label; None: the next instruction
+        self.otherwise = otherwise
 
 
-class Ret(NamedTuple):
-    value: int
+class Ret:
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
 
 
-class Label(NamedTuple):
-    name: str
+class Label:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
 
 Instruction = Ld | Jump | Ret | Label
