@@ -8,6 +8,12 @@ on uvloop can do per tunnel. Run in one invocation against the same upstream (a 
 answering `GET /small`), with the same load generator and pinning as `bench/run.py`'s workload 2, it
 shows how much of egressd's set-up cost is the runtime rather than egressd. Prints one JSON line per
 figure and a table of ratios.
+
+    .venv/bin/python -m bench.floor --syscalls [--seconds 5]
+
+counts instead each target's system calls per tunnel by name (`strace -c -f` attached to the proxy
+over the tunnels of one load run at concurrency 10, after a warm-up): unlike CPU time, the counts do
+not move with the machine's load. strace slows the proxy, not what it calls.
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +133,45 @@ def _measure(proxy: peers.Proxy, up_port: int, concurrency: int, seconds: float)
     }
 
 
-def compare(seconds: float, repeats: int) -> dict[str, Any]:
+def _syscalls(proxy: peers.Proxy, up_port: int, seconds: float) -> dict[str, float]:
+    """The proxy's system calls per tunnel by name (and "total"), over one load run at concurrency
+    10 after a warm-up; "errors" of a name counted apart (`connect` is EINPROGRESS, non-blocking)."""
+
+    def load(seconds: float) -> loadgen.ConnectResult:
+        return loadgen.run_async(
+            loadgen.connect_load(proxy, "127.0.0.1", up_port, concurrency=10, seconds=seconds, warmup=0)
+        )
+
+    load(1.0)  # warm-up
+    assert proxy.pid is not None
+    with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
+        tracer = subprocess.Popen(
+            ["strace", "-c", "-f", "-p", str(proxy.pid), "-o", out.name], stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 10
+        while not _traced(proxy.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result = load(seconds)
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(30)
+        counts: dict[str, float] = {}
+        for line in out.read().splitlines():  # % time, seconds, usecs/call, calls, [errors,] name
+            fields = line.split()
+            if len(fields) in (5, 6) and fields[0][0].isdigit() and fields[-1] != "total":
+                counts[fields[-1]] = int(fields[3]) / result.ops
+                if len(fields) == 6:
+                    counts[f"{fields[-1]} errors"] = int(fields[4]) / result.ops
+    counts["total"] = sum(v for k, v in counts.items() if not k.endswith(" errors"))
+    return counts
+
+
+def _traced(pid: int) -> bool:
+    """Every thread of `pid` has a tracer (strace attached to all of them)."""
+    threads = list(Path(f"/proc/{pid}/task").iterdir())
+    return all("TracerPid:\t0\n" not in (t / "status").read_text() for t in threads)
+
+
+def compare(seconds: float, repeats: int, syscalls: bool = False) -> dict[str, Any]:
     work = Path("/tmp/egressd-bench-floor")
     work.mkdir(parents=True, exist_ok=True)
     system.enter_netns()
@@ -148,6 +195,9 @@ def compare(seconds: float, repeats: int) -> dict[str, Any]:
         for name, peer in targets.items():
             proxy = peer.start()
             try:
+                if syscalls:
+                    figures[name] = {k: [v] for k, v in _syscalls(proxy, up_port, seconds).items()}
+                    continue
                 for conc in (10, 100):
                     for _ in range(repeats):
                         for metric, value in _measure(proxy, up_port, conc, seconds).items():
@@ -169,9 +219,13 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--syscalls", action="store_true", help="system calls per tunnel (strace)")
     args = parser.parse_args()
-    medians = compare(args.seconds, args.repeats)
+    medians = compare(args.seconds, args.repeats, args.syscalls)
     print(json.dumps(medians, indent=1))
+    if args.syscalls:
+        _print_syscalls(medians)
+        return
     print("\nTunnels/s (proxy CPU µs per tunnel: user + system)\n")
     print("| concurrency | tinyproxy | egressd | bare uvloop relay | egressd ÷ tinyproxy ", end="")
     print("| bare ÷ tinyproxy | egressd ÷ bare |")
@@ -186,6 +240,19 @@ def main() -> None:
             f"| {conc} | {cell(t)} | {cell(e)} | {cell(b)} | {e['rate'] / t['rate']:.2f}× | "
             f"{b['rate'] / t['rate']:.2f}× | {e['rate'] / b['rate']:.2f}× |"
         )
+
+
+def _print_syscalls(counts: dict[str, dict[str, float]]) -> None:
+    names = ("tinyproxy", "egressd", "bare uvloop relay")
+    calls = sorted(
+        {c for n in names for c in counts[n]}, key=lambda c: (c == "total", -counts["egressd"].get(c, 0))
+    )
+    print("\nSystem calls per tunnel (CONNECT + GET + close, concurrency 10)\n")
+    print("| system call | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for call in calls:
+        if max(counts[n].get(call, 0) for n in names) >= 0.05:
+            print(f"| {call} | " + " | ".join(f"{counts[n].get(call, 0):.2f}" for n in names) + " |")
 
 
 if __name__ == "__main__":

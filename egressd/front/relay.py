@@ -55,6 +55,7 @@ class Pipe(asyncio.Protocol):
         self.burst_start = 0.0  # when the current burst of such reads began
         self.burst_bytes = 0  # read in it after its first read
         self.coalescing: asyncio.TimerHandle | None = None
+        self.ended = False  # this side said EOF: it is being closed, nothing is left to read
         # what arrived before the peer was attached (a server that speaks first may answer the
         # connect before the CONNECT's 200 is written): handed over by attach()
         self.early = bytearray()
@@ -103,6 +104,7 @@ class Pipe(asyncio.Protocol):
             self.transport.resume_reading()
 
     def eof_received(self) -> bool:
+        self.ended = True
         if self.peer is not None:
             self.peer.eof_received_from_peer()
         # a half-open tunnel is not kept: once both sides said EOF, or now if the peer cannot
@@ -118,9 +120,23 @@ class Pipe(asyncio.Protocol):
         self.tunnel.closed()
 
     def eof_received_from_peer(self) -> None:
-        if self.transport is not None and self.transport.can_write_eof():
+        """Pass the peer's EOF on: a FIN ahead of the close that follows, so that a far end with
+        bytes still unread here reads an end, not a reset. Made once the events read with it are
+        handled: a side that said EOF in the same batch (a client that closes as the server does,
+        what nearly every short tunnel ends with) is closed instead, and its close sends the FIN; a
+        shutdown first would be a system call, and uvloop's callback of it, for nothing."""
+        if not self.ended:
+            asyncio.get_running_loop().call_soon(self._pass_eof)
+
+    def _pass_eof(self) -> None:
+        # runs before the peer's connection_lost, which closes this side (call_soon keeps order);
+        # a side already closing for another reason (the sweep, a revocation) is left to its close
+        transport = self.transport
+        if self.ended or transport is None or transport.is_closing():
+            return
+        if transport.can_write_eof():
             with contextlib.suppress(OSError):
-                self.transport.write_eof()
+                transport.write_eof()
 
     def pause_writing(self) -> None:
         peer = self.peer

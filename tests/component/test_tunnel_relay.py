@@ -346,6 +346,107 @@ async def test_without_coalescing_every_chunk_is_read_at_once(
     a_pipe.transport.close()
 
 
+class _CountedEofs:
+    """A side's transport, with the half-closes (write_eof: a shutdown system call) it is asked for
+    counted, and those asked for once it was closing (too late to put a FIN ahead of the close)."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.write_eofs = 0
+        self.late = 0
+
+    def write_eof(self) -> None:
+        self.write_eofs += 1
+        self.late += self.transport.is_closing()
+        self.transport.write_eof()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.transport, name)
+
+
+async def _relayed_pair() -> tuple[_Front, relay.Pipe, relay.Pipe, socket.socket, socket.socket]:
+    """Two relay sides on socketpairs, paired, with their far ends (non-blocking) and counted EOFs."""
+    loop = asyncio.get_running_loop()
+    front = _Front()
+    a_pipe, b_pipe = _relay_pipes(relay.Tunnel(front))  # type: ignore[arg-type]
+    a, a_far = socket.socketpair()
+    b, b_far = socket.socketpair()
+    for s in (a_far, b_far):
+        s.setblocking(False)
+    await loop.connect_accepted_socket(lambda: a_pipe, a)
+    await loop.connect_accepted_socket(lambda: b_pipe, b)
+    a_pipe.attach(b_pipe)
+    for pipe in (a_pipe, b_pipe):
+        assert pipe.transport is not None
+        pipe.transport = _CountedEofs(pipe.transport)  # type: ignore[assignment]
+    return front, a_pipe, b_pipe, a_far, b_far
+
+
+async def _until_closed(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """Everything `sock` reads until its peer's end (a reset fails the test)."""
+    got = b""
+    while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 10):
+        got += chunk
+    return got
+
+
+@ON_EVERY_LOOP
+async def test_an_end_from_one_side_reaches_the_other_as_an_end_after_every_byte() -> None:
+    """One side's EOF is passed on as a FIN after what it sent (a half-close first, not a bare close
+    that would reset a far end with bytes still unread here), and the tunnel then ends."""
+    loop = asyncio.get_running_loop()
+    front, a_pipe, b_pipe, a_far, b_far = await _relayed_pair()
+    a_far.send(b"last words")
+    a_far.shutdown(socket.SHUT_WR)
+    assert await _until_closed(loop, b_far) == b"last words"
+    await asyncio.wait_for(front.finished.wait(), 10)
+    assert b_pipe.transport.write_eofs == 1  # type: ignore[union-attr]
+    assert b_pipe.transport.late == 0  # type: ignore[union-attr]
+    for s in (a_far, b_far):
+        s.close()
+
+
+@ON_EVERY_LOOP
+async def test_sides_that_end_together_are_closed_without_a_half_close() -> None:
+    """Both sides end at once (a client that closes as the server does: how nearly every short
+    tunnel ends): each far end reads every byte and its end, and neither side is half-closed first
+    (its close sends the FIN; a shutdown before it is a system call for nothing)."""
+    loop = asyncio.get_running_loop()
+    front, a_pipe, b_pipe, a_far, b_far = await _relayed_pair()
+    b_far.send(b"response")
+    assert await _recv_for(loop, a_far, 5, 8) == b"response"
+    b_far.shutdown(socket.SHUT_WR)  # both ends, before the loop looks again: one batch of events
+    a_far.shutdown(socket.SHUT_WR)
+    await asyncio.wait_for(front.finished.wait(), 10)
+    assert await _until_closed(loop, a_far) == b""
+    assert await _until_closed(loop, b_far) == b""
+    eofs = (a_pipe.transport.write_eofs, b_pipe.transport.write_eofs)  # type: ignore[union-attr]
+    assert eofs == (0, 0)
+    for s in (a_far, b_far):
+        s.close()
+
+
+@ON_EVERY_LOOP
+async def test_a_side_closed_before_its_peers_end_is_passed_on_is_left_to_its_close() -> None:
+    """A side closed for another reason (the sweep, a revocation) in the same turn of the loop as
+    its peer's EOF: no half-close of a closed transport, no error."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    front, a_pipe, b_pipe, a_far, b_far = await _relayed_pair()
+    assert b_pipe.transport is not None
+    b_pipe.transport.close()
+    b_pipe.eof_received_from_peer()
+    assert await _until_closed(loop, b_far) == b""
+    await asyncio.sleep(0.1)
+    assert errors == []
+    assert b_pipe.transport.write_eofs == 0  # type: ignore[attr-defined]
+    for s in (a_far, b_far):
+        s.close()
+    assert a_pipe.transport is not None
+    a_pipe.transport.close()
+
+
 def test_a_finished_tunnel_is_freed_without_the_cyclic_collector(
     echo_engine: ProxyServer, tcp_echo: TcpEchoServer
 ) -> None:
