@@ -243,8 +243,9 @@ class AskBroker:
             else:
                 pending = self._new(key, decision, client)
                 created = True
-        if created:
-            self._notify("ask", pending)
+        # a request that joins changes what the question covers ("Allow once" releases it too):
+        # every surface that shows the count hears it
+        self._notify("ask" if created else "waiting", pending)
         try:
             return await self._wait(pending, recheck, client.conn_id)
         except asyncio.CancelledError:
@@ -320,8 +321,11 @@ class AskBroker:
                     del pending.requests[i]
                     break
             gone = pending.waiters <= 0 and self._pending.get(pending.id) is pending
+            still = pending.waiters > 0 and self._pending.get(pending.id) is pending
         if gone and self._pop(pending.id) is not None:
             self._notify(kind, pending, **extra)
+        elif still:
+            self._notify("waiting", pending)
 
     def _pop(self, ask_id: str) -> PendingAsk | None:
         with self._lock:
@@ -391,8 +395,9 @@ class AskBroker:
                 listener(kind, info)
             except Exception:  # noqa: BLE001 - a listener never changes an answer
                 logger.exception("egressd: an ask listener failed")
-        if self.events is not None:
-            # the audit records asks too: the query redacted, as in its decision records
+        if self.events is not None and kind != "waiting":
+            # the audit records asks too (not a change of their count: each request has its own
+            # decision record): the query redacted, as in its decision records
             # (not the waiting programs' command lines: an argument may be a secret)
             skip = ("command", "answers", "expires_in", "requests")
             fields = {k: v for k, v in info.items() if k not in skip}

@@ -78,6 +78,8 @@ def _follow(pid: int | None, as_json: bool) -> None:
                 click.echo(json.dumps({**data, "egressd_pid": item.pid}))
             elif data.get("event") == "ask":
                 click.echo(ask_line(data))
+            elif data.get("event") == "waiting":
+                click.echo(f"{data.get('id')}  {data.get('waiting')} waiting")
             else:
                 answer = f" {data['answer']}" if "answer" in data else ""
                 click.echo(f"{data.get('id')}  {data.get('event')}{answer}")

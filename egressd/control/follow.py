@@ -188,7 +188,7 @@ class RemoteAsks:
                 ids = self._open.setdefault(item.pid, set())
                 if event == "ask":
                     ids.add(ask_id)
-                else:
+                elif event != "waiting":  # over: answered, expired, withdrawn
                     ids.discard(ask_id)
                 self._tell(event, item.data)
             elif item.kind == "ended":

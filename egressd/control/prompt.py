@@ -81,7 +81,7 @@ class TtyPrompter:
     def _heard(self, kind: str, info: dict[str, Any]) -> None:
         if kind == "ask":
             self._queue.put(info)
-        else:
+        elif kind != "waiting":  # the question is over (a change of its count is not)
             with self._lock:
                 self._ended.add(str(info["id"]))
 

@@ -69,6 +69,35 @@ def test_identical_asks_are_one_question_and_one_answer_releases_all(
         assert up.connections == before
 
 
+def test_every_approver_hears_the_count_of_waiting_requests_change(
+    tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
+) -> None:
+    """A request that joins a question, or leaves it while others still wait (a one-shot grant
+    admits one), changes what "Allow once" releases: a follower hears the new count (`waiting`),
+    the audit gets no record of it, and the question stays open until it is answered."""
+    audit = tmp_path / "audit.jsonl"
+    with run_ask(ask_policy(tmp_path), dns, "--audit", str(audit)) as run, Follower() as follower:
+        wait_for(attached, what="the follower to attach")
+        url = f"http://up.test:{up.port}/counted"
+        first = start_curl(run, url)
+        ask = follower.next_ask()
+        assert ask["waiting"] == 1
+
+        def counts() -> list[int]:
+            return [e["waiting"] for e in follower.of("waiting")]
+
+        second, third = start_curl(run, url), start_curl(run, url)
+        wait_for(lambda: counts()[-1:] == [3], what="the follower to hear 3 waiting")
+        assert cli("grant", f"up.test:{up.port}").returncode == 0  # one-shot: one of the three goes
+        wait_for(lambda: counts()[-1:] == [2], what="the follower to hear 2 waiting")
+        assert len(follower.asks()) == 1  # one question all along
+        answer = cli("approve", ask["id"])
+        assert answer.returncode == 0 and "2 waiting released" in answer.stdout, answer
+        assert [finish(c)[0] for c in (first, second, third)] == [200, 200, 200]
+    notices = [r.get("event") for r in audit_records(audit) if str(r.get("event", "")).startswith("ask")]
+    assert "ask" in notices and not any("waiting" in n for n in notices)
+
+
 def test_ask_timeout_refuses_every_waiter(tmp_path: Path, dns: DnsServer, up: EchoHTTPServer) -> None:
     with run_ask(ask_policy(tmp_path, timeout=1.5), dns) as run, Follower():
         wait_for(attached, what="the follower to attach")

@@ -100,9 +100,13 @@ class Follower:
             with self._lock:
                 self.events.append(json.loads(line))
 
-    def asks(self) -> list[dict[str, Any]]:
+    def of(self, event: str) -> list[dict[str, Any]]:
+        """The events of one kind heard so far."""
         with self._lock:
-            return [e for e in self.events if e.get("event") == "ask"]
+            return [e for e in self.events if e.get("event") == event]
+
+    def asks(self) -> list[dict[str, Any]]:
+        return self.of("ask")
 
     def next_ask(self, seen: int = 0, timeout: float = 20) -> dict[str, Any]:
         return wait_for(lambda: self.asks()[seen] if len(self.asks()) > seen else None, timeout, "an ask")
