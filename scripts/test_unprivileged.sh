@@ -27,6 +27,7 @@ MODULES=(
   tests/e2e/test_sandbox_ssh.py
   tests/security/test_sandbox_syscalls.py
   tests/e2e/test_sandbox_workloads.py
+  tests/e2e/test_sandbox_startup.py
   tests/e2e/test_exec_integration.py
   tests/e2e/test_exec_capture.py
   tests/e2e/test_exec_compat.py
