@@ -320,12 +320,14 @@ class AskBroker:
                 if request["conn"] == conn:
                     del pending.requests[i]
                     break
-            gone = pending.waiters <= 0 and self._pending.get(pending.id) is pending
-            still = pending.waiters > 0 and self._pending.get(pending.id) is pending
-        if gone and self._pop(pending.id) is not None:
-            self._notify(kind, pending, **extra)
-        elif still:
+            current = self._pending.get(pending.id) is pending
+            left = pending.waiters
+        if not current:
+            return
+        if left > 0:
             self._notify("waiting", pending)
+        elif self._pop(pending.id) is not None:
+            self._notify(kind, pending, **extra)
 
     def _pop(self, ask_id: str) -> PendingAsk | None:
         with self._lock:
