@@ -19,7 +19,7 @@ from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
 from tests.support.upstreams import TcpEchoServer
 
-DNS_TIMEOUT = 2.0  # a try is asked again after 0.5 s of silence (a quarter, at least 0.5 s)
+DNS_TIMEOUT = 3.0  # a try is asked again after 0.75 s of silence (a quarter, at least 0.5 s)
 POLICY = f"""\
 version: 1
 allow: [late.test, silent.test]
@@ -42,12 +42,15 @@ def _connect(client: ProxyClient, authority: str) -> tuple[int | None, dict[str,
     return response.status, response.headers, took
 
 
-@pytest.mark.parametrize("delay", [0.7, 1.3, 1.8], ids=lambda d: f"answer-after-{d}s")
+@pytest.mark.parametrize("delay", [0.9, 1.6, 2.2], ids=lambda d: f"answer-after-{d}s")
 def test_a_late_answer_within_dns_timeout_is_taken(tmp_path: Path, dns: DnsServer, delay: float) -> None:
-    """Every query is answered `delay` seconds after it arrived: later than a try waits alone (0.5 s),
-    within dns_timeout (2 s). The first try's answer opens the tunnel."""
+    """Every query is answered `delay` seconds after it arrived, and not before egressd asked again:
+    later than a try waits alone (0.75 s), within dns_timeout (3 s). The first try's answer opens
+    the tunnel. (Held for the retry, so that a late-running egressd, whose timeout and answer are
+    then due together, still shows the retry; at least 0.8 s short of dns_timeout for the same
+    reason.)"""
     with TcpEchoServer("127.0.0.1") as echo:
-        dns.add("late.test", "127.0.0.1", delay=delay)
+        dns.add("late.test", "127.0.0.1", delay=delay, hold=2)
         policy = write_policy(tmp_path, POLICY)
         with EgressdRun(["--policy", str(policy), "--nameserver", dns.nameserver]) as run:
             client = ProxyClient.from_env(run.env)

@@ -14,6 +14,8 @@ import selectors
 import socket
 import struct
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -27,6 +29,7 @@ import dns.rdatatype
 import dns.rrset
 
 log = logging.getLogger(__name__)
+HOLD_LIMIT = 30.0  # s: an answer held for a retry that never comes is sent anyway
 
 _MAX_CNAME_CHAIN = 8
 
@@ -63,6 +66,7 @@ class _Entry:
     target: str = ""
     served: dict[str, int] = field(default_factory=dict)  # rdtype -> how many answered (sequence)
     delay: float = 0.0  # seconds before the answer is sent (queries that overlap in time)
+    hold: int = 0  # and not before the name was asked this many times (of the query's type)
 
 
 class DnsServer:
@@ -87,14 +91,16 @@ class DnsServer:
         self._tcp_clients: set[socket.socket] = set()
 
     # -- programming -------------------------------------------------------------------------------
-    def add(self, name: str, *addresses: str, ttl: int = 0, delay: float = 0.0) -> None:
+    def add(self, name: str, *addresses: str, ttl: int = 0, delay: float = 0.0, hold: int = 0) -> None:
         """Answer A/AAAA for ``name`` with ``addresses`` (sorted by family); replaces earlier data.
 
         ``delay``: send each answer that many seconds after its query arrived (other queries are
-        answered meanwhile), so that lookups of one name overlap in time."""
+        answered meanwhile), so that lookups of one name overlap in time. ``hold``: and not before
+        the name was asked ``hold`` times for that type (at most HOLD_LIMIT seconds), so that a
+        client's retry comes before the answer however late the client runs."""
         v4, v6 = _split_families(addresses)
         with self._lock:
-            self._entries[_norm(name)] = _Entry("static", v4=v4, v6=v6, ttl=ttl, delay=delay)
+            self._entries[_norm(name)] = _Entry("static", v4=v4, v6=v6, ttl=ttl, delay=delay, hold=hold)
 
     def add_sequence(self, name: str, answers: list[list[str]], ttl: int = 0) -> None:
         """The n-th query of a type gets ``answers[min(n, len-1)]`` (of that family) — for rebinding."""
@@ -216,22 +222,38 @@ class DnsServer:
         self.stop()
 
     # -- answering ---------------------------------------------------------------------------------
-    def _answer(self, wire: bytes, transport: str) -> tuple[dns.message.Message | None, int, float]:
-        """The response to ``wire`` (None: stay silent), the client's UDP size limit and the delay."""
+    def _answer(
+        self, wire: bytes, transport: str
+    ) -> tuple[dns.message.Message | None, int, Callable[[], None] | None]:
+        """The response to ``wire`` (None: stay silent), the client's UDP size limit, and what to
+        wait for before sending it (None: send now)."""
         try:
             query = dns.message.from_wire(wire)
         except dns.exception.DNSException as exc:
             log.debug("bad query: %s", exc)
-            return None, 512, 0.0
+            return None, 512, None
         limit = max(query.payload, 512) if query.edns >= 0 else 512
-        return self._respond(query, transport), limit, self._delay(query)
+        return self._respond(query, transport), limit, self._release(query)
 
-    def _delay(self, query: dns.message.Message) -> float:
+    def _release(self, query: dns.message.Message) -> Callable[[], None] | None:
         if not query.question:
-            return 0.0
+            return None
+        name = _norm(query.question[0].name.to_text())
+        rdtype = dns.rdatatype.to_text(query.question[0].rdtype)
         with self._lock:
-            entry = self._entries.get(_norm(query.question[0].name.to_text()))
-            return entry.delay if entry is not None else 0.0
+            entry = self._entries.get(name)
+        if entry is None or not (entry.delay or entry.hold):
+            return None
+        arrived = time.monotonic()
+
+        def wait() -> None:
+            self._stop.wait(entry.delay)
+            give_up = arrived + HOLD_LIMIT
+            while self.count(name, rdtype) < entry.hold and time.monotonic() < give_up:
+                if self._stop.wait(0.01):
+                    return
+
+        return wait
 
     def _respond(self, query: dns.message.Message, transport: str) -> dns.message.Message | None:
         if not query.question:
@@ -302,7 +324,7 @@ class DnsServer:
                     wire, peer = sock.recvfrom(65535)
                 except OSError:
                     continue
-                resp, limit, delay = self._answer(wire, "udp")
+                resp, limit, release = self._answer(wire, "udp")
                 if resp is None:
                     continue
                 try:
@@ -313,8 +335,10 @@ class DnsServer:
                     resp.additional.clear()
                     resp.flags |= dns.flags.TC
                     out = resp.to_wire()
-                if delay:
-                    threading.Timer(delay, _send_udp, (sock, out, peer)).start()
+                if release is not None:
+                    threading.Thread(
+                        target=_send_udp_after, args=(release, sock, out, peer), daemon=True
+                    ).start()
                 else:
                     _send_udp(sock, out, peer)
         finally:
@@ -352,11 +376,11 @@ class DnsServer:
                 wire = _recv_exact(conn, length, self._stop)
                 if wire is None:
                     return
-                resp, _limit, delay = self._answer(wire, "tcp")
+                resp, _limit, release = self._answer(wire, "tcp")
                 if resp is None:
                     continue  # silent, keep the connection open
-                if delay:
-                    self._stop.wait(delay)
+                if release is not None:
+                    release()
                 out = resp.to_wire()
                 conn.sendall(struct.pack("!H", len(out)) + out)
         except OSError:
@@ -365,6 +389,13 @@ class DnsServer:
             with self._lock:
                 self._tcp_clients.discard(conn)
             _close(conn)
+
+
+def _send_udp_after(
+    release: Callable[[], None], sock: socket.socket, out: bytes, peer: tuple[str, int]
+) -> None:
+    release()
+    _send_udp(sock, out, peer)
 
 
 def _send_udp(sock: socket.socket, out: bytes, peer: tuple[str, int]) -> None:
