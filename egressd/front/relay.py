@@ -1,7 +1,7 @@
 """Moving bytes of an admitted connection: two flow-controlled asyncio protocols, one per side.
 
 Nothing here parses client input or decides anything: the front admitted the connection through
-the pipeline before a relay is attached.
+the pipeline before a relay is attached, or (`join`) the connection is the child's own business.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -105,10 +106,13 @@ class Pipe(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.ended = True
-        if self.peer is not None:
-            self.peer.eof_received_from_peer()
-        # a half-open tunnel is not kept: once both sides said EOF, or now if the peer cannot
-        return False
+        peer = self.peer
+        if peer is None:
+            return False
+        peer.eof_received_from_peer()
+        # the front keeps no half-open tunnel (this side closes, and its close closes the peer);
+        # a joined connection stays open for the peer's answer until the peer ends too
+        return self.tunnel.half_open and not peer.ended
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.coalescing is not None:
@@ -156,8 +160,9 @@ class Pipe(asyncio.Protocol):
 class Tunnel:
     """Counts bytes for the closed record, and writes it once when the last side goes."""
 
-    def __init__(self, front: RelayOwner) -> None:
+    def __init__(self, front: RelayOwner, half_open: bool = False) -> None:
         self.front: RelayOwner | None = front  # None once the connection finished (see FrontProtocol)
+        self.half_open = half_open  # a side's EOF leaves the other direction open
         self.open_sides = 2
         self.last_active = time.monotonic()
 
@@ -175,3 +180,50 @@ class Tunnel:
         self.open_sides -= 1
         if self.open_sides == 0 and self.front is not None:
             self.front.finish()
+
+
+class _Joined:
+    """The owner of a relay no client connection of the front owns: it counts nothing, and wakes
+    `join` when both sides are gone."""
+
+    state: ConnState | None = None
+
+    def __init__(self, ended: asyncio.Future[None]) -> None:
+        self.ended = ended
+
+    def finish(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+
+async def join(accepted: socket.socket, connected: socket.socket) -> None:
+    """Relay two connected sockets until both sides have ended, keeping half-closes (a client that
+    ends its request with EOF still reads the answer): the capture's bridge joins a child's
+    connection to a loopback server of the child's own, which nothing decides. Takes ownership of
+    both sockets."""
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+    tunnel = Tunnel(_Joined(ended), half_open=True)
+    client, server = Pipe(tunnel, upstream=False), Pipe(tunnel, upstream=True)
+    try:
+        await loop.connect_accepted_socket(lambda: server, connected)
+    except OSError:
+        accepted.close()
+        connected.close()
+        return
+    # what the client sends goes straight to the server, which is there; what the server said
+    # before the client's side was made (a server that speaks first) is handed over by attach
+    client.peer = server
+    try:
+        await loop.connect_accepted_socket(lambda: client, accepted)
+    except OSError:
+        accepted.close()
+        if server.transport is not None:
+            server.transport.close()
+        return
+    server.attach(client)
+    for side, other in ((client, server), (server, client)):
+        # a side that ended before the two were paired takes the other with it
+        if (side.transport is None or side.transport.is_closing()) and other.transport is not None:
+            other.transport.close()
+    await ended

@@ -31,9 +31,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from egressd.front.relay import join
 from egressd.platform.fdwait import ready
 from egressd.sandbox import BRIDGE_SOURCE
-from egressd.sandbox.splice import close_quietly, splice
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 SYNTHETIC = ipaddress.IPv4Network("198.18.0.0/15")
@@ -273,7 +273,9 @@ async def _dns_tcp(capture: Capture, reader: asyncio.StreamReader, writer: async
     except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, OSError):
         pass
     finally:
-        await close_quietly(writer)
+        writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.wait_closed()
 
 
 def original_destination(sock: socket.socket) -> tuple[ipaddress.IPv4Address, int]:
@@ -371,11 +373,15 @@ class Capture:
     async def _own_loopback(self, address: ipaddress.IPv4Address, port: int, conn: socket.socket) -> bool:
         """A server of the child's own on a loopback port the policy names for the host is the one
         the child reaches there: spliced to it when it accepts (True), else the host's (False)."""
+        local = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            local = await asyncio.open_connection(str(address), port, local_addr=(BRIDGE_SOURCE, 0))
+            local.setblocking(False)
+            local.bind((BRIDGE_SOURCE, 0))
+            await asyncio.get_running_loop().sock_connect(local, (str(address), port))
         except OSError:
+            local.close()
             return False
-        await splice(await asyncio.open_connection(sock=conn.dup()), local)
+        await join(conn.dup(), local)
         return True
 
     async def _accept(self, listener: socket.socket) -> None:

@@ -305,6 +305,56 @@ def test_loopback_is_the_childs_own_first_then_the_hosts_by_the_loopback_rules(
     assert all(r.get("port") == host.port for r in decided)  # the child's own server: never decided
 
 
+OWN_ON_THE_HOSTS_PORT = """
+    import hashlib, json, os, socket, sys, threading
+    port = int(sys.argv[1])
+    server = socket.create_server(("127.0.0.1", port))  # the host's port number, in the child's own loopback
+    def serve():
+        conn, _ = server.accept()
+        conn.sendall(b"hello\\n")  # a server that speaks first
+        got = hashlib.sha256()
+        size = 0
+        while chunk := conn.recv(65536):  # to the client's half-close
+            got.update(chunk)
+            size += len(chunk)
+        conn.sendall(f"{size} {got.hexdigest()}".encode())
+        conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    payload = os.urandom(8 << 20)
+    client = socket.create_connection(("127.0.0.1", port), timeout=60)
+    greeting = b""
+    while not greeting.endswith(b"\\n"):
+        greeting += client.recv(1)
+    client.sendall(payload)
+    client.shutdown(socket.SHUT_WR)
+    answer = b""
+    while chunk := client.recv(65536):
+        answer += chunk
+    print(json.dumps({"greeting": greeting.decode(), "answer": answer.decode(),
+                      "sent": f"{len(payload)} {hashlib.sha256(payload).hexdigest()}"}))
+"""
+
+
+def test_the_childs_own_server_on_a_port_named_for_the_host_is_joined_keeping_half_closes(
+    tmp_path: Path,
+) -> None:
+    """A server of the child's own on a loopback port the policy names for the host is what the
+    child reaches there, through the capture's join: its greeting arrives before the client says
+    anything, megabytes go through under back-pressure, and the client's half-close reaches it as an
+    end while its answer still comes back."""
+    with EchoHTTPServer("127.0.0.1", name="host-service") as host:
+        policy = write_policy(tmp_path, f"version: 1\nloopback: {{allow: true, ports: [{host.port}]}}\n")
+        result = egressd_exec(
+            ["--policy", str(policy)],
+            [sys.executable, "-c", textwrap.dedent(OWN_ON_THE_HOSTS_PORT), str(host.port)],
+            timeout=TIMEOUT,
+        )
+        seen = last_json(result)
+        assert host.connections == 0
+    assert seen["greeting"] == "hello\n"
+    assert seen["answer"] == seen["sent"], seen
+
+
 # -- what passes through as under any exec ---------------------------------------------------------
 def test_exit_status_stdio_and_a_child_killed_by_a_signal(tmp_path: Path) -> None:
     result = egressd_exec([], ["sh", "-c", "cat; echo err >&2; exit 7"], input=b"in\x00put", timeout=TIMEOUT)
