@@ -1,5 +1,5 @@
-"""The policy's error and the entries a policy file and the command line both give (host rules,
-nameservers): shared by the loader and ``Policy.with_overrides``, below both of them."""
+"""The entries a policy file and the command line both give (host rules, nameservers): shared by
+the loader and ``Policy.with_overrides``, below both of them."""
 
 from __future__ import annotations
 
@@ -7,34 +7,9 @@ import ipaddress
 from typing import Any, cast
 
 from .rules import HostRule, RuleError, parse_rule
+from .schema import PolicyError, item
 
 __all__ = ["PolicyError", "parse_nameserver", "parse_rule_list"]
-
-_NO_ENTRY = object()
-
-
-class PolicyError(ValueError):
-    """A policy that cannot be loaded; ``str()`` reads ``file: key: 'entry': message``."""
-
-    def __init__(self, file: str, key: str | None, entry: object = _NO_ENTRY, message: str = "") -> None:
-        self.file = file
-        self.key = key
-        self.has_entry = entry is not _NO_ENTRY
-        self.entry: object | None = entry if self.has_entry else None
-        self.message = message
-        super().__init__(self._text())
-
-    def _text(self) -> str:
-        parts = [self.file]
-        if self.key:
-            parts.append(self.key)
-        if self.has_entry:
-            parts.append(repr(self.entry))
-        parts.append(self.message)
-        return ": ".join(parts)
-
-    def __str__(self) -> str:
-        return self._text()
 
 
 def parse_rule_list(entries: list[object], source: str, key: str) -> tuple[HostRule, ...]:
@@ -44,7 +19,7 @@ def parse_rule_list(entries: list[object], source: str, key: str) -> tuple[HostR
         try:
             out.append(parse_rule(cast(Any, entry)))
         except RuleError as exc:
-            raise PolicyError(source, f"{key}[{index}]", entry, str(exc)) from None
+            raise PolicyError(source, item(key, index), entry, str(exc)) from None
     return tuple(out)
 
 

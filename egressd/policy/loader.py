@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from .entries import _NO_ENTRY, PolicyError, parse_nameserver, parse_rule_list
+from .entries import parse_nameserver, parse_rule_list
 from .hosts import Host, TargetError, canonical_host
 from .model import (
     AUDIT_FAILURES,
@@ -36,7 +36,8 @@ from .model import (
     ResolverConfig,
 )
 from .paths import normalise_path
-from .rules import RuleError, RuleSet, parse_rule
+from .rules import RuleError, RuleSet, parse_rule, read_methods
+from .schema import PolicyError, Reader, item, join
 from .secrets import check_secret_hosts, parse_secrets
 from .upstream import parse_upstream_proxy
 
@@ -82,98 +83,25 @@ _POLICY_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _ORIGIN_PORTS = {"http": 80, "https": 443}
 
 
-class _Reader:
-    """Typed accessors that raise PolicyError with the full key path."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, key: str | None, message: str, entry: object = _NO_ENTRY) -> PolicyError:
-        return PolicyError(self.source, key, entry, message)
-
-    def mapping(self, value: object, key: str, allowed: Sequence[str]) -> dict[str, Any]:
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            raise self.fail(key, f"must be a mapping, not {_type_name(value)}", value)
-        for name in value:
-            if not isinstance(name, str) or name not in allowed:
-                raise self.fail(_join(key, str(name)), f"unknown key (expected one of: {', '.join(allowed)})")
-        return dict(value)
-
-    def list(self, value: object, key: str) -> list[Any]:
-        if value is None:
-            return []
-        if not isinstance(value, list):
-            raise self.fail(key, f"must be a list, not {_type_name(value)}", value)
-        return value
-
-    def bool(self, value: object, key: str, default: bool) -> bool:
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.fail(key, f"must be true or false, not {_type_name(value)}", value)
-        return value
-
-    def port(self, value: object, key: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"port must be an integer, not {_type_name(value)}", value)
-        if not 1 <= value <= 65535:
-            raise self.fail(key, "port out of range 1-65535", value)
-        return value
-
-    def ports(self, value: object, key: str) -> tuple[int, ...]:
-        items = self.list(value, key)
-        return tuple(dict.fromkeys(self.port(item, f"{key}[{i}]") for i, item in enumerate(items)))
-
-    def positive(self, value: object, key: str, default: float) -> float:
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(key, f"must be a number, not {_type_name(value)}", value)
-        if not value > 0 or value != value or value == float("inf"):
-            raise self.fail(key, "must be a positive, finite number", value)
-        return value
-
-    def count(self, value: object, key: str) -> int | None:
-        """A positive integer, or null for "no limit"."""
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise self.fail(key, "must be a positive integer or null", value)
-        return value
-
-    def rules(self, value: object, key: str) -> RuleSet:
-        rules = parse_rule_list(self.list(value, key), self.source, key)
-        for index, rule in enumerate(rules):
-            # `exe` narrows what an allow rule admits; a deny or inspect rule applies to every
-            # program (a deny that spared other programs would widen, which `exe` never does)
-            if rule.exe and not key.endswith("allow"):
-                why = "exe is only for allow rules (a deny applies to every program)"
-                raise self.fail(f"{key}[{index}]", why, rule.text)
-            if rule.websocket and not key.endswith("allow"):
-                why = "websocket is only for allow rules (it lets a request they admit upgrade)"
-                raise self.fail(f"{key}[{index}]", why, rule.text)
-            # `private` licenses what the policy's own allow rule admits; a profile only narrows
-            if rule.private and key != "allow":
-                why = "private is only for the policy's allow rules (it licenses what they admit)"
-                raise self.fail(f"{key}[{index}]", why, rule.text)
-        return RuleSet(rules)
+def _rules(value: object, reader: Reader, key: str) -> RuleSet:
+    rules = parse_rule_list(reader.list(value, key), reader.source, key)
+    for index, rule in enumerate(rules):
+        # `exe` narrows what an allow rule admits; a deny or inspect rule applies to every
+        # program (a deny that spared other programs would widen, which `exe` never does)
+        if rule.exe and not key.endswith("allow"):
+            why = "exe is only for allow rules (a deny applies to every program)"
+            raise reader.fail(item(key, index), why, rule.text)
+        if rule.websocket and not key.endswith("allow"):
+            why = "websocket is only for allow rules (it lets a request they admit upgrade)"
+            raise reader.fail(item(key, index), why, rule.text)
+        # `private` licenses what the policy's own allow rule admits; a profile only narrows
+        if rule.private and key != "allow":
+            why = "private is only for the policy's allow rules (it licenses what they admit)"
+            raise reader.fail(item(key, index), why, rule.text)
+    return RuleSet(rules)
 
 
-def _type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _join(key: str | None, name: str) -> str:
-    return f"{key}.{name}" if key else name
-
-
-def _parse_origin(entry: object, reader: _Reader, key: str) -> Origin:
+def _parse_origin(entry: object, reader: Reader, key: str) -> Origin:
     if not isinstance(entry, str):
         raise reader.fail(key, "origin must be a string like 'http://192.168.1.10:8080'", entry)
     scheme, sep, rest = entry.partition("://")
@@ -197,98 +125,75 @@ def _parse_origin(entry: object, reader: _Reader, key: str) -> Origin:
     return Origin(scheme=scheme, host=host, port=rule.port or _ORIGIN_PORTS[scheme])
 
 
-def _parse_builtin(entry: object, reader: _Reader, key: str) -> BuiltinAllowance:
-    if not isinstance(entry, Mapping):
-        raise reader.fail(key, "must be a mapping {host, paths, methods, websocket}", entry)
-    data = reader.mapping(entry, key, ("host", "paths", "methods", "websocket"))
+def _parse_builtin(entry: object, reader: Reader, key: str) -> BuiltinAllowance:
+    fields = ("host", "paths", "methods", "websocket")
+    data = reader.mapping(entry, key, fields, what=" {host, paths, methods, websocket}", required=True)
     host_text = data.get("host")
     if not isinstance(host_text, str):
-        raise reader.fail(_join(key, "host"), "must be a string naming one exact host", host_text)
+        raise reader.fail(join(key, "host"), "must be a string naming one exact host", host_text)
     try:
         host = canonical_host(host_text)
     except TargetError as exc:
-        raise reader.fail(_join(key, "host"), exc.reason, host_text) from None
-    paths = reader.list(data.get("paths"), _join(key, "paths"))
+        raise reader.fail(join(key, "host"), exc.reason, host_text) from None
+    paths = reader.list(data.get("paths"), join(key, "paths"))
     if not paths:
-        raise reader.fail(_join(key, "paths"), "a built-in allowance needs at least one path")
+        raise reader.fail(join(key, "paths"), "a built-in allowance needs at least one path")
     normalised: list[str] = []
-    for index, path in enumerate(paths):
-        path_key = f"{key}.paths[{index}]"
+    for path_key, path in reader.items(paths, join(key, "paths")):
         if not isinstance(path, str) or not path.startswith("/") or any(c in path for c in "*?#"):
             raise reader.fail(path_key, "must be a fixed path starting with '/'", path)
         normal = normalise_path(path)
         if normal is None:
             raise reader.fail(path_key, "not a valid path", path)
         normalised.append(normal)
-    methods: list[str] = []
-    for index, method in enumerate(reader.list(data.get("methods"), _join(key, "methods"))):
-        if not isinstance(method, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", method):
-            raise reader.fail(f"{key}.methods[{index}]", "not a valid HTTP method", method)
-        methods.append(method.upper())
     return BuiltinAllowance(
         host=host.text,
         paths=tuple(dict.fromkeys(normalised)),
-        methods=tuple(dict.fromkeys(methods)),
-        websocket=reader.bool(data.get("websocket"), _join(key, "websocket"), False),
+        methods=read_methods(reader, data.get("methods"), join(key, "methods")),
+        websocket=reader.bool(data.get("websocket"), join(key, "websocket"), False),
     )
 
 
-def _parse_profile(name: object, value: object, reader: _Reader) -> Profile:
+def _parse_profile(name: object, value: object, reader: Reader) -> Profile:
     key = f"profiles.{name}"
     if not isinstance(name, str) or not _PROFILE_NAME.fullmatch(name):
         raise reader.fail("profiles", "profile names are letters, digits, '.', '_', '-'", name)
     data = reader.mapping(value, key, ("allow", "deny", "ports"))
-    allow = None if data.get("allow") is None else reader.rules(data["allow"], f"{key}.allow")
+    allow = None if data.get("allow") is None else _rules(data["allow"], reader, f"{key}.allow")
     return Profile(
         name=name,
         allow=allow,
-        deny=reader.rules(data.get("deny"), f"{key}.deny"),
+        deny=_rules(data.get("deny"), reader, f"{key}.deny"),
         ports=reader.ports(data.get("ports"), f"{key}.ports"),
     )
 
 
-def _text(value: object, reader: _Reader, key: str, *, required: bool = True) -> str:
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str) or (required and not value.strip()):
-        raise reader.fail(key, "must be a non-empty string" if required else "must be a string", value)
-    return value
-
-
-def _version(value: object, reader: _Reader, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise reader.fail(key, "must be a positive integer", value)
-    return value
-
-
-def _parse_preset(value: object, reader: _Reader) -> PresetInfo | None:
+def _parse_preset(value: object, reader: Reader) -> PresetInfo | None:
     if value is None:
         return None
     data = reader.mapping(value, "preset", ("name", "version", "summary", "sends"))
-    name = _text(data.get("name"), reader, "preset.name")
+    name = reader.text(data.get("name"), "preset.name")
     if not _POLICY_NAME.fullmatch(name):
         raise reader.fail("preset.name", "preset names are lower-case letters, digits, '_', '-'", name)
     return PresetInfo(
         name=name,
-        version=_version(data.get("version"), reader, "preset.version"),
-        summary=_text(data.get("summary"), reader, "preset.summary", required=False),
-        sends=_text(data.get("sends"), reader, "preset.sends", required=False),
+        version=reader.integer(data.get("version"), "preset.version"),
+        summary=reader.text(data.get("summary"), "preset.summary", required=False),
+        sends=reader.text(data.get("sends"), "preset.sends", required=False),
     )
 
 
-def _host_texts(value: object, reader: _Reader, key: str) -> tuple[str, ...]:
-    items = reader.list(value, key)
-    parse_rule_list(items, reader.source, key)  # each must be a host rule
-    return tuple(dict.fromkeys(_text(item, reader, f"{key}[{i}]") for i, item in enumerate(items)))
+def _host_texts(value: object, reader: Reader, key: str) -> tuple[str, ...]:
+    parse_rule_list(reader.list(value, key), reader.source, key)  # each must be a host rule
+    return tuple(dict.fromkeys(reader.text(entry, where) for where, entry in reader.items(value, key)))
 
 
-def _parse_providers(value: object, reader: _Reader) -> tuple[ProviderAck, ...]:
+def _parse_providers(value: object, reader: Reader) -> tuple[ProviderAck, ...]:
     acks: list[ProviderAck] = []
     seen: set[str] = set()
-    for index, entry in enumerate(reader.list(value, "providers")):
-        key = f"providers[{index}]"
+    for key, entry in reader.items(value, "providers"):
         data = reader.mapping(entry, key, ("name", "version", "acknowledged", "hosts", "added"))
-        name = _text(data.get("name"), reader, f"{key}.name")
+        name = reader.text(data.get("name"), f"{key}.name")
         if name in seen:
             raise reader.fail(f"{key}.name", "this provider is acknowledged twice", name)
         seen.add(name)
@@ -297,8 +202,8 @@ def _parse_providers(value: object, reader: _Reader) -> tuple[ProviderAck, ...]:
         acks.append(
             ProviderAck(
                 name=name,
-                version=_version(data.get("version"), reader, f"{key}.version"),
-                acknowledged=_text(day_text, reader, f"{key}.acknowledged"),
+                version=reader.integer(data.get("version"), f"{key}.version"),
+                acknowledged=reader.text(day_text, f"{key}.acknowledged"),
                 hosts=_host_texts(data.get("hosts"), reader, f"{key}.hosts"),
                 added=_host_texts(data.get("added"), reader, f"{key}.added"),
             )
@@ -306,34 +211,29 @@ def _parse_providers(value: object, reader: _Reader) -> tuple[ProviderAck, ...]:
     return tuple(acks)
 
 
-def _parse_audit(value: object, reader: _Reader) -> AuditPolicy:
+def _parse_audit(value: object, reader: Reader) -> AuditPolicy:
     data = reader.mapping(value, "audit", ("on_failure", "max_queue_bytes"))
     defaults = AuditPolicy()
-    on_failure = data.get("on_failure", defaults.on_failure)
-    if on_failure not in AUDIT_FAILURES:
-        raise reader.fail("audit.on_failure", f"must be one of {', '.join(AUDIT_FAILURES)}", on_failure)
+    on_failure = reader.choice(
+        data.get("on_failure", defaults.on_failure), "audit.on_failure", AUDIT_FAILURES
+    )
     queue = data.get("max_queue_bytes", defaults.max_queue_bytes)
-    if isinstance(queue, bool) or not isinstance(queue, int) or queue < 4096:
-        raise reader.fail("audit.max_queue_bytes", "must be an integer of at least 4096 (bytes)", queue)
-    return AuditPolicy(on_failure=cast(AuditFailure, on_failure), max_queue_bytes=queue)
+    return AuditPolicy(
+        on_failure=cast(AuditFailure, on_failure),
+        max_queue_bytes=reader.integer(queue, "audit.max_queue_bytes", 4096, "bytes"),
+    )
 
 
 def parse_policy(data: object, source: str) -> Policy:
     """Validate a decoded policy document and build the Policy."""
-    reader = _Reader(source)
-    if not isinstance(data, Mapping):
-        raise reader.fail(None, f"a policy must be a mapping, not {_type_name(data)}")
-    top = reader.mapping(data, "", _TOP_KEYS)
+    reader = Reader(source)
+    top = reader.mapping(reader.document(data), "", _TOP_KEYS)
 
     version = top.get("version", 1)
     if isinstance(version, bool) or not isinstance(version, int) or version != 1:
         raise reader.fail("version", "unsupported version (expected 1)", version)
-    mode = top.get("mode", "enforce")
-    if mode not in MODES:
-        raise reader.fail("mode", f"must be one of {', '.join(MODES)}", mode)
-    refusal_pages = top.get("refusal_pages", "status")
-    if refusal_pages not in REFUSAL_PAGES:
-        raise reader.fail("refusal_pages", f"must be one of {', '.join(REFUSAL_PAGES)}", refusal_pages)
+    mode = reader.choice(top.get("mode", "enforce"), "mode", MODES)
+    refusal_pages = reader.choice(top.get("refusal_pages", "status"), "refusal_pages", REFUSAL_PAGES)
 
     loopback = reader.mapping(top.get("loopback"), "loopback", ("allow", "ports"))
     private = reader.mapping(top.get("private"), "private", ("allow", "origins"))
@@ -353,32 +253,28 @@ def parse_policy(data: object, source: str) -> Policy:
         ),
     )
     resolver = reader.mapping(top.get("resolver"), "resolver", ("nameservers",))
-    profiles = top.get("profiles")
-    if profiles is not None and not isinstance(profiles, Mapping):
-        raise reader.fail("profiles", f"must be a mapping, not {_type_name(profiles)}", profiles)
+    profiles = reader.mapping(top.get("profiles"), "profiles", None)
 
     origins = tuple(
-        _parse_origin(entry, reader, f"private.origins[{i}]")
-        for i, entry in enumerate(reader.list(private.get("origins"), "private.origins"))
+        _parse_origin(entry, reader, where)
+        for where, entry in reader.items(private.get("origins"), "private.origins")
     )
     builtin = tuple(
-        _parse_builtin(entry, reader, f"builtin[{i}]")
-        for i, entry in enumerate(reader.list(top.get("builtin"), "builtin"))
+        _parse_builtin(entry, reader, where) for where, entry in reader.items(top.get("builtin"), "builtin")
     )
     headers: list[str] = []
-    strip_key = "credentials.strip_on_host_change"
     strip = credentials.get("strip_on_host_change", list(Credentials().strip_on_host_change))
-    for index, header in enumerate(reader.list(strip, strip_key)):
+    for where, header in reader.items(strip, "credentials.strip_on_host_change"):
         if not isinstance(header, str) or not _HEADER.fullmatch(header):
-            raise reader.fail(f"{strip_key}[{index}]", "not a valid header name", header)
+            raise reader.fail(where, "not a valid header name", header)
         headers.append(header.lower())
     timeouts = _timeouts(top, limits, reader)
     nameservers = tuple(
-        parse_nameserver(entry, source, f"resolver.nameservers[{i}]")
-        for i, entry in enumerate(reader.list(resolver.get("nameservers"), "resolver.nameservers"))
+        parse_nameserver(entry, source, where)
+        for where, entry in reader.items(resolver.get("nameservers"), "resolver.nameservers")
     )
-    allow = reader.rules(top.get("allow"), "allow")
-    deny = reader.rules(top.get("deny"), "deny")
+    allow = _rules(top.get("allow"), reader, "allow")
+    deny = _rules(top.get("deny"), reader, "deny")
     secrets = parse_secrets(top.get("secrets"), source)
     check_secret_hosts(secrets, allow, deny, source)
     return Policy(
@@ -394,7 +290,7 @@ def parse_policy(data: object, source: str) -> Policy:
             allow=reader.bool(private.get("allow"), "private.allow", False), origins=origins
         ),
         builtin=builtin,
-        inspect=reader.rules(top.get("inspect"), "inspect"),
+        inspect=_rules(top.get("inspect"), reader, "inspect"),
         ports=reader.ports(top.get("ports"), "ports"),
         credentials=Credentials(strip_on_host_change=tuple(dict.fromkeys(headers))),
         limits=Limits(
@@ -413,7 +309,7 @@ def parse_policy(data: object, source: str) -> Policy:
             response_timeout=timeouts["response"],
         ),
         resolver=ResolverConfig(nameservers=nameservers),
-        profiles={name: _parse_profile(name, value, reader) for name, value in (profiles or {}).items()},
+        profiles={name: _parse_profile(name, value, reader) for name, value in profiles.items()},
         websocket=reader.bool(top.get("websocket"), "websocket", True),
         refusal_pages=cast(RefusalPages, refusal_pages),
         ask_timeout=timeouts["ask"],
@@ -438,7 +334,7 @@ _TIMEOUTS: dict[str, tuple[str | None, float]] = {
 }
 
 
-def _timeouts(top: Mapping[str, Any], limits: Mapping[str, Any], reader: _Reader) -> dict[str, float]:
+def _timeouts(top: Mapping[str, Any], limits: Mapping[str, Any], reader: Reader) -> dict[str, float]:
     """Every timeout in seconds: from `timeouts:`, or its other spelling (`limits.dns_timeout`,
     `ask_timeout`, ...), never both (two values for one timeout would leave a reader guessing)."""
     given = reader.mapping(top.get("timeouts"), "timeouts", tuple(_TIMEOUTS))
@@ -517,9 +413,7 @@ def policy_data(raw: bytes, source: str) -> Mapping[str, Any]:
     data = _decode(text, source, source.lower().endswith(".json"))
     if data is None:
         raise PolicyError(source, None, message="empty policy file (no settings)")
-    if not isinstance(data, Mapping):
-        raise PolicyError(source, None, message=f"a policy must be a mapping, not {_type_name(data)}")
-    return data
+    return Reader(source).document(data)
 
 
 def apply_env_mode(policy: Policy, env: Mapping[str, str]) -> Policy:
@@ -527,9 +421,7 @@ def apply_env_mode(policy: Policy, env: Mapping[str, str]) -> Policy:
     value = env.get("EGRESSD_MODE")
     if value is None or value == "":
         return policy
-    if value not in MODES:
-        raise PolicyError("EGRESSD_MODE", None, value, f"must be one of {', '.join(MODES)}")
-    return policy.with_overrides(mode=cast(Mode, value))
+    return policy.with_overrides(mode=cast(Mode, Reader("EGRESSD_MODE").choice(value, None, MODES)))
 
 
 def preset_dirs() -> list[Path]:

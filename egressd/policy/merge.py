@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from .entries import PolicyError
 from .hosts import IPAddress
 from .model import (
     MODES,
@@ -34,6 +33,7 @@ from .model import (
     ResolverConfig,
 )
 from .rules import HostRule, RuleSet
+from .schema import PolicyError
 from .secrets import SecretSpec, check_secret_hosts, check_unique
 from .upstream import UpstreamProxy
 

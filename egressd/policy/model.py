@@ -8,9 +8,10 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Literal, get_args
 
-from .entries import PolicyError, parse_nameserver, parse_rule_list
+from .entries import parse_nameserver, parse_rule_list
 from .hosts import Host, IPAddress
 from .rules import RuleSet
+from .schema import Reader
 from .secrets import SecretSpec, check_secret_hosts, check_unique
 from .upstream import UpstreamProxy, parse_proxy_url
 
@@ -235,8 +236,8 @@ class Policy:
         """Policy plus command-line additions; a bad entry raises PolicyError naming the option."""
         extra_allow = parse_rule_list(list(allow), self.source, "--allow")
         extra_deny = parse_rule_list(list(deny), self.source, "--deny")
-        if mode is not None and mode not in MODES:
-            raise PolicyError(self.source, "--mode", mode, f"must be one of {', '.join(MODES)}")
+        if mode is not None:
+            Reader(self.source).choice(mode, "--mode", MODES)
         servers = tuple(
             parse_nameserver(entry, self.source, f"--nameserver[{i}]") for i, entry in enumerate(nameservers)
         )

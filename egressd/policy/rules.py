@@ -16,8 +16,9 @@ from typing import Literal
 
 from .hosts import Host, IPAddress, TargetError, canonical_host, canonical_ip
 from .paths import normalise_path
+from .schema import PolicyError, Reader
 
-__all__ = ["HostRule", "RuleError", "RuleSet", "parse_rule"]
+__all__ = ["HostRule", "RuleError", "RuleSet", "parse_rule", "read_methods"]
 
 RuleKind = Literal["name", "wildcard", "ip", "cidr"]
 _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
@@ -154,89 +155,87 @@ def _parse_host_text(text: str) -> tuple[RuleKind, str | None, IPv4Network | IPv
     return ("wildcard" if wildcard else "name"), host.name, None, port
 
 
-def _parse_paths(value: object) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list | tuple):
-        raise RuleError("paths must be a list of path prefixes")
+def _read_paths(reader: Reader, value: object, key: str) -> tuple[str, ...]:
     out: list[str] = []
-    for item in value:
-        if not isinstance(item, str) or not item.startswith("/"):
-            raise RuleError(f"path {item!r} must be a string starting with '/'")
-        if "?" in item or "#" in item:
-            raise RuleError(f"path {item!r} must not contain a query or fragment")
-        normal = normalise_path(item)
+    for where, path in reader.items(value, key, what=" of path prefixes"):
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise reader.fail(where, "must be a string starting with '/'", path)
+        if "?" in path or "#" in path:
+            raise reader.fail(where, "must not contain a query or fragment", path)
+        normal = normalise_path(path)
         if normal is None:
-            raise RuleError(f"path {item!r} is not a valid path")
+            raise reader.fail(where, "not a valid path", path)
         out.append(normal)
     return tuple(dict.fromkeys(out))
 
 
-def _parse_methods(value: object) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list | tuple):
-        raise RuleError("methods must be a list of HTTP methods")
+def read_methods(reader: Reader, value: object, key: str) -> tuple[str, ...]:
+    """HTTP method names, upper-cased, each once: a rule's `methods` and a built-in allowance's."""
     out: list[str] = []
-    for item in value:
-        if not isinstance(item, str) or not _METHOD.fullmatch(item):
-            raise RuleError(f"method {item!r} is not a valid HTTP method")
-        out.append(item.upper())
+    for where, method in reader.items(value, key, what=" of HTTP methods"):
+        if not isinstance(method, str) or not _METHOD.fullmatch(method):
+            raise reader.fail(where, "not a valid HTTP method", method)
+        out.append(method.upper())
     return tuple(dict.fromkeys(out))
 
 
-def _parse_exe(value: object) -> tuple[str, ...]:
+def _read_exe(reader: Reader, value: object, key: str) -> tuple[str, ...]:
     """Program names (``node``) or absolute executable paths (``/usr/bin/node``), normalised."""
     if value is None:
         return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list | tuple) or not value:
-        raise RuleError("exe must be a program name, an absolute path, or a non-empty list of them")
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list | tuple) or not names:
+        why = "must be a program name, an absolute path, or a non-empty list of them"
+        raise reader.fail(key, why, value)
     out: list[str] = []
-    for item in value:
-        if not isinstance(item, str) or not item or "\x00" in item or item != item.strip():
-            raise RuleError(f"exe {item!r} must be a program name or an absolute path")
-        if "/" in item:
-            if not item.startswith("/"):
-                raise RuleError(f"exe {item!r}: a path must be absolute")
-            item = posixpath.normpath(item)
-            item = "/" + item.lstrip("/")  # normpath keeps a leading "//"
-        elif item in (".", ".."):
-            raise RuleError(f"exe {item!r} is not a program name")
-        out.append(item)
+    for where, name in reader.items(names, key):
+        if not isinstance(name, str) or not name or "\x00" in name or name != name.strip():
+            raise reader.fail(where, "must be a program name or an absolute path", name)
+        if "/" in name:
+            if not name.startswith("/"):
+                raise reader.fail(where, "a path must be absolute", name)
+            name = posixpath.normpath(name)
+            name = "/" + name.lstrip("/")  # normpath keeps a leading "//"
+        elif name in (".", ".."):
+            raise reader.fail(where, "not a program name", name)
+        out.append(name)
     return tuple(dict.fromkeys(out))
+
+
+def _rule_from_mapping(entry: Mapping[str, object]) -> HostRule:
+    """The mapping form, read by the policy's schema reader with key paths inside the rule: the
+    caller names the rule itself (``allow[2]``), the message the field (``paths[0]: ...``)."""
+    reader = Reader("")
+    try:
+        data = reader.mapping(entry, "", _RULE_KEYS)
+        host = reader.text(data.get("host"), "host")
+        websocket = reader.bool(data.get("websocket"), "websocket", False)
+        private = reader.bool(data.get("private"), "private", False)
+        kind, name, network, port = _parse_host_text(host)
+        paths = _read_paths(reader, data.get("paths"), "paths")
+        methods = read_methods(reader, data.get("methods"), "methods")
+        exe = _read_exe(reader, data.get("exe"), "exe")
+    except PolicyError as exc:
+        raise RuleError(exc.located()) from None
+    return HostRule(
+        text=host,
+        kind=kind,
+        name=name,
+        network=network,
+        port=port,
+        paths=paths,
+        methods=methods,
+        exe=exe,
+        websocket=websocket,
+        private=private,
+    )
 
 
 def parse_rule(entry: str | Mapping[str, object]) -> HostRule:
     """Parse ``host[:port]``, ``*.suffix``, IP/CIDR[:port], ``[v6]:port`` or
     ``{host, paths, methods, exe, websocket, private}``."""
     if isinstance(entry, Mapping):
-        unknown = sorted(str(k) for k in entry if k not in _RULE_KEYS)
-        if unknown:
-            raise RuleError(f"unknown key(s) {', '.join(unknown)} (expected {', '.join(_RULE_KEYS)})")
-        websocket = entry.get("websocket", False)
-        if not isinstance(websocket, bool):
-            raise RuleError("websocket must be true or false")
-        host = entry.get("host")
-        if not isinstance(host, str):
-            raise RuleError("'host' must be a string")
-        private = entry.get("private", False)
-        if not isinstance(private, bool):
-            raise RuleError("'private' must be true or false")
-        kind, name, network, port = _parse_host_text(host)
-        return HostRule(
-            text=host,
-            kind=kind,
-            name=name,
-            network=network,
-            port=port,
-            paths=_parse_paths(entry.get("paths")),
-            methods=_parse_methods(entry.get("methods")),
-            exe=_parse_exe(entry.get("exe")),
-            websocket=websocket,
-            private=private,
-        )
+        return _rule_from_mapping(entry)
     if not isinstance(entry, str):
         raise RuleError("a rule must be a string or a mapping with 'host'")
     kind, name, network, port = _parse_host_text(entry)

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .entries import PolicyError
 from .hosts import Host
 from .rules import RuleError, RuleSet, parse_rule
+from .schema import Reader, item, join
 
 __all__ = [
     "DEFAULT_HEADER",
@@ -98,52 +98,46 @@ class SecretSpec:
         return out
 
 
-def _fail(source: str, key: str, entry: object, message: str) -> PolicyError:
-    return PolicyError(source, key, entry, message)
-
-
-def parse_header_template(text: object, source: str, key: str) -> tuple[str, str]:
+def parse_header_template(text: object, reader: Reader, key: str) -> tuple[str, str]:
     """`Name: template` with exactly one `{}` in the template."""
     if not isinstance(text, str) or ":" not in text:
-        raise _fail(source, key, text, "must be 'Header-Name: value with {}' (e.g. 'x-api-key: {}')")
+        raise reader.fail(key, "must be 'Header-Name: value with {}' (e.g. 'x-api-key: {}')", text)
     name, _, template = text.partition(":")
     name, template = name.strip(), template.strip()
     if not _HEADER_NAME.fullmatch(name):
-        raise _fail(source, key, text, "not a valid header name")
+        raise reader.fail(key, "not a valid header name", text)
     if name.lower() in _FORBIDDEN_HEADERS:
-        raise _fail(source, key, text, f"a secret cannot be sent in the {name} header")
+        raise reader.fail(key, f"a secret cannot be sent in the {name} header", text)
     if template.count("{}") != 1 or any(c in template for c in "\r\n\0"):
-        raise _fail(source, key, text, "the value must hold exactly one '{}' where the secret goes")
+        raise reader.fail(key, "the value must hold exactly one '{}' where the secret goes", text)
     return name.lower(), template
 
 
-def parse_secret_host(text: object, source: str, key: str) -> tuple[Host, int | None]:
+def parse_secret_host(text: object, reader: Reader, key: str) -> tuple[Host, int | None]:
     """One exact host (name or IP literal) with an optional port: no wildcards, no CIDRs."""
     if not isinstance(text, str):
-        raise _fail(source, key, text, "must be a host name or address, e.g. api.example.com")
+        raise reader.fail(key, "must be a host name or address, e.g. api.example.com", text)
     try:
         rule = parse_rule(text)
     except RuleError as exc:
-        raise _fail(source, key, text, str(exc)) from None
+        raise reader.fail(key, str(exc), text) from None
     if rule.kind == "name" and rule.name is not None:
         return Host(name=rule.name, ip=None), rule.port
     if rule.kind == "ip" and rule.network is not None:
         return Host(name=None, ip=rule.network.network_address), rule.port
-    raise _fail(source, key, text, "a secret goes to exact hosts only (no wildcard, no CIDR)")
+    raise reader.fail(key, "a secret goes to exact hosts only (no wildcard, no CIDR)", text)
 
 
-def _parse_source(value: object, source: str, key: str) -> SecretSource:
+def _parse_source(value: object, reader: Reader, key: str) -> SecretSource:
     if not isinstance(value, Mapping) or len(value) != 1:
-        raise _fail(source, key, value, "must be one of {env: VAR}, {file: PATH}, {command: [ARGV...]}")
+        raise reader.fail(key, "must be one of {env: VAR}, {file: PATH}, {command: [ARGV...]}", value)
     ((kind, arg),) = value.items()
     if kind == "env":
         if not isinstance(arg, str) or not ENV_NAME.fullmatch(arg):
-            raise _fail(source, f"{key}.env", arg, "not an environment variable name")
+            raise reader.fail(join(key, "env"), "not an environment variable name", arg)
         return SecretSource("env", env=arg)
     if kind == "file":
-        if not isinstance(arg, str) or not arg or "\0" in arg:
-            raise _fail(source, f"{key}.file", arg, "must be a file path")
-        return SecretSource("file", file=arg)
+        return SecretSource("file", file=reader.file_path(arg, join(key, "file")))
     if kind == "command":
         argv = [arg] if isinstance(arg, str) else arg
         if (
@@ -151,69 +145,70 @@ def _parse_source(value: object, source: str, key: str) -> SecretSource:
             or not argv
             or not all(isinstance(a, str) and a and "\0" not in a for a in argv)
         ):
-            raise _fail(source, f"{key}.command", arg, "must be a command: a list of arguments")
+            raise reader.fail(join(key, "command"), "must be a command: a list of arguments", arg)
         return SecretSource("command", command=tuple(argv))
-    raise _fail(source, f"{key}.{kind}", arg, "unknown source (expected env, file or command)")
+    raise reader.fail(join(key, str(kind)), "unknown source (expected env, file or command)", arg)
 
 
-def _parse_one(entry: object, source: str, key: str) -> SecretSpec:
-    if not isinstance(entry, Mapping):
-        raise _fail(source, key, entry, "must be a mapping {name, from, hosts, header|query, env}")
-    for name in entry:
-        if name not in _KEYS:
-            raise _fail(
-                source, f"{key}.{name}", entry[name], f"unknown key (expected one of: {', '.join(_KEYS)})"
-            )
-    name = entry.get("name")
+def _parse_one(entry: object, reader: Reader, key: str) -> SecretSpec:
+    data = reader.mapping(entry, key, _KEYS, what=" {name, from, hosts, header|query, env}", required=True)
+    name = data.get("name")
     if not isinstance(name, str) or not SECRET_NAME.fullmatch(name):
-        raise _fail(source, f"{key}.name", name, "secret names are lower-case letters, digits and '_'")
-    if "from" not in entry:
-        raise _fail(source, f"{key}.from", None, "where the value comes from is missing")
-    origin = _parse_source(entry.get("from"), source, f"{key}.from")
-    hosts_value = entry.get("hosts")
+        raise reader.fail(join(key, "name"), "secret names are lower-case letters, digits and '_'", name)
+    if "from" not in data:
+        raise reader.fail(join(key, "from"), "where the value comes from is missing", None)
+    origin = _parse_source(data.get("from"), reader, join(key, "from"))
+    hosts_value = data.get("hosts")
     if isinstance(hosts_value, str):
         hosts_value = [hosts_value]
-    if not isinstance(hosts_value, list) or not hosts_value:
-        raise _fail(source, f"{key}.hosts", hosts_value, "a secret needs at least one host it may go to")
+    hosts_key = join(key, "hosts")
     hosts = tuple(
-        dict.fromkeys(parse_secret_host(h, source, f"{key}.hosts[{i}]") for i, h in enumerate(hosts_value))
+        dict.fromkeys(
+            parse_secret_host(h, reader, where) for where, h in reader.items(hosts_value, hosts_key)
+        )
     )
-    if "header" in entry and "query" in entry:
-        raise _fail(source, key, entry, "a secret is sent in a header or a query parameter, not both")
+    if not hosts:
+        raise reader.fail(hosts_key, "a secret needs at least one host it may go to", hosts_value)
+    if "header" in data and "query" in data:
+        raise reader.fail(key, "a secret is sent in a header or a query parameter, not both", entry)
     header: tuple[str, str] | None = None
     query: str | None = None
-    if "query" in entry:
-        query = entry["query"]
+    if "query" in data:
+        query = data["query"]
         if not isinstance(query, str) or not _QUERY_NAME.fullmatch(query):
-            raise _fail(source, f"{key}.query", query, "not a query parameter name")
+            raise reader.fail(join(key, "query"), "not a query parameter name", query)
     else:
-        header = parse_header_template(entry.get("header", DEFAULT_HEADER), source, f"{key}.header")
-    env = entry.get("env")
+        header = parse_header_template(data.get("header", DEFAULT_HEADER), reader, join(key, "header"))
+    env = data.get("env")
     if not isinstance(env, str) or not ENV_NAME.fullmatch(env):
-        raise _fail(source, f"{key}.env", env, "the child's variable for the placeholder: a variable name")
+        raise reader.fail(join(key, "env"), "the child's variable for the placeholder: a variable name", env)
     if env.upper().startswith("EGRESSD_") or env.lower().endswith("_proxy") or env.upper() == "NO_PROXY":
-        raise _fail(source, f"{key}.env", env, "egressd's own and proxy variables cannot hold a placeholder")
+        raise reader.fail(
+            join(key, "env"), "egressd's own and proxy variables cannot hold a placeholder", env
+        )
     return SecretSpec(name=name, source=origin, hosts=hosts, env=env, header=header, query=query)
 
 
 def parse_secrets(value: object, source: str, key: str = "secrets") -> tuple[SecretSpec, ...]:
     """The `secrets:` list; names and child variables are unique."""
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise _fail(source, key, value, "must be a list of secrets")
-    specs = tuple(_parse_one(entry, source, f"{key}[{i}]") for i, entry in enumerate(value))
+    reader = Reader(source)
+    specs = tuple(
+        _parse_one(entry, reader, where) for where, entry in reader.items(value, key, what=" of secrets")
+    )
     return check_unique(specs, source, key)
 
 
 def check_unique(specs: Sequence[SecretSpec], source: str, key: str = "secrets") -> tuple[SecretSpec, ...]:
+    reader = Reader(source)
     names: set[str] = set()
     envs: set[str] = set()
     for index, spec in enumerate(specs):
         if spec.name in names:
-            raise _fail(source, f"{key}[{index}].name", spec.name, "two secrets of this name")
+            raise reader.fail(join(item(key, index), "name"), "two secrets of this name", spec.name)
         if spec.env in envs:
-            raise _fail(source, f"{key}[{index}].env", spec.env, "two secrets give the child this variable")
+            raise reader.fail(
+                join(item(key, index), "env"), "two secrets give the child this variable", spec.env
+            )
         names.add(spec.name)
         envs.add(spec.env)
     return tuple(specs)
@@ -224,22 +219,20 @@ def check_secret_hosts(
 ) -> None:
     """Every host a secret may go to must be allowed by an allow rule and denied by none: a secret
     never widens what the child may reach, and a typo in `hosts` is an error, not a silent no-op."""
+    reader = Reader(source)
     for index, spec in enumerate(specs):
         for number, (host, port) in enumerate(spec.hosts):
             probe = port if port is not None else 443
-            where = f"{key}[{index}].hosts[{number}]"
+            where = item(join(item(key, index), "hosts"), number)
             text = spec.host_texts()[number]
             if deny.match(host, probe) is not None:
-                raise _fail(
-                    source, where, text, "this host is denied by the policy; a secret cannot go there"
-                )
+                raise reader.fail(where, "this host is denied by the policy; a secret cannot go there", text)
             if allow.match(host, probe) is None:
-                raise _fail(
-                    source,
+                raise reader.fail(
                     where,
-                    text,
                     f"not allowed by this policy: add it to allow (a secret goes only to allowed hosts, "
                     f"port {probe} checked)",
+                    text,
                 )
 
 
@@ -260,12 +253,12 @@ def secret_to_data(spec: SecretSpec) -> dict[str, Any]:
     return data
 
 
-def _pairs(values: Sequence[str], option: str, source: str) -> list[tuple[str, str]]:
+def _pairs(values: Sequence[str], option: str, reader: Reader) -> list[tuple[str, str]]:
     out = []
-    for index, text in enumerate(values):
+    for where, text in reader.items(values, option):
         name, sep, rest = text.partition("=")
         if not sep or not name or not rest:
-            raise _fail(source, f"{option}[{index}]", text, f"expected {option} NAME=VALUE")
+            raise reader.fail(where, f"expected {option} NAME=VALUE", text)
         out.append((name, rest))
     return out
 
@@ -280,22 +273,23 @@ def secrets_from_options(
     """`--secret NAME=ENV_VAR` (the value from egressd's ENV_VAR; the child gets the placeholder in
     that same variable), `--secret-host NAME=HOST` (repeatable), `--secret-header NAME='x-api-key:
     {}'` (default `Authorization: Bearer {}`) or `--secret-query NAME=PARAM`, as policy entries."""
+    reader = Reader(source)
     entries: dict[str, dict[str, Any]] = {}
-    for name, env in _pairs(secrets, "--secret", source):
+    for name, env in _pairs(secrets, "--secret", reader):
         if name in entries:
-            raise _fail(source, "--secret", name, "given twice")
+            raise reader.fail("--secret", "given twice", name)
         entries[name] = {"name": name, "from": {"env": env}, "env": env, "hosts": []}
     for option, pairs in (
-        ("--secret-host", _pairs(hosts, "--secret-host", source)),
-        ("--secret-header", _pairs(headers, "--secret-header", source)),
-        ("--secret-query", _pairs(queries, "--secret-query", source)),
+        ("--secret-host", _pairs(hosts, "--secret-host", reader)),
+        ("--secret-header", _pairs(headers, "--secret-header", reader)),
+        ("--secret-query", _pairs(queries, "--secret-query", reader)),
     ):
         for name, value in pairs:
             entry = entries.get(name)
             if entry is None:
-                raise _fail(source, option, name, "no --secret of this name")
+                raise reader.fail(option, "no --secret of this name", name)
             if option == "--secret-host":
                 entry["hosts"].append(value)
             else:
                 entry[option.removeprefix("--secret-")] = value
-    return tuple(_parse_one(entry, source, f"--secret {name}") for name, entry in entries.items())
+    return tuple(_parse_one(entry, reader, f"--secret {name}") for name, entry in entries.items())

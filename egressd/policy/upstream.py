@@ -7,14 +7,14 @@ names an EGRESSD_* environment variable or a file that holds them, and egressd r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Literal, cast, get_args
 from urllib.parse import urlsplit
 
-from .entries import PolicyError, parse_rule_list
+from .entries import parse_rule_list
 from .hosts import TargetError, canonical_host
 from .rules import RuleSet
+from .schema import PolicyError, Reader, join
 
 __all__ = ["CONNECT_BY", "DEFAULT_CREDENTIALS_ENV", "ConnectBy", "UpstreamProxy", "parse_upstream_proxy"]
 
@@ -83,39 +83,27 @@ def parse_upstream_proxy(value: object, source: str, key: str = "upstream_proxy"
     """The `upstream_proxy:` mapping (or null)."""
     if value is None:
         return None
-    if not isinstance(value, Mapping):
-        raise PolicyError(source, key, message="must be a mapping with url: http://HOST:PORT")
-    for name in value:
-        if name not in _KEYS:
-            raise PolicyError(
-                source, f"{key}.{name}", message=f"unknown key (expected one of: {', '.join(_KEYS)})"
-            )
-    data: dict[str, Any] = dict(value)
-    host, port = parse_proxy_url(data.get("url"), source, f"{key}.url")
+    reader = Reader(source)
+    # the value is never echoed: a URL written where the mapping belongs may carry credentials
+    data = reader.mapping(value, key, _KEYS, what=" with url: http://HOST:PORT", echo=False)
+    host, port = parse_proxy_url(data.get("url"), source, join(key, "url"))
     env = data.get("credentials_env")
     if env is not None and (not isinstance(env, str) or not env.startswith("EGRESSD_") or "=" in env):
-        raise PolicyError(
-            source,
-            f"{key}.credentials_env",
-            env,
-            "must name an EGRESSD_* variable (egressd never passes those to a child)",
-        )
+        why = "must name an EGRESSD_* variable (egressd never passes those to a child)"
+        raise reader.fail(join(key, "credentials_env"), why, env)
     path = data.get("credentials_file")
-    if path is not None and (not isinstance(path, str) or not path):
-        raise PolicyError(source, f"{key}.credentials_file", path, "must be a file path")
+    if path is not None:
+        reader.file_path(path, join(key, "credentials_file"))
     if env is not None and path is not None:
-        raise PolicyError(source, key, message="give credentials_env or credentials_file, not both")
-    direct = data.get("direct")
-    if direct is not None and not isinstance(direct, list):
-        raise PolicyError(source, f"{key}.direct", direct, "must be a list of host rules")
-    connect_by = data.get("connect_by", "address")
-    if connect_by not in CONNECT_BY:
-        raise PolicyError(source, f"{key}.connect_by", connect_by, f"must be one of {', '.join(CONNECT_BY)}")
+        raise reader.fail(key, "give credentials_env or credentials_file, not both")
+    direct = reader.list(data.get("direct"), join(key, "direct"), what=" of host rules")
     return UpstreamProxy(
         host=host,
         port=port,
         credentials_env=env,
         credentials_file=path,
-        direct=RuleSet(parse_rule_list(direct or [], source, f"{key}.direct")),
-        connect_by=connect_by,
+        direct=RuleSet(parse_rule_list(direct, source, join(key, "direct"))),
+        connect_by=cast(
+            ConnectBy, reader.choice(data.get("connect_by", "address"), join(key, "connect_by"), CONNECT_BY)
+        ),
     )

@@ -739,7 +739,7 @@ def test_which_admitted_requests_may_upgrade(
 def test_websocket_is_for_allow_rules_only(kind: str) -> None:
     with pytest.raises(PolicyError, match="websocket is only for allow rules"):
         pol(**{kind: [{"host": "a.test", "websocket": True}]})
-    with pytest.raises(PolicyError, match="websocket must be true or false"):
+    with pytest.raises(PolicyError, match="websocket: 'yes': must be true or false"):
         pol(allow=[{"host": "a.test", "paths": ["/x"], "websocket": "yes"}])
 
 

@@ -228,5 +228,5 @@ def test_private_is_only_for_the_policys_own_allow_rules(where: str) -> None:
         data = {where: [rule]}
     with pytest.raises(PolicyError, match="private is only for the policy's allow rules"):
         parse_policy(data, "p.yaml")
-    with pytest.raises(PolicyError, match="'private' must be true or false"):
+    with pytest.raises(PolicyError, match="private: 'yes': must be true or false"):
         parse_policy({"allow": [{"host": "x.test", "private": "yes"}]}, "p.yaml")

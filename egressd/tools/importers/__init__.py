@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from egressd.policy import PolicyError, parse_policy, strict_yaml
+from egressd.policy.schema import Reader
 from egressd.tools.export.report import Finding
 from egressd.tools.importers.names import Pattern, parse_pattern, translate
 
@@ -43,21 +44,14 @@ class Imported:
         return head + yaml.safe_dump(self.data, sort_keys=False, allow_unicode=True)
 
 
+# the input's shape is checked by the policy's own schema reader; import_policy turns its errors
+# into ImportError_ without the file name (the command line puts it first)
+_READ = Reader("")
+
+
 def _patterns(items: object, key: str, findings: list[Finding], *, ports: bool = False) -> list[Pattern]:
-    if items is None:
-        return []
-    if not isinstance(items, list):
-        raise ImportError_(f"{key}: must be a list, not {type(items).__name__}")
-    found = [parse_pattern(item, f"{key}[{i}]", findings, ports=ports) for i, item in enumerate(items)]
+    found = [parse_pattern(item, where, findings, ports=ports) for where, item in _READ.items(items, key)]
     return [p for p in found if p is not None]
-
-
-def _mapping(value: object, key: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ImportError_(f"{key}: must be a mapping, not {type(value).__name__}")
-    return value
 
 
 def _unknown(data: Mapping[str, Any], known: tuple[str, ...], where: str, findings: list[Finding]) -> None:
@@ -90,7 +84,7 @@ def _srt(text: str) -> Imported:
         raise ImportError_("expected a JSON object (sandbox-runtime settings)")
     findings: list[Finding] = []
     _unknown(data, ("network", "filesystem"), "", findings)
-    network = _mapping(data.get("network"), "network")
+    network = _READ.mapping(data.get("network"), "network", None)
     known = (
         "allowedDomains",
         "deniedDomains",
@@ -158,9 +152,7 @@ _ACTIONS = {"enforce": "enforce", "report": "learn", "open": "allow"}
 
 
 def _role(data: Mapping[str, Any], role: str | None) -> tuple[str, Mapping[str, Any]]:
-    services = data.get("services") or []
-    if not isinstance(services, list):
-        raise ImportError_("services: must be a list")
+    services = _READ.list(data.get("services") or [], "services")
     named = {s.get("name"): s for s in services if isinstance(s, Mapping)}
     default = data.get("default")
     if role is None:
@@ -171,7 +163,7 @@ def _role(data: Mapping[str, Any], role: str | None) -> tuple[str, Mapping[str, 
             )
         role = str(choices[0])
     if role == "default" and default is not None:
-        return "default", _mapping(default, "default")
+        return "default", _READ.mapping(default, "default", None)
     if role not in named:
         raise ImportError_(f"no role {role!r} (roles: {', '.join(map(str, named)) or 'none'})")
     return role, named[role]
@@ -246,7 +238,10 @@ def import_policy(text: str, fmt: str, *, source: str, role: str | None = None) 
     """Read `text` as `fmt`; the policy is checked to load with egressd's own loader."""
     if role is not None and fmt != "smokescreen":
         raise ImportError_("--role is for smokescreen ACLs only")
-    result = FORMATS[fmt](text, role)
+    try:
+        result = FORMATS[fmt](text, role)
+    except PolicyError as exc:
+        raise ImportError_(exc.located()) from None
     result.comment = f"egressd policy import --from {fmt} {source}" + (
         f"\n{result.comment}" if result.comment else ""
     )
