@@ -19,18 +19,19 @@ catcher = child_signal_catcher().install()
 exit_like(run_child(sys.argv[1:], os.environ, catcher=catcher))
 """
 
-# A child that reports the signals it gets on stdout, then exits 0 on SIGTERM/after a while.
+# A child that reports the signals it gets on stdout, then exits 0 on SIGTERM/after a while. It
+# writes with os.write: a handler that prints while "ready" is still being printed fails.
 COUNTER = """
-import signal, sys, time
+import os, signal, sys, time
 got = []
 def handler(signo, frame):
     got.append(signo)
-    print("got", signal.Signals(signo).name, flush=True)
+    os.write(1, f"got {signal.Signals(signo).name}\\n".encode())
     if signo == signal.SIGTERM:
         sys.exit(len([s for s in got if s == signal.SIGINT]))
 for s in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGWINCH, signal.SIGTERM):
     signal.signal(s, handler)
-print("ready", flush=True)
+os.write(1, b"ready\\n")
 deadline = time.monotonic() + 30
 while time.monotonic() < deadline:
     time.sleep(0.05)

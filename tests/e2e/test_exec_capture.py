@@ -364,13 +364,15 @@ def test_exit_status_stdio_and_a_child_killed_by_a_signal(tmp_path: Path) -> Non
     assert killed.returncode == -signal.SIGTERM
 
 
+# os.write, not print: the signal may come while "ready" is still being written (the test reads it
+# first), and a handler that prints then re-enters stdout's buffer (RuntimeError, exit 1)
 SIGNALLED = """
-    import signal, sys, time
+    import os, signal, sys, time
     def stop(signo, frame):
-        print("got", signal.Signals(signo).name, flush=True)
+        os.write(1, f"got {signal.Signals(signo).name}\\n".encode())
         sys.exit(5)
     signal.signal(signal.SIGTERM, stop)
-    print("ready", flush=True)
+    os.write(1, b"ready\\n")
     time.sleep(60)
 """
 
@@ -385,10 +387,10 @@ def test_a_signal_to_egressd_reaches_the_child() -> None:
     try:
         assert proc.stdout.readline() == b"ready\n"
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert out == b"got SIGTERM\n" and proc.returncode == 5
+    assert (out, proc.returncode) == (b"got SIGTERM\n", 5), err.decode(errors="replace")
 
 
 # -- when there is no capture: said on stderr --------------------------------------------------------

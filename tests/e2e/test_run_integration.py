@@ -250,9 +250,10 @@ def test_exit_status_and_signal_pass_through(tmp_path: Path) -> None:
             "--",
             sys.executable,
             "-c",
-            "import signal,sys,time\n"
-            "signal.signal(signal.SIGINT, lambda *a: (print('got SIGINT', flush=True), sys.exit(42)))\n"
-            "print('ready', flush=True)\n"
+            # os.write: a handler that prints while "ready" is still being printed fails
+            "import os,signal,sys,time\n"
+            "signal.signal(signal.SIGINT, lambda *a: (os.write(1, b'got SIGINT\\n'), sys.exit(42)))\n"
+            "os.write(1, b'ready\\n')\n"
             "time.sleep(30)",
         ],
         stdout=subprocess.PIPE,
