@@ -19,7 +19,7 @@ from tests.support.dns_server import DnsServer
 from tests.support.egressd_cli import EgressdRun, write_policy
 from tests.support.upstreams import TcpEchoServer
 
-DNS_TIMEOUT = 3.0  # a try is asked again after 0.75 s of silence (a quarter, at least 0.5 s)
+DNS_TIMEOUT = 10.0  # a try is asked again after 2.5 s of silence (a quarter, at least 0.5 s)
 POLICY = f"""\
 version: 1
 allow: [late.test, silent.test]
@@ -42,22 +42,20 @@ def _connect(client: ProxyClient, authority: str) -> tuple[int | None, dict[str,
     return response.status, response.headers, took
 
 
-@pytest.mark.parametrize("delay", [0.9, 1.6, 2.2], ids=lambda d: f"answer-after-{d}s")
-def test_a_late_answer_within_dns_timeout_is_taken(tmp_path: Path, dns: DnsServer, delay: float) -> None:
-    """Every query is answered `delay` seconds after it arrived, and not before egressd asked again:
-    later than a try waits alone (0.75 s), within dns_timeout (3 s). The first try's answer opens
-    the tunnel. (Held for the retry, so that a late-running egressd, whose timeout and answer are
-    then due together, still shows the retry; at least 0.8 s short of dns_timeout for the same
-    reason.)"""
+@pytest.mark.parametrize("asked", [2, 3], ids=lambda n: f"answered-once-asked-{n}-times")
+def test_a_late_answer_within_dns_timeout_is_taken(tmp_path: Path, dns: DnsServer, asked: int) -> None:
+    """The nameserver answers only egressd's first query of each type, and only once egressd has
+    asked `asked` times: the first try still listens after the retries went out, and its late
+    answer, the only one, opens the tunnel. Driven by the queries, not by a clock, so a late-running
+    egressd shows the same; the answer comes 5 s or more before dns_timeout (10 s)."""
     with TcpEchoServer("127.0.0.1") as echo:
-        dns.add("late.test", "127.0.0.1", delay=delay, hold=2)
+        dns.add("late.test", "127.0.0.1", hold=asked, first_only=True)
         policy = write_policy(tmp_path, POLICY)
         with EgressdRun(["--policy", str(policy), "--nameserver", dns.nameserver]) as run:
             client = ProxyClient.from_env(run.env)
             status, headers, took = _connect(client, f"late.test:{echo.address[1]}")
     assert status == 200, (status, headers, took, dns.query_log)
-    assert took >= delay - 0.05, took  # the held-back answer was the one used
-    assert dns.count("late.test", "A") >= 2, dns.query_log  # it was asked again meanwhile
+    assert dns.count("late.test", "A") >= asked, dns.query_log  # asked again before the answer came
 
 
 def test_a_silent_nameserver_costs_dns_timeout_not_more(tmp_path: Path, dns: DnsServer) -> None:
@@ -68,9 +66,10 @@ def test_a_silent_nameserver_costs_dns_timeout_not_more(tmp_path: Path, dns: Dns
         client = ProxyClient.from_env(run.env)
         status, headers, took = _connect(client, "silent.test:443")
     assert status == 502 and headers.get("x-egressd-reason") == "dns_timeout", (status, headers)
-    assert 5 - 0.05 <= took < 5 + 0.5, took
-    # asked again every 1.25 s (a quarter) while the earlier tries kept listening
-    assert dns.count("silent.test", "A") == 4, dns.query_log
+    assert 5 - 0.05 <= took < 5 + 0.75, took  # a loaded machine may run late; not the 5.8 s of retries
+    # asked again every 1.25 s (a quarter) while the earlier tries kept listening (the last try may
+    # not have started when a late-running egressd reaches the end)
+    assert 3 <= dns.count("silent.test", "A") <= 4, dns.query_log
     assert "egressd: failed to reach silent.test:443 (dns_timeout)" in run.stderr
 
 

@@ -67,6 +67,7 @@ class _Entry:
     served: dict[str, int] = field(default_factory=dict)  # rdtype -> how many answered (sequence)
     delay: float = 0.0  # seconds before the answer is sent (queries that overlap in time)
     hold: int = 0  # and not before the name was asked this many times (of the query's type)
+    first_only: bool = False  # only the first query of each type is answered; later ones get silence
 
 
 class DnsServer:
@@ -91,16 +92,27 @@ class DnsServer:
         self._tcp_clients: set[socket.socket] = set()
 
     # -- programming -------------------------------------------------------------------------------
-    def add(self, name: str, *addresses: str, ttl: int = 0, delay: float = 0.0, hold: int = 0) -> None:
+    def add(
+        self,
+        name: str,
+        *addresses: str,
+        ttl: int = 0,
+        delay: float = 0.0,
+        hold: int = 0,
+        first_only: bool = False,
+    ) -> None:
         """Answer A/AAAA for ``name`` with ``addresses`` (sorted by family); replaces earlier data.
 
         ``delay``: send each answer that many seconds after its query arrived (other queries are
         answered meanwhile), so that lookups of one name overlap in time. ``hold``: and not before
         the name was asked ``hold`` times for that type (at most HOLD_LIMIT seconds), so that a
-        client's retry comes before the answer however late the client runs."""
+        client's retry comes before the answer however late the client runs. ``first_only``: the
+        later queries of a type (a client's retries) get no answer at all."""
         v4, v6 = _split_families(addresses)
         with self._lock:
-            self._entries[_norm(name)] = _Entry("static", v4=v4, v6=v6, ttl=ttl, delay=delay, hold=hold)
+            self._entries[_norm(name)] = _Entry(
+                "static", v4=v4, v6=v6, ttl=ttl, delay=delay, hold=hold, first_only=first_only
+            )
 
     def add_sequence(self, name: str, answers: list[list[str]], ttl: int = 0) -> None:
         """The n-th query of a type gets ``answers[min(n, len-1)]`` (of that family) — for rebinding."""
@@ -290,6 +302,8 @@ class DnsServer:
                         return resp
                     name = entry.target
                     continue
+                if entry.first_only and sum(1 for asked in self.queries if asked == (qname, rdtype)) > 1:
+                    return None  # a retry: silence
                 addrs = self._addresses(entry, rdtype)
                 if addrs:
                     resp.answer.append(
