@@ -372,7 +372,7 @@ class Capture:
 
     async def _own_loopback(self, address: ipaddress.IPv4Address, port: int, conn: socket.socket) -> bool:
         """A server of the child's own on a loopback port the policy names for the host is the one
-        the child reaches there: spliced to it when it accepts (True), else the host's (False)."""
+        the child reaches there: joined to it when it accepts (True), else the host's (False)."""
         local = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             local.setblocking(False)
