@@ -38,6 +38,7 @@ from egressd.admission.redirects import RedirectMemory
 from egressd.admission.secrets import NO_INJECTION, Injection, SecretBook
 from egressd.admission.secrets import refusal as secret_refusal
 from egressd.admission.state import ConnState
+from egressd.net import loader
 from egressd.net.pinning import ConnectFailure, Pin, address_text, connect_protocol
 from egressd.policy import (
     AddressClass,
@@ -154,20 +155,27 @@ class Pipeline:
         approver: Approver | None = None,
         grants: GrantStore | None = None,
         identify: bool = False,
+        decider: Decider | None = None,
+        events: EventBus | None = None,
     ) -> None:
+        """`decider`, `grants`, `events`, `credentials`: made by the caller before the pipeline is
+        (the proxy hands them to its session before it loads the pipeline: session/proxy.py); a
+        given `events` has its observers, the audit among them, subscribed already."""
         self.policies = policies
         self.credentials = credentials or CredentialStore()
-        self.decider = Decider(policies)
+        self.decider = decider if decider is not None else Decider(policies)
         self.limits = Limits(policies)
         self.approver = approver
         self.grants = grants if grants is not None else GrantStore()
         self.redirects = RedirectMemory()
         self.handed = HandedOut()  # the addresses sandboxed children's DNS was given, per name
-        self.events = EventBus()
         # the audit log: under audit.on_failure: refuse, nothing is acted upon that it did not take
         self.audit = audit
-        if audit is not None:
-            self.events.subscribe(audit.observe)
+        if events is None:
+            events = EventBus()
+            if audit is not None:
+                events.subscribe(audit.observe)
+        self.events = events
         self.inspection = False  # TLS inspection available (CA ready); off with --no-inspect
         # where the refusals it answers are read (the session's command, policy file, gateway): their
         # hints name what that reader can change
@@ -558,7 +566,7 @@ class Pipeline:
             return self._refused_name(name, refused.reason, refused.detail) if final else None
         assert allowed.target is not None and allowed.target.host.name is not None
         canonical = allowed.target.host.name
-        resolver = await resolution.resolver_module()
+        resolver = await loader.resolver_module()
         started = time.monotonic()
         try:
             addresses = await resolver.resolve(

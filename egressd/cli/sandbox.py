@@ -241,7 +241,7 @@ def run_sandboxed(
     guard = SourceGuard(then=narrow.LoopbackConfinement(loopback_ports, then=narrowing))
     # the resolver loads as the child starts (run_bwrap, run_seatbelt)
     opened = open_session(
-        options, announce_reloads=options.trace, transform=guard, command=command, resolver_later=True
+        options, announce_reloads=options.trace, transform=guard, command=command, load_later=True
     )
     with opened as session:
         try:
