@@ -65,6 +65,9 @@ class FrontProtocol(Pipe):
     """The client side: reads the request head, then becomes one side of a relay."""
 
     early_stage = "connect"  # the stage of a refusal made before the head is read
+    # the established answer names egressd's end towards the server (SOCKS5's reply does; looking it
+    # up spells an address, so a protocol whose answer does not name it skips it)
+    names_bound = False
 
     def __init__(
         self,
@@ -296,7 +299,7 @@ class FrontProtocol(Pipe):
                 upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
                 return
             self.coalesce = COALESCE
-            self.transport.write(self.established_answer(_bound(upstream)))
+            self.transport.write(self.established_answer(_bound(upstream) if self.names_bound else None))
             upstream.attach(self)  # after the answer: a server's first bytes follow it
             self.stage = "sni"
             self.hello = TunnelStart(admitted.host)
