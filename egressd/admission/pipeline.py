@@ -200,14 +200,7 @@ class Pipeline:
         """A client connection accepted; `ends`: (client, server) addresses of its socket (for the
         owner lookup), in the network namespace `diag` asks when it is another's; `tree_only`: the
         listener admits only the process tree of the child its implicit credentials belong to."""
-        state = ConnState(
-            conn_id=f"{self._id_prefix}{next(self._ids):06x}",
-            peer=peer,
-            implicit=implicit,
-            ends=ends,
-            tree_only=tree_only,
-            diag=diag,
-        )
+        state = ConnState(f"{self._id_prefix}{next(self._ids):06x}", peer, implicit, ends, tree_only, diag)
         conns = self._conns
         with conns.lock:
             state.room = self.limits.room_for_client(conns.served, len(conns.open))
