@@ -238,8 +238,9 @@ async def test_attempts_under_way_together_each_time_out_at_their_own_budget() -
         await asyncio.sleep(0.01)
     for budget, (elapsed, reason) in zip(budgets, await asyncio.gather(*tasks), strict=True):
         assert reason == "connect_timeout"
-        # two addresses, each given up after its budget (a loaded machine only adds)
-        assert 2 * budget * 0.9 <= elapsed < 2 * budget + 2.0, (budget, elapsed)
+        # two addresses, each given up after its budget (a loaded machine only adds; the short
+        # budgets still end well before the long ones' 6 s)
+        assert 2 * budget * 0.9 <= elapsed < 2 * budget + 3.5, (budget, elapsed)
 
 
 async def test_an_attempt_that_connected_is_never_cancelled_by_its_deadline_later() -> None:
