@@ -92,11 +92,7 @@ async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | N
                 detail="allowed decision without an address",
             )
             return Pinned(refused, None, refusal_for(refused), ())
-    found = Pin(
-        host=target.host.text,
-        port=target.port,
-        addresses=tuple(kept),
-        connect_timeout=policy.limits.connect_timeout,
-        via=parent_for(policy, target),
-    )
+    # by position, per tunnel: host, port, addresses, connect_timeout, connected, attempts, via
+    via = parent_for(policy, target)
+    found = Pin(target.host.text, target.port, tuple(kept), policy.limits.connect_timeout, None, [], via)
     return Pinned(decision, found, None, resolved, lookup)

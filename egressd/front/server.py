@@ -65,7 +65,7 @@ class Front:
         """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5)."""
         if kind == "socks":
             return SocksProtocol(self, implicit, diag=diag)
-        return FrontProtocol(self, implicit=implicit, tree_only=tree_only, diag=diag)
+        return FrontProtocol(self, implicit, tree_only, diag)  # by position: made per connection
 
     async def adopt(
         self, sock: socket.socket, kind: str, ssl: ssl_module.SSLContext | None = None
