@@ -281,8 +281,10 @@ def run_sandboxed(
                 say(line)
             from egressd.sandbox.explain import home_hint  # once the child ended
 
+            # a child the proxy's failed load stopped has that failure as its only explanation
+            # (open_session says it): the home it could not read is not why
             hint = home_hint(layout, command, outcome.returncode, os.environ.get("PATH"))
-            if hint and options.report:
+            if hint and options.report and session.failure is None:
                 say(hint)
     if outcome.unavailable:  # no sandbox can run here: why, and the fix
         fail(outcome.error or "bubblewrap cannot create a sandbox here")
