@@ -12,7 +12,8 @@ the sockets bound already, and only then runs what was asked of the loop meanwhi
 client that connects before the load is done waits in the listening socket's backlog. What the
 session needs before that — the credentials, the decider, the grants, the event bus — is made
 here, light, and handed to the pipeline when it is built. A load that fails stops the child it
-would have served (`_load_failed`): no child runs without its proxy.
+would have served (`_load_failed`): no child runs without its proxy; so does a service the command
+asked for (the control API, the dashboard, the metrics port) that cannot start (`start_service`).
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ class ProxyServer:
         self._pending: list[Callable[[], Coroutine[Any, Any, None]]] | None = []
         self._lock = threading.Lock()
         self._abandoned = False  # the load was given up (abandon): nothing is served
+        # why the run was stopped once loaded: a service it was asked for could not start
+        self.stopped_for: str | None = None
         # TLS inspection: allowed unless --no-inspect; set up at start when the policy needs it
         self.inspect_allowed = inspect
         self.inspects = False  # the CA is ready: tunnels may be inspected
@@ -217,7 +220,7 @@ class ProxyServer:
         """The child running with `creds` is pid: its tree is searched first for a connection's
         owner, and only it may use its credential-free listener."""
         self.children[creds.token] = pid
-        if self._error is not None:
+        if self._error is not None or self.stopped_for is not None:
             _stop_trees([pid])
 
     def run[T](self, coro: Coroutine[Any, Any, T], timeout: float = START_TIMEOUT) -> T:
@@ -411,6 +414,25 @@ class ProxyServer:
         if self._error is not None:
             raise EngineError(str(self._error)) from self._error
         self._background_task(make)
+
+    def start_service(self, start: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        """Start a service of the session on the loop (`soon`): one that cannot start stops the
+        children as a failed load does (nobody runs without the control API, dashboard or metrics
+        they were promised), and `stopped_for` names it for the command to say and exit on."""
+
+        async def started() -> None:
+            try:
+                await start()
+            except Exception as exc:  # noqa: BLE001 - said by the command, which stops
+                self._service_failed(f"the {name} could not start: {exc}")
+
+        self.soon(started)
+
+    def _service_failed(self, why: str) -> None:
+        with self._lock:
+            if self.stopped_for is None:
+                self.stopped_for = why
+        _stop_trees(list(self.children.values()))
 
     def serve_socket(self, handed: Handed) -> None:
         """Accept clients on a listening socket made elsewhere, as on egressd's own ports: the

@@ -169,7 +169,7 @@ class ProxySession:
         self.approvals.start()
         try:
             for service in self._build_services():
-                proxy.soon(service.start)
+                proxy.start_service(service.start, service.name)
                 self._services.append(service)
         except SessionError:
             self.close()
@@ -183,9 +183,15 @@ class ProxySession:
 
     @property
     def failure(self) -> str | None:
-        """Why the proxy could not serve the child (its load failed), if it could not."""
-        error = self.proxy.error if self.proxy is not None else None
-        return None if error is None else f"the proxy could not start: {error}; the command was stopped"
+        """Why the proxy could not serve the child (its load failed, or a service it was asked for
+        could not start), if it could not."""
+        if self.proxy is None:
+            return None
+        if self.proxy.error is not None:
+            return f"the proxy could not start: {self.proxy.error}; the command was stopped"
+        if self.proxy.stopped_for is not None:
+            return f"{self.proxy.stopped_for}; the command was stopped"
+        return None
 
     def _observe(self) -> None:
         """The observers the options ask for, subscribed before the first connection."""

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 
 class Service(Protocol):
+    name: str  # what egressd says could not start
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -32,6 +34,7 @@ class Watching:
 
     def __init__(self, watcher: FileWatcher[Any]) -> None:
         self.watcher = watcher
+        self.name = f"watcher of {watcher.path}"
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -47,6 +50,8 @@ class MetricsPort:
     """`--metrics HOST:PORT`: the control API's metrics answer on TCP, one of egressd's own
     addresses (the child cannot read it through the proxy); with `--metrics-token-file`, only to
     whoever holds the token."""
+
+    name = "metrics port"
 
     def __init__(
         self, metrics: Metrics, own: Decider, address: tuple[str, int], token_file: str | None
@@ -96,6 +101,8 @@ def _metrics_token(token_file: str | None) -> str | None:
 class ControlAPI:
     """The control API on the user's socket (docs/control-api.md), with what only it serves: the
     per-child counts of `ps` and the dashboard, and the children attached to this egressd."""
+
+    name = "control API"
 
     def __init__(
         self,
@@ -164,6 +171,8 @@ class ControlAPI:
 class DashboardPage:
     """`--dashboard`: the web page over this instance's own control API; its URL (with the token)
     goes to stderr only — never stdout, never the child's environment."""
+
+    name = "dashboard"
 
     def __init__(self, control_path: Path, own: Decider, say: Callable[[str], None]) -> None:
         from egressd.dashboard.server import WHILE_OPEN, Dashboard

@@ -32,6 +32,7 @@ from tests.support.startup import (
     immediate_client,
     imported,
     loaded_before_the_child,
+    unstartable_sites,
 )
 from tests.support.upstreams import EchoHTTPServer
 
@@ -136,14 +137,11 @@ def test_a_child_that_connects_at_once_is_served_by_the_pipeline(tmp_path: Path)
         assert refused.connections == 0
 
 
-@pytest.mark.parametrize("capture", [True, False], ids=["captured", "no-capture"])
-def test_a_proxy_that_cannot_load_stops_the_child_and_says_why(tmp_path: Path, capture: bool) -> None:
-    """What serving needs loads once the child started: when it cannot (here h11, which the
-    pipeline imports, fails to import), the child is stopped, never left running without its
-    proxy, and egressd says why and fails."""
+def exec_stopped(tmp_path: Path, stand_in: Path, options: list[str]) -> subprocess.CompletedProcess[str]:
+    """`egressd exec OPTIONS` with `stand_in` first on its PYTHONPATH, of a child that would say
+    "survived" 30 s on: it is stopped before, and egressd fails (its stderr says why)."""
     env = {**os.environ, "EGRESSD_HOME": str(tmp_path / "home")}
-    env["PYTHONPATH"] = os.pathsep.join([str(broken_h11(tmp_path)), env.get("PYTHONPATH", "")])
-    options = ["--policy", str(write_policy(tmp_path)), *([] if capture else ["--no-capture"])]
+    env["PYTHONPATH"] = os.pathsep.join([str(stand_in), env.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, "-m", "egressd", "exec", *options, "--", "sh", "-c", "sleep 30; echo survived"],
         env=env,
@@ -153,7 +151,38 @@ def test_a_proxy_that_cannot_load_stops_the_child_and_says_why(tmp_path: Path, c
     )
     assert result.returncode == EXIT_CANNOT_RUN, result.stderr[-3000:]
     assert "survived" not in result.stdout
+    return result
+
+
+@pytest.mark.parametrize("capture", [True, False], ids=["captured", "no-capture"])
+def test_a_proxy_that_cannot_load_stops_the_child_and_says_why(tmp_path: Path, capture: bool) -> None:
+    """What serving needs loads once the child started: when it cannot (here h11, which the
+    pipeline imports, fails to import), the child is stopped, never left running without its
+    proxy, and egressd says why and fails."""
+    options = ["--policy", str(write_policy(tmp_path)), *([] if capture else ["--no-capture"])]
+    result = exec_stopped(tmp_path, broken_h11(tmp_path), options)
     assert "the proxy could not start" in result.stderr and "h11" in result.stderr, result.stderr[-3000:]
+
+
+def test_a_service_that_cannot_start_stops_the_child_and_says_which(tmp_path: Path) -> None:
+    """A session's services start on the proxy's loop once it is loaded, while the child runs: one
+    that cannot (here the metrics port, its site failing to start) stops the child as a failed load
+    does, and egressd names it and fails, never running on without what it was asked to serve."""
+    options = ["--policy", str(write_policy(tmp_path)), "--metrics", "127.0.0.1:0"]
+    result = exec_stopped(tmp_path, unstartable_sites(tmp_path), options)
+    assert "the metrics port could not start" in result.stderr, result.stderr[-3000:]
+    assert "a test's stand-in" in result.stderr, result.stderr[-3000:]
+
+
+def test_run_stops_when_a_service_cannot_start(tmp_path: Path) -> None:
+    """`egressd run` (no child) serves until stopped: a service that cannot start stops it too, said."""
+    env = {**os.environ, "EGRESSD_HOME": str(tmp_path / "home")}
+    env["PYTHONPATH"] = os.pathsep.join([str(unstartable_sites(tmp_path)), env.get("PYTHONPATH", "")])
+    options = ["--policy", str(write_policy(tmp_path)), "--metrics", "127.0.0.1:0"]
+    command = [sys.executable, "-m", "egressd", "run", *options]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_CANNOT_RUN, result.stderr[-3000:]
+    assert "the metrics port could not start" in result.stderr, result.stderr[-3000:]
 
 
 def test_a_port_in_use_fails_before_the_child_starts(tmp_path: Path) -> None:

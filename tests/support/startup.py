@@ -98,3 +98,17 @@ def broken_h11(directory: Path) -> Path:
     package.mkdir(parents=True)
     (package / "__init__.py").write_text('raise ImportError("h11 cannot be loaded (a test\'s stand-in)")\n')
     return package.parent
+
+
+def unstartable_sites(directory: Path) -> Path:
+    """A directory to put first on PYTHONPATH: its sitecustomize makes every site of a session's
+    services (the control API, the dashboard, the metrics port) fail to start on the proxy's loop."""
+    where = directory / "unstartable"
+    where.mkdir(parents=True)
+    (where / "sitecustomize.py").write_text(
+        "from egressd.control import site\n\n"
+        "async def start(self):\n"
+        "    raise OSError(f'{self._name}: its socket cannot be served (a test\\'s stand-in)')\n\n"
+        "site.LazySite.start = start\n"
+    )
+    return where
