@@ -245,6 +245,7 @@ def _engine(rules: dict[str, list[str]]) -> Iterator[ProxyServer]:
 
     engine = ProxyServer(parse_policy({"version": 1, "mode": "enforce", **rules}, "test"))
     engine.start()
+    assert engine.pipeline is not None  # waits for the load: tests read its front (`_front`)
     try:
         yield engine
     finally:

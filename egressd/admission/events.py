@@ -71,7 +71,8 @@ class Decided(NamedTuple):
 
 
 class Closed(NamedTuple):
-    """A client connection ended: bytes each way and how long it lived."""
+    """A client connection ended: bytes each way and how long it lived (seconds, as measured: what
+    writes it as text rounds it to milliseconds)."""
 
     conn: str
     client: str | None

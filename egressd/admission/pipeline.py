@@ -38,6 +38,7 @@ from egressd.admission.redirects import RedirectMemory
 from egressd.admission.secrets import NO_INJECTION, Injection, SecretBook
 from egressd.admission.secrets import refusal as secret_refusal
 from egressd.admission.state import ConnState
+from egressd.net import loader
 from egressd.net.pinning import ConnectFailure, Pin, address_text, connect_protocol
 from egressd.policy import (
     AddressClass,
@@ -154,20 +155,27 @@ class Pipeline:
         approver: Approver | None = None,
         grants: GrantStore | None = None,
         identify: bool = False,
+        decider: Decider | None = None,
+        events: EventBus | None = None,
     ) -> None:
+        """`decider`, `grants`, `events`, `credentials`: made by the caller before the pipeline is
+        (the proxy hands them to its session before it loads the pipeline: session/proxy.py); a
+        given `events` has its observers, the audit among them, subscribed already."""
         self.policies = policies
         self.credentials = credentials or CredentialStore()
-        self.decider = Decider(policies)
+        self.decider = decider if decider is not None else Decider(policies)
         self.limits = Limits(policies)
         self.approver = approver
         self.grants = grants if grants is not None else GrantStore()
         self.redirects = RedirectMemory()
         self.handed = HandedOut()  # the addresses sandboxed children's DNS was given, per name
-        self.events = EventBus()
         # the audit log: under audit.on_failure: refuse, nothing is acted upon that it did not take
         self.audit = audit
-        if audit is not None:
-            self.events.subscribe(audit.observe)
+        if events is None:
+            events = EventBus()
+            if audit is not None:
+                events.subscribe(audit.observe)
+        self.events = events
         self.inspection = False  # TLS inspection available (CA ready); off with --no-inspect
         # where the refusals it answers are read (the session's command, policy file, gateway): their
         # hints name what that reader can change
@@ -200,14 +208,7 @@ class Pipeline:
         """A client connection accepted; `ends`: (client, server) addresses of its socket (for the
         owner lookup), in the network namespace `diag` asks when it is another's; `tree_only`: the
         listener admits only the process tree of the child its implicit credentials belong to."""
-        state = ConnState(
-            conn_id=f"{self._id_prefix}{next(self._ids):06x}",
-            peer=peer,
-            implicit=implicit,
-            ends=ends,
-            tree_only=tree_only,
-            diag=diag,
-        )
+        state = ConnState(f"{self._id_prefix}{next(self._ids):06x}", peer, implicit, ends, tree_only, diag)
         conns = self._conns
         with conns.lock:
             state.room = self.limits.room_for_client(conns.served, len(conns.open))
@@ -222,15 +223,16 @@ class Pipeline:
                 return
             self._conns.served -= state.room == "serve"
         if state.host is not None:
+            # positional, and the duration as measured: what writes it as text rounds it
             self.events.emit(
                 Closed(
-                    conn=state.conn_id,
-                    client=state.client_name,
-                    host=state.host,
-                    port=state.port,
-                    bytes_up=state.bytes_up,
-                    bytes_down=state.bytes_down,
-                    duration=round(time.monotonic() - state.started, 3),
+                    state.conn_id,
+                    state.client_name,
+                    state.host,
+                    state.port,
+                    state.bytes_up,
+                    state.bytes_down,
+                    time.monotonic() - state.started,
                 )
             )
 
@@ -519,18 +521,16 @@ class Pipeline:
         record it), recorded; a refusal whose record cannot be written is still a refusal."""
         refusal = dataclasses.replace(refusal, host=attempt.host, port=attempt.port)
         request = attempt.stage in ("request", "inner")
-        self._emit(
+        self._refusal_record(
             conn,
-            stage=attempt.stage,
-            method=attempt.method,
-            scheme=attempt.scheme if request else None,
-            host=self._recorded_path(attempt.host),
-            port=attempt.port,
-            path=self._recorded_path(attempt.path) if request else None,
-            allowed=False,
-            reason=refusal.reason,
-            rule=None,
-            detail=refusal.detail,
+            attempt.stage,
+            self._recorded_path(attempt.host),
+            attempt.port,
+            refusal.reason,
+            refusal.detail,
+            attempt.method,
+            attempt.scheme if request else None,
+            self._recorded_path(attempt.path) if request else None,
         )
         return refusal
 
@@ -558,7 +558,7 @@ class Pipeline:
             return self._refused_name(name, refused.reason, refused.detail) if final else None
         assert allowed.target is not None and allowed.target.host.name is not None
         canonical = allowed.target.host.name
-        resolver = await resolution.resolver_module()
+        resolver = await loader.resolver_module()
         started = time.monotonic()
         try:
             addresses = await resolver.resolve(
@@ -847,10 +847,41 @@ class Pipeline:
         self.refused_early(conn, host, port, reason, detail, stage="connection")
 
     # -- events ------------------------------------------------------------------------------------
-    def _emit(
+    def _refusal_record(
         self,
         conn: ConnState | None,
-        *,
+        stage: Stage,
+        host: str | None,
+        port: int | None,
+        reason: Reason,
+        detail: str,
+        method: str | None,
+        scheme: str | None,
+        path: str | None,
+    ) -> None:
+        """The Decided event of a refusal no decision made (no rule, no addresses)."""
+        self._record(
+            conn,
+            stage,
+            host,
+            port,
+            False,
+            reason,
+            None,
+            detail,
+            method,
+            scheme,
+            path,
+            (),
+            None,
+            None,
+            None,
+            None,
+        )
+
+    def _record(
+        self,
+        conn: ConnState | None,
         stage: Stage,
         host: str | None,
         port: int | None,
@@ -858,53 +889,46 @@ class Pipeline:
         reason: Reason,
         rule: str | None,
         detail: str,
-        method: str | None = None,
-        scheme: str | None = None,
-        path: str | None = None,
-        resolved: tuple[str, ...] = (),
-        connected: str | None = None,
-        attempts: tuple[str, ...] | None = None,
-        would_be: str | None = None,
-        via: str | None = None,
+        method: str | None,
+        scheme: str | None,
+        path: str | None,
+        resolved: tuple[str, ...],
+        connected: str | None,
+        attempts: tuple[str, ...] | None,
+        would_be: str | None,
+        via: str | None,
     ) -> Refusal | None:
-        """A Decided event about this client connection (its fields named here, not passed on as
-        **kwargs: two dicts fewer for every tunnel). What the child wrote — host, method, path, and
-        the detail that may quote them — never keeps a placeholder's random part (the name does).
-        An allow whose record the audit log did not take answers the refusal to act on instead
+        """A Decided event about this client connection. Its fields are passed by position, here and
+        to Decided: a call naming twenty fields matches each name against the parameter list, and
+        every tunnel and request makes one. What the child wrote — host, method, path, and the
+        detail that may quote them — never keeps a placeholder's random part (the name does). An
+        allow whose record the audit log did not take answers the refusal to act on instead
         (audit.on_failure: refuse), else None."""
         if type(reason) is not Reason:  # a code no registry knows raises here, before any record
             reason = Reason.of(reason)
         if self.secrets:
             host, method, path = map(self._recorded_path, (host, method, path))
             detail = self.secrets.needles.redact(detail)
-        who = conn.identity if conn is not None else None
         audit = self.audit
         lost = audit.lost if audit is not None else 0
-        self.events.emit(
-            Decided(
-                conn=conn.conn_id if conn is not None else None,
-                client=conn.client_name if conn is not None else None,
-                profile=conn.profile if conn is not None else None,
-                stage=stage,
-                host=host,
-                port=port,
-                allowed=allowed,
-                reason=reason,
-                rule=rule,
-                detail=detail,
-                method=method,
-                scheme=scheme,
-                path=path,
-                resolved=resolved,
-                connected=connected,
-                attempts=attempts,
-                would_be=would_be,
-                via=via,
-                pid=who.pid if who is not None else None,
-                exe=who.exe if who is not None else None,
-                captured=conn.captured if conn is not None else False,
-            )
-        )
+        if conn is None:
+            event = Decided(
+                None, None, None, stage, host, port, allowed, reason, rule, detail, method, scheme, path,
+                resolved, connected, attempts, would_be, via, None, None, False,
+            )  # fmt: skip
+        else:
+            who, creds = conn.identity, conn.creds
+            event = Decided(
+                conn.conn_id,
+                creds.client if creds is not None else None,
+                creds.profile if creds is not None else None,
+                stage, host, port, allowed, reason, rule, detail, method, scheme, path,
+                resolved, connected, attempts, would_be, via,
+                who.pid if who is not None else None,
+                who.exe if who is not None else None,
+                conn.captured,
+            )  # fmt: skip
+        self.events.emit(event)
         if audit is None or not allowed or audit.lost == lost:
             return None
         # its own record was lost (the log may take records again already: this one is gone)
@@ -915,19 +939,23 @@ class Pipeline:
     ) -> Refusal | None:
         target = decision.target
         request = attempt.stage in ("request", "inner")
-        return self._emit(
+        return self._record(
             conn,
-            stage=attempt.stage,
-            method=attempt.method,
-            scheme=attempt.scheme if request else None,
-            host=target.host.text if target else attempt.host,
-            port=target.port if target else attempt.port,
-            path=attempt.path if request else None,
-            allowed=refusal is None,
-            reason=refusal.reason if refusal else decision.reason,
-            rule=decision.rule,
-            detail=refusal.detail if refusal else decision.detail,
-            would_be=None if refusal else decision.would_be,
+            attempt.stage,
+            target.host.text if target else attempt.host,
+            target.port if target else attempt.port,
+            refusal is None,
+            refusal.reason if refusal else decision.reason,
+            decision.rule,
+            refusal.detail if refusal else decision.detail,
+            attempt.method,
+            attempt.scheme if request else None,
+            attempt.path if request else None,
+            (),
+            None,
+            None,
+            None if refusal else decision.would_be,
+            None,
         )
 
     def _recorded_path(self, path: str | None) -> str | None:
@@ -953,20 +981,23 @@ class Pipeline:
         allowed = decision.allowed and pin is not None and failure is None
         # an allowed connection's addresses only for an observer that reads them (not counters)
         told = not allowed or self.events.wants_addresses
-        return self._emit(
+        return self._record(
             conn,
-            stage="connection",
-            host=target.host.text if target else conn.host,
-            port=target.port if target else conn.port,
-            allowed=allowed,
-            reason=reason,
-            rule=decision.rule,
-            detail=detail,
-            resolved=tuple(map(address_text, admitted.resolved)) if told else (),
-            connected=f"{pin.connected[0]}:{pin.connected[1]}" if told and pin and pin.connected else None,
-            attempts=(tuple(pin.attempts) if pin is not None else ()) if told else None,
-            would_be=decision.would_be if failure is None else None,
-            via=pin.via.where if told and pin is not None and pin.via is not None else None,
+            "connection",
+            target.host.text if target else conn.host,
+            target.port if target else conn.port,
+            allowed,
+            reason,
+            decision.rule,
+            detail,
+            None,
+            None,
+            None,
+            tuple(map(address_text, admitted.resolved)) if told else (),
+            f"{pin.connected[0]}:{pin.connected[1]}" if told and pin and pin.connected else None,
+            (tuple(pin.attempts) if pin is not None else ()) if told else None,
+            decision.would_be if failure is None else None,
+            pin.via.where if told and pin is not None and pin.via is not None else None,
         )
 
     def refused_early(
@@ -985,19 +1016,7 @@ class Pipeline:
         """A refusal no decision made: a tunnel closed after its first bytes (SNI, stage "tls"), a
         request head no parser may read (stage "request"; its method, scheme and path when its
         request line could be read)."""
-        self._emit(
-            conn,
-            stage=stage,
-            method=method,
-            scheme=scheme,
-            host=host,
-            port=port,
-            path=path,
-            allowed=False,
-            reason=reason,
-            rule=None,
-            detail=detail,
-        )
+        self._refusal_record(conn, stage, host, port, reason, detail, method, scheme, path)
         if self.secrets:
             host, detail = self._recorded_path(host), self.secrets.needles.redact(detail)
         where = f"{host if host is not None else '?'}:{port or '?'}"

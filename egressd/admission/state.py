@@ -72,8 +72,20 @@ class Identity:
 class ConnState:
     """What egressd knows about one client connection, whichever front accepted it."""
 
+    # first what a front knows at accept: Pipeline.open_conn passes these by position (a class
+    # called with keywords gets them as a dict, unpacked again for __init__: per connection)
     conn_id: str
     peer: str
+    # credentials the listener grants: only the child can reach it (the sandbox's credential-free
+    # port); a request without Proxy-Authorization counts as the child's, a wrong one is refused
+    implicit: ProxyCredentials | None = None
+    # the socket's two ends as (host, port): the client's, then egressd's (the owner lookup reads them)
+    ends: tuple[tuple[str, int], tuple[str, int]] | None = None
+    # the listener admits only the process tree of the child its implicit credentials were issued
+    # to (`egressd exec`'s credential-free listener): its pid is looked up when a request comes
+    tree_only: bool = False
+    # the listener is in a child's network namespace: its sockets are looked up there (peer.Diag)
+    diag: Diag | None = None
     started: float = field(default_factory=time.monotonic)
     creds: ProxyCredentials | None = None
     host: str | None = None  # the canonical target of the last decision
@@ -81,18 +93,8 @@ class ConnState:
     bytes_up: int = 0
     bytes_down: int = 0
     tunnel: bool = False  # an admitted CONNECT / SOCKS5 tunnel: its set-up authenticated what is inside
-    # credentials the listener grants: only the child can reach it (the sandbox's credential-free
-    # port); a request without Proxy-Authorization counts as the child's, a wrong one is refused
-    implicit: ProxyCredentials | None = None
     granted: tuple[str, int] | None = None  # a tunnel a grant or an approval admitted: (host, port)
-    # the socket's two ends as (host, port): the client's, then egressd's (the owner lookup reads them)
-    ends: tuple[tuple[str, int], tuple[str, int]] | None = None
-    # the listener admits only the process tree of the child its implicit credentials were issued
-    # to (`egressd exec`'s credential-free listener): its pid is looked up when a request comes
-    tree_only: bool = False
     identity: Identity | None = None  # who holds the client's socket, once looked up
-    # the listener is in a child's network namespace: its sockets are looked up there (peer.Diag)
-    diag: Diag | None = None
     # the capture took it from a client that ignored the proxy variables (front/captured.py)
     captured: bool = False
     # accepted within egressd's capacity ("serve"), or beyond it: its request is answered

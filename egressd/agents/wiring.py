@@ -59,7 +59,7 @@ def acp_relay(
 ) -> Iterator[AcpBridge]:
     """Relay ACP between egressd's stdin/stdout and the child while the block runs the child."""
     assert session.proxy is not None
-    pipeline = session.proxy.pipeline
+    proxy = session.proxy
 
     def server_env(profile: str | None) -> dict[str, str]:
         server_creds = session.credentials(profile if profile is not None else creds.profile)
@@ -72,7 +72,7 @@ def acp_relay(
         return session.exports(session.credentials(creds.profile))
 
     def decide(host: str, port: int, profile: str | None, scheme: str, path: str) -> Decision:
-        return pipeline.decider.decide(host, port, profile, scheme=scheme, path=path)
+        return proxy.decider.decide(host, port, profile, scheme=scheme, path=path)
 
     bridge = AcpBridge(
         relay.client,
@@ -84,7 +84,7 @@ def acp_relay(
         warn=warn,
         context=session.context,
     )
-    pipeline.events.subscribe(bridge.observe)
+    proxy.events.subscribe(bridge.observe)
     approvals = session.approvals  # mode: ask's broker
     detach = acp_asks.attach(approvals.broker, bridge, warn) if approvals is not None else None
     relay.start(bridge.from_client, bridge.from_agent)
@@ -94,7 +94,7 @@ def acp_relay(
         if detach is not None:
             detach()
         relay.finish()
-        pipeline.events.unsubscribe(bridge.observe)
+        proxy.events.unsubscribe(bridge.observe)
         bridge.close()
 
 
@@ -102,7 +102,7 @@ def acp_relay(
 def mcp_relay(session: ProxySession, relay: StdioRelay) -> Iterator[McpBridge]:
     """Relay MCP between egressd's stdin/stdout and the server while the block runs it."""
     assert session.proxy is not None
-    events = session.proxy.pipeline.events
+    events = session.proxy.events
     bridge = McpBridge(session.context)
     events.subscribe(bridge.observe)
     relay.start(bridge.from_client, bridge.from_server, strict=False)

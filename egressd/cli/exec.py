@@ -90,7 +90,7 @@ def exec_command(
         run_unwrapped(options, command, catcher)
     client_fixes.ask_node_version(os.environ)
     returncode = EXIT_CANNOT_RUN
-    with open_session(options, announce_reloads=options.trace, command=command) as session:
+    with open_session(options, announce_reloads=options.trace, command=command, load_later=True) as session:
         creds = session.credentials()
         session.record_child(creds, command)
         captured = netns.run_captured(
@@ -103,9 +103,12 @@ def exec_command(
         else:
             env = with_git_ssh(session.child_env(creds=creds), session.policy)
             env = session.child_only(env, creds, listener=credentials_listener and identity.SUPPORTED)
-            returncode = process.run_child(
-                command, env, catcher=catcher, started=lambda pid: session.child_started(creds, pid)
-            )
+
+            def started(pid: int) -> None:
+                session.child_started(creds, pid)
+                session.load()  # the proxy, while the child starts: it waits for nothing of it
+
+            returncode = process.run_child(command, env, catcher=catcher, started=started)
     process.exit_like(returncode, fast=True)
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from egressd.platform.exits import EXIT_CANNOT_RUN
 from egressd.policy import (
     Policy,
     PolicyError,
@@ -267,6 +268,8 @@ def open_session(options: SessionOptions, **kwargs: Any) -> Iterator[ProxySessio
         yield session
     finally:
         session.close()
+        if (failure := session.failure) is not None:  # loaded once the child was on its way
+            fail(failure, EXIT_CANNOT_RUN)
 
 
 def command_name() -> str:

@@ -59,8 +59,9 @@ def run_command(options: SessionOptions) -> None:
             _announce_exports(session, options)
         assert session.proxy is not None
         _serve(catcher, session, stops)
-        say(f"draining (up to {DRAIN_TIMEOUT:g}s for open connections)")
-        _drain(session.proxy, catcher, stops)
+        if session.failure is None:  # else open_session says why and exits
+            say(f"draining (up to {DRAIN_TIMEOUT:g}s for open connections)")
+            _drain(session.proxy, catcher, stops)
     say("stopped")
     sys.exit(0)
 
@@ -117,6 +118,8 @@ def _serve(catcher: process.SignalCatcher, session: ProxySession, stops: Sequenc
     while True:
         got = catcher.wait(1.0)
         if got is None:
+            if session.failure is not None:  # a service it was asked for could not start
+                return
             continue
         if got.signo in stops:
             return

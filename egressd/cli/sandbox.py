@@ -241,7 +241,7 @@ def run_sandboxed(
     guard = SourceGuard(then=narrow.LoopbackConfinement(loopback_ports, then=narrowing))
     # the resolver loads as the child starts (run_bwrap, run_seatbelt)
     opened = open_session(
-        options, announce_reloads=options.trace, transform=guard, command=command, resolver_later=True
+        options, announce_reloads=options.trace, transform=guard, command=command, load_later=True
     )
     with opened as session:
         try:
@@ -281,8 +281,10 @@ def run_sandboxed(
                 say(line)
             from egressd.sandbox.explain import home_hint  # once the child ended
 
+            # a child the proxy's failed load stopped has that failure as its only explanation
+            # (open_session says it): the home it could not read is not why
             hint = home_hint(layout, command, outcome.returncode, os.environ.get("PATH"))
-            if hint and options.report:
+            if hint and options.report and session.failure is None:
                 say(hint)
     if outcome.unavailable:  # no sandbox can run here: why, and the fix
         fail(outcome.error or "bubblewrap cannot create a sandbox here")

@@ -45,6 +45,7 @@ def event_json(event: Event) -> dict[str, Any]:
     elif isinstance(event, Closed):
         fields = event._asdict()
         fields["event"] = "closed"
+        fields["duration"] = round(event.duration, 3)  # as the audit writes it
     elif isinstance(event, Resolved | Asked):  # the metrics' latencies: {seconds, outcome}
         fields = event._asdict()
         fields["event"] = "dns_lookup" if isinstance(event, Resolved) else "ask_wait"

@@ -11,8 +11,9 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
+from egressd.front.handed import Handed
 from egressd.front.plain_http import IdleUpstreams
 from egressd.front.socks import SocksProtocol
 from egressd.front.tunnel import FrontProtocol, Inspection, RefusalContext
@@ -27,17 +28,6 @@ if TYPE_CHECKING:
 
 
 SWEEP = 1.0  # seconds between the checks of header_timeout and idle_timeout
-
-
-class Handed(NamedTuple):
-    """A listening socket made elsewhere, for `kind` clients ("http" or "socks"); `implicit`: the
-    credentials it grants (only the child reaches it); `diag`: where a connection's program is
-    looked up (the socket's network namespace is not egressd's)."""
-
-    sock: socket.socket
-    kind: str
-    implicit: ProxyCredentials | None = None
-    diag: Diag | None = None
 
 
 def _check_kind(kind: str) -> None:
@@ -75,34 +65,24 @@ class Front:
         """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5)."""
         if kind == "socks":
             return SocksProtocol(self, implicit, diag=diag)
-        return FrontProtocol(self, implicit=implicit, tree_only=tree_only, diag=diag)
-
-    async def start(
-        self, host: str, port: int, kind: str = "http", ssl: ssl_module.SSLContext | None = None
-    ) -> tuple[str, int]:
-        """Listen for `kind` clients: "http" (the proxy port) or "socks" (SOCKS5); over TLS with `ssl`."""
-        _check_kind(kind)
-        loop = asyncio.get_running_loop()
-        self._sweep_from_now()
-        server = await loop.create_server(
-            lambda: self._protocol(kind),
-            host,
-            port,
-            backlog=4096,
-            ssl=ssl,
-            ssl_handshake_timeout=10 if ssl else None,
-        )
-        return self._own(server)
+        return FrontProtocol(self, implicit, tree_only, diag)  # by position: made per connection
 
     async def adopt(
         self, sock: socket.socket, kind: str, ssl: ssl_module.SSLContext | None = None
     ) -> tuple[str, int]:
-        """Listen for `kind` clients on a socket of this machine bound elsewhere (a remote
-        session's guard binds the agent's ports and keeps them): egressd's own, as start()'s are."""
+        """Listen for `kind` clients ("http": the proxy port, "socks": SOCKS5; over TLS with `ssl`) on a
+        socket of this machine bound before (by the proxy at its start, or by a remote session's
+        guard, which keeps the agent's ports): egressd's own."""
         _check_kind(kind)
         self._sweep_from_now()
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: self._protocol(kind), sock=sock, backlog=4096, ssl=ssl)
+        server = await loop.create_server(
+            lambda: self._protocol(kind),
+            sock=sock,
+            backlog=4096,
+            ssl=ssl,
+            ssl_handshake_timeout=10 if ssl else None,
+        )
         return self._own(server)
 
     async def serve(self, handed: Handed) -> None:
@@ -116,16 +96,17 @@ class Front:
         )
         self.servers.append(server)
 
-    async def start_child_only(self, host: str, implicit: ProxyCredentials) -> tuple[str, int]:
-        """A listener without credentials for one child's process tree: a connection whose socket
-        is held by the child (the pid the pipeline registered for `implicit`) or its descendants
-        counts as the child's; any other gets 407."""
+    async def serve_child_only(self, sock: socket.socket, implicit: ProxyCredentials) -> None:
+        """Serve a listener without credentials for one child's process tree (bound and registered
+        as egressd's own by its maker): a connection whose socket is held by the child (the pid
+        the pipeline registered for `implicit`) or its descendants counts as the child's; any
+        other gets 407."""
         loop = asyncio.get_running_loop()
         self._sweep_from_now()
         server = await loop.create_server(
-            lambda: self._protocol("http", implicit, tree_only=True), host, 0, backlog=1024
+            lambda: self._protocol("http", implicit, tree_only=True), sock=sock, backlog=1024
         )
-        return self._own(server)
+        self.servers.append(server)
 
     def _own(self, server: asyncio.Server) -> tuple[str, int]:
         """A listener of this machine's: every socket it bound is egressd's own (`self`)."""

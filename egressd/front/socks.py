@@ -41,6 +41,7 @@ class SocksProtocol(FrontProtocol):
     """One SOCKS5 client of egressd's front."""
 
     early_stage = "socks"
+    names_bound = True
 
     def __init__(
         self, front: Listeners, implicit: ProxyCredentials | None = None, *, diag: Diag | None = None

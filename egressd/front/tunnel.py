@@ -65,16 +65,18 @@ class FrontProtocol(Pipe):
     """The client side: reads the request head, then becomes one side of a relay."""
 
     early_stage = "connect"  # the stage of a refusal made before the head is read
+    # the established answer names egressd's end towards the server (SOCKS5's reply does; looking it
+    # up spells an address, so a protocol whose answer does not name it skips it)
+    names_bound = False
 
     def __init__(
         self,
         front: Listeners,
         implicit: ProxyCredentials | None = None,
-        *,
         tree_only: bool = False,
         diag: Diag | None = None,
     ) -> None:
-        super().__init__(Tunnel(self), upstream=False)
+        super().__init__(Tunnel(self), False)
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
         self.tree_only = tree_only  # ... to the child's process tree only (ConnState.tree_only)
         self.diag = diag  # the listener is in another network namespace: its sockets are asked there
@@ -235,13 +237,10 @@ class FrontProtocol(Pipe):
         except WireError as exc:
             self._refuse_unreadable(Refusal(Reason.BAD_REQUEST, exc.detail))
             return
+        # by position (a named tuple called with keywords gets them as a dict): stage, host, port,
+        # scheme, method, path, credentials
         attempt = Attempt(
-            "connect",
-            connect.host,
-            connect.port,
-            scheme="connect",
-            method="CONNECT",
-            credentials=connect.authorization,
+            "connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization
         )
         self._start_tunnel(attempt)
 
@@ -285,7 +284,7 @@ class FrontProtocol(Pipe):
             if admitted.inspect:
                 await self._hand_off(admitted)
                 return
-            upstream = Pipe(self.tunnel, upstream=True, coalesce=True)
+            upstream = Pipe(self.tunnel, True, True)  # upstream, coalescing: by position, per tunnel
             server_id = f"{state.conn_id}-up"
             refusal = await self.pipeline.connect(state, admitted, upstream, server_id)
             if refusal is not None:
@@ -296,7 +295,7 @@ class FrontProtocol(Pipe):
                 upstream.transport and upstream.transport.close()  # type: ignore[func-returns-value]
                 return
             self.coalesce = COALESCE
-            self.transport.write(self.established_answer(_bound(upstream)))
+            self.transport.write(self.established_answer(_bound(upstream) if self.names_bound else None))
             upstream.attach(self)  # after the answer: a server's first bytes follow it
             self.stage = "sni"
             self.hello = TunnelStart(admitted.host)

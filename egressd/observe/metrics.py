@@ -126,16 +126,15 @@ class Metrics:
 
     def __init__(
         self,
-        pipeline: Pipeline | None = None,
+        pipeline: Callable[[], Pipeline] | None = None,
         *,
         mode: Callable[[], str] | None = None,
         clients: Callable[[], frozenset[str]] | None = None,
     ) -> None:
-        """`clients`: the gateway's client names now (its token file), to count decisions per client."""
+        """`pipeline`: the pipeline, read at the first scrape (the gauges); `mode`: the policy's mode
+        now (read per decision, it changes on reload); `clients`: the gateway's client names now
+        (its token file), to count decisions per client."""
         self._pipeline = pipeline
-        if mode is None and pipeline is not None:
-            policies = pipeline.policies
-            mode = lambda: policies.get().mode  # noqa: E731 - read per decision, changes on reload
         self._mode = mode or (lambda: "enforce")
         self._registry: CollectorRegistry | None = None
         self._registry_lock = threading.Lock()
@@ -174,7 +173,7 @@ class Metrics:
                 registry = CollectorRegistry(auto_describe=True)
                 registry.register(_Hot(self))
                 if self._pipeline is not None:
-                    registry.register(_Live(self._pipeline, self))
+                    registry.register(_Live(self._pipeline(), self))
                 self._registry = registry
             return self._registry
 

@@ -18,7 +18,7 @@ import socket
 from collections.abc import Iterable
 from typing import Protocol
 
-__all__ = ["OwnAddresses", "listen", "register"]
+__all__ = ["OwnAddresses", "listen", "listen_all", "register"]
 
 
 class OwnAddresses(Protocol):
@@ -51,3 +51,25 @@ def listen(own: OwnAddresses, host: str, port: int = 0, *, backlog: int = 128) -
         sock.close()
         raise
     return sock
+
+
+def listen_all(own: OwnAddresses, host: str, port: int = 0, *, backlog: int = 128) -> list[socket.socket]:
+    """A listening TCP socket on each address `host` names (`localhost`: 127.0.0.1 and ::1), as
+    asyncio's create_server binds them, each registered before it listens; port 0: each a free port."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    made: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            made.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            register(own, [sock.getsockname()])
+            sock.listen(backlog)
+    except BaseException:
+        for sock in made:
+            sock.close()
+        raise
+    return made

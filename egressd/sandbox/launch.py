@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import egressd
 from egressd.child.env import CHILD_PROXY_VAR, NO_PROXY_VARS, child_environment, java_environment
 from egressd.child.ssh_env import with_git_ssh
-from egressd.front.server import Handed
+from egressd.front.handed import Handed
 from egressd.inspect.ca import java_truststore_path
 from egressd.platform.exits import EXIT_CANNOT_RUN
 from egressd.platform.peer import Diag

@@ -136,6 +136,7 @@ def run_in_own_network(
                 link.set_up(host_ports(session), warn, all_loopback=True)
         finally:
             link.end_setup()
+        session.load()  # the proxy, while the child starts: a client connecting meanwhile waits
         # the child shares egressd's process group: what the terminal sent reached it already
         return link.outcome(link.wait(pid, catcher, forward_all=False), problem, RUNNER)
     finally:

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from egressd.admission.resolve import load_resolver
 from egressd.child.env import CHILD_PROXY_VAR
 from egressd.child.process import SignalCatcher, run_child, spawn
 from egressd.inspect.ca import java_truststore_path
@@ -248,11 +247,12 @@ def run_bwrap(
                 if launcher is not None:  # its tree is searched first for a connection's program
                     session.child_started(creds, launcher)
                 link.set_up(host_ports(session), warn)
-                # while the child starts (once per process): loaded earlier, it would take the
-                # CPU bubblewrap and the launcher need, and the child would start later
-                load_resolver()
         finally:
             link.end_setup()
+        # the proxy (the resolver, the pipeline, the front), while the child starts: loaded
+        # earlier, it would take the CPU bubblewrap and the launcher need, and the child would
+        # start later; a client that connects meanwhile waits in the listener's backlog
+        session.load()
         ended = link.outcome(link.wait(pid, catcher, forward_all=True), problem)
         return _explained(ended, bwrap, disable_userns) if problem == "" and not ended.started else ended
     finally:
@@ -380,7 +380,7 @@ def run_seatbelt(
             session, creds, http, socks, "seatbelt", env_base, hidden, layout.cache, temp=run_dir
         )
         keep_only_inherited(())
-        load_resolver()  # once per process
+        session.load()
 
         def started(pid: int) -> None:
             group.append(pid)

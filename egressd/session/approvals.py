@@ -12,8 +12,8 @@ from egressd.session.snapshot import PolicySource
 
 if TYPE_CHECKING:
     from egressd.admission.asks import AskBroker
-    from egressd.admission.pipeline import Pipeline
     from egressd.control.prompt import TtyPrompter
+    from egressd.session.proxy import ProxyServer
 
 
 class Approvals:
@@ -25,7 +25,7 @@ class Approvals:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        proxy: ProxyServer,
         options: SessionOptions,
         policy_file: PolicySource,
         command: Sequence[str],
@@ -35,14 +35,14 @@ class Approvals:
 
         self.policy_file = policy_file
         self.broker: AskBroker = AskBroker(
-            pipeline.grants,
-            timeout=lambda: pipeline.policies.get().ask_timeout,
+            proxy.grants,
+            timeout=lambda: proxy.policy.ask_timeout,
             command=command,
             write_rule=self.write_rule if policy_file.writable else None,
             approve_all=options.approve_all,
-            events=pipeline.events,
+            events=proxy.events,
         )
-        pipeline.approver = self.broker
+        proxy.approver = self.broker
         if options.approve_all:
             say(
                 "WARNING: --approve-all: every ask is approved without asking anyone; the child may "

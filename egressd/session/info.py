@@ -36,7 +36,7 @@ def ps_info(session: Shown) -> dict[str, Any]:
     children = control.children if control is not None else None
     approvals = session.approvals
     broker = approvals.broker if approvals is not None else None
-    pipeline = session.proxy.pipeline if session.proxy is not None else None
+    proxy = session.proxy
     return {
         "pid": os.getpid(),
         "command": list(session.command),
@@ -53,8 +53,8 @@ def ps_info(session: Shown) -> dict[str, Any]:
             "allowed": counts.allowed if counts else 0,
             "refused": counts.refused if counts else 0,
             "pending": len(broker.pending()) if broker else 0,
-            "grants": len(pipeline.grants.list()) if pipeline else 0,
-            "connections": pipeline.active() if pipeline else 0,
+            "grants": len(proxy.grants.list()) if proxy else 0,
+            "connections": proxy.active() if proxy else 0,
         },
         "clients": counts.clients() if counts else {},
         "children": children.list() if children is not None else [],

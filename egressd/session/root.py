@@ -8,6 +8,7 @@ works the same in each. Everything runs on the proxy's one event loop but the te
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import sys
@@ -45,8 +46,8 @@ class ProxySession:
 
     `transform`: how the command narrows every policy it loads (the sandbox's --only); `source`:
     another policy source than the file; `audit`: another audit than the file; `sockets`: the
-    proxy's listening sockets, made elsewhere (a remote session's guard); `resolver_later`: the
-    command loads the resolver itself once its child is on its way (ProxyServer.start)."""
+    proxy's listening sockets, made elsewhere (a remote session's guard); `load_later`: the command
+    starts the proxy's load itself once its child is on its way (`load()`, ProxyServer.start)."""
 
     def __init__(
         self,
@@ -60,7 +61,7 @@ class ProxySession:
         source: PolicySource | None = None,
         audit: AuditLog | None = None,
         sockets: Mapping[str, socket.socket] | None = None,
-        resolver_later: bool = False,
+        load_later: bool = False,
     ) -> None:
         self.options = options
         # what `egressd ps` and the ask prompt show: the child's command, or egressd's own
@@ -75,7 +76,7 @@ class ProxySession:
         self._announce = announce_reloads
         self._audit = audit
         self._sockets = sockets
-        self._resolver_later = resolver_later
+        self._load_later = load_later
         # the files the policy is read from, as absolute paths (`ps`, the dashboard): named once,
         # while the working directory is the one they were given in
         named = [options.policy_file] if options.policy_file is not None else []
@@ -146,9 +147,8 @@ class ProxySession:
             identify=bool(options.identify),
             sockets=self._sockets,
         )
-        pipeline = proxy.pipeline
-        pipeline.context = self.context
-        self.approvals = Approvals(pipeline, options, self.source, self.command, self._say)
+        proxy.context = self.context
+        self.approvals = Approvals(proxy, options, self.source, self.command, self._say)
         self.child = ChildSetup(proxy, self.in_force, self.vault, audit, options.overrides.profile)
         self.reloads = Reloads(
             self.in_force,
@@ -162,30 +162,48 @@ class ProxySession:
         if self.policy.secrets:
             not_dumpable()  # the child (same user) reads neither /proc/<egressd>/environ nor memory
         try:
-            proxy.start(resolver=not self._resolver_later)
+            proxy.start(load=not self._load_later)
         except EngineError as exc:
             self.close()
             raise SessionError(f"cannot start the proxy: {exc}") from exc
         self.approvals.start()
         try:
             for service in self._build_services():
-                proxy.run(service.start())
+                proxy.start_service(service.start, service.name)
                 self._services.append(service)
         except SessionError:
             self.close()
             raise
         return self
 
+    def load(self) -> None:
+        """Start loading the proxy (with `load_later`: the command's child is on its way)."""
+        assert self.proxy is not None
+        self.proxy.load()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the proxy could not serve the child (its load failed, or a service it was asked for
+        could not start), if it could not."""
+        if self.proxy is None:
+            return None
+        if self.proxy.error is not None:
+            return f"the proxy could not start: {self.proxy.error}; the command was stopped"
+        if self.proxy.stopped_for is not None:
+            return f"{self.proxy.stopped_for}; the command was stopped"
+        return None
+
     def _observe(self) -> None:
         """The observers the options ask for, subscribed before the first connection."""
         assert self.proxy is not None
-        subscribe = self.proxy.pipeline.events.subscribe
+        subscribe = self.proxy.events.subscribe
         if self.options.metrics is not None or self.options.control:
             # the control API serves them too (GET /metrics), so they count from the start
             from egressd.observe.metrics import Metrics
 
             clients = self.gateway.names if self.gateway is not None else None
-            self.metrics = Metrics(self.proxy.pipeline, clients=clients)
+            proxy, policies = self.proxy, self.in_force
+            self.metrics = Metrics(lambda: proxy.pipeline, mode=lambda: policies.get().mode, clients=clients)
             subscribe(self.metrics.observe, addresses=False)  # counters
         if self.options.report:
             from egressd.observe.captured import CapturedReport
@@ -203,10 +221,12 @@ class ProxySession:
 
         assert self.proxy is not None and self.reloads is not None and self.approvals is not None
         assert self.child is not None
-        pipeline, reloads = self.proxy.pipeline, self.reloads
+        proxy, reloads = self.proxy, self.reloads
         if self.options.metrics is not None:
             assert self.metrics is not None
-            port = MetricsPort(self.metrics, pipeline, self.options.metrics, self.options.metrics_token_file)
+            port = MetricsPort(
+                self.metrics, proxy.decider, self.options.metrics, self.options.metrics_token_file
+            )
             self._say(f"metrics on {port.url}")
             yield port
         if (watcher := self.source.watch(reloads.policy, reloads.policy_failed)) is not None:
@@ -218,7 +238,7 @@ class ProxySession:
 
             self.control = ControlAPI(
                 *opened,
-                pipeline=pipeline,
+                proxy=proxy,
                 broker=self.approvals.broker,
                 issuer=self.child.issuer(),
                 info=lambda: ps_info(self),
@@ -231,11 +251,16 @@ class ProxySession:
             if self.control is None:
                 self._say("dashboard off: it needs the control API")
             else:
-                yield DashboardPage(self.control.path, pipeline, self._say)
+                yield DashboardPage(self.control.path, proxy.decider, self._say)
 
     def close(self) -> None:
         """Everything start() started, in reverse."""
         proxy = self.proxy
+        if proxy is not None and (proxy.abandon() or proxy.error is not None):
+            # the child is gone before the proxy was loaded, or it could not be: the services
+            # never started, what they hold goes here
+            asyncio.run(_stop_unstarted(self._services))
+            self._services.clear()
         while self._services:
             service = self._services.pop()
             with contextlib.suppress(Exception):
@@ -330,6 +355,14 @@ class ProxySession:
     def hidden_variables(self) -> tuple[str, ...]:
         """egressd's own variables that hold secret values: never given to a child."""
         return hidden_variables(self.policy.secrets, self.vault)
+
+
+async def _stop_unstarted(services: Sequence[Service]) -> None:
+    """Stop services whose start never ran (the proxy's loop never did): each only lets go of what
+    it was built with (its socket, its file)."""
+    for service in reversed(services):
+        with contextlib.suppress(Exception):
+            await service.stop()
 
 
 def _open_audit(options: SessionOptions, policy: Policy, context: HintContext) -> AuditLog:

@@ -13,14 +13,17 @@ from egressd.session.options import SessionError
 
 if TYPE_CHECKING:
     from egressd.admission.asks import AskBroker
-    from egressd.admission.pipeline import Pipeline
+    from egressd.admission.decide import Decider
     from egressd.control.children import Issuer
     from egressd.observe.metrics import Metrics
     from egressd.platform.reload import FileWatcher
+    from egressd.session.proxy import ProxyServer
     from egressd.tools.policy_edit import PolicyEditor
 
 
 class Service(Protocol):
+    name: str  # what egressd says could not start
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -31,6 +34,7 @@ class Watching:
 
     def __init__(self, watcher: FileWatcher[Any]) -> None:
         self.watcher = watcher
+        self.name = f"watcher of {watcher.path}"
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -47,8 +51,10 @@ class MetricsPort:
     addresses (the child cannot read it through the proxy); with `--metrics-token-file`, only to
     whoever holds the token."""
 
+    name = "metrics port"
+
     def __init__(
-        self, metrics: Metrics, pipeline: Pipeline, address: tuple[str, int], token_file: str | None
+        self, metrics: Metrics, own: Decider, address: tuple[str, int], token_file: str | None
     ) -> None:
         from egressd.control.site import LazySite
         from egressd.platform.listeners import listen
@@ -56,7 +62,7 @@ class MetricsPort:
         token = _metrics_token(token_file)
         host, port = address
         try:
-            sock = listen(pipeline.decider, host, port)
+            sock = listen(own, host, port)
         except OSError as exc:
             raise SessionError(f"--metrics {host}:{port}: {exc.strerror or exc}") from exc
         self.address: tuple[str, int] = sock.getsockname()[:2]
@@ -96,12 +102,14 @@ class ControlAPI:
     """The control API on the user's socket (docs/control-api.md), with what only it serves: the
     per-child counts of `ps` and the dashboard, and the children attached to this egressd."""
 
+    name = "control API"
+
     def __init__(
         self,
         path: Path,
         sock: Any,
         *,
-        pipeline: Pipeline,
+        proxy: ProxyServer,
         broker: AskBroker,
         issuer: Issuer,
         info: Callable[[], dict[str, Any]],
@@ -114,26 +122,27 @@ class ControlAPI:
 
         self.path, self._sock = path, sock
         self.counts = counts = Counts()
-        pipeline.events.subscribe(counts.observe, addresses=False)  # not connection records
+        proxy.events.subscribe(counts.observe, addresses=False)  # not connection records
         self.children = Children(issuer)
 
         def watched() -> None:
             """A watch stream attached: from now on every connection names its program (pid,
-            exe), a cost paid only once someone watches (docs/audit.md)."""
-            pipeline.identify = True
+            exe), a cost paid only once someone watches (docs/audit.md); on the proxy's loop,
+            so after its load."""
+            proxy.pipeline.identify = True
 
         self.server = ControlServer(
             path,
             broker=broker,
-            grants=pipeline.grants,
-            events=pipeline.events,
+            grants=proxy.grants,
+            events=proxy.events,
             info=info,
             metrics=metrics.render if metrics is not None else None,
             policy=policy,
             edit_policy=edit_policy,
             children=self.children,
             watched=watched,
-            own=pipeline.decider,
+            own=proxy.decider,
             recent=lambda: list(counts.recent),
         )
 
@@ -163,16 +172,17 @@ class DashboardPage:
     """`--dashboard`: the web page over this instance's own control API; its URL (with the token)
     goes to stderr only — never stdout, never the child's environment."""
 
-    def __init__(self, control_path: Path, pipeline: Pipeline, say: Callable[[str], None]) -> None:
-        from egressd.dashboard.server import Dashboard
+    name = "dashboard"
 
-        self.dashboard = Dashboard(control_path, pipeline.decider)
-        self._say = say
+    def __init__(self, control_path: Path, own: Decider, say: Callable[[str], None]) -> None:
+        from egressd.dashboard.server import WHILE_OPEN, Dashboard
+
+        self.dashboard = Dashboard(control_path, own)
+        # said once its port is bound: a page opened before the proxy's loop serves it waits
+        say(f"dashboard: {self.dashboard.url}  ({WHILE_OPEN})")
 
     async def start(self) -> None:
-        from egressd.dashboard.server import WHILE_OPEN
-
-        self._say(f"dashboard: {await self.dashboard.start()}  ({WHILE_OPEN})")
+        await self.dashboard.start()
 
     async def stop(self) -> None:
         await self.dashboard.stop()

@@ -197,7 +197,7 @@ class Reloads:
     ) -> None:
         self.in_force = in_force
         self.proxy = proxy
-        self.events: EventBus = proxy.pipeline.events
+        self.events: EventBus = proxy.events
         self.audit = audit
         self._say = say
         self._announce = announce

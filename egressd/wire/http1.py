@@ -271,6 +271,10 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
     """The complete, guarded head at the start of raw (removed from it, with the empty lines before
     it), or None while more bytes are needed; `scanner` has seen raw's earlier bytes (a fresh one
     for each head). Raises WireError for a head to refuse. CONNECT and plain HTTP read heads here."""
+    whole = scanner.searched == 0 and scanner.start == 0 and raw.endswith(b"\r\n\r\n")
+    if whole and len(raw) <= _REMEMBERED_HEAD and (head := bytes(raw)) in _clean_heads:
+        del raw[:]
+        return head
     found = scanner.scan(raw)
     if found is None:
         return None
@@ -279,8 +283,18 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
         raise WireError(str(end), status)
     assert isinstance(end, int)
     head = bytes(raw[scanner.start : end])
+    if whole and scanner.start == 0 and end == len(raw) and end <= _REMEMBERED_HEAD:
+        if len(_clean_heads) >= _REMEMBERED_HEADS:
+            _clean_heads.clear()
+        _clean_heads[head] = None
     del raw[:end]
     return head
+
+
+# The complete heads the guard passed, read whole as the first bytes of a head (a child sends the
+# same head again and again): the guard is a pure function of the bytes, so the same bytes again
+# pass without its scan. A head that is refused, or arrives in pieces, is scanned each time.
+_clean_heads: dict[bytes, None] = {}
 
 
 # -- bodies -------------------------------------------------------------------------------------------
@@ -722,5 +736,6 @@ def _read_connect(head: bytes) -> ConnectHead:
     return ConnectHead(host, int(port_text), credentials[0].strip() if credentials else None)
 
 
-_REMEMBERED_HEAD = 2048
-_read_connect_remembered = functools.lru_cache(maxsize=256)(_read_connect)
+_REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, a CONNECT's reading), at most
+_REMEMBERED_HEADS = 256
+_read_connect_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_connect)

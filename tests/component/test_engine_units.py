@@ -218,6 +218,51 @@ async def test_each_attempt_times_out_on_its_own_and_the_next_is_tried() -> None
     assert task is not None and task.cancelling() == 0  # the deadlines' cancels were taken back
 
 
+async def test_attempts_under_way_together_each_time_out_at_their_own_budget() -> None:
+    """The attempts of one loop share one timer, set for the earliest deadline: a short budget
+    entered after a long one still ends at its own, the long ones at theirs, each told apart."""
+
+    async def silent(address: str) -> None:
+        await asyncio.sleep(30)
+
+    async def timed(budget: float) -> tuple[float, str]:
+        start = time.monotonic()
+        with pytest.raises(pinning.ConnectFailure) as failure:
+            await _try_one(silent, budget)
+        return time.monotonic() - start, failure.value.reason
+
+    budgets = [3.0, 0.2, 1.5, 0.4, 3.0]
+    tasks = []
+    for budget in budgets:
+        tasks.append(asyncio.create_task(timed(budget)))
+        await asyncio.sleep(0.01)
+    for budget, (elapsed, reason) in zip(budgets, await asyncio.gather(*tasks), strict=True):
+        assert reason == "connect_timeout"
+        # two addresses, each given up after its budget (a loaded machine only adds; the short
+        # budgets still end well before the long ones' 6 s)
+        assert 2 * budget * 0.9 <= elapsed < 2 * budget + 3.5, (budget, elapsed)
+
+
+async def test_an_attempt_that_connected_is_never_cancelled_by_its_deadline_later() -> None:
+    """An attempt that ended before its deadline leaves nothing behind: the task goes on past the
+    deadline uncancelled, while another attempt's deadline fires meanwhile."""
+
+    async def at_once(address: str) -> str:
+        return address
+
+    async def silent(address: str) -> None:
+        await asyncio.sleep(30)
+
+    opened, connected = await pinning.try_addresses((ip("192.0.2.1"),), 443, 0.1, at_once)
+    assert (opened, connected) == ("192.0.2.1", ("192.0.2.1", 443))
+    with pytest.raises(pinning.ConnectFailure):
+        await _try_one(silent, 0.05)  # a deadline of another attempt fires while the first is over
+    await asyncio.sleep(0.3)  # past the first attempt's deadline: no CancelledError here
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    assert not pinning._deadlines().pending
+
+
 def test_connect_hook_refuses_other_mitmproxy_version(monkeypatch: pytest.MonkeyPatch) -> None:
     from mitmproxy import version
 

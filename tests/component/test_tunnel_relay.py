@@ -135,6 +135,7 @@ def test_relayed_sockets_have_nagle_off(
     engine = ProxyServer(policy)
     engine.start()
     try:
+        assert engine.pipeline is not None  # waits for the load, which makes the front
         front = engine._front
         assert front is not None
         with _tunnel(engine, tcp_echo) as sock:

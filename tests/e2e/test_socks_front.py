@@ -320,7 +320,7 @@ def test_a_client_that_never_finishes_is_cut_by_header_timeout(lab: Lab, sent: b
 
 # -- a listener that grants credentials (the sandbox's credential-free port) --------------------------
 def test_an_implicit_listener_accepts_no_auth_and_still_checks_sent_credentials() -> None:
-    from egressd.front.server import Handed
+    from egressd.front.handed import Handed
     from egressd.policy import parse_policy
     from egressd.session.proxy import ProxyServer
 

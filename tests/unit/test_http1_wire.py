@@ -26,6 +26,7 @@ from egressd.wire.http1 import (
     WireError,
     read_connect,
     split_target,
+    take_head,
     upstream_headers,
 )
 from egressd.wire.http_head import HeadScanner, head_problem, leading_empty_lines
@@ -442,6 +443,60 @@ def test_scanner_agrees_with_head_problem(lines: list[bytes], ends: list[bytes],
     else:
         assert verdict is not None and verdict[0] == 0, (data, verdict)
         assert data[: int(verdict[1])].endswith(b"\r\n\r\n")
+
+
+def _taken(data: bytes) -> tuple[str, object]:
+    """take_head on a fresh buffer of `data` read at once: ("head", head, rest) or ("refused", status)."""
+    raw = bytearray(data)
+    try:
+        head = take_head(raw, HeadScanner())
+    except WireError as exc:
+        return "refused", exc.status
+    return "head", (head, bytes(raw))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"CONNECT up.test:443 HTTP/1.1\r\nHost: up.test:443\r\n\r\n",
+        b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n",
+        b"\r\nGET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n",  # an empty line before it
+        b"GET / HTTP/1.1\nHost: a.test\r\n\r\n",  # bare LF
+        b"GET / HTTP/1.1\r\nX-A: a\rTransfer-Encoding: chunked\r\n\r\n",  # bare CR
+        b"GET / HTTP/1.1\r\nX-A: a\r\n Transfer-Encoding: chunked\r\n\r\n",  # obs-fold
+        b"CONNECT up.test:443 HTTP/1.1\r\nX: \x00\r\n\r\n",  # a control byte
+        b"CONNECT up.test:443 HTTP/1.1\r\n\r\n\r\n",  # a second empty line: the rest is not the head
+        b"CONNECT up.test:443 HTTP/1.1\r\nHost: up.test:443\r\n\r\n\x16\x03\x01",  # bytes after it
+    ],
+)
+def test_a_head_taken_again_answers_as_the_guard_did(data: bytes) -> None:
+    """take_head remembers the clean heads it read whole: the same bytes again, the same answer as
+    the guard's (a refused head is refused every time), and a head one byte apart is guarded on
+    its own."""
+    first = _taken(data)
+    assert _taken(data) == _taken(bytes(data)) == first
+    for i in range(len(data)):  # every byte changed to what the guard refuses
+        for bad in (b"\x00", b"\n", b"\r"):
+            changed = data[:i] + bad + data[i + 1 :]
+            fresh = HeadScanner().scan(changed)
+            verdict = _taken(changed)
+            if fresh is not None and fresh[0]:
+                assert verdict == ("refused", fresh[0]), changed
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.sampled_from([*LINES, b"CONNECT h:1 HTTP/1.1"]), min_size=1, max_size=5),
+    st.binary(max_size=8),
+)
+def test_a_remembered_head_never_passes_what_the_guard_refuses(lines: list[bytes], tail: bytes) -> None:
+    """Heads read twice: the second answer is the first, and both are the guard's."""
+    data = b"".join(line + b"\r\n" for line in lines) + b"\r\n" + tail
+    first, second = _taken(data), _taken(data)
+    assert first == second
+    verdict = HeadScanner().scan(data)
+    if verdict is not None and verdict[0]:
+        assert first == ("refused", verdict[0])
 
 
 # -- CONNECT heads ------------------------------------------------------------------------------------
