@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from egressd.policy import TargetError, canonical_host
+from egressd.policy.ports import port_number
 from egressd.policy.reasons import Reason
 from egressd.policy.refusal import Refusal
 from egressd.wire.http_fields import connection_problem, upgrade_protocols
@@ -42,7 +43,7 @@ def host_header_mismatch(values: Sequence[str], target: Any) -> str | None:
         return f"malformed Host header {value!r}"
     if host != target.host:
         return f"Host header names {host.text}, but the request is for {target.host.text}"
-    if port_part is not None and (not port_part.isdigit() or int(port_part) != target.port):
+    if port_part is not None and port_number(port_part) != target.port:
         return f"Host header port {port_part!r} differs from the request's port {target.port}"
     return None
 

@@ -23,6 +23,7 @@ from egressd.policy import (
     PolicyError,
 )
 from egressd.policy.model import MODES
+from egressd.policy.ports import port_number
 from egressd.policy.secrets import secrets_from_options
 from egressd.session import (
     GatewayOptions,
@@ -289,12 +290,13 @@ def _host_port(text: str, option: str) -> tuple[ipaddress.IPv4Address | ipaddres
         host, port_text = text[1:end], text[end + 2 :]
     elif ":" in text:
         host, _, port_text = text.rpartition(":")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    port = port_number(port_text, lowest=0)
+    if port is None:
         raise click.BadParameter(f"{text!r}: port must be 0-65535", param_hint=option)
     if host == "localhost":
         host = "127.0.0.1"
     try:
-        return ipaddress.ip_address(host), int(port_text)
+        return ipaddress.ip_address(host), port
     except ValueError:
         raise click.BadParameter(f"{text!r}: host must be an IP address", param_hint=option) from None
 

@@ -18,20 +18,23 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 
 from egressd.admission.asks import AskBroker, AskError
 from egressd.admission.events import Asked, Closed, Decided, Event, EventBus, Resolved
-from egressd.admission.grants import GrantError, GrantStore
+from egressd.admission.grants import DEFAULT_TTL, GrantError, GrantStore
 from egressd.control.children import ChildError, Children
 from egressd.platform.listeners import OwnAddresses, register
 from egressd.policy.reasons import Reason
-from egressd.tools.policy_edit import PolicyEditor
+from egressd.policy.schema import PolicyError, Reader
+from egressd.tools.policy_edit import LISTS, PolicyEditor
 
 QUEUE_LINES = 1000  # per stream reader: beyond it, lines are dropped and counted
+_BODY = Reader("request body")
+_PID_MAX = 2**31 - 1  # a pid_t
 KEEPALIVE = 5.0  # a follower that went away is noticed (and stops counting as an approver) by then
 
 
@@ -142,20 +145,24 @@ class Handlers:
         (docs/control-api.md). The peer's pid comes from the socket (SO_PEERCRED), not the body."""
         if self.children is None:
             return _error(404, "this egressd takes no attached children")
-        body = await _json_body(request)
+        body = await _json_body(request, ("command", "profile", "pid"))
         if isinstance(body, web.Response):
             return body
-        command, profile = body.get("command", []), body.get("profile")
-        if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
-            return _error(400, 'expected {"command": ["program", ...], "profile": null}')
-        if profile is not None and not isinstance(profile, str):
-            return _error(400, "profile must be a string or null")
         sock = request.transport.get_extra_info("socket") if request.transport else None
         pid = _peer_pid(sock)
-        if pid is None:
-            pid = body.get("pid")
-            if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-                return _error(400, "this system does not say who the peer is: give its pid")
+        try:
+            command = [_BODY.text(part, where) for where, part in _BODY.items(body.get("command"), "command")]
+            profile = body.get("profile")
+            if profile is not None:
+                profile = _BODY.text(profile, "profile")
+            if pid is None:
+                if body.get("pid") is None:
+                    return _error(400, "this system does not say who the peer is: give its pid")
+                pid = _BODY.integer(body.get("pid"), "pid")
+                if pid > _PID_MAX:
+                    raise _BODY.fail("pid", f"must be a process id (at most {_PID_MAX})", pid)
+        except PolicyError as exc:
+            return _error(400, exc.located())
         try:
             child, answer = self.children.attach(pid, command, profile)
             self.children.watch(child)
@@ -169,17 +176,18 @@ class Handlers:
         registration only ever refuses more)."""
         if self.own is None:
             return _error(404, "this egressd registers no listeners")
-        body = await _json_body(request)
+        body = await _json_body(request, ("host", "port"))
         if isinstance(body, web.Response):
             return body
-        host, port = body.get("host"), body.get("port")
         try:
-            ipaddress.ip_address(host if isinstance(host, str) else "")
-        except ValueError:
-            return _error(400, 'expected {"host": "127.0.0.1", "port": 8123}: host an IP address')
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            return _error(400, "port must be a number from 1 to 65535")
-        assert isinstance(host, str)
+            host = _BODY.text(body.get("host"), "host")
+            port = _BODY.port(body.get("port"), "port")
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise _BODY.fail("host", "must be an IP address", host) from None
+        except PolicyError as exc:
+            return _error(400, exc.located())
         register(self.own, [(host, port)])
         return web.json_response({"host": host, "port": port}, status=201)
 
@@ -208,13 +216,14 @@ class Handlers:
             detach()
 
     async def _answer(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _json_body(request, ("answer", "by"))
         if isinstance(body, web.Response):
             return body
-        kind = body.get("answer")
-        by = body.get("by") if isinstance(body.get("by"), str) else "the control API"
-        if not isinstance(kind, str):
-            return _error(400, 'expected {"answer": "once|run|always|deny|deny-always"}')
+        try:
+            kind = _BODY.text(body.get("answer"), "answer")
+            by = _BODY.text(body.get("by"), "by", required=False) or "the control API"
+        except PolicyError as exc:
+            return _error(400, exc.located())
         try:
             reply = await asyncio.to_thread(self.broker.answer, request.match_info["id"], kind, by=by)
         except AskError as exc:
@@ -226,16 +235,16 @@ class Handlers:
         return web.json_response({"grants": [g.to_json(now) for g in self.grants.list()]})
 
     async def _grant(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _json_body(request, ("target", "ttl", "once"))
         if isinstance(body, web.Response):
             return body
-        target, ttl, once = body.get("target"), body.get("ttl", 300), body.get("once", True)
-        if not isinstance(target, str):
-            return _error(400, 'expected {"target": "HOST[:PORT] or URL", "ttl": SECONDS, "once": true}')
-        if once is not True:
-            return _error(400, "only one-shot grants (once: true) are made here; answer an ask with run")
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-            return _error(400, "ttl must be a number of seconds")
+        try:
+            target = _BODY.text(body.get("target"), "target")
+            ttl = _BODY.positive(body.get("ttl"), "ttl", DEFAULT_TTL)
+            if not _BODY.bool(body.get("once"), "once", True):
+                return _error(400, "only one-shot grants (once: true) are made here; answer an ask with run")
+        except PolicyError as exc:
+            return _error(400, exc.located())
         try:
             grant = self.grants.add(target, once=True, ttl=float(ttl))
         except GrantError as exc:
@@ -255,12 +264,15 @@ class Handlers:
     async def _edit_rule(self, request: web.Request) -> web.Response:
         """Add or remove one allow/deny rule of the policy file (validated, written atomically, the
         reload applying it), like a hand edit of the file."""
-        body = await _json_body(request)
+        body = await _json_body(request, ("op", "list", "rule"))
         if isinstance(body, web.Response):
             return body
-        op, which, rule = body.get("op", "add"), body.get("list"), body.get("rule")
-        if op not in ("add", "remove") or not isinstance(which, str) or not isinstance(rule, str):
-            return _error(400, 'expected {"op": "add|remove", "list": "allow|deny", "rule": "..."}')
+        try:
+            op = _BODY.choice(body.get("op", "add"), "op", ("add", "remove"))
+            which = _BODY.choice(body.get("list"), "list", LISTS)
+            rule = _BODY.text(body.get("rule"), "rule")
+        except PolicyError as exc:
+            return _error(400, exc.located())
         if self.edit_policy is None:
             return _error(409, "no policy file to edit (egressd runs without --policy FILE)")
         from egressd.tools.policy_edit import PolicyEditError
@@ -420,14 +432,19 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
+async def _json_body(request: web.Request, keys: Sequence[str]) -> dict[str, Any] | web.Response:
+    """The body: a JSON object of `keys` only. Its fields are read with the policy's schema reader,
+    so a field is checked, and its problem worded, as the same kind of entry in a policy file."""
     try:
         body = await request.json()
     except (ValueError, UnicodeDecodeError):
         return _error(400, "the body must be a JSON object")
     if not isinstance(body, dict):
         return _error(400, "the body must be a JSON object")
-    return body
+    try:
+        return _BODY.mapping(body, "", keys)
+    except PolicyError as exc:
+        return _error(400, exc.located())
 
 
 def _peer_pid(sock: socket.socket | None) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any, cast
 
+from .ports import port_number, port_problem
 from .rules import HostRule, RuleError, parse_rule
 from .schema import PolicyError, item
 
@@ -47,6 +48,7 @@ def parse_nameserver(entry: object, source: str, key: str) -> tuple[str, int]:
 
 
 def _nameserver_port(text: str, source: str, key: str, entry: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise PolicyError(source, key, entry, "port out of range 1-65535")
-    return int(text)
+    port = port_number(text)
+    if port is None:
+        raise PolicyError(source, key, entry, port_problem(text))
+    return port

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import idna
 
+from .ports import port_number, port_problem
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 __all__ = [
@@ -51,7 +53,6 @@ _FORBIDDEN_CHARS = frozenset(" \t\r\n\v\f@/\\%?#[]<>^|\"'`{}")
 _ASCII_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
 # WHATWG "ends in a number": such a host is an IPv4 attempt, never a DNS name.
 _NUMERIC_LABEL = re.compile(r"(?:0[xX][0-9a-fA-F]*|[0-9]+)")
-_DIGITS = re.compile(r"[0-9]+")
 _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 # Fast paths: texts these match are answered by the general code exactly as by the shortcut.
 _PLAIN_CHARS = re.compile(r"[A-Za-z0-9._:-]*")  # none forbidden, control or whitespace
@@ -266,11 +267,9 @@ def canonical_host(raw: str) -> Host:
 
 
 def _parse_port(text: str, raw: str) -> int:
-    if not _DIGITS.fullmatch(text):
-        raise _error(raw, f"invalid port {text!r}")
-    port = int(text)
-    if not 1 <= port <= 65535:
-        raise _error(raw, f"port {port} out of range 1-65535")
+    port = port_number(text)
+    if port is None:
+        raise _error(raw, port_problem(text))
     return port
 
 

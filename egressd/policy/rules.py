@@ -16,13 +16,13 @@ from typing import Literal
 
 from .hosts import Host, IPAddress, TargetError, canonical_host, canonical_ip
 from .paths import normalise_path
+from .ports import port_number, port_problem
 from .schema import PolicyError, Reader
 
 __all__ = ["HostRule", "RuleError", "RuleSet", "parse_rule", "read_methods"]
 
 RuleKind = Literal["name", "wildcard", "ip", "cidr"]
 _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
-_DIGITS = re.compile(r"[0-9]+")
 _RULE_KEYS = ("host", "paths", "methods", "exe", "websocket", "private")
 
 
@@ -86,11 +86,9 @@ class HostRule:
 
 
 def _parse_port(text: str) -> int:
-    if not _DIGITS.fullmatch(text):
-        raise RuleError(f"invalid port {text!r}")
-    port = int(text)
-    if not 1 <= port <= 65535:
-        raise RuleError(f"port {port} out of range 1-65535")
+    port = port_number(text)
+    if port is None:
+        raise RuleError(port_problem(text))
     return port
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+from egressd.policy.ports import port_number
+
 
 class DestinationError(ValueError):
     """The DESTINATION argument is not usable; the message says why."""
@@ -50,9 +52,10 @@ def _check_part(text: str, what: str, original: str) -> str:
 
 
 def _parse_port(text: str, original: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    port = port_number(text)
+    if port is None:
         raise DestinationError(f"{original!r}: port must be 1-65535")
-    return int(text)
+    return port
 
 
 def _parse_url(rest: str, original: str) -> Destination:

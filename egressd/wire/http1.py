@@ -30,6 +30,7 @@ import h11
 from h11._readers import ChunkedReader, Http10Reader
 from h11._receivebuffer import ReceiveBuffer
 
+from egressd.policy.ports import port_number
 from egressd.policy.reasons import Reason
 from egressd.wire.http_fields import (
     FRAMING,
@@ -259,11 +260,11 @@ def split_target(target: str) -> tuple[str, str, int, str]:
         host, has_port, port_text = authority.partition(":")[0], ":" in authority, authority.partition(":")[2]
         if "[" in authority or "]" in authority or ":" in port_text:
             raise WireError(f"malformed authority {authority[:200]!r}")
-    if has_port and (not port_text.isdigit() or len(port_text) > 5 or not 0 < int(port_text) < 65536):
+    port = port_number(port_text) if has_port else 80
+    if port is None:
         raise WireError(f"invalid port in {authority[:200]!r}")
     if not host:
         raise WireError(f"no host in {authority[:200]!r}")
-    port = int(port_text) if has_port else 80
     return scheme, host, port, path if path.startswith("/") else "/" + path
 
 
@@ -728,12 +729,13 @@ def _read_connect(head: bytes) -> ConnectHead:
     host, sep, port_text = authority.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or len(port_text) > 5 or not 0 < int(port_text) < 65536:
+    port = port_number(port_text)
+    if not sep or not host or port is None:
         raise WireError(f"CONNECT needs host:port, got {authority[:200]!r}")
     credentials = [v for n, v in _fields(text[:-4].split("\r\n")[1:]) if n.lower() == "proxy-authorization"]
     if len(credentials) > 1:
         raise WireError("more than one Proxy-Authorization header")
-    return ConnectHead(host, int(port_text), credentials[0].strip() if credentials else None)
+    return ConnectHead(host, port, credentials[0].strip() if credentials else None)
 
 
 _REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, a CONNECT's reading), at most

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -189,6 +190,61 @@ def test_policy_validate_good_and_bad(tmp_path: Path) -> None:
     assert len(lines) == 2
     assert lines[0].startswith(f"{good}: ok")
     assert lines[1].startswith(str(bad)) and "allow" in lines[1] and "bad rule!" in lines[1]
+
+
+# -- a port number is ASCII digits wherever it is written ---------------------------------------
+# str.isdigit() takes '²' (int() then raises) and '٨٠' (int() reads 80); int() raises past 4,300 digits.
+ODD_PORTS = ["²", "٨٠", "８０", "8_0", "9" * 5000]
+ODD_IDS = ["superscript", "arabic-indic", "full-width", "underscore", "long"]
+
+
+@pytest.mark.parametrize("port", ODD_PORTS, ids=ODD_IDS)
+def test_policy_validate_names_an_odd_port_without_a_traceback(tmp_path: Path, port: str) -> None:
+    rule = write(tmp_path, f"version: 1\nallow: ['a.test:{port}']\n", "rule.yaml")
+    nameserver = write(tmp_path, f"version: 1\nresolver: {{nameservers: ['127.0.0.1:{port}']}}\n", "ns.yaml")
+    result = egressd("policy", "validate", str(rule), str(nameserver))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{rule}: allow[0]:") and "port" in lines[0]
+    assert lines[1].startswith(f"{nameserver}: resolver.nameservers[0]:") and "port" in lines[1]
+
+
+def test_leading_zeros_read_as_the_port(tmp_path: Path) -> None:
+    rule = write(tmp_path, f"version: 1\nallow: ['a.test:{'0' * 5000}443']\n", "rule.yaml")
+    allowed = egressd("check", "--policy", str(rule), "a.test:443")
+    assert allowed.returncode == 0, (allowed.stdout, allowed.stderr)
+    refused = egressd("check", "--policy", str(rule), "a.test:8443")
+    assert refused.returncode == 1 and "not_allowlisted" in refused.stdout, (refused.stdout, refused.stderr)
+
+
+@pytest.mark.parametrize("port", ODD_PORTS, ids=ODD_IDS)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["exec", "--listen", "127.0.0.1:PORT", "--", "true"],
+        ["run", "--metrics", "127.0.0.1:PORT"],
+        ["check", "--nameserver", "127.0.0.1:PORT", "a.test"],
+        ["check", "--allow", "a.test:PORT", "a.test"],
+        ["ssh", "ssh://user@h.test:PORT", "--", "true"],
+    ],
+    ids=["exec-listen", "run-metrics", "check-nameserver", "check-allow", "ssh-destination"],
+)
+def test_an_odd_port_on_the_command_line_exits_2_naming_it(args: list[str], port: str) -> None:
+    result = egressd(*[a.replace("PORT", port) for a in args])
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert "port" in result.stderr
+
+
+def test_an_imported_allowlist_drops_an_odd_port(tmp_path: Path) -> None:
+    hosts = [f"odd{i}.test:{port}" for i, port in enumerate(ODD_PORTS)] + ["api.test:0443"]
+    source = write(tmp_path, json.dumps({"allowed_hosts": hosts}), "allowlist.json")
+    result = egressd("policy", "import", "--from", "allowlist-json", str(source))
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "api.test:443" in result.stdout and "odd" not in result.stdout
+    assert result.stderr.count("not a valid port") == len(ODD_PORTS)
 
 
 def test_policy_validate_builtin_presets() -> None:

@@ -288,6 +288,70 @@ def test_an_https_url_grant_admits_that_path_only_through_inspection(
             assert [r["path"] for r in tls.requests] == ["/a"]
 
 
+HUGE = "1" + "0" * 400  # a JSON integer past a float's range
+
+# (path, raw body, words the 400 must hold): each field is read with the policy's schema reader
+BAD_BODIES = [
+    ("/v1/grants", '{"target": "a.test", "ttl": ' + HUGE + "}", "ttl:"),
+    ("/v1/grants", '{"target": "a.test", "ttl": 1e400}', "ttl: inf"),
+    ("/v1/grants", '{"target": "a.test", "ttl": NaN}', "ttl: nan"),
+    ("/v1/grants", '{"target": "a.test", "ttl": true}', "ttl: True"),
+    ("/v1/grants", '{"target": "a.test", "ttl": -5}', "ttl: -5"),
+    ("/v1/grants", '{"target": "a.test", "once": "yes"}', "once: 'yes'"),
+    ("/v1/grants", '{"target": ["a.test"]}', "target:"),
+    ("/v1/grants", '{"target": "a.test", "tll": 5}', "tll: unknown key"),
+    ("/v1/grants", '["a.test"]', "JSON object"),
+    ("/v1/grants", "{", "JSON object"),
+    ("/v1/listeners", '{"host": "127.0.0.1", "port": "8080"}', "port: '8080'"),
+    ("/v1/listeners", '{"host": "127.0.0.1", "port": ' + HUGE + "}", "port:"),
+    ("/v1/listeners", '{"host": "127.0.0.1", "port": true}', "port: True"),
+    ("/v1/listeners", '{"host": "x.test", "port": 8080}', "host: 'x.test'"),
+    ("/v1/children", '{"command": ["curl", 5]}', "command[1]: 5"),
+    ("/v1/children", '{"command": "curl"}', "command: 'curl'"),
+    ("/v1/children", '{"command": ["curl"], "profile": 5}', "profile: 5"),
+    ("/v1/asks/1-x-1", '{"answer": 5}', "answer: 5"),
+    ("/v1/asks/1-x-1", '{"answer": "once", "by": ["me"]}', "by: ['me']"),
+    ("/v1/policy/rules", '{"op": "add", "list": "ports", "rule": "a.test"}', "list: 'ports'"),
+    ("/v1/policy/rules", '{"op": "replace", "list": "allow", "rule": "a.test"}', "op: 'replace'"),
+    ("/v1/policy/rules", '{"op": "add", "list": "allow", "rule": null}', "rule: None"),
+]
+
+
+def test_every_request_body_is_checked_and_answered_400_naming_the_field(
+    tmp_path: Path, dns: DnsServer, egressd_home: Path
+) -> None:
+    with enforce_run(tmp_path, dns) as run:
+        sock = run_dir(egressd_home) / f"{run.proc.pid}.sock"
+        for path, body, words in BAD_BODIES:
+            answer = subprocess.run(
+                [
+                    "curl",
+                    "-sS",
+                    "--max-time",
+                    "10",
+                    "--unix-socket",
+                    str(sock),
+                    "-w",
+                    "\n%{http_code}",
+                    "-X",
+                    "POST",
+                    "-H",
+                    "Content-Type: application/json",
+                    "--data-binary",
+                    body,
+                    f"http://egressd{path}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            text, _, status = answer.stdout.rpartition("\n")
+            assert status == "400", (path, body[:80], answer.stdout[:300])
+            assert words in json.loads(text)["error"], (path, body[:80], text[:300])
+        assert "Traceback" not in run.stderr and "Error handling request" not in run.stderr
+        assert run.proc.poll() is None
+
+
 def test_policy_endpoints_show_and_edit_the_file_and_count_per_child(
     tmp_path: Path, dns: DnsServer, up: EchoHTTPServer
 ) -> None:

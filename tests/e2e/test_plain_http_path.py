@@ -165,6 +165,33 @@ def test_host_header_mismatch_is_400(run: EgressdRun, server: ScriptedServer) ->
     assert server.connections == 0
 
 
+@pytest.mark.parametrize(
+    "spelling",
+    [b"\xb2", b"\xc2\xb2", b"\xd9\xa8\xd9\xa0", b"+80", b"8_0", b"0" * 5000 + b"80"],
+    ids=["latin-1 superscript two", "utf-8 superscript two", "arabic-indic 80", "plus", "underscore", "long"],
+)
+def test_a_host_header_port_that_is_not_ascii_digits_of_the_port_is_refused(
+    run: EgressdRun, server: ScriptedServer, spelling: bytes
+) -> None:
+    client = RawClient(run)
+    request = client.request_bytes(_url(server, "/"))
+    written = f"Host: 127.0.0.1:{server.port}".encode()
+    client.sock.sendall(request.replace(written, b"Host: 127.0.0.1:" + spelling))
+    answer = client.rest()
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert b"internal_error" not in answer
+    assert server.connections == 0
+
+
+def test_a_host_header_port_with_leading_zeros_is_the_same_port(
+    run: EgressdRun, server: ScriptedServer
+) -> None:
+    client = RawClient(run)
+    request = client.request_bytes(_url(server, "/zeros"))
+    client.sock.sendall(request.replace(b"Host: 127.0.0.1:", b"Host: 127.0.0.1:000"))
+    assert b'"/zeros"' in client.response()
+
+
 def test_content_length_with_transfer_encoding_is_never_forwarded_twice(
     run: EgressdRun, server: ScriptedServer
 ) -> None:

@@ -14,6 +14,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from egressd.policy import TargetError, canonical_host
+from egressd.policy.ports import port_number
 from egressd.tools.export.report import Finding
 
 __all__ = ["Pattern", "Translation", "parse_pattern", "translate"]
@@ -64,10 +65,10 @@ def parse_pattern(
     port: int | None = None
     if ports and raw.count(":") == 1 and not raw.startswith("["):
         raw, _, port_text = raw.partition(":")
-        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        port = port_number(port_text)
+        if port is None:
             drop("not a valid port")
             return None
-        port = int(port_text)
     below = raw.startswith("*.")
     if raw.startswith("."):  # `.example.com`: read as its subdomains (the narrower reading)
         findings.append(
