@@ -62,6 +62,9 @@ class _Session:
     def hidden_variables(self) -> tuple[str, ...]:
         return ()
 
+    def load(self) -> None:
+        """The proxy's load once the child is on its way: this proxy serves nothing, so none."""
+
 
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
