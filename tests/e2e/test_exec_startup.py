@@ -29,6 +29,7 @@ from tests.support.startup import (
     SERVING,
     among,
     broken_h11,
+    first_on_path,
     immediate_client,
     imported,
     loaded_before_the_child,
@@ -141,7 +142,7 @@ def exec_stopped(tmp_path: Path, stand_in: Path, options: list[str]) -> subproce
     """`egressd exec OPTIONS` with `stand_in` first on its PYTHONPATH, of a child that would say
     "survived" 30 s on: it is stopped before, and egressd fails (its stderr says why)."""
     env = {**os.environ, "EGRESSD_HOME": str(tmp_path / "home")}
-    env["PYTHONPATH"] = os.pathsep.join([str(stand_in), env.get("PYTHONPATH", "")])
+    env = first_on_path(stand_in, env)
     result = subprocess.run(
         [sys.executable, "-m", "egressd", "exec", *options, "--", "sh", "-c", "sleep 30; echo survived"],
         env=env,
@@ -177,7 +178,7 @@ def test_a_service_that_cannot_start_stops_the_child_and_says_which(tmp_path: Pa
 def test_run_stops_when_a_service_cannot_start(tmp_path: Path) -> None:
     """`egressd run` (no child) serves until stopped: a service that cannot start stops it too, said."""
     env = {**os.environ, "EGRESSD_HOME": str(tmp_path / "home")}
-    env["PYTHONPATH"] = os.pathsep.join([str(unstartable_sites(tmp_path)), env.get("PYTHONPATH", "")])
+    env = first_on_path(unstartable_sites(tmp_path), env)
     options = ["--policy", str(write_policy(tmp_path)), "--metrics", "127.0.0.1:0"]
     command = [sys.executable, "-m", "egressd", "run", *options]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)

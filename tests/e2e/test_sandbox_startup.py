@@ -18,7 +18,6 @@ Needs bubblewrap, as every sandbox test; runs as root and as a user who is not.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from tests.support.startup import (
     SERVING,
     among,
     broken_h11,
+    first_on_path,
     immediate_client,
     loaded_before_the_child,
 )
@@ -96,7 +96,7 @@ def test_a_proxy_that_cannot_load_stops_the_sandbox_and_says_why(tmp_path: Path,
     its proxy, and egressd says why and fails: that is the only explanation (the child was killed,
     not failing for a file the sandbox hides)."""
     env = sandbox_env(work)
-    env["PYTHONPATH"] = os.pathsep.join([str(broken_h11(tmp_path)), env.get("PYTHONPATH", "")])
+    env = first_on_path(broken_h11(tmp_path), env)
     options = ["--policy", str(write_policy(tmp_path))]
     result = egressd_sandbox(options, ["sh", "-c", "sleep 30; echo survived"], cwd=work, env=env)
     stderr = result.stderr.decode()

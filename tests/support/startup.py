@@ -4,6 +4,7 @@ the child start, and a child that connects the instant it starts."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import textwrap
 from pathlib import Path
@@ -90,6 +91,13 @@ def immediate_client(allowed: int, refused: int) -> str:
             print(head[0].split(" ")[1], *reason)
         """
     )
+
+
+def first_on_path(directory: Path, env: dict[str, str]) -> dict[str, str]:
+    """`env` with `directory` first on PYTHONPATH. Never an empty entry: Python reads one as the
+    working directory, and egressd then refuses a sandbox whose writable directory it imports from."""
+    parts = [str(directory), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(parts)}
 
 
 def broken_h11(directory: Path) -> Path:
