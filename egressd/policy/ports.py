@@ -16,20 +16,25 @@ _ASCII_DIGITS = frozenset("0123456789")
 
 def port_number(text: str, *, lowest: int = 1) -> int | None:
     """The port ``text`` spells, if it is one from ``lowest`` to 65535; else None."""
-    if not text or not _ASCII_DIGITS.issuperset(text):
+    digits = _significant(text)
+    if digits is None or len(digits) > 5:
         return None
-    significant = text.lstrip("0") or "0"
-    if len(significant) > 5:
-        return None
-    port = int(significant)
+    port = int(digits)
     return port if lowest <= port <= 65535 else None
 
 
 def port_problem(text: str, *, lowest: int = 1) -> str:
     """Why ``text`` is not a port (for a text ``port_number`` refused)."""
-    if not text or not _ASCII_DIGITS.issuperset(text):
+    digits = _significant(text)
+    if digits is None:
         return f"invalid port {text!r}"
-    significant = text.lstrip("0") or "0"
-    if len(significant) > 12:
-        significant = significant[:12] + "..."
-    return f"port {significant} out of range {lowest}-65535"
+    if len(digits) > 12:
+        digits = digits[:12] + "..."
+    return f"port {digits} out of range {lowest}-65535"
+
+
+def _significant(text: str) -> str | None:
+    """The digits of ``text`` without leading zeros ("0" for zero), if it is ASCII digits only."""
+    if not text or not _ASCII_DIGITS.issuperset(text):
+        return None
+    return text.lstrip("0") or "0"
