@@ -25,7 +25,7 @@ from mitmproxy.proxy import server_hooks
 from egressd.admission.pipeline import Admitted, Attempt, Pipeline
 from egressd.admission.state import ConnState
 from egressd.inspect import response_limit
-from egressd.inspect.connections import close_client, close_server
+from egressd.inspect.connections import close_server
 from egressd.inspect.error_pages import refusal_response
 from egressd.inspect.handler import tunnel_of
 from egressd.inspect.inspected import InspectedTunnel
@@ -287,23 +287,23 @@ class PolicyGate:
 
 class _BodyScan:
     """A request body streamed through the placeholder scan (mitmproxy's request.stream hook): a
-    find records the refusal and closes the client before any byte of the placeholder is sent."""
+    find records the refusal and sends nothing more; `cut` then has egressd.inspect.patches end the
+    exchange before the request's end reaches the server."""
 
     def __init__(
         self, pipeline: Pipeline, tunnel: InspectedTunnel, flow: http.HTTPFlow, scan: PlaceholderStream
     ) -> None:
         self.pipeline, self.tunnel, self.flow, self.scan = pipeline, tunnel, flow, scan
-        self.refused = False
+        self.cut = False
 
     def __call__(self, chunk: bytes) -> Iterable[bytes]:
-        if self.refused:
+        if self.cut:
             return []
         try:
             return [self.scan.feed(chunk) if chunk else self.scan.end()]
         except PlaceholderFound as found:
-            self.refused = True
+            self.cut = True
             _secret_in_body(self.pipeline, self.tunnel, self.flow, found.name)
-            close_client(self.flow.client_conn.id)
             return []
 
 

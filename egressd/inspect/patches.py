@@ -50,6 +50,14 @@ within a deadline, nor a parent proxy's tunnel. The address and SNI are set in t
    `upstream_timeout`; a connect that failed). The child gets 502 or 504 with that reason (1.), and
    the addon's error hook records it. The public `error` hook cannot tell the server's protocol
    errors from the client's.
+7. A streamed body that one of egressd's stream hooks cut (the placeholder scan of a request body,
+   the limit on a response body; the hook's `cut` turns true): mitmproxy's HTTP layer sends what
+   the hook returns and then, at the body's end, the message's end, whatever the hook decided. A
+   body that arrived whole at once was then ended without its cut part: the server took a request
+   without the refused part and answered it, the client took a shortened response as complete.
+   Once a hook cut, `HttpStream.state_stream_request_body` and `state_stream_response_body` end the
+   exchange as mitmproxy ends a killed flow, before the message's end is sent: the server
+   connection closed, the client's stream ended without (more of) a response.
 """
 
 from __future__ import annotations
@@ -90,6 +98,7 @@ def install(pipeline: Pipeline | None = None) -> None:
     _install_interim_drop()
     _install_trailers()
     _install_upstream_failures()
+    _install_cut_bodies()
 
 
 def _wrap(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
@@ -352,3 +361,50 @@ def _install_upstream_failures() -> None:
         return handle_protocol_error_recorded
 
     _wrap(HttpStream, "handle_protocol_error", record_failures)
+
+
+# -- 7. a body a stream hook cut ends the exchange on both sides ---------------------------------------
+def _install_cut_bodies() -> None:
+    from mitmproxy import flow
+    from mitmproxy.proxy.layers.http import (
+        ErrorCode,
+        HttpErrorHook,
+        HttpStream,
+        RequestProtocolError,
+        ResponseProtocolError,
+        SendHttp,
+    )
+
+    def kill(self: Any) -> Generator[Any, Any, None]:
+        """As mitmproxy ends a killed flow (HttpStream.check_killed), and the server connection
+        closed too (its connection layer closes on a request error): nothing more goes either way."""
+        killed = flow.Error.KILLED_MESSAGE
+        self.flow.error = flow.Error(killed)  # as flow.kill() marks a flow
+        self.flow.live = False
+        self.client_state = self.server_state = self.state_errored
+        yield SendHttp(RequestProtocolError(self.stream_id, killed, ErrorCode.KILL), self.context.server)
+        yield SendHttp(ResponseProtocolError(self.stream_id, "killed", ErrorCode.KILL), self.context.client)
+        yield HttpErrorHook(self.flow)
+
+    def end_cut(side: str) -> Callable[[Any], Any]:
+        """The wrap of `state_stream_<side>_body`, for side "request" (the client's state) or
+        "response" (the server's)."""
+
+        def wrap(state_stream_body: Any) -> Any:
+            def state_stream_body_cut(self: Any, event: Any) -> Generator[Any, Any, None]:
+                if not _cut(getattr(self.flow, side)):
+                    yield from state_stream_body(self, event)
+                state = self.client_state if side == "request" else self.server_state
+                if _cut(getattr(self.flow, side)) and state == getattr(self, f"state_stream_{side}_body"):
+                    yield from kill(self)
+
+            return state_stream_body_cut
+
+        return wrap
+
+    _wrap(HttpStream, "state_stream_request_body", end_cut("request"))
+    _wrap(HttpStream, "state_stream_response_body", end_cut("response"))
+
+
+def _cut(message: Any) -> bool:
+    return message is not None and getattr(message.stream, "cut", False) is True

@@ -2,9 +2,9 @@
 
 A response whose Content-Length is over the limit is replaced, before any of its body is sent, by
 egressd's own error (502, reason response_too_large). A response of unknown length is streamed and,
-once it passes the limit, the client connection is closed mid-body; it is sent chunked, so the
-client sees a truncated transfer, never a silently shortened but complete-looking one. The caller
-audits both.
+once it passes the limit, the exchange ends mid-body (`cut`: egressd.inspect.patches ends it before
+the response's end is sent); it is sent chunked, so the client sees a truncated transfer, never a
+silently shortened but complete-looking one. The caller audits both.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable
 
 from mitmproxy import http
 
-from egressd.inspect.connections import close_client
 from egressd.inspect.error_pages import refusal_response
 from egressd.policy.refusal import Refusal
 
@@ -80,5 +79,4 @@ class _Limiter:
             return [chunk]
         self.cut = True
         self.on_cut(self.seen)
-        close_client(self.flow.client_conn.id)  # mitmproxy has no command for this from a stream hook
         return []

