@@ -8,16 +8,12 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import click
 
 from egressd.child import process
-from egressd.session import ProxySession, SessionOptions
-
-if TYPE_CHECKING:
-    from egressd.session.proxy import ProxyServer
 from egressd.cli.options import dashboard_option, gateway_options, open_session, say, session_options
+from egressd.session import ProxySession, SessionOptions
 
 DRAIN_TIMEOUT = 10.0
 
@@ -61,7 +57,7 @@ def run_command(options: SessionOptions) -> None:
         _serve(catcher, session, stops)
         if session.failure is None:  # else open_session says why and exits
             say(f"draining (up to {DRAIN_TIMEOUT:g}s for open connections)")
-            _drain(session.proxy, catcher, stops)
+            _drain(session, catcher, stops)
     say("stopped")
     sys.exit(0)
 
@@ -128,13 +124,13 @@ def _serve(catcher: process.SignalCatcher, session: ProxySession, stops: Sequenc
             say("SIGHUP: no --policy file to reload")
 
 
-def _drain(proxy: ProxyServer, catcher: process.SignalCatcher, stops: Sequence[int]) -> None:
-    """drain() in a thread so a second SIGTERM/Ctrl-C can still cut it short."""
-    worker = threading.Thread(target=proxy.drain, args=(DRAIN_TIMEOUT,), name="egressd-drain", daemon=True)
+def _drain(session: ProxySession, catcher: process.SignalCatcher, stops: Sequence[int]) -> None:
+    """drain() in a thread so a second SIGTERM/Ctrl-C can still cut it short: the session's close
+    then stops the services and the proxy, open connections and all."""
+    worker = threading.Thread(target=session.drain, args=(DRAIN_TIMEOUT,), name="egressd-drain", daemon=True)
     worker.start()
     while worker.is_alive():
         got = catcher.wait(0.2)
         if got is not None and got.signo in stops:
             say("second signal: stopping now")
-            proxy.stop()
             return

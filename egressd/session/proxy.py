@@ -487,7 +487,9 @@ class ProxyServer:
         task.add_done_callback(self._background.discard)
 
     def drain(self, timeout: float) -> None:
-        """Refuse new connections, let in-flight ones finish within timeout, then stop."""
+        """Refuse new connections and let in-flight ones finish within timeout. The loop goes on
+        running: the session stops its services on it (the control API removes its socket), then
+        stops the proxy."""
         if self._pipeline is not None:
             self._pipeline.draining = True
         loop = self._loop
@@ -500,7 +502,6 @@ class ProxyServer:
             deadline = time.monotonic() + timeout
             while self.active() and time.monotonic() < deadline:
                 time.sleep(0.05)
-        self.stop()
 
     async def _stop_listening(self) -> None:
         if self._front is not None:

@@ -103,6 +103,39 @@ def test_sigterm_drains_in_flight_tunnel(tmp_path: Path, dns: DnsServer, upstrea
         run.stop()
 
 
+@pytest.mark.parametrize("signals", [1, 2], ids=["drained", "second_signal"])
+def test_a_stopped_run_removes_its_control_socket(
+    tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer, egressd_home: Path, signals: int
+) -> None:
+    """SIGTERM drains, then egressd exits; a second SIGTERM during the drain stops it at once. Either
+    way its services stop before the proxy does, so the control API removes its socket."""
+    policy = write_policy(tmp_path)
+    dns.add("up.test", upstream.host)
+    run = EgressdRun(["--policy", str(policy), "--nameserver", dns.nameserver]).start()
+    assert run.proc is not None
+    control = egressd_home / "run" / f"{run.proc.pid}.sock"
+    try:
+        wait_until(control.exists, "egressd's control socket")
+        slow = subprocess.Popen(
+            ["curl", "-sS", "-i", "--max-time", "20", f"http://up.test:{upstream.port}/slow?s=2"],
+            env=run.child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        wait_until(lambda: upstream.requests, "the slow request at the upstream")  # the drain waits
+        run.signal(signal.SIGTERM)
+        if signals == 2:
+            assert run.wait_for_stderr("draining"), run.stderr
+            run.signal(signal.SIGTERM)
+            assert run.wait_for_stderr("second signal: stopping now"), run.stderr
+        assert run.stop(timeout=30) == 0, run.stderr
+        slow.communicate(timeout=30)
+    finally:
+        run.stop()
+    assert "stopped" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not control.exists() and list(control.parent.glob("*.sock")) == []
+
+
 def test_socks5_allowed_and_refused(tmp_path: Path, dns: DnsServer, upstream: EchoHTTPServer) -> None:
     policy = write_policy(tmp_path)
     dns.add("up.test", upstream.host)
