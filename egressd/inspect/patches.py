@@ -368,23 +368,19 @@ def _install_cut_bodies() -> None:
     from mitmproxy import flow
     from mitmproxy.proxy.layers.http import (
         ErrorCode,
-        HttpErrorHook,
         HttpStream,
         RequestProtocolError,
-        ResponseProtocolError,
         SendHttp,
     )
 
     def kill(self: Any) -> Generator[Any, Any, None]:
-        """As mitmproxy ends a killed flow (HttpStream.check_killed), and the server connection
-        closed too (its connection layer closes on a request error): nothing more goes either way."""
+        """The server connection closed (its connection layer closes on a request error), then the
+        flow ended by mitmproxy's own HttpStream.check_killed: nothing more goes either way."""
         killed = flow.Error.KILLED_MESSAGE
         self.flow.error = flow.Error(killed)  # as flow.kill() marks a flow
-        self.flow.live = False
         self.client_state = self.server_state = self.state_errored
         yield SendHttp(RequestProtocolError(self.stream_id, killed, ErrorCode.KILL), self.context.server)
-        yield SendHttp(ResponseProtocolError(self.stream_id, "killed", ErrorCode.KILL), self.context.client)
-        yield HttpErrorHook(self.flow)
+        yield from self.check_killed(True)
 
     def end_cut(side: str) -> Callable[[Any], Any]:
         """The wrap of `state_stream_<side>_body`, for side "request" (the client's state) or

@@ -69,7 +69,7 @@ PARTS = [
     ("mitmproxy.proxy.layers.http", "HttpStream.state_stream_response_body", "5deadcd637f5f796",
      "patch 7 wraps it: it sends the response's end whatever the stream hook decided"),
     ("mitmproxy.proxy.layers.http", "HttpStream.check_killed", "ce8162a91be58671",
-     "patch 7 ends a cut exchange as it ends a killed flow"),
+     "patch 7 calls it to end a cut exchange as a killed flow"),
 ]  # fmt: skip
 
 
