@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import direct_clients
+from tests.support import direct_clients, stuck
 from tests.support.audit_log import audit_records
 from tests.support.capture_clients import build_go_client, java_trusting
 from tests.support.control import wait_for
@@ -382,12 +382,16 @@ def test_a_signal_to_egressd_reaches_the_child() -> None:
         [*EGRESSD, "exec", "--", sys.executable, "-c", textwrap.dedent(SIGNALLED)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        env=stuck.with_faulthandler(),
     )
     assert proc.stdout is not None
     try:
         assert proc.stdout.readline() == b"ready\n"
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("egressd and its child did not end after SIGTERM\n" + stuck.explain(proc))
     finally:
         proc.kill()
     assert (out, proc.returncode) == (b"got SIGTERM\n", 5), err.decode(errors="replace")
