@@ -7,7 +7,6 @@ directory and the 0600 socket. Endpoints: docs/control-api.md.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import logging
@@ -23,6 +22,8 @@ from egressd.admission.grants import GrantStore
 from egressd.control.site import LazySite
 
 if TYPE_CHECKING:
+    import asyncio
+
     from aiohttp import web
 
     from egressd.control.children import Children

@@ -9,7 +9,6 @@ proxy starts the load before its own pipeline is loaded (egressd.session.proxy).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 from types import ModuleType
@@ -49,4 +48,6 @@ def loaded() -> ModuleType | None:
 
 async def resolver_module() -> ModuleType:
     """The resolver module, once loaded (waits for the load started at start)."""
+    import asyncio  # loaded with the proxy's loop, which runs this
+
     return _resolver if _resolver is not None else await asyncio.wrap_future(load_resolver())

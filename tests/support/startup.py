@@ -42,6 +42,8 @@ SERVING = (
     "egressd.inspect.engine",
     "h11",
     "uvloop",
+    "asyncio",  # the event loop, loaded in the proxy's thread
+    "ssl",
 )
 
 
