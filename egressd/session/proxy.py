@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from egressd.front.server import Front
     from egressd.inspect.engine import AddonFactory, InspectionEngine
     from egressd.observe.audit import AuditLog
-    from egressd.platform.peer import Diag
+    from egressd.platform.diag import Diag
 
 logger = logging.getLogger(__name__)
 
