@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import os
 import re
 import secrets
@@ -48,13 +47,14 @@ from egressd.admission.approver import NO_APPROVER, Answer, Recheck
 from egressd.admission.events import EventBus, Notice
 from egressd.admission.grants import Grant, GrantStore
 from egressd.admission.state import ConnState, asker
+from egressd.platform.log import Logger
 from egressd.policy import Decision
 from egressd.policy.reasons import DENIED_ALWAYS, Reason
 
 if TYPE_CHECKING:
     import asyncio
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 ANSWERS = ("once", "run", "always", "deny", "deny-always")
 POLL_GRACE = 30.0  # a client that listed the pending asks this recently counts as an approver

@@ -19,7 +19,6 @@ unknown and every caught signal is forwarded.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import resource
 import signal
@@ -196,7 +195,8 @@ def exit_like(returncode: int, *, fast: bool = False) -> NoReturn:
         if fast:
             # Everything is closed and flushed: tearing down the interpreter's ~900 modules
             # would only add ~0.2 s to every wrapped command.
-            logging.shutdown()
+            if (logging := sys.modules.get("logging")) is not None:  # loaded by a first message
+                logging.shutdown()
             os._exit(returncode)
         sys.exit(returncode)
     signo = -returncode

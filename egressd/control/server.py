@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 import os
 import socket
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from egressd.admission.asks import AskBroker
 from egressd.admission.events import Decided, Event, EventBus, Told
 from egressd.admission.grants import GrantStore
 from egressd.control.site import LazySite
+from egressd.platform.log import Logger
 
 if TYPE_CHECKING:
     import asyncio
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from egressd.platform.listeners import OwnAddresses
     from egressd.tools.policy_edit import PolicyEditor
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 MAX_CLIENTS = 256  # per-child counters kept; beyond it the rest are counted under "other"
 RECENT = 200  # decisions kept for a follower that starts late (the dashboard's backlog)

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from egressd.platform.log import Logger
 
 if TYPE_CHECKING:
     import asyncio
 
     from aiohttp import web
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 
 class LazySite:

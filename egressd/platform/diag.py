@@ -1,20 +1,24 @@
-"""A sock_diag socket of a child's network namespace, for finding which program holds a
-connection there (egressd.platform.peer does the asking).
+"""Whether a connection's program can be looked up here, and the sock_diag socket of a child's
+network namespace to look it up there (egressd.platform.peer does the looking up).
 
-Light on purpose: the sandbox's start makes one before its child starts, and the netlink
-messages' code loads with the first lookup, once the child connects.
+Light on purpose: a wrapped command's start reads the one and makes the other before its child
+starts; the lookup's code loads with the first lookup, once the child connects.
 """
 
 from __future__ import annotations
 
 import itertools
 import socket
+import sys
 import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from egressd.platform.peer import SocketRow
     from egressd.policy import IPAddress
+
+# /proc and sock_diag: the lookup runs on Linux only
+SUPPORTED = sys.platform.startswith("linux")
 
 
 class Diag:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import ipaddress
-import logging
 import os
 import signal
 import socket
@@ -41,6 +40,7 @@ from egressd.inspect import patches
 from egressd.net.loader import load_resolver
 from egressd.platform.descriptors import Descriptors, raise_soft_limit
 from egressd.platform.listeners import listen, listen_all
+from egressd.platform.log import Logger
 from egressd.policy import Policy, join_host_port
 from egressd.policy.refusal import HintContext
 
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from egressd.observe.audit import AuditLog
     from egressd.platform.diag import Diag
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 START_TIMEOUT = 30.0
 
