@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from egressd.admission.asks import AskBroker
 from egressd.admission.events import Decided, Event, EventBus, Told
 from egressd.admission.grants import GrantStore
-from egressd.control.site import LazySite
 from egressd.platform.log import Logger
 
 if TYPE_CHECKING:
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from egressd.control.children import Children
+    from egressd.control.site import LazySite
     from egressd.platform.listeners import OwnAddresses
     from egressd.tools.policy_edit import PolicyEditor
 
@@ -105,6 +105,8 @@ class ControlServer:
     async def start(self, sock: socket.socket) -> None:
         """Serve on an already listening socket (paths.listen), on the running loop, from its first
         client on (egressd.control.site)."""
+        from egressd.control.site import LazySite  # on the proxy's loop, as it starts
+
         self._site = LazySite(sock, self._app, imports=("egressd.control.app",), name="control API")
         await self._site.start()
 
