@@ -259,8 +259,8 @@ class ProxyServer:
             self.load()
 
     def load(self) -> None:
-        """Start loading the resolver and the proxy itself, each in a thread of its own (once)."""
-        load_resolver()
+        """Start loading the proxy in a thread of its own, which starts the resolver's load in
+        another (once): the caller's thread, whose child is starting, imports nothing for them."""
         with self._lock:
             if self._thread is not None:
                 return
@@ -314,6 +314,7 @@ class ProxyServer:
 
     def _thread_main(self) -> None:
         try:
+            load_resolver()
             import asyncio  # here, not before the child: ~10 ms of CPU it need not wait for
 
             asyncio.run(self._main(), loop_factory=_loop_factory())
