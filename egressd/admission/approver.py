@@ -12,16 +12,16 @@ request waits calls it, and answers with the decision it returns (a grant's admi
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from egressd.admission.state import ConnState
+from egressd.platform.log import Logger
 from egressd.policy import Decision
 from egressd.policy.reasons import Reason
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,10 +32,8 @@ file, and refused for the rest of this run).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
-import logging
 import os
 import re
 import secrets
@@ -43,16 +41,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from egressd.admission.approver import NO_APPROVER, Answer, Recheck
 from egressd.admission.events import EventBus, Notice
 from egressd.admission.grants import Grant, GrantStore
 from egressd.admission.state import ConnState, asker
+from egressd.platform.log import Logger
 from egressd.policy import Decision
 from egressd.policy.reasons import DENIED_ALWAYS, Reason
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import asyncio
+
+logger = Logger(__name__)
 
 ANSWERS = ("once", "run", "always", "deny", "deny-always")
 POLL_GRACE = 30.0  # a client that listed the pending asks this recently counts as an approver
@@ -246,6 +248,8 @@ class AskBroker:
         # a request that joins changes what the question covers ("Allow once" releases it too):
         # every surface that shows the count hears it
         self._notify("ask" if created else "waiting", pending)
+        import asyncio  # loaded with the proxy's loop, which runs this
+
         try:
             return await self._wait(pending, recheck, client.conn_id)
         except asyncio.CancelledError:
@@ -256,6 +260,8 @@ class AskBroker:
         """The question's answer, or the decision of a grant made meanwhile that admits this
         request. Grants are checked once on joining too: one made between the pipeline's grants
         step and this question's registration woke nobody."""
+        import asyncio
+
         while True:
             wake = pending.wake
             if recheck is not None and self.grants:
@@ -280,6 +286,8 @@ class AskBroker:
         """A new pending ask (under the lock), with its timeout on the proxy's loop."""
         target = decision.target
         assert target is not None
+        import asyncio
+
         loop = asyncio.get_running_loop()
         timeout = float(self.timeout())
         pending = PendingAsk(
@@ -420,6 +428,8 @@ def _request(client: ConnState) -> dict[str, object]:
 
 
 def _settle[T](future: asyncio.Future[T] | None, answer: T) -> None:
+    import asyncio
+
     with contextlib.suppress(asyncio.InvalidStateError):
         if future is not None and not future.done():
             future.set_result(answer)

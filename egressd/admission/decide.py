@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import logging
 
 from egressd.admission.in_force import PolicyHolder
+from egressd.platform.log import Logger
 from egressd.policy import Client, Decision, IPAddress, Mode, Policy, Program, decide_written
 from egressd.policy.reasons import Reason
 from egressd.policy.refusal import Refusal
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 
 # a key of the decisions remembered: what the client wrote, and who asks

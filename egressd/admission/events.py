@@ -12,16 +12,16 @@ sets each field through object.__setattr__, and every tunnel builds two events).
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Literal, NamedTuple, Protocol
 
+from egressd.platform.log import Logger
 from egressd.policy.reasons import Reason
 from egressd.policy.refusal import HintContext, Refusal
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 Stage = Literal["connect", "socks", "request", "inner", "connection", "tls", "dns"]
 

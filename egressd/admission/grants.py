@@ -21,16 +21,16 @@ A grant also answers the requests already waiting on an ask it covers (the ask b
 from __future__ import annotations
 
 import itertools
-import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from egressd.platform.log import Logger
 from egressd.policy import Target, TargetError, normalise_path, parse_target
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 DEFAULT_TTL = 300.0
 MAX_TTL = 24 * 3600.0

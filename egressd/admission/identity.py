@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import sys
 
 from egressd.admission.state import ConnState, Identity
 from egressd.platform import peer as peers
+from egressd.platform.diag import SUPPORTED
 from egressd.policy import Program
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED = sys.platform.startswith("linux")
 
 
 UNKNOWN = Identity(why="the connection's owner could not be determined")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from egressd.admission.secrets import NO_SECRETS, SecretBook
-from egressd.admission.tokens import TokenTable
 from egressd.policy import Policy
+
+if TYPE_CHECKING:
+    from egressd.admission.tokens import TokenTable  # the gateway's only: loaded with its token file
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,7 +55,7 @@ from egressd.policy.refusal import HintContext, Refusal
 
 if TYPE_CHECKING:
     from egressd.admission.approver import Approver
-    from egressd.platform.peer import Diag
+    from egressd.platform.diag import Diag
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from egressd.platform.descriptors import Room
 from egressd.policy import Program, join_host_port
 
 if TYPE_CHECKING:
-    from egressd.platform.peer import Diag
+    from egressd.platform.diag import Diag
 
 DEFAULT_USERNAME = "egressd"
 
@@ -84,7 +84,7 @@ class ConnState:
     # the listener admits only the process tree of the child its implicit credentials were issued
     # to (`egressd exec`'s credential-free listener): its pid is looked up when a request comes
     tree_only: bool = False
-    # the listener is in a child's network namespace: its sockets are looked up there (peer.Diag)
+    # the listener is in a child's network namespace: its sockets are looked up there (platform.diag)
     diag: Diag | None = None
     started: float = field(default_factory=time.monotonic)
     creds: ProxyCredentials | None = None

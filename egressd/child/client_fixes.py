@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import os
 import re
@@ -27,8 +26,25 @@ NODE_WARNING_FLAG = "--disable-warning=UNDICI-EHPA"
 _WGETRC_MAX = 1 << 20
 _NODE_VERSION = re.compile(r"v(\d+)\.(\d+)\.(\d+)")
 NodeVersion = tuple[int, int, int] | None
-# by node binary: its version, once asked (a second asker waits for the first's answer)
-_versions: dict[tuple[str, int, int, str], concurrent.futures.Future[NodeVersion]] = {}
+
+
+class _Asked:
+    """A node's version, once asked: a second asker waits for the first's answer."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.version: NodeVersion = None
+        self.error: BaseException | None = None
+
+    def result(self) -> NodeVersion:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.version
+
+
+# by node binary: its version, once asked
+_versions: dict[tuple[str, int, int, str], _Asked] = {}
 _versions_lock = threading.Lock()
 
 
@@ -56,16 +72,18 @@ def node_version(env: Mapping[str, str]) -> NodeVersion:
     with _versions_lock:
         asked = _versions.get(key)
         if asked is None:
-            asked = _versions[key] = concurrent.futures.Future()
+            asked = _versions[key] = _Asked()
             ours = True
         else:
             ours = False
     if ours:
         try:
-            asked.set_result(_ask_version(found, env))
+            asked.version = _ask_version(found, env)
         except BaseException as exc:
-            asked.set_exception(exc)
+            asked.error = exc
             raise
+        finally:
+            asked.done.set()
     return asked.result()
 
 

@@ -19,7 +19,6 @@ unknown and every caught signal is forwarded.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import resource
 import signal
@@ -196,7 +195,10 @@ def exit_like(returncode: int, *, fast: bool = False) -> NoReturn:
         if fast:
             # Everything is closed and flushed: tearing down the interpreter's ~900 modules
             # would only add ~0.2 s to every wrapped command.
-            logging.shutdown()
+            # logging is loaded by a first message or the proxy's load, maybe still by its thread
+            # now: a module not done loading has no handler to flush yet
+            if (shutdown := getattr(sys.modules.get("logging"), "shutdown", None)) is not None:
+                shutdown()
             os._exit(returncode)
         sys.exit(returncode)
     signo = -returncode

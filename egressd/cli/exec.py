@@ -8,7 +8,6 @@ import os
 
 import click
 
-from egressd.admission import identity
 from egressd.child import client_fixes, process
 from egressd.child.ssh_env import with_git_ssh
 from egressd.cli.options import (
@@ -20,6 +19,7 @@ from egressd.cli.options import (
     session_options,
 )
 from egressd.cli.passthrough import passthrough_option, run_unwrapped
+from egressd.platform import diag
 from egressd.platform.exits import EXIT_CANNOT_RUN
 from egressd.sandbox import netns
 from egressd.session import SessionOptions
@@ -83,7 +83,7 @@ def exec_command(
         _attach(options, attach, pid, command, listener=credentials_listener, capture=capture_direct)
     if options.identify is None:  # a lookup per connection: only where it is kept
         recorded = bool(options.audit_path or options.trace or options.dashboard)
-        options = dataclasses.replace(options, identify=identity.SUPPORTED and recorded)
+        options = dataclasses.replace(options, identify=diag.SUPPORTED and recorded)
     # Before any thread starts: the proxy thread must inherit the blocked signal mask.
     catcher = process.child_signal_catcher().install()
     if options.passthrough:
@@ -102,7 +102,7 @@ def exec_command(
             returncode = captured.returncode
         else:
             env = with_git_ssh(session.child_env(creds=creds), session.policy)
-            env = session.child_only(env, creds, listener=credentials_listener and identity.SUPPORTED)
+            env = session.child_only(env, creds, listener=credentials_listener and diag.SUPPORTED)
 
             def started(pid: int) -> None:
                 session.child_started(creds, pid)

@@ -10,7 +10,6 @@ earlier.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import time
@@ -21,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from egressd.platform.exits import alive
 
 if TYPE_CHECKING:
+    import asyncio
+
     from egressd.admission.state import ProxyCredentials
 
 MAX_CHILDREN = 4096  # attached at once; beyond it an attach is refused (429)
@@ -113,6 +114,8 @@ class Children:
     def watch(self, child: Child) -> None:
         """On the control loop: detach the child when its process exits. Raises ChildError (410)
         when it is gone already."""
+        import asyncio  # loaded with the control loop
+
         loop = asyncio.get_running_loop()
         try:
             pidfd = os.pidfd_open(child.pid)

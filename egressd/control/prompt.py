@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import select
 import shlex
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egressd.admission.asks import Answerer, AskError
+
+if TYPE_CHECKING:
+    import queue
 
 KEYS = {"o": "once", "r": "run", "a": "always", "d": "deny", "D": "deny-always"}
 TTY = "/dev/tty"
@@ -36,6 +38,8 @@ class TtyPrompter:
     """Prompts on the controlling terminal; `open` answers None when there is none."""
 
     def __init__(self, broker: Answerer, fd: int, by: str = "the terminal") -> None:
+        import queue  # here: without a terminal (a CI job, a service) no prompter is made
+
         self.broker = broker
         self.fd = fd
         self.by = by  # who answered, as the audit and the other surfaces say
@@ -94,6 +98,8 @@ class TtyPrompter:
             os.write(self.fd, text.encode("utf-8", "replace"))
 
     def _run(self) -> None:
+        import queue
+
         while not self._stop.is_set():
             try:
                 info = self._queue.get(timeout=0.2)

@@ -7,10 +7,8 @@ directory and the 0600 socket. Endpoints: docs/control-api.md.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
-import logging
 import os
 import socket
 from collections.abc import Callable
@@ -20,16 +18,19 @@ from typing import TYPE_CHECKING, Any
 from egressd.admission.asks import AskBroker
 from egressd.admission.events import Decided, Event, EventBus, Told
 from egressd.admission.grants import GrantStore
-from egressd.control.site import LazySite
+from egressd.platform.log import Logger
 
 if TYPE_CHECKING:
+    import asyncio
+
     from aiohttp import web
 
     from egressd.control.children import Children
+    from egressd.control.site import LazySite
     from egressd.platform.listeners import OwnAddresses
     from egressd.tools.policy_edit import PolicyEditor
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 MAX_CLIENTS = 256  # per-child counters kept; beyond it the rest are counted under "other"
 RECENT = 200  # decisions kept for a follower that starts late (the dashboard's backlog)
@@ -104,6 +105,8 @@ class ControlServer:
     async def start(self, sock: socket.socket) -> None:
         """Serve on an already listening socket (paths.listen), on the running loop, from its first
         client on (egressd.control.site)."""
+        from egressd.control.site import LazySite  # on the proxy's loop, as it starts
+
         self._site = LazySite(sock, self._app, imports=("egressd.control.app",), name="control API")
         await self._site.start()
 

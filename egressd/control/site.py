@@ -9,18 +9,20 @@ CPU, and the loop keeps serving connections while it loads.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
-import logging
 import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from egressd.platform.log import Logger
+
 if TYPE_CHECKING:
+    import asyncio
+
     from aiohttp import web
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 
 class LazySite:
@@ -37,6 +39,8 @@ class LazySite:
         name: str,
         **runner_options: Any,
     ) -> None:
+        import asyncio  # a site is made where its loop is on its way
+
         self.sock = sock
         self._make_app = make_app
         self._imports = ("aiohttp.web", *imports)
@@ -48,6 +52,8 @@ class LazySite:
         self.stopping = asyncio.Event()
 
     async def start(self) -> None:
+        import asyncio
+
         self._loop = asyncio.get_running_loop()
         self.sock.setblocking(False)
         self._loop.add_reader(self.sock.fileno(), self._first_client)
@@ -58,6 +64,8 @@ class LazySite:
         self._serving = self._loop.create_task(self._serve())
 
     async def _serve(self) -> None:
+        import asyncio
+
         try:
             await asyncio.to_thread(_load, self._imports)
             if self.stopping.is_set():

@@ -32,7 +32,7 @@ from egressd.wire.refusal import http_response
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.platform.peer import Diag
+    from egressd.platform.diag import Diag
 
 logger = logging.getLogger(__name__)
 

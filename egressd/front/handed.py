@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.platform.peer import Diag
+    from egressd.platform.diag import Diag
 
 
 class Handed(NamedTuple):

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from egressd.admission.credentials import ProxyCredentials
     from egressd.admission.pipeline import Pipeline
-    from egressd.platform.peer import Diag
+    from egressd.platform.diag import Diag
 
 
 SWEEP = 1.0  # seconds between the checks of header_timeout and idle_timeout

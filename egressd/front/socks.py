@@ -34,7 +34,7 @@ from egressd.wire.socks5 import (
 
 if TYPE_CHECKING:
     from egressd.admission.credentials import ProxyCredentials
-    from egressd.platform.peer import Diag
+    from egressd.platform.diag import Diag
 
 
 class SocksProtocol(FrontProtocol):

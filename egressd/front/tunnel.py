@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from egressd.admission.pipeline import Pipeline
     from egressd.admission.state import ConnState
     from egressd.inspect.engine import InspectionEngine
-    from egressd.platform.peer import Diag
+    from egressd.platform.diag import Diag
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import hashlib
 import os
 import re
 import shutil
-import ssl
 import struct
 import tempfile
 import time
@@ -71,6 +70,8 @@ _PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE----
 def java_truststore(pem: bytes, now: float | None = None) -> bytes:
     """Every certificate of a PEM bundle as trusted-certificate entries of a JKS key store (the JVM
     reads it with javax.net.ssl.trustStore; Java 8+ reads JKS whatever its default store type)."""
+    import ssl  # here: what only looks up this module's paths (a sandbox's start) never loads it
+
     certs = [ssl.PEM_cert_to_DER_cert(block.decode("ascii")) for block in _PEM_CERT.findall(pem)]
     stamp = int((time.time() if now is None else now) * 1000)
     out = struct.pack(">IIi", 0xFEEDFEED, 2, len(certs))
@@ -83,6 +84,8 @@ def java_truststore(pem: bytes, now: float | None = None) -> bytes:
 
 def system_roots() -> Path | None:
     """The system's CA bundle file, or None when none can be found."""
+    import ssl
+
     paths = ssl.get_default_verify_paths()
     for candidate in (paths.cafile, paths.openssl_cafile, "/etc/ssl/certs/ca-certificates.crt"):
         if candidate and Path(candidate).is_file():

@@ -9,10 +9,12 @@ proxy starts the load before its own pipeline is loaded (egressd.session.proxy).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import threading
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import concurrent.futures
 
 _resolver: ModuleType | None = None  # egressd.net.dns, once loaded
 _loading: concurrent.futures.Future[ModuleType] | None = None
@@ -22,6 +24,8 @@ _load_lock = threading.Lock()
 def load_resolver() -> concurrent.futures.Future[ModuleType]:
     """Load the resolver in a thread of its own, once (again after a load that failed)."""
     global _loading
+    import concurrent.futures  # here: this module is imported before the child starts
+
     with _load_lock:
         if _loading is None or (_loading.done() and _loading.exception() is not None):
             _loading = concurrent.futures.Future()
@@ -49,4 +53,6 @@ def loaded() -> ModuleType | None:
 
 async def resolver_module() -> ModuleType:
     """The resolver module, once loaded (waits for the load started at start)."""
+    import asyncio  # loaded with the proxy's loop, which runs this
+
     return _resolver if _resolver is not None else await asyncio.wrap_future(load_resolver())

@@ -23,7 +23,6 @@ from egressd.admission.events import Closed, Decided, Event, Notice
 from egressd.observe.sink import LineSink
 from egressd.policy.reasons import Reason
 from egressd.policy.refusal import HintContext, Refusal
-from egressd.wire.refusal import rerun_hint, short_hint
 
 DECISION_KEYS: tuple[str, ...] = (
     "conn",
@@ -339,6 +338,8 @@ def _decision_line(record: dict[str, Any], context: HintContext | None = None) -
     if record.get("captured"):
         line += "  (captured: it ignored the proxy variables)"
     refusal = _refusal(record, code, context) if verdict == "DENY" else None
+    from egressd.wire.refusal import rerun_hint, short_hint  # the hints: with the first trace line
+
     if refusal is not None and (hint := rerun_hint(refusal)):
         line += f" - run: {hint}"
     elif refusal is not None and (hint := short_hint(refusal)):

@@ -16,7 +16,6 @@ from typing import TextIO
 from egressd.admission.events import Decided, Event
 from egressd.observe.lines import StderrReport
 from egressd.policy.refusal import HintContext, Refusal
-from egressd.wire.refusal import line_flags, short_hint
 
 MAX_HOSTS = 1000  # remembered per run: a child trying a million names does not grow egressd
 SUMMARY_HOSTS = 20  # named in the summary; the rest are counted
@@ -78,6 +77,8 @@ class RefusalReport(StderrReport):
     def line(refusal: Refusal) -> str:
         """`egressd: refused a.example:443 (not_allowlisted) - allow with: --allow a.example`, or
         `egressd: failed to reach a.example:443 (dns_timeout) - ...` for a network failure."""
+        from egressd.wire.refusal import short_hint  # the hints: with the first refusal
+
         verb = "failed to reach" if refusal.reason.failure else "refused"
         text = f"egressd: {verb} {refusal.target} ({refusal.reason})"
         hint = short_hint(refusal)
@@ -102,6 +103,8 @@ class RefusalReport(StderrReport):
         text = "egressd: " + "; ".join(part for part in parts if part)
         if dropped:
             text += f" (and {dropped} refusals or failures of hosts not remembered)"
+        from egressd.wire.refusal import line_flags, short_hint
+
         allow: dict[str, None] = {}  # the --allow flags, in order, once each
         edits: dict[str, None] = {}  # the other hints
         for reasons in refused.values():

@@ -18,7 +18,6 @@ asks for it at once. The file is opened for appending, so `copytruncate` works t
 from __future__ import annotations
 
 import errno
-import logging
 import math
 import os
 import select
@@ -28,7 +27,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-logger = logging.getLogger(__name__)
+from egressd.platform.log import Logger
+
+logger = Logger(__name__)
 
 TICK = 1.0  # how often the path is compared with the open file (and stderr may be told)
 RETRY = 0.25  # how often a sink that failed is tried again; how long one wait for a pipe lasts

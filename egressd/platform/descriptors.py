@@ -16,13 +16,14 @@ reserve is for what no count sees (DNS queries, the audit, the control API, impo
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import resource
 from dataclasses import dataclass
 from typing import Literal
 
-logger = logging.getLogger(__name__)
+from egressd.platform.log import Logger
+
+logger = Logger(__name__)
 
 # errors that mean "no descriptor (or buffer) left", whichever call met them
 OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})

@@ -20,17 +20,19 @@ What an attacker can do, and what holds:
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import os
 import socket
 import struct
 import sys
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from egressd.policy import IPAddress
+
+if TYPE_CHECKING:
+    from egressd.platform.diag import Diag
 
 PROC = "/proc"
 ALIAS_DIRS: tuple[str, ...] = ("/usr/local/bin", "/usr/bin", "/bin")
@@ -198,27 +200,9 @@ def diag_lookup(client: tuple[IPAddress, int], server: tuple[IPAddress, int]) ->
     return row if row is not None and row.inode else None
 
 
-class Diag:
-    """A sock_diag socket made in another network namespace (a child's: a socket keeps the
-    namespace it was made in), asking about the connections accepted on that namespace's
-    listeners; shared by every lookup, one at a time."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._lock = threading.Lock()
-        self._seq = itertools.count(1)
-
-    def lookup(self, client: tuple[IPAddress, int], server: tuple[IPAddress, int]) -> SocketRow | None:
-        with self._lock:
-            seq = next(self._seq) & 0xFFFFFFFF
-            self.sock.settimeout(1.0)
-            self.sock.sendto(diag_request(client, server, seq), (0, 0))
-            while True:  # an answer to an earlier question that timed out is skipped
-                reply = self.sock.recv(8192)
-                if len(reply) >= _NLMSG.size and _NLMSG.unpack_from(reply)[3] == seq:
-                    break
-        row = parse_diag_reply(reply)
-        return row if row is not None and row.inode else None
+def diag_answer(reply: bytes) -> int | None:
+    """The sequence number of a sock_diag answer (None: too short to be one)."""
+    return _NLMSG.unpack_from(reply)[3] if len(reply) >= _NLMSG.size else None
 
 
 def _families(

@@ -21,7 +21,6 @@ A file is applied whole or not at all:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import threading
@@ -29,8 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from egressd.platform.files import Snapshot
+
+if TYPE_CHECKING:
+    import asyncio
 
 POLL = 0.5  # seconds between two looks at the files
 QUIET = 0.1  # a forced load's second look comes this long after the first
@@ -116,6 +119,8 @@ class FileWatcher[T]:
         """Look every `interval` until stop(). Each look — reading the files, and loading a changed
         version (parsing, a secret's command) — runs in a worker thread, so the loop never waits on
         a file; what it finds is handed on here, on the loop."""
+        import asyncio  # loaded with the loop that runs this
+
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
@@ -132,6 +137,8 @@ class FileWatcher[T]:
 
     def start(self) -> FileWatcher[T]:
         """Watch on a thread and loop of its own (where no other loop runs)."""
+        import asyncio
+
         self._thread = threading.Thread(target=asyncio.run, args=(self.watch(),), name=self.name, daemon=True)
         self._thread.start()
         return self

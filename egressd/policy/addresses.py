@@ -7,6 +7,7 @@ IPv6 spelling embedding an IPv4 address) cannot reach what the literal could not
 from __future__ import annotations
 
 import enum
+import functools
 import ipaddress
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator
@@ -201,34 +202,52 @@ _EMBEDDING: tuple[IPv6Network, ...] = (
     _TEREDO,
 )
 
-_V4_TABLE: _RangeTable[tuple[AddressClass, str]] = _RangeTable(
-    _bounds(
-        [n for n, _ in _V4_FORBIDDEN]
-        + [_V4_LOOPBACK, *_V4_PRIVATE]
-        + _stdlib_networks(getattr(ipaddress, "_IPv4Constants", None), 4)
-    ),
-    lambda start: _first_match(IPv4Address(start), _V4_FORBIDDEN, _V4_LOOPBACK, _V4_PRIVATE),
-)
-# Per range: the IPv6 class ignoring embedded IPv4, and whether the range carries an IPv4 address.
-_V6_TABLE: _RangeTable[tuple[tuple[AddressClass, str], bool]] = _RangeTable(
-    _bounds(
-        [n for n, _ in _V6_FORBIDDEN]
-        + [IPv6Network(_V6_LOOPBACK), *_V6_PRIVATE, *_EMBEDDING]
-        + _stdlib_networks(getattr(ipaddress, "_IPv6Constants", None), 6)
-    ),
-    lambda start: (
-        _first_match(IPv6Address(start), _V6_FORBIDDEN, IPv6Network(_V6_LOOPBACK), _V6_PRIVATE),
-        any(IPv6Address(start) in network for network in _EMBEDDING),
-    ),
-)
+_V4Table = _RangeTable[tuple[AddressClass, str]]
+# per range: the IPv6 class ignoring embedded IPv4, and whether the range carries an IPv4 address
+_V6Table = _RangeTable[tuple[tuple[AddressClass, str], bool]]
+
+
+@functools.cache
+def _tables() -> tuple[_V4Table, _V6Table]:
+    """The range tables, built with the first classification (~2 ms: a wrapped command's start
+    classifies no address before its child starts)."""
+    v4: _V4Table = _RangeTable(
+        _bounds(
+            [n for n, _ in _V4_FORBIDDEN]
+            + [_V4_LOOPBACK, *_V4_PRIVATE]
+            + _stdlib_networks(getattr(ipaddress, "_IPv4Constants", None), 4)
+        ),
+        lambda start: _first_match(IPv4Address(start), _V4_FORBIDDEN, _V4_LOOPBACK, _V4_PRIVATE),
+    )
+    v6: _V6Table = _RangeTable(
+        _bounds(
+            [n for n, _ in _V6_FORBIDDEN]
+            + [IPv6Network(_V6_LOOPBACK), *_V6_PRIVATE, *_EMBEDDING]
+            + _stdlib_networks(getattr(ipaddress, "_IPv6Constants", None), 6)
+        ),
+        lambda start: (
+            _first_match(IPv6Address(start), _V6_FORBIDDEN, IPv6Network(_V6_LOOPBACK), _V6_PRIVATE),
+            any(IPv6Address(start) in network for network in _EMBEDDING),
+        ),
+    )
+    return v4, v6
+
+
+def __getattr__(name: str) -> object:
+    """`_V4_TABLE` and `_V6_TABLE`: the tables, by name."""
+    if name == "_V4_TABLE":
+        return _tables()[0]
+    if name == "_V6_TABLE":
+        return _tables()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _classify_v4(ip: IPv4Address) -> tuple[AddressClass, str]:
-    return _V4_TABLE(int(ip))
+    return _tables()[0](int(ip))
 
 
 def _classify_v6(ip: IPv6Address) -> tuple[AddressClass, str]:
-    plain, embeds = _V6_TABLE(int(ip))
+    plain, embeds = _tables()[1](int(ip))
     if not embeds and isinstance(ip, IPv6Address):  # anything else fails below
         return plain
     candidates = embedded_ipv4_candidates(ip)

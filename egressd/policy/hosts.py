@@ -11,8 +11,6 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 
-import idna
-
 from .ports import port_number, port_problem
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -177,6 +175,8 @@ def _check_chars(text: str, raw: str) -> None:
 
 def _ascii_label(label: str, raw: str) -> str:
     if label.startswith("xn--"):
+        import idna  # here: most hosts are plain ASCII (dnspython's load imports it too)
+
         try:
             decoded = idna.decode(label)
             again = idna.encode(decoded).decode("ascii")
@@ -191,6 +191,8 @@ def _ascii_label(label: str, raw: str) -> str:
 
 
 def _unicode_label(label: str, raw: str) -> str:
+    import idna
+
     try:
         return idna.alabel(label).decode("ascii")
     except (idna.IDNAError, UnicodeError) as exc:
@@ -230,6 +232,8 @@ def canonical_host(raw: str) -> Host:
         return Host(name=None, ip=_ipv6(raw, raw))
     text = raw
     if not text.isascii():
+        import idna
+
         try:
             text = idna.uts46_remap(text, std3_rules=False, transitional=False)
         except (idna.IDNAError, UnicodeError) as exc:

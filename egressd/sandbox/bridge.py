@@ -4,9 +4,10 @@ capture (intercept.py). The launcher binds every listener before the child start
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -35,11 +36,20 @@ def bind_udp(address: tuple[str, int]) -> socket.socket:
     return sock
 
 
-def start_thread(serve: Callable[[], Awaitable[None]]) -> threading.Thread:
-    """Run `serve()` on an event loop in a daemon thread, which ends with the launcher. asyncio is
-    imported there, off the way to the child's start."""
+def start_thread(
+    serve: Callable[[], Awaitable[None]], wake: Sequence[socket.socket] = ()
+) -> threading.Thread:
+    """Run `serve()` on an event loop in a daemon thread, which ends with the launcher, from the
+    moment one of `wake` has something to read: a child that never goes around the proxy never
+    loads asyncio (what came waits in the socket meanwhile). asyncio is imported there, off the
+    way to the child's start."""
 
     def run() -> None:
+        if wake:
+            ready = select.poll()
+            for sock in wake:
+                ready.register(sock, select.POLLIN)
+            ready.poll()
         import asyncio
 
         asyncio.run(serve())  # type: ignore[arg-type]

@@ -24,8 +24,8 @@ from egressd.child.env import CHILD_PROXY_VAR, NO_PROXY_VARS, child_environment,
 from egressd.child.ssh_env import with_git_ssh
 from egressd.front.handed import Handed
 from egressd.inspect.ca import java_truststore_path
+from egressd.platform.diag import Diag
 from egressd.platform.exits import EXIT_CANNOT_RUN
-from egressd.platform.peer import Diag
 from egressd.sandbox import (
     BRIDGE_CAPTURE_PORT,
     BRIDGE_DNS_PORT,

@@ -114,10 +114,13 @@ def _read_setup(fd: int) -> str | None:
     return said if newline and said in (SETUP_CAPTURE, SETUP_NO_CAPTURE) else None
 
 
-def _bind_capture(spec: str, names_fd: int | None, captures_fd: int) -> Callable[[], Awaitable[None]]:
+def _bind_capture(
+    spec: str, names_fd: int | None, captures_fd: int
+) -> tuple[Callable[[], Awaitable[None]], tuple[socket.socket, ...]]:
     """Bind the capture's listeners now (before the child starts); return what serves them once
-    the bridge's thread runs. `names_fd`: where egressd answers the names the child's DNS asks for
-    (front/names.py); `captures_fd`: where the captured connections go (front/captured.py)."""
+    the bridge's thread runs, and the listeners whose first client starts it. `names_fd`: where
+    egressd answers the names the child's DNS asks for (front/names.py); `captures_fd`: where the
+    captured connections go (front/captured.py)."""
     tcp_port, dns_port = _parse_capture(spec)
     tcp = bridge.listen((BRIDGE_HOST, tcp_port), PROXY_BACKLOG)
     dns_udp = bridge.bind_udp((BRIDGE_HOST, dns_port))
@@ -130,7 +133,7 @@ def _bind_capture(spec: str, names_fd: int | None, captures_fd: int) -> Callable
         handover = socket.socket(fileno=captures_fd)
         return intercept.Capture(tcp_port, handover, names).serve(tcp, dns_udp, dns_tcp)
 
-    return serve
+    return serve, (tcp, dns_udp, dns_tcp)
 
 
 def _signaller(pid: int) -> Callable[[int], None]:
@@ -370,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except (OSError, ValueError) as exc:
         _report(status, f"error cannot listen on the child's loopback: {exc}")
         os._exit(1)
-    capture: Callable[[], Awaitable[None]] | None = None
+    capture: tuple[Callable[[], Awaitable[None]], tuple[socket.socket, ...]] | None = None
     if args.setup_fd is not None:
         setup = _read_setup(args.setup_fd)
         if setup is None:
@@ -389,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         _report(status, f"exit {code}")
         os._exit(code)
     if capture is not None:  # the listeners are bound: the child's first connections wait for it
-        bridge.start_thread(capture)
+        bridge.start_thread(*capture)
     _report(status, "started")
     threading.Thread(target=_relay_signals, args=(control, _signaller(pid)), daemon=True).start()
     code = os.waitstatus_to_exitcode(_wait_reaping(pid))

@@ -18,11 +18,9 @@ asked for (the control API, the dashboard, the metrics port) that cannot start (
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import ipaddress
-import logging
 import os
 import signal
 import socket
@@ -42,10 +40,12 @@ from egressd.inspect import patches
 from egressd.net.loader import load_resolver
 from egressd.platform.descriptors import Descriptors, raise_soft_limit
 from egressd.platform.listeners import listen, listen_all
+from egressd.platform.log import Logger
 from egressd.policy import Policy, join_host_port
 from egressd.policy.refusal import HintContext
 
 if TYPE_CHECKING:
+    import asyncio
     import ssl
 
     from egressd.admission.approver import Approver
@@ -54,9 +54,9 @@ if TYPE_CHECKING:
     from egressd.front.server import Front
     from egressd.inspect.engine import AddonFactory, InspectionEngine
     from egressd.observe.audit import AuditLog
-    from egressd.platform.peer import Diag
+    from egressd.platform.diag import Diag
 
-logger = logging.getLogger(__name__)
+logger = Logger(__name__)
 
 START_TIMEOUT = 30.0
 
@@ -236,6 +236,8 @@ class ProxyServer:
         if loop is None or self._thread is None or not self._thread.is_alive():
             coro.close()
             raise EngineError("the proxy is not running")
+        import asyncio  # the loop's thread loaded it
+
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     # -- life cycle ----------------------------------------------------------------------------
@@ -257,8 +259,8 @@ class ProxyServer:
             self.load()
 
     def load(self) -> None:
-        """Start loading the resolver and the proxy itself, each in a thread of its own (once)."""
-        load_resolver()
+        """Start loading the proxy in a thread of its own, which starts the resolver's load in
+        another (once): the caller's thread, whose child is starting, imports nothing for them."""
         with self._lock:
             if self._thread is not None:
                 return
@@ -312,6 +314,9 @@ class ProxyServer:
 
     def _thread_main(self) -> None:
         try:
+            load_resolver()
+            import asyncio  # here, not before the child: ~10 ms of CPU it need not wait for
+
             asyncio.run(self._main(), loop_factory=_loop_factory())
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits, or logged
             if not self._ready.is_set():
@@ -320,6 +325,8 @@ class ProxyServer:
                 logger.exception("proxy thread failed")
 
     async def _main(self) -> None:
+        import asyncio
+
         self._loop = asyncio.get_running_loop()
         self._loop.set_exception_handler(_quiet_exception_handler)
         # a CONNECT's task runs at once up to its first real wait (mitmproxy sets this too)
@@ -494,6 +501,8 @@ class ProxyServer:
             self._pipeline.draining = True
         loop = self._loop
         if loop is not None and self._thread is not None and self._thread.is_alive():
+            import asyncio
+
             future = asyncio.run_coroutine_threadsafe(self._stop_listening(), loop)
             try:
                 future.result(timeout=5)
@@ -593,6 +602,8 @@ def _eager_start_tolerant_loop(base: type) -> Callable[[], asyncio.AbstractEvent
 
 def _quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     """Connections cancelled at shutdown are expected, not errors to print on the child's stderr."""
+    import asyncio
+
     if isinstance(context.get("exception"), asyncio.CancelledError):
         return
     logger.error(

@@ -8,7 +8,6 @@ works the same in each. Everything runs on the proxy's one event loop but the te
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import sys
@@ -259,7 +258,7 @@ class ProxySession:
         if proxy is not None and (proxy.abandon() or proxy.error is not None):
             # the child is gone before the proxy was loaded, or it could not be: the services
             # never started, what they hold goes here
-            asyncio.run(_stop_unstarted(self._services))
+            _stop_unstarted(self._services)
             self._services.clear()
         while self._services:
             service = self._services.pop()
@@ -357,12 +356,15 @@ class ProxySession:
         return hidden_variables(self.policy.secrets, self.vault)
 
 
-async def _stop_unstarted(services: Sequence[Service]) -> None:
+def _stop_unstarted(services: Sequence[Service]) -> None:
     """Stop services whose start never ran (the proxy's loop never did): each only lets go of what
-    it was built with (its socket, its file)."""
+    it was built with (its socket, its file), and its stop awaits nothing, so it runs to its end
+    here, with no event loop (none may be loaded)."""
     for service in reversed(services):
-        with contextlib.suppress(Exception):
-            await service.stop()
+        stop = service.stop()
+        with contextlib.suppress(Exception):  # StopIteration: it ended
+            stop.send(None)
+        stop.close()  # one that waited on something after all is not waited for
 
 
 def _open_audit(options: SessionOptions, policy: Policy, context: HintContext) -> AuditLog:

@@ -15,7 +15,6 @@ user can then read neither that file nor egressd's memory.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import subprocess
 import sys
@@ -25,8 +24,6 @@ from pathlib import Path
 
 from egressd.platform.interfaces import libc_name
 from egressd.policy.secrets import SecretSpec
-
-logger = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT = 10.0
 MAX_VALUE = 16384

@@ -4,7 +4,6 @@ on the loop with `start()` and stopped there with `stop()`; the root orders them
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -12,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from egressd.session.options import SessionError
 
 if TYPE_CHECKING:
+    import asyncio
+
     from egressd.admission.asks import AskBroker
     from egressd.admission.decide import Decider
     from egressd.control.children import Issuer
@@ -38,6 +39,8 @@ class Watching:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        import asyncio  # loaded with the proxy's loop, which runs this
+
         self._task = asyncio.get_running_loop().create_task(self.watcher.watch())
 
     async def stop(self) -> None:

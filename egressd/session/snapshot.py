@@ -85,12 +85,15 @@ class PolicyFile:
 
     def load(self) -> Loaded:
         """The first load (SessionError: why it cannot start); a file is watched from now on."""
+        path = self.path
+        if path is None:  # the default policy: no file to read nor watch
+            try:
+                return self.build(base_policy(None))
+            except PolicyError as exc:
+                raise SessionError(str(exc)) from exc
         from egressd.platform.reload import FileWatcher, UnsettledError
 
         try:
-            path = self.path
-            if path is None:
-                return self.build(base_policy(None))
             self.watcher = FileWatcher(
                 path,
                 lambda files: self.build(load_policy(path, os.environ, files.read), files.read),

@@ -17,7 +17,6 @@ import ipaddress
 from egressd.policy.addresses import AddressClass, classify
 from egressd.policy.reasons import DENIED_ALWAYS, Kind, Lift, Reason
 from egressd.policy.refusal import HintContext, Refusal
-from egressd.wire.socks5 import reply
 
 # the headers only egressd writes: an upstream's forged ones are stripped
 EGRESSD_HEADERS = ("x-egressd-reason", "x-egressd-rule", "proxy-status")
@@ -134,6 +133,8 @@ def http_response(refusal: Refusal) -> bytes:
 def socks_reply(reason: Reason) -> bytes:
     """The SOCKS5 reply of a refusal: "not allowed by ruleset" for the policy's, "host unreachable"
     for DNS, "refused" and "TTL expired" for the connect, else "general failure"."""
+    from egressd.wire.socks5 import reply  # loaded with the SOCKS5 front, which calls this
+
     return reply(Reason.of(reason).socks)
 
 

@@ -42,6 +42,12 @@ SERVING = (
     "egressd.inspect.engine",
     "h11",
     "uvloop",
+    "asyncio",  # the event loop, loaded in the proxy's thread
+    "ssl",
+    "egressd.admission.identity",  # which program holds a connection
+    "egressd.platform.peer",
+    "logging",  # with the proxy's modules, or with a first message
+    "concurrent.futures",  # with the resolver's load
 )
 
 
