@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import math
 import socket
 import threading
@@ -39,11 +38,22 @@ class Pin:
     via: UpstreamProxy | None = None  # the parent proxy this connection goes through, if any
 
 
-@functools.lru_cache(maxsize=4096)
+TEXTS = 4096  # addresses whose text is remembered (then forgotten all at once)
+_texts: dict[tuple[type, int, str | None], str] = {}
+
+
 def address_text(address: IPAddress) -> str:
     """An address as text, remembered: ipaddress spells it in Python, slowly, and each is spelled to
-    connect and again for the record."""
-    return str(address)
+    connect and again for the record. Remembered by its class, its integer and an IPv6 scope:
+    what the text is made of, and a key hashed in C (an address's own hash is Python code that
+    spells its integer in hex)."""
+    key = (address.__class__, address._ip, getattr(address, "_scope_id", None))
+    text = _texts.get(key)
+    if text is None:
+        if len(_texts) >= TEXTS:
+            _texts.clear()
+        text = _texts[key] = str(address)
+    return text
 
 
 class ConnectFailure(OSError):
