@@ -335,7 +335,11 @@ class Pipeline:
         # 3a. a secret's placeholder in the host name (to leak it through DNS or a wildcard rule):
         # refused before anyone is asked and before anything resolves it
         target = decision.target
-        if secrets and target is not None and (name := secrets.needles.find(attempt.host)) is not None:
+        if (
+            now.has_secrets
+            and target is not None
+            and (name := secrets.needles.find(attempt.host)) is not None
+        ):
             refusal = secret_refusal(name, "host name", target.host, target.port, secrets.spec(name))
             redact = secrets.needles.redact
             refusal = dataclasses.replace(refusal, host=redact(refusal.host), detail=redact(refusal.detail))
@@ -546,7 +550,7 @@ class Pipeline:
         """
         now = self.policies.now
         policy = now.policy
-        if now.secrets and now.secrets.needles.find(name) is not None:
+        if now.has_secrets and now.secrets.needles.find(name) is not None:
             why = "the name holds a secret's placeholder"
             return self._refused_name(name, Reason.SECRET_EXFILTRATION, why)
         ports = candidate_ports(policy)
@@ -721,7 +725,7 @@ class Pipeline:
             return refusal, False
         inspect = self.wants_inspection(decision, conn, now)
         target = decision.target
-        if not inspect and now.secrets and now.secrets.listed(target.host, target.port):
+        if not inspect and now.has_secrets and now.secrets.listed(target.host, target.port):
             # a secret's host unseen would get the placeholder, never the value: refused instead
             refusal = needs_inspection_refusal(decision)
             why = "a secret goes to this host, which needs TLS inspection (egressd puts it in the request)"
@@ -738,7 +742,7 @@ class Pipeline:
             return False
         if decision.needs_inspection or now.policy.inspect.match(target.host, target.port):
             return True
-        if now.secrets and now.secrets.listed(target.host, target.port):
+        if now.has_secrets and now.secrets.listed(target.host, target.port):
             return True
         return self.redirects.expects(conn.client_key, "https", target.host.text, target.port)
 
@@ -906,9 +910,10 @@ class Pipeline:
         (audit.on_failure: refuse), else None."""
         if type(reason) is not Reason:  # a code no registry knows raises here, before any record
             reason = Reason.of(reason)
-        if self.secrets:
+        now = self.policies.now
+        if now.has_secrets:
             host, method, path = map(self._recorded_path, (host, method, path))
-            detail = self.secrets.needles.redact(detail)
+            detail = now.secrets.needles.redact(detail)
         audit = self.audit
         lost = audit.lost if audit is not None else 0
         if conn is None:
@@ -961,9 +966,10 @@ class Pipeline:
     def _recorded_path(self, path: str | None) -> str | None:
         """A path (or host, or method) as records show it: a placeholder's random part never kept
         (the name is)."""
-        if path is None or not self.secrets:
+        now = self.policies.now
+        if path is None or not now.has_secrets:
             return path
-        return self.secrets.needles.redact(path)
+        return now.secrets.needles.redact(path)
 
     def secret_refusal(self, host: str, port: int, name: str) -> Refusal:
         """The refusal of a request whose BODY carried a placeholder its host may not get (found by
@@ -1017,8 +1023,9 @@ class Pipeline:
         request head no parser may read (stage "request"; its method, scheme and path when its
         request line could be read)."""
         self._refusal_record(conn, stage, host, port, reason, detail, method, scheme, path)
-        if self.secrets:
-            host, detail = self._recorded_path(host), self.secrets.needles.redact(detail)
+        now = self.policies.now
+        if now.has_secrets:
+            host, detail = self._recorded_path(host), now.secrets.needles.redact(detail)
         where = f"{host if host is not None else '?'}:{port or '?'}"
         logger.info("%s (%s) %s: %s", Reason.of(reason).outcome, stage, where, detail)
 
