@@ -27,7 +27,17 @@ from egressd.admission import approver as approvals
 from egressd.admission import resolve as resolution
 from egressd.admission.credentials import CredentialStore, Presented, ProxyCredentials, authenticate
 from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
-from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Recorder, Resolved, Stage
+from egressd.admission.events import (
+    Asked,
+    Closed,
+    Decided,
+    EventBus,
+    Notice,
+    Recorder,
+    Resolved,
+    Stage,
+    built_from,
+)
 from egressd.admission.grants import GrantStore
 from egressd.admission.handed import HandedOut, candidate_ports
 from egressd.admission.http_rules import request_refusal
@@ -223,16 +233,19 @@ class Pipeline:
                 return
             self._conns.served -= state.room == "serve"
         if state.host is not None:
-            # positional, and the duration as measured: what writes it as text rounds it
+            # every field by position, and the duration as measured: what writes it as text rounds it
             self.events.emit(
-                Closed(
-                    state.conn_id,
-                    state.client_name,
-                    state.host,
-                    state.port,
-                    state.bytes_up,
-                    state.bytes_down,
-                    time.monotonic() - state.started,
+                built_from(
+                    Closed,
+                    (
+                        state.conn_id,
+                        state.client_name,
+                        state.host,
+                        state.port,
+                        state.bytes_up,
+                        state.bytes_down,
+                        time.monotonic() - state.started,
+                    ),
                 )
             )
 
@@ -917,13 +930,13 @@ class Pipeline:
         audit = self.audit
         lost = audit.lost if audit is not None else 0
         if conn is None:
-            event = Decided(
+            event = built_from(Decided, (
                 None, None, None, stage, host, port, allowed, reason, rule, detail, method, scheme, path,
                 resolved, connected, attempts, would_be, via, None, None, False,
-            )  # fmt: skip
+            ))  # fmt: skip
         else:
             who, creds = conn.identity, conn.creds
-            event = Decided(
+            event = built_from(Decided, (
                 conn.conn_id,
                 creds.client if creds is not None else None,
                 creds.profile if creds is not None else None,
@@ -932,7 +945,7 @@ class Pipeline:
                 who.pid if who is not None else None,
                 who.exe if who is not None else None,
                 conn.captured,
-            )  # fmt: skip
+            ))  # fmt: skip
         self.events.emit(event)
         if audit is None or not allowed or audit.lost == lost:
             return None

@@ -17,6 +17,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from egressd.admission.events import built_from
 from egressd.admission.limits import overloaded
 from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, IdleUpstreams, PlainClient
@@ -243,10 +244,10 @@ class FrontProtocol(Pipe):
         except WireError as exc:
             self._refuse_unreadable(Refusal(Reason.BAD_REQUEST, exc.detail))
             return
-        # by position (a named tuple called with keywords gets them as a dict): stage, host, port,
-        # scheme, method, path, credentials
-        attempt = Attempt(
-            "connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization
+        # every field by position: stage, host, port, scheme, method, path, credentials, headers
+        attempt = built_from(
+            Attempt,
+            ("connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization, None),
         )
         self._start_tunnel(attempt)
 
