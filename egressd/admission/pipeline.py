@@ -361,7 +361,8 @@ class Pipeline:
             return refusal
         decided = decision  # what the policy alone answered (a grant's or an approval's answer is not kept)
         # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
-        if (self.grants or conn.granted) and (decision.ask or decision.reason is Reason.NOT_ALLOWLISTED):
+        # (what the decision answered first: a store's truth is a Python call, per admission)
+        if (decision.ask or decision.reason is Reason.NOT_ALLOWLISTED) and (self.grants or conn.granted):
             decision = self._granted(conn, attempt, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
@@ -675,7 +676,8 @@ class Pipeline:
     async def _pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
         """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""
         target = admitted.decision.target
-        known = self.handed.get(target.host.name) if self.handed and target and target.host.name else None
+        # a name first (an IP literal has none): the memory's truth is a Python call
+        known = self.handed.get(target.host.name) if target and target.host.name and self.handed else None
         pinned = await resolution.pin(admitted.decision, self.policies.get(), known)
         if pinned.lookup is not None and self.events.observed:
             self.events.emit(Resolved(*pinned.lookup))
