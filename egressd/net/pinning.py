@@ -140,12 +140,13 @@ class _Deadline:
 
     __slots__ = ("cancelling", "expired", "owner", "task", "when")
 
-    def __init__(self, owner: _Deadlines, task: asyncio.Task[object], when: float) -> None:
-        self.owner = owner
-        self.task = task
-        self.when = when
-        self.cancelling = task.cancelling()
-        self.expired = False
+    # set by _Deadlines.enter, which makes one per connect attempt: a class with an __init__ is
+    # Python code its call enters from C
+    owner: _Deadlines
+    task: asyncio.Task[object]
+    when: float
+    cancelling: int
+    expired: bool
 
     def leave(self) -> bool:
         """The attempt ended: no longer timed. True when this deadline cancelled it and nobody
@@ -171,7 +172,9 @@ class _Deadlines:
     def enter(self, delay: float) -> _Deadline:
         task = asyncio.current_task(self.loop)
         assert task is not None
-        deadline = _Deadline(self, task, self.loop.time() + delay)
+        deadline = _Deadline()
+        deadline.owner, deadline.task, deadline.when = self, task, self.loop.time() + delay
+        deadline.cancelling, deadline.expired = task.cancelling(), False
         self.pending[deadline] = None
         if deadline.when < self.timer_at:
             self._arm(deadline.when)
