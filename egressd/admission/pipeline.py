@@ -115,7 +115,7 @@ class Attempt(NamedTuple):
     headers: Sequence[tuple[str, str]] | None = None  # an HTTP request's, for the request rules
 
 
-@dataclass
+@dataclass(slots=True)
 class Admitted:
     """An allowed attempt: its decision, whether its tunnel is inspected, and where it may connect."""
 

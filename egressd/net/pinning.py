@@ -25,7 +25,7 @@ from egressd.policy import IPAddress, UpstreamProxy, join_host_port
 from egressd.policy.reasons import Reason
 
 
-@dataclass
+@dataclass(slots=True)
 class Pin:
     """The admitted destination of one upstream connection."""
 
