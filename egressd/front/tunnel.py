@@ -121,8 +121,8 @@ class FrontProtocol(Pipe):
         self, peer: tuple[str, int], transport: asyncio.BaseTransport
     ) -> tuple[tuple[str, int], tuple[str, int]] | None:
         """The client's socket's own two ends (its local address, then its peer's): our peer, and
-        our local address (the listener's, when it listens on one address: no system call and no
-        address spelled per connection)."""
+        our local address (the listener's, when it listens on one address: not spelled again per
+        connection, as uvloop spells a transport's with inet_ntop on each look)."""
         local = self.local or transport.get_extra_info("sockname")
         return ((peer[0], peer[1]), (local[0], local[1])) if local and peer[0] != "?" else None
 
