@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from egressd.admission.secrets import NO_SECRETS, SecretBook
@@ -23,6 +23,12 @@ class InForce:
     policy: Policy
     secrets: SecretBook = NO_SECRETS
     tokens: TokenTable | None = None
+    # whether any secret is in force: read by every admission and record, a plain attribute where
+    # the book's truth is a call to its __bool__
+    has_secrets: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "has_secrets", bool(self.secrets))
 
 
 class PolicyHolder:

@@ -27,7 +27,17 @@ from egressd.admission import approver as approvals
 from egressd.admission import resolve as resolution
 from egressd.admission.credentials import CredentialStore, Presented, ProxyCredentials, authenticate
 from egressd.admission.decide import Decider, needs_inspection_refusal, refusal_for
-from egressd.admission.events import Asked, Closed, Decided, EventBus, Notice, Recorder, Resolved, Stage
+from egressd.admission.events import (
+    Asked,
+    Closed,
+    Decided,
+    EventBus,
+    Notice,
+    Recorder,
+    Resolved,
+    Stage,
+    built_from,
+)
 from egressd.admission.grants import GrantStore
 from egressd.admission.handed import HandedOut, candidate_ports
 from egressd.admission.http_rules import request_refusal
@@ -105,7 +115,7 @@ class Attempt(NamedTuple):
     headers: Sequence[tuple[str, str]] | None = None  # an HTTP request's, for the request rules
 
 
-@dataclass
+@dataclass(slots=True)
 class Admitted:
     """An allowed attempt: its decision, whether its tunnel is inspected, and where it may connect."""
 
@@ -223,16 +233,19 @@ class Pipeline:
                 return
             self._conns.served -= state.room == "serve"
         if state.host is not None:
-            # positional, and the duration as measured: what writes it as text rounds it
+            # every field by position, and the duration as measured: what writes it as text rounds it
             self.events.emit(
-                Closed(
-                    state.conn_id,
-                    state.client_name,
-                    state.host,
-                    state.port,
-                    state.bytes_up,
-                    state.bytes_down,
-                    time.monotonic() - state.started,
+                built_from(
+                    Closed,
+                    (
+                        state.conn_id,
+                        state.client_name,
+                        state.host,
+                        state.port,
+                        state.bytes_up,
+                        state.bytes_down,
+                        time.monotonic() - state.started,
+                    ),
                 )
             )
 
@@ -335,7 +348,11 @@ class Pipeline:
         # 3a. a secret's placeholder in the host name (to leak it through DNS or a wildcard rule):
         # refused before anyone is asked and before anything resolves it
         target = decision.target
-        if secrets and target is not None and (name := secrets.needles.find(attempt.host)) is not None:
+        if (
+            now.has_secrets
+            and target is not None
+            and (name := secrets.needles.find(attempt.host)) is not None
+        ):
             refusal = secret_refusal(name, "host name", target.host, target.port, secrets.spec(name))
             redact = secrets.needles.redact
             refusal = dataclasses.replace(refusal, host=redact(refusal.host), detail=redact(refusal.detail))
@@ -344,7 +361,8 @@ class Pipeline:
             return refusal
         decided = decision  # what the policy alone answered (a grant's or an approval's answer is not kept)
         # 3b. grants: the user's consent widens what the mode refused or would ask about, nothing else
-        if (self.grants or conn.granted) and (decision.ask or decision.reason is Reason.NOT_ALLOWLISTED):
+        # (what the decision answered first: a store's truth is a Python call, per admission)
+        if (decision.ask or decision.reason is Reason.NOT_ALLOWLISTED) and (self.grants or conn.granted):
             decision = self._granted(conn, attempt, decision)
         # 4. the approver (mode: ask waits here)
         if decision.ask:
@@ -546,7 +564,7 @@ class Pipeline:
         """
         now = self.policies.now
         policy = now.policy
-        if now.secrets and now.secrets.needles.find(name) is not None:
+        if now.has_secrets and now.secrets.needles.find(name) is not None:
             why = "the name holds a secret's placeholder"
             return self._refused_name(name, Reason.SECRET_EXFILTRATION, why)
         ports = candidate_ports(policy)
@@ -658,7 +676,8 @@ class Pipeline:
     async def _pin(self, conn: ConnState, admitted: Admitted) -> Refusal | None:
         """Resolve once, filter, and pin the addresses into admitted (or the refusal, recorded)."""
         target = admitted.decision.target
-        known = self.handed.get(target.host.name) if self.handed and target and target.host.name else None
+        # a name first (an IP literal has none): the memory's truth is a Python call
+        known = self.handed.get(target.host.name) if target and target.host.name and self.handed else None
         pinned = await resolution.pin(admitted.decision, self.policies.get(), known)
         if pinned.lookup is not None and self.events.observed:
             self.events.emit(Resolved(*pinned.lookup))
@@ -721,7 +740,7 @@ class Pipeline:
             return refusal, False
         inspect = self.wants_inspection(decision, conn, now)
         target = decision.target
-        if not inspect and now.secrets and now.secrets.listed(target.host, target.port):
+        if not inspect and now.has_secrets and now.secrets.listed(target.host, target.port):
             # a secret's host unseen would get the placeholder, never the value: refused instead
             refusal = needs_inspection_refusal(decision)
             why = "a secret goes to this host, which needs TLS inspection (egressd puts it in the request)"
@@ -738,7 +757,7 @@ class Pipeline:
             return False
         if decision.needs_inspection or now.policy.inspect.match(target.host, target.port):
             return True
-        if now.secrets and now.secrets.listed(target.host, target.port):
+        if now.has_secrets and now.secrets.listed(target.host, target.port):
             return True
         return self.redirects.expects(conn.client_key, "https", target.host.text, target.port)
 
@@ -906,19 +925,20 @@ class Pipeline:
         (audit.on_failure: refuse), else None."""
         if type(reason) is not Reason:  # a code no registry knows raises here, before any record
             reason = Reason.of(reason)
-        if self.secrets:
+        now = self.policies.now
+        if now.has_secrets:
             host, method, path = map(self._recorded_path, (host, method, path))
-            detail = self.secrets.needles.redact(detail)
+            detail = now.secrets.needles.redact(detail)
         audit = self.audit
         lost = audit.lost if audit is not None else 0
         if conn is None:
-            event = Decided(
+            event = built_from(Decided, (
                 None, None, None, stage, host, port, allowed, reason, rule, detail, method, scheme, path,
                 resolved, connected, attempts, would_be, via, None, None, False,
-            )  # fmt: skip
+            ))  # fmt: skip
         else:
             who, creds = conn.identity, conn.creds
-            event = Decided(
+            event = built_from(Decided, (
                 conn.conn_id,
                 creds.client if creds is not None else None,
                 creds.profile if creds is not None else None,
@@ -927,7 +947,7 @@ class Pipeline:
                 who.pid if who is not None else None,
                 who.exe if who is not None else None,
                 conn.captured,
-            )  # fmt: skip
+            ))  # fmt: skip
         self.events.emit(event)
         if audit is None or not allowed or audit.lost == lost:
             return None
@@ -961,9 +981,10 @@ class Pipeline:
     def _recorded_path(self, path: str | None) -> str | None:
         """A path (or host, or method) as records show it: a placeholder's random part never kept
         (the name is)."""
-        if path is None or not self.secrets:
+        now = self.policies.now
+        if path is None or not now.has_secrets:
             return path
-        return self.secrets.needles.redact(path)
+        return now.secrets.needles.redact(path)
 
     def secret_refusal(self, host: str, port: int, name: str) -> Refusal:
         """The refusal of a request whose BODY carried a placeholder its host may not get (found by
@@ -1017,8 +1038,9 @@ class Pipeline:
         request head no parser may read (stage "request"; its method, scheme and path when its
         request line could be read)."""
         self._refusal_record(conn, stage, host, port, reason, detail, method, scheme, path)
-        if self.secrets:
-            host, detail = self._recorded_path(host), self.secrets.needles.redact(detail)
+        now = self.policies.now
+        if now.has_secrets:
+            host, detail = self._recorded_path(host), now.secrets.needles.redact(detail)
         where = f"{host if host is not None else '?'}:{port or '?'}"
         logger.info("%s (%s) %s: %s", Reason.of(reason).outcome, stage, where, detail)
 

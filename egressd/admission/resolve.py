@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from egressd.admission.decide import refusal_for
+from egressd.admission.events import built_from
 from egressd.admission.limits import overloaded
 from egressd.net import loader
 from egressd.net.parent_proxy import parent_for
@@ -95,4 +96,4 @@ async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | N
     # by position, per tunnel: host, port, addresses, connect_timeout, connected, attempts, via
     via = parent_for(policy, target)
     found = Pin(target.host.text, target.port, tuple(kept), policy.limits.connect_timeout, None, [], via)
-    return Pinned(decision, found, None, resolved, lookup)
+    return built_from(Pinned, (decision, found, None, resolved, lookup))

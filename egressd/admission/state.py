@@ -26,7 +26,7 @@ def asker(client: object, profile: object) -> str:
     return "the child (no profile)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProxyCredentials:
     """What a child puts in its proxy URL; the username names its profile.
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from egressd.front.handed import Handed
 from egressd.front.plain_http import IdleUpstreams
 from egressd.front.socks import SocksProtocol
-from egressd.front.tunnel import FrontProtocol, Inspection, RefusalContext
+from egressd.front.tunnel import FrontProtocol, Inspection, RefusalContext, listener_end
 from egressd.platform.listeners import register
 
 if TYPE_CHECKING:
@@ -61,11 +61,13 @@ class Front:
         implicit: ProxyCredentials | None = None,
         tree_only: bool = False,
         diag: Diag | None = None,
+        local: tuple[str, int] | None = None,
     ) -> FrontProtocol:
-        """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5)."""
+        """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5);
+        `local`: the listener's end of every connection it accepts (listener_end)."""
         if kind == "socks":
-            return SocksProtocol(self, implicit, diag=diag)
-        return FrontProtocol(self, implicit, tree_only, diag)  # by position: made per connection
+            return SocksProtocol(self, implicit, diag=diag, local=local)
+        return FrontProtocol(self, implicit, tree_only, diag, local)  # by position: made per connection
 
     async def adopt(
         self, sock: socket.socket, kind: str, ssl: ssl_module.SSLContext | None = None
@@ -76,8 +78,9 @@ class Front:
         _check_kind(kind)
         self._sweep_from_now()
         loop = asyncio.get_running_loop()
+        local = listener_end(sock)
         server = await loop.create_server(
-            lambda: self._protocol(kind),
+            lambda: self._protocol(kind, local=local),
             sock=sock,
             backlog=4096,
             ssl=ssl,
@@ -91,8 +94,10 @@ class Front:
         _check_kind(handed.kind)
         loop = asyncio.get_running_loop()
         self._sweep_from_now()
+        local = listener_end(handed.sock)
         server = await loop.create_server(
-            lambda: self._protocol(handed.kind, handed.implicit, diag=handed.diag), sock=handed.sock
+            lambda: self._protocol(handed.kind, handed.implicit, diag=handed.diag, local=local),
+            sock=handed.sock,
         )
         self.servers.append(server)
 
@@ -103,8 +108,9 @@ class Front:
         other gets 407."""
         loop = asyncio.get_running_loop()
         self._sweep_from_now()
+        local = listener_end(sock)
         server = await loop.create_server(
-            lambda: self._protocol("http", implicit, tree_only=True), sock=sock, backlog=1024
+            lambda: self._protocol("http", implicit, tree_only=True, local=local), sock=sock, backlog=1024
         )
         self.servers.append(server)
 

@@ -44,9 +44,14 @@ class SocksProtocol(FrontProtocol):
     names_bound = True
 
     def __init__(
-        self, front: Listeners, implicit: ProxyCredentials | None = None, *, diag: Diag | None = None
+        self,
+        front: Listeners,
+        implicit: ProxyCredentials | None = None,
+        *,
+        diag: Diag | None = None,
+        local: tuple[str, int] | None = None,
     ) -> None:
-        super().__init__(front, implicit=implicit, diag=diag)
+        super().__init__(front, implicit=implicit, diag=diag, local=local)
         # NO AUTH only where the listener grants credentials
         self.parser = Socks5Server(allow_no_auth=implicit is not None)
         self.presented: Presented = None  # the user and password the client sent, if it did

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from egressd.admission.events import built_from
 from egressd.admission.limits import overloaded
 from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, IdleUpstreams, PlainClient
@@ -75,8 +78,11 @@ class FrontProtocol(Pipe):
         implicit: ProxyCredentials | None = None,
         tree_only: bool = False,
         diag: Diag | None = None,
+        local: tuple[str, int] | None = None,
     ) -> None:
         super().__init__(Tunnel(self), False)
+        # the local end of every connection its listener accepts (listener_end), else asked per connection
+        self.local = local
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
         self.tree_only = tree_only  # ... to the child's process tree only (ConnState.tree_only)
         self.diag = diag  # the listener is in another network namespace: its sockets are asked there
@@ -115,8 +121,9 @@ class FrontProtocol(Pipe):
         self, peer: tuple[str, int], transport: asyncio.BaseTransport
     ) -> tuple[tuple[str, int], tuple[str, int]] | None:
         """The client's socket's own two ends (its local address, then its peer's): our peer, and
-        our local address."""
-        local = transport.get_extra_info("sockname")
+        our local address (the listener's, when it listens on one address: not spelled again per
+        connection, as uvloop spells a transport's with inet_ntop on each look)."""
+        local = self.local or transport.get_extra_info("sockname")
         return ((peer[0], peer[1]), (local[0], local[1])) if local and peer[0] != "?" else None
 
     def _overloaded_now(self) -> None:
@@ -237,10 +244,10 @@ class FrontProtocol(Pipe):
         except WireError as exc:
             self._refuse_unreadable(Refusal(Reason.BAD_REQUEST, exc.detail))
             return
-        # by position (a named tuple called with keywords gets them as a dict): stage, host, port,
-        # scheme, method, path, credentials
-        attempt = Attempt(
-            "connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization
+        # every field by position: stage, host, port, scheme, method, path, credentials, headers
+        attempt = built_from(
+            Attempt,
+            ("connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization, None),
         )
         self._start_tunnel(attempt)
 
@@ -430,6 +437,24 @@ class FrontProtocol(Pipe):
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()
+
+
+def listener_end(sock: socket.socket) -> tuple[str, int] | None:
+    """The local end every connection accepted on a listening socket has: the address it is bound
+    to, unless that is every address (0.0.0.0, ::) or not an IP socket's (then each connection's
+    own is asked)."""
+    try:
+        name = sock.getsockname()
+    except OSError:
+        return None
+    if not isinstance(name, tuple) or len(name) < 2 or not isinstance(name[0], str):
+        return None
+    try:
+        if ipaddress.ip_address(name[0].partition("%")[0]).is_unspecified:
+            return None
+    except ValueError:
+        return None
+    return name[0], name[1]
 
 
 def _bound(upstream: Pipe) -> tuple[str, int] | None:

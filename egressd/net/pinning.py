@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import math
 import socket
 import threading
@@ -26,7 +25,7 @@ from egressd.policy import IPAddress, UpstreamProxy, join_host_port
 from egressd.policy.reasons import Reason
 
 
-@dataclass
+@dataclass(slots=True)
 class Pin:
     """The admitted destination of one upstream connection."""
 
@@ -39,11 +38,22 @@ class Pin:
     via: UpstreamProxy | None = None  # the parent proxy this connection goes through, if any
 
 
-@functools.lru_cache(maxsize=4096)
+TEXTS = 4096  # addresses whose text is remembered (then forgotten all at once)
+_texts: dict[tuple[type, int, str | None], str] = {}
+
+
 def address_text(address: IPAddress) -> str:
     """An address as text, remembered: ipaddress spells it in Python, slowly, and each is spelled to
-    connect and again for the record."""
-    return str(address)
+    connect and again for the record. Remembered by its class, its integer and an IPv6 scope:
+    what the text is made of, and a key hashed in C (an address's own hash is Python code that
+    spells its integer in hex)."""
+    key = (address.__class__, address._ip, getattr(address, "_scope_id", None))
+    text = _texts.get(key)
+    if text is None:
+        if len(_texts) >= TEXTS:
+            _texts.clear()
+        text = _texts[key] = str(address)
+    return text
 
 
 class ConnectFailure(OSError):
@@ -130,12 +140,13 @@ class _Deadline:
 
     __slots__ = ("cancelling", "expired", "owner", "task", "when")
 
-    def __init__(self, owner: _Deadlines, task: asyncio.Task[object], when: float) -> None:
-        self.owner = owner
-        self.task = task
-        self.when = when
-        self.cancelling = task.cancelling()
-        self.expired = False
+    # set by _Deadlines.enter, which makes one per connect attempt: a class with an __init__ is
+    # Python code its call enters from C
+    owner: _Deadlines
+    task: asyncio.Task[object]
+    when: float
+    cancelling: int
+    expired: bool
 
     def leave(self) -> bool:
         """The attempt ended: no longer timed. True when this deadline cancelled it and nobody
@@ -161,7 +172,9 @@ class _Deadlines:
     def enter(self, delay: float) -> _Deadline:
         task = asyncio.current_task(self.loop)
         assert task is not None
-        deadline = _Deadline(self, task, self.loop.time() + delay)
+        deadline = _Deadline()
+        deadline.owner, deadline.task, deadline.when = self, task, self.loop.time() + delay
+        deadline.cancelling, deadline.expired = task.cancelling(), False
         self.pending[deadline] = None
         if deadline.when < self.timer_at:
             self._arm(deadline.when)

@@ -75,7 +75,7 @@ class Client:
     program: Program | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     """The answer, with the stable reason code and the rule or setting that decided it."""
 

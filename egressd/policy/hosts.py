@@ -59,7 +59,7 @@ _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _DOTTED_QUAD = re.compile(rf"{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}")  # no legacy forms
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Host:
     """A canonical host: exactly one of ``name`` (lowercase A-label) or ``ip`` is set."""
 
@@ -89,7 +89,7 @@ class Host:
         return self.text
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Target:
     """What a client asked to reach, after canonicalisation (make_target builds it)."""
 

@@ -94,7 +94,7 @@ class Credentials:
     strip_on_host_change: tuple[str, ...] = ("authorization", "cookie", "proxy-authorization")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Limits:
     connect_timeout: float = 10
     dns_timeout: float = 5

@@ -98,11 +98,13 @@ _ENDS = (b"\r\n\r\n", b"\n\n", b"\n\r\n")  # where a head may end (all but the f
 class HeadScanner:
     """head_problem, incrementally: fed the growing buffer of one head, it looks at each new byte a
     bounded number of times (a head sent one byte per read must not cost its length squared), and
-    runs the full check once, on the complete head."""
+    runs the full check once, on the complete head.
 
-    def __init__(self) -> None:
-        self.start = 0  # where the head's first line begins, after empty lines (RFC 9112 2.2)
-        self.searched = 0  # bytes before this were looked at already
+    A fresh scanner's state is its class's: made per head, it runs no __init__ (a Python function
+    the class's call would enter from C)."""
+
+    start = 0  # where the head's first line begins, after empty lines (RFC 9112 2.2)
+    searched = 0  # bytes before this were looked at already
 
     def scan(self, data: bytes | bytearray) -> tuple[int, str] | tuple[int, int] | None:
         """(status, why) to refuse; (0, end) when data[start:end] is a complete, clean head (end

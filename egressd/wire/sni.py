@@ -44,7 +44,7 @@ class TunnelStart:
         self.verdict: str | _Wait | None = WAIT
         self.tls: bool | None = None  # unknown until the first 3 bytes
         self._start = b""
-        self._reader = HelloReader()
+        self._reader: HelloReader | None = None  # made once the first bytes are a TLS record's
 
     def feed(self, data: bytes) -> str | _Wait | None:
         if self.verdict is not WAIT or not data:
@@ -60,6 +60,8 @@ class TunnelStart:
                 self.verdict = None
                 return None
             data, self._start = self._start, b""
+        if self._reader is None:
+            self._reader = HelloReader()
         try:
             hello = parse_message(self._reader.feed(data))
         except HelloTooLarge as exc:

@@ -105,3 +105,26 @@ def test_a_failed_connection_is_recorded_with_its_attempts_for_counters_too() ->
     record = _records(counted)[0]
     assert not record.allowed and record.reason == "connect_refused", record
     assert record.resolved == ("127.0.0.1",) and record.attempts and "refused" in record.attempts[0], record
+
+
+def test_every_event_of_a_tunnel_has_all_its_fields(listener: socket.socket) -> None:
+    """The pipeline builds its events by position from a tuple of every field (built_from, which
+    checks no count): each one made for an allowed tunnel, a refused one and a closed connection
+    has its type's fields, no more, no fewer."""
+    port = listener.getsockname()[1]
+    pipeline, auth = _pipeline()
+    seen: list[Event] = []
+    pipeline.events.subscribe(seen.append)
+    _connect(pipeline, auth, port)
+
+    async def refused() -> None:
+        conn = pipeline.open_conn("127.0.0.1:2")
+        answer = await pipeline.admit(conn, Attempt("connect", "example.com", 443, credentials=auth))
+        assert not isinstance(answer, Admitted), answer
+        pipeline.close_conn(conn)
+
+    asyncio.run(refused())
+    pipeline.refused_early(None, "example.com", 443, "bad_request", "unreadable", stage="request")
+    kinds = {type(e).__name__ for e in seen}
+    assert kinds == {"Decided", "Closed"}, kinds
+    assert all(len(e) == len(type(e)._fields) for e in seen), seen

@@ -124,6 +124,15 @@ def test_anything_but_strict_base64_of_issued_credentials_is_refused(value: str)
 
 
 # -- pinned connect ----------------------------------------------------------------------------
+def test_an_address_text_is_its_own_whatever_else_shares_its_integer() -> None:
+    """address_text remembers by class, integer and scope: an IPv4 and an IPv6 address of one
+    integer, or two scopes of one IPv6 address, are each spelled as str() spells them."""
+    spellings = ["0.0.0.1", "::1", "::ffff:1.2.3.4", "1.2.3.4", "fe80::1", "fe80::1%eth0", "fe80::1%2"]
+    for _ in range(2):  # the second time from the memory
+        for text in spellings:
+            assert pinning.address_text(ip(text)) == str(ip(text))
+
+
 class _Kept(asyncio.Protocol):
     transport: asyncio.BaseTransport | None = None
 

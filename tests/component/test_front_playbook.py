@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from egressd.admission.credentials import CredentialStore
 from egressd.admission.events import Decided, Event, Notice
 from egressd.admission.in_force import PolicyHolder
-from egressd.admission.pipeline import Pipeline
+from egressd.admission.pipeline import Attempt, Pipeline
 from egressd.front.server import Front
 from egressd.front.tunnel import FrontProtocol
 from egressd.policy import parse_policy
@@ -259,6 +259,24 @@ def test_the_answer_does_not_depend_on_where_the_reads_fall(
     played = play(chunks)
     assert (played.status, played.field("X-Egressd-Reason")) == (status, reason)
     assert [r.reason for r in played.records if not r.allowed] == recorded(sent, reason)
+
+
+def test_a_connect_is_admitted_as_an_attempt_with_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front builds a CONNECT's Attempt by position from a tuple of every field (built_from,
+    which checks no count): the pipeline gets all of them, as the client wrote them."""
+    asked: list[Attempt] = []
+    admit = Pipeline.admit
+
+    async def recording(self: Pipeline, conn: Any, attempt: Attempt) -> Any:
+        asked.append(attempt)
+        return await admit(self, conn, attempt)
+
+    monkeypatch.setattr(Pipeline, "admit", recording)
+    play([connect("denied.test:443")])
+    assert len(asked) == 1 and len(asked[0]) == len(Attempt._fields), asked
+    assert asked[0] == Attempt(
+        "connect", "denied.test", 443, "connect", "CONNECT", None, f"Basic {AUTH}", None
+    ), asked
 
 
 def test_a_head_cut_short_by_eof_is_closed_without_an_answer() -> None:

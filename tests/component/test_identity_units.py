@@ -18,6 +18,7 @@ from egressd.admission.credentials import CredentialStore, authenticate
 from egressd.admission.events import Decided, Told
 from egressd.admission.state import ConnState
 from egressd.cli.watch import _line
+from egressd.front.tunnel import listener_end
 from egressd.observe.audit import AuditLog
 from egressd.platform import peer
 
@@ -78,6 +79,24 @@ def test_identify_once_per_connection(pair: tuple[socket.socket, socket.socket])
     assert found.exe == os.readlink("/proc/self/exe")
     assert identity.identify(conn, None) is found  # cached: looked up once
     assert identity.identify(ConnState("c2", "peer"), os.getpid()) == identity.UNKNOWN
+
+
+def test_a_listeners_bound_address_is_the_local_end_of_what_it_accepts() -> None:
+    """listener_end: the front takes a connection's local end from its listener when the listener
+    is bound to one address; a wildcard or a non-IP listener leaves it to each connection."""
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            server = socket.create_server((host, 0), family=family)
+        except OSError:
+            continue  # no IPv6 here
+        with server, socket.create_connection(server.getsockname()[:2]) as client:
+            accepted, _ = server.accept()
+            with accepted:
+                assert listener_end(server) == accepted.getsockname()[:2] == client.getpeername()[:2]
+    with socket.create_server(("0.0.0.0", 0)) as wildcard:
+        assert listener_end(wildcard) is None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+        assert listener_end(unix) is None
 
 
 def test_outside_the_tree_is_not_the_childs(pair: tuple[socket.socket, socket.socket]) -> None:
