@@ -56,7 +56,9 @@ def listen(own: OwnAddresses, host: str, port: int = 0, *, backlog: int = 128) -
 def listen_all(own: OwnAddresses, host: str, port: int = 0, *, backlog: int = 128) -> list[socket.socket]:
     """A listening TCP socket on each address `host` names (`localhost`: 127.0.0.1 and ::1), as
     asyncio's create_server binds them, each registered before it listens; port 0: each a free port."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    # an ASCII name as bytes: a str goes through the idna codec (encodings.idna, stringprep, unicodedata)
+    name: str | bytes = host.encode("ascii") if host.isascii() else host
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     made: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):

@@ -54,6 +54,7 @@ SANDBOX_LATER = (
     "egressd.sandbox.launcher",  # inside the sandbox, in the launcher's own interpreter
     "egressd.sandbox.bridge",
     "egressd.sandbox.intercept",
+    "encodings.idna",  # a host that is not plain ASCII; the resolver
     *SERVING,  # what serving needs: while the child starts
 )
 
