@@ -410,6 +410,61 @@ def _last_chunk(trailers: Headers) -> bytes:
     return b"0\r\n" + text.encode(TEXT_ENCODING)
 
 
+def read_request(head: bytes) -> tuple[RequestHead, int | None, bool, bool]:
+    """One complete request head (the raw-head guard already passed it), parsed: (the request, its
+    Content-Length, whether its body is chunked, whether the connection may carry another request
+    after it). Raises WireError.
+
+    A child sends the same head again and again on a kept-alive connection: the last heads read
+    are remembered by their exact bytes, as CONNECT heads are (read_connect). Reading is a pure
+    function of those bytes and what it returns is never changed, so a remembered answer is the
+    answer; a head that raises is read again each time; only short heads are kept."""
+    if len(head) <= _REMEMBERED_HEAD:
+        return _read_request_remembered(head)
+    return _read_request(head)
+
+
+def _read_request(head: bytes) -> tuple[RequestHead, int | None, bool, bool]:
+    line = head[: head.find(b"\r\n")]
+    if not line.isascii():
+        raise WireError(f"non-ASCII bytes in the request line {ascii(line[:200].decode('latin-1'))}")
+    text = head.decode(TEXT_ENCODING)
+    lines = text[:-4].split("\r\n")
+    fields = _fields(lines[1:])
+    problem = _framing_problem(fields)
+    parsed = _REQUEST_HEAD.fullmatch(text)
+    if parsed is None:
+        raise WireError(problem or _grammar_problem(text, _REQUEST_LINE_RE, "request"))
+    method, target, version = parsed.groups()
+    if method == "CONNECT" or not target.lower().startswith(("http://", "https://", "ftp://")):
+        form = "asterisk" if target == "*" else "origin" if target.startswith("/") else "authority"
+        raise WireError(f"{form}-form target {target[:200]!r}: a proxy request needs an absolute-form URL")
+    scheme, host, port, path = split_target(target)
+    if version not in ("1.1", "1.0"):
+        raise WireError(f"HTTP/{version} is not HTTP/1.1 or HTTP/1.0")
+    request = RequestHead(method, scheme, host, port, path, version, fields)
+    if problem is not None:
+        raise WireError(problem, head=request)
+    hosts = proxy_authorizations = 0
+    length: str | None = None
+    chunked = False
+    for name, value in fields:
+        lower = name.lower()
+        if lower == "host":
+            hosts += 1
+        elif lower == "proxy-authorization":
+            proxy_authorizations += 1
+        elif lower == "content-length":
+            length = value
+        elif lower == "transfer-encoding":
+            chunked = True
+    if hosts > 1:
+        raise WireError("more than one Host header", reason=Reason.HOST_MISMATCH, head=request)
+    if proxy_authorizations > 1:
+        raise WireError("more than one Proxy-Authorization header", head=request)
+    return request, int(length) if length is not None else None, chunked, not _closes(version, fields)
+
+
 class ClientSide(_Side):
     """The child's side: requests in, responses out, one request at a time."""
 
@@ -461,51 +516,19 @@ class ClientSide(_Side):
         return self.receive(b"")
 
     def _head(self, head: bytes) -> RequestHead:
-        line = head[: head.find(b"\r\n")]
-        if not line.isascii():
-            raise WireError(f"non-ASCII bytes in the request line {ascii(line[:200].decode('latin-1'))}")
-        text = head.decode(TEXT_ENCODING)
-        lines = text[:-4].split("\r\n")
-        fields = _fields(lines[1:])
-        problem = _framing_problem(fields)
-        parsed = _REQUEST_HEAD.fullmatch(text)
-        if parsed is None:
-            raise WireError(problem or _grammar_problem(text, _REQUEST_LINE_RE, "request"))
-        method, target, version = parsed.groups()
-        if method == "CONNECT" or not target.lower().startswith(("http://", "https://", "ftp://")):
-            form = "asterisk" if target == "*" else "origin" if target.startswith("/") else "authority"
-            raise WireError(
-                f"{form}-form target {target[:200]!r}: a proxy request needs an absolute-form URL"
-            )
-        scheme, host, port, path = split_target(target)
-        if version not in ("1.1", "1.0"):
-            raise WireError(f"HTTP/{version} is not HTTP/1.1 or HTTP/1.0")
-        self.request = RequestHead(method, scheme, host, port, path, version, fields)
-        if problem is not None:
-            raise WireError(problem, head=self.request)
-        hosts = proxy_authorizations = 0
-        length: str | None = None
-        chunked = False
-        for name, value in fields:
-            lower = name.lower()
-            if lower == "host":
-                hosts += 1
-            elif lower == "proxy-authorization":
-                proxy_authorizations += 1
-            elif lower == "content-length":
-                length = value
-            elif lower == "transfer-encoding":
-                chunked = True
-        if hosts > 1:
-            raise WireError("more than one Host header", reason=Reason.HOST_MISMATCH, head=self.request)
-        if proxy_authorizations > 1:
-            raise WireError("more than one Proxy-Authorization header", head=self.request)
+        try:
+            request, length, chunked, keep_alive = read_request(head)
+        except WireError as exc:
+            if exc.head is not None:
+                self.request = exc.head
+            raise
+        self.request = request
         if chunked:
             self.reader = _Framed(ChunkedReader())
-        elif length is not None and int(length):
-            self.reader = _Counted(int(length))
-        self.keep_alive = not _closes(version, fields)
-        return self.request
+        elif length:
+            self.reader = _Counted(length)
+        self.keep_alive = keep_alive
+        return request
 
     # -- what the child is sent --------------------------------------------------------------------
     def interim(self, head: ResponseHead) -> bytes:
@@ -738,6 +761,7 @@ def _read_connect(head: bytes) -> ConnectHead:
     return ConnectHead(host, port, credentials[0].strip() if credentials else None)
 
 
-_REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, a CONNECT's reading), at most
+_REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, its reading), at most
 _REMEMBERED_HEADS = 256
 _read_connect_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_connect)
+_read_request_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_request)

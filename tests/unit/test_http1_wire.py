@@ -564,6 +564,36 @@ def test_a_connect_head_read_again_answers_as_read_first() -> None:
     assert http1._read_connect_remembered.cache_info().currsize == 256
 
 
+def test_a_request_head_read_again_answers_as_read_first() -> None:
+    """read_request remembers short heads by their exact bytes: the same bytes, the same answer
+    (and each connection its own body reader); a refused head is refused every time, with the
+    request it could read; a long head is never kept."""
+    from egressd.wire import http1
+
+    head = b"POST http://up.test/x HTTP/1.1\r\nHost: up.test\r\nContent-Length: 3\r\n\r\n"
+    first = http1.read_request(head)
+    assert http1.read_request(bytes(head)) == first == http1._read_request(head)
+    assert first[1:] == (3, False, True)
+    sides = [ClientSide(), ClientSide()]
+    for side in sides:
+        assert [type(e) for e in side.receive(head + b"ab")] == [RequestHead, Body]
+    assert sides[0].receive(b"c") == [Body(b"c"), End()] and sides[1].receive(b"c") == [Body(b"c"), End()]
+    bad = b"GET http://up.test/ HTTP/1.1\r\nHost: up.test\r\nHost: other.test\r\n\r\n"
+    for _ in range(3):
+        side = ClientSide()
+        with pytest.raises(WireError) as raised:
+            side.receive(bad)
+        assert raised.value.head is not None and side.request is raised.value.head
+        assert raised.value.head.host == "up.test"
+    long_head = b"GET http://up.test/ HTTP/1.1\r\nX-Pad: " + b"a" * 3000 + b"\r\n\r\n"
+    before = http1._read_request_remembered.cache_info().currsize
+    assert http1.read_request(long_head)[0].host == "up.test"
+    assert http1._read_request_remembered.cache_info().currsize == before
+    for n in range(400):  # bounded: the oldest heads are forgotten
+        http1.read_request(b"GET http://h%d.test/ HTTP/1.1\r\n\r\n" % n)
+    assert http1._read_request_remembered.cache_info().currsize == 256
+
+
 @pytest.mark.parametrize("version", [b"HTTP/2.0", b"HTTP/1.2", b"HTTP/0.9"])
 def test_a_request_of_another_http_version_is_refused(version: bytes) -> None:
     with pytest.raises(WireError):
