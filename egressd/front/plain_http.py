@@ -41,7 +41,6 @@ from egressd.wire.http1 import (
     ServerSide,
     Switched,
     WireError,
-    upstream_headers,
 )
 from egressd.wire.http_fields import hostport
 from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
@@ -548,7 +547,7 @@ class PlainClient(asyncio.Protocol):
         self.seen = 0
         upstream.head_due = True
         out = _as_sent(head, admitted)
-        sent = upstream.wire.request(out, upstream_headers(out, key[0], key[1], set(admitted.strip)))
+        sent = upstream.wire.request_to(out, key[0], key[1], admitted.strip)
         if self.inbox is None:
             upstream.write(sent + upstream.wire.end())
             upstream.expect_response(self.pipeline.policies.get().limits.response_timeout)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import h11
@@ -594,7 +595,7 @@ def response_headers(headers: Headers, *, keep_upgrade: bool) -> Headers:
     return [(n, v) for n, v in headers if n.lower() not in drop]
 
 
-def upstream_headers(request: RequestHead, host: str, port: int, strip: set[str]) -> Headers:
+def upstream_headers(request: RequestHead, host: str, port: int, strip: AbstractSet[str]) -> Headers:
     """What goes upstream: hop-by-hop and proxy fields removed, the Host field the canonical target,
     an upgrade kept only when asked for (request.upgrade: the request rules admitted it as a
     WebSocket handshake)."""
@@ -624,6 +625,8 @@ class ServerSide(_Side):
         self.sending = False  # the request's body is still going out
         self.complete = False  # the final response was read completely
         self.closes = False  # the response ends the connection
+        # what request_to() wrote last: (head, host, port, strip, upgrade, chunked, sending, bytes)
+        self.last_sent: tuple[RequestHead, str, int, AbstractSet[str], bool, bool, bool, bytes] | None = None
 
     def request(self, request: RequestHead, headers: Headers) -> bytes:
         """The request head in origin-form (HTTP/1.1 whatever the child spoke)."""
@@ -641,6 +644,21 @@ class ServerSide(_Side):
                 length = value
         self.sending = self.chunked or length != "0"
         return _head_text(f"{request.method} {request.path} HTTP/1.1", headers, _REQUEST_HEAD)
+
+    def request_to(self, request: RequestHead, host: str, port: int, strip: AbstractSet[str]) -> bytes:
+        """The request head as it goes to host:port: request() of upstream_headers(). A kept-alive
+        connection's next request is most often its last one again — the same head (read_request
+        remembers it), target and fields stripped — and is written as that one was: both are pure
+        functions of those, and neither a head nor its fields are ever changed."""
+        last = self.last_sent
+        if last is not None and last[0] is request and last[1:4] == (host, port, strip):
+            self.in_head, self.complete, self.closes = True, False, False
+            self.method = request.method
+            _, _, _, _, self.upgrade, self.chunked, self.sending, sent = last
+            return sent
+        sent = self.request(request, upstream_headers(request, host, port, strip))
+        self.last_sent = (request, host, port, strip, self.upgrade, self.chunked, self.sending, sent)
+        return sent
 
     def body(self, data: bytes) -> bytes:
         return _chunk(data) if self.chunked else data

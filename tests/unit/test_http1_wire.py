@@ -275,6 +275,45 @@ def test_upgrade_is_kept_only_as_an_upgrade() -> None:
     ]
 
 
+def test_a_request_written_again_is_written_as_the_first_time() -> None:
+    """request_to writes what request() of upstream_headers() writes, and its state for the answer
+    (an upgrade asked, a body still going out) is that request's, also for a head written again
+    after another one."""
+    [get, _] = _read(_head("GET http://h/ HTTP/1.1", "Host: h", "Cookie: a=b", "Connection: x-a", "X-A: 1"))
+    [ws, _] = _read(_head("GET http://h/ws HTTP/1.1", "Host: h", "Connection: Upgrade", "Upgrade: websocket"))
+    [post, *_] = ClientSide().receive(_head("POST http://h/ HTTP/1.1", "Host: h", "Content-Length: 2"))
+    assert isinstance(get, RequestHead) and isinstance(ws, RequestHead) and isinstance(post, RequestHead)
+
+    def state(side: ServerSide) -> tuple[object, ...]:
+        return (
+            side.in_head,
+            side.complete,
+            side.closes,
+            side.method,
+            side.upgrade,
+            side.chunked,
+            side.sending,
+        )
+
+    server = ServerSide()
+    for head, strip in [
+        (get, frozenset()),
+        (get, frozenset()),
+        (ws, frozenset()),
+        (post, frozenset()),
+        (get, frozenset({"cookie"})),
+        (get, frozenset({"cookie"})),
+        (ws, frozenset()),
+        (get, frozenset()),
+    ]:
+        fresh = ServerSide()
+        expected = fresh.request(head, upstream_headers(head, "h", 80, set(strip)))
+        assert server.request_to(head, "h", 80, strip) == expected
+        assert state(server) == state(fresh)
+        server.end()
+    assert server.request_to(get, "h", 8080, frozenset()).startswith(b"GET / HTTP/1.1\r\nHost: h:8080\r\n")
+
+
 # -- what the upstream answers ---------------------------------------------------------------------
 def _exchange(method: str, response: bytes, step: int | None = None, eof: bool = False) -> list[Event]:
     side = ClientSide()
