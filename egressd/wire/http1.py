@@ -476,6 +476,8 @@ class ClientSide(_Side):
         self.answered = False  # ... and its response was sent completely
         self.keep_alive = True  # the connection may carry another request after this exchange
         self.chunked_out = False  # the response to the child is chunked (it may carry trailers)
+        # what response() wrote last: (head, HEAD asked, version, keep-alive before, chunked, after, bytes)
+        self.last_response: tuple[ResponseHead, bool, str, bool, bool, bool, bytes] | None = None
 
     @property
     def buffered(self) -> int:
@@ -540,13 +542,27 @@ class ClientSide(_Side):
     def response(self, head: ResponseHead) -> bytes:
         """The final response head, framed for this client as h11's server role frames it: a
         Content-Length kept, an unknown length chunked to an HTTP/1.1 client and close-delimited to
-        HTTP/1.0, `Connection: close` when this exchange ends the connection."""
+        HTTP/1.0, `Connection: close` when this exchange ends the connection.
+
+        The same head (read_response remembers it) framed for the same kind of request as the last
+        one on this connection is written as that one was: the framing is a pure function of the
+        head, the request's method and version and whether the connection was to stay open."""
         request = self.request
-        fields = response_headers(head.headers, keep_upgrade=False)
         head_only = request is not None and request.method == "HEAD"
+        version = request.version if request is not None else "1.1"
+        asked = (head, head_only, version, self.keep_alive)
+        last = self.last_response
+        if last is not None and last[0] is head and last[1:4] == asked[1:]:
+            _, _, _, _, self.chunked_out, self.keep_alive, sent = last
+            return sent
+        sent = self._framed(head, head_only, version)
+        self.last_response = (*asked, self.chunked_out, self.keep_alive, sent)
+        return sent
+
+    def _framed(self, head: ResponseHead, head_only: bool, version: str) -> bytes:
+        fields = response_headers(head.headers, keep_upgrade=False)
         bodiless = head.status in (204, 304)
         length = any(n.lower() == "content-length" for n, _ in fields)
-        version = request.version if request is not None else "1.1"
         close = not self.keep_alive
         self.chunked_out = False
         if not bodiless and not length:  # h11 frames HEAD's answer as GET's
@@ -610,6 +626,32 @@ def upstream_headers(request: RequestHead, host: str, port: int, strip: Abstract
     if upgrade:
         headers.append(("Connection", "Upgrade"))
     return headers
+
+
+def read_response(head: bytes) -> tuple[ResponseHead, int | None, bool, bool]:
+    """One complete response head (the raw-head guard already passed it), parsed: (the response,
+    its Content-Length, whether its body is chunked, whether it ends the connection). Raises
+    WireError.
+
+    A server answers one request much as it answered the last: the last heads read are remembered
+    by their exact bytes, as request heads are (read_request)."""
+    if len(head) <= _REMEMBERED_HEAD:
+        return _read_response_remembered(head)
+    return _read_response(head)
+
+
+def _read_response(head: bytes) -> tuple[ResponseHead, int | None, bool, bool]:
+    text = head.decode(TEXT_ENCODING)
+    parsed = _RESPONSE_HEAD.fullmatch(text)
+    if parsed is None:
+        raise WireError(_grammar_problem(text, _STATUS_LINE_RE, "status"), 502)
+    version, status_text, reason = parsed.groups()
+    status = int(status_text)
+    fields = _fields(text[:-4].split("\r\n")[1:])
+    length, chunked = _response_length(fields)
+    if status < 100:
+        raise WireError(f"status {status_text} is not HTTP", 502)
+    return ResponseHead(status, reason or "", fields), length, chunked, _closes(version, fields)
 
 
 class ServerSide(_Side):
@@ -694,19 +736,11 @@ class ServerSide(_Side):
         return self.receive(b"")
 
     def _response(self, head: bytes, out: list[Event]) -> None:
-        text = head.decode(TEXT_ENCODING)
-        parsed = _RESPONSE_HEAD.fullmatch(text)
-        if parsed is None:
-            raise WireError(_grammar_problem(text, _STATUS_LINE_RE, "status"), 502)
-        version, status_text, reason = parsed.groups()
-        status = int(status_text)
-        fields = _fields(text[:-4].split("\r\n")[1:])
-        length, chunked = _response_length(fields)
-        if status < 100:
-            raise WireError(f"status {status_text} is not HTTP", 502)
+        response, length, chunked, closes = read_response(head)
+        status = response.status
         if status == 101 and not self.upgrade:
             raise WireError("101 Switching Protocols to a request that asked for no upgrade", 502)
-        out.append(ResponseHead(status, reason or "", fields))
+        out.append(response)
         if status < 200:
             if status == 101:
                 self.switched = True
@@ -714,7 +748,7 @@ class ServerSide(_Side):
                 out.append(Switched(rest))
             return
         self.in_head = False
-        self.closes = _closes(version, fields)
+        self.closes = closes
         if status in (204, 304) or self.method == "HEAD" or (length == 0 and not chunked):
             out.append(_NO_TRAILERS)
             self.complete = True
@@ -783,3 +817,4 @@ _REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, its rea
 _REMEMBERED_HEADS = 256
 _read_connect_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_connect)
 _read_request_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_request)
+_read_response_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_response)

@@ -314,6 +314,39 @@ def test_a_request_written_again_is_written_as_the_first_time() -> None:
     assert server.request_to(get, "h", 8080, frozenset()).startswith(b"GET / HTTP/1.1\r\nHost: h:8080\r\n")
 
 
+def test_a_response_head_framed_again_is_framed_as_the_first_time() -> None:
+    """read_response remembers heads by their exact bytes; ClientSide.response frames the same
+    head again as a fresh side would, for every kind of request in turn (HEAD, HTTP/1.0, a
+    request that closes), its framing state included."""
+    from egressd.wire import http1
+
+    raw = b"HTTP/1.1 200 OK\r\nConnection: x-a\r\nX-A: 1\r\nServer: s\r\n\r\n"
+    first = http1.read_response(raw)
+    assert http1.read_response(bytes(raw)) == first == http1._read_response(raw)
+    assert first[0] is http1.read_response(raw)[0] and first[1:] == (None, False, False)
+    sized = http1.read_response(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")[0]
+    requests = [
+        _head("GET http://h/ HTTP/1.1", "Host: h"),
+        _head("HEAD http://h/ HTTP/1.1", "Host: h"),
+        _head("GET http://h/ HTTP/1.0", "Host: h"),
+        _head("GET http://h/ HTTP/1.1", "Host: h", "Connection: close"),
+        _head("GET http://h/ HTTP/1.1", "Host: h"),
+    ]
+    side = ClientSide()
+    for request in requests * 2:
+        for head in (first[0], first[0], sized, first[0]):
+            fresh = ClientSide()
+            fresh.receive(request)
+            side.receive(request)
+            assert side.response(head) == fresh.response(head)
+            assert (side.chunked_out, side.keep_alive) == (fresh.chunked_out, fresh.keep_alive)
+            side.end([])
+            side.next_request()
+    for _ in range(3):
+        with pytest.raises(WireError):
+            http1.read_response(b"HTTP/1.1 099 No\r\n\r\n")
+
+
 # -- what the upstream answers ---------------------------------------------------------------------
 def _exchange(method: str, response: bytes, step: int | None = None, eof: bool = False) -> list[Event]:
     side = ClientSide()
