@@ -273,10 +273,12 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
     """The complete, guarded head at the start of raw (removed from it, with the empty lines before
     it), or None while more bytes are needed; `scanner` has seen raw's earlier bytes (a fresh one
     for each head). Raises WireError for a head to refuse. CONNECT and plain HTTP read heads here."""
-    whole = scanner.searched == 0 and scanner.start == 0 and raw.endswith(b"\r\n\r\n")
-    if whole and len(raw) <= _REMEMBERED_HEAD and (head := bytes(raw)) in _clean_heads:
-        del raw[:]
-        return head
+    first = scanner.searched == 0 and scanner.start == 0
+    if first:
+        cut = raw.find(b"\r\n\r\n", 0, _REMEMBERED_HEAD) + 4
+        if cut > 3 and (head := bytes(raw[:cut])) in _clean_heads:
+            del raw[:cut]
+            return head
     found = scanner.scan(raw)
     if found is None:
         return None
@@ -285,7 +287,7 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
         raise WireError(str(end), status)
     assert isinstance(end, int)
     head = bytes(raw[scanner.start : end])
-    if whole and scanner.start == 0 and end == len(raw) and end <= _REMEMBERED_HEAD:
+    if first and scanner.start == 0 and end <= _REMEMBERED_HEAD:
         if len(_clean_heads) >= _REMEMBERED_HEADS:
             _clean_heads.clear()
         _clean_heads[head] = None
@@ -293,9 +295,11 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
     return head
 
 
-# The complete heads the guard passed, read whole as the first bytes of a head (a child sends the
-# same head again and again): the guard is a pure function of the bytes, so the same bytes again
-# pass without its scan. A head that is refused, or arrives in pieces, is scanned each time.
+# The complete heads the guard passed at the start of the first bytes read for a head (a child
+# sends the same head again and again, a server answers with the same head): the guard is a pure
+# function of a head's bytes up to its first empty line, which is where it ends, so the same bytes
+# again, whatever follows them (a body), pass without its scan. A head that is refused, or arrives
+# in pieces, is scanned each time.
 _clean_heads: dict[bytes, None] = {}
 
 

@@ -565,10 +565,35 @@ def test_a_remembered_head_never_passes_what_the_guard_refuses(lines: list[bytes
     """Heads read twice: the second answer is the first, and both are the guard's."""
     data = b"".join(line + b"\r\n" for line in lines) + b"\r\n" + tail
     first, second = _taken(data), _taken(data)
-    assert first == second
+    assert first == second == _guarded(data)
     verdict = HeadScanner().scan(data)
     if verdict is not None and verdict[0]:
         assert first == ("refused", verdict[0])
+
+
+def _guarded(data: bytes) -> tuple[str, object]:
+    """The guard's own answer for a fresh buffer of `data`, as _taken spells it."""
+    scanner = HeadScanner()
+    verdict = scanner.scan(data)
+    if verdict is None:
+        return "head", (None, data)
+    if verdict[0]:
+        return "refused", verdict[0]
+    end = int(verdict[1])
+    return "head", (data[scanner.start : end], data[end:])
+
+
+@pytest.mark.parametrize("after", [b"", b"ok", b"\r\n", b"\x00\n\r", b"HTTP/1.1 200 OK\r\n\r\n"])
+def test_a_remembered_head_with_other_bytes_after_it_answers_as_the_guard(after: bytes) -> None:
+    """A head remembered from one read passes again at the start of another whatever follows it
+    (a body, a pipelined head): its end is where the guard ends it, and the rest stays in the buffer."""
+    for head in (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n",
+        b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n",
+        b"GET http://a.test/ HTTP/1.1\r\nX-A: a\rB\r\n\r\n",  # refused: never remembered
+    ):
+        for data in (head, head + b"ab", head + after, head + after):
+            assert _taken(data) == _guarded(data), data
 
 
 # -- CONNECT heads ------------------------------------------------------------------------------------
