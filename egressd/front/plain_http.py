@@ -23,6 +23,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import operator
 import time
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -310,7 +311,7 @@ class IdleUpstreams:
 def _same(state: object, now: object) -> bool:
     """Two states of Pipeline.upstream_state: the same objects, one by one."""
     assert isinstance(state, tuple) and isinstance(now, tuple)
-    return all(a is b for a, b in zip(state, now, strict=True))
+    return len(state) == len(now) and all(map(operator.is_, state, now))  # in C: no generator's frame
 
 
 class Owner(Protocol):
