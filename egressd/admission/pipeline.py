@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import operator
 import secrets
 import threading
 import time
@@ -86,6 +87,11 @@ class Remembered(NamedTuple):
     decision: Decision
     url: str
     changes: tuple[frozenset[str], Injection]
+
+
+def _same(a: Epoch, b: Epoch) -> bool:
+    """Two states of _epoch or upstream_state: the same objects, one by one."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def request_url(attempt: Attempt, target: Target) -> str:
@@ -466,12 +472,14 @@ class Pipeline:
         if conn.tree_only and attempt.credentials is None:
             return None, None
         headers = tuple(attempt.headers or ())
-        if len(attempt.path or "") + sum(len(n) + len(v) for n, v in headers) > REMEMBERED_REQUEST:
+        # the sizes summed and the states compared in C: no generator's frame per request
+        size = len(attempt.path or "") + sum(map(len, itertools.chain.from_iterable(headers)))
+        if size > REMEMBERED_REQUEST:
             return None, None
         a = attempt
         asked = (a.stage, a.credentials, a.host, a.port, a.scheme, a.method, a.path, headers)
         entry = conn.remembered.get(asked) if conn.remembered is not None else None
-        if entry is None or any(a is not b for a, b in zip(entry.epoch, self._epoch(conn), strict=True)):
+        if entry is None or not _same(entry.epoch, self._epoch(conn)):
             return asked, None
         return asked, entry
 

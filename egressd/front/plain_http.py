@@ -23,6 +23,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import operator
 import time
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -41,7 +42,6 @@ from egressd.wire.http1 import (
     ServerSide,
     Switched,
     WireError,
-    upstream_headers,
 )
 from egressd.wire.http_fields import hostport
 from egressd.wire.placeholders import PlaceholderFound, PlaceholderStream, ValueMask
@@ -311,7 +311,7 @@ class IdleUpstreams:
 def _same(state: object, now: object) -> bool:
     """Two states of Pipeline.upstream_state: the same objects, one by one."""
     assert isinstance(state, tuple) and isinstance(now, tuple)
-    return all(a is b for a, b in zip(state, now, strict=True))
+    return len(state) == len(now) and all(map(operator.is_, state, now))  # in C: no generator's frame
 
 
 class Owner(Protocol):
@@ -548,7 +548,7 @@ class PlainClient(asyncio.Protocol):
         self.seen = 0
         upstream.head_due = True
         out = _as_sent(head, admitted)
-        sent = upstream.wire.request(out, upstream_headers(out, key[0], key[1], set(admitted.strip)))
+        sent = upstream.wire.request_to(out, key[0], key[1], admitted.strip)
         if self.inbox is None:
             upstream.write(sent + upstream.wire.end())
             upstream.expect_response(self.pipeline.policies.get().limits.response_timeout)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import h11
@@ -272,10 +273,12 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
     """The complete, guarded head at the start of raw (removed from it, with the empty lines before
     it), or None while more bytes are needed; `scanner` has seen raw's earlier bytes (a fresh one
     for each head). Raises WireError for a head to refuse. CONNECT and plain HTTP read heads here."""
-    whole = scanner.searched == 0 and scanner.start == 0 and raw.endswith(b"\r\n\r\n")
-    if whole and len(raw) <= _REMEMBERED_HEAD and (head := bytes(raw)) in _clean_heads:
-        del raw[:]
-        return head
+    first = scanner.searched == 0 and scanner.start == 0
+    if first:
+        cut = raw.find(b"\r\n\r\n", 0, _REMEMBERED_HEAD) + 4
+        if cut > 3 and (head := bytes(raw[:cut])) in _clean_heads:
+            del raw[:cut]
+            return head
     found = scanner.scan(raw)
     if found is None:
         return None
@@ -284,7 +287,7 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
         raise WireError(str(end), status)
     assert isinstance(end, int)
     head = bytes(raw[scanner.start : end])
-    if whole and scanner.start == 0 and end == len(raw) and end <= _REMEMBERED_HEAD:
+    if first and scanner.start == 0 and end <= _REMEMBERED_HEAD:
         if len(_clean_heads) >= _REMEMBERED_HEADS:
             _clean_heads.clear()
         _clean_heads[head] = None
@@ -292,9 +295,11 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
     return head
 
 
-# The complete heads the guard passed, read whole as the first bytes of a head (a child sends the
-# same head again and again): the guard is a pure function of the bytes, so the same bytes again
-# pass without its scan. A head that is refused, or arrives in pieces, is scanned each time.
+# The complete heads the guard passed at the start of the first bytes read for a head (a child
+# sends the same head again and again, a server answers with the same head): the guard is a pure
+# function of a head's bytes up to its first empty line, which is where it ends, so the same bytes
+# again, whatever follows them (a body), pass without its scan. A head that is refused, or arrives
+# in pieces, is scanned each time.
 _clean_heads: dict[bytes, None] = {}
 
 
@@ -410,6 +415,61 @@ def _last_chunk(trailers: Headers) -> bytes:
     return b"0\r\n" + text.encode(TEXT_ENCODING)
 
 
+def read_request(head: bytes) -> tuple[RequestHead, int | None, bool, bool]:
+    """One complete request head (the raw-head guard already passed it), parsed: (the request, its
+    Content-Length, whether its body is chunked, whether the connection may carry another request
+    after it). Raises WireError.
+
+    A child sends the same head again and again on a kept-alive connection: the last heads read
+    are remembered by their exact bytes, as CONNECT heads are (read_connect). Reading is a pure
+    function of those bytes and what it returns is never changed, so a remembered answer is the
+    answer; a head that raises is read again each time; only short heads are kept."""
+    if len(head) <= _REMEMBERED_HEAD:
+        return _read_request_remembered(head)
+    return _read_request(head)
+
+
+def _read_request(head: bytes) -> tuple[RequestHead, int | None, bool, bool]:
+    line = head[: head.find(b"\r\n")]
+    if not line.isascii():
+        raise WireError(f"non-ASCII bytes in the request line {ascii(line[:200].decode('latin-1'))}")
+    text = head.decode(TEXT_ENCODING)
+    lines = text[:-4].split("\r\n")
+    fields = _fields(lines[1:])
+    problem = _framing_problem(fields)
+    parsed = _REQUEST_HEAD.fullmatch(text)
+    if parsed is None:
+        raise WireError(problem or _grammar_problem(text, _REQUEST_LINE_RE, "request"))
+    method, target, version = parsed.groups()
+    if method == "CONNECT" or not target.lower().startswith(("http://", "https://", "ftp://")):
+        form = "asterisk" if target == "*" else "origin" if target.startswith("/") else "authority"
+        raise WireError(f"{form}-form target {target[:200]!r}: a proxy request needs an absolute-form URL")
+    scheme, host, port, path = split_target(target)
+    if version not in ("1.1", "1.0"):
+        raise WireError(f"HTTP/{version} is not HTTP/1.1 or HTTP/1.0")
+    request = RequestHead(method, scheme, host, port, path, version, fields)
+    if problem is not None:
+        raise WireError(problem, head=request)
+    hosts = proxy_authorizations = 0
+    length: str | None = None
+    chunked = False
+    for name, value in fields:
+        lower = name.lower()
+        if lower == "host":
+            hosts += 1
+        elif lower == "proxy-authorization":
+            proxy_authorizations += 1
+        elif lower == "content-length":
+            length = value
+        elif lower == "transfer-encoding":
+            chunked = True
+    if hosts > 1:
+        raise WireError("more than one Host header", reason=Reason.HOST_MISMATCH, head=request)
+    if proxy_authorizations > 1:
+        raise WireError("more than one Proxy-Authorization header", head=request)
+    return request, int(length) if length is not None else None, chunked, not _closes(version, fields)
+
+
 class ClientSide(_Side):
     """The child's side: requests in, responses out, one request at a time."""
 
@@ -420,6 +480,8 @@ class ClientSide(_Side):
         self.answered = False  # ... and its response was sent completely
         self.keep_alive = True  # the connection may carry another request after this exchange
         self.chunked_out = False  # the response to the child is chunked (it may carry trailers)
+        # what response() wrote last: (head, HEAD asked, version, keep-alive before, chunked, after, bytes)
+        self.last_response: tuple[ResponseHead, bool, str, bool, bool, bool, bytes] | None = None
 
     @property
     def buffered(self) -> int:
@@ -461,51 +523,19 @@ class ClientSide(_Side):
         return self.receive(b"")
 
     def _head(self, head: bytes) -> RequestHead:
-        line = head[: head.find(b"\r\n")]
-        if not line.isascii():
-            raise WireError(f"non-ASCII bytes in the request line {ascii(line[:200].decode('latin-1'))}")
-        text = head.decode(TEXT_ENCODING)
-        lines = text[:-4].split("\r\n")
-        fields = _fields(lines[1:])
-        problem = _framing_problem(fields)
-        parsed = _REQUEST_HEAD.fullmatch(text)
-        if parsed is None:
-            raise WireError(problem or _grammar_problem(text, _REQUEST_LINE_RE, "request"))
-        method, target, version = parsed.groups()
-        if method == "CONNECT" or not target.lower().startswith(("http://", "https://", "ftp://")):
-            form = "asterisk" if target == "*" else "origin" if target.startswith("/") else "authority"
-            raise WireError(
-                f"{form}-form target {target[:200]!r}: a proxy request needs an absolute-form URL"
-            )
-        scheme, host, port, path = split_target(target)
-        if version not in ("1.1", "1.0"):
-            raise WireError(f"HTTP/{version} is not HTTP/1.1 or HTTP/1.0")
-        self.request = RequestHead(method, scheme, host, port, path, version, fields)
-        if problem is not None:
-            raise WireError(problem, head=self.request)
-        hosts = proxy_authorizations = 0
-        length: str | None = None
-        chunked = False
-        for name, value in fields:
-            lower = name.lower()
-            if lower == "host":
-                hosts += 1
-            elif lower == "proxy-authorization":
-                proxy_authorizations += 1
-            elif lower == "content-length":
-                length = value
-            elif lower == "transfer-encoding":
-                chunked = True
-        if hosts > 1:
-            raise WireError("more than one Host header", reason=Reason.HOST_MISMATCH, head=self.request)
-        if proxy_authorizations > 1:
-            raise WireError("more than one Proxy-Authorization header", head=self.request)
+        try:
+            request, length, chunked, keep_alive = read_request(head)
+        except WireError as exc:
+            if exc.head is not None:
+                self.request = exc.head
+            raise
+        self.request = request
         if chunked:
             self.reader = _Framed(ChunkedReader())
-        elif length is not None and int(length):
-            self.reader = _Counted(int(length))
-        self.keep_alive = not _closes(version, fields)
-        return self.request
+        elif length:
+            self.reader = _Counted(length)
+        self.keep_alive = keep_alive
+        return request
 
     # -- what the child is sent --------------------------------------------------------------------
     def interim(self, head: ResponseHead) -> bytes:
@@ -516,13 +546,27 @@ class ClientSide(_Side):
     def response(self, head: ResponseHead) -> bytes:
         """The final response head, framed for this client as h11's server role frames it: a
         Content-Length kept, an unknown length chunked to an HTTP/1.1 client and close-delimited to
-        HTTP/1.0, `Connection: close` when this exchange ends the connection."""
+        HTTP/1.0, `Connection: close` when this exchange ends the connection.
+
+        The same head (read_response remembers it) framed for the same kind of request as the last
+        one on this connection is written as that one was: the framing is a pure function of the
+        head, the request's method and version and whether the connection was to stay open."""
         request = self.request
-        fields = response_headers(head.headers, keep_upgrade=False)
         head_only = request is not None and request.method == "HEAD"
+        version = request.version if request is not None else "1.1"
+        asked = (head, head_only, version, self.keep_alive)
+        last = self.last_response
+        if last is not None and last[0] is head and last[1:4] == asked[1:]:
+            _, _, _, _, self.chunked_out, self.keep_alive, sent = last
+            return sent
+        sent = self._framed(head, head_only, version)
+        self.last_response = (*asked, self.chunked_out, self.keep_alive, sent)
+        return sent
+
+    def _framed(self, head: ResponseHead, head_only: bool, version: str) -> bytes:
+        fields = response_headers(head.headers, keep_upgrade=False)
         bodiless = head.status in (204, 304)
         length = any(n.lower() == "content-length" for n, _ in fields)
-        version = request.version if request is not None else "1.1"
         close = not self.keep_alive
         self.chunked_out = False
         if not bodiless and not length:  # h11 frames HEAD's answer as GET's
@@ -571,7 +615,7 @@ def response_headers(headers: Headers, *, keep_upgrade: bool) -> Headers:
     return [(n, v) for n, v in headers if n.lower() not in drop]
 
 
-def upstream_headers(request: RequestHead, host: str, port: int, strip: set[str]) -> Headers:
+def upstream_headers(request: RequestHead, host: str, port: int, strip: AbstractSet[str]) -> Headers:
     """What goes upstream: hop-by-hop and proxy fields removed, the Host field the canonical target,
     an upgrade kept only when asked for (request.upgrade: the request rules admitted it as a
     WebSocket handshake)."""
@@ -588,6 +632,32 @@ def upstream_headers(request: RequestHead, host: str, port: int, strip: set[str]
     return headers
 
 
+def read_response(head: bytes) -> tuple[ResponseHead, int | None, bool, bool]:
+    """One complete response head (the raw-head guard already passed it), parsed: (the response,
+    its Content-Length, whether its body is chunked, whether it ends the connection). Raises
+    WireError.
+
+    A server answers one request much as it answered the last: the last heads read are remembered
+    by their exact bytes, as request heads are (read_request)."""
+    if len(head) <= _REMEMBERED_HEAD:
+        return _read_response_remembered(head)
+    return _read_response(head)
+
+
+def _read_response(head: bytes) -> tuple[ResponseHead, int | None, bool, bool]:
+    text = head.decode(TEXT_ENCODING)
+    parsed = _RESPONSE_HEAD.fullmatch(text)
+    if parsed is None:
+        raise WireError(_grammar_problem(text, _STATUS_LINE_RE, "status"), 502)
+    version, status_text, reason = parsed.groups()
+    status = int(status_text)
+    fields = _fields(text[:-4].split("\r\n")[1:])
+    length, chunked = _response_length(fields)
+    if status < 100:
+        raise WireError(f"status {status_text} is not HTTP", 502)
+    return ResponseHead(status, reason or "", fields), length, chunked, _closes(version, fields)
+
+
 class ServerSide(_Side):
     """The upstream's side of one pinned connection, reused for keep-alive."""
 
@@ -601,6 +671,8 @@ class ServerSide(_Side):
         self.sending = False  # the request's body is still going out
         self.complete = False  # the final response was read completely
         self.closes = False  # the response ends the connection
+        # what request_to() wrote last: (head, host, port, strip, upgrade, chunked, sending, bytes)
+        self.last_sent: tuple[RequestHead, str, int, AbstractSet[str], bool, bool, bool, bytes] | None = None
 
     def request(self, request: RequestHead, headers: Headers) -> bytes:
         """The request head in origin-form (HTTP/1.1 whatever the child spoke)."""
@@ -618,6 +690,21 @@ class ServerSide(_Side):
                 length = value
         self.sending = self.chunked or length != "0"
         return _head_text(f"{request.method} {request.path} HTTP/1.1", headers, _REQUEST_HEAD)
+
+    def request_to(self, request: RequestHead, host: str, port: int, strip: AbstractSet[str]) -> bytes:
+        """The request head as it goes to host:port: request() of upstream_headers(). A kept-alive
+        connection's next request is most often its last one again — the same head (read_request
+        remembers it), target and fields stripped — and is written as that one was: both are pure
+        functions of those, and neither a head nor its fields are ever changed."""
+        last = self.last_sent
+        if last is not None and last[0] is request and last[1:4] == (host, port, strip):
+            self.in_head, self.complete, self.closes = True, False, False
+            self.method = request.method
+            _, _, _, _, self.upgrade, self.chunked, self.sending, sent = last
+            return sent
+        sent = self.request(request, upstream_headers(request, host, port, strip))
+        self.last_sent = (request, host, port, strip, self.upgrade, self.chunked, self.sending, sent)
+        return sent
 
     def body(self, data: bytes) -> bytes:
         return _chunk(data) if self.chunked else data
@@ -653,19 +740,11 @@ class ServerSide(_Side):
         return self.receive(b"")
 
     def _response(self, head: bytes, out: list[Event]) -> None:
-        text = head.decode(TEXT_ENCODING)
-        parsed = _RESPONSE_HEAD.fullmatch(text)
-        if parsed is None:
-            raise WireError(_grammar_problem(text, _STATUS_LINE_RE, "status"), 502)
-        version, status_text, reason = parsed.groups()
-        status = int(status_text)
-        fields = _fields(text[:-4].split("\r\n")[1:])
-        length, chunked = _response_length(fields)
-        if status < 100:
-            raise WireError(f"status {status_text} is not HTTP", 502)
+        response, length, chunked, closes = read_response(head)
+        status = response.status
         if status == 101 and not self.upgrade:
             raise WireError("101 Switching Protocols to a request that asked for no upgrade", 502)
-        out.append(ResponseHead(status, reason or "", fields))
+        out.append(response)
         if status < 200:
             if status == 101:
                 self.switched = True
@@ -673,7 +752,7 @@ class ServerSide(_Side):
                 out.append(Switched(rest))
             return
         self.in_head = False
-        self.closes = _closes(version, fields)
+        self.closes = closes
         if status in (204, 304) or self.method == "HEAD" or (length == 0 and not chunked):
             out.append(_NO_TRAILERS)
             self.complete = True
@@ -738,6 +817,8 @@ def _read_connect(head: bytes) -> ConnectHead:
     return ConnectHead(host, port, credentials[0].strip() if credentials else None)
 
 
-_REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, a CONNECT's reading), at most
+_REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, its reading), at most
 _REMEMBERED_HEADS = 256
 _read_connect_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_connect)
+_read_request_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_request)
+_read_response_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_response)

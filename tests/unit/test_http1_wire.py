@@ -275,6 +275,78 @@ def test_upgrade_is_kept_only_as_an_upgrade() -> None:
     ]
 
 
+def test_a_request_written_again_is_written_as_the_first_time() -> None:
+    """request_to writes what request() of upstream_headers() writes, and its state for the answer
+    (an upgrade asked, a body still going out) is that request's, also for a head written again
+    after another one."""
+    [get, _] = _read(_head("GET http://h/ HTTP/1.1", "Host: h", "Cookie: a=b", "Connection: x-a", "X-A: 1"))
+    [ws, _] = _read(_head("GET http://h/ws HTTP/1.1", "Host: h", "Connection: Upgrade", "Upgrade: websocket"))
+    [post, *_] = ClientSide().receive(_head("POST http://h/ HTTP/1.1", "Host: h", "Content-Length: 2"))
+    assert isinstance(get, RequestHead) and isinstance(ws, RequestHead) and isinstance(post, RequestHead)
+
+    def state(side: ServerSide) -> tuple[object, ...]:
+        return (
+            side.in_head,
+            side.complete,
+            side.closes,
+            side.method,
+            side.upgrade,
+            side.chunked,
+            side.sending,
+        )
+
+    server = ServerSide()
+    for head, strip in [
+        (get, frozenset()),
+        (get, frozenset()),
+        (ws, frozenset()),
+        (post, frozenset()),
+        (get, frozenset({"cookie"})),
+        (get, frozenset({"cookie"})),
+        (ws, frozenset()),
+        (get, frozenset()),
+    ]:
+        fresh = ServerSide()
+        expected = fresh.request(head, upstream_headers(head, "h", 80, set(strip)))
+        assert server.request_to(head, "h", 80, strip) == expected
+        assert state(server) == state(fresh)
+        server.end()
+    assert server.request_to(get, "h", 8080, frozenset()).startswith(b"GET / HTTP/1.1\r\nHost: h:8080\r\n")
+
+
+def test_a_response_head_framed_again_is_framed_as_the_first_time() -> None:
+    """read_response remembers heads by their exact bytes; ClientSide.response frames the same
+    head again as a fresh side would, for every kind of request in turn (HEAD, HTTP/1.0, a
+    request that closes), its framing state included."""
+    from egressd.wire import http1
+
+    raw = b"HTTP/1.1 200 OK\r\nConnection: x-a\r\nX-A: 1\r\nServer: s\r\n\r\n"
+    first = http1.read_response(raw)
+    assert http1.read_response(bytes(raw)) == first == http1._read_response(raw)
+    assert first[0] is http1.read_response(raw)[0] and first[1:] == (None, False, False)
+    sized = http1.read_response(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")[0]
+    requests = [
+        _head("GET http://h/ HTTP/1.1", "Host: h"),
+        _head("HEAD http://h/ HTTP/1.1", "Host: h"),
+        _head("GET http://h/ HTTP/1.0", "Host: h"),
+        _head("GET http://h/ HTTP/1.1", "Host: h", "Connection: close"),
+        _head("GET http://h/ HTTP/1.1", "Host: h"),
+    ]
+    side = ClientSide()
+    for request in requests * 2:
+        for head in (first[0], first[0], sized, first[0]):
+            fresh = ClientSide()
+            fresh.receive(request)
+            side.receive(request)
+            assert side.response(head) == fresh.response(head)
+            assert (side.chunked_out, side.keep_alive) == (fresh.chunked_out, fresh.keep_alive)
+            side.end([])
+            side.next_request()
+    for _ in range(3):
+        with pytest.raises(WireError):
+            http1.read_response(b"HTTP/1.1 099 No\r\n\r\n")
+
+
 # -- what the upstream answers ---------------------------------------------------------------------
 def _exchange(method: str, response: bytes, step: int | None = None, eof: bool = False) -> list[Event]:
     side = ClientSide()
@@ -493,10 +565,35 @@ def test_a_remembered_head_never_passes_what_the_guard_refuses(lines: list[bytes
     """Heads read twice: the second answer is the first, and both are the guard's."""
     data = b"".join(line + b"\r\n" for line in lines) + b"\r\n" + tail
     first, second = _taken(data), _taken(data)
-    assert first == second
+    assert first == second == _guarded(data)
     verdict = HeadScanner().scan(data)
     if verdict is not None and verdict[0]:
         assert first == ("refused", verdict[0])
+
+
+def _guarded(data: bytes) -> tuple[str, object]:
+    """The guard's own answer for a fresh buffer of `data`, as _taken spells it."""
+    scanner = HeadScanner()
+    verdict = scanner.scan(data)
+    if verdict is None:
+        return "head", (None, data)
+    if verdict[0]:
+        return "refused", verdict[0]
+    end = int(verdict[1])
+    return "head", (data[scanner.start : end], data[end:])
+
+
+@pytest.mark.parametrize("after", [b"", b"ok", b"\r\n", b"\x00\n\r", b"HTTP/1.1 200 OK\r\n\r\n"])
+def test_a_remembered_head_with_other_bytes_after_it_answers_as_the_guard(after: bytes) -> None:
+    """A head remembered from one read passes again at the start of another whatever follows it
+    (a body, a pipelined head): its end is where the guard ends it, and the rest stays in the buffer."""
+    for head in (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n",
+        b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n",
+        b"GET http://a.test/ HTTP/1.1\r\nX-A: a\rB\r\n\r\n",  # refused: never remembered
+    ):
+        for data in (head, head + b"ab", head + after, head + after):
+            assert _taken(data) == _guarded(data), data
 
 
 # -- CONNECT heads ------------------------------------------------------------------------------------
@@ -562,6 +659,36 @@ def test_a_connect_head_read_again_answers_as_read_first() -> None:
     for n in range(400):  # bounded: the oldest heads are forgotten
         read_connect(b"CONNECT h%d.test:443 HTTP/1.1\r\n\r\n" % n)
     assert http1._read_connect_remembered.cache_info().currsize == 256
+
+
+def test_a_request_head_read_again_answers_as_read_first() -> None:
+    """read_request remembers short heads by their exact bytes: the same bytes, the same answer
+    (and each connection its own body reader); a refused head is refused every time, with the
+    request it could read; a long head is never kept."""
+    from egressd.wire import http1
+
+    head = b"POST http://up.test/x HTTP/1.1\r\nHost: up.test\r\nContent-Length: 3\r\n\r\n"
+    first = http1.read_request(head)
+    assert http1.read_request(bytes(head)) == first == http1._read_request(head)
+    assert first[1:] == (3, False, True)
+    sides = [ClientSide(), ClientSide()]
+    for side in sides:
+        assert [type(e) for e in side.receive(head + b"ab")] == [RequestHead, Body]
+    assert sides[0].receive(b"c") == [Body(b"c"), End()] and sides[1].receive(b"c") == [Body(b"c"), End()]
+    bad = b"GET http://up.test/ HTTP/1.1\r\nHost: up.test\r\nHost: other.test\r\n\r\n"
+    for _ in range(3):
+        side = ClientSide()
+        with pytest.raises(WireError) as raised:
+            side.receive(bad)
+        assert raised.value.head is not None and side.request is raised.value.head
+        assert raised.value.head.host == "up.test"
+    long_head = b"GET http://up.test/ HTTP/1.1\r\nX-Pad: " + b"a" * 3000 + b"\r\n\r\n"
+    before = http1._read_request_remembered.cache_info().currsize
+    assert http1.read_request(long_head)[0].host == "up.test"
+    assert http1._read_request_remembered.cache_info().currsize == before
+    for n in range(400):  # bounded: the oldest heads are forgotten
+        http1.read_request(b"GET http://h%d.test/ HTTP/1.1\r\n\r\n" % n)
+    assert http1._read_request_remembered.cache_info().currsize == 256
 
 
 @pytest.mark.parametrize("version", [b"HTTP/2.0", b"HTTP/1.2", b"HTTP/0.9"])
