@@ -22,7 +22,7 @@ from egressd.admission.limits import overloaded
 from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, IdleUpstreams, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
-from egressd.front.relay import COALESCE, Pipe, Tunnel
+from egressd.front.relay import COALESCE, ClientSide, Pipe, Tunnel
 from egressd.inspect.inspected import InspectedTunnel
 from egressd.platform.descriptors import out_of_descriptors
 from egressd.policy.reasons import Reason
@@ -64,7 +64,7 @@ class Listeners(Protocol):
     upstreams: IdleUpstreams  # plain HTTP's kept-alive upstream connections
 
 
-class FrontProtocol(Pipe):
+class FrontProtocol(ClientSide):
     """The client side: reads the request head, then becomes one side of a relay."""
 
     early_stage = "connect"  # the stage of a refusal made before the head is read
