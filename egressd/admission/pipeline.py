@@ -318,7 +318,9 @@ class Pipeline:
         # 1c. identity: who holds the socket, when a rule or the audit needs it (once per connection;
         # awaited only then: most admissions wait for nothing)
         # every captured connection too: the program that ignored the proxy variables is named
-        if conn.identity is None and (self.identify or conn.captured or self.policies.get().needs_program):
+        if conn.identity is None and (
+            self.identify or conn.captured or self.policies.now.policy.needs_program
+        ):
             await self._identify(conn)
         program = conn.identity.program if conn.identity is not None else None
         # 2. limits, before anything is decided: refused targets cost a child its rate too
@@ -678,7 +680,7 @@ class Pipeline:
         target = admitted.decision.target
         # a name first (an IP literal has none): the memory's truth is a Python call
         known = self.handed.get(target.host.name) if target and target.host.name and self.handed else None
-        pinned = await resolution.pin(admitted.decision, self.policies.get(), known)
+        pinned = await resolution.pin(admitted.decision, self.policies.now.policy, known)
         if pinned.lookup is not None and self.events.observed:
             self.events.emit(Resolved(*pinned.lookup))
         admitted.decision, admitted.pin, admitted.resolved = pinned.decision, pinned.pin, pinned.resolved
