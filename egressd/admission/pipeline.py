@@ -218,21 +218,31 @@ class Pipeline:
         """A client connection accepted; `ends`: (client, server) addresses of its socket (for the
         owner lookup), in the network namespace `diag` asks when it is another's; `tree_only`: the
         listener admits only the process tree of the child its implicit credentials belong to."""
-        state = ConnState(f"{self._id_prefix}{next(self._ids):06x}", peer, implicit, ends, tree_only, diag)
+        conn_id = "%s%06x" % (self._id_prefix, next(self._ids))  # noqa: UP031 - a format spec is parsed per call
+        state = ConnState(conn_id, peer, implicit, ends, tree_only, diag)
         conns = self._conns
-        with conns.lock:
+        # the lock taken and given back by hand, here and in close_conn: `with` looks up and binds
+        # the lock's __enter__ and __exit__ each time
+        conns.lock.acquire()
+        try:
             state.room = self.limits.room_for_client(conns.served, len(conns.open))
             conns.served += state.room == "serve"
             conns.open[state.conn_id] = state
+        finally:
+            conns.lock.release()
         return state
 
     def close_conn(self, state: ConnState) -> None:
         """The client connection ended: forgotten, and its closed record emitted (once)."""
-        with self._conns.lock:
-            if self._conns.open.pop(state.conn_id, None) is None:
-                return
-            self._conns.served -= state.room == "serve"
-        if state.host is not None:
+        conns = self._conns
+        conns.lock.acquire()
+        try:
+            known = conns.open.pop(state.conn_id, None) is not None
+            if known:
+                conns.served -= state.room == "serve"
+        finally:
+            conns.lock.release()
+        if known and state.host is not None:
             # every field by position, and the duration as measured: what writes it as text rounds it
             self.events.emit(
                 built_from(
