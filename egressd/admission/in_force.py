@@ -38,6 +38,7 @@ class PolicyHolder:
         self.now = now if isinstance(now, InForce) else InForce(now)
 
     def get(self) -> Policy:
+        """The policy in force (a connection's own path reads `now.policy`: the same, without a call)."""
         return self.now.policy
 
     def set(self, now: InForce | Policy) -> None:

@@ -53,7 +53,7 @@ class Limits:
 
     def rate(self, conn: ConnState) -> Refusal | None:
         """One request's token, per child: its token, or the connection when it has none."""
-        limits = self.policies.get().limits
+        limits = self.policies.now.policy.limits
         if limits.requests_per_second is None:
             return None
         wait = self.buckets.take(conn.client_key, limits.requests_per_second, limits.burst)
@@ -70,7 +70,7 @@ class Limits:
 
     def connections(self) -> Refusal | None:
         """Another upstream connection would exceed limits.max_connections."""
-        limit = self.policies.get().limits.max_connections
+        limit = self.policies.now.policy.limits.max_connections
         if limit is None or len(self.upstreams) < limit:
             return None
         detail = f"{limit} upstream connections are open (limits.max_connections)"

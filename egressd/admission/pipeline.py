@@ -224,21 +224,31 @@ class Pipeline:
         """A client connection accepted; `ends`: (client, server) addresses of its socket (for the
         owner lookup), in the network namespace `diag` asks when it is another's; `tree_only`: the
         listener admits only the process tree of the child its implicit credentials belong to."""
-        state = ConnState(f"{self._id_prefix}{next(self._ids):06x}", peer, implicit, ends, tree_only, diag)
+        conn_id = "%s%06x" % (self._id_prefix, next(self._ids))  # noqa: UP031 - a format spec is parsed per call
+        state = ConnState(conn_id, peer, implicit, ends, tree_only, diag)
         conns = self._conns
-        with conns.lock:
+        # the lock taken and given back by hand, here and in close_conn: `with` looks up and binds
+        # the lock's __enter__ and __exit__ each time
+        conns.lock.acquire()
+        try:
             state.room = self.limits.room_for_client(conns.served, len(conns.open))
             conns.served += state.room == "serve"
             conns.open[state.conn_id] = state
+        finally:
+            conns.lock.release()
         return state
 
     def close_conn(self, state: ConnState) -> None:
         """The client connection ended: forgotten, and its closed record emitted (once)."""
-        with self._conns.lock:
-            if self._conns.open.pop(state.conn_id, None) is None:
-                return
-            self._conns.served -= state.room == "serve"
-        if state.host is not None:
+        conns = self._conns
+        conns.lock.acquire()
+        try:
+            known = conns.open.pop(state.conn_id, None) is not None
+            if known:
+                conns.served -= state.room == "serve"
+        finally:
+            conns.lock.release()
+        if known and state.host is not None:
             # every field by position, and the duration as measured: what writes it as text rounds it
             self.events.emit(
                 built_from(
@@ -324,7 +334,9 @@ class Pipeline:
         # 1c. identity: who holds the socket, when a rule or the audit needs it (once per connection;
         # awaited only then: most admissions wait for nothing)
         # every captured connection too: the program that ignored the proxy variables is named
-        if conn.identity is None and (self.identify or conn.captured or self.policies.get().needs_program):
+        if conn.identity is None and (
+            self.identify or conn.captured or self.policies.now.policy.needs_program
+        ):
             await self._identify(conn)
         program = conn.identity.program if conn.identity is not None else None
         # 2. limits, before anything is decided: refused targets cost a child its rate too
@@ -686,7 +698,7 @@ class Pipeline:
         target = admitted.decision.target
         # a name first (an IP literal has none): the memory's truth is a Python call
         known = self.handed.get(target.host.name) if target and target.host.name and self.handed else None
-        pinned = await resolution.pin(admitted.decision, self.policies.get(), known)
+        pinned = await resolution.pin(admitted.decision, self.policies.now.policy, known)
         if pinned.lookup is not None and self.events.observed:
             self.events.emit(Resolved(*pinned.lookup))
         admitted.decision, admitted.pin, admitted.resolved = pinned.decision, pinned.pin, pinned.resolved

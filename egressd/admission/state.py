@@ -40,17 +40,18 @@ class ProxyCredentials:
     gateway_profile: str | None = None
     # an attached child's `program[pid]` (egressd exec --attach): who it is in the audit and `ps`
     label: str | None = field(default=None, compare=False)
+    # made from the fields above when the credentials are (every decision's record reads both: a
+    # property is a Python call)
+    client: str = field(init=False, compare=False, repr=False)  # the name decisions are recorded under
+    profile: str | None = field(init=False, compare=False, repr=False)
 
-    @property
-    def client(self) -> str:
-        """The name decisions are recorded under: the attached child's label, else the username."""
-        return self.label or self.username
-
-    @property
-    def profile(self) -> str | None:
+    def __post_init__(self) -> None:
+        # the attached child's label, else the username; a gateway client's profile is its entry's
+        object.__setattr__(self, "client", self.label or self.username)
         if self.gateway:
-            return self.gateway_profile
-        return None if self.username == DEFAULT_USERNAME else self.username
+            object.__setattr__(self, "profile", self.gateway_profile)
+        else:
+            object.__setattr__(self, "profile", None if self.username == DEFAULT_USERNAME else self.username)
 
     def proxy_url(self, host: str, port: int, scheme: str = "http") -> str:
         return f"{scheme}://{self.username}:{self.token}@{join_host_port(host, port)}"

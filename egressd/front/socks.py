@@ -57,7 +57,8 @@ class SocksProtocol(FrontProtocol):
         self.presented: Presented = None  # the user and password the client sent, if it did
 
     # -- the handshake (stage "head": header_timeout bounds it) -----------------------------------
-    def _on_head_bytes(self) -> None:
+    def _on_head_bytes(self, last: bytes) -> None:
+        """The handshake's bytes read so far, from the buffer (`last`: those of the last read)."""
         if self.parser.done:
             return  # tunnel bytes arriving while the request is admitted: kept in the buffer
         data, self.buffer = bytes(self.buffer), bytearray()

@@ -22,7 +22,7 @@ from egressd.admission.limits import overloaded
 from egressd.admission.pipeline import Admitted, Attempt
 from egressd.front.plain_http import REVOKED, IdleUpstreams, PlainClient
 from egressd.front.refusal_page import RefusalPage, wants_page
-from egressd.front.relay import COALESCE, Pipe, Tunnel
+from egressd.front.relay import COALESCE, ClientSide, Pipe, Tunnel
 from egressd.inspect.inspected import InspectedTunnel
 from egressd.platform.descriptors import out_of_descriptors
 from egressd.policy.reasons import Reason
@@ -51,6 +51,13 @@ HEALTH_REQUEST = b"GET /healthz HTTP/1."
 HEALTH_ANSWER = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n"
 )
+# The CONNECT heads read whole as a connection's first bytes, by their exact bytes, with the attempt
+# read from them (a child sends the same head again and again): the guard and the reading are pure
+# functions of the bytes, so the same bytes again are that attempt without a look at them. A head
+# that is refused, or arrives in pieces, is read each time.
+READ_CONNECTS = 256
+READ_CONNECT_SIZE = 2048  # bytes of a head remembered, at most
+_read_connects: dict[bytes, Attempt] = {}
 
 
 class Listeners(Protocol):
@@ -64,7 +71,7 @@ class Listeners(Protocol):
     upstreams: IdleUpstreams  # plain HTTP's kept-alive upstream connections
 
 
-class FrontProtocol(Pipe):
+class FrontProtocol(ClientSide):
     """The client side: reads the request head, then becomes one side of a relay."""
 
     early_stage = "connect"  # the stage of a refusal made before the head is read
@@ -183,7 +190,7 @@ class FrontProtocol(Pipe):
             self.transport.pause_reading()
             return
         if self.stage == "head":
-            self._on_head_bytes()
+            self._on_head_bytes(data)
 
     def eof_received(self) -> bool:
         if self.stage == "relay":
@@ -224,7 +231,14 @@ class FrontProtocol(Pipe):
         self.tunnel.front = None
 
     # -- the request head --------------------------------------------------------------------------
-    def _on_head_bytes(self) -> None:
+    def _on_head_bytes(self, data: bytes) -> None:
+        """The request head's bytes read so far are in the buffer; `data`: those of the last read."""
+        # the connection's first read, a whole CONNECT head read before: what reading it answered
+        first = len(self.buffer) == len(data)
+        if first and (attempt := _read_connects.get(data)) is not None:
+            del self.buffer[:]
+            self._start_tunnel(attempt)
+            return
         del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
         if self.buffer == b"\r":  # the first half of another empty line: nothing told yet
             return
@@ -249,6 +263,10 @@ class FrontProtocol(Pipe):
             Attempt,
             ("connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization, None),
         )
+        if first and len(head) <= READ_CONNECT_SIZE and head == data:
+            if len(_read_connects) >= READ_CONNECTS:
+                _read_connects.clear()
+            _read_connects[head] = attempt
         self._start_tunnel(attempt)
 
     def _health_check(self) -> bool:

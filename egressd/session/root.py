@@ -202,7 +202,9 @@ class ProxySession:
 
             clients = self.gateway.names if self.gateway is not None else None
             proxy, policies = self.proxy, self.in_force
-            self.metrics = Metrics(lambda: proxy.pipeline, mode=lambda: policies.get().mode, clients=clients)
+            self.metrics = Metrics(
+                lambda: proxy.pipeline, mode=lambda: policies.now.policy.mode, clients=clients
+            )
             subscribe(self.metrics.observe, addresses=False)  # counters
         if self.options.report:
             from egressd.observe.captured import CapturedReport

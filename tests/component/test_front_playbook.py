@@ -24,6 +24,7 @@ from egressd.admission.credentials import CredentialStore
 from egressd.admission.events import Decided, Event, Notice
 from egressd.admission.in_force import PolicyHolder
 from egressd.admission.pipeline import Attempt, Pipeline
+from egressd.front import tunnel
 from egressd.front.server import Front
 from egressd.front.tunnel import FrontProtocol
 from egressd.policy import parse_policy
@@ -277,6 +278,41 @@ def test_a_connect_is_admitted_as_an_attempt_with_every_field(monkeypatch: pytes
     assert asked[0] == Attempt(
         "connect", "denied.test", 443, "connect", "CONNECT", None, f"Basic {AUTH}", None
     ), asked
+
+
+def test_a_connect_head_read_whole_again_is_admitted_as_the_attempt_read_from_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CONNECT head read whole as a connection's first bytes is remembered with its attempt: the
+    same bytes again are admitted as that attempt, answered and recorded as the first time. A head
+    refused as unreadable, read in pieces, or after empty lines is not remembered; the memory is
+    bounded."""
+    asked: list[Attempt] = []
+    admit = Pipeline.admit
+
+    async def recording(self: Pipeline, conn: Any, attempt: Attempt) -> Any:
+        asked.append(attempt)
+        return await admit(self, conn, attempt)
+
+    monkeypatch.setattr(Pipeline, "admit", recording)
+    monkeypatch.setattr(tunnel, "_read_connects", {})
+    heads = [connect("denied.test:443"), connect("other.test:443", auth=WRONG), connect("[::1]:1")]
+    for sent in heads:
+        first, again = play([sent]), play([sent])
+        assert asked[-2] == asked[-1] and tunnel._read_connects[sent] is asked[-1]
+        assert (again.status, again.field("X-Egressd-Reason")) == (
+            first.status,
+            first.field("X-Egressd-Reason"),
+        )
+        assert [r.reason for r in again.records] == [r.reason for r in first.records]
+    unread = connect("denied.test")  # no port: 400
+    pieces = connect("denied.test:8443")
+    for chunks in ([unread], [pieces[:9], pieces[9:]], [b"\r\n" + connect("other.test:8443")]):
+        play(chunks)
+    assert list(tunnel._read_connects) == heads
+    for n in range(tunnel.READ_CONNECTS):
+        play([connect(f"h{n}.test:443")])
+    assert len(tunnel._read_connects) < tunnel.READ_CONNECTS
 
 
 def test_a_head_cut_short_by_eof_is_closed_without_an_answer() -> None:
