@@ -200,6 +200,21 @@ def diag_lookup(client: tuple[IPAddress, int], server: tuple[IPAddress, int]) ->
     return row if row is not None and row.inode else None
 
 
+def _ask(diag: Diag, client: tuple[IPAddress, int], server: tuple[IPAddress, int]) -> SocketRow | None:
+    """The client's socket through the sock_diag socket of another network namespace, shared by
+    every lookup there, one question at a time."""
+    with diag.lock:
+        seq = diag.next_seq()
+        diag.sock.settimeout(1.0)
+        diag.sock.sendto(diag_request(client, server, seq), (0, 0))
+        while True:  # an answer to an earlier question that timed out is skipped
+            reply = diag.sock.recv(8192)
+            if diag_answer(reply) == seq:
+                break
+    row = parse_diag_reply(reply)
+    return row if row is not None and row.inode else None
+
+
 def diag_answer(reply: bytes) -> int | None:
     """The sequence number of a sock_diag answer (None: too short to be one)."""
     return _NLMSG.unpack_from(reply)[3] if len(reply) >= _NLMSG.size else None
@@ -228,7 +243,7 @@ def socket_inode(
     when the kernel answers it, else the tables (tcp, then tcp6) of this one."""
     if diag is not None:
         try:
-            return next((row for pair in _families(client, server) if (row := diag.lookup(*pair))), None)
+            return next((row for pair in _families(client, server) if (row := _ask(diag, *pair))), None)
         except OSError:
             return None
     if proc == PROC:
