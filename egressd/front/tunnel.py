@@ -27,7 +27,7 @@ from egressd.inspect.inspected import InspectedTunnel
 from egressd.platform.descriptors import out_of_descriptors
 from egressd.policy.reasons import Reason
 from egressd.policy.refusal import Refusal
-from egressd.wire.http1 import WireError, read_connect, take_head
+from egressd.wire.http1 import REMEMBERED_HEAD, REMEMBERED_HEADS, WireError, read_connect, take_head
 from egressd.wire.http_head import HeadScanner, leading_empty_lines
 from egressd.wire.refusal import http_response
 from egressd.wire.sni import WAIT, TunnelStart
@@ -54,9 +54,7 @@ HEALTH_ANSWER = (
 # The CONNECT heads read whole as a connection's first bytes, by their exact bytes, with the attempt
 # read from them (a child sends the same head again and again): the guard and the reading are pure
 # functions of the bytes, so the same bytes again are that attempt without a look at them. A head
-# that is refused, or arrives in pieces, is read each time.
-READ_CONNECTS = 256
-READ_CONNECT_SIZE = 2048  # bytes of a head remembered, at most
+# that is refused, or arrives in pieces, is read each time. Bounded as the wire's memories of heads.
 _read_connects: dict[bytes, Attempt] = {}
 
 
@@ -263,8 +261,8 @@ class FrontProtocol(ClientSide):
             Attempt,
             ("connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization, None),
         )
-        if first and len(head) <= READ_CONNECT_SIZE and head == data:
-            if len(_read_connects) >= READ_CONNECTS:
+        if first and len(head) <= REMEMBERED_HEAD and head == data:
+            if len(_read_connects) >= REMEMBERED_HEADS:
                 _read_connects.clear()
             _read_connects[head] = attempt
         self._start_tunnel(attempt)

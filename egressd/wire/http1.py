@@ -275,7 +275,7 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
     for each head). Raises WireError for a head to refuse. CONNECT and plain HTTP read heads here."""
     first = scanner.searched == 0 and scanner.start == 0
     if first:
-        cut = raw.find(b"\r\n\r\n", 0, _REMEMBERED_HEAD) + 4
+        cut = raw.find(b"\r\n\r\n", 0, REMEMBERED_HEAD) + 4
         if cut > 3 and (head := bytes(raw[:cut])) in _clean_heads:
             del raw[:cut]
             return head
@@ -287,8 +287,8 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
         raise WireError(str(end), status)
     assert isinstance(end, int)
     head = bytes(raw[scanner.start : end])
-    if first and scanner.start == 0 and end <= _REMEMBERED_HEAD:
-        if len(_clean_heads) >= _REMEMBERED_HEADS:
+    if first and scanner.start == 0 and end <= REMEMBERED_HEAD:
+        if len(_clean_heads) >= REMEMBERED_HEADS:
             _clean_heads.clear()
         _clean_heads[head] = None
     del raw[:end]
@@ -424,7 +424,7 @@ def read_request(head: bytes) -> tuple[RequestHead, int | None, bool, bool]:
     are remembered by their exact bytes, as CONNECT heads are (read_connect). Reading is a pure
     function of those bytes and what it returns is never changed, so a remembered answer is the
     answer; a head that raises is read again each time; only short heads are kept."""
-    if len(head) <= _REMEMBERED_HEAD:
+    if len(head) <= REMEMBERED_HEAD:
         return _read_request_remembered(head)
     return _read_request(head)
 
@@ -639,7 +639,7 @@ def read_response(head: bytes) -> tuple[ResponseHead, int | None, bool, bool]:
 
     A server answers one request much as it answered the last: the last heads read are remembered
     by their exact bytes, as request heads are (read_request)."""
-    if len(head) <= _REMEMBERED_HEAD:
+    if len(head) <= REMEMBERED_HEAD:
         return _read_response_remembered(head)
     return _read_response(head)
 
@@ -789,7 +789,7 @@ def read_connect(head: bytes) -> ConnectHead:
     last heads read are remembered, by their exact bytes. Reading is a pure function of those bytes,
     so a remembered answer is the answer; a head that raises is read again each time; only short
     heads are kept (at most 256 of 2 KiB)."""
-    if len(head) <= _REMEMBERED_HEAD:
+    if len(head) <= REMEMBERED_HEAD:
         return _read_connect_remembered(head)
     return _read_connect(head)
 
@@ -817,8 +817,8 @@ def _read_connect(head: bytes) -> ConnectHead:
     return ConnectHead(host, port, credentials[0].strip() if credentials else None)
 
 
-_REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, its reading), at most
-_REMEMBERED_HEADS = 256
-_read_connect_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_connect)
-_read_request_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_request)
-_read_response_remembered = functools.lru_cache(maxsize=_REMEMBERED_HEADS)(_read_response)
+REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, its reading), at most
+REMEMBERED_HEADS = 256
+_read_connect_remembered = functools.lru_cache(maxsize=REMEMBERED_HEADS)(_read_connect)
+_read_request_remembered = functools.lru_cache(maxsize=REMEMBERED_HEADS)(_read_request)
+_read_response_remembered = functools.lru_cache(maxsize=REMEMBERED_HEADS)(_read_response)

@@ -310,9 +310,9 @@ def test_a_connect_head_read_whole_again_is_admitted_as_the_attempt_read_from_it
     for chunks in ([unread], [pieces[:9], pieces[9:]], [b"\r\n" + connect("other.test:8443")]):
         play(chunks)
     assert list(tunnel._read_connects) == heads
-    for n in range(tunnel.READ_CONNECTS):
+    for n in range(tunnel.REMEMBERED_HEADS):
         play([connect(f"h{n}.test:443")])
-    assert len(tunnel._read_connects) < tunnel.READ_CONNECTS
+    assert len(tunnel._read_connects) < tunnel.REMEMBERED_HEADS
 
 
 def test_a_head_cut_short_by_eof_is_closed_without_an_answer() -> None:
