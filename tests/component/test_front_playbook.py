@@ -262,17 +262,23 @@ def test_the_answer_does_not_depend_on_where_the_reads_fall(
     assert [r.reason for r in played.records if not r.allowed] == recorded(sent, reason)
 
 
-def test_a_connect_is_admitted_as_an_attempt_with_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The front builds a CONNECT's Attempt by position from a tuple of every field (built_from,
-    which checks no count): the pipeline gets all of them, as the client wrote them."""
-    asked: list[Attempt] = []
+@pytest.fixture
+def asked(monkeypatch: pytest.MonkeyPatch) -> list[Attempt]:
+    """Every attempt the front asks the pipeline to admit, in order."""
+    attempts: list[Attempt] = []
     admit = Pipeline.admit
 
     async def recording(self: Pipeline, conn: Any, attempt: Attempt) -> Any:
-        asked.append(attempt)
+        attempts.append(attempt)
         return await admit(self, conn, attempt)
 
     monkeypatch.setattr(Pipeline, "admit", recording)
+    return attempts
+
+
+def test_a_connect_is_admitted_as_an_attempt_with_every_field(asked: list[Attempt]) -> None:
+    """The front builds a CONNECT's Attempt by position from a tuple of every field (built_from,
+    which checks no count): the pipeline gets all of them, as the client wrote them."""
     play([connect("denied.test:443")])
     assert len(asked) == 1 and len(asked[0]) == len(Attempt._fields), asked
     assert asked[0] == Attempt(
@@ -281,20 +287,12 @@ def test_a_connect_is_admitted_as_an_attempt_with_every_field(monkeypatch: pytes
 
 
 def test_a_connect_head_read_whole_again_is_admitted_as_the_attempt_read_from_it(
-    monkeypatch: pytest.MonkeyPatch,
+    asked: list[Attempt], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A CONNECT head read whole as a connection's first bytes is remembered with its attempt: the
     same bytes again are admitted as that attempt, answered and recorded as the first time. A head
     refused as unreadable, read in pieces, or after empty lines is not remembered; the memory is
     bounded."""
-    asked: list[Attempt] = []
-    admit = Pipeline.admit
-
-    async def recording(self: Pipeline, conn: Any, attempt: Attempt) -> Any:
-        asked.append(attempt)
-        return await admit(self, conn, attempt)
-
-    monkeypatch.setattr(Pipeline, "admit", recording)
     monkeypatch.setattr(tunnel, "_read_connects", {})
     heads = [connect("denied.test:443"), connect("other.test:443", auth=WRONG), connect("[::1]:1")]
     for sent in heads:
