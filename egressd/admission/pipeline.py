@@ -299,12 +299,14 @@ class Pipeline:
         return dataclasses.replace(refusal, context=self.context)
 
     async def _admit(self, conn: ConnState, attempt: Attempt) -> Admitted | Refusal:
-        if attempt.stage == "inner" and not conn.tunnel:
+        # a named tuple's fields read once each (every read is the generic attribute lookup)
+        stage, credentials = attempt.stage, attempt.credentials
+        if stage == "inner" and not conn.tunnel:
             return self.internal_error("admit", RuntimeError("a request inside a tunnel nobody admitted"))
         # an HTTP request this connection asked before, in the same state: the same answer (from
         # a connection's second request on: most connections that ask once ask once)
         asked = remembered = None
-        if attempt.stage in ("request", "inner"):
+        if stage in ("request", "inner"):
             if conn.remembered is None:
                 conn.remembered = {}
             else:
@@ -313,16 +315,16 @@ class Pipeline:
         if remembered is not None:
             conn.creds = remembered.creds
         else:
-            if conn.tree_only and attempt.credentials is None and conn.implicit is not None:
+            if conn.tree_only and credentials is None and conn.implicit is not None:
                 root = self.children.get(conn.implicit.token)
                 if root is not None:  # not yet started: nobody is the child yet (407)
                     identify(conn, root, tree_only=True)
-            if not authenticate(self.credentials, conn, attempt.credentials):
+            if not authenticate(self.credentials, conn, credentials):
                 refusal = self._auth_refusal(conn)
                 # credentials that are wrong, revoked or another's, and an outsider on the child-only
                 # listener, are recorded; none at all on a listener that wants them is the challenge
                 # a client that authenticates only when asked (the JVM) answers next: not recorded
-                if attempt.credentials is None and not conn.tree_only:
+                if credentials is None and not conn.tree_only:
                     return refusal
                 return self._refused_unread(conn, attempt, refusal)
         # 1a. nothing new while the audit cannot take its records (audit.on_failure: refuse)
@@ -340,7 +342,7 @@ class Pipeline:
             await self._identify(conn)
         program = conn.identity.program if conn.identity is not None else None
         # 2. limits, before anything is decided: refused targets cost a child its rate too
-        tunnel = attempt.stage in ("connect", "socks")
+        tunnel = stage in ("connect", "socks")
         limited = self.limits.rate(conn) or (self.limits.connections() if tunnel else None)
         if limited is not None:
             return limited
@@ -698,13 +700,16 @@ class Pipeline:
         target = admitted.decision.target
         # a name first (an IP literal has none): the memory's truth is a Python call
         known = self.handed.get(target.host.name) if target and target.host.name and self.handed else None
-        pinned = await resolution.pin(admitted.decision, self.policies.now.policy, known)
-        if pinned.lookup is not None and self.events.observed:
-            self.events.emit(Resolved(*pinned.lookup))
-        admitted.decision, admitted.pin, admitted.resolved = pinned.decision, pinned.pin, pinned.resolved
-        if pinned.refusal is not None:
-            self.connection_record(conn, admitted, (pinned.refusal.reason, pinned.refusal.detail))
-        return pinned.refusal
+        # unpacked once: each field read of a named tuple is the generic attribute lookup
+        decision, pin, refusal, resolved, lookup = await resolution.pin(
+            admitted.decision, self.policies.now.policy, known
+        )
+        if lookup is not None and self.events.observed:
+            self.events.emit(Resolved(*lookup))
+        admitted.decision, admitted.pin, admitted.resolved = decision, pin, resolved
+        if refusal is not None:
+            self.connection_record(conn, admitted, (refusal.reason, refusal.detail))
+        return refusal
 
     def _request_changes(
         self,
