@@ -49,7 +49,10 @@ class Counts:
         self.told = Told()  # an allowed tunnel is counted once, by its connection's record
 
     def observe(self, event: Event) -> None:
-        if isinstance(event, Decided) and self.told.first(event.conn, event.stage, event.allowed):
+        if type(event) is not Decided:
+            return
+        allowed = event.allowed  # read once: a named tuple's field is the generic attribute lookup
+        if self.told.first(event.conn, event.stage, allowed):
             self.recent.append(event)
             self.decisions += 1
             name = event.client or "-"
@@ -58,7 +61,7 @@ class Counts:
                 if len(self.by_client) >= MAX_CLIENTS:
                     name = "other"
                 row = self.by_client.setdefault(name, [0, 0])
-            if event.allowed:
+            if allowed:
                 self.allowed += 1
                 row[0] += 1
             else:

@@ -182,14 +182,16 @@ class Metrics:
         """Count one event (called on the proxy's loop thread; never blocks)."""
         kind = type(event)
         if kind is Decided:
-            key = (event.stage, self._mode(), event.allowed, event.reason)  # type: ignore[union-attr]
+            # each field read once: a named tuple's field is read by the generic attribute lookup
+            stage, allowed = event.stage, event.allowed  # type: ignore[union-attr]
+            key = (stage, self._mode(), allowed, event.reason)  # type: ignore[union-attr]
             cell = self.decided.get(key)
             if cell is None:
                 cell = self._cell(key)
             cell[0] += 1
-            if event.allowed and event.stage == "connection":  # type: ignore[union-attr]
+            if allowed and stage == "connection":
                 self.outbound += 1
-            if self._clients is not None and event.stage in CLIENT_STAGES:  # type: ignore[union-attr]
+            if self._clients is not None and stage in CLIENT_STAGES:
                 self._count_client(event)  # type: ignore[arg-type]
         elif kind is Closed:
             self.inbound += 1
