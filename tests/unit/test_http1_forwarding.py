@@ -259,7 +259,9 @@ def test_a_response_reaches_the_child_framed_as_read(
         assume(False)
         return
     heads = [e for e in events if isinstance(e, ResponseHead)]
-    assume(heads and heads[-1].status >= 200)
+    # after an interim head the bytes are the next head, not a body: a generated body that
+    # happens to be a final head is that head, and there is no body of ours to compare
+    assume(len(heads) == 1 and heads[0].status >= 200)
     final = heads[-1]
     assert framing != "length-and-chunked"  # refused: both framings
     read_body = b"".join(e.data for e in events if isinstance(e, Body))
