@@ -36,6 +36,8 @@ class ChildError(Exception):
 
 @dataclass
 class Child:
+    """One child a session runs: its process and the credentials it was issued."""
+
     id: str
     pid: int
     program: str

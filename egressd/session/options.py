@@ -54,6 +54,8 @@ class GatewayOptions:
 
 @dataclass(frozen=True)
 class SessionOptions:
+    """What a command's options ask of its session (the proxy, its files, its services)."""
+
     policy_file: str | None = None
     overrides: Overrides = Overrides()
     listen: tuple[str, int] = ("127.0.0.1", 0)
