@@ -236,13 +236,17 @@ def _lifecycle(found: Walk, root: str) -> None:
             found.files.setdefault(path, (Seen.of(info), f"npm install runs it (package.json's {key})"))
 
 
-@dataclass(frozen=True)
 class Change:
-    """One candidate created or changed during the run, and why it matters."""
+    """One candidate created or changed during the run, and why it matters. A plain class: made by
+    changes() and read, never compared nor copied (a dataclass would only add start-up time: this
+    module loads before the child)."""
 
-    path: str
-    what: str  # created or changed
-    why: str
+    __slots__ = ("path", "what", "why")
+
+    def __init__(self, path: str, what: str, why: str) -> None:
+        self.path = path
+        self.what = what  # created or changed
+        self.why = why
 
 
 def changes(before: Walk, after: Walk, ignore: Iterable[str] = ()) -> list[Change]:
