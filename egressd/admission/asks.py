@@ -40,7 +40,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from egressd.admission.approver import NO_APPROVER, Answer, Recheck
@@ -100,30 +99,68 @@ def ask_key(client_key: str, decision: Decision) -> AskKey:
     return (client_key, target.scheme, target.method, target.host.text, target.port, target.path)
 
 
-@dataclass
 class PendingAsk:
     """One question: a request a client wants to make, with every identical request waiting for
-    the answer."""
+    the answer. A plain class: made by the broker, read and updated, never compared nor copied (a
+    dataclass would only add start-up time)."""
 
-    id: str
-    key: AskKey
-    host: str
-    port: int
-    scheme: str | None
-    method: str | None
-    path: str | None
-    client: str | None
-    profile: str | None
-    conn: str
-    timeout: float
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Answer]
-    # settled (and replaced) when a grant that may cover this question is made
-    wake: asyncio.Future[None] | None = None
-    created: float = field(default_factory=time.time)
-    started: float = field(default_factory=time.monotonic)
-    # each request waiting on the question: its connection and, when known, the program holding it
-    requests: list[dict[str, object]] = field(default_factory=list)
+    __slots__ = (
+        "id",
+        "key",
+        "host",
+        "port",
+        "scheme",
+        "method",
+        "path",
+        "client",
+        "profile",
+        "conn",
+        "timeout",
+        "loop",
+        "future",
+        "wake",
+        "created",
+        "started",
+        "requests",
+    )
+
+    def __init__(
+        self,
+        id: str,
+        key: AskKey,
+        host: str,
+        port: int,
+        scheme: str | None,
+        method: str | None,
+        path: str | None,
+        client: str | None,
+        profile: str | None,
+        conn: str,
+        timeout: float,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[Answer],
+        # settled (and replaced) when a grant that may cover this question is made
+        wake: asyncio.Future[None] | None = None,
+        # each request waiting on the question: its connection and, when known, the program holding it
+        requests: list[dict[str, object]] | None = None,
+    ) -> None:
+        self.id = id
+        self.key = key
+        self.host = host
+        self.port = port
+        self.scheme = scheme
+        self.method = method
+        self.path = path
+        self.client = client
+        self.profile = profile
+        self.conn = conn
+        self.timeout = timeout
+        self.loop = loop
+        self.future = future
+        self.wake = wake
+        self.created = time.time()
+        self.started = time.monotonic()
+        self.requests = requests if requests is not None else []
 
     @property
     def waiters(self) -> int:

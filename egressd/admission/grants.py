@@ -25,7 +25,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from egressd.platform.log import Logger
 from egressd.policy import Target, TargetError, normalise_path, parse_target
@@ -41,22 +40,48 @@ class GrantError(ValueError):
     """A grant that cannot be made; the message says why."""
 
 
-@dataclass
 class Grant:
     """One grant. `scheme`/`path` are set only for a URL naming a path (`path` without the query,
-    `query` exactly as given); `ports` holds the ports it covers."""
+    `query` exactly as given); `ports` holds the ports it covers. A plain class: made by its store,
+    read and marked used, never compared nor copied (a dataclass would only add start-up time)."""
 
-    id: str
-    spec: str
-    host: str
-    ports: tuple[int, ...]
-    once: bool
-    expires: float | None  # time.monotonic() deadline; None: until egressd exits
-    scheme: str | None = None
-    path: str | None = None
-    query: str = ""
-    created: float = field(default_factory=time.time)
-    used: bool = False
+    __slots__ = (
+        "id",
+        "spec",
+        "host",
+        "ports",
+        "once",
+        "expires",
+        "scheme",
+        "path",
+        "query",
+        "created",
+        "used",
+    )
+
+    def __init__(
+        self,
+        id: str,
+        spec: str,
+        host: str,
+        ports: tuple[int, ...],
+        once: bool,
+        expires: float | None,  # time.monotonic() deadline; None: until egressd exits
+        scheme: str | None = None,
+        path: str | None = None,
+        query: str = "",
+    ) -> None:
+        self.id = id
+        self.spec = spec
+        self.host = host
+        self.ports = ports
+        self.once = once
+        self.expires = expires
+        self.scheme = scheme
+        self.path = path
+        self.query = query
+        self.created = time.time()
+        self.used = False
 
     @property
     def url_scoped(self) -> bool:

@@ -25,7 +25,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NoReturn
 
 # what a shell says when a command cannot start, and the signals egressd passes on: their own
@@ -40,12 +39,16 @@ _RESET_IN_CHILD: tuple[int, ...] = tuple(
 )
 
 
-@dataclass(frozen=True)
 class Received:
-    """One signal taken by a SignalCatcher; from_kernel means the whole process group got it."""
+    """One signal taken by a SignalCatcher; from_kernel means the whole process group got it. A
+    plain class: read once by whoever waits, never compared nor copied (a dataclass would only add
+    start-up time)."""
 
-    signo: int
-    from_kernel: bool = False
+    __slots__ = ("signo", "from_kernel")
+
+    def __init__(self, signo: int, from_kernel: bool = False) -> None:
+        self.signo = signo
+        self.from_kernel = from_kernel
 
 
 class SignalCatcher:

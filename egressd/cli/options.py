@@ -26,8 +26,6 @@ from egressd.policy.model import MODES
 from egressd.policy.ports import port_number
 from egressd.policy.secrets import secrets_from_options
 from egressd.session import (
-    GatewayOptions,
-    ListenerTLS,
     Overrides,
     ProxySession,
     SessionError,
@@ -36,7 +34,7 @@ from egressd.session import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from egressd.session.gateway_options import GatewayOptions, ListenerTLS
 
 
 EXIT_USAGE = 2
@@ -385,6 +383,8 @@ def _tls_options(cert: str | None, key: str | None, names: tuple[str, ...]) -> L
         return None
     from pathlib import Path
 
+    from egressd.session.gateway_options import ListenerTLS
+
     return ListenerTLS(cert=Path(cert) if cert else None, key=Path(key) if key else None, names=tuple(names))
 
 
@@ -410,6 +410,7 @@ def _pop_gateway_options(params: dict[str, Any]) -> GatewayOptions | None:
     from pathlib import Path
 
     from egressd.admission.tokens import TokenFileError, parse_network
+    from egressd.session.gateway_options import GatewayOptions
     from egressd.session.token_file import default_tokens_path
 
     for text in allow_from:

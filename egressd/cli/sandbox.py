@@ -263,6 +263,9 @@ def run_sandboxed(
                     catcher=catcher,
                     capture_direct=capture_direct,
                     warn=say,
+                    # the sandbox gone, the proxy serves nobody: unless a wrapping command (`acp
+                    # --sandbox`) still uses the session, its load is given up there
+                    ended=session.give_up_load if around is None else None,
                 )
             else:
                 outcome = run_seatbelt(

@@ -14,7 +14,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from egressd.platform.exits import alive
@@ -34,13 +34,19 @@ class ChildError(Exception):
         self.status = status
 
 
-@dataclass
 class Child:
-    id: str
-    pid: int
-    program: str
-    creds: ProxyCredentials
-    started: float = field(default_factory=time.time)
+    """One child a session runs: its process and the credentials it was issued. A plain class:
+    made by the registry, listed and read, never compared nor copied (a dataclass would only add
+    start-up time)."""
+
+    __slots__ = ("id", "pid", "program", "creds", "started")
+
+    def __init__(self, id: str, pid: int, program: str, creds: ProxyCredentials) -> None:
+        self.id = id
+        self.pid = pid
+        self.program = program
+        self.creds = creds
+        self.started = time.time()
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -26,7 +26,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,14 +43,19 @@ class UnsettledError(Exception):
     """The files kept changing while the first load read them (being written, and not by a rename)."""
 
 
-@dataclass(frozen=True)
+# Plain classes: a poll's result, read once and dropped (a dataclass would only add start-up time).
 class _Changed[T]:
-    value: T
+    __slots__ = ("value",)
+
+    def __init__(self, value: T) -> None:
+        self.value = value
 
 
-@dataclass(frozen=True)
 class _Failed:
-    message: str
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 class FileWatcher[T]:

@@ -113,36 +113,79 @@ class AddressVerdict:
     why: str
 
 
-@dataclass(slots=True)
+# _Request and _Allow live within one decision, never compared nor printed: plain classes, since a
+# dataclass would only add its start-up time (its methods are generated when the module loads).
 class _Request:
     """The canonical target plus what the rules need to know about it, worked out once."""
 
-    target: Target
-    host: Host
-    port: int
-    text: str  # the host's canonical spelling
-    where: str  # host:port, IPv6 bracketed, for messages
-    klass: tuple[AddressClass, str] | None  # describe() of an IP literal
-    loopback_name: bool
-    loopback: bool
-    path: str | None  # normalised; None when unknown or unreadable
-    path_known: bool
-    method: str
-    program: Program | None = None
+    __slots__ = (
+        "target",
+        "host",
+        "port",
+        "text",
+        "where",
+        "klass",
+        "loopback_name",
+        "loopback",
+        "path",
+        "path_known",
+        "method",
+        "program",
+    )
+
+    def __init__(
+        self,
+        target: Target,
+        host: Host,
+        port: int,
+        text: str,  # the host's canonical spelling
+        where: str,  # host:port, IPv6 bracketed, for messages
+        klass: tuple[AddressClass, str] | None,  # describe() of an IP literal
+        loopback_name: bool,
+        loopback: bool,
+        path: str | None,  # normalised; None when unknown or unreadable
+        path_known: bool,
+        method: str,
+        program: Program | None = None,
+    ) -> None:
+        self.target = target
+        self.host = host
+        self.port = port
+        self.text = text
+        self.where = where
+        self.klass = klass
+        self.loopback_name = loopback_name
+        self.loopback = loopback
+        self.path = path
+        self.path_known = path_known
+        self.method = method
+        self.program = program
 
 
-@dataclass(slots=True)
 class _Allow:
     """An intermediate allow (or ask) awaiting the step-11 checks."""
 
-    reason: Reason
-    rule: str
-    detail: str
-    private_ok: bool = False
-    needs_inspection: bool = False
-    ask: bool = False
-    would_be: Reason | None = None
-    upgrade: bool = True
+    __slots__ = ("reason", "rule", "detail", "private_ok", "needs_inspection", "ask", "would_be", "upgrade")
+
+    def __init__(
+        self,
+        reason: Reason,
+        rule: str,
+        detail: str,
+        private_ok: bool = False,
+        needs_inspection: bool = False,
+        ask: bool = False,
+        would_be: Reason | None = None,
+        upgrade: bool = True,
+    ) -> None:
+        self.reason = reason
+        self.rule = rule
+        self.detail = detail
+        self.private_ok = private_ok
+        self.needs_inspection = needs_inspection
+        self.ask = ask
+        self.would_be = would_be
+        self.upgrade = upgrade
 
 
 def _as_ip(value: object) -> IPAddress:

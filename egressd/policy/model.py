@@ -57,6 +57,8 @@ class Origin:
 
 @dataclass(frozen=True)
 class LoopbackPolicy:
+    """`loopback:`: whether the child may reach this machine's own services, on which ports."""
+
     allow: bool = True
     ports: tuple[int, ...] = ()
     # the sandbox sets this: the host's loopback only on the ports named, none when `ports` is empty
@@ -71,6 +73,8 @@ class LoopbackPolicy:
 
 @dataclass(frozen=True)
 class PrivatePolicy:
+    """`private:`: whether private addresses are reachable, and the origins exempted from it."""
+
     allow: bool = False
     origins: tuple[Origin, ...] = ()
 
@@ -91,11 +95,15 @@ class BuiltinAllowance:
 
 @dataclass(frozen=True)
 class Credentials:
+    """`credentials:`: the request headers dropped when the host changes."""
+
     strip_on_host_change: tuple[str, ...] = ("authorization", "cookie", "proxy-authorization")
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
+    """`limits:` and `timeouts:`: how long egressd waits, how much it lets through."""
+
     connect_timeout: float = 10
     dns_timeout: float = 5
     idle_timeout: float = 3600
@@ -164,6 +172,8 @@ def _freeze_profiles(profiles: Mapping[str, Profile]) -> Mapping[str, Profile]:
 
 @dataclass(frozen=True)
 class Policy:
+    """One policy, parsed and checked: everything the decision reads."""
+
     version: int
     mode: Mode
     allow: RuleSet

@@ -3,7 +3,6 @@ capture (intercept.py). The launcher binds every listener before the child start
 
 from __future__ import annotations
 
-import contextlib
 import select
 import socket
 import threading
@@ -30,8 +29,10 @@ def listen(address: tuple[str, int], backlog: int = 128) -> socket.socket:
 def bind_udp(address: tuple[str, int]) -> socket.socket:
     """A bound UDP socket (bound before the child starts, like the TCP listeners)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    with contextlib.suppress(OSError):
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    except OSError:
+        pass
     sock.bind(address)
     return sock
 

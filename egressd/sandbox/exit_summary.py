@@ -25,7 +25,7 @@ import stat
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from egressd.sandbox import hooks
 from egressd.sandbox.mounts import within
@@ -76,17 +76,33 @@ class Seen:
         return self == other
 
 
-@dataclass
 class Walk:
-    roots: tuple[str, ...]
-    started_ns: int
-    files: dict[str, tuple[Seen, str]] = field(default_factory=dict)  # candidate: (stat, why)
-    gits: list[str] = field(default_factory=list)  # `.git` entries below the roots (not theirs)
-    gitdirs: dict[str, int] = field(default_factory=dict)  # every git directory seen: its inode
-    lifecycle: dict[str, dict[str, str]] = field(default_factory=dict)  # package.json: its scripts
-    unreadable: list[str] = field(default_factory=list)  # directories whose permissions kept it out
-    seen: int = 0
-    complete: bool = True
+    """What one walk of the roots found. A plain class: filled by walk() and read, never compared
+    nor copied, so a dataclass would only add start-up time (the walk before the child is on its
+    path)."""
+
+    __slots__ = (
+        "roots",
+        "started_ns",
+        "files",
+        "gits",
+        "gitdirs",
+        "lifecycle",
+        "unreadable",
+        "seen",
+        "complete",
+    )
+
+    def __init__(self, roots: tuple[str, ...], started_ns: int) -> None:
+        self.roots = roots
+        self.started_ns = started_ns
+        self.files: dict[str, tuple[Seen, str]] = {}  # candidate: (stat, why)
+        self.gits: list[str] = []  # `.git` entries below the roots (not theirs)
+        self.gitdirs: dict[str, int] = {}  # every git directory seen: its inode
+        self.lifecycle: dict[str, dict[str, str]] = {}  # package.json: its scripts
+        self.unreadable: list[str] = []  # directories whose permissions kept it out
+        self.seen = 0
+        self.complete = True
 
 
 GIT_HOOK = "a git hook"
@@ -220,11 +236,17 @@ def _lifecycle(found: Walk, root: str) -> None:
             found.files.setdefault(path, (Seen.of(info), f"npm install runs it (package.json's {key})"))
 
 
-@dataclass(frozen=True)
 class Change:
-    path: str
-    what: str  # created or changed
-    why: str
+    """One candidate created or changed during the run, and why it matters. A plain class: made by
+    changes() and read, never compared nor copied (a dataclass would only add start-up time: this
+    module loads before the child)."""
+
+    __slots__ = ("path", "what", "why")
+
+    def __init__(self, path: str, what: str, why: str) -> None:
+        self.path = path
+        self.what = what  # created or changed
+        self.why = why
 
 
 def changes(before: Walk, after: Walk, ignore: Iterable[str] = ()) -> list[Change]:

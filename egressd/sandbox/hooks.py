@@ -44,7 +44,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from egressd.inspect import ca
@@ -56,6 +56,8 @@ ALLOW_FLAG = "--allow-project-hooks"
 
 @dataclass(frozen=True)
 class Entry:
+    """One protected path of a project: where, why, and whether it is protected while missing."""
+
     path: str  # relative to a writable root or to a git directory
     why: str
     directory: bool = False
@@ -163,18 +165,22 @@ class Placeholder:
     content: str = ""
 
 
-@dataclass
 class Found:
     """The project hooks found under the writable roots: {path: why}, and the placeholders for the
-    missing ones that `create` protects."""
+    missing ones that `create` protects. A plain class: filled and read, never compared nor
+    copied, so a dataclass would only add start-up time (find() runs before the child)."""
 
-    protected: dict[str, str] = field(default_factory=dict)
-    placeholders: dict[str, Placeholder] = field(default_factory=dict)
-    # what git would read that is missing and has no placeholder (an included file): set aside
-    # after the run if it was made meanwhile (quarantine.py)
-    later: dict[str, str] = field(default_factory=dict)
-    # whether a path is a stand-in another sandbox made (stands): missing as far as the project goes
-    stand_in: Callable[[str], bool] = field(default=lambda path: False, repr=False)
+    __slots__ = ("protected", "placeholders", "later", "stand_in")
+
+    def __init__(self, stand_in: Callable[[str], bool] | None = None) -> None:
+        self.protected: dict[str, str] = {}
+        self.placeholders: dict[str, Placeholder] = {}
+        # what git would read that is missing and has no placeholder (an included file): set aside
+        # after the run if it was made meanwhile (quarantine.py)
+        self.later: dict[str, str] = {}
+        # whether a path is a stand-in another sandbox made (stands): missing as far as the
+        # project goes
+        self.stand_in: Callable[[str], bool] = stand_in or _never
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path) and not self.stand_in(path)
@@ -187,6 +193,10 @@ class Found:
         elif entry.create:
             self.protected[path] = entry.why
             self.placeholders[path] = Placeholder(path, entry.directory, entry.content)
+
+
+def _never(path: str) -> bool:
+    return False
 
 
 SMALL_FILE = 1 << 16

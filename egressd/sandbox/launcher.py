@@ -33,7 +33,6 @@ sandbox) joins a new session keyring (the user's stays outside).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -50,6 +49,7 @@ from egressd.platform.exits import FORWARDED_SIGNALS, exec_failure
 from egressd.sandbox import BRIDGE_HOST, SETUP_CAPTURE, SETUP_NO_CAPTURE, bridge, seccomp
 
 TYPE_CHECKING = False  # typing itself is not imported: it would be a good part of the start
+# nor contextlib: try/except and try/finally do here what its helpers would
 if TYPE_CHECKING:
     from typing import NoReturn
 
@@ -62,8 +62,10 @@ _CHILD_DEFAULTS = tuple({*FORWARDED_SIGNALS, signal.SIGPIPE, getattr(signal, "SI
 
 
 def _report(fd: int, line: str) -> None:
-    with contextlib.suppress(OSError):
+    try:
         os.write(fd, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 def _parse_listen(text: str) -> tuple[tuple[str, int], str]:
@@ -79,19 +81,28 @@ def _hand_over(fd: int, listens: Sequence[str]) -> None:
     dumpable, so its /proc entry is not egressd's to open) and a sock_diag socket of it (which
     program holds a connection is asked there): one message, the kinds comma-separated, the
     descriptors in the same order."""
-    with socket.socket(fileno=fd) as channel, contextlib.ExitStack() as held:
-        handed = [
-            (held.enter_context(bridge.listen(address, PROXY_BACKLOG)).fileno(), kind)
-            for address, kind in map(_parse_listen, listens)
-        ]
-        network = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        held.callback(os.close, network)
-        handed.append((network, "netns"))
-        with contextlib.suppress(OSError):  # a kernel without sock_diag: no program is named
-            diag = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
-            handed.append((held.enter_context(diag).fileno(), "diag"))
-        kinds = ",".join(kind for _, kind in handed).encode()
-        socket.send_fds(channel, [kinds], [fd for fd, _ in handed])  # egressd holds them now
+    held: list[socket.socket] = []
+    network = -1
+    with socket.socket(fileno=fd) as channel:
+        try:
+            handed = []
+            for address, kind in map(_parse_listen, listens):
+                held.append(bridge.listen(address, PROXY_BACKLOG))
+                handed.append((held[-1].fileno(), kind))
+            network = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            handed.append((network, "netns"))
+            try:
+                held.append(socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG))
+                handed.append((held[-1].fileno(), "diag"))
+            except OSError:  # a kernel without sock_diag: no program is named
+                pass
+            kinds = ",".join(kind for _, kind in handed).encode()
+            socket.send_fds(channel, [kinds], [fd for fd, _ in handed])  # egressd holds them now
+        finally:
+            for sock in held:
+                sock.close()
+            if network >= 0:
+                os.close(network)
 
 
 def _parse_capture(text: str) -> tuple[int, int]:
@@ -105,9 +116,11 @@ def _read_setup(fd: int) -> str | None:
     """egressd's one setup line (SETUP_CAPTURE or SETUP_NO_CAPTURE); None when egressd went away
     before sending it."""
     data = b""
-    with contextlib.suppress(OSError):
+    try:
         while b"\n" not in data and (chunk := os.read(fd, 4096)):
             data += chunk
+    except OSError:
+        pass
     os.close(fd)
     line, newline, _ = data.partition(b"\n")
     said = line.decode("ascii", "replace")
@@ -153,13 +166,17 @@ def _relay_signals(control_fd: int, send: Callable[[int], None]) -> None:
             data = b""
         if not data:  # egressd is gone: stop the child, it has no way out any more
             for signo, pause in ((signal.SIGTERM, STOP_GRACE), (signal.SIGKILL, 0.0)):
-                with contextlib.suppress(OSError):
+                try:
                     send(signo)
+                except OSError:
+                    pass
                 time.sleep(pause)
             return
         for signo in data:
-            with contextlib.suppress(OSError, ValueError):
+            try:
                 send(signo)
+            except (OSError, ValueError):
+                pass
 
 
 class Arguments:
@@ -271,8 +288,10 @@ def _link_views(pairs: Sequence[str]) -> None:
     for pair in pairs:
         directory, _, view = pair.partition("=")
         for name in os.listdir(view):
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.symlink(os.path.join(view, name), os.path.join(directory, name))
+            except FileExistsError:
+                pass
 
 
 SIOCGIFFLAGS = 0x8913
@@ -284,8 +303,11 @@ _IFREQ = struct.Struct("16sH")
 def _map_ids(uid: tuple[int, int], gid: tuple[int, int]) -> None:
     """This user namespace's one uid and one gid: (inside, outside) each. An unprivileged process
     maps only its own ids, and a gid only once setgroups is denied (a child namespace inherits it)."""
-    with contextlib.suppress(OSError), open("/proc/self/setgroups", "w") as handle:
-        handle.write("deny")
+    try:
+        with open("/proc/self/setgroups", "w") as handle:
+            handle.write("deny")
+    except OSError:
+        pass
     for name, (inside, outside) in (("uid_map", uid), ("gid_map", gid)):
         with open(f"/proc/self/{name}", "w") as handle:
             handle.write(f"{inside} {outside} 1")

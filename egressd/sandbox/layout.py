@@ -42,6 +42,8 @@ from egressd.session import SessionOptions, resolve_policy_path
 
 @dataclass(frozen=True)
 class Layout:
+    """The sandbox's file system: what is mounted, covered, hidden and shown."""
+
     mounts: tuple[Mount, ...]
     covers: tuple[Cover, ...]
     hidden: tuple[str, ...]  # every hidden path (the environment drops variables pointing there)

@@ -67,9 +67,9 @@ GIT_TIMEOUT = 10.0
 # What a configuration keeps: the repository's layout, its remotes and branches, the identity.
 # Keys as `git config --list` prints them (section and name lowercased, any subsection). Not a
 # partial clone's promisor remote: git fetches from it by itself (on `git diff`, a checkout), so
-# a URL of the child's choosing would carry what it learnt past the proxy.
-SAFE_KEYS = re.compile(
-    r"""(
+# a URL of the child's choosing would carry what it learnt past the proxy. Compiled on first use
+# (safe_key), by the runs that find a configuration to look at.
+SAFE_KEYS = r"""(
       core\.(repositoryformatversion|bare|worktree|filemode|logallrefupdates|ignorecase
              |precomposeunicode|symlinks|autocrlf|eol|safecrlf|sparsecheckout|sparsecheckoutcone)
     | extensions\.(?!partialclone$)[^.]+
@@ -79,10 +79,13 @@ SAFE_KEYS = re.compile(
     | user\.(name|email)
     | init\.defaultbranch
     | lfs\.repositoryformatversion
-    )""",
-    re.VERBOSE,
-)
+    )"""
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def safe_key(key: str) -> bool:
+    """Whether a configuration keeps `key` (SAFE_KEYS)."""
+    return re.fullmatch(SAFE_KEYS, key, re.VERBOSE) is not None
 
 
 @dataclass(frozen=True)
@@ -466,8 +469,8 @@ def _config(box: _Box, name: str, git: str | None) -> list[Taken]:
     entries = None if text is None else parse(text, git)
     if entries is None:  # not a file git reads as it is: moved, with nothing in its place
         return [Taken(path, box.keep(name))]
-    safe = [(key, value) for key, value in entries if SAFE_KEYS.fullmatch(key)]
-    dropped = tuple(dict.fromkeys(key for key, _ in entries if not SAFE_KEYS.fullmatch(key)))
+    safe = [(key, value) for key, value in entries if safe_key(key)]
+    dropped = tuple(dict.fromkeys(key for key, _ in entries if not safe_key(key)))
     if not dropped:
         return []
     temporary = f".{name}.egressd-{secrets.token_hex(8)}"

@@ -181,11 +181,14 @@ def run_bwrap(
     catcher: SignalCatcher,
     capture_direct: bool = True,
     warn: Callable[[str], None] = say,
+    ended: Callable[[], object] | None = None,
 ) -> Outcome:
     """bubblewrap with the launcher inside; the proxy's listeners it hands over served by the
     proxy; capture installed; signals forwarded; status read. `capture_direct`: redirect
     connections that skip the proxy to it. The placeholders of the project's missing hooks exist
-    while bubblewrap runs (it mounts them read-only), and are gone when this returns."""
+    while bubblewrap runs (it mounts them read-only), and are gone when this returns. `ended`:
+    called once bubblewrap is gone (with it every process of the sandbox), before the placeholders
+    are removed."""
     assert session.proxy is not None
     socks = (BRIDGE_HOST, BRIDGE_SOCKS_PORT) if session.proxy.socks_address else None
     env = sandbox_env(
@@ -253,8 +256,11 @@ def run_bwrap(
         # earlier, it would take the CPU bubblewrap and the launcher need, and the child would
         # start later; a client that connects meanwhile waits in the listener's backlog
         session.load()
-        ended = link.outcome(link.wait(pid, catcher, forward_all=True), problem)
-        return _explained(ended, bwrap, disable_userns) if problem == "" and not ended.started else ended
+        status = link.wait(pid, catcher, forward_all=True)
+        if ended is not None:
+            ended()
+        done = link.outcome(status, problem)
+        return _explained(done, bwrap, disable_userns) if problem == "" and not done.started else done
     finally:
         link.close()
         with contextlib.suppress(OSError):

@@ -313,10 +313,23 @@ class ProxyServer:
         self.inspects = True
 
     def _thread_main(self) -> None:
+        """The load, in steps: each starts only while someone may still need the proxy (a load
+        given up, `abandon`, stops at the next step instead of taking the CPU the run's end needs)."""
         try:
-            load_resolver()
-            import asyncio  # here, not before the child: ~10 ms of CPU it need not wait for
+            # asyncio (here, not before the child: ~15 ms of CPU it need not wait for), in steps:
+            # its biggest parts first (logging, with concurrent.futures; ssl), then the rest
+            for name in ("concurrent.futures", "ssl", "asyncio"):
+                if self._abandoned:
+                    return
+                __import__(name)
+            import asyncio
 
+            if self._abandoned:
+                return
+            # the resolver's own thread: its first import is asyncio, which it would have waited for
+            load_resolver()
+            if self._abandoned:
+                return
             asyncio.run(self._main(), loop_factory=_loop_factory())
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits, or logged
             if not self._ready.is_set():
@@ -333,6 +346,8 @@ class ProxyServer:
         self._loop.set_task_factory(asyncio.eager_task_factory)
         self._stopping = asyncio.Event()
         try:
+            if self._abandoned:
+                return
             await self._start_front()
             self._pipeline.limits.descriptors = Descriptors.measure()  # type: ignore[union-attr]
             with self._lock:
@@ -403,8 +418,11 @@ class ProxyServer:
 
     def abandon(self) -> bool:
         """Give up the load if it is not done (the children it was for are gone: why wait for it):
-        True when given up — nothing was served, nothing asked of the loop ran or will run."""
+        True when given up (now or before) — nothing was served, nothing asked of the loop ran or
+        will run."""
         with self._lock:
+            if self._abandoned:
+                return True
             if self._pending is None:
                 return False
             self._pending = None

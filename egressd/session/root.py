@@ -180,6 +180,13 @@ class ProxySession:
         assert self.proxy is not None
         self.proxy.load()
 
+    def give_up_load(self) -> None:
+        """Nothing is left for the proxy to serve (the sandbox it was for is gone): a load still
+        under way stops at its next step instead of taking the CPU the run's end needs; close()
+        then lets go of what never started."""
+        if self.proxy is not None:
+            self.proxy.abandon()
+
     @property
     def failure(self) -> str | None:
         """Why the proxy could not serve the child (its load failed, or a service it was asked for

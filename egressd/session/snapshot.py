@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from egressd.admission.in_force import InForce, PolicyHolder
 from egressd.admission.secrets import NO_SECRETS
 from egressd.policy import Policy, PolicyError, load_policy
-from egressd.session.options import GatewayOptions, SessionError, SessionOptions
+from egressd.session.options import SessionError, SessionOptions
 from egressd.session.overrides import base_policy, host_loopback, resolve_policy_path
 from egressd.session.secret_values import EnvVault, SecretError, read_values
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from egressd.observe.audit import AuditLog
     from egressd.platform.files import ReadBytes
     from egressd.platform.reload import FileWatcher
+    from egressd.session.gateway_options import GatewayOptions
     from egressd.session.proxy import ProxyServer
 
 

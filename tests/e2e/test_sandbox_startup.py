@@ -128,10 +128,10 @@ def test_one_bubblewrap_per_run(tmp_path: Path, work: Path) -> None:
 def test_the_launcher_loads_no_typing_nor_regular_expressions() -> None:
     """The launcher starts between bubblewrap and the child, on every run: it imports the standard
     library's few modules it uses and egressd's small ones, never typing (nor the regular
-    expressions, dataclasses and inspect that would come with it)."""
+    expressions, dataclasses and inspect that would come with it), nor contextlib."""
     boot = [sys.executable, "-X", "importtime", "-I", "-S", "-c", LAUNCHER_BOOT, launcher_import_path()]
     result = subprocess.run(boot, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no command" in result.stderr, result.stderr[-2000:]
     names = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.count("|") == 2}
     assert "egressd.sandbox.launcher" in names
-    assert not {"typing", "re", "dataclasses", "inspect"} & names
+    assert not {"typing", "re", "dataclasses", "inspect", "contextlib"} & names
