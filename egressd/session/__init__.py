@@ -7,8 +7,6 @@ from egressd.session.overrides import Overrides, base_policy, file_policy, host_
 from egressd.session.root import ProxySession
 
 __all__ = [
-    "GatewayOptions",
-    "ListenerTLS",
     "Overrides",
     "ProxySession",
     "SessionError",
@@ -19,12 +17,3 @@ __all__ = [
     "load_policy_data",
     "resolve_policy_path",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """The gateway's options, loaded when first asked for (gateway_options.py)."""
-    if name in ("GatewayOptions", "ListenerTLS"):
-        from egressd.session import gateway_options
-
-        return getattr(gateway_options, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

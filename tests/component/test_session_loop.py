@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from egressd.control import paths
-from egressd.session import GatewayOptions, ProxySession, SessionOptions
+from egressd.session import ProxySession, SessionOptions
+from egressd.session.gateway_options import GatewayOptions
 
 POLICY = "version: 1\nmode: enforce\nallow: [a.test]\n"
 EDITED = "version: 1\nmode: ask\nallow: [a.test, b.test]\n"
