@@ -58,7 +58,9 @@ def main() -> None:
 
     def keep(run):  # type: ignore[no-untyped-def]
         def started(session, creds, command, layout, **kwargs):  # type: ignore[no-untyped-def]
-            record({"layout": dataclasses.asdict(layout), "environ": dict(os.environ)})
+            # the start-up walk (`before`) is the exit summary's, not where anything is mounted
+            shown = dataclasses.replace(layout, before=None)
+            record({"layout": dataclasses.asdict(shown), "environ": dict(os.environ)})
             return run(session, creds, command, layout, **kwargs)
 
         return started
