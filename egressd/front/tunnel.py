@@ -51,10 +51,12 @@ HEALTH_REQUEST = b"GET /healthz HTTP/1."
 HEALTH_ANSWER = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n"
 )
-# The CONNECT heads read whole as a connection's first bytes, by their exact bytes, with the attempt
-# read from them (a child sends the same head again and again): the guard and the reading are pure
-# functions of the bytes, so the same bytes again are that attempt without a look at them. A head
-# that is refused, or arrives in pieces, is read each time. Bounded as the wire's memories of heads.
+# The CONNECT heads read, by their exact bytes, with the attempt read from them (a child sends the
+# same head again and again): the guard and the reading are pure functions of the bytes, so the same
+# head again is that attempt without a reading, and a connection's first read that is exactly such
+# a head is that attempt without a look at it. The one memory of CONNECT heads: every head the guard
+# passed and read_connect read is kept (at most REMEMBERED_HEADS of up to REMEMBERED_HEAD bytes,
+# then forgotten all at once); a refused head is read each time.
 _read_connects: dict[bytes, Attempt] = {}
 
 
@@ -252,19 +254,12 @@ class FrontProtocol(ClientSide):
             if head is None:
                 return
             self.head_scanner = None
-            connect = read_connect(head)
+            attempt = _read_connects.get(head)
+            if attempt is None:
+                attempt = _connect_attempt(head)
         except WireError as exc:
             self._refuse_unreadable(Refusal(Reason.BAD_REQUEST, exc.detail))
             return
-        # every field by position: stage, host, port, scheme, method, path, credentials, headers
-        attempt = built_from(
-            Attempt,
-            ("connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization, None),
-        )
-        if first and len(head) <= REMEMBERED_HEAD and head == data:
-            if len(_read_connects) >= REMEMBERED_HEADS:
-                _read_connects.clear()
-            _read_connects[head] = attempt
         self._start_tunnel(attempt)
 
     def _health_check(self) -> bool:
@@ -453,6 +448,22 @@ class FrontProtocol(ClientSide):
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()
+
+
+def _connect_attempt(head: bytes) -> Attempt:
+    """The attempt a complete, guarded CONNECT head asks for (remembered in _read_connects when it
+    is short). Raises WireError, and nothing is remembered, for a head to refuse."""
+    connect = read_connect(head)
+    # every field by position: stage, host, port, scheme, method, path, credentials, headers
+    attempt = built_from(
+        Attempt,
+        ("connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization, None),
+    )
+    if len(head) <= REMEMBERED_HEAD:
+        if len(_read_connects) >= REMEMBERED_HEADS:
+            _read_connects.clear()
+        _read_connects[head] = attempt
+    return attempt
 
 
 def listener_end(sock: socket.socket) -> tuple[str, int] | None:

@@ -784,17 +784,7 @@ class ConnectHead:
 
 def read_connect(head: bytes) -> ConnectHead:
     """One complete CONNECT head (the raw-head guard already passed it), parsed. Raises WireError.
-
-    A child sends the same head again and again (one client library, one registry, one token): the
-    last heads read are remembered, by their exact bytes. Reading is a pure function of those bytes,
-    so a remembered answer is the answer; a head that raises is read again each time; only short
-    heads are kept (at most 256 of 2 KiB)."""
-    if len(head) <= REMEMBERED_HEAD:
-        return _read_connect_remembered(head)
-    return _read_connect(head)
-
-
-def _read_connect(head: bytes) -> ConnectHead:
+    Read each time: the front remembers what it read from a head (egressd.front.tunnel)."""
     line = head[: head.find(b"\r\n")]
     if not line.isascii():
         raise WireError(f"non-ASCII bytes in the CONNECT request line {ascii(line[:200].decode('latin-1'))}")
@@ -819,6 +809,5 @@ def _read_connect(head: bytes) -> ConnectHead:
 
 REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, its reading), at most
 REMEMBERED_HEADS = 256
-_read_connect_remembered = functools.lru_cache(maxsize=REMEMBERED_HEADS)(_read_connect)
 _read_request_remembered = functools.lru_cache(maxsize=REMEMBERED_HEADS)(_read_request)
 _read_response_remembered = functools.lru_cache(maxsize=REMEMBERED_HEADS)(_read_response)
