@@ -20,7 +20,7 @@ import operator
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -387,12 +387,7 @@ class Pipeline:
         # 4. the approver (mode: ask waits here)
         if decision.ask:
             waited_from = time.monotonic()
-            asked_about = decision
-
-            def recheck() -> Decision | None:
-                granted = self._granted(conn, attempt, asked_about)
-                return None if granted.ask else granted
-
+            recheck = self._rechecker(conn, attempt, decision)
             decision = await approvals.answer(self.approver, decision, conn, recheck)
             if self.events.observed:
                 self.events.emit(Asked(time.monotonic() - waited_from, decision.reason))
@@ -619,6 +614,18 @@ class Pipeline:
     def _refused_name(self, name: str, reason: Reason, detail: str) -> tuple[IPAddress, ...]:
         self.refused_early(None, self._recorded_path(name), None, reason, detail, stage="dns")
         return ()
+
+    def _rechecker(
+        self, conn: ConnState, attempt: Attempt, asked_about: Decision
+    ) -> Callable[[], Decision | None]:
+        """What a waiting question asks again (a grant made meanwhile answers it). Made here, not in
+        _admit: a closure there would make cells of its variables on every admission."""
+
+        def recheck() -> Decision | None:
+            granted = self._granted(conn, attempt, asked_about)
+            return None if granted.ask else granted
+
+        return recheck
 
     def _granted(self, conn: ConnState, attempt: Attempt, decision: Decision) -> Decision:
         """The decision a grant makes of a `not_allowlisted` or `ask` one, or the same decision.
