@@ -145,9 +145,11 @@ class Admitted:
         return self.decision.target.port
 
 
-@dataclass
+@dataclass(slots=True)
 class Connections:
-    """The client connections open now, by the id the front gave them."""
+    """The client connections open now, by the id the front gave them. With slots: a field with a
+    default is otherwise also a class attribute, and `served`, read and written per connection,
+    would take the generic attribute lookup."""
 
     open: dict[str, ConnState] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -232,7 +234,8 @@ class Pipeline:
         conns.lock.acquire()
         try:
             state.room = self.limits.room_for_client(conns.served, len(conns.open))
-            conns.served += state.room == "serve"
+            if state.room == "serve":  # counted by an int's add: an int plus a bool is the generic one
+                conns.served += 1
             conns.open[state.conn_id] = state
         finally:
             conns.lock.release()
@@ -244,8 +247,8 @@ class Pipeline:
         conns.lock.acquire()
         try:
             known = conns.open.pop(state.conn_id, None) is not None
-            if known:
-                conns.served -= state.room == "serve"
+            if known and state.room == "serve":
+                conns.served -= 1
         finally:
             conns.lock.release()
         if known and state.host is not None:
