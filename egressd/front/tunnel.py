@@ -179,10 +179,10 @@ class FrontProtocol(ClientSide):
         if self.stage == "relay":
             super().data_received(data)
             return
-        self.buffer += data
         if self.stage == "sni":
             self._on_hello_bytes(data)
             return
+        self.buffer += data
         if self.stage == "handoff":
             # kept until mitmproxy takes the transport (uvloop may start reading after
             # connection_made even when it paused reading, so pausing alone does not hold them back)
@@ -318,8 +318,9 @@ class FrontProtocol(ClientSide):
             self.stage = "sni"
             self.hello = TunnelStart(admitted.host)
             self.transport.resume_reading()
-            if self.buffer:
-                self._on_hello_bytes(bytes(self.buffer))
+            if self.buffer:  # read while it was admitted
+                read, self.buffer = bytes(self.buffer), bytearray()
+                self._on_hello_bytes(read)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
@@ -327,16 +328,19 @@ class FrontProtocol(ClientSide):
 
     # -- the TLS SNI check -------------------------------------------------------------------------
     def _on_hello_bytes(self, data: bytes) -> None:
-        """The SNI check on the bytes just read (the buffer holds all read so far, to relay)."""
+        """The SNI check on the bytes just read; the buffer holds those read before them, kept to
+        relay (a tunnel's first read, which most often answers the check, is relayed as read)."""
         assert self.hello is not None
         verdict = self.hello.feed(data)
         if verdict is WAIT:
+            self.buffer += data
             return
         if verdict is not None:
             self._close_tunnel(str(verdict))
             return
         self.stage = "relay"
-        data, self.buffer = bytes(self.buffer), bytearray()
+        if self.buffer:
+            data, self.buffer = bytes(self.buffer + data), bytearray()
         super().data_received(data)
 
     def _close_tunnel(self, problem: str) -> None:
