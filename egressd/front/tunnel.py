@@ -182,15 +182,15 @@ class FrontProtocol(ClientSide):
         if self.stage == "sni":
             self._on_hello_bytes(data)
             return
+        if self.stage == "head":
+            self._on_head_bytes(data)
+            return
         self.buffer += data
         if self.stage == "handoff":
             # kept until mitmproxy takes the transport (uvloop may start reading after
             # connection_made even when it paused reading, so pausing alone does not hold them back)
             assert self.transport is not None
             self.transport.pause_reading()
-            return
-        if self.stage == "head":
-            self._on_head_bytes(data)
 
     def eof_received(self) -> bool:
         if self.stage == "relay":
@@ -232,13 +232,13 @@ class FrontProtocol(ClientSide):
 
     # -- the request head --------------------------------------------------------------------------
     def _on_head_bytes(self, data: bytes) -> None:
-        """The request head's bytes read so far are in the buffer; `data`: those of the last read."""
-        # the connection's first read, a whole CONNECT head read before: what reading it answered
-        first = len(self.buffer) == len(data)
-        if first and (attempt := _read_connects.get(data)) is not None:
-            del self.buffer[:]
+        """The bytes of the last read (`data`) of the request head, after those read before it (kept
+        in the buffer, as these are unless they answer at once)."""
+        # a whole CONNECT head read before, with nothing before it: what reading it answered
+        if not self.buffer and (attempt := _read_connects.get(data)) is not None:
             self._start_tunnel(attempt)
             return
+        self.buffer += data
         del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
         if self.buffer == b"\r":  # the first half of another empty line: nothing told yet
             return
