@@ -58,15 +58,16 @@ class Pipe(asyncio.Protocol):
         self.coalescing: asyncio.TimerHandle | None = None
         self.ended = False  # this side said EOF: it is being closed, nothing is left to read
         # what arrived before the peer was attached (a server that speaks first may answer the
-        # connect before the CONNECT's 200 is written): handed over by attach()
-        self.early = bytearray()
+        # connect before the CONNECT's 200 is written): handed over by attach(). Made when such
+        # bytes come: nearly every side has none
+        self.early: bytearray | None = None
 
     def attach(self, peer: Pipe) -> None:
         """Pair this side with its peer and pass on what this side read before."""
         self.peer, peer.peer = peer, self
-        if self.early and peer.transport is not None and not peer.transport.is_closing():
-            peer.transport.write(bytes(self.early))
-        self.early = bytearray()
+        early, self.early = self.early, None
+        if early and peer.transport is not None and not peer.transport.is_closing():
+            peer.transport.write(bytes(early))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but speak the same interface
@@ -80,6 +81,8 @@ class Pipe(asyncio.Protocol):
         self.tunnel.count(self.upstream, n, now)
         peer = self.peer
         if peer is None:
+            if self.early is None:
+                self.early = bytearray()
             self.early += data
         elif peer.transport is not None and not peer.transport.is_closing():
             peer.transport.write(data)
