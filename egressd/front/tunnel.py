@@ -72,7 +72,10 @@ class Listeners(Protocol):
 
 
 class FrontProtocol(ClientSide):
-    """The client side: reads the request head, then becomes one side of a relay."""
+    """The client side: reads the request head, then becomes one side of a relay.
+
+    Its methods call ClientSide's by name, not through super(): each super() call looks the
+    method up along the class's MRO, several times per tunnel."""
 
     early_stage = "connect"  # the stage of a refusal made before the head is read
     # the established answer names egressd's end towards the server (SOCKS5's reply does; looking it
@@ -87,7 +90,7 @@ class FrontProtocol(ClientSide):
         diag: Diag | None = None,
         local: tuple[str, int] | None = None,
     ) -> None:
-        super().__init__(Tunnel(self), False)
+        ClientSide.__init__(self, Tunnel(self), False)
         # the local end of every connection its listener accepts (listener_end), else asked per connection
         self.local = local
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
@@ -108,7 +111,7 @@ class FrontProtocol(ClientSide):
         self.eof_pending = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
+        ClientSide.connection_made(self, transport)
         if self.pipeline.draining:
             transport.close()
             return
@@ -177,7 +180,7 @@ class FrontProtocol(ClientSide):
 
     def data_received(self, data: bytes) -> None:
         if self.stage == "relay":
-            super().data_received(data)
+            ClientSide.data_received(self, data)
             return
         if self.stage == "sni":
             self._on_hello_bytes(data)
@@ -194,7 +197,7 @@ class FrontProtocol(ClientSide):
 
     def eof_received(self) -> bool:
         if self.stage == "relay":
-            return super().eof_received()
+            return ClientSide.eof_received(self)
         if self.stage == "handoff":
             self.eof_pending = True  # passed on with the transport
             return True
@@ -204,7 +207,7 @@ class FrontProtocol(ClientSide):
         if self.task is not None and not self.task.done():
             self.task.cancel()
         if self.stage == "relay":
-            super().connection_lost(exc)
+            ClientSide.connection_lost(self, exc)
         else:
             if self.peer is not None and self.peer.transport is not None:
                 self.peer.transport.close()
@@ -341,7 +344,7 @@ class FrontProtocol(ClientSide):
         self.stage = "relay"
         if self.buffer:
             data, self.buffer = bytes(self.buffer + data), bytearray()
-        super().data_received(data)
+        ClientSide.data_received(self, data)
 
     def _close_tunnel(self, problem: str) -> None:
         state = self.state
