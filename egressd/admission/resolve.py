@@ -82,8 +82,7 @@ async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | N
             return Pinned(refused, None, refusal, tuple(addresses), lookup)
         resolved = tuple(addresses)
     else:
-        kept = list(decision.addresses)
-        resolved = tuple(kept)
+        kept = resolved = decision.addresses  # an IP literal's: a tuple already, copied by nobody
         if not kept:
             refused = Decision(
                 allowed=False,
