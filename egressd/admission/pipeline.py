@@ -802,39 +802,36 @@ class Pipeline:
     ) -> Refusal | None:
         """Connect `protocol` to the pinned addresses only (a request's are resolved and pinned
         now), with the connection record either way. `upstream_id` counts against
-        limits.max_connections until `disconnected(upstream_id)`."""
+        limits.max_connections until `disconnected(upstream_id)`. One coroutine: each awaited
+        one is an object made, and gone through on every resumption."""
         limited = self.reserve_upstream(upstream_id)
         if limited is not None:
             return limited
         opened = False
         try:
-            failed = await self._open(conn, admitted, protocol)
-            opened = failed is None
+            if (refused := self._unwritable(conn, admitted)) is not None:
+                return self._in_context(refused)
+            if admitted.pin is None and (refusal := await self._pin(conn, admitted)) is not None:
+                return self._in_context(refusal)
+            pin = admitted.pin
+            assert pin is not None
+            try:
+                await connect_protocol(pin, protocol)
+            except ConnectFailure as failure:
+                self.connection_record(conn, admitted, (failure.reason, failure.detail))
+                refusal = Refusal(failure.reason, failure.detail, pin.host, pin.port, admitted.decision.rule)
+                return self._in_context(refusal)
+            unrecorded = self._on_record(conn, admitted, pin)
+            if unrecorded is not None:  # its record was not written: closed before a byte passes
+                transport = getattr(protocol, "transport", None)  # the fronts' protocols keep theirs
+                if transport is not None:
+                    transport.close()
+                return self._in_context(unrecorded)
+            opened = True
+            return None
         finally:
             if not opened:
                 self.disconnected(upstream_id)  # refused, failed or cancelled: nothing is open
-        return None if failed is None else self._in_context(failed)
-
-    async def _open(
-        self, conn: ConnState, admitted: Admitted, protocol: asyncio.BaseProtocol
-    ) -> Refusal | None:
-        if (refused := self._unwritable(conn, admitted)) is not None:
-            return refused
-        if admitted.pin is None and (refusal := await self._pin(conn, admitted)) is not None:
-            return refusal
-        pin = admitted.pin
-        assert pin is not None
-        try:
-            await connect_protocol(pin, protocol)
-        except ConnectFailure as failure:
-            self.connection_record(conn, admitted, (failure.reason, failure.detail))
-            return Refusal(failure.reason, failure.detail, pin.host, pin.port, admitted.decision.rule)
-        unrecorded = self._on_record(conn, admitted, pin)
-        if unrecorded is not None:  # its record was not written: closed before a byte passes
-            transport = getattr(protocol, "transport", None)  # the fronts' protocols keep theirs
-            if transport is not None:
-                transport.close()
-        return unrecorded
 
     def reused(self, conn: ConnState, admitted: Admitted, pin: Pin) -> Refusal | None:
         """A kept upstream connection (pinned as `pin`) taken for another client connection of the
