@@ -809,7 +809,9 @@ class Pipeline:
             return limited
         opened = False
         try:
-            if (refused := self._unwritable(conn, admitted)) is not None:
+            # the audit log's state read here first: most connections find it writable, with no call
+            audit = self.audit
+            if audit is not None and not audit.writable and (refused := self._unwritable(conn, admitted)):
                 return self._in_context(refused)
             if admitted.pin is None and (refusal := await self._pin(conn, admitted)) is not None:
                 return self._in_context(refusal)
