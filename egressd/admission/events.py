@@ -170,13 +170,21 @@ class EventBus:
         self._lock = threading.Lock()
         self._observers: tuple[Observer, ...] = ()
         self._readers: tuple[Observer, ...] = ()  # those that read an allowed connection's addresses
+        self._kinds: dict[Observer, tuple[type, ...] | None] = {}  # the kinds each one reads (None: all)
+        # the observers of each kind of event, in subscription order: made at its first emit
+        self._by_kind: dict[type, tuple[Observer, ...]] = {}
 
-    def subscribe(self, observer: Observer, *, addresses: bool = True) -> None:
+    def subscribe(
+        self, observer: Observer, *, addresses: bool = True, kinds: tuple[type, ...] | None = None
+    ) -> None:
         """`addresses=False`: the observer never reads an allowed upstream connection's addresses
         (resolved, connected, attempts, via): while only such observers listen (counters), those
-        are not formatted (`wants_addresses`)."""
+        are not formatted (`wants_addresses`). `kinds`: the only events it is given (one that
+        ignores the others is not called for each, as a tunnel's Closed)."""
         with self._lock:
             self._observers = (*self._observers, observer)
+            self._kinds = {**self._kinds, observer: kinds}
+            self._by_kind = {}
             if addresses:
                 self._readers = (*self._readers, observer)
 
@@ -185,6 +193,8 @@ class EventBus:
         with self._lock:
             self._observers = tuple(o for o in self._observers if o != observer)
             self._readers = tuple(o for o in self._readers if o != observer)
+            self._kinds = {o: k for o, k in self._kinds.items() if o != observer}
+            self._by_kind = {}
 
     @property
     def observed(self) -> bool:
@@ -195,8 +205,18 @@ class EventBus:
         """Some observer reads an allowed upstream connection's addresses as text."""
         return bool(self._readers)
 
+    def _observers_of(self, kind: type) -> tuple[Observer, ...]:
+        with self._lock:
+            kinds = self._kinds
+            observers = tuple(o for o in self._observers if (k := kinds.get(o)) is None or kind in k)
+            self._by_kind = {**self._by_kind, kind: observers}
+        return observers
+
     def emit(self, event: Event) -> None:
-        for observer in self._observers:
+        observers = self._by_kind.get(type(event))
+        if observers is None:
+            observers = self._observers_of(type(event))
+        for observer in observers:
             try:
                 observer(event)
             except Exception:  # noqa: BLE001 - an observer never changes a decision

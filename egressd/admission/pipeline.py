@@ -20,7 +20,7 @@ import operator
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -145,9 +145,11 @@ class Admitted:
         return self.decision.target.port
 
 
-@dataclass
+@dataclass(slots=True)
 class Connections:
-    """The client connections open now, by the id the front gave them."""
+    """The client connections open now, by the id the front gave them. With slots: a field with a
+    default is otherwise also a class attribute, and `served`, read and written per connection,
+    would take the generic attribute lookup."""
 
     open: dict[str, ConnState] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -232,7 +234,8 @@ class Pipeline:
         conns.lock.acquire()
         try:
             state.room = self.limits.room_for_client(conns.served, len(conns.open))
-            conns.served += state.room == "serve"
+            if state.room == "serve":  # counted by an int's add: an int plus a bool is the generic one
+                conns.served += 1
             conns.open[state.conn_id] = state
         finally:
             conns.lock.release()
@@ -244,8 +247,8 @@ class Pipeline:
         conns.lock.acquire()
         try:
             known = conns.open.pop(state.conn_id, None) is not None
-            if known:
-                conns.served -= state.room == "serve"
+            if known and state.room == "serve":
+                conns.served -= 1
         finally:
             conns.lock.release()
         if known and state.host is not None:
@@ -387,12 +390,7 @@ class Pipeline:
         # 4. the approver (mode: ask waits here)
         if decision.ask:
             waited_from = time.monotonic()
-            asked_about = decision
-
-            def recheck() -> Decision | None:
-                granted = self._granted(conn, attempt, asked_about)
-                return None if granted.ask else granted
-
+            recheck = self._rechecker(conn, attempt, decision)
             decision = await approvals.answer(self.approver, decision, conn, recheck)
             if self.events.observed:
                 self.events.emit(Asked(time.monotonic() - waited_from, decision.reason))
@@ -620,6 +618,18 @@ class Pipeline:
         self.refused_early(None, self._recorded_path(name), None, reason, detail, stage="dns")
         return ()
 
+    def _rechecker(
+        self, conn: ConnState, attempt: Attempt, asked_about: Decision
+    ) -> Callable[[], Decision | None]:
+        """What a waiting question asks again (a grant made meanwhile answers it). Made here, not in
+        _admit: a closure there would make cells of its variables on every admission."""
+
+        def recheck() -> Decision | None:
+            granted = self._granted(conn, attempt, asked_about)
+            return None if granted.ask else granted
+
+        return recheck
+
     def _granted(self, conn: ConnState, attempt: Attempt, decision: Decision) -> Decision:
         """The decision a grant makes of a `not_allowlisted` or `ask` one, or the same decision.
 
@@ -792,39 +802,38 @@ class Pipeline:
     ) -> Refusal | None:
         """Connect `protocol` to the pinned addresses only (a request's are resolved and pinned
         now), with the connection record either way. `upstream_id` counts against
-        limits.max_connections until `disconnected(upstream_id)`."""
+        limits.max_connections until `disconnected(upstream_id)`. One coroutine: each awaited
+        one is an object made, and gone through on every resumption."""
         limited = self.reserve_upstream(upstream_id)
         if limited is not None:
             return limited
         opened = False
         try:
-            failed = await self._open(conn, admitted, protocol)
-            opened = failed is None
+            # the audit log's state read here first: most connections find it writable, with no call
+            audit = self.audit
+            if audit is not None and not audit.writable and (refused := self._unwritable(conn, admitted)):
+                return self._in_context(refused)
+            if admitted.pin is None and (refusal := await self._pin(conn, admitted)) is not None:
+                return self._in_context(refusal)
+            pin = admitted.pin
+            assert pin is not None
+            try:
+                await connect_protocol(pin, protocol)
+            except ConnectFailure as failure:
+                self.connection_record(conn, admitted, (failure.reason, failure.detail))
+                refusal = Refusal(failure.reason, failure.detail, pin.host, pin.port, admitted.decision.rule)
+                return self._in_context(refusal)
+            unrecorded = self._on_record(conn, admitted, pin)
+            if unrecorded is not None:  # its record was not written: closed before a byte passes
+                transport = getattr(protocol, "transport", None)  # the fronts' protocols keep theirs
+                if transport is not None:
+                    transport.close()
+                return self._in_context(unrecorded)
+            opened = True
+            return None
         finally:
             if not opened:
                 self.disconnected(upstream_id)  # refused, failed or cancelled: nothing is open
-        return None if failed is None else self._in_context(failed)
-
-    async def _open(
-        self, conn: ConnState, admitted: Admitted, protocol: asyncio.BaseProtocol
-    ) -> Refusal | None:
-        if (refused := self._unwritable(conn, admitted)) is not None:
-            return refused
-        if admitted.pin is None and (refusal := await self._pin(conn, admitted)) is not None:
-            return refusal
-        pin = admitted.pin
-        assert pin is not None
-        try:
-            await connect_protocol(pin, protocol)
-        except ConnectFailure as failure:
-            self.connection_record(conn, admitted, (failure.reason, failure.detail))
-            return Refusal(failure.reason, failure.detail, pin.host, pin.port, admitted.decision.rule)
-        unrecorded = self._on_record(conn, admitted, pin)
-        if unrecorded is not None:  # its record was not written: closed before a byte passes
-            transport = getattr(protocol, "transport", None)  # the fronts' protocols keep theirs
-            if transport is not None:
-                transport.close()
-        return unrecorded
 
     def reused(self, conn: ConnState, admitted: Admitted, pin: Pin) -> Refusal | None:
         """A kept upstream connection (pinned as `pin`) taken for another client connection of the

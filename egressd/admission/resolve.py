@@ -14,10 +14,8 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from egressd.admission.decide import refusal_for
-from egressd.admission.events import built_from
 from egressd.admission.limits import overloaded
 from egressd.net import loader
 from egressd.net.parent_proxy import parent_for
@@ -27,17 +25,12 @@ from egressd.policy import Decision, IPAddress, Policy, filter_addresses, resolu
 from egressd.policy.reasons import Reason
 from egressd.policy.refusal import Refusal
 
-
-class Pinned(NamedTuple):
-    """The outcome of resolving one allowed decision: a pin, or the refusal and why (a named
-    tuple: made for every tunnel, and a frozen dataclass costs four times as much to make)."""
-
-    decision: Decision  # the allowed decision, or the refusal the addresses made of it
-    pin: Pin | None
-    refusal: Refusal | None
-    resolved: tuple[IPAddress, ...]
-    # the DNS lookup this pin waited for, if any: (seconds, ok | dns_error | dns_timeout)
-    lookup: tuple[float, str] | None = None
+# The outcome of resolving one allowed decision: (decision, pin, refusal, resolved, lookup) — the
+# allowed decision or the refusal the addresses made of it; the pin, or the refusal and why; the
+# addresses resolved; the DNS lookup this pin waited for, if any: (seconds, ok | dns_error |
+# dns_timeout). A plain tuple: made for every tunnel and unpacked at once by the pipeline, which a
+# named tuple's class makes and unpacks by their generic paths.
+Pinned = tuple[Decision, Pin | None, Refusal | None, tuple[IPAddress, ...], tuple[float, str] | None]
 
 
 async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | None = None) -> Pinned:
@@ -51,7 +44,7 @@ async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | N
         kept, verdicts = filter_addresses(decision, addresses, policy)
         if not kept:
             refused = resolution_refusal(decision, verdicts)
-            return Pinned(refused, None, refusal_for(refused), tuple(addresses))
+            return refused, None, refusal_for(refused), tuple(addresses), None
         resolved = tuple(addresses)
     elif decision.needs_resolution:
         resolver = loader.loaded()
@@ -62,7 +55,7 @@ async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | N
                 if not out_of_descriptors(exc):
                     raise
                 refusal = overloaded(target.host.text, target.port)
-                return Pinned(decision, None, refusal, (), (0.0, refusal.reason))
+                return decision, None, refusal, (), (0.0, refusal.reason)
         assert target.host.name is not None
         started = time.monotonic()
         try:
@@ -72,18 +65,17 @@ async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | N
         except resolver.ResolveError as e:
             lookup = (time.monotonic() - started, e.reason)
             refusal = Refusal(e.reason, e.detail, target.host.text, target.port)
-            return Pinned(decision, None, refusal, (), lookup)
+            return decision, None, refusal, (), lookup
         lookup = (time.monotonic() - started, "ok")
         kept, verdicts = filter_addresses(decision, addresses, policy)
         if not kept:
             refused = resolution_refusal(decision, verdicts)
             # the addresses go with the refusal: its hint names a rule for each
             refusal = dataclasses.replace(refusal_for(refused), addresses=tuple(map(str, addresses)))
-            return Pinned(refused, None, refusal, tuple(addresses), lookup)
+            return refused, None, refusal, tuple(addresses), lookup
         resolved = tuple(addresses)
     else:
-        kept = list(decision.addresses)
-        resolved = tuple(kept)
+        kept = resolved = decision.addresses  # an IP literal's: a tuple already, copied by nobody
         if not kept:
             refused = Decision(
                 allowed=False,
@@ -92,8 +84,8 @@ async def pin(decision: Decision, policy: Policy, known: Sequence[IPAddress] | N
                 target=target,
                 detail="allowed decision without an address",
             )
-            return Pinned(refused, None, refusal_for(refused), ())
+            return refused, None, refusal_for(refused), (), None
     # by position, per tunnel: host, port, addresses, connect_timeout, connected, attempts, via
     via = parent_for(policy, target)
     found = Pin(target.host.text, target.port, tuple(kept), policy.limits.connect_timeout, None, [], via)
-    return built_from(Pinned, (decision, found, None, resolved, lookup))
+    return decision, found, None, resolved, lookup

@@ -153,7 +153,7 @@ class Upstream(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        self.transport.set_write_buffer_limits(high=HIGH_WATER)
+        self.transport.set_write_buffer_limits(HIGH_WATER)  # the high-water mark, by position (as Pipe's)
 
     def expect_response(self, timeout: float) -> None:
         """The request is out: its response head is due within `timeout` (timeouts.response)."""

@@ -58,28 +58,41 @@ class Pipe(asyncio.Protocol):
         self.coalescing: asyncio.TimerHandle | None = None
         self.ended = False  # this side said EOF: it is being closed, nothing is left to read
         # what arrived before the peer was attached (a server that speaks first may answer the
-        # connect before the CONNECT's 200 is written): handed over by attach()
-        self.early = bytearray()
+        # connect before the CONNECT's 200 is written): handed over by attach(). Made when such
+        # bytes come: nearly every side has none
+        self.early: bytearray | None = None
 
     def attach(self, peer: Pipe) -> None:
         """Pair this side with its peer and pass on what this side read before."""
         self.peer, peer.peer = peer, self
-        if self.early and peer.transport is not None and not peer.transport.is_closing():
-            peer.transport.write(bytes(self.early))
-        self.early = bytearray()
+        early, self.early = self.early, None
+        if early and peer.transport is not None and not peer.transport.is_closing():
+            peer.transport.write(bytes(early))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but speak the same interface
         # (said to the type checker without typing.cast: a Python call per side)
         self.transport = transport  # type: ignore[assignment]
-        transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[attr-defined]
+        # the high-water mark by position: a keyword is parsed by uvloop at each call
+        transport.set_write_buffer_limits(HIGH_WATER)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         n = len(data)
         now = time.monotonic()
-        self.tunnel.count(self.upstream, n, now)
+        # the tunnel's bytes, counted for its closed record here, not by a method called per read
+        tunnel = self.tunnel
+        tunnel.last_active = now
+        owner = tunnel.front
+        state = owner.state if owner is not None else None
+        if state is not None:
+            if self.upstream:
+                state.bytes_down += n
+            else:
+                state.bytes_up += n
         peer = self.peer
         if peer is None:
+            if self.early is None:
+                self.early = bytearray()
             self.early += data
         elif peer.transport is not None and not peer.transport.is_closing():
             peer.transport.write(data)
@@ -177,23 +190,14 @@ for _name, _method in vars(Pipe).items():
 
 
 class Tunnel:
-    """Counts bytes for the closed record, and writes it once when the last side goes."""
+    """What the two sides of a relay share: when a byte last passed (the sides count their bytes
+    into the owner's state), and the closed record, written once when the last side goes."""
 
     def __init__(self, front: RelayOwner, half_open: bool = False) -> None:
         self.front: RelayOwner | None = front  # None once the connection finished (see FrontProtocol)
         self.half_open = half_open  # a side's EOF leaves the other direction open
         self.open_sides = 2
         self.last_active = time.monotonic()
-
-    def count(self, upstream: bool, n: int, now: float) -> None:
-        self.last_active = now
-        state = self.front.state if self.front is not None else None
-        if state is None:
-            return
-        if upstream:
-            state.bytes_down += n
-        else:
-            state.bytes_up += n
 
     def closed(self) -> None:
         self.open_sides -= 1

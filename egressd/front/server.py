@@ -8,6 +8,7 @@ Every connection is admitted through the admission pipeline; the front does none
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import time
 from collections.abc import Callable
@@ -55,19 +56,21 @@ class Front:
         self.upstreams = IdleUpstreams(pipeline)
         self._sweeper: asyncio.Task[None] | None = None
 
-    def _protocol(
+    def _factory(
         self,
         kind: str,
         implicit: ProxyCredentials | None = None,
         tree_only: bool = False,
         diag: Diag | None = None,
         local: tuple[str, int] | None = None,
-    ) -> FrontProtocol:
-        """A client of `kind`: "http" (CONNECT and absolute-form HTTP) or "socks" (SOCKS5);
-        `local`: the listener's end of every connection it accepts (listener_end)."""
+    ) -> Callable[[], FrontProtocol]:
+        """What makes a listener's client of `kind`: "http" (CONNECT and absolute-form HTTP) or
+        "socks" (SOCKS5); `local`: the listener's end of every connection it accepts
+        (listener_end). The class bound to its arguments: the loop calls it per connection with no
+        Python frame of ours before the protocol's own __init__ (a lambda would be one)."""
         if kind == "socks":
-            return SocksProtocol(self, implicit, diag=diag, local=local)
-        return FrontProtocol(self, implicit, tree_only, diag, local)  # by position: made per connection
+            return functools.partial(SocksProtocol, self, implicit, diag=diag, local=local)
+        return functools.partial(FrontProtocol, self, implicit, tree_only, diag, local)  # by position
 
     async def adopt(
         self, sock: socket.socket, kind: str, ssl: ssl_module.SSLContext | None = None
@@ -80,7 +83,7 @@ class Front:
         loop = asyncio.get_running_loop()
         local = listener_end(sock)
         server = await loop.create_server(
-            lambda: self._protocol(kind, local=local),
+            self._factory(kind, local=local),
             sock=sock,
             backlog=4096,
             ssl=ssl,
@@ -96,7 +99,7 @@ class Front:
         self._sweep_from_now()
         local = listener_end(handed.sock)
         server = await loop.create_server(
-            lambda: self._protocol(handed.kind, handed.implicit, diag=handed.diag, local=local),
+            self._factory(handed.kind, handed.implicit, diag=handed.diag, local=local),
             sock=handed.sock,
         )
         self.servers.append(server)
@@ -110,7 +113,7 @@ class Front:
         self._sweep_from_now()
         local = listener_end(sock)
         server = await loop.create_server(
-            lambda: self._protocol("http", implicit, tree_only=True, local=local), sock=sock, backlog=1024
+            self._factory("http", implicit, tree_only=True, local=local), sock=sock, backlog=1024
         )
         self.servers.append(server)
 

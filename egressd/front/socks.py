@@ -58,7 +58,8 @@ class SocksProtocol(FrontProtocol):
 
     # -- the handshake (stage "head": header_timeout bounds it) -----------------------------------
     def _on_head_bytes(self, last: bytes) -> None:
-        """The handshake's bytes read so far, from the buffer (`last`: those of the last read)."""
+        """The handshake's bytes read so far: those kept in the buffer, then `last` (the last read)."""
+        self.buffer += last
         if self.parser.done:
             return  # tunnel bytes arriving while the request is admitted: kept in the buffer
         data, self.buffer = bytes(self.buffer), bytearray()

@@ -51,10 +51,12 @@ HEALTH_REQUEST = b"GET /healthz HTTP/1."
 HEALTH_ANSWER = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n"
 )
-# The CONNECT heads read whole as a connection's first bytes, by their exact bytes, with the attempt
-# read from them (a child sends the same head again and again): the guard and the reading are pure
-# functions of the bytes, so the same bytes again are that attempt without a look at them. A head
-# that is refused, or arrives in pieces, is read each time. Bounded as the wire's memories of heads.
+# The CONNECT heads read, by their exact bytes, with the attempt read from them (a child sends the
+# same head again and again): the guard and the reading are pure functions of the bytes, so the same
+# head again is that attempt without a reading, and a connection's first read that is exactly such
+# a head is that attempt without a look at it. The one memory of CONNECT heads: every head the guard
+# passed and read_connect read is kept (at most REMEMBERED_HEADS of up to REMEMBERED_HEAD bytes,
+# then forgotten all at once); a refused head is read each time.
 _read_connects: dict[bytes, Attempt] = {}
 
 
@@ -70,7 +72,10 @@ class Listeners(Protocol):
 
 
 class FrontProtocol(ClientSide):
-    """The client side: reads the request head, then becomes one side of a relay."""
+    """The client side: reads the request head, then becomes one side of a relay.
+
+    Its methods call ClientSide's by name, not through super(): each super() call looks the
+    method up along the class's MRO, several times per tunnel."""
 
     early_stage = "connect"  # the stage of a refusal made before the head is read
     # the established answer names egressd's end towards the server (SOCKS5's reply does; looking it
@@ -85,7 +90,7 @@ class FrontProtocol(ClientSide):
         diag: Diag | None = None,
         local: tuple[str, int] | None = None,
     ) -> None:
-        super().__init__(Tunnel(self), False)
+        ClientSide.__init__(self, Tunnel(self), False)
         # the local end of every connection its listener accepts (listener_end), else asked per connection
         self.local = local
         self.implicit = implicit  # the credentials a credential-free listener grants (ConnState.implicit)
@@ -106,7 +111,7 @@ class FrontProtocol(ClientSide):
         self.eof_pending = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
+        ClientSide.connection_made(self, transport)
         if self.pipeline.draining:
             transport.close()
             return
@@ -175,24 +180,24 @@ class FrontProtocol(ClientSide):
 
     def data_received(self, data: bytes) -> None:
         if self.stage == "relay":
-            super().data_received(data)
+            ClientSide.data_received(self, data)
             return
-        self.buffer += data
         if self.stage == "sni":
             self._on_hello_bytes(data)
             return
+        if self.stage == "head":
+            self._on_head_bytes(data)
+            return
+        self.buffer += data
         if self.stage == "handoff":
             # kept until mitmproxy takes the transport (uvloop may start reading after
             # connection_made even when it paused reading, so pausing alone does not hold them back)
             assert self.transport is not None
             self.transport.pause_reading()
-            return
-        if self.stage == "head":
-            self._on_head_bytes(data)
 
     def eof_received(self) -> bool:
         if self.stage == "relay":
-            return super().eof_received()
+            return ClientSide.eof_received(self)
         if self.stage == "handoff":
             self.eof_pending = True  # passed on with the transport
             return True
@@ -202,7 +207,7 @@ class FrontProtocol(ClientSide):
         if self.task is not None and not self.task.done():
             self.task.cancel()
         if self.stage == "relay":
-            super().connection_lost(exc)
+            ClientSide.connection_lost(self, exc)
         else:
             if self.peer is not None and self.peer.transport is not None:
                 self.peer.transport.close()
@@ -230,13 +235,13 @@ class FrontProtocol(ClientSide):
 
     # -- the request head --------------------------------------------------------------------------
     def _on_head_bytes(self, data: bytes) -> None:
-        """The request head's bytes read so far are in the buffer; `data`: those of the last read."""
-        # the connection's first read, a whole CONNECT head read before: what reading it answered
-        first = len(self.buffer) == len(data)
-        if first and (attempt := _read_connects.get(data)) is not None:
-            del self.buffer[:]
+        """The bytes of the last read (`data`) of the request head, after those read before it (kept
+        in the buffer, as these are unless they answer at once)."""
+        # a whole CONNECT head read before, with nothing before it: what reading it answered
+        if not self.buffer and (attempt := _read_connects.get(data)) is not None:
             self._start_tunnel(attempt)
             return
+        self.buffer += data
         del self.buffer[: leading_empty_lines(self.buffer)]  # RFC 9112 2.2, before telling CONNECT apart
         if self.buffer == b"\r":  # the first half of another empty line: nothing told yet
             return
@@ -252,19 +257,12 @@ class FrontProtocol(ClientSide):
             if head is None:
                 return
             self.head_scanner = None
-            connect = read_connect(head)
+            attempt = _read_connects.get(head)
+            if attempt is None:
+                attempt = _connect_attempt(head)
         except WireError as exc:
             self._refuse_unreadable(Refusal(Reason.BAD_REQUEST, exc.detail))
             return
-        # every field by position: stage, host, port, scheme, method, path, credentials, headers
-        attempt = built_from(
-            Attempt,
-            ("connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization, None),
-        )
-        if first and len(head) <= REMEMBERED_HEAD and head == data:
-            if len(_read_connects) >= REMEMBERED_HEADS:
-                _read_connects.clear()
-            _read_connects[head] = attempt
         self._start_tunnel(attempt)
 
     def _health_check(self) -> bool:
@@ -323,8 +321,9 @@ class FrontProtocol(ClientSide):
             self.stage = "sni"
             self.hello = TunnelStart(admitted.host)
             self.transport.resume_reading()
-            if self.buffer:
-                self._on_hello_bytes(bytes(self.buffer))
+            if self.buffer:  # read while it was admitted
+                read, self.buffer = bytes(self.buffer), bytearray()
+                self._on_hello_bytes(read)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail closed
@@ -332,17 +331,20 @@ class FrontProtocol(ClientSide):
 
     # -- the TLS SNI check -------------------------------------------------------------------------
     def _on_hello_bytes(self, data: bytes) -> None:
-        """The SNI check on the bytes just read (the buffer holds all read so far, to relay)."""
+        """The SNI check on the bytes just read; the buffer holds those read before them, kept to
+        relay (a tunnel's first read, which most often answers the check, is relayed as read)."""
         assert self.hello is not None
         verdict = self.hello.feed(data)
         if verdict is WAIT:
+            self.buffer += data
             return
         if verdict is not None:
             self._close_tunnel(str(verdict))
             return
         self.stage = "relay"
-        data, self.buffer = bytes(self.buffer), bytearray()
-        super().data_received(data)
+        if self.buffer:
+            data, self.buffer = bytes(self.buffer + data), bytearray()
+        ClientSide.data_received(self, data)
 
     def _close_tunnel(self, problem: str) -> None:
         state = self.state
@@ -453,6 +455,22 @@ class FrontProtocol(ClientSide):
         self.buffer = bytearray()
         self.transport.set_protocol(client)
         client.start()
+
+
+def _connect_attempt(head: bytes) -> Attempt:
+    """The attempt a complete, guarded CONNECT head asks for (remembered in _read_connects when it
+    is short). Raises WireError, and nothing is remembered, for a head to refuse."""
+    connect = read_connect(head)
+    # every field by position: stage, host, port, scheme, method, path, credentials, headers
+    attempt = built_from(
+        Attempt,
+        ("connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization, None),
+    )
+    if len(head) <= REMEMBERED_HEAD:
+        if len(_read_connects) >= REMEMBERED_HEADS:
+            _read_connects.clear()
+        _read_connects[head] = attempt
+    return attempt
 
 
 def listener_end(sock: socket.socket) -> tuple[str, int] | None:

@@ -104,7 +104,7 @@ async def try_addresses[T](
             kinds.append(Reason.CONNECT_TIMEOUT)
             log.append(f"{_fmt(address, port)}: not tried, 2x connect_timeout used up")
             break
-        budget = min(connect_timeout, remaining)
+        budget = connect_timeout if connect_timeout < remaining else remaining  # min() parses its arguments
         text = address_text(address)
         try:
             timed = _deadlines().enter(budget)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Self
 
+from egressd.admission.events import Decided
 from egressd.admission.in_force import PolicyHolder
 from egressd.observe.audit import AuditLog
 from egressd.policy import PolicyError
@@ -219,9 +220,9 @@ class ProxySession:
 
             # with --trace every decision has its line already: only the summary is added
             self.report = RefusalReport(sys.stderr, lines=not self.options.trace, context=self.context)
-            subscribe(self.report.observe, addresses=False)  # refusals only
+            subscribe(self.report.observe, addresses=False, kinds=(Decided,))  # refusals only
             self.captured = CapturedReport(sys.stderr, lines=not self.options.trace)
-            subscribe(self.captured.observe, addresses=False)  # captured decisions only
+            subscribe(self.captured.observe, addresses=False, kinds=(Decided,))  # captured decisions only
 
     def _build_services(self) -> Iterator[Service]:
         """The services, each built just before it starts (a failure stops the ones before it)."""

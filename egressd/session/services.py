@@ -120,12 +120,13 @@ class ControlAPI:
         edit_policy: PolicyEditor | None,
         metrics: Metrics | None,
     ) -> None:
+        from egressd.admission.events import Decided
         from egressd.control.children import Children
         from egressd.control.server import ControlServer, Counts
 
         self.path, self._sock = path, sock
         self.counts = counts = Counts()
-        proxy.events.subscribe(counts.observe, addresses=False)  # not connection records
+        proxy.events.subscribe(counts.observe, addresses=False, kinds=(Decided,))  # not connection records
         self.children = Children(issuer)
 
         def watched() -> None:

@@ -21,7 +21,6 @@ No I/O, no mitmproxy, no policy.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -424,9 +423,14 @@ def read_request(head: bytes) -> tuple[RequestHead, int | None, bool, bool]:
     are remembered by their exact bytes, as CONNECT heads are (read_connect). Reading is a pure
     function of those bytes and what it returns is never changed, so a remembered answer is the
     answer; a head that raises is read again each time; only short heads are kept."""
-    if len(head) <= REMEMBERED_HEAD:
-        return _read_request_remembered(head)
-    return _read_request(head)
+    if len(head) > REMEMBERED_HEAD:
+        return _read_request(head)
+    read = _read_requests.get(head)
+    if read is None:
+        if len(_read_requests) >= REMEMBERED_HEADS:
+            _read_requests.clear()
+        read = _read_requests[head] = _read_request(head)
+    return read
 
 
 def _read_request(head: bytes) -> tuple[RequestHead, int | None, bool, bool]:
@@ -639,9 +643,14 @@ def read_response(head: bytes) -> tuple[ResponseHead, int | None, bool, bool]:
 
     A server answers one request much as it answered the last: the last heads read are remembered
     by their exact bytes, as request heads are (read_request)."""
-    if len(head) <= REMEMBERED_HEAD:
-        return _read_response_remembered(head)
-    return _read_response(head)
+    if len(head) > REMEMBERED_HEAD:
+        return _read_response(head)
+    read = _read_responses.get(head)
+    if read is None:
+        if len(_read_responses) >= REMEMBERED_HEADS:
+            _read_responses.clear()
+        read = _read_responses[head] = _read_response(head)
+    return read
 
 
 def _read_response(head: bytes) -> tuple[ResponseHead, int | None, bool, bool]:
@@ -784,17 +793,7 @@ class ConnectHead:
 
 def read_connect(head: bytes) -> ConnectHead:
     """One complete CONNECT head (the raw-head guard already passed it), parsed. Raises WireError.
-
-    A child sends the same head again and again (one client library, one registry, one token): the
-    last heads read are remembered, by their exact bytes. Reading is a pure function of those bytes,
-    so a remembered answer is the answer; a head that raises is read again each time; only short
-    heads are kept (at most 256 of 2 KiB)."""
-    if len(head) <= REMEMBERED_HEAD:
-        return _read_connect_remembered(head)
-    return _read_connect(head)
-
-
-def _read_connect(head: bytes) -> ConnectHead:
+    Read each time: the front remembers what it read from a head (egressd.front.tunnel)."""
     line = head[: head.find(b"\r\n")]
     if not line.isascii():
         raise WireError(f"non-ASCII bytes in the CONNECT request line {ascii(line[:200].decode('latin-1'))}")
@@ -819,6 +818,7 @@ def _read_connect(head: bytes) -> ConnectHead:
 
 REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, its reading), at most
 REMEMBERED_HEADS = 256
-_read_connect_remembered = functools.lru_cache(maxsize=REMEMBERED_HEADS)(_read_connect)
-_read_request_remembered = functools.lru_cache(maxsize=REMEMBERED_HEADS)(_read_request)
-_read_response_remembered = functools.lru_cache(maxsize=REMEMBERED_HEADS)(_read_response)
+# the request and response heads read, by their exact bytes (read_request, read_response): at most
+# REMEMBERED_HEADS of each, then forgotten all at once, as every bounded memory of egressd's
+_read_requests: dict[bytes, tuple[RequestHead, int | None, bool, bool]] = {}
+_read_responses: dict[bytes, tuple[ResponseHead, int | None, bool, bool]] = {}

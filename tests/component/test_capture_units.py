@@ -230,8 +230,8 @@ async def test_a_known_answer_is_filtered_like_a_lookup() -> None:
         "p.yaml",
     )
     decision = decide(parse_target("up.test:443"), Client(), policy)
-    pinned = await pin(decision, policy, (ipaddress.ip_address("198.51.100.2"),))
-    assert pinned.pin is not None and [str(a) for a in pinned.pin.addresses] == ["198.51.100.2"]
-    assert pinned.lookup is None
-    looped = await pin(decision, policy, (ipaddress.ip_address("127.0.0.1"),))
-    assert looped.pin is None and looped.refusal is not None and looped.refusal.reason == "resolved_forbidden"
+    _, found, _, _, lookup = await pin(decision, policy, (ipaddress.ip_address("198.51.100.2"),))
+    assert found is not None and [str(a) for a in found.addresses] == ["198.51.100.2"]
+    assert lookup is None
+    _, found, refusal, _, _ = await pin(decision, policy, (ipaddress.ip_address("127.0.0.1"),))
+    assert found is None and refusal is not None and refusal.reason == "resolved_forbidden"

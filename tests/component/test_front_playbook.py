@@ -286,28 +286,35 @@ def test_a_connect_is_admitted_as_an_attempt_with_every_field(asked: list[Attemp
     ), asked
 
 
-def test_a_connect_head_read_whole_again_is_admitted_as_the_attempt_read_from_it(
+def test_a_connect_head_read_again_is_admitted_as_the_attempt_read_from_it(
     asked: list[Attempt], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A CONNECT head read whole as a connection's first bytes is remembered with its attempt: the
-    same bytes again are admitted as that attempt, answered and recorded as the first time. A head
-    refused as unreadable, read in pieces, or after empty lines is not remembered; the memory is
-    bounded."""
+    """Every CONNECT head read is remembered with its attempt, however its bytes arrived: the same
+    head again, read whole as a connection's first bytes, in pieces or after empty lines, is
+    admitted as that attempt, answered and recorded as the first time. A head refused as unreadable
+    is not remembered, nor a long one; the memory is bounded."""
     monkeypatch.setattr(tunnel, "_read_connects", {})
     heads = [connect("denied.test:443"), connect("other.test:443", auth=WRONG), connect("[::1]:1")]
     for sent in heads:
-        first, again = play([sent]), play([sent])
-        assert asked[-2] == asked[-1] and tunnel._read_connects[sent] is asked[-1]
-        assert (again.status, again.field("X-Egressd-Reason")) == (
-            first.status,
-            first.field("X-Egressd-Reason"),
-        )
-        assert [r.reason for r in again.records] == [r.reason for r in first.records]
-    unread = connect("denied.test")  # no port: 400
+        first = play([sent])
+        assert tunnel._read_connects[sent] is asked[-1]
+        for chunks in ([sent], [sent[:9], sent[9:]], [b"\r\n" + sent]):
+            again = play(chunks)
+            assert asked[-1] is tunnel._read_connects[sent]
+            assert (again.status, again.field("X-Egressd-Reason")) == (
+                first.status,
+                first.field("X-Egressd-Reason"),
+            )
+            assert [r.reason for r in again.records] == [r.reason for r in first.records]
     pieces = connect("denied.test:8443")
-    for chunks in ([unread], [pieces[:9], pieces[9:]], [b"\r\n" + connect("other.test:8443")]):
-        play(chunks)
-    assert list(tunnel._read_connects) == heads
+    play([pieces[:9], pieces[9:]])
+    assert tunnel._read_connects[pieces] is asked[-1]
+    unread = connect("denied.test")  # no port: 400
+    for _ in range(2):
+        assert play([unread]).status == 400
+    long_head = connect("denied.test:443", "X-Pad: " + "a" * tunnel.REMEMBERED_HEAD)
+    assert play([long_head]).status == first.status
+    assert list(tunnel._read_connects) == [*heads, pieces]
     for n in range(tunnel.REMEMBERED_HEADS):
         play([connect(f"h{n}.test:443")])
     assert len(tunnel._read_connects) < tunnel.REMEMBERED_HEADS
