@@ -877,6 +877,11 @@ class _Sandboxes:
         self.ctx = ctx
         self.work = ctx.work / "peers" / workload
         self.wrappers = make_wrappers(self.work, ctx.proxy_cpu, ports, ctx.srt, ctx.srt_why)
+        # egressd's bytecode compiled, as an installed egressd has it (see exec_true): a checkout's
+        # stale bytecode would otherwise be compiled again by every start
+        _compile_bytecode(
+            VENV_BIN / "python", Path(__file__).resolve().parent.parent / "egressd", dict(os.environ)
+        )
         # a fresh empty directory: the sandboxes make the working directory writable to the child
         self.cwd = Path(tempfile.mkdtemp(prefix="egressd-bench-sandbox-"))
         _record_source(ctx)
