@@ -27,9 +27,10 @@ from egressd.inspect.inspected import InspectedTunnel
 from egressd.platform.descriptors import out_of_descriptors
 from egressd.policy.reasons import Reason
 from egressd.policy.refusal import Refusal
-from egressd.wire.http1 import REMEMBERED_HEAD, REMEMBERED_HEADS, WireError, read_connect, take_head
+from egressd.wire.http1 import WireError, read_connect, take_head
 from egressd.wire.http_head import HeadScanner, leading_empty_lines
 from egressd.wire.refusal import http_response
+from egressd.wire.remembered import HeadMemory
 from egressd.wire.sni import WAIT, TunnelStart
 
 if TYPE_CHECKING:
@@ -51,13 +52,11 @@ HEALTH_REQUEST = b"GET /healthz HTTP/1."
 HEALTH_ANSWER = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n"
 )
-# The CONNECT heads read, by their exact bytes, with the attempt read from them (a child sends the
-# same head again and again): the guard and the reading are pure functions of the bytes, so the same
-# head again is that attempt without a reading, and a connection's first read that is exactly such
-# a head is that attempt without a look at it. The one memory of CONNECT heads: every head the guard
-# passed and read_connect read is kept (at most REMEMBERED_HEADS of up to REMEMBERED_HEAD bytes,
-# then forgotten all at once); a refused head is read each time.
-_read_connects: dict[bytes, Attempt] = {}
+# The CONNECT heads read, with the attempt read from them (egressd.wire.remembered): the same head
+# again is that attempt without a reading, and a connection's first read that is exactly such a head
+# is that attempt without a look at it. Every head the guard passed and read_connect read is kept;
+# a refused head is read each time.
+_read_connects: HeadMemory[Attempt] = HeadMemory()
 
 
 class Listeners(Protocol):
@@ -466,11 +465,7 @@ def _connect_attempt(head: bytes) -> Attempt:
         Attempt,
         ("connect", connect.host, connect.port, "connect", "CONNECT", None, connect.authorization, None),
     )
-    if len(head) <= REMEMBERED_HEAD:
-        if len(_read_connects) >= REMEMBERED_HEADS:
-            _read_connects.clear()
-        _read_connects[head] = attempt
-    return attempt
+    return _read_connects.keep(head, attempt)
 
 
 def listener_end(sock: socket.socket) -> tuple[str, int] | None:

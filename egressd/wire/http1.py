@@ -41,6 +41,7 @@ from egressd.wire.http_fields import (
 )
 from egressd.wire.http_head import HeadScanner
 from egressd.wire.refusal import EGRESSD_HEADERS
+from egressd.wire.remembered import REMEMBERED_HEAD, HeadMemory
 
 MAX_HEAD = 64 * 1024
 Headers = list[tuple[str, str]]
@@ -286,10 +287,8 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
         raise WireError(str(end), status)
     assert isinstance(end, int)
     head = bytes(raw[scanner.start : end])
-    if first and scanner.start == 0 and end <= REMEMBERED_HEAD:
-        if len(_clean_heads) >= REMEMBERED_HEADS:
-            _clean_heads.clear()
-        _clean_heads[head] = None
+    if first and scanner.start == 0:
+        _clean_heads.keep(head, None)
     del raw[:end]
     return head
 
@@ -299,7 +298,7 @@ def take_head(raw: bytearray, scanner: HeadScanner) -> bytes | None:
 # function of a head's bytes up to its first empty line, which is where it ends, so the same bytes
 # again, whatever follows them (a body), pass without its scan. A head that is refused, or arrives
 # in pieces, is scanned each time.
-_clean_heads: dict[bytes, None] = {}
+_clean_heads: HeadMemory[None] = HeadMemory()
 
 
 # -- bodies -------------------------------------------------------------------------------------------
@@ -420,16 +419,12 @@ def read_request(head: bytes) -> tuple[RequestHead, int | None, bool, bool]:
     after it). Raises WireError.
 
     A child sends the same head again and again on a kept-alive connection: the last heads read
-    are remembered by their exact bytes, as CONNECT heads are (read_connect). Reading is a pure
+    are remembered by their exact bytes (egressd.wire.remembered). Reading is a pure
     function of those bytes and what it returns is never changed, so a remembered answer is the
     answer; a head that raises is read again each time; only short heads are kept."""
-    if len(head) > REMEMBERED_HEAD:
-        return _read_request(head)
     read = _read_requests.get(head)
     if read is None:
-        if len(_read_requests) >= REMEMBERED_HEADS:
-            _read_requests.clear()
-        read = _read_requests[head] = _read_request(head)
+        read = _read_requests.keep(head, _read_request(head))
     return read
 
 
@@ -642,14 +637,10 @@ def read_response(head: bytes) -> tuple[ResponseHead, int | None, bool, bool]:
     WireError.
 
     A server answers one request much as it answered the last: the last heads read are remembered
-    by their exact bytes, as request heads are (read_request)."""
-    if len(head) > REMEMBERED_HEAD:
-        return _read_response(head)
+    by their exact bytes, as request heads are (egressd.wire.remembered)."""
     read = _read_responses.get(head)
     if read is None:
-        if len(_read_responses) >= REMEMBERED_HEADS:
-            _read_responses.clear()
-        read = _read_responses[head] = _read_response(head)
+        read = _read_responses.keep(head, _read_response(head))
     return read
 
 
@@ -816,9 +807,6 @@ def read_connect(head: bytes) -> ConnectHead:
     return ConnectHead(host, port, credentials[0].strip() if credentials else None)
 
 
-REMEMBERED_HEAD = 2048  # bytes of a head remembered (the guard's pass, its reading), at most
-REMEMBERED_HEADS = 256
-# the request and response heads read, by their exact bytes (read_request, read_response): at most
-# REMEMBERED_HEADS of each, then forgotten all at once, as every bounded memory of egressd's
-_read_requests: dict[bytes, tuple[RequestHead, int | None, bool, bool]] = {}
-_read_responses: dict[bytes, tuple[ResponseHead, int | None, bool, bool]] = {}
+# the request and response heads read, by their exact bytes (read_request, read_response)
+_read_requests: HeadMemory[tuple[RequestHead, int | None, bool, bool]] = HeadMemory()
+_read_responses: HeadMemory[tuple[ResponseHead, int | None, bool, bool]] = HeadMemory()

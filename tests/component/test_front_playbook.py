@@ -28,6 +28,7 @@ from egressd.front import tunnel
 from egressd.front.server import Front
 from egressd.front.tunnel import FrontProtocol
 from egressd.policy import parse_policy
+from egressd.wire.remembered import REMEMBERED_HEAD, REMEMBERED_HEADS, HeadMemory
 
 POLICY = parse_policy(
     {
@@ -293,7 +294,7 @@ def test_a_connect_head_read_again_is_admitted_as_the_attempt_read_from_it(
     head again, read whole as a connection's first bytes, in pieces or after empty lines, is
     admitted as that attempt, answered and recorded as the first time. A head refused as unreadable
     is not remembered, nor a long one; the memory is bounded."""
-    monkeypatch.setattr(tunnel, "_read_connects", {})
+    monkeypatch.setattr(tunnel, "_read_connects", HeadMemory())
     heads = [connect("denied.test:443"), connect("other.test:443", auth=WRONG), connect("[::1]:1")]
     for sent in heads:
         first = play([sent])
@@ -312,12 +313,12 @@ def test_a_connect_head_read_again_is_admitted_as_the_attempt_read_from_it(
     unread = connect("denied.test")  # no port: 400
     for _ in range(2):
         assert play([unread]).status == 400
-    long_head = connect("denied.test:443", "X-Pad: " + "a" * tunnel.REMEMBERED_HEAD)
+    long_head = connect("denied.test:443", "X-Pad: " + "a" * REMEMBERED_HEAD)
     assert play([long_head]).status == first.status
     assert list(tunnel._read_connects) == [*heads, pieces]
-    for n in range(tunnel.REMEMBERED_HEADS):
+    for n in range(REMEMBERED_HEADS):
         play([connect(f"h{n}.test:443")])
-    assert len(tunnel._read_connects) < tunnel.REMEMBERED_HEADS
+    assert len(tunnel._read_connects) < REMEMBERED_HEADS
 
 
 def test_a_head_cut_short_by_eof_is_closed_without_an_answer() -> None:

@@ -30,6 +30,7 @@ from egressd.wire.http1 import (
     upstream_headers,
 )
 from egressd.wire.http_head import HeadScanner, head_problem, leading_empty_lines
+from egressd.wire.remembered import REMEMBERED_HEADS
 
 
 def _head(first: str, *headers: str) -> bytes:
@@ -663,7 +664,7 @@ def test_a_request_head_read_again_answers_as_read_first() -> None:
     assert long_head not in http1._read_requests
     for n in range(400):  # bounded: forgotten all at once when full
         http1.read_request(b"GET http://h%d.test/ HTTP/1.1\r\n\r\n" % n)
-        assert 0 < len(http1._read_requests) <= http1.REMEMBERED_HEADS
+        assert 0 < len(http1._read_requests) <= REMEMBERED_HEADS
 
 
 @pytest.mark.parametrize("version", [b"HTTP/2.0", b"HTTP/1.2", b"HTTP/0.9"])
